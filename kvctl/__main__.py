@@ -1,0 +1,3 @@
+from kvctl.cli import main
+
+main()

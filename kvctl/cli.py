@@ -1,0 +1,106 @@
+"""The root command: global options, sub-command registration, and the one place errors become exit codes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import typer
+from typer.core import TyperGroup
+from typer.exceptions import Abort, Exit
+
+from kvctl import __version__
+from kvctl.commands import hash as hash_cmd
+from kvctl.commands._options import JsonOpt, OutputOpt
+from kvctl.errors import KvctlError
+from kvctl.exit_codes import ExitCode
+from kvctl.output import OutputFormat
+
+
+@dataclass
+class CliState:
+    output: OutputFormat = OutputFormat.table
+    color: bool = True
+    debug: bool = False
+
+
+def _debug_requested(args: list[str]) -> bool:
+    return "--debug" in args or os.environ.get("KVCTL_DEBUG", "") not in ("", "0")
+
+
+class KvctlGroup(TyperGroup):
+    """Runs the app in non-standalone mode so every failure is reported the same way: one line on stderr."""
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            rv = super().main(argv, prog_name or "kvctl", complete_var, standalone_mode=False, **extra)
+        except typer.BadParameter as exc:
+            _fail(exc.format_message(), _help_hint(exc), ExitCode.USAGE)
+        except typer._click.exceptions.UsageError as exc:  # noqa: SLF001 - typer vendors click here
+            _fail(exc.format_message(), _help_hint(exc), ExitCode.USAGE)
+        except KvctlError as exc:
+            if _debug_requested(argv):
+                raise
+            _fail(exc.message, exc.hint, exc.exit_code)
+        except Exit as exc:
+            sys.exit(exc.exit_code)
+        except Abort:
+            _fail("aborted", None, ExitCode.ERROR)
+        sys.exit(rv if isinstance(rv, int) else ExitCode.OK)
+
+
+def _help_hint(exc: Any) -> str:
+    ctx = getattr(exc, "ctx", None)
+    path = ctx.command_path if ctx is not None else "kvctl"
+    return f"see '{path} --help'"
+
+
+def _fail(message: str, hint: str | None, code: int) -> None:
+    sys.stderr.write(f"error: {message}" + (f" ({hint})" if hint else "") + "\n")
+    sys.exit(code)
+
+
+app = typer.Typer(
+    cls=KvctlGroup,
+    name="kvctl",
+    help="Admin and diagnostics for KV-cache-aware LLM routing (Dynamo-compatible).",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"kvctl {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+    no_color: bool = typer.Option(False, "--no-color", help="Plain output without colour."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks (also KVCTL_DEBUG=1)."),
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    ctx.obj = CliState(
+        output=OutputFormat.json if as_json else (output or OutputFormat.table),
+        color=not no_color and "NO_COLOR" not in os.environ,
+        debug=debug,
+    )
+
+
+app.command(name="hash", help=hash_cmd.HELP, epilog=hash_cmd.EXAMPLES)(hash_cmd.hash_command)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,26 @@
+"""Options shared by every command, as `Annotated` aliases so each is declared once."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kvctl.output import Output, OutputFormat
+
+OutputOpt = Annotated[
+    OutputFormat | None,
+    typer.Option("--output", "-o", help="Output format: table, wide, json, yaml or name.", show_default=False),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Alias for -o json.")]
+
+
+def output_for(ctx: typer.Context, output: OutputFormat | None, as_json: bool) -> Output:
+    """The sink for this command: its own -o/--json win over the global ones."""
+    state = ctx.find_root().obj
+    if output is not None and as_json and output is not OutputFormat.json:
+        from kvctl.errors import UsageError
+
+        raise UsageError("--json and -o disagree", hint="give only one of them")
+    chosen = OutputFormat.json if as_json else (output or state.output)
+    return Output(format=chosen, color=state.color)

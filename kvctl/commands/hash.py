@@ -1,0 +1,95 @@
+"""`kvctl hash`: the block hashes a Dynamo router computes for some token ids.
+
+The first thing to check when overlap is always zero: hash the prompt here and compare with what
+the engine's events or the router's tree dump carry (block size and LoRA name included).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvctl.commands._options import JsonOpt, OutputOpt, output_for
+from kvctl.core.hashing import local_block_hashes, sequence_hashes
+from kvctl.errors import UsageError
+from kvctl.output import Column, View
+
+HELP = "Compute Dynamo's local and sequence block hashes for token ids. [read-only]"
+EXAMPLES = (
+    "Examples:\n\n"
+    "  kvctl hash 1 2 3 4 --block-size 4\n\n"
+    "  kvctl hash --file prompt.txt -o json\n\n"
+    "  echo '[1, 2, 3, 4]' | kvctl hash --block-size 4 --lora-name sql-lora"
+)
+
+_VIEW = View(
+    rows=lambda data: [
+        {"block": i, "local_hash": local, "sequence_hash": seq}
+        for i, (local, seq) in enumerate(zip(data["local_hashes"], data["sequence_hashes"], strict=True))
+    ],
+    columns=[Column("block", "block", justify="right"), Column("local hash", "local_hash"),
+             Column("sequence hash", "sequence_hash")],
+    name_key="sequence_hash",
+)
+
+
+def parse_token_text(text: str, source: str) -> list[int]:
+    """Token ids from text: whitespace, comma or JSON-list separated, so a pasted `[1, 2, 3]` works."""
+    words = text.replace(",", " ").replace("[", " ").replace("]", " ").split()
+    return [_token(word, source) for word in words]
+
+
+def _token(word: str, source: str) -> int:
+    try:
+        value = int(word, 10)
+    except ValueError:
+        raise UsageError(f"token {word!r} from {source} is not an integer",
+                         hint="token ids are non-negative integers") from None
+    if not 0 <= value < 2**32:
+        raise UsageError(f"token {value} from {source} is outside [0, 2^32)",
+                         hint="Dynamo hashes token ids as u32") from None
+    return value
+
+
+def hash_command(
+    ctx: typer.Context,
+    tokens: Annotated[list[str] | None, typer.Argument(help="Token ids (or use --file, or stdin).",
+                                                       show_default=False)] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="Read token ids from this file.",
+                                              dir_okay=False)] = None,
+    block_size: Annotated[int, typer.Option("--block-size", "-b", help="Tokens per KV block.")] = 16,
+    lora_name: Annotated[str | None, typer.Option("--lora-name", help="LoRA adapter name (changes the seed).")]
+    = None,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    out = output_for(ctx, output, as_json)
+    if block_size <= 0:
+        raise UsageError(f"--block-size must be positive, got {block_size}", hint="e.g. --block-size 16")
+    ids = _read_tokens(tokens, file)
+    local = local_block_hashes(ids, block_size, lora_name=lora_name)
+    data: dict[str, Any] = {"block_size": block_size, "local_hashes": local, "sequence_hashes": sequence_hashes(local)}
+    if lora_name:
+        data["lora_name"] = lora_name
+    tail = len(ids) % block_size
+    if tail:
+        out.warn(f"the last {tail} token(s) do not fill a block of {block_size} and are not hashed")
+    out.emit(data, _VIEW)
+
+
+def _read_tokens(tokens: list[str] | None, file: Path | None) -> list[int]:
+    if tokens and file is not None:
+        raise UsageError("give token ids as arguments or with --file, not both")
+    if tokens:
+        return [_token(word, "the arguments") for word in tokens]
+    if file is not None:
+        try:
+            return parse_token_text(file.read_text(), str(file))
+        except OSError as exc:
+            raise UsageError(f"cannot read {file}: {exc.strerror}") from None
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("no token ids given", hint="pass them as arguments, with --file, or on stdin")
+    return parse_token_text(sys.stdin.read(), "stdin")

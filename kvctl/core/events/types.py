@@ -1,0 +1,53 @@
+"""kvctl's internal KV event model (DESIGN §3.2), shared by every codec and by the index.
+
+Hashes are unsigned 64-bit ints. A `Stored` keeps its blocks as two parallel lists (engine block
+hashes and local token hashes) because the index slices them into compressed edges; building one
+object per block would cost more than the index itself.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import msgspec
+
+
+class Tier(StrEnum):
+    """Where a block lives; the values are Dynamo's `storage_tier` strings."""
+
+    device = "device"
+    host_pinned = "host_pinned"
+    disk = "disk"
+    external = "external"
+
+
+class Stored(msgspec.Struct, frozen=True, gc=False):
+    parent_hash: int | None
+    block_hashes: list[int]
+    tokens_hashes: list[int]
+    tier: Tier = Tier.device
+
+
+class Removed(msgspec.Struct, frozen=True, gc=False):
+    block_hashes: list[int]
+    tier: Tier = Tier.device
+
+
+class Cleared(msgspec.Struct, frozen=True, gc=False):
+    """Every block of one (worker, dp_rank), on every tier."""
+
+
+EventData = Stored | Removed | Cleared
+
+
+class RouterEvent(msgspec.Struct, frozen=True, gc=False):
+    """One event of one worker key `(worker_id, dp_rank)`: what the index applies."""
+
+    worker_id: int
+    data: EventData
+    dp_rank: int = 0
+    event_id: int = 0
+
+    @property
+    def worker(self) -> tuple[int, int]:
+        return (self.worker_id, self.dp_rank)

@@ -1,0 +1,93 @@
+"""Dynamo's block hashes, bit for bit (DESIGN §3.1).
+
+A router that hashes one byte differently from its engines routes with zero overlap and nobody
+notices, so this module follows Dynamo 1.6.1's `compute_block_hash_for_seq` exactly:
+
+- local hash of a full block of B tokens = XXH3-64(seed) over the tokens as consecutive u32 LE;
+  a trailing partial block is ignored and B = 0 gives no hashes;
+- seed = 1337, or (1337 + XXH3-64(lora_name, seed 0)) mod 2^64 with a LoRA;
+- multimodal blocks append their mm hashes, sorted, as u64 LE after the token bytes;
+- sequence hash: seq[0] = local[0], seq[i] = XXH3-64(le64(seq[i-1]) ‖ le64(local[i]), 1337).
+
+The tokens are packed into one buffer per request (in C, by `array`), then hashed block by block
+through a memoryview: no per-token Python work.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+
+from xxhash import xxh3_64_intdigest
+
+XXH3_SEED = 1337
+U64_MASK = (1 << 64) - 1
+_U32_MAX = (1 << 32) - 1
+_PAIR = struct.Struct("<QQ")
+
+
+def lora_seed(lora_name: str | None) -> int:
+    """The XXH3 seed for a request: Dynamo mixes the LoRA name into the seed (it does not append it)."""
+    if not lora_name:
+        return XXH3_SEED
+    return (XXH3_SEED + xxh3_64_intdigest(lora_name.encode("utf-8"), seed=0)) & U64_MASK
+
+
+def pack_tokens(tokens: Sequence[int] | array) -> memoryview:
+    """Token ids as one little-endian u32 buffer; rejects ids outside [0, 2^32) with ValueError."""
+    if isinstance(tokens, array) and tokens.typecode == "I" and tokens.itemsize == 4:
+        packed = tokens
+    else:
+        try:
+            packed = array("I", tokens)
+        except OverflowError as exc:
+            bad = next(t for t in tokens if not 0 <= t <= _U32_MAX)
+            raise ValueError(f"token id {bad} is outside the u32 range [0, 2^32)") from exc
+    if array("I").itemsize != 4:  # pragma: no cover - no such platform is supported by CPython today
+        raise RuntimeError("this platform has no 4-byte unsigned int array type")
+    if sys.byteorder == "big":  # pragma: no cover - exercised only on big-endian hosts
+        packed = array("I", packed)
+        packed.byteswap()
+    return memoryview(packed).cast("B")
+
+
+def local_block_hashes(
+    tokens: Sequence[int] | array,
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    mm_hashes: Mapping[int, Iterable[int]] | None = None,
+) -> list[int]:
+    """Local hashes of every full block; `mm_hashes` maps a block index to that block's mm hashes."""
+    if block_size <= 0:
+        return []
+    buf = pack_tokens(tokens)
+    seed = lora_seed(lora_name)
+    stride = 4 * block_size
+    n_blocks = len(buf) // stride
+    if not mm_hashes:
+        return [xxh3_64_intdigest(buf[i : i + stride], seed=seed) for i in range(0, n_blocks * stride, stride)]
+    out = []
+    for b in range(n_blocks):
+        chunk = buf[b * stride : (b + 1) * stride]
+        extra = mm_hashes.get(b)
+        if extra:
+            ordered = sorted(h & U64_MASK for h in extra)
+            chunk = bytes(chunk) + struct.pack(f"<{len(ordered)}Q", *ordered)
+        out.append(xxh3_64_intdigest(chunk, seed=seed))
+    return out
+
+
+def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
+    """Dynamo's chained sequence hashes (the first block's is its local hash, not rehashed)."""
+    if not local_hashes:
+        return []
+    out = [local_hashes[0]]
+    prev = local_hashes[0]
+    pack = _PAIR.pack
+    for h in local_hashes[1:]:
+        prev = xxh3_64_intdigest(pack(prev, h), seed=XXH3_SEED)
+        out.append(prev)
+    return out

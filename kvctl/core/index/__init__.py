@@ -1,0 +1,4 @@
+from kvctl.core.index.kv_index import IndexMatches, KvIndex, TierStats
+from kvctl.core.index.radix import ApplyResult, Matches, RadixTree, Status, Worker
+
+__all__ = ["ApplyResult", "IndexMatches", "KvIndex", "Matches", "RadixTree", "Status", "TierStats", "Worker"]

@@ -1,0 +1,541 @@
+"""One radix tree of KV blocks per (model, tier): Dynamo 1.6.1's single-threaded index, leak fixed.
+
+Semantics are Dynamo's `RadixTree` (lib/kv-router, the version in ai-dynamo-runtime 1.6.1), which is
+the arbiter of scores (DESIGN §3.3). That tree compresses runs of blocks into edges and records, per
+edge, which workers hold all of it (`full`) and which hold only a prefix (`cutoffs`). The edge
+boundaries are part of its observable behaviour: removing a block cuts the worker off at that point
+of the edge (the rest of the edge becomes stale for it) but not in child nodes. So kvctl keeps the
+same edges, splits and leaf extensions rather than one node per block.
+
+Where kvctl differs on purpose: a node no worker holds any more is detached from its parent and
+freed (Dynamo keeps it in its parent's children forever: the leak fixed upstream by PR #11678).
+
+Python-specific choices, all for speed and memory (see benchmarks/index_bench.py):
+- worker keys `(worker_id, dp_rank)` map to small slot numbers; a node's full holders are one int
+  bitmask, so find_matches intersects holders with one `&` per edge;
+- an edge keeps its local and engine hashes in `array('Q')`: matching a query against an edge is one
+  C-level slice comparison, and storing N blocks touches each block only inside C loops.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from itertools import repeat
+
+Worker = tuple[int, int]  # (worker_id, dp_rank)
+
+# Bit positions of every byte value: turns a bitmask into slot numbers without a per-bit Python loop.
+_BYTE_BITS: tuple[tuple[int, ...], ...] = tuple(tuple(b for b in range(8) if v >> b & 1) for v in range(256))
+
+
+def iter_bits(mask: int) -> Iterator[int]:
+    """Slot numbers set in `mask`, ascending."""
+    raw = mask.to_bytes((mask.bit_length() + 7) >> 3, "little")
+    for i, byte in enumerate(raw):
+        if byte:
+            base = i << 3
+            for b in _BYTE_BITS[byte]:
+                yield base + b
+
+
+class Status(StrEnum):
+    """What applying one event did; the values are Dynamo's `kv_cache_events_applied` statuses."""
+
+    ok = "ok"
+    parent_block_not_found = "parent_block_not_found"
+    block_not_found = "block_not_found"
+    invalid_block = "invalid_block"
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    status: Status
+    blocks: int = 0  # blocks stored, or removed
+    missing: int = 0  # removals of blocks the worker did not hold
+
+
+OK_EMPTY = ApplyResult(Status.ok)
+
+
+class Node:
+    """A compressed edge of blocks and who holds it; the root has an empty edge."""
+
+    __slots__ = ("locals", "hashes", "index", "full", "cutoffs", "children", "internal", "parent")
+
+    def __init__(self, locals_: array, hashes: array, parent: Node | None, full: int) -> None:
+        self.locals = locals_
+        self.hashes = hashes
+        self.index: dict[int, int] = dict(zip(hashes, range(len(hashes)), strict=True))
+        self.full = full  # bitmask of slots holding the whole edge
+        self.cutoffs: dict[int, int] | None = None  # slot -> k: holds edge[:k], 0 < k < len(edge)
+        self.children: dict[int, Node] | None = None  # first local hash of the child's edge -> child
+        self.internal = False  # once a node has had children it is never extended again (as Dynamo)
+        self.parent = parent
+
+    def cutoff(self, slot: int) -> int:
+        if self.full >> slot & 1:
+            return len(self.locals)
+        return self.cutoffs.get(slot, 0) if self.cutoffs else 0
+
+    def covers(self, slot: int, pos: int) -> bool:
+        if self.full >> slot & 1:
+            return True
+        return bool(self.cutoffs) and pos < self.cutoffs.get(slot, 0)  # type: ignore[union-attr]
+
+    def has_workers(self) -> bool:
+        return bool(self.full or self.cutoffs)
+
+    def promote(self, bit: int, slot: int) -> bool:
+        if self.full & bit:
+            return False
+        if self.cutoffs:
+            self.cutoffs.pop(slot, None)
+        self.full |= bit
+        return True
+
+    def cover_prefix(self, bit: int, slot: int, k: int) -> bool:
+        if k <= 0:
+            return False
+        if k >= len(self.locals):
+            return self.promote(bit, slot)
+        if self.full & bit:
+            return False
+        if self.cutoffs is None:
+            self.cutoffs = {slot: k}
+            return True
+        if self.cutoffs.get(slot, 0) >= k:
+            return False
+        self.cutoffs[slot] = k
+        return True
+
+    def drop(self, bit: int, slot: int) -> None:
+        self.full &= ~bit
+        if self.cutoffs:
+            self.cutoffs.pop(slot, None)
+            if not self.cutoffs:
+                self.cutoffs = None
+
+
+@dataclass(slots=True)
+class Matches:
+    """find_matches' answer: contiguous matched depth per worker, and its tree size."""
+
+    scores: dict[Worker, int] = field(default_factory=dict)
+    tree_sizes: dict[Worker, int] = field(default_factory=dict)
+
+
+class RadixTree:
+    """The index of one tier of one model. Single writer; `find_matches` is read-only."""
+
+    def __init__(self) -> None:
+        self.root = Node(array("Q"), array("Q"), None, 0)
+        self.root.internal = True
+        self._slots: dict[Worker, int] = {}
+        self._workers: list[Worker | None] = []  # slot -> worker key; None once removed
+        self._retired = 0
+        self._lookup: list[dict[int, Node] | None] = []  # slot -> engine block hash -> node
+        self.nodes = 0
+
+    # ----- workers -------------------------------------------------------------------------------------
+
+    def _slot(self, worker: Worker) -> int:
+        slot = self._slots.get(worker)
+        if slot is None:
+            slot = len(self._workers)
+            self._workers.append(worker)
+            self._lookup.append({})
+            self._slots[worker] = slot
+        return slot
+
+    def workers(self) -> list[Worker]:
+        return list(self._slots)
+
+    def size(self, worker: Worker) -> int:
+        slot = self._slots.get(worker)
+        return 0 if slot is None else len(self._lookup[slot])  # type: ignore[arg-type]
+
+    def sizes(self) -> dict[Worker, int]:
+        return {w: len(self._lookup[s]) for w, s in self._slots.items()}  # type: ignore[arg-type]
+
+    @property
+    def blocks(self) -> int:
+        """(worker, block) pairs held: Dynamo's `current_size`."""
+        return sum(len(lk) for lk in self._lookup if lk)
+
+    def lookup(self, worker: Worker) -> dict[int, Node]:
+        return self._lookup[self._slots[worker]] or {}
+
+    # ----- matching ------------------------------------------------------------------------------------
+
+    def find_matches(self, local_hashes: Sequence[int], *, early_exit: bool = False) -> Matches:
+        """Contiguous matched depth, in blocks, of every worker holding a prefix of `local_hashes`."""
+        result = Matches()
+        n = len(local_hashes)
+        if not n:
+            return result
+        children = self.root.children
+        node = children.get(local_hashes[0]) if children else None
+        if node is None:
+            return result
+        q = local_hashes if isinstance(local_hashes, array) else array("Q", local_hashes)
+        slot_scores: dict[int, int] = {}
+        depth = 0
+        active = 0
+        first = True
+        while True:
+            edge = node.locals
+            walk = min(len(edge), n - depth)
+            if edge[:walk] == q[depth : depth + walk] if walk < len(edge) else edge == q[depth : depth + walk]:
+                m = walk
+            else:
+                m = _common_prefix(edge, q, depth, walk)
+            if first:
+                active = node.full
+                if node.cutoffs:
+                    for slot, cut in node.cutoffs.items():
+                        slot_scores[slot] = cut if cut < m else m
+                first = False
+            else:
+                dropped = active & ~node.full
+                if dropped:
+                    cutoffs = node.cutoffs
+                    for slot in iter_bits(dropped):
+                        cut = cutoffs.get(slot, 0) if cutoffs else 0
+                        slot_scores[slot] = depth + (cut if cut < m else m)
+                    active &= node.full
+            depth += m
+            if not active or m < len(edge) or depth == n or (early_exit and active & (active - 1) == 0):
+                break
+            children = node.children
+            node = children.get(q[depth]) if children else None
+            if node is None:
+                break
+        for slot in iter_bits(active):
+            slot_scores[slot] = depth
+        workers, lookup = self._workers, self._lookup
+        for slot, score in slot_scores.items():
+            key = workers[slot]
+            result.scores[key] = score  # type: ignore[index]
+            result.tree_sizes[key] = len(lookup[slot])  # type: ignore[index, arg-type]
+        return result
+
+    # ----- mutation ------------------------------------------------------------------------------------
+
+    def store(self, worker: Worker, parent_hash: int | None, block_hashes: Sequence[int],
+              tokens_hashes: Sequence[int]) -> ApplyResult:
+        slot = self._slot(worker)
+        bit = 1 << slot
+        lookup = self._lookup[slot]
+        assert lookup is not None
+        hashes = block_hashes if isinstance(block_hashes, array) else array("Q", block_hashes)
+        locs = tokens_hashes if isinstance(tokens_hashes, array) else array("Q", tokens_hashes)
+        nblocks = len(hashes)
+        if parent_hash is None:
+            parent = self.root
+        else:
+            if parent_hash in hashes:
+                return ApplyResult(Status.invalid_block)
+            node = lookup.get(parent_hash)
+            pos = node.index.get(parent_hash) if node is not None else None
+            if node is None or pos is None:
+                return ApplyResult(Status.parent_block_not_found)
+            if not node.covers(slot, pos):
+                del lookup[parent_hash]
+                return ApplyResult(Status.parent_block_not_found)
+            if self._reuse_parent_edge(node, pos, hashes, locs, bit, slot, lookup):
+                return ApplyResult(Status.ok, nblocks)
+            if pos + 1 != len(node.hashes):
+                self._split(node, pos + 1)
+            parent = node
+        start = 0
+        while start < nblocks:
+            children = parent.children
+            child = children.get(locs[start]) if children else None
+            if child is None:
+                if not parent.internal and parent.locals and parent.full & bit:
+                    self._append_to_leaf(parent, hashes[start:], locs[start:], bit, slot)
+                    _bind(lookup, hashes, start, nblocks, parent)
+                    break
+                child = Node(locs[start:], hashes[start:], parent, bit)
+                self.nodes += 1
+                if children is None:
+                    parent.children = {locs[start]: child}
+                else:
+                    children[locs[start]] = child
+                parent.internal = True
+                _bind(lookup, hashes, start, nblocks, child)
+                break
+            edge = child.locals
+            elen = len(edge)
+            rest = nblocks - start
+            walk = elen if elen < rest else rest
+            m = walk if edge[:walk] == locs[start : start + walk] else _common_prefix(edge, locs, start, walk)
+            if m < elen:
+                if m == rest:
+                    child.cover_prefix(bit, slot, m)
+                    _bind(lookup, hashes, start, nblocks, child)
+                    break
+                self._split(child, m)
+                child.promote(bit, slot)
+                _bind(lookup, hashes, start, start + m, child)
+                start += m
+                tail = Node(locs[start:], hashes[start:], child, bit)
+                self.nodes += 1
+                if child.children is None:
+                    child.children = {locs[start]: tail}
+                else:
+                    child.children[locs[start]] = tail
+                child.internal = True
+                _bind(lookup, hashes, start, nblocks, tail)
+                break
+            child.promote(bit, slot)
+            _bind(lookup, hashes, start, start + elen, child)
+            start += elen
+            parent = child
+        return ApplyResult(Status.ok, nblocks)
+
+    def _reuse_parent_edge(self, node: Node, pos: int, hashes: array, locs: array, bit: int, slot: int,
+                           lookup: dict[int, Node]) -> bool:
+        """A store under a block in the middle or at the end of an edge that the edge already continues."""
+        suffix_len = len(node.hashes) - pos - 1
+        n = len(hashes)
+        if n <= suffix_len:
+            lo, hi = pos + 1, pos + 1 + n
+            if node.hashes[lo:hi] == hashes and node.locals[lo:hi] == locs:
+                node.cover_prefix(bit, slot, hi)
+                _bind(lookup, hashes, 0, n, node)
+                return True
+            return False
+        if node.internal:
+            return False
+        lo = pos + 1
+        if node.hashes[lo:] != hashes[:suffix_len] or node.locals[lo:] != locs[:suffix_len]:
+            return False
+        self._append_to_leaf(node, hashes[suffix_len:], locs[suffix_len:], bit, slot)
+        _bind(lookup, hashes, 0, n, node)
+        return True
+
+    def _append_to_leaf(self, node: Node, hashes: array, locs: array, bit: int, slot: int) -> None:
+        old = len(node.locals)
+        others = node.full & ~bit
+        if others:
+            if node.cutoffs is None:
+                node.cutoffs = {}
+            for s in iter_bits(others):
+                node.cutoffs[s] = old
+            node.full &= bit
+        node.promote(bit, slot)
+        node.locals.extend(locs)
+        node.hashes.extend(hashes)
+        node.index.update(zip(hashes, range(old, old + len(hashes)), strict=True))
+
+    def _split(self, node: Node, pos: int) -> Node:
+        """Cut `node`'s edge at `pos`; the suffix becomes its only child and takes its children."""
+        suffix_hashes = node.hashes[pos:]
+        suffix_locs = node.locals[pos:]
+        del node.hashes[pos:]
+        del node.locals[pos:]
+        index = node.index
+        for h in suffix_hashes:
+            index.pop(h, None)
+        suffix = Node(suffix_locs, suffix_hashes, node, node.full)
+        suffix.children, suffix.internal = node.children, node.internal
+        if suffix.children:
+            for child in suffix.children.values():
+                child.parent = suffix
+        partial = node.cutoffs
+        if partial:
+            keep: dict[int, int] = {}
+            tail: dict[int, int] = {}
+            for s, cut in partial.items():
+                if cut < pos:
+                    keep[s] = cut
+                else:
+                    node.full |= 1 << s
+                    if cut > pos:
+                        tail[s] = cut - pos
+            node.cutoffs = keep or None
+            suffix.cutoffs = tail or None
+        node.internal = True
+        lookups = self._lookup
+        if suffix.has_workers():
+            node.children = {suffix_locs[0]: suffix}
+            self.nodes += 1
+            for s in iter_bits(suffix.full):
+                _rebind(lookups[s], suffix_hashes, len(suffix_hashes), suffix)  # type: ignore[arg-type]
+            if suffix.cutoffs:
+                for s, cut in suffix.cutoffs.items():
+                    _rebind(lookups[s], suffix_hashes, cut, suffix)  # type: ignore[arg-type]
+        else:
+            node.children = None  # nobody holds the suffix: it is not kept (Dynamo keeps it, dead)
+        return suffix
+
+    def remove(self, worker: Worker, block_hashes: Sequence[int]) -> ApplyResult:
+        slot = self._slots.get(worker)
+        if slot is None:
+            self._slot(worker)
+            return ApplyResult(Status.block_not_found, 0, len(block_hashes))
+        bit = 1 << slot
+        lookup = self._lookup[slot]
+        assert lookup is not None
+        removed = missing = 0
+        eager: set[int] | None = None
+        for h in block_hashes:
+            node = lookup.pop(h, None)
+            if node is None:
+                if eager is None or h not in eager:
+                    missing += 1
+                continue
+            pos = node.index.get(h)
+            if pos is None:
+                lookup[h] = node
+                missing += 1
+                continue
+            removed += 1
+            cut = node.cutoff(slot)
+            # The worker keeps only edge[:pos]: the rest of what it held of this edge goes stale (not
+            # its blocks in child edges). A later hash of the same event made stale here is no error.
+            stale = node.hashes[pos:cut] if pos < cut else (h,)
+            for s in stale:
+                lookup.pop(s, None)
+            if eager is None:
+                eager = set(stale)
+            else:
+                eager.update(stale)
+            if pos >= cut:
+                continue
+            if pos == 0:
+                node.drop(bit, slot)
+            else:
+                node.full &= ~bit
+                if node.cutoffs is None:
+                    node.cutoffs = {slot: pos}
+                else:
+                    node.cutoffs[slot] = pos
+            self._after_loss(node)
+        if missing:
+            return ApplyResult(Status.block_not_found, removed, missing)
+        return ApplyResult(Status.ok, removed)
+
+    def _after_loss(self, node: Node) -> None:
+        """Dynamo clears the children of an edge nobody holds whole; kvctl also frees a node nobody holds."""
+        if not node.full and node.children:
+            for child in node.children.values():
+                child.parent = None
+            node.children = None
+        if not node.has_workers():
+            self.nodes -= 1
+            parent = node.parent
+            if parent is not None:
+                children = parent.children
+                key = node.locals[0]
+                if children and children.get(key) is node:
+                    del children[key]
+                    if not children:
+                        parent.children = None
+                node.parent = None
+
+    def clear(self, worker: Worker) -> ApplyResult:
+        """Drop every block of one (worker_id, dp_rank); the worker stays known (Dynamo's Cleared)."""
+        slot = self._slots.get(worker)
+        if slot is None:
+            self._slot(worker)
+            return OK_EMPTY
+        self._drop_slot(slot)
+        self._lookup[slot] = {}
+        return OK_EMPTY
+
+    def remove_worker(self, worker_id: int, dp_rank: int | None = None) -> int:
+        """Forget a worker (all its dp ranks, or one); returns the blocks it held. O(its blocks)."""
+        gone = [w for w in self._slots if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+        total = 0
+        for w in gone:
+            slot = self._slots.pop(w)
+            total += len(self._lookup[slot])  # type: ignore[arg-type]
+            self._drop_slot(slot)
+            self._lookup[slot] = None
+            self._workers[slot] = None
+            self._retired += 1
+        if self._retired > max(64, len(self._slots)):
+            self._compact()
+        return total
+
+    def _compact(self) -> None:
+        """Renumber slots so bitmasks stay as short as the live worker count.
+
+        Removed workers' slots are never reused directly: a node can still carry a removed worker's
+        bit where that worker's lookup no longer pointed (a block hash it stored at two places), and
+        a new worker must not inherit it. Renumbering walks the whole tree, so it runs only once the
+        retired slots outnumber the live ones, which keeps its cost amortised per removal.
+        """
+        live = [s for s, w in enumerate(self._workers) if w is not None]
+        remap = {old: new for new, old in enumerate(live)}
+        seen: set[int] = set()
+        stack = [self.root] + [n for s in live for n in (self._lookup[s] or {}).values()]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            node.full = sum(1 << remap[s] for s in iter_bits(node.full) if s in remap)
+            if node.cutoffs:
+                node.cutoffs = {remap[s]: c for s, c in node.cutoffs.items() if s in remap} or None
+            if node.children:
+                stack.extend(node.children.values())
+        self._workers = [self._workers[s] for s in live]
+        self._lookup = [self._lookup[s] for s in live]
+        self._slots = {w: remap[s] for w, s in self._slots.items()}
+        self._retired = 0
+
+    def _drop_slot(self, slot: int) -> None:
+        bit = 1 << slot
+        seen: set[int] = set()
+        for node in (self._lookup[slot] or {}).values():
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node.full & bit or (node.cutoffs and slot in node.cutoffs):
+                node.drop(bit, slot)
+                self._after_loss(node)
+
+    # ----- views ---------------------------------------------------------------------------------------
+
+    def walk(self) -> Iterator[tuple[Node, int | None]]:
+        """Every node reachable from the root, breadth first, with its parent's last engine hash."""
+        queue: list[tuple[Node, int | None]] = [(c, None) for c in (self.root.children or {}).values()]
+        i = 0
+        while i < len(queue):
+            node, parent_hash = queue[i]
+            i += 1
+            yield node, parent_hash
+            if node.children:
+                tail = node.hashes[-1]
+                queue.extend((c, tail) for c in node.children.values())
+
+    def worker_of(self, slot: int) -> Worker:
+        worker = self._workers[slot]
+        assert worker is not None
+        return worker
+
+
+def _common_prefix(edge: array, q: Sequence[int], start: int, walk: int) -> int:
+    """Length of the longest common prefix of edge[:walk] and q[start:start+walk] (binary search on slices)."""
+    lo, hi = 0, walk
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if edge[:mid] == q[start : start + mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _bind(lookup: dict[int, Node], hashes: array, start: int, stop: int, node: Node) -> None:
+    lookup.update(zip(hashes[start:stop], repeat(node)))
+
+
+def _rebind(lookup: dict[int, Node], hashes: array, stop: int, node: Node) -> None:
+    lookup.update(zip(hashes[:stop], repeat(node)))

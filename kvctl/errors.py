@@ -1,0 +1,54 @@
+"""kvctl's one error tree, mapped once to exit codes in `kvctl.cli.main`.
+
+    KvctlError                      exit 1
+    ├── UsageError                  exit 2   a bad argument, option or input value
+    ├── ConfigError                 exit 2   a bad config file or context
+    ├── Unreachable                 exit 3   cannot connect to the server
+    └── ApiError(status)            exit 1   the server answered with an error
+        ├── NotFound
+        └── Refused                 (e.g. 503: every worker busy)
+
+Decode errors of the core (`kvctl.core.events.DecodeError`) are not CLI errors: the core reports
+them per event so a batch loses only its bad events.
+"""
+
+from __future__ import annotations
+
+from kvctl.exit_codes import ExitCode
+
+
+class KvctlError(Exception):
+    """Base of every error kvctl reports on purpose; anything else is a bug (shown with --debug)."""
+
+    exit_code: int = ExitCode.ERROR
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class UsageError(KvctlError):
+    exit_code = ExitCode.USAGE
+
+
+class ConfigError(KvctlError):
+    exit_code = ExitCode.USAGE
+
+
+class Unreachable(KvctlError):
+    exit_code = ExitCode.UNREACHABLE
+
+
+class ApiError(KvctlError):
+    def __init__(self, message: str, *, status: int, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.status = status
+
+
+class NotFound(ApiError):
+    pass
+
+
+class Refused(ApiError):
+    pass

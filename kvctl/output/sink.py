@@ -1,0 +1,98 @@
+"""The one output sink: data to stdout in the chosen format, everything else to stderr.
+
+JSON and YAML print the API object itself (not the table's columns), an empty list prints `[]`,
+`-o name` prints one id per line. Commands describe their table with a `View` and never print.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.table import Table
+
+
+class OutputFormat(StrEnum):
+    table = "table"
+    wide = "wide"
+    json = "json"
+    yaml = "yaml"
+    name = "name"
+
+
+Row = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    key: str
+    wide_only: bool = False
+    justify: str = "left"
+
+
+@dataclass(frozen=True)
+class View:
+    """How a data object shows as a table and as names; json/yaml ignore it."""
+
+    rows: Callable[[Any], Iterable[Row]]
+    columns: Sequence[Column]
+    name_key: str
+    title: str | None = None
+
+
+@dataclass
+class Output:
+    format: OutputFormat = OutputFormat.table
+    color: bool = True
+    stdout: TextIO = field(default_factory=lambda: sys.stdout)
+    stderr: TextIO = field(default_factory=lambda: sys.stderr)
+
+    def emit(self, data: Any, view: View) -> None:
+        if self.format is OutputFormat.json:
+            self._write(json.dumps(data, separators=(",", ":")) + "\n")
+        elif self.format is OutputFormat.yaml:
+            import yaml
+
+            self._write(yaml.safe_dump(data, sort_keys=False))
+        elif self.format is OutputFormat.name:
+            self._write("".join(f"{row[view.name_key]}\n" for row in view.rows(data)))
+        else:
+            self._table(data, view, wide=self.format is OutputFormat.wide)
+
+    def warn(self, message: str) -> None:
+        self._err(f"warning: {message}")
+
+    def error(self, message: str, hint: str | None = None) -> None:
+        self._err(f"error: {message}" + (f" ({hint})" if hint else ""))
+
+    def _table(self, data: Any, view: View, *, wide: bool) -> None:
+        columns = [c for c in view.columns if wide or not c.wide_only]
+        table = Table(title=view.title, box=None, header_style="bold", pad_edge=False)
+        for column in columns:
+            table.add_column(column.header.upper(), justify=column.justify, no_wrap=True)  # type: ignore[arg-type]
+        for row in view.rows(data):
+            table.add_row(*(_cell(row.get(c.key)) for c in columns))
+        console = Console(file=self.stdout, no_color=not self.color, soft_wrap=True, width=10_000)
+        console.print(table)
+
+    def _write(self, text: str) -> None:
+        self.stdout.write(text)
+        self.stdout.flush()
+
+    def _err(self, text: str) -> None:
+        self.stderr.write(text + "\n")
+        self.stderr.flush()
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)

@@ -1,0 +1,77 @@
+"""Dynamo's block hashes: every vector produced by Dynamo 1.6.1's own binary, through the Python API."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from xxhash import xxh3_64_intdigest
+
+from kvctl.core.hashing import local_block_hashes, lora_seed, pack_tokens, sequence_hashes
+from tests.fixtures_path import FIXTURES
+
+VECTORS = json.loads((FIXTURES / "hashes" / "dynamo-1.6.1.json").read_text())
+
+
+def _tokens(case: dict) -> list[int]:
+    tokens = case["tokens"]
+    assert len(tokens) == case["num_tokens"], "the fixture lists every token"
+    return tokens
+
+
+@pytest.mark.parametrize("case", VECTORS["cases"], ids=lambda c: c["case"])
+def test_local_and_sequence_hashes_equal_dynamo(case: dict) -> None:
+    local = local_block_hashes(_tokens(case), case["block_size"])
+    assert local == case["local_block_hashes_u64"]
+    assert sequence_hashes(local) == case["sequence_hashes_u64"]
+
+
+LORA = [v for v in VECTORS["variants"] if "lora_name" in v["kwargs"]]
+MM = [v for v in VECTORS["variants"] if "block_mm_infos" in v["kwargs"]]
+
+
+@pytest.mark.parametrize("variant", LORA, ids=lambda v: v["case"])
+def test_lora_name_is_folded_into_the_seed(variant: dict) -> None:
+    got = local_block_hashes(variant["tokens"], variant["block_size"], lora_name=variant["kwargs"]["lora_name"])
+    assert got == variant["local_block_hashes_u64"]
+
+
+@pytest.mark.parametrize("variant", MM, ids=lambda v: v["case"])
+def test_multimodal_hashes_are_appended_sorted(variant: dict) -> None:
+    infos = variant["kwargs"]["block_mm_infos"]
+    mm = {i: [o["mm_hash"] for o in info["mm_objects"]] for i, info in enumerate(infos) if info}
+    assert local_block_hashes(variant["tokens"], variant["block_size"], mm_hashes=mm) == variant[
+        "local_block_hashes_u64"]
+
+
+def test_design_examples() -> None:
+    assert local_block_hashes([1, 2, 3, 4], 4) == [14643705804678351452]
+    local = local_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert local == [14643705804678351452, 16777012769546811212]
+    assert sequence_hashes(local)[1] == 4945711292740353085
+
+
+def test_empty_lora_name_means_no_lora() -> None:
+    assert lora_seed("") == lora_seed(None) == 1337
+
+
+def test_block_size_zero_gives_no_hashes() -> None:
+    assert local_block_hashes([1, 2, 3], 0) == []
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32])
+def test_tokens_outside_u32_are_rejected(bad: int) -> None:
+    with pytest.raises(ValueError, match="u32"):
+        local_block_hashes([1, bad], 1)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=80), st.integers(1, 9))
+def test_matches_a_plain_per_block_reference(tokens: list[int], block_size: int) -> None:
+    expected = [
+        xxh3_64_intdigest(b"".join(t.to_bytes(4, "little") for t in tokens[i : i + block_size]), seed=1337)
+        for i in range(0, len(tokens) - block_size + 1, block_size)
+    ]
+    assert local_block_hashes(tokens, block_size) == expected
+    assert bytes(pack_tokens(tokens)) == b"".join(t.to_bytes(4, "little") for t in tokens)
