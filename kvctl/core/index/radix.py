@@ -13,8 +13,10 @@ freed (Dynamo keeps it in its parent's children forever: the leak fixed upstream
 Python-specific choices, all for speed and memory (see benchmarks/index_bench.py):
 - worker keys `(worker_id, dp_rank)` map to small slot numbers; a node's full holders are one int
   bitmask, so find_matches intersects holders with one `&` per edge;
-- an edge keeps its local and engine hashes in `array('Q')`: matching a query against an edge is one
-  C-level slice comparison, and storing N blocks touches each block only inside C loops.
+- an edge keeps its local hashes in an `array('Q')`: matching a query against an edge is one
+  C-level slice comparison, and storing N blocks touches each block only inside C loops;
+- an edge keeps its engine hashes as the int objects the event brought, and every worker's lookup
+  reuses those same objects as keys where its hashes are equal: one int per block, not one per holder.
 """
 
 from __future__ import annotations
@@ -31,14 +33,11 @@ Worker = tuple[int, int]  # (worker_id, dp_rank)
 _BYTE_BITS: tuple[tuple[int, ...], ...] = tuple(tuple(b for b in range(8) if v >> b & 1) for v in range(256))
 
 
-def iter_bits(mask: int) -> Iterator[int]:
+def iter_bits(mask: int) -> list[int]:
     """Slot numbers set in `mask`, ascending."""
     raw = mask.to_bytes((mask.bit_length() + 7) >> 3, "little")
-    for i, byte in enumerate(raw):
-        if byte:
-            base = i << 3
-            for b in _BYTE_BITS[byte]:
-                yield base + b
+    table = _BYTE_BITS
+    return [(i << 3) + b for i, byte in enumerate(raw) if byte for b in table[byte]]
 
 
 class Status(StrEnum):
@@ -65,7 +64,7 @@ class Node:
 
     __slots__ = ("locals", "hashes", "index", "full", "cutoffs", "children", "internal", "parent")
 
-    def __init__(self, locals_: array, hashes: array, parent: Node | None, full: int) -> None:
+    def __init__(self, locals_: array, hashes: list[int], parent: Node | None, full: int) -> None:
         self.locals = locals_
         self.hashes = hashes
         self.index: dict[int, int] = dict(zip(hashes, range(len(hashes)), strict=True))
@@ -131,7 +130,7 @@ class RadixTree:
     """The index of one tier of one model. Single writer; `find_matches` is read-only."""
 
     def __init__(self) -> None:
-        self.root = Node(array("Q"), array("Q"), None, 0)
+        self.root = Node(array("Q"), [], None, 0)
         self.root.internal = True
         self._slots: dict[Worker, int] = {}
         self._workers: list[Worker | None] = []  # slot -> worker key; None once removed
@@ -202,9 +201,11 @@ class RadixTree:
                 dropped = active & ~node.full
                 if dropped:
                     cutoffs = node.cutoffs
-                    for slot in iter_bits(dropped):
-                        cut = cutoffs.get(slot, 0) if cutoffs else 0
-                        slot_scores[slot] = depth + (cut if cut < m else m)
+                    slot_scores.update(dict.fromkeys(iter_bits(dropped), depth))
+                    if cutoffs:
+                        for slot, cut in cutoffs.items():
+                            if dropped >> slot & 1:
+                                slot_scores[slot] = depth + (cut if cut < m else m)
                     active &= node.full
             depth += m
             if not active or m < len(edge) or depth == n or (early_exit and active & (active - 1) == 0):
@@ -213,13 +214,11 @@ class RadixTree:
             node = children.get(q[depth]) if children else None
             if node is None:
                 break
-        for slot in iter_bits(active):
-            slot_scores[slot] = depth
+        if active:
+            slot_scores.update(dict.fromkeys(iter_bits(active), depth))
         workers, lookup = self._workers, self._lookup
-        for slot, score in slot_scores.items():
-            key = workers[slot]
-            result.scores[key] = score  # type: ignore[index]
-            result.tree_sizes[key] = len(lookup[slot])  # type: ignore[index, arg-type]
+        result.scores = {workers[s]: score for s, score in slot_scores.items()}  # type: ignore[misc]
+        result.tree_sizes = {workers[s]: len(lookup[s]) for s in slot_scores}  # type: ignore[misc, arg-type]
         return result
 
     # ----- mutation ------------------------------------------------------------------------------------
@@ -230,7 +229,7 @@ class RadixTree:
         bit = 1 << slot
         lookup = self._lookup[slot]
         assert lookup is not None
-        hashes = block_hashes if isinstance(block_hashes, array) else array("Q", block_hashes)
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         locs = tokens_hashes if isinstance(tokens_hashes, array) else array("Q", tokens_hashes)
         nblocks = len(hashes)
         if parent_hash is None:
@@ -276,11 +275,11 @@ class RadixTree:
             if m < elen:
                 if m == rest:
                     child.cover_prefix(bit, slot, m)
-                    _bind(lookup, hashes, start, nblocks, child)
+                    _bind_shared(lookup, hashes, start, nblocks, child, 0)
                     break
                 self._split(child, m)
                 child.promote(bit, slot)
-                _bind(lookup, hashes, start, start + m, child)
+                _bind_shared(lookup, hashes, start, start + m, child, 0)
                 start += m
                 tail = Node(locs[start:], hashes[start:], child, bit)
                 self.nodes += 1
@@ -292,12 +291,12 @@ class RadixTree:
                 _bind(lookup, hashes, start, nblocks, tail)
                 break
             child.promote(bit, slot)
-            _bind(lookup, hashes, start, start + elen, child)
+            _bind_shared(lookup, hashes, start, start + elen, child, 0)
             start += elen
             parent = child
         return ApplyResult(Status.ok, nblocks)
 
-    def _reuse_parent_edge(self, node: Node, pos: int, hashes: array, locs: array, bit: int, slot: int,
+    def _reuse_parent_edge(self, node: Node, pos: int, hashes: list[int], locs: array, bit: int, slot: int,
                            lookup: dict[int, Node]) -> bool:
         """A store under a block in the middle or at the end of an edge that the edge already continues."""
         suffix_len = len(node.hashes) - pos - 1
@@ -306,7 +305,7 @@ class RadixTree:
             lo, hi = pos + 1, pos + 1 + n
             if node.hashes[lo:hi] == hashes and node.locals[lo:hi] == locs:
                 node.cover_prefix(bit, slot, hi)
-                _bind(lookup, hashes, 0, n, node)
+                _bind(lookup, node.hashes, lo, hi, node)
                 return True
             return False
         if node.internal:
@@ -315,10 +314,10 @@ class RadixTree:
         if node.hashes[lo:] != hashes[:suffix_len] or node.locals[lo:] != locs[:suffix_len]:
             return False
         self._append_to_leaf(node, hashes[suffix_len:], locs[suffix_len:], bit, slot)
-        _bind(lookup, hashes, 0, n, node)
+        _bind(lookup, node.hashes, lo, lo + n, node)
         return True
 
-    def _append_to_leaf(self, node: Node, hashes: array, locs: array, bit: int, slot: int) -> None:
+    def _append_to_leaf(self, node: Node, hashes: list[int], locs: array, bit: int, slot: int) -> None:
         old = len(node.locals)
         others = node.full & ~bit
         if others:
@@ -533,9 +532,15 @@ def _common_prefix(edge: array, q: Sequence[int], start: int, walk: int) -> int:
     return lo
 
 
-def _bind(lookup: dict[int, Node], hashes: array, start: int, stop: int, node: Node) -> None:
+def _bind(lookup: dict[int, Node], hashes: list[int], start: int, stop: int, node: Node) -> None:
     lookup.update(zip(hashes[start:stop], repeat(node)))
 
 
-def _rebind(lookup: dict[int, Node], hashes: array, stop: int, node: Node) -> None:
+def _bind_shared(lookup: dict[int, Node], hashes: list[int], start: int, stop: int, node: Node, pos: int) -> None:
+    """Bind hashes[start:stop] to `node`, keyed by the node's own int objects where they are equal."""
+    own = node.hashes[pos : pos + stop - start]
+    lookup.update(zip(own if own == hashes[start:stop] else hashes[start:stop], repeat(node)))
+
+
+def _rebind(lookup: dict[int, Node], hashes: list[int], stop: int, node: Node) -> None:
     lookup.update(zip(hashes[:stop], repeat(node)))
