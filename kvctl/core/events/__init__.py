@@ -1,0 +1,53 @@
+from kvctl.core.events.dynamo import (
+    EventEnvelope,
+    decode_envelope,
+    decode_kv_cache_event,
+    decode_router_event_json,
+    decode_router_event_msgpack,
+    encode_envelope,
+    encode_router_event_json,
+    encode_router_event_msgpack,
+)
+from kvctl.core.events.engine import (
+    END_SEQ,
+    EngineBatch,
+    EngineMessage,
+    ReplayFrame,
+    decode_engine_batch,
+    decode_engine_message,
+    decode_replay_reply,
+    encode_replay_request,
+    normalize_hash,
+    tier_from_medium,
+)
+from kvctl.core.events.errors import DecodeError, ErrorKind
+from kvctl.core.events.types import Cleared, EventData, Removed, RouterEvent, Stored, Tier
+
+__all__ = [
+    "END_SEQ",
+    "Cleared",
+    "DecodeError",
+    "EngineBatch",
+    "EngineMessage",
+    "ErrorKind",
+    "EventData",
+    "EventEnvelope",
+    "Removed",
+    "ReplayFrame",
+    "RouterEvent",
+    "Stored",
+    "Tier",
+    "decode_engine_batch",
+    "decode_engine_message",
+    "decode_envelope",
+    "decode_kv_cache_event",
+    "decode_replay_reply",
+    "decode_router_event_json",
+    "decode_router_event_msgpack",
+    "encode_envelope",
+    "encode_replay_request",
+    "encode_router_event_json",
+    "encode_router_event_msgpack",
+    "normalize_hash",
+    "tier_from_medium",
+]
