@@ -1,4 +1,15 @@
 from kvctl.core.index.kv_index import IndexMatches, KvIndex, TierStats
+from kvctl.core.index.models import ModelIndexes
 from kvctl.core.index.radix import ApplyResult, Matches, RadixTree, Status, Worker
 
-__all__ = ["ApplyResult", "IndexMatches", "KvIndex", "Matches", "RadixTree", "Status", "TierStats", "Worker"]
+__all__ = [
+    "ApplyResult",
+    "IndexMatches",
+    "KvIndex",
+    "Matches",
+    "ModelIndexes",
+    "RadixTree",
+    "Status",
+    "TierStats",
+    "Worker",
+]

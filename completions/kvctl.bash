@@ -1,0 +1,12 @@
+
+_kvctl_completion() {
+    local IFS=$'
+'
+    COMPREPLY=( $( env COMP_WORDS="${COMP_WORDS[*]}" \
+                   COMP_CWORD=$COMP_CWORD \
+                   _KVCTL_COMPLETE=complete_bash $1 ) )
+    return 0
+}
+
+complete -o default -F _kvctl_completion kvctl
+
