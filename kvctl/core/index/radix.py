@@ -22,6 +22,7 @@ Python-specific choices, all for speed and memory (see benchmarks/index_bench.py
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -381,31 +382,44 @@ class RadixTree:
         lookup = self._lookup[slot]
         assert lookup is not None
         removed = missing = 0
-        eager: set[int] | None = None
-        for h in block_hashes:
+        made_stale: list[Sequence[int]] = []  # only searched when a hash is missing, which is rare
+        hashes = block_hashes
+        n = len(hashes)
+        i = 0
+        while i < n:
+            h = hashes[i]
+            i += 1
             node = lookup.pop(h, None)
             if node is None:
-                if eager is None or h not in eager:
+                if not any(h in run for run in made_stale):
                     missing += 1
                 continue
-            pos = node.index.get(h)
+            index = node.index
+            pos = index.get(h)
             if pos is None:
                 lookup[h] = node
                 missing += 1
                 continue
             removed += 1
             cut = node.cutoff(slot)
+            if pos >= cut:
+                made_stale.append((h,))
+                continue
+            # Engines evict runs of one edge together: take the following hashes of this edge the
+            # worker still holds in one step (the same end state as one by one, as Dynamo does).
+            while i < n and lookup.get(hashes[i]) is node:
+                nxt = index.get(hashes[i])
+                if nxt is None or nxt >= cut:
+                    break
+                if nxt < pos:
+                    pos = nxt
+                removed += 1
+                i += 1
             # The worker keeps only edge[:pos]: the rest of what it held of this edge goes stale (not
             # its blocks in child edges). A later hash of the same event made stale here is no error.
-            stale = node.hashes[pos:cut] if pos < cut else (h,)
-            for s in stale:
-                lookup.pop(s, None)
-            if eager is None:
-                eager = set(stale)
-            else:
-                eager.update(stale)
-            if pos >= cut:
-                continue
+            stale = node.hashes[pos:cut]
+            deque(map(lookup.pop, stale, repeat(None)), 0)
+            made_stale.append(stale)
             if pos == 0:
                 node.drop(bit, slot)
             else:
