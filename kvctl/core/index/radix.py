@@ -22,7 +22,6 @@ Python-specific choices, all for speed and memory (see benchmarks/index_bench.py
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -136,6 +135,11 @@ class RadixTree:
         self._slots: dict[Worker, int] = {}
         self._workers: list[Worker | None] = []  # slot -> worker key; None once removed
         self._retired = 0
+        # Slots whose lookup once lost track of a node that still carries their bit (a worker that
+        # stored one block hash at two places). Dynamo keeps crediting such a node to the
+        # worker, even after remove_worker and back, so those slots keep their worker's identity.
+        self._shadows: set[int] = set()
+        self._ghosts: dict[Worker, int] = {}  # removed workers whose bits may linger -> their slot
         self._lookup: list[dict[int, Node] | None] = []  # slot -> engine block hash -> node
         self.nodes = 0
 
@@ -144,9 +148,13 @@ class RadixTree:
     def _slot(self, worker: Worker) -> int:
         slot = self._slots.get(worker)
         if slot is None:
-            slot = len(self._workers)
-            self._workers.append(worker)
-            self._lookup.append({})
+            slot = self._ghosts.pop(worker, None)
+            if slot is None:
+                slot = len(self._workers)
+                self._workers.append(worker)
+                self._lookup.append({})
+            else:
+                self._lookup[slot] = {}
             self._slots[worker] = slot
         return slot
 
@@ -219,7 +227,7 @@ class RadixTree:
             slot_scores.update(dict.fromkeys(iter_bits(active), depth))
         workers, lookup = self._workers, self._lookup
         result.scores = {workers[s]: score for s, score in slot_scores.items()}  # type: ignore[misc]
-        result.tree_sizes = {workers[s]: len(lookup[s]) for s in slot_scores}  # type: ignore[misc, arg-type]
+        result.tree_sizes = {workers[s]: len(lookup[s] or ()) for s in slot_scores}  # type: ignore[misc]
         return result
 
     # ----- mutation ------------------------------------------------------------------------------------
@@ -233,6 +241,8 @@ class RadixTree:
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         locs = tokens_hashes if isinstance(tokens_hashes, array) else array("Q", tokens_hashes)
         nblocks = len(hashes)
+        if len(set(hashes)) != nblocks:  # one hash at two places: a lookup key can name only one of them
+            self._shadows.add(slot)
         if parent_hash is None:
             parent = self.root
         else:
@@ -244,6 +254,8 @@ class RadixTree:
                 return ApplyResult(Status.parent_block_not_found)
             if not node.covers(slot, pos):
                 del lookup[parent_hash]
+                if node.cutoff(slot):  # a duplicate hash resolved past what the worker holds of the edge
+                    self._shadows.add(slot)
                 return ApplyResult(Status.parent_block_not_found)
             if self._reuse_parent_edge(node, pos, hashes, locs, bit, slot, lookup):
                 return ApplyResult(Status.ok, nblocks)
@@ -257,7 +269,7 @@ class RadixTree:
             if child is None:
                 if not parent.internal and parent.locals and parent.full & bit:
                     self._append_to_leaf(parent, hashes[start:], locs[start:], bit, slot)
-                    _bind(lookup, hashes, start, nblocks, parent)
+                    self._bind(slot, lookup, hashes[start:], parent)
                     break
                 child = Node(locs[start:], hashes[start:], parent, bit)
                 self.nodes += 1
@@ -266,7 +278,7 @@ class RadixTree:
                 else:
                     children[locs[start]] = child
                 parent.internal = True
-                _bind(lookup, hashes, start, nblocks, child)
+                self._bind(slot, lookup, hashes[start:], child)
                 break
             edge = child.locals
             elen = len(edge)
@@ -276,11 +288,11 @@ class RadixTree:
             if m < elen:
                 if m == rest:
                     child.cover_prefix(bit, slot, m)
-                    _bind_shared(lookup, hashes, start, nblocks, child, 0)
+                    self._bind_shared(slot, lookup, hashes[start:], child)
                     break
                 self._split(child, m)
                 child.promote(bit, slot)
-                _bind_shared(lookup, hashes, start, start + m, child, 0)
+                self._bind_shared(slot, lookup, hashes[start : start + m], child)
                 start += m
                 tail = Node(locs[start:], hashes[start:], child, bit)
                 self.nodes += 1
@@ -289,13 +301,28 @@ class RadixTree:
                 else:
                     child.children[locs[start]] = tail
                 child.internal = True
-                _bind(lookup, hashes, start, nblocks, tail)
+                self._bind(slot, lookup, hashes[start:], tail)
                 break
             child.promote(bit, slot)
-            _bind_shared(lookup, hashes, start, start + elen, child, 0)
+            self._bind_shared(slot, lookup, hashes[start : start + elen], child)
             start += elen
             parent = child
         return ApplyResult(Status.ok, nblocks)
+
+    def _bind(self, slot: int, lookup: dict[int, Node], keys: list[int], node: Node,
+              moving_from: Node | None = None) -> None:
+        """Point `keys` of a worker's lookup at `node`, noting when that takes one away from another node."""
+        if not lookup.keys().isdisjoint(keys):
+            previous = set(map(lookup.get, keys))
+            previous.difference_update((None, node, moving_from))
+            if previous:
+                self._shadows.add(slot)
+        lookup.update(zip(keys, repeat(node)))
+
+    def _bind_shared(self, slot: int, lookup: dict[int, Node], keys: list[int], node: Node) -> None:
+        """Bind keys to `node`'s first edge positions, reusing the node's own int objects where equal."""
+        own = node.hashes[: len(keys)]
+        self._bind(slot, lookup, own if own == keys else keys, node)
 
     def _reuse_parent_edge(self, node: Node, pos: int, hashes: list[int], locs: array, bit: int, slot: int,
                            lookup: dict[int, Node]) -> bool:
@@ -306,7 +333,7 @@ class RadixTree:
             lo, hi = pos + 1, pos + 1 + n
             if node.hashes[lo:hi] == hashes and node.locals[lo:hi] == locs:
                 node.cover_prefix(bit, slot, hi)
-                _bind(lookup, node.hashes, lo, hi, node)
+                self._bind(slot, lookup, node.hashes[lo:hi], node)
                 return True
             return False
         if node.internal:
@@ -315,7 +342,7 @@ class RadixTree:
         if node.hashes[lo:] != hashes[:suffix_len] or node.locals[lo:] != locs[:suffix_len]:
             return False
         self._append_to_leaf(node, hashes[suffix_len:], locs[suffix_len:], bit, slot)
-        _bind(lookup, node.hashes, lo, lo + n, node)
+        self._bind(slot, lookup, node.hashes[lo : lo + n], node)
         return True
 
     def _append_to_leaf(self, node: Node, hashes: list[int], locs: array, bit: int, slot: int) -> None:
@@ -334,6 +361,10 @@ class RadixTree:
 
     def _split(self, node: Node, pos: int) -> Node:
         """Cut `node`'s edge at `pos`; the suffix becomes its only child and takes its children."""
+        if len(node.index) != len(node.hashes):
+            # A hash repeated in this edge: its holders' lookups can follow only one of its places.
+            self._shadows.update(iter_bits(node.full))
+            self._shadows.update(node.cutoffs or ())
         suffix_hashes = node.hashes[pos:]
         suffix_locs = node.locals[pos:]
         del node.hashes[pos:]
@@ -364,11 +395,13 @@ class RadixTree:
         if suffix.has_workers():
             node.children = {suffix_locs[0]: suffix}
             self.nodes += 1
-            for s in iter_bits(suffix.full):
-                _rebind(lookups[s], suffix_hashes, len(suffix_hashes), suffix)  # type: ignore[arg-type]
+            moved = [(s, len(suffix_hashes)) for s in iter_bits(suffix.full)]
             if suffix.cutoffs:
-                for s, cut in suffix.cutoffs.items():
-                    _rebind(lookups[s], suffix_hashes, cut, suffix)  # type: ignore[arg-type]
+                moved.extend(suffix.cutoffs.items())
+            for s, cut in moved:
+                lookup = lookups[s]
+                if lookup is not None:  # None: a removed worker's lingering bit (Dynamo panics here)
+                    self._bind(s, lookup, suffix_hashes[:cut], suffix, node)
         else:
             node.children = None  # nobody holds the suffix: it is not kept (Dynamo keeps it, dead)
         return suffix
@@ -403,6 +436,8 @@ class RadixTree:
             removed += 1
             cut = node.cutoff(slot)
             if pos >= cut:
+                if cut:  # a duplicate hash resolved to a later position: the worker still holds this edge
+                    self._shadows.add(slot)
                 made_stale.append((h,))
                 continue
             # Engines evict runs of one edge together: take the following hashes of this edge the
@@ -418,7 +453,12 @@ class RadixTree:
             # The worker keeps only edge[:pos]: the rest of what it held of this edge goes stale (not
             # its blocks in child edges). A later hash of the same event made stale here is no error.
             stale = node.hashes[pos:cut]
-            deque(map(lookup.pop, stale, repeat(None)), 0)
+            popped = set(map(lookup.pop, stale, repeat(None)))
+            popped.difference_update((None, node))
+            # A stale hash that the worker also stored elsewhere (another node, or earlier in this
+            # edge: the edge index then has fewer entries than the edge) loses that binding too.
+            if popped or (pos and len(node.index) != len(node.hashes)):
+                self._shadows.add(slot)
             made_stale.append(stale)
             if pos == 0:
                 node.drop(bit, slot)
@@ -470,8 +510,11 @@ class RadixTree:
             total += len(self._lookup[slot])  # type: ignore[arg-type]
             self._drop_slot(slot)
             self._lookup[slot] = None
-            self._workers[slot] = None
-            self._retired += 1
+            if slot in self._shadows:
+                self._ghosts[w] = slot
+            else:
+                self._workers[slot] = None
+                self._retired += 1
         if self._retired > max(64, len(self._slots)):
             self._compact()
         return total
@@ -479,9 +522,8 @@ class RadixTree:
     def _compact(self) -> None:
         """Renumber slots so bitmasks stay as short as the live worker count.
 
-        Removed workers' slots are never reused directly: a node can still carry a removed worker's
-        bit where that worker's lookup no longer pointed (a block hash it stored at two places), and
-        a new worker must not inherit it. Renumbering walks the whole tree, so it runs only once the
+        Removed workers' slots are never reused directly, so a new worker can never inherit a bit
+        that lingers somewhere (see `_shadows`). Renumbering walks the whole tree, so it runs only once the
         retired slots outnumber the live ones, which keeps its cost amortised per removal.
         """
         live = [s for s, w in enumerate(self._workers) if w is not None]
@@ -501,6 +543,8 @@ class RadixTree:
         self._workers = [self._workers[s] for s in live]
         self._lookup = [self._lookup[s] for s in live]
         self._slots = {w: remap[s] for w, s in self._slots.items()}
+        self._ghosts = {w: remap[s] for w, s in self._ghosts.items()}
+        self._shadows = {remap[s] for s in self._shadows}
         self._retired = 0
 
     def _drop_slot(self, slot: int) -> None:
@@ -544,17 +588,3 @@ def _common_prefix(edge: array, q: Sequence[int], start: int, walk: int) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def _bind(lookup: dict[int, Node], hashes: list[int], start: int, stop: int, node: Node) -> None:
-    lookup.update(zip(hashes[start:stop], repeat(node)))
-
-
-def _bind_shared(lookup: dict[int, Node], hashes: list[int], start: int, stop: int, node: Node, pos: int) -> None:
-    """Bind hashes[start:stop] to `node`, keyed by the node's own int objects where they are equal."""
-    own = node.hashes[pos : pos + stop - start]
-    lookup.update(zip(own if own == hashes[start:stop] else hashes[start:stop], repeat(node)))
-
-
-def _rebind(lookup: dict[int, Node], hashes: list[int], stop: int, node: Node) -> None:
-    lookup.update(zip(hashes[:stop], repeat(node)))
