@@ -87,28 +87,21 @@ class Node:
     def has_workers(self) -> bool:
         return bool(self.full or self.cutoffs)
 
-    def promote(self, bit: int, slot: int) -> bool:
-        if self.full & bit:
-            return False
-        if self.cutoffs:
-            self.cutoffs.pop(slot, None)
-        self.full |= bit
-        return True
+    def promote(self, bit: int, slot: int) -> None:
+        if not self.full & bit:
+            if self.cutoffs:
+                self.cutoffs.pop(slot, None)
+            self.full |= bit
 
-    def cover_prefix(self, bit: int, slot: int, k: int) -> bool:
-        if k <= 0:
-            return False
+    def cover_prefix(self, bit: int, slot: int, k: int) -> None:
+        """Hold at least edge[:k] (a store never shortens what a worker holds)."""
         if k >= len(self.locals):
-            return self.promote(bit, slot)
-        if self.full & bit:
-            return False
-        if self.cutoffs is None:
-            self.cutoffs = {slot: k}
-            return True
-        if self.cutoffs.get(slot, 0) >= k:
-            return False
-        self.cutoffs[slot] = k
-        return True
+            self.promote(bit, slot)
+        elif k > 0 and not self.full & bit:
+            if self.cutoffs is None:
+                self.cutoffs = {slot: k}
+            elif self.cutoffs.get(slot, 0) < k:
+                self.cutoffs[slot] = k
 
     def drop(self, bit: int, slot: int) -> None:
         self.full &= ~bit
