@@ -60,14 +60,16 @@ def test_errors_json_decisions(entry: dict[str, Any]) -> None:
         assert info.value.kind is _serde_kind(entry["error"])
         return
     assert entry["accepted"] == (entry["error_type"] is None)
-    wire = json.loads(entry["event_json"])
-    ev = decode_kv_cache_event(entry["event_json"], entry["worker_id"])
-    assert (ev.worker_id, ev.event_id, ev.dp_rank) == (
-        entry["worker_id"],
-        wire["event_id"],
-        wire.get("dp_rank", 0),
-    )
+    wire, ev = _decode_inner(entry["event_json"], entry["worker_id"])
     assert isinstance(ev.data, Stored if "stored" in wire["data"] else Removed)
+
+
+def _decode_inner(event_json: str, worker_id: int) -> tuple[dict[str, Any], RouterEvent]:
+    """Decode a KvCacheEvent line and check the ids it carries came through unchanged."""
+    wire = json.loads(event_json)
+    ev = decode_kv_cache_event(event_json, worker_id)
+    assert (ev.worker_id, ev.event_id, ev.dp_rank) == (worker_id, wire["event_id"], wire.get("dp_rank", 0))
+    return wire, ev
 
 
 def test_stored_without_parent_key_is_accepted() -> None:
@@ -99,13 +101,7 @@ def test_dump_values_are_exact() -> None:
 
 @pytest.mark.parametrize("applied", APPLIED, ids=lambda a: f"step{a['step']}")
 def test_events_applied_decode(applied: dict[str, Any]) -> None:
-    wire = json.loads(applied["event_json"])
-    ev = decode_kv_cache_event(applied["event_json"], applied["worker_id"])
-    assert (ev.worker_id, ev.event_id, ev.dp_rank) == (
-        applied["worker_id"],
-        wire["event_id"],
-        wire.get("dp_rank", 0),
-    )
+    wire, ev = _decode_inner(applied["event_json"], applied["worker_id"])
     data = wire["data"]
     if data == "cleared":
         assert ev.data == Cleared()
