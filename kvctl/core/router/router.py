@@ -1,0 +1,71 @@
+"""One model's routing decision end to end: hash the prompt, match it, price every candidate, pick.
+
+Pure like the rest of the core: the caller passes the clock (`now`) and the random source, and
+decides which workers are candidates and which are busy.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+
+from kvctl.core.hashing import local_block_hashes, sequence_hashes
+from kvctl.core.index import KvIndex
+from kvctl.core.router.scoring import Decision, RouterConfig, decide, score
+from kvctl.core.router.sequences import ActiveSequences
+
+Worker = tuple[int, int]
+
+
+class Router:
+    def __init__(self, *, block_size: int = 16, config: RouterConfig | None = None, index: KvIndex | None = None,
+                 sequences: ActiveSequences | None = None, rng: random.Random | None = None) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.config = config or RouterConfig()
+        self.index = index if index is not None else KvIndex()
+        self.sequences = sequences if sequences is not None else ActiveSequences()
+        self.rng = rng or random.Random()
+
+    def route(
+        self,
+        candidates: Sequence[Worker],
+        *,
+        token_ids: Sequence[int] | None = None,
+        local_hashes: Sequence[int] | None = None,
+        lora_name: str | None = None,
+        request_id: str | None = None,
+        reserve: bool = False,
+        overlap_score_weight: float | None = None,
+        temperature: float | None = None,
+        busy: Mapping[Worker, bool] | None = None,
+        now: float = 0.0,
+    ) -> Decision:
+        """Choose a worker for a prompt given as token ids or as Dynamo local hashes (then ISL = blocks x B).
+
+        With `reserve`, the request is tracked as in flight on the chosen worker until it is freed.
+        """
+        b = self.block_size
+        if token_ids is not None:
+            local = local_block_hashes(token_ids, b, lora_name=lora_name)
+            isl = len(token_ids)
+        elif local_hashes is not None:
+            local = list(local_hashes)
+            isl = len(local) * b
+        else:
+            raise ValueError("give token_ids or local_hashes")
+        config = self.config.override(overlap_score_weight=overlap_score_weight, temperature=temperature)
+        seq = sequence_hashes(local)
+        matches = self.index.find_matches(local)
+        sequences = self.sequences
+        loads = {w: sequences.load(w) for w in candidates}
+        new_blocks = {w: sequences.new_prompt_blocks(w, seq) for w in candidates}
+        rows = score(candidates, matches, loads, new_blocks, isl_tokens=isl, block_size=b, config=config, busy=busy)
+        decision = decide(rows, isl_tokens=isl, block_size=b, temperature=config.temperature, rng=self.rng)
+        if reserve:
+            if request_id is None:
+                raise ValueError("reserve needs a request_id")
+            prefill = max(0, isl - decision.overlap_blocks * b)
+            sequences.add(request_id, decision.worker, seq, prefill, now)
+        return decision

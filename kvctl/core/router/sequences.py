@@ -1,0 +1,144 @@
+"""In-flight requests per worker: the load half of the routing cost (DESIGN §3.4, Dynamo's ActiveSequences).
+
+A worker's decode load is the number of distinct prompt blocks of its in-flight requests (shared
+prompt blocks are refcounted, so ten requests on one system prompt cost its blocks once); its prefill
+load is the prompt tokens it still has to compute, held until the request's prefill completes.
+Unknown request ids are reported (False), never raised: frees arrive twice and late in real fleets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+Worker = tuple[int, int]
+
+EXPIRY_S = 300.0
+"""Requests older than this are force-freed (Dynamo's EXPIRY_DURATION): their free was lost."""
+
+
+@dataclass(slots=True)
+class ActiveRequest:
+    request_id: str
+    worker: Worker
+    block_hashes: tuple[int, ...]  # the prompt's sequence hashes
+    prefill_tokens: int
+    added_at: float
+    prefill_done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    active_blocks: int = 0
+    active_prefill_tokens: int = 0
+    requests: int = 0
+
+
+@dataclass(slots=True)
+class _WorkerState:
+    refcounts: dict[int, int] = field(default_factory=dict)
+    prefill_tokens: int = 0
+    requests: int = 0
+
+
+class ActiveSequences:
+    def __init__(self, expiry_s: float = EXPIRY_S) -> None:
+        if not expiry_s > 0:
+            raise ValueError(f"expiry_s must be > 0, got {expiry_s}")
+        self.expiry_s = expiry_s
+        self._requests: dict[str, ActiveRequest] = {}
+        self._workers: dict[Worker, _WorkerState] = {}
+
+    def add(self, request_id: str, worker: Worker, block_hashes: Sequence[int], prefill_tokens: int,
+            now: float) -> bool:
+        """Track a routed request; False (and nothing changes) when the id is already in flight."""
+        if request_id in self._requests:
+            return False
+        if prefill_tokens < 0:
+            raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
+        hashes = tuple(block_hashes)
+        self._requests[request_id] = ActiveRequest(request_id, worker, hashes, prefill_tokens, now)
+        state = self._workers.get(worker)
+        if state is None:
+            state = self._workers[worker] = _WorkerState()
+        refs = state.refcounts
+        for h in hashes:
+            refs[h] = refs.get(h, 0) + 1
+        state.prefill_tokens += prefill_tokens
+        state.requests += 1
+        return True
+
+    def mark_prefill_completed(self, request_id: str) -> bool:
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        if not request.prefill_done:
+            request.prefill_done = True
+            self._workers[request.worker].prefill_tokens -= request.prefill_tokens
+        return True
+
+    def free(self, request_id: str) -> bool:
+        """Release a request; idempotent (False when the id is not in flight)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        state = self._workers[request.worker]
+        refs = state.refcounts
+        for h in request.block_hashes:
+            n = refs[h] - 1
+            if n:
+                refs[h] = n
+            else:
+                del refs[h]
+        if not request.prefill_done:
+            state.prefill_tokens -= request.prefill_tokens
+        state.requests -= 1
+        if not state.requests:
+            del self._workers[request.worker]
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        """Force-free every request added at or before `now - expiry_s`; returns their ids."""
+        deadline = now - self.expiry_s
+        stale = [rid for rid, r in self._requests.items() if r.added_at <= deadline]
+        for rid in stale:
+            self.free(rid)
+        return stale
+
+    def remove_worker(self, worker_id: int) -> list[str]:
+        """Drop the requests of a worker that left (all its dp ranks)."""
+        gone = [rid for rid, r in self._requests.items() if r.worker[0] == worker_id]
+        for rid in gone:
+            self.free(rid)
+        return gone
+
+    def load(self, worker: Worker) -> Load:
+        state = self._workers.get(worker)
+        if state is None:
+            return Load()
+        return Load(len(state.refcounts), state.prefill_tokens, state.requests)
+
+    def loads(self) -> dict[Worker, Load]:
+        return {w: self.load(w) for w in self._workers}
+
+    def new_prompt_blocks(self, worker: Worker, block_hashes: Sequence[int]) -> int:
+        """Blocks of a prompt that would add decode load on `worker`: all but the prefix it already runs."""
+        state = self._workers.get(worker)
+        if state is None:
+            return len(block_hashes)
+        refs = state.refcounts
+        depth = 0
+        for h in block_hashes:
+            if h not in refs:
+                break
+            depth += 1
+        return len(block_hashes) - depth
+
+    def get(self, request_id: str) -> ActiveRequest | None:
+        return self._requests.get(request_id)
+
+    def requests(self, worker: Worker | None = None) -> Iterable[ActiveRequest]:
+        return [r for r in self._requests.values() if worker is None or r.worker == worker]
+
+    def __len__(self) -> int:
+        return len(self._requests)

@@ -1,0 +1,132 @@
+"""The cost function, its tie-breaks and its sampling, with logits computed by hand."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from kvctl.core.events import RouterEvent, Stored, Tier
+from kvctl.core.hashing import local_block_hashes, sequence_hashes
+from kvctl.core.index import IndexMatches
+from kvctl.core.router.router import Router
+from kvctl.core.router.scoring import (
+    DEFAULT_TIER_CREDITS,
+    NoCandidates,
+    Reason,
+    RouterConfig,
+    effective_overlap,
+    score,
+    select,
+)
+from kvctl.core.router.sequences import Load
+
+A, B, C = (1, 0), (2, 0), (3, 1)
+DEFAULT = RouterConfig()
+
+
+def _rows(scores, tree_sizes, loads, new_blocks, *, isl=64, bs=16, config=DEFAULT, by_tier=None):
+    matches = IndexMatches(scores=scores, tree_sizes=tree_sizes, by_tier=by_tier or {})
+    return score([A, B, C], matches, loads, new_blocks, isl_tokens=isl, block_size=bs, config=config)
+
+
+def test_logits_by_hand() -> None:
+    # ISL 64 tokens = 4 blocks of 16.
+    # A: 3 cached, 32 prefill tokens in flight, 5 active blocks, 1 new  -> p=(32+16)/16=3,  d=6, logit 9
+    # B: 0 cached, idle, 4 new                                           -> p=64/16=4,      d=4, logit 8
+    # C: 4 cached, 100 prefill tokens, 10 active blocks, 0 new           -> p=100/16=6.25,  d=10, logit 16.25
+    rows = _rows({A: 3, C: 4}, {A: 30, C: 7},
+                 {A: Load(5, 32, 2), C: Load(10, 100, 3)}, {A: 1, B: 4, C: 0})
+    assert [(r.prefill_blocks, r.decode_blocks, r.logit) for r in rows] == [(3.0, 6, 9.0), (4.0, 4, 8.0),
+                                                                             (6.25, 10, 16.25)]
+    assert [r.tree_size for r in rows] == [30, 0, 7]
+    chosen, reason = select(rows, 0.0, random.Random(0))
+    assert chosen.worker == B and reason is Reason.lowest_logit
+
+
+def test_overlap_weight_override_changes_the_winner() -> None:
+    loads, new = {A: Load(5, 32, 2), C: Load(10, 100, 3)}, {A: 1, B: 4, C: 0}
+    # weight 2: A = 2*3+6 = 12, B = 2*4+4 = 12, C = 2*6.25+10 = 22.5 -> tie A/B, B has tree size 0
+    rows = _rows({A: 3, C: 4}, {A: 30, C: 7}, loads, new, config=RouterConfig().override(overlap_score_weight=2))
+    assert [r.logit for r in rows] == [12.0, 12.0, 22.5]
+    chosen, reason = select(rows, 0.0, random.Random(0))
+    assert chosen.worker == B and reason is Reason.tie_smallest_tree
+    # weight 0: decode only -> B (4) wins over A (6)
+    rows = _rows({A: 3, C: 4}, {A: 30, C: 7}, loads, new, config=RouterConfig(overlap_score_weight=0))
+    assert select(rows, 0.0, random.Random(0))[0].worker == B
+
+
+def test_prefill_never_negative_when_overlap_exceeds_prompt() -> None:
+    rows = _rows({A: 9}, {A: 9}, {}, {}, isl=64)
+    assert rows[0].prefill_blocks == 0.0
+
+
+def test_equal_logits_and_tree_sizes_draw_uniformly() -> None:
+    rows = _rows({}, {}, {}, {A: 4, B: 4, C: 4})
+    rng = random.Random(42)
+    picks = Counter(select(rows, 0.0, rng)[0].worker for _ in range(3000))
+    assert set(picks) == {A, B, C} and min(picks.values()) > 850
+    assert select(rows, 0.0, random.Random(1))[1] is Reason.tie_random
+
+
+def test_only_candidate_and_none() -> None:
+    matches = IndexMatches()
+    rows = score([A], matches, {}, {A: 4}, isl_tokens=64, block_size=16, config=RouterConfig())
+    assert select(rows, 0.0, random.Random(0))[1] is Reason.only_candidate
+    with pytest.raises(NoCandidates):
+        select([], 0.0, random.Random(0))
+
+
+def test_tier_credits() -> None:
+    # device 2 blocks, host holds 5, disk 8: 2 + 0.75*3 + 0.25*3 = 5.0
+    depths = {Tier.device: 2, Tier.host_pinned: 5, Tier.disk: 8}
+    assert effective_overlap(depths, DEFAULT_TIER_CREDITS) == 5.0
+    assert effective_overlap(depths, None) == 2.0
+    # host shorter than device adds nothing; disk beyond device does
+    assert effective_overlap({Tier.device: 4, Tier.host_pinned: 3, Tier.disk: 6}, DEFAULT_TIER_CREDITS) == 4.5
+    credits = RouterConfig(tier_credits=DEFAULT_TIER_CREDITS)
+    rows = _rows({A: 2}, {A: 2}, {}, {A: 4, B: 4, C: 4}, isl=128, config=credits,
+                 by_tier={Tier.device: {A: 2}, Tier.host_pinned: {A: 5}, Tier.disk: {A: 8}})
+    assert rows[0].effective_overlap == 5.0 and rows[0].prefill_blocks == 3.0 and rows[0].overlap_blocks == 2
+    assert rows[0].overlap_by_tier == {Tier.device: 2, Tier.host_pinned: 5, Tier.disk: 8}
+
+
+@pytest.mark.parametrize("bad", [{"overlap_score_weight": -1}, {"temperature": -0.1}, {"temperature": math.inf},
+                                 {"tier_credits": {Tier.host_pinned: 1.5}}, {"tier_credits": {Tier.device: 0.5}}])
+def test_config_validation(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        RouterConfig(**bad)
+
+
+def test_temperature_sampling_matches_the_softmax() -> None:
+    """Chi-square over 20k seeded draws against p_i ∝ exp(-(logit_i / range) / T)."""
+    rows = _rows({A: 3, C: 4}, {A: 30, C: 7}, {A: Load(5, 32, 2), C: Load(10, 100, 3)}, {A: 1, B: 4, C: 0})
+    temperature = 0.5
+    logits = [r.logit for r in rows]  # 9, 8, 16.25; range 8.25
+    weights = [math.exp(-(v / 8.25) / temperature) for v in logits]
+    expected = [w / sum(weights) for w in weights]
+    rng = random.Random(1234)
+    n = 20_000
+    counts = Counter(select(rows, temperature, rng)[0].worker for _ in range(n))
+    chi2 = sum((counts[r.worker] - n * p) ** 2 / (n * p) for r, p in zip(rows, expected, strict=True))
+    assert chi2 < 13.82  # df = 2, p = 0.001
+    assert select(rows, temperature, rng)[1] is Reason.sampled
+
+
+def test_router_end_to_end_reserve_and_explain() -> None:
+    router = Router(block_size=4, rng=random.Random(0))
+    tokens = list(range(1, 13))  # 3 blocks
+    local = local_block_hashes(tokens, 4)
+    seq = sequence_hashes(local)
+    router.index.apply(RouterEvent(1, Stored(None, seq[:2], local[:2])))
+    d = router.route([A, B], token_ids=tokens, request_id="r1", reserve=True)
+    # A: p = (12 - 8)/4 = 1, d = 3 -> 4;  B: p = 3, d = 3 -> 6
+    assert (d.worker, d.overlap_blocks, d.required_blocks, d.reason) == (A, 2, 3, Reason.lowest_logit)
+    assert [c.logit for c in d.candidates] == [4.0, 6.0]
+    assert router.sequences.load(A) == Load(active_blocks=3, active_prefill_tokens=4, requests=1)
+    # the same prompt again: A's in-flight blocks make its decode cost 3 + 0 new
+    d2 = router.route([A, B], local_hashes=local)
+    assert [c.decode_blocks for c in d2.candidates] == [3, 3]
+    assert [c.prefill_blocks for c in d2.candidates] == [2.0, 3.0]  # A: (4 in flight + 4) / 4
