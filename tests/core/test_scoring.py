@@ -29,7 +29,12 @@ DEFAULT = RouterConfig()
 
 def _rows(scores, tree_sizes, loads, new_blocks, *, isl=64, bs=16, config=DEFAULT, by_tier=None):
     matches = IndexMatches(scores=scores, tree_sizes=tree_sizes, by_tier=by_tier or {})
-    return score([A, B, C], matches, loads, new_blocks, isl_tokens=isl, block_size=bs, config=config)
+    return score([A, B, C], matches, loads, new_blocks.__getitem__, isl_tokens=isl, block_size=bs, config=config)
+
+
+def _pick(scores, temperature, rng):
+    i, reason = select(scores, temperature, rng)
+    return scores.workers[i], reason
 
 
 def test_logits_by_hand() -> None:
@@ -39,44 +44,45 @@ def test_logits_by_hand() -> None:
     # C: 4 cached, 100 prefill tokens, 10 active blocks, 0 new           -> p=100/16=6.25,  d=10, logit 16.25
     rows = _rows({A: 3, C: 4}, {A: 30, C: 7},
                  {A: Load(5, 32, 2), C: Load(10, 100, 3)}, {A: 1, B: 4, C: 0})
-    assert [(r.prefill_blocks, r.decode_blocks, r.logit) for r in rows] == [(3.0, 6, 9.0), (4.0, 4, 8.0),
+    assert [(r.prefill_blocks, r.decode_blocks, r.logit) for r in rows.rows()] == [(3.0, 6, 9.0), (4.0, 4, 8.0),
                                                                              (6.25, 10, 16.25)]
-    assert [r.tree_size for r in rows] == [30, 0, 7]
-    chosen, reason = select(rows, 0.0, random.Random(0))
-    assert chosen.worker == B and reason is Reason.lowest_logit
+    assert rows.tree_size == [30, 0, 7]
+    chosen, reason = _pick(rows, 0.0, random.Random(0))
+    assert chosen == B and reason is Reason.lowest_logit
 
 
 def test_overlap_weight_override_changes_the_winner() -> None:
     loads, new = {A: Load(5, 32, 2), C: Load(10, 100, 3)}, {A: 1, B: 4, C: 0}
     # weight 2: A = 2*3+6 = 12, B = 2*4+4 = 12, C = 2*6.25+10 = 22.5 -> tie A/B, B has tree size 0
     rows = _rows({A: 3, C: 4}, {A: 30, C: 7}, loads, new, config=RouterConfig().override(overlap_score_weight=2))
-    assert [r.logit for r in rows] == [12.0, 12.0, 22.5]
-    chosen, reason = select(rows, 0.0, random.Random(0))
-    assert chosen.worker == B and reason is Reason.tie_smallest_tree
+    assert rows.logit == [12.0, 12.0, 22.5]
+    chosen, reason = _pick(rows, 0.0, random.Random(0))
+    assert chosen == B and reason is Reason.tie_smallest_tree
     # weight 0: decode only -> B (4) wins over A (6)
     rows = _rows({A: 3, C: 4}, {A: 30, C: 7}, loads, new, config=RouterConfig(overlap_score_weight=0))
-    assert select(rows, 0.0, random.Random(0))[0].worker == B
+    assert _pick(rows, 0.0, random.Random(0))[0] == B
 
 
 def test_prefill_never_negative_when_overlap_exceeds_prompt() -> None:
-    rows = _rows({A: 9}, {A: 9}, {}, {}, isl=64)
-    assert rows[0].prefill_blocks == 0.0
+    rows = _rows({A: 9}, {A: 9}, {}, {A: 4, B: 4, C: 4}, isl=64)
+    assert rows.prefill[0] == 0.0
 
 
 def test_equal_logits_and_tree_sizes_draw_uniformly() -> None:
     rows = _rows({}, {}, {}, {A: 4, B: 4, C: 4})
     rng = random.Random(42)
-    picks = Counter(select(rows, 0.0, rng)[0].worker for _ in range(3000))
+    picks = Counter(_pick(rows, 0.0, rng)[0] for _ in range(3000))
     assert set(picks) == {A, B, C} and min(picks.values()) > 850
     assert select(rows, 0.0, random.Random(1))[1] is Reason.tie_random
 
 
 def test_only_candidate_and_none() -> None:
     matches = IndexMatches()
-    rows = score([A], matches, {}, {A: 4}, isl_tokens=64, block_size=16, config=RouterConfig())
-    assert select(rows, 0.0, random.Random(0))[1] is Reason.only_candidate
+    rows = score([A], matches, {}, lambda w: 4, isl_tokens=64, block_size=16, config=RouterConfig())
+    assert select(rows, 0.0, random.Random(0)) == (0, Reason.only_candidate)
     with pytest.raises(NoCandidates):
-        select([], 0.0, random.Random(0))
+        select(score([], matches, {}, len, isl_tokens=64, block_size=16, config=RouterConfig()), 0.0,
+               random.Random(0))
 
 
 def test_tier_credits() -> None:
@@ -89,8 +95,9 @@ def test_tier_credits() -> None:
     credits = RouterConfig(tier_credits=DEFAULT_TIER_CREDITS)
     rows = _rows({A: 2}, {A: 2}, {}, {A: 4, B: 4, C: 4}, isl=128, config=credits,
                  by_tier={Tier.device: {A: 2}, Tier.host_pinned: {A: 5}, Tier.disk: {A: 8}})
-    assert rows[0].effective_overlap == 5.0 and rows[0].prefill_blocks == 3.0 and rows[0].overlap_blocks == 2
-    assert rows[0].overlap_by_tier == {Tier.device: 2, Tier.host_pinned: 5, Tier.disk: 8}
+    row = rows.rows()[0]
+    assert row.effective_overlap == 5.0 and row.prefill_blocks == 3.0 and row.overlap_blocks == 2
+    assert row.overlap_by_tier == {Tier.device: 2, Tier.host_pinned: 5, Tier.disk: 8}
 
 
 @pytest.mark.parametrize("bad", [{"overlap_score_weight": -1}, {"temperature": -0.1}, {"temperature": math.inf},
@@ -104,13 +111,13 @@ def test_temperature_sampling_matches_the_softmax() -> None:
     """Chi-square over 20k seeded draws against p_i ∝ exp(-(logit_i / range) / T)."""
     rows = _rows({A: 3, C: 4}, {A: 30, C: 7}, {A: Load(5, 32, 2), C: Load(10, 100, 3)}, {A: 1, B: 4, C: 0})
     temperature = 0.5
-    logits = [r.logit for r in rows]  # 9, 8, 16.25; range 8.25
+    logits = rows.logit  # 9, 8, 16.25; range 8.25
     weights = [math.exp(-(v / 8.25) / temperature) for v in logits]
     expected = [w / sum(weights) for w in weights]
     rng = random.Random(1234)
     n = 20_000
-    counts = Counter(select(rows, temperature, rng)[0].worker for _ in range(n))
-    chi2 = sum((counts[r.worker] - n * p) ** 2 / (n * p) for r, p in zip(rows, expected, strict=True))
+    counts = Counter(_pick(rows, temperature, rng)[0] for _ in range(n))
+    chi2 = sum((counts[w] - n * p) ** 2 / (n * p) for w, p in zip(rows.workers, expected, strict=True))
     assert chi2 < 13.82  # df = 2, p = 0.001
     assert select(rows, temperature, rng)[1] is Reason.sampled
 

@@ -56,13 +56,16 @@ class Router:
         else:
             raise ValueError("give token_ids or local_hashes")
         config = self.config.override(overlap_score_weight=overlap_score_weight, temperature=temperature)
-        seq = sequence_hashes(local)
         matches = self.index.find_matches(local)
         sequences = self.sequences
-        loads = {w: sequences.load(w) for w in candidates}
-        new_blocks = {w: sequences.new_prompt_blocks(w, seq) for w in candidates}
-        rows = score(candidates, matches, loads, new_blocks, isl_tokens=isl, block_size=b, config=config, busy=busy)
-        decision = decide(rows, isl_tokens=isl, block_size=b, temperature=config.temperature, rng=self.rng)
+        loads = sequences.loads()
+        # Sequence hashes matter only against in-flight blocks, or to reserve: skip them otherwise.
+        seq = sequence_hashes(local) if loads or reserve else local
+        n_blocks = len(local)
+        new_blocks = (lambda w: sequences.new_prompt_blocks(w, seq)) if loads else (lambda w: n_blocks)
+        scores = score(candidates, matches, loads, new_blocks, isl_tokens=isl, block_size=b, config=config,
+                       busy=busy)
+        decision = decide(scores, isl_tokens=isl, block_size=b, temperature=config.temperature, rng=self.rng)
         if reserve:
             if request_id is None:
                 raise ValueError("reserve needs a request_id")

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from kvctl.core.events import Tier
 from kvctl.core.index import IndexMatches
-from kvctl.core.router.sequences import Load
+from kvctl.core.router.sequences import Load, LoadView
 
 Worker = tuple[int, int]
 
@@ -96,13 +96,42 @@ class Candidate:
         }
 
 
+@dataclass(slots=True)
+class Scores:
+    """Every candidate's numbers as columns: cheap to compute for every request, rows only on demand."""
+
+    workers: Sequence[Worker]
+    overlap: list[int]
+    effective: list[float]
+    tree_size: list[int]
+    prefill: list[float]
+    decode: list[int]
+    logit: list[float]
+    busy: list[bool]
+    by_tier: Mapping[Tier, Mapping[Worker, int]]
+
+    def rows(self) -> list[Candidate]:
+        by_tier = self.by_tier
+        return [
+            Candidate(w, dev, {t: d for t, s in by_tier.items() if (d := s.get(w, 0))} if by_tier
+                      else ({Tier.device: dev} if dev else {}), eff, tree, pre, dec, logit, busy)
+            for w, dev, eff, tree, pre, dec, logit, busy in zip(
+                self.workers, self.overlap, self.effective, self.tree_size, self.prefill, self.decode,
+                self.logit, self.busy, strict=True)
+        ]
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     worker: Worker
     overlap_blocks: int
     required_blocks: int
     reason: Reason
-    candidates: list[Candidate] = field(default_factory=list)
+    scores: Scores
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        return self.scores.rows()
 
 
 def effective_overlap(depth_by_tier: Mapping[Tier, int], credits: Mapping[Tier, float] | None) -> float:
@@ -120,69 +149,75 @@ def effective_overlap(depth_by_tier: Mapping[Tier, int], credits: Mapping[Tier, 
 def score(
     candidates: Sequence[Worker],
     matches: IndexMatches,
-    loads: Mapping[Worker, Load],
-    new_blocks: Mapping[Worker, int],
+    loads: Mapping[Worker, LoadView],
+    new_blocks: Callable[[Worker], int],
     *,
     isl_tokens: int,
     block_size: int,
     config: RouterConfig,
     busy: Mapping[Worker, bool] | None = None,
-) -> list[Candidate]:
-    """The explanation rows of every candidate, matched or not, in candidate order."""
-    rows = []
+) -> Scores:
+    """Price every candidate, matched or not. `loads` may omit idle workers; `new_blocks(w)` is the
+    number of the prompt's blocks not already among w's in-flight blocks."""
+    get_overlap = matches.scores.get
+    overlap = [get_overlap(w, 0) for w in candidates]
     by_tier = matches.by_tier
-    for worker in candidates:
-        device = matches.scores.get(worker, 0)
-        depths = {tier: scores.get(worker, 0) for tier, scores in by_tier.items()} or {Tier.device: device}
-        overlap = effective_overlap(depths, config.tier_credits) if config.tier_credits else float(device)
-        load = loads.get(worker) or Load()
-        prefill = (load.active_prefill_tokens + max(0.0, isl_tokens - overlap * block_size)) / block_size
-        decode = load.active_blocks + new_blocks.get(worker, 0)
-        rows.append(Candidate(
-            worker=worker,
-            overlap_blocks=device,
-            overlap_by_tier={t: d for t, d in depths.items() if d},
-            effective_overlap=overlap,
-            tree_size=matches.tree_sizes.get(worker, 0),
-            prefill_blocks=prefill,
-            decode_blocks=decode,
-            logit=config.overlap_score_weight * prefill + decode,
-            busy=bool(busy and busy.get(worker)),
-        ))
-    return rows
+    if config.tier_credits and by_tier:
+        credits = config.tier_credits
+        effective = [effective_overlap({t: s.get(w, 0) for t, s in by_tier.items()}, credits) for w in candidates]
+    else:
+        effective = [float(d) for d in overlap]
+    weight = config.overlap_score_weight
+    idle: LoadView = Load()
+    prefill: list[float] = []
+    decode: list[int] = []
+    logits: list[float] = []
+    for w, eff in zip(candidates, effective, strict=True):
+        load = loads.get(w, idle)
+        uncached = isl_tokens - eff * block_size
+        p = (load.active_prefill_tokens + (uncached if uncached > 0 else 0.0)) / block_size
+        d = load.active_blocks + new_blocks(w)
+        prefill.append(p)
+        decode.append(d)
+        logits.append(weight * p + d)
+    tree = matches.tree_sizes.get
+    return Scores(candidates, overlap, effective, [tree(w, 0) for w in candidates], prefill, decode, logits,
+                  [bool(busy.get(w)) for w in candidates] if busy else [False] * len(candidates), by_tier)
 
 
-def select(rows: Sequence[Candidate], temperature: float, rng: random.Random) -> tuple[Candidate, Reason]:
-    if not rows:
+def select(scores: Scores, temperature: float, rng: random.Random) -> tuple[int, Reason]:
+    """The index of the chosen candidate, and why."""
+    logits = scores.logit
+    n = len(logits)
+    if not n:
         raise NoCandidates("no candidate workers")
-    if len(rows) == 1:
-        return rows[0], Reason.only_candidate
+    if n == 1:
+        return 0, Reason.only_candidate
     if temperature > 0:
-        return _sample(rows, temperature, rng), Reason.sampled
-    best = min(r.logit for r in rows)
-    lowest = [r for r in rows if r.logit == best]
+        return _sample(logits, temperature, rng), Reason.sampled
+    best = min(logits)
+    lowest = [i for i, v in enumerate(logits) if v == best]
     if len(lowest) == 1:
         return lowest[0], Reason.lowest_logit
-    smallest = min(r.tree_size for r in lowest)
-    fewest = [r for r in lowest if r.tree_size == smallest]
+    sizes = scores.tree_size
+    smallest = min(sizes[i] for i in lowest)
+    fewest = [i for i in lowest if sizes[i] == smallest]
     if len(fewest) < len(lowest):
         return (fewest[0] if len(fewest) == 1 else rng.choice(fewest)), Reason.tie_smallest_tree
     return rng.choice(lowest), Reason.tie_random
 
 
-def _sample(rows: Sequence[Candidate], temperature: float, rng: random.Random) -> Candidate:
+def _sample(logits: list[float], temperature: float, rng: random.Random) -> int:
     """Softmax over -(logit / range) / T: scale-free in the logits, uniform when they are all equal."""
-    logits = [r.logit for r in rows]
+    n = len(logits)
     spread = max(logits) - min(logits)
     if spread == 0:
-        return rng.choice(rows)
+        return rng.randrange(n)
     scaled = [-(v / spread) / temperature for v in logits]
     top = max(scaled)
-    weights = [math.exp(s - top) for s in scaled]
-    return rng.choices(rows, weights=weights)[0]
+    return rng.choices(range(n), weights=[math.exp(x - top) for x in scaled])[0]
 
 
-def decide(rows: list[Candidate], *, isl_tokens: int, block_size: int, temperature: float,
-           rng: random.Random) -> Decision:
-    chosen, reason = select(rows, temperature, rng)
-    return Decision(chosen.worker, chosen.overlap_blocks, -(-isl_tokens // block_size), reason, rows)
+def decide(scores: Scores, *, isl_tokens: int, block_size: int, temperature: float, rng: random.Random) -> Decision:
+    i, reason = select(scores, temperature, rng)
+    return Decision(scores.workers[i], scores.overlap[i], -(-isl_tokens // block_size), reason, scores)

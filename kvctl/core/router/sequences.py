@@ -8,8 +8,10 @@ Unknown request ids are reported (False), never raised: frees arrive twice and l
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
 
 Worker = tuple[int, int]
 
@@ -34,11 +36,25 @@ class Load:
     requests: int = 0
 
 
+class LoadView(Protocol):
+    """What the cost function reads of a worker's load."""
+
+    @property
+    def active_blocks(self) -> int: ...
+
+    @property
+    def active_prefill_tokens(self) -> int: ...
+
+
 @dataclass(slots=True)
 class _WorkerState:
     refcounts: dict[int, int] = field(default_factory=dict)
-    prefill_tokens: int = 0
+    active_prefill_tokens: int = 0
     requests: int = 0
+
+    @property
+    def active_blocks(self) -> int:
+        return len(self.refcounts)
 
 
 class ActiveSequences:
@@ -64,7 +80,7 @@ class ActiveSequences:
         refs = state.refcounts
         for h in hashes:
             refs[h] = refs.get(h, 0) + 1
-        state.prefill_tokens += prefill_tokens
+        state.active_prefill_tokens += prefill_tokens
         state.requests += 1
         return True
 
@@ -74,7 +90,7 @@ class ActiveSequences:
             return False
         if not request.prefill_done:
             request.prefill_done = True
-            self._workers[request.worker].prefill_tokens -= request.prefill_tokens
+            self._workers[request.worker].active_prefill_tokens -= request.prefill_tokens
         return True
 
     def free(self, request_id: str) -> bool:
@@ -91,7 +107,7 @@ class ActiveSequences:
             else:
                 del refs[h]
         if not request.prefill_done:
-            state.prefill_tokens -= request.prefill_tokens
+            state.active_prefill_tokens -= request.prefill_tokens
         state.requests -= 1
         if not state.requests:
             del self._workers[request.worker]
@@ -116,10 +132,11 @@ class ActiveSequences:
         state = self._workers.get(worker)
         if state is None:
             return Load()
-        return Load(len(state.refcounts), state.prefill_tokens, state.requests)
+        return Load(len(state.refcounts), state.active_prefill_tokens, state.requests)
 
-    def loads(self) -> dict[Worker, Load]:
-        return {w: self.load(w) for w in self._workers}
+    def loads(self) -> Mapping[Worker, LoadView]:
+        """Live view of every worker with requests in flight (idle workers are absent)."""
+        return MappingProxyType(self._workers)
 
     def new_prompt_blocks(self, worker: Worker, block_hashes: Sequence[int]) -> int:
         """Blocks of a prompt that would add decode load on `worker`: all but the prefix it already runs."""
