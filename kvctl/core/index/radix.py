@@ -462,6 +462,8 @@ class RadixTree:
                 else:
                     node.cutoffs[slot] = pos
             self._after_loss(node)
+        if not lookup:
+            self._lookup[slot] = {}  # a dict never shrinks its table; an emptied worker gives it back
         if missing:
             return ApplyResult(Status.block_not_found, removed, missing)
         return ApplyResult(Status.ok, removed)
