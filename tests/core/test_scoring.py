@@ -137,3 +137,18 @@ def test_router_end_to_end_reserve_and_explain() -> None:
     d2 = router.route([A, B], local_hashes=local)
     assert [c.decode_blocks for c in d2.candidates] == [3, 3]
     assert [c.prefill_blocks for c in d2.candidates] == [2.0, 3.0]  # A: (4 in flight + 4) / 4
+
+
+def test_approximate_mode_learns_from_its_own_decisions() -> None:
+    from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
+
+    router = Router(block_size=4, rng=random.Random(0), approx=ApproxIndexer(ApproxConfig(ttl_s=120.0)))
+    tokens = list(range(1, 13))
+    first = router.route([A, B], token_ids=tokens, request_id="r1", reserve=True, now=0.0)
+    router.sequences.free("r1")
+    again = router.route([A, B], token_ids=tokens, now=10.0)
+    assert again.worker == first.worker and again.overlap_blocks == 3  # learned without any KV event
+    assert router.tick(now=120.0) == ([], 3)
+    assert router.route([A, B], token_ids=tokens, now=121.0).overlap_blocks == 0
+    with pytest.raises(ValueError):
+        Router(index=router.index, approx=ApproxIndexer())

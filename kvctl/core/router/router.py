@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
+from kvctl.core.router.approx import ApproxIndexer
 from kvctl.core.router.scoring import Decision, RouterConfig, decide, score
 from kvctl.core.router.sequences import ActiveSequences
 
@@ -19,12 +20,17 @@ Worker = tuple[int, int]
 
 class Router:
     def __init__(self, *, block_size: int = 16, config: RouterConfig | None = None, index: KvIndex | None = None,
-                 sequences: ActiveSequences | None = None, rng: random.Random | None = None) -> None:
+                 sequences: ActiveSequences | None = None, rng: random.Random | None = None,
+                 approx: ApproxIndexer | None = None) -> None:
+        """With `approx` (no KV events), the router's own decisions are what the index learns from."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.config = config or RouterConfig()
-        self.index = index if index is not None else KvIndex()
+        if approx is not None and index is not None:
+            raise ValueError("an approximate-mode router indexes its own decisions: give approx or index")
+        self.approx = approx
+        self.index = approx.index if approx is not None else (index if index is not None else KvIndex())
         self.sequences = sequences if sequences is not None else ActiveSequences()
         self.rng = rng or random.Random()
 
@@ -56,7 +62,7 @@ class Router:
         else:
             raise ValueError("give token_ids or local_hashes")
         config = self.config.override(overlap_score_weight=overlap_score_weight, temperature=temperature)
-        matches = self.index.find_matches(local)
+        matches = self.index.find_matches(local)  # the approx indexer's own index in approximate mode
         sequences = self.sequences
         loads = sequences.loads()
         # Sequence hashes matter only against in-flight blocks, or to reserve: skip them otherwise.
@@ -71,4 +77,11 @@ class Router:
                 raise ValueError("reserve needs a request_id")
             prefill = max(0, isl - decision.overlap_blocks * b)
             sequences.add(request_id, decision.worker, seq, prefill, now)
+            if self.approx is not None:
+                self.approx.record(decision.worker, local, seq, now)
         return decision
+
+    def tick(self, now: float) -> tuple[list[str], int]:
+        """Time-driven housekeeping: force-free stale requests, expire approximate-mode blocks."""
+        expired = self.approx.expire(now) if self.approx is not None else 0
+        return self.sequences.expire(now), expired
