@@ -1,0 +1,246 @@
+"""The HTTP API of `kvctl serve` (DESIGN §3.6): thin handlers over `Fleet`, one place mapping errors to statuses.
+
+Integers in bodies exceed 2^53 (hashes, worker ids): requests are parsed by Python's json (exact ints)
+and answers are written with `json.dumps`, never through floats.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvctl import __version__
+from kvctl.core.events import RouterEvent
+from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
+from kvctl.core.events.errors import DecodeError
+from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
+from kvctl.core.router.scoring import NoCandidates
+from kvctl.server.state import DEFAULT_MODEL, Fleet, UnknownModel, UnknownWorker, WorkerInfo
+
+U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
+U32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WorkerBody(_Body):
+    worker_id: U64
+    dp_rank: U32 = 0
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    model: str = DEFAULT_MODEL
+    topic: str = ""
+
+
+class RouteBody(_Body):
+    model: str = DEFAULT_MODEL
+    token_ids: list[U32] | None = None
+    local_hashes: list[U64] | None = None
+    lora_name: str | None = None
+    request_id: str | None = None
+    reserve: bool = False
+    explain: bool = False
+    overlap_score_weight: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+
+
+class ResetBody(_Body):
+    model: str | None = None
+    worker_id: U64 | None = None
+    dp_rank: U32 | None = None
+
+
+class BusyBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: int | None = None
+    active_prefill_tokens_threshold_frac: float | None = None
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(json.dumps(body, separators=(",", ":")), status_code=status, media_type="application/json")
+
+
+def _error(status: int, message: str, **extra: Any) -> Response:
+    return _json({"error": message, **extra}, status)
+
+
+def _parse_events(raw: bytes, content_type: str) -> Iterator[Any]:
+    """The items of a JSON object, a JSON list, or JSONL: raises ValueError when the body is none of them."""
+    if "ndjson" in content_type or "jsonl" in content_type:
+        for n, line in enumerate(raw.splitlines(), 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except ValueError as exc:
+                    raise ValueError(f"line {n} is not JSON: {exc}") from None
+        return
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"body is not JSON ({exc}); send a RouterEvent, a list of them, or JSONL with "
+                         "Content-Type: application/x-ndjson") from None
+    yield from (body if isinstance(body, list) else [body])
+
+
+def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    app = FastAPI(title="kvctl router", version=__version__)
+    app.state.fleet = fleet
+
+    @app.exception_handler(UnknownModel)
+    async def _unknown_model(_: Request, exc: UnknownModel) -> Response:
+        return _error(404, f"unknown model {exc.model!r}", models=sorted(fleet.models))
+
+    @app.exception_handler(AllBusy)
+    async def _all_busy(_: Request, exc: AllBusy) -> Response:
+        tripped = {f"{w[0]}:{w[1]}": [str(r) for r in reasons] for w, reasons in sorted(exc.tripped.items())}
+        return _error(503, str(exc), thresholds=exc.thresholds.as_dict(exc.model), tripped=tripped)
+
+    @app.exception_handler(NoCandidates)
+    async def _no_candidates(_: Request, exc: NoCandidates) -> Response:
+        return _error(503, "no workers registered for this model; register one with POST /v1/workers")
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return _json({"status": "ok", "version": __version__})
+
+    @app.get("/v1/workers")
+    async def list_workers() -> Response:
+        return _json({"workers": fleet.worker_rows(clock())})
+
+    @app.post("/v1/workers", status_code=201)
+    async def register_worker(body: WorkerBody) -> Response:
+        info = fleet.register(WorkerInfo(body.worker_id, body.dp_rank, body.model, body.endpoint,
+                                         body.replay_endpoint, body.topic))
+        row = next(r for r in fleet.worker_rows(clock()) if (r["worker_id"], r["dp_rank"]) == info.key)
+        return _json(row, 201)
+
+    @app.delete("/v1/workers/{worker_id}")
+    async def remove_worker(worker_id: int, dp_rank: int | None = None) -> Response:
+        try:
+            return _json(fleet.unregister(worker_id, dp_rank))
+        except UnknownWorker:
+            return _error(404, f"unknown worker {worker_id}" + ("" if dp_rank is None else f":{dp_rank}"))
+
+    @app.post("/v1/events")
+    async def post_events(request: Request, model: str = DEFAULT_MODEL) -> Response:
+        raw = await request.body()
+        events: list[RouterEvent] = []
+        rejected: dict[str, int] = {}
+        try:
+            for item in _parse_events(raw, request.headers.get("content-type", "")):
+                try:
+                    events.append(decode_router_event_json(item))
+                except DecodeError as exc:
+                    rejected[exc.kind.value] = rejected.get(exc.kind.value, 0) + 1
+        except ValueError as exc:
+            return _error(400, str(exc))
+        applied, statuses = fleet.apply(model, events, clock())
+        for kind, n in statuses.items():
+            rejected[kind] = rejected.get(kind, 0) + n
+        return _json({"applied": applied, "rejected": rejected})
+
+    @app.post("/v1/route")
+    async def route(body: RouteBody) -> Response:
+        if (body.token_ids is None) == (body.local_hashes is None):
+            return _error(400, "give exactly one of token_ids and local_hashes")
+        if body.reserve and not body.request_id:
+            return _error(400, "reserve needs a request_id")
+        decision = fleet.route(body.model, now=clock(), token_ids=body.token_ids, local_hashes=body.local_hashes,
+                               lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve,
+                               overlap_score_weight=body.overlap_score_weight, temperature=body.temperature)
+        out: dict[str, Any] = {
+            "worker_id": decision.worker[0], "dp_rank": decision.worker[1],
+            "overlap_blocks": decision.overlap_blocks, "required_blocks": decision.required_blocks,
+            "request_id": body.request_id, "reason": decision.reason.value,
+        }
+        if body.explain:
+            out["candidates"] = [c.as_dict() for c in decision.candidates]
+        return _json(out)
+
+    @app.post("/v1/requests/{request_id}/prefill_complete")
+    async def prefill_complete(request_id: str, model: str = DEFAULT_MODEL) -> Response:
+        if not fleet.model(model).router.sequences.mark_prefill_completed(request_id):
+            return _error(404, f"request {request_id!r} is not in flight")
+        return _json({"request_id": request_id, "prefill_complete": True})
+
+    @app.delete("/v1/requests/{request_id}")
+    async def free_request(request_id: str, model: str = DEFAULT_MODEL) -> Response:
+        if not fleet.model(model).router.sequences.free(request_id):
+            return _error(404, f"request {request_id!r} is not in flight (already freed?)")
+        return _json({"request_id": request_id, "freed": True})
+
+    @app.get("/v1/tree")
+    async def tree(model: str = DEFAULT_MODEL, worker: str | None = None,
+                   format: Annotated[str, Query(pattern="^(json|jsonl)$")] = "json") -> Response:
+        index = fleet.model(model).router.index
+        wanted = _worker_filter(worker) if worker is not None else None
+        if wanted is False:
+            return _error(400, f"worker must be ID or ID:DP, got {worker!r}")
+        events = [ev for ev in index.dump() if wanted is None or wanted(ev)]
+        if format == "jsonl":
+            return StreamingResponse((encode_router_event_json(ev) + b"\n" for ev in events),
+                                     media_type="application/x-ndjson")
+        return Response(b"[" + b",".join(encode_router_event_json(ev) for ev in events) + b"]",
+                        media_type="application/json")
+
+    @app.get("/v1/tree/stats")
+    async def tree_stats(model: str | None = None) -> Response:
+        return _json(fleet.stats(model))
+
+    @app.post("/v1/reset")
+    async def reset(body: ResetBody) -> Response:
+        return _json(fleet.reset(body.model, body.worker_id, body.dp_rank))
+
+    @app.get("/busy_threshold")
+    async def get_thresholds() -> Response:
+        models = sorted(set(fleet.models) | set(fleet.thresholds.all()))
+        return _json({"thresholds": [fleet.thresholds.get(m).as_dict(m) for m in models]})
+
+    @app.post("/busy_threshold")
+    async def post_thresholds(request: Request) -> Response:
+        try:
+            body = BusyBody.model_validate_json(await request.body())
+        except ValueError as exc:
+            return _error(422, f"malformed body: {exc}")
+        fields = body.model_dump(exclude={"model"})
+        setting = any(v is not None for v in fields.values())
+        if setting and body.model not in fleet.models:
+            return _error(404, f"unknown model {body.model!r}", models=sorted(fleet.models))
+        try:
+            thresholds = fleet.thresholds.apply_request(body.model, fields)
+        except ThresholdError as exc:
+            return _error(400, str(exc))
+        return _json(thresholds.as_dict(body.model))
+
+    @app.delete("/busy_threshold")
+    async def unset_thresholds(model: str, field: Annotated[list[str] | None, Query()] = None) -> Response:
+        """kvctl's addition: Dynamo's POST can only set, never clear a threshold."""
+        try:
+            thresholds = fleet.thresholds.unset(model, *(field or THRESHOLD_FIELDS))
+        except ThresholdError as exc:
+            return _error(400, str(exc))
+        return _json(thresholds.as_dict(model))
+
+    return app
+
+
+def _worker_filter(text: str) -> Callable[[RouterEvent], bool] | bool:
+    try:
+        wid, _, dp = text.partition(":")
+        worker_id, dp_rank = int(wid), (int(dp) if dp else None)
+    except ValueError:
+        return False
+    return lambda ev: ev.worker_id == worker_id and (dp_rank is None or ev.dp_rank == dp_rank)
+
+
+__all__ = ["create_app"]

@@ -1,0 +1,213 @@
+"""What a running router knows: its models (index + router + thresholds) and its workers.
+
+The HTTP layer and the event sources call into `Fleet`; `Fleet` calls into the pure core. Every
+method takes `now` from the caller, so the server owns the one clock.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
+from kvctl.core.index import Status
+from kvctl.core.router.busy import BusyThresholds, BusyTracker, RankBusy, WorkerLoad, check_admission
+from kvctl.core.router.router import Router
+from kvctl.core.router.scoring import Decision, RouterConfig
+
+Worker = tuple[int, int]
+DEFAULT_MODEL = "default"
+_DEVICE = Tier.device
+
+
+class UnknownModel(KeyError):
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.model = model
+
+
+class UnknownWorker(KeyError):
+    pass
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    worker_id: int
+    dp_rank: int
+    model: str
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topic: str = ""
+    last_event_at: float | None = None
+
+    @property
+    def key(self) -> Worker:
+        return (self.worker_id, self.dp_rank)
+
+
+def _event_type(data: EventData) -> str:
+    return "stored" if type(data) is Stored else "removed" if type(data) is Removed else "cleared"
+
+
+@dataclass
+class ModelState:
+    name: str
+    router: Router
+    applied: Counter[tuple[str, str]] = field(default_factory=Counter)  # (event type, status) -> count
+
+    @property
+    def block_size(self) -> int:
+        return self.router.block_size
+
+
+class Fleet:
+    def __init__(self, *, block_size: int = 16, config: RouterConfig | None = None, seed: int | None = None) -> None:
+        self.default_block_size = block_size
+        self.default_config = config or RouterConfig()
+        self._rng = random.Random(seed)
+        self.models: dict[str, ModelState] = {}
+        self.workers: dict[Worker, WorkerInfo] = {}
+        self.thresholds = BusyThresholds()
+        self.busy = BusyTracker()
+        self.add_model(DEFAULT_MODEL)
+
+    # ----- models and workers -----------------------------------------------------------------------
+
+    def add_model(self, name: str, *, block_size: int | None = None) -> ModelState:
+        if name not in self.models:
+            router = Router(block_size=block_size or self.default_block_size, config=self.default_config,
+                            rng=self._rng)
+            self.models[name] = ModelState(name, router)
+        return self.models[name]
+
+    def model(self, name: str) -> ModelState:
+        state = self.models.get(name)
+        if state is None:
+            raise UnknownModel(name)
+        return state
+
+    def register(self, info: WorkerInfo) -> WorkerInfo:
+        """Known from now on (also created implicitly by a worker's first event); a model is created on demand."""
+        self.add_model(info.model)
+        self.workers[info.key] = info
+        return info
+
+    def candidates(self, model: str) -> list[Worker]:
+        return sorted(w for w, info in self.workers.items() if info.model == model)
+
+    def unregister(self, worker_id: int, dp_rank: int | None = None) -> dict[str, Any]:
+        gone = [w for w in self.workers if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+        if not gone:
+            raise UnknownWorker(worker_id)
+        blocks = 0
+        for w in gone:
+            info = self.workers.pop(w)
+            router = self.models[info.model].router
+            blocks += router.index.remove_worker(w[0], w[1])
+            for request in list(router.sequences.requests(w)):
+                router.sequences.free(request.request_id)
+        if not any(w[0] == worker_id for w in self.workers):
+            self.busy.forget(worker_id)
+        return {"removed": [{"worker_id": w[0], "dp_rank": w[1]} for w in gone], "blocks": blocks}
+
+    # ----- events -------------------------------------------------------------------------------------
+
+    def apply(self, model: str, events: Iterable[RouterEvent], now: float) -> tuple[int, Counter[str]]:
+        """Apply events in order; returns (applied, rejected by kind). Unknown workers become known."""
+        state = self.add_model(model)
+        index = state.router.index
+        applied = 0
+        rejected: Counter[str] = Counter()
+        for event in events:
+            key = (event.worker_id, event.dp_rank)
+            info = self.workers.get(key)
+            if info is None:
+                info = self.register(WorkerInfo(event.worker_id, event.dp_rank, model))
+            info.last_event_at = now
+            result = index.apply(event)
+            state.applied[(_event_type(event.data), result.status.value)] += 1
+            if result.status is Status.ok:
+                applied += 1
+            else:
+                rejected[result.status.value] += 1
+        return applied, rejected
+
+    def apply_engine_batch(self, model: str, worker: Worker, events: Sequence[EventData], now: float) -> None:
+        self.apply(model, (RouterEvent(worker[0], data, worker[1]) for data in events), now)
+
+    # ----- routing ------------------------------------------------------------------------------------
+
+    def rank_busy(self, model: str) -> dict[Worker, RankBusy]:
+        state = self.model(model)
+        thresholds = self.thresholds.get(model)
+        sequences = state.router.sequences
+        ranks = {}
+        for w in self.candidates(model):
+            load = sequences.load(w)
+            ranks[w] = self.busy.update(w, WorkerLoad(load.active_blocks, load.active_prefill_tokens), thresholds)
+        return ranks
+
+    def route(self, model: str, *, now: float, **request: Any) -> Decision:
+        """Raises UnknownModel, AllBusy (every worker busy), NoCandidates (no worker registered)."""
+        state = self.model(model)
+        ranks = self.rank_busy(model)
+        check_admission(model, ranks, self.thresholds.get(model))
+        busy = {w: r.busy for w, r in ranks.items()}
+        return state.router.route(self.candidates(model), busy=busy, now=now, **request)
+
+    # ----- views and levers ---------------------------------------------------------------------------
+
+    def worker_rows(self, now: float) -> list[dict[str, Any]]:
+        rows = []
+        for w, info in sorted(self.workers.items()):
+            router = self.models[info.model].router
+            load = router.sequences.load(w)
+            rank = self.busy.update(w, WorkerLoad(load.active_blocks, load.active_prefill_tokens),
+                                    self.thresholds.get(info.model))
+            rows.append({
+                "worker_id": info.worker_id, "dp_rank": info.dp_rank, "model": info.model,
+                "endpoint": info.endpoint, "replay_endpoint": info.replay_endpoint, "topic": info.topic,
+                "blocks": router.index.tree(_DEVICE).size(w),
+                "active_decode_blocks": load.active_blocks, "active_prefill_tokens": load.active_prefill_tokens,
+                "active_requests": load.requests, "busy": rank.busy,
+                "last_event_age_s": None if info.last_event_at is None else round(now - info.last_event_at, 3),
+            })
+        return rows
+
+    def stats(self, model: str | None = None) -> dict[str, Any]:
+        names = [model] if model is not None else sorted(self.models)
+        out: dict[str, Any] = {}
+        for name in names:
+            index = self.model(name).router.index
+            tiers = index.stats()
+            device = tiers[_DEVICE]
+            out[name] = {
+                "block_size": self.models[name].block_size,
+                "blocks": device.blocks,
+                "nodes": device.nodes,
+                "workers": {f"{w[0]}:{w[1]}": n for w, n in sorted(device.workers.items())},
+                "tiers": {t.value: {"blocks": s.blocks, "nodes": s.nodes} for t, s in tiers.items()},
+            }
+        return {"models": out}
+
+    def reset(self, model: str | None, worker_id: int | None, dp_rank: int | None) -> dict[str, Any]:
+        """Clear state: every model, one model, or one worker (optionally one rank) of it."""
+        names = [model] if model is not None else sorted(self.models)
+        cleared: list[dict[str, Any]] = []
+        for name in names:
+            index = self.model(name).router.index
+            before = index.stats()[_DEVICE]
+            if worker_id is None:
+                workers = index.workers()
+            else:
+                workers = [w for w in index.workers() if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+            for w in workers:
+                index.apply(RouterEvent(w[0], Cleared(), w[1]))
+            after = index.stats()[_DEVICE]
+            cleared.append({"model": name, "workers": [f"{w[0]}:{w[1]}" for w in sorted(workers)],
+                            "blocks": before.blocks - after.blocks})
+        return {"cleared": cleared}
+

@@ -1,0 +1,175 @@
+"""The HTTP API through httpx against the app in-process: every endpoint and its documented errors."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kvctl.core.events import RouterEvent, Stored
+from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
+from kvctl.core.hashing import local_block_hashes, sequence_hashes
+from kvctl.core.index import KvIndex
+from kvctl.server.api import create_app
+from kvctl.server.state import Fleet
+from tests.fixtures_path import FIXTURES
+
+BIG = 2**63 + 7  # worker ids and hashes beyond 2^53 must survive JSON both ways
+TOKENS = list(range(100, 164))  # 4 blocks of 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def client():
+    fleet = Fleet(block_size=16, seed=0)
+    app = create_app(fleet, clock=Clock())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvctl") as c:
+        yield c
+
+
+def _store_event(worker_id: int, tokens: list[int], dp_rank: int = 0, event_id: int = 1) -> dict:
+    local = local_block_hashes(tokens, 16)
+    ev = RouterEvent(worker_id, Stored(None, sequence_hashes(local), local), dp_rank, event_id)
+    return json.loads(encode_router_event_json(ev))
+
+
+async def test_health(client: httpx.AsyncClient) -> None:
+    r = await client.get("/healthz")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert (await client.get("/openapi.json")).status_code == 200
+
+
+async def test_workers_register_list_delete(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/workers", json={"worker_id": BIG, "dp_rank": 1, "endpoint": "tcp://127.0.0.1:5557"})
+    assert r.status_code == 201
+    assert r.json()["worker_id"] == BIG and r.json()["blocks"] == 0 and r.json()["busy"] is False
+    rows = (await client.get("/v1/workers")).json()["workers"]
+    assert [(w["worker_id"], w["dp_rank"], w["model"]) for w in rows] == [(BIG, 1, "default")]
+    assert (await client.post("/v1/workers", json={"worker_id": -1})).status_code == 422
+    assert (await client.post("/v1/workers", json={"worker_id": 1, "bogus": 1})).status_code == 422
+    r = await client.delete(f"/v1/workers/{BIG}")
+    assert r.status_code == 200 and r.json()["removed"] == [{"worker_id": BIG, "dp_rank": 1}]
+    assert (await client.delete(f"/v1/workers/{BIG}")).status_code == 404
+
+
+async def test_events_single_list_jsonl_and_rejections(client: httpx.AsyncClient) -> None:
+    one = _store_event(BIG, TOKENS)
+    r = await client.post("/v1/events", json=one)
+    assert r.json() == {"applied": 1, "rejected": {}}
+    two = [_store_event(1, TOKENS), _store_event(2, TOKENS[:32])]
+    assert (await client.post("/v1/events", json=two)).json() == {"applied": 2, "rejected": {}}
+    orphan = dict(_store_event(3, TOKENS), event={**one["event"], "data": {"stored": {
+        "parent_hash": 12345, "blocks": one["event"]["data"]["stored"]["blocks"]}}})
+    body = "\n".join([json.dumps(orphan), json.dumps({"worker_id": -1, "event": {}}), json.dumps(one)])
+    r = await client.post("/v1/events", content=body, headers={"content-type": "application/x-ndjson"})
+    assert r.status_code == 200
+    assert r.json()["applied"] == 1 and r.json()["rejected"]["parent_block_not_found"] == 1
+    assert sum(r.json()["rejected"].values()) == 2  # plus one decode error, by its kind
+    bad = await client.post("/v1/events", content=b"{nope", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and "not JSON" in bad.json()["error"]
+    stats = (await client.get("/v1/tree/stats")).json()["models"]["default"]
+    # a rejected event still makes its worker known (as Dynamo does), holding nothing
+    assert stats["blocks"] == 4 + 4 + 2 and stats["workers"] == {f"{BIG}:0": 4, "1:0": 4, "2:0": 2, "3:0": 0}
+
+
+async def test_route_explain_and_errors(client: httpx.AsyncClient) -> None:
+    assert (await client.post("/v1/route", json={"token_ids": TOKENS})).status_code == 503  # nobody registered
+    await client.post("/v1/events", json=[_store_event(1, TOKENS), _store_event(2, TOKENS[:16])])
+    await client.post("/v1/workers", json={"worker_id": 3})
+    r = await client.post("/v1/route", json={"token_ids": TOKENS, "explain": True})
+    assert r.status_code == 200
+    body = r.json()
+    assert (body["worker_id"], body["overlap_blocks"], body["required_blocks"], body["reason"]) == (
+        1, 4, 4, "lowest_logit")
+    cands = {c["worker_id"]: c for c in body["candidates"]}
+    assert set(cands) == {1, 2, 3}
+    assert (cands[1]["logit"], cands[2]["logit"], cands[3]["logit"]) == (4.0, 7.0, 8.0)
+    assert cands[2]["overlap_by_tier"] == {"device": 1, "host_pinned": 0, "disk": 0, "external": 0}
+    by_hash = await client.post("/v1/route", json={"local_hashes": local_block_hashes(TOKENS, 16)})
+    assert by_hash.json()["worker_id"] == 1
+    assert (await client.post("/v1/route", json={})).status_code == 400
+    assert (await client.post("/v1/route", json={"token_ids": [1], "local_hashes": [1]})).status_code == 400
+    assert (await client.post("/v1/route", json={"token_ids": [-1]})).status_code == 422
+    assert (await client.post("/v1/route", json={"token_ids": TOKENS, "reserve": True})).status_code == 400
+    r = await client.post("/v1/route", json={"model": "nope", "token_ids": TOKENS})
+    assert r.status_code == 404 and "nope" in r.json()["error"]
+
+
+async def test_reserve_prefill_free_and_all_busy(client: httpx.AsyncClient) -> None:
+    await client.post("/v1/workers", json={"worker_id": 1})
+    r = await client.post("/v1/route", json={"token_ids": TOKENS, "request_id": "a", "reserve": True})
+    assert r.status_code == 200 and r.json()["request_id"] == "a"
+    row = (await client.get("/v1/workers")).json()["workers"][0]
+    assert (row["active_decode_blocks"], row["active_prefill_tokens"]) == (4, 64)
+    set_ = await client.post("/busy_threshold", json={"model": "default", "active_prefill_tokens_threshold": 10})
+    assert set_.status_code == 200 and set_.json()["active_prefill_tokens_threshold"] == 10
+    busy = await client.post("/v1/route", json={"token_ids": TOKENS})
+    assert busy.status_code == 503
+    assert busy.json()["thresholds"]["active_prefill_tokens_threshold"] == 10
+    assert "active_prefill_tokens 64 > 10" in busy.json()["tripped"]["1:0"][0]
+    assert (await client.post("/v1/requests/a/prefill_complete")).status_code == 200
+    assert (await client.post("/v1/route", json={"token_ids": TOKENS})).status_code == 200
+    assert (await client.delete("/v1/requests/a")).status_code == 200
+    assert (await client.delete("/v1/requests/a")).status_code == 404
+    assert (await client.post("/v1/requests/zz/prefill_complete")).status_code == 404
+
+
+async def test_busy_threshold_shapes_like_dynamo(client: httpx.AsyncClient) -> None:
+    fields = ["model", "active_decode_blocks_threshold", "active_prefill_tokens_threshold",
+              "active_prefill_tokens_threshold_frac"]
+    got = (await client.get("/busy_threshold")).json()
+    assert list(got) == ["thresholds"] and [list(t) for t in got["thresholds"]] == [fields]
+    r = await client.post("/busy_threshold", json={"model": "default", "active_decode_blocks_threshold": 0.8})
+    assert list(r.json()) == fields and r.json()["active_decode_blocks_threshold"] == 0.8
+    merged = await client.post("/busy_threshold", json={"model": "default", "active_prefill_tokens_threshold": 5})
+    assert merged.json()["active_decode_blocks_threshold"] == 0.8  # merge, not replace
+    assert (await client.post("/busy_threshold", json={"model": "default"})).json() == merged.json()  # get
+    too_big = {"model": "default", "active_decode_blocks_threshold": 1.5}
+    out_of_range = await client.post("/busy_threshold", json=too_big)
+    assert out_of_range.status_code == 400 and "active_decode_blocks_threshold" in out_of_range.json()["error"]
+    unknown = await client.post("/busy_threshold", json={"model": "x", "active_decode_blocks_threshold": 0.5})
+    assert unknown.status_code == 404
+    assert (await client.post("/busy_threshold", json={"active_decode_blocks_threshold": 0.5})).status_code == 422
+    assert (await client.post("/busy_threshold", content=b"[")).status_code == 422
+    cleared = await client.delete("/busy_threshold", params={"model": "default",
+                                                              "field": "active_decode_blocks_threshold"})
+    assert cleared.json()["active_decode_blocks_threshold"] is None
+    assert cleared.json()["active_prefill_tokens_threshold"] == 5
+
+
+async def test_tree_dump_reloads_into_the_same_index_and_reset(client: httpx.AsyncClient) -> None:
+    # Real Dynamo events (its own dump of a 4-worker tree) in, kvctl's dump out.
+    lines = (FIXTURES / "dynamo-1.6.1" / "dump.jsonl").read_text().splitlines()
+    sent = [decode_router_event_json(line) for line in lines]
+    r = await client.post("/v1/events", content="\n".join(lines), headers={"content-type": "application/x-ndjson"})
+    assert r.json()["applied"] == len(lines)
+    dumped = (await client.get("/v1/tree")).json()
+    jsonl = (await client.get("/v1/tree", params={"format": "jsonl"})).text.splitlines()
+    assert [json.loads(x) for x in jsonl] == dumped
+    original, reloaded = KvIndex(), KvIndex()
+    original.load(sent)
+    reloaded.load(decode_router_event_json(e) for e in dumped)
+    for ev in sent:
+        query = ev.data.tokens_hashes  # type: ignore[union-attr]
+        assert reloaded.find_matches(query).scores == original.find_matches(query).scores
+    assert reloaded.stats()[next(iter(reloaded.stats()))].workers == original.stats()[
+        next(iter(original.stats()))].workers
+    only = (await client.get("/v1/tree", params={"worker": f"{BIG}"})).json()
+    assert only and {e["worker_id"] for e in only} == {BIG}
+    assert (await client.get("/v1/tree", params={"worker": "x:y"})).status_code == 400
+    assert (await client.get("/v1/tree", params={"format": "xml"})).status_code == 422
+    r = await client.post("/v1/reset", json={"worker_id": BIG})
+    assert r.json()["cleared"][0]["workers"] == [f"{BIG}:0"] and r.json()["cleared"][0]["blocks"] > 0
+    after = (await client.get("/v1/tree/stats")).json()["models"]["default"]["workers"]
+    assert after[f"{BIG}:0"] == 0 and any(n > 0 for n in after.values())  # only that worker was cleared
+    everything = await client.post("/v1/reset", json={})
+    assert everything.status_code == 200
+    assert (await client.get("/v1/tree/stats")).json()["models"]["default"]["blocks"] == 0
