@@ -13,6 +13,7 @@ from typer.exceptions import Abort, Exit
 
 from kvctl import __version__
 from kvctl.commands import hash as hash_cmd
+from kvctl.commands import serve as serve_cmd
 from kvctl.commands._options import JsonOpt, OutputOpt
 from kvctl.errors import KvctlError
 from kvctl.exit_codes import ExitCode
@@ -100,6 +101,7 @@ def root(
 
 
 app.command(name="hash", help=hash_cmd.HELP, epilog=hash_cmd.EXAMPLES)(hash_cmd.hash_command)
+app.command(name="serve", help=serve_cmd.HELP, epilog=serve_cmd.EXAMPLES)(serve_cmd.serve_command)
 
 
 def main() -> None:

@@ -65,6 +65,10 @@ class Output:
         else:
             self._table(data, view, wide=self.format is OutputFormat.wide)
 
+    def line(self, text: str) -> None:
+        """One line of plain data (a URL, an id), in every format."""
+        self._write(text + "\n")
+
     def warn(self, message: str) -> None:
         self._err(f"warning: {message}")
 

@@ -6,6 +6,7 @@ and answers are written with `json.dumps`, never through floats.
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -92,9 +93,31 @@ def _parse_events(raw: bytes, content_type: str) -> Iterator[Any]:
     yield from (body if isinstance(body, list) else [body])
 
 
-def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic) -> FastAPI:
+ADMIN_ROUTES = {("POST", "/v1/events"), ("POST", "/v1/reset"), ("POST", "/busy_threshold"),
+                ("DELETE", "/busy_threshold"), ("POST", "/v1/workers")}
+"""Mutating endpoints that need the admin token when one is set (plus DELETE /v1/workers/{id})."""
+
+
+def _needs_admin(method: str, path: str) -> bool:
+    return (method, path) in ADMIN_ROUTES or (method == "DELETE" and path.startswith("/v1/workers/"))
+
+
+def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
+               max_body_bytes: int = 64 * 1024 * 1024) -> FastAPI:
     app = FastAPI(title="kvctl router", version=__version__)
     app.state.fleet = fleet
+    expected = f"Bearer {admin_token}".encode() if admin_token else None
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            return _error(413, f"body of {length} bytes is over the {max_body_bytes}-byte limit")
+        if expected is not None and _needs_admin(request.method, request.url.path):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return _error(401, "this endpoint needs the admin token: Authorization: Bearer <token>")
+        return await call_next(request)
 
     @app.exception_handler(UnknownModel)
     async def _unknown_model(_: Request, exc: UnknownModel) -> Response:

@@ -173,3 +173,20 @@ async def test_tree_dump_reloads_into_the_same_index_and_reset(client: httpx.Asy
     everything = await client.post("/v1/reset", json={})
     assert everything.status_code == 200
     assert (await client.get("/v1/tree/stats")).json()["models"]["default"]["blocks"] == 0
+
+
+async def test_admin_token_guards_mutations_and_bodies_are_capped() -> None:
+    app = create_app(Fleet(), clock=Clock(), admin_token="s3cret", max_body_bytes=1000)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvctl") as c:
+        one = _store_event(1, TOKENS)
+        assert (await c.post("/v1/events", json=one)).status_code == 401
+        assert (await c.post("/v1/events", json=one, headers={"authorization": "Bearer wrong"})).status_code == 401
+        ok = await c.post("/v1/events", json=one, headers={"authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.json()["applied"] == 1
+        for method, path in [("POST", "/v1/reset"), ("DELETE", "/v1/workers/1"), ("POST", "/busy_threshold")]:
+            assert (await c.request(method, path, json={})).status_code == 401
+        assert (await c.post("/v1/route", json={"token_ids": TOKENS})).status_code == 200  # reads stay open
+        assert (await c.get("/v1/tree")).status_code == 200
+        big = await c.post("/v1/events", content=b"[" + b" " * 2000 + b"]",
+                           headers={"authorization": "Bearer s3cret"})
+        assert big.status_code == 413

@@ -1,0 +1,124 @@
+"""`kvctl serve` as a process: bind, announce the URL, serve HTTP, run the engine streams, shut down cleanly.
+
+uvicorn owns the signals: the first SIGINT/SIGTERM drains and stops, a second one forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import uvicorn
+
+from kvctl.server.api import create_app
+from kvctl.server.state import DEFAULT_MODEL, Fleet, WorkerInfo
+
+log = logging.getLogger("kvctl.serve")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises the stopping signal once drained (the process then dies of SIGTERM); a router
+    that drained and stopped cleanly exits 0. A second signal still forces the exit (handle_exit)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One `--worker ID[:DP]=tcp://HOST:PORT[,replay=tcp://…][,model=NAME][,topic=T]`."""
+
+    worker_id: int
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None = None
+    model: str = DEFAULT_MODEL
+    topic: str = ""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 7433
+    block_size: int = 16
+    admin_token: str | None = None
+    insecure: bool = False
+    engines: list[EngineSpec] = field(default_factory=list)
+    log_level: str = "warning"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def base_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
+    fleet = Fleet(block_size=options.block_size)
+    app = create_app(fleet, admin_token=options.admin_token)
+    sock = bind(options.host, options.port)
+    config = uvicorn.Config(app, log_level=options.log_level, access_log=False, lifespan="off")
+    server = _Server(config)
+    streams = [_start_stream(fleet, spec) for spec in options.engines]
+    tasks = [asyncio.create_task(stream.run()) for stream in streams]
+    announce(base_url(sock))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for stream in streams:
+            stream.close()
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        sock.close()
+
+
+def _start_stream(fleet: Fleet, spec: EngineSpec):  # type: ignore[no-untyped-def]
+    from kvctl.server.zmq_source import EngineStream
+
+    fleet.register(WorkerInfo(spec.worker_id, spec.dp_rank, spec.model, spec.endpoint, spec.replay_endpoint,
+                              spec.topic))
+    model = fleet.model(spec.model)
+
+    def sink(worker: tuple[int, int], events: list) -> None:  # type: ignore[type-arg]
+        fleet.apply_engine_batch(spec.model, worker, events, time.monotonic())
+
+    def on_restart(worker: tuple[int, int]) -> None:
+        log.warning("engine %s:%s restarted (its seq went back): clearing its blocks", *worker)
+        fleet.reset(spec.model, worker[0], worker[1])
+
+    return EngineStream(worker=(spec.worker_id, spec.dp_rank), endpoint=spec.endpoint,
+                        replay_endpoint=spec.replay_endpoint, topic=spec.topic, block_size=model.block_size,
+                        sink=sink, on_restart=on_restart)
