@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import re
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -18,6 +21,8 @@ EXAMPLES = (
     "  kvctl serve --listen 127.0.0.1:0 --worker 1=tcp://127.0.0.1:5557\n\n"
     "  kvctl serve --worker 7:1=tcp://10.0.0.7:5558,replay=tcp://10.0.0.7:5600,model=llama"
 )
+
+DEFAULT_STATE_DIR = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "kvctl"
 
 _ENGINE = re.compile(r"^(?P<id>\d+)(?::(?P<dp>\d+))?=(?P<endpoint>[^,]+)(?P<opts>(,[a-z_]+=[^,]*)*)$")
 
@@ -55,7 +60,15 @@ def serve_command(
                                                     help="Bearer token required by mutating endpoints.")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback address without a token.")]
     = False,
-    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "warning",
+    state_dir: Annotated[Path, typer.Option("--state-dir", envvar="KVCTL_STATE_DIR", help="Where snapshots go.")]
+    = DEFAULT_STATE_DIR,
+    snapshot_interval: Annotated[float, typer.Option("--snapshot-interval", envvar="KVCTL_SNAPSHOT_INTERVAL",
+                                                     help="Seconds between snapshots.")] = 60.0,
+    no_restore: Annotated[bool, typer.Option("--no-restore", help="Start empty; keep the snapshot file.")] = False,
+    reset_states: Annotated[bool, typer.Option("--reset-states", help="Delete the snapshot, then start empty.")]
+    = False,
+    log_level: Annotated[str, typer.Option("--log-level", help="Log level (debug, info, warning, error).")]
+    = "warning",
 ) -> None:
     from kvctl.server.daemon import ServeOptions, is_loopback, run
 
@@ -67,7 +80,11 @@ def serve_command(
                          hint="set KVCTL_ADMIN_TOKEN, or pass --insecure on a trusted network")
     engines = [parse_engine(w) for w in worker or []]
     out = Output(color=ctx.find_root().obj.color)
-    options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level)
+    if not snapshot_interval > 0:
+        raise UsageError(f"--snapshot-interval must be > 0 seconds, got {snapshot_interval}")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
+                           snapshot_interval, not no_restore, reset_states)
     try:
         asyncio.run(run(options, out.line))
     except OSError as exc:

@@ -14,9 +14,11 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 
+from kvctl.server import snapshot
 from kvctl.server.api import create_app
 from kvctl.server.state import DEFAULT_MODEL, Fleet, WorkerInfo
 
@@ -58,6 +60,10 @@ class ServeOptions:
     insecure: bool = False
     engines: list[EngineSpec] = field(default_factory=list)
     log_level: str = "warning"
+    state_dir: Path | None = None  # None: no snapshots
+    snapshot_interval_s: float = 60.0
+    restore: bool = True
+    reset_states: bool = False
 
 
 def is_loopback(host: str) -> bool:
@@ -86,12 +92,15 @@ def base_url(sock: socket.socket) -> str:
 
 async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     fleet = Fleet(block_size=options.block_size)
+    _load_state(fleet, options)
     app = create_app(fleet, admin_token=options.admin_token)
     sock = bind(options.host, options.port)
     config = uvicorn.Config(app, log_level=options.log_level, access_log=False, lifespan="off")
     server = _Server(config)
     streams = [_start_stream(fleet, spec) for spec in options.engines]
     tasks = [asyncio.create_task(stream.run()) for stream in streams]
+    if options.state_dir is not None:
+        tasks.append(asyncio.create_task(_snapshot_every(fleet, options.state_dir, options.snapshot_interval_s)))
     announce(base_url(sock))
     try:
         await server.serve(sockets=[sock])
@@ -103,6 +112,32 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         sock.close()
+        if options.state_dir is not None:
+            path = snapshot.write(fleet, options.state_dir, time.time())
+            log.info("snapshot written to %s", path)
+
+
+def _load_state(fleet: Fleet, options: ServeOptions) -> None:
+    if options.state_dir is None:
+        return
+    if options.reset_states:
+        if snapshot.delete(options.state_dir):
+            log.warning("--reset-states: deleted the snapshot in %s", options.state_dir)
+        return
+    if not options.restore:
+        return
+    restored = snapshot.restore(fleet, options.state_dir, time.monotonic())
+    if restored is not None:
+        age = max(0.0, time.time() - restored.taken_at)
+        log.warning("restored %d events from the snapshot taken %.1f s ago (%d rejected); KV events sent "
+                    "after it were not seen: engines' replay or new events will fill the gap",
+                    restored.events, age, restored.rejected)
+
+
+async def _snapshot_every(fleet: Fleet, state_dir: Path, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        snapshot.write(fleet, state_dir, time.time())
 
 
 def _start_stream(fleet: Fleet, spec: EngineSpec):  # type: ignore[no-untyped-def]

@@ -1,40 +1,80 @@
-"""`kvctl serve` as a real process: prints its bound URL first, answers, stops cleanly on SIGTERM."""
+"""`kvctl serve` as a real process: prints its bound URL first, answers, snapshots, stops cleanly on SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
 from kvctl.cli import app
+from tests.fixtures_path import FIXTURES
+
+DUMP = (FIXTURES / "dynamo-1.6.1" / "dump.jsonl").read_text()
 
 
-def test_serve_announces_url_answers_and_stops_on_sigterm() -> None:
-    with subprocess.Popen([sys.executable, "-m", "kvctl", "serve", "--listen", "127.0.0.1:0"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+@contextmanager
+def serving(state_dir: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str], httpx.Client]]:
+    cmd = [sys.executable, "-m", "kvctl", "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
+           "--log-level", "info", *extra]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
-        _check_serving_then_stop(proc)
+        try:
+            url = proc.stdout.readline().strip()  # type: ignore[union-attr]
+            assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
+            with httpx.Client(base_url=url, timeout=5) as client:
+                yield proc, client
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
-def _check_serving_then_stop(proc: subprocess.Popen[str]) -> None:
-    try:
-        url = proc.stdout.readline().strip()  # type: ignore[union-attr]
-        assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
-        with httpx.Client(base_url=url, timeout=5) as client:
-            assert client.get("/healthz").json()["status"] == "ok"
-            assert client.post("/v1/workers", json={"worker_id": 5}).status_code == 201
-            assert [w["worker_id"] for w in client.get("/v1/workers").json()["workers"]] == [5]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def _stop(proc: subprocess.Popen[str]) -> str:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    return proc.stderr.read()  # type: ignore[union-attr]
+
+
+def test_serve_answers_and_a_restart_keeps_the_index(tmp_path: Path) -> None:
+    with serving(tmp_path) as (proc, client):
+        assert client.get("/healthz").json()["status"] == "ok"
+        assert client.post("/v1/workers", json={"worker_id": 5}).status_code == 201
+        r = client.post("/v1/events", content=DUMP, headers={"content-type": "application/x-ndjson"})
+        assert r.json()["applied"] == len(DUMP.splitlines())
+        before = client.get("/v1/tree").json()
+        _stop(proc)
+    assert (tmp_path / "snapshot.jsonl").exists()
+    with serving(tmp_path) as (proc, client):
+        assert client.get("/v1/tree").json() == before
+        assert 5 in {w["worker_id"] for w in client.get("/v1/workers").json()["workers"]}
+        log = _stop(proc)
+    assert "restored" in log and "not seen" in log
+    with serving(tmp_path, "--reset-states") as (proc, client):
+        assert client.get("/v1/tree").json() == []
+        _stop(proc)
+
+
+def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
+    with serving(tmp_path, "--snapshot-interval", "0.3") as (proc, client):
+        client.post("/v1/events", content=DUMP, headers={"content-type": "application/x-ndjson"})
+        before = client.get("/v1/tree").json()
+        time.sleep(1.0)  # at least one snapshot interval after the events
+        proc.kill()
+        proc.wait()
+    with serving(tmp_path) as (proc, client):
+        assert client.get("/v1/tree").json() == before
+        log = _stop(proc)
+    assert "restored" in log and "s ago" in log
 
 
 @pytest.mark.parametrize(("args", "needle"), [
@@ -43,7 +83,16 @@ def _check_serving_then_stop(proc: subprocess.Popen[str]) -> None:
     (["serve", "--worker", "x=tcp://a:1"], "--worker wants"),
     (["serve", "--worker", "1=tcp://127.0.0.1:1,bogus=2"], "unknown option 'bogus'"),
     (["serve", "--block-size", "0"], "--block-size must be positive"),
+    (["serve", "--snapshot-interval", "0"], "--snapshot-interval must be > 0"),
 ])
 def test_bad_serve_arguments_exit_2(args: list[str], needle: str) -> None:
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and needle in result.stderr
+
+
+def test_snapshot_header_is_versioned(tmp_path: Path) -> None:
+    with serving(tmp_path) as (proc, client):
+        client.post("/v1/events", content=DUMP, headers={"content-type": "application/x-ndjson"})
+        _stop(proc)
+    header = json.loads((tmp_path / "snapshot.jsonl").read_text().splitlines()[0])
+    assert header["schema"] == "kvctl.snapshot/v1" and header["models"] == {"default": 16}
