@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvctl import __version__
@@ -22,6 +23,7 @@ from kvctl.core.events.dynamo import decode_router_event_json, encode_router_eve
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
 from kvctl.core.router.scoring import NoCandidates
+from kvctl.server.metrics import Metrics
 from kvctl.server.state import DEFAULT_MODEL, Fleet, UnknownModel, UnknownWorker, WorkerInfo
 
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
@@ -106,6 +108,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                max_body_bytes: int = 64 * 1024 * 1024) -> FastAPI:
     app = FastAPI(title="kvctl router", version=__version__)
     app.state.fleet = fleet
+    metrics = Metrics(fleet)
     expected = f"Bearer {admin_token}".encode() if admin_token else None
 
     @app.middleware("http")
@@ -131,6 +134,10 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     @app.exception_handler(NoCandidates)
     async def _no_candidates(_: Request, exc: NoCandidates) -> Response:
         return _error(503, "no workers registered for this model; register one with POST /v1/workers")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -178,9 +185,14 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             return _error(400, "give exactly one of token_ids and local_hashes")
         if body.reserve and not body.request_id:
             return _error(400, "reserve needs a request_id")
+        started = time.perf_counter()
         decision = fleet.route(body.model, now=clock(), token_ids=body.token_ids, local_hashes=body.local_hashes,
                                lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve,
                                overlap_score_weight=body.overlap_score_weight, temperature=body.temperature)
+        metrics.route_seconds.labels(body.model).observe(time.perf_counter() - started)
+        if decision.required_blocks:
+            metrics.predicted_hit.labels(body.model).observe(
+                min(1.0, decision.overlap_blocks / decision.required_blocks))
         out: dict[str, Any] = {
             "worker_id": decision.worker[0], "dp_rank": decision.worker[1],
             "overlap_blocks": decision.overlap_blocks, "required_blocks": decision.required_blocks,

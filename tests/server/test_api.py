@@ -190,3 +190,23 @@ async def test_admin_token_guards_mutations_and_bodies_are_capped() -> None:
         big = await c.post("/v1/events", content=b"[" + b" " * 2000 + b"]",
                            headers={"authorization": "Bearer s3cret"})
         assert big.status_code == 413
+
+
+async def test_metrics_reflect_the_state(client: httpx.AsyncClient) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    await client.post("/v1/events", json=[_store_event(1, TOKENS), _store_event(2, TOKENS[:16])])
+    await client.post("/v1/events", json={**_store_event(3, TOKENS), "event": {
+        "event_id": 9, "data": {"removed": {"block_hashes": [1]}}, "dp_rank": 0}})
+    await client.post("/v1/route", json={"token_ids": TOKENS, "request_id": "q", "reserve": True})
+    text = (await client.get("/metrics")).text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("kvctl_kv_events_applied_total", (("event_type", "stored"), ("model", "default"),
+                                                      ("status", "ok")))] == 2
+    assert samples[("kvctl_kv_events_applied_total", (("event_type", "removed"), ("model", "default"),
+                                                      ("status", "block_not_found")))] == 1
+    assert samples[("kvctl_index_blocks", (("model", "default"), ("tier", "device")))] == 5
+    assert samples[("kvctl_worker_active_decode_blocks", (("dp_rank", "0"), ("model", "default"),
+                                                          ("worker_id", "1")))] == 4
+    assert samples[("kvctl_route_duration_seconds_count", (("model", "default"),))] == 1

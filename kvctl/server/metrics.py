@@ -1,0 +1,60 @@
+"""`GET /metrics`: read from the router's state at scrape time, so no counter is kept twice.
+
+Only route latency and predicted hit rate are observed as they happen (histograms); everything
+else is a view of `Fleet` when Prometheus asks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvctl.server.state import Fleet
+
+
+class FleetCollector(Collector):
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        fleet = self.fleet
+        applied = CounterMetricFamily("kvctl_kv_events_applied", "KV events applied to the index, by outcome",
+                                      labels=["model", "event_type", "status"])
+        blocks = GaugeMetricFamily("kvctl_index_blocks", "(worker, block) pairs held", labels=["model", "tier"])
+        nodes = GaugeMetricFamily("kvctl_index_nodes", "radix nodes alive (grows when memory leaks)",
+                                  labels=["model", "tier"])
+        worker_blocks = GaugeMetricFamily("kvctl_worker_blocks", "device blocks a worker holds",
+                                          labels=["model", "worker_id", "dp_rank"])
+        decode = GaugeMetricFamily("kvctl_worker_active_decode_blocks", "blocks of in-flight requests",
+                                   labels=["model", "worker_id", "dp_rank"])
+        prefill = GaugeMetricFamily("kvctl_worker_active_prefill_tokens", "prompt tokens still to prefill",
+                                    labels=["model", "worker_id", "dp_rank"])
+        for name, state in sorted(fleet.models.items()):
+            for (event_type, status), n in sorted(state.applied.items()):
+                applied.add_metric([name, event_type, status], n)
+            for tier, stats in state.router.index.stats().items():
+                blocks.add_metric([name, tier.value], stats.blocks)
+                nodes.add_metric([name, tier.value], stats.nodes)
+        for row in fleet.worker_rows(0.0):
+            labels = [row["model"], str(row["worker_id"]), str(row["dp_rank"])]
+            worker_blocks.add_metric(labels, row["blocks"])
+            decode.add_metric(labels, row["active_decode_blocks"])
+            prefill.add_metric(labels, row["active_prefill_tokens"])
+        yield from (applied, blocks, nodes, worker_blocks, decode, prefill)
+
+
+class Metrics:
+    """One registry per app (never the process-global one): tests and embedders run several routers."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(FleetCollector(fleet))
+        self.route_seconds = Histogram(
+            "kvctl_route_duration_seconds", "time to decide a route (hash, match, score, pick)", ["model"],
+            buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2), registry=self.registry)
+        self.predicted_hit = Histogram(
+            "kvctl_route_predicted_hit_rate", "cached fraction of the prompt on the chosen worker", ["model"],
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=self.registry)
