@@ -1,0 +1,628 @@
+"""Engine ZMQ ingestion (DESIGN §3.2 "Engine ZMQ" and "Replay"): one `EngineStream` per engine endpoint.
+
+An engine (vLLM, SGLang) publishes `[topic, seq (u64 BE), payload]` on a PUB socket and may keep a
+replay buffer behind a ROUTER socket. `EngineStream` subscribes, decodes each payload with the core
+codec and hands the events to a sink, keeping them in the engine's seq order:
+
+- The first message sets the expected seq; history from before we connected is not asked for.
+- `seq == last + 1` applies. A duplicate (`seq` equal to the last live seq, or already applied via
+  a replay) is skipped.
+- `seq > last + 1` is a gap. With a replay endpoint, the missing range is asked for on a DEALER
+  (`[b"", start]`); until the replay ends, live messages are buffered so that a replayed store can
+  never land after a newer live remove. Replayed batches apply strictly in seq order, then the
+  buffer. Without a replay endpoint, on a timeout, or when the engine no longer holds the range,
+  the missing batches are counted as lost, the stream is marked `gapped`, and it carries on.
+- `seq` lower than the last live seq is an engine restart: `on_restart` is called (the server
+  clears that worker) and the stream continues from the new seq.
+
+Everything malformed is counted in `decode_errors` by `ErrorKind` and skipped; the stream never
+stops on bad input. Only the sink or `on_restart` raising ends `run()` (a server bug, not input).
+
+Only this module talks to ZMQ; the decoding is `kvctl.core.events.engine`, which does no I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvctl.core.events import (
+    DecodeError,
+    EngineBatch,
+    ErrorKind,
+    EventData,
+    decode_engine_batch,
+    decode_engine_message,
+    decode_replay_reply,
+    encode_replay_request,
+)
+from kvctl.core.events.errors import parse_msgpack
+
+__all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
+
+log = logging.getLogger(__name__)
+
+WorkerKey = tuple[int, int]
+Sink = Callable[[WorkerKey, list[EventData]], None]
+OnRestart = Callable[[WorkerKey], None]
+
+_DRAIN_MAX = 256
+"""Live messages taken per wake-up before yielding to the event loop (fairness across streams)."""
+
+_SCHEMA_FIRST = 32
+_SCHEMA_EVERY = 1024
+"""Raw payloads are re-read for `schema` on the first 32 messages, then on every 1024th."""
+
+_SCHEMA_EVENTS = 16
+"""Events of a sampled batch looked at for `schema`."""
+
+# Positions of fields in vLLM <= 0.23 positional events, counting the tag as position 0.
+_POS_BLOCK_HASHES = 1
+_POS_STORED_BLOCK_SIZE = 4
+_POS_STORED_MEDIUM = 6
+_POS_REMOVED_MEDIUM = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaSeen:
+    """What the engine's payloads looked like (sampled): answers "which engine / which settings?".
+
+    - `batch_shapes`: "array" (`[ts, events, dp_rank]`), "array2" (`[ts, events]`, old vLLM) or "map".
+    - `event_shapes`: "map" (vLLM >= 0.24, SGLang) or "array" (vLLM <= 0.23 positional).
+    - `hash_kinds`: "u64", "i64" (negative: SGLang), "bytes" (vLLM with int hashes off).
+    - `block_sizes`, `media`: as sent by the engine (e.g. 16, "GPU", "CPU_PINNED").
+    - `tiers`, `dp_ranks`: from every decoded batch (not sampled).
+    """
+
+    batch_shapes: frozenset[str] = frozenset()
+    event_shapes: frozenset[str] = frozenset()
+    hash_kinds: frozenset[str] = frozenset()
+    block_sizes: frozenset[int] = frozenset()
+    media: frozenset[str] = frozenset()
+    tiers: frozenset[str] = frozenset()
+    dp_ranks: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStats:
+    """A snapshot of one stream's counters (`EngineStream.stats`).
+
+    - `messages`: live messages received (malformed ones included; duplicates included).
+    - `batches_applied`: batches (live or replayed) taken in seq order, events delivered or not.
+    - `events`: events handed to the sink.
+    - `gaps`: gaps detected on the live stream; `lost_batches`: seqs that could not be replayed.
+    - `replays_ok` / `replays_failed`: replays that repaired their gap / that timed out or came back
+      incomplete (the engine no longer held the range).
+    - `duplicates`: live or replayed messages skipped because their seq was already applied.
+    - `gapped`: some batch was lost since the stream started (or since the last engine restart,
+      which clears the worker and so makes the index whole again).
+    - `last_event_at` / `last_message_at`: the injected clock at the last delivered event / at the
+      last live message; None before any.
+    """
+
+    worker: WorkerKey
+    endpoint: str
+    replay_endpoint: str | None
+    messages: int
+    batches_applied: int
+    events: int
+    last_seq: int | None
+    gaps: int
+    replays_ok: int
+    replays_failed: int
+    lost_batches: int
+    restarts: int
+    duplicates: int
+    decode_errors: dict[str, int]
+    last_event_at: float | None
+    last_message_at: float | None
+    gapped: bool
+    replaying: bool
+    schema: SchemaSeen
+
+
+@dataclass(slots=True)
+class _Schema:
+    batch_shapes: set[str] = field(default_factory=set)
+    event_shapes: set[str] = field(default_factory=set)
+    hash_kinds: set[str] = field(default_factory=set)
+    block_sizes: set[int] = field(default_factory=set)
+    media: set[str] = field(default_factory=set)
+    tiers: set[str] = field(default_factory=set)
+    dp_ranks: set[int] = field(default_factory=set)
+
+    def snapshot(self) -> SchemaSeen:
+        return SchemaSeen(
+            frozenset(self.batch_shapes),
+            frozenset(self.event_shapes),
+            frozenset(self.hash_kinds),
+            frozenset(self.block_sizes),
+            frozenset(self.media),
+            frozenset(self.tiers),
+            frozenset(self.dp_ranks),
+        )
+
+    def observe_payload(self, payload: bytes) -> None:
+        """Record the wire shape of one raw payload; anything unexpected is simply not recorded."""
+        try:
+            raw = parse_msgpack(payload)
+        except DecodeError:
+            return
+        if isinstance(raw, dict):
+            self.batch_shapes.add("map")
+            events = raw.get("events")
+        elif isinstance(raw, list) and len(raw) >= 2:
+            self.batch_shapes.add("array" if len(raw) > 2 else "array2")
+            events = raw[1]
+        else:
+            return
+        if not isinstance(events, list):
+            return
+        for event in events[:_SCHEMA_EVENTS]:
+            self._observe_event(event)
+
+    def _observe_event(self, event: Any) -> None:
+        if isinstance(event, dict):
+            self.event_shapes.add("map")
+            tag = event.get("type")
+            hashes, block_size, medium = event.get("block_hashes"), event.get("block_size"), event.get("medium")
+        elif isinstance(event, list) and event:
+            self.event_shapes.add("array")
+            tag = event[0]
+            hashes = _at(event, _POS_BLOCK_HASHES)
+            block_size = _at(event, _POS_STORED_BLOCK_SIZE) if tag == "BlockStored" else None
+            medium = _at(event, _POS_STORED_MEDIUM if tag == "BlockStored" else _POS_REMOVED_MEDIUM)
+        else:
+            return
+        if tag == "AllBlocksCleared":
+            return
+        if isinstance(hashes, list) and hashes:
+            first = hashes[0]
+            if isinstance(first, bytes):
+                self.hash_kinds.add("bytes")
+            elif type(first) is int:
+                self.hash_kinds.add("i64" if first < 0 else "u64")
+        if tag == "BlockStored" and type(block_size) is int:
+            self.block_sizes.add(block_size)
+        if isinstance(medium, str):
+            self.media.add(medium)
+
+
+def _at(items: list[Any], index: int) -> Any:
+    return items[index] if index < len(items) else None
+
+
+@dataclass(slots=True)
+class _Replay:
+    """The replay in flight: the live messages that arrived meanwhile, and when to give up."""
+
+    start: int
+    deadline: float
+    buffered: deque[tuple[int, list[bytes]]] = field(default_factory=deque)
+    last_live: int = 0  # highest live seq buffered
+    lost_before: int = 0  # the stream's lost_batches when the replay began
+
+
+class EngineStream:
+    """Subscribe to one engine endpoint and feed its events, in seq order, to `sink`.
+
+    `worker` is the registered `(worker_id, dp_rank)`; each batch's own dp rank overrides the
+    registered one (as Dynamo does), so the sink gets `(worker_id, batch.dp_rank)`. `on_restart` is
+    called with every worker key this stream delivered events for since the previous restart (the
+    registered key if none), once each, when the engine's seq goes backwards.
+
+    `run()` serves until `close()`; `stats` is a snapshot at any time. `clock` (monotonic seconds)
+    only stamps `last_event_at` / `last_message_at`; replay timeouts use the event loop's clock.
+    """
+
+    def __init__(
+        self,
+        worker: WorkerKey,
+        endpoint: str,
+        replay_endpoint: str | None,
+        *,
+        topic: str = "",
+        block_size: int,
+        sink: Sink,
+        on_restart: OnRestart,
+        replay_timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+        context: zmq.asyncio.Context | None = None,
+        rcvhwm: int = 100_000,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if replay_timeout_s <= 0:
+            raise ValueError(f"replay_timeout_s must be positive, got {replay_timeout_s}")
+        self.worker = worker
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.block_size = block_size
+        self.replay_timeout_s = replay_timeout_s
+        self._sink = sink
+        self._on_restart = on_restart
+        self._clock = clock
+        self._context = context
+        self._rcvhwm = rcvhwm
+
+        self._sub: zmq.asyncio.Socket | None = None
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._poller: zmq.asyncio.Poller | None = None
+        self._run_task: asyncio.Task[None] | None = None
+        self._closing = False
+
+        self._last: int | None = None  # last seq applied (live or replayed)
+        self._last_live: int | None = None  # last seq received live (restart detection)
+        self._replay: _Replay | None = None
+        self._keys_seen: set[WorkerKey] = set()
+
+        self._messages = 0
+        self._batches = 0
+        self._events = 0
+        self._gaps = 0
+        self._replays_ok = 0
+        self._replays_failed = 0
+        self._lost = 0
+        self._restarts = 0
+        self._duplicates = 0
+        self._decode_errors: dict[str, int] = {}
+        self._last_event_at: float | None = None
+        self._last_message_at: float | None = None
+        self._gapped = False
+        self._schema = _Schema()
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> StreamStats:
+        return StreamStats(
+            worker=self.worker,
+            endpoint=self.endpoint,
+            replay_endpoint=self.replay_endpoint,
+            messages=self._messages,
+            batches_applied=self._batches,
+            events=self._events,
+            last_seq=self._last,
+            gaps=self._gaps,
+            replays_ok=self._replays_ok,
+            replays_failed=self._replays_failed,
+            lost_batches=self._lost,
+            restarts=self._restarts,
+            duplicates=self._duplicates,
+            decode_errors=dict(self._decode_errors),
+            last_event_at=self._last_event_at,
+            last_message_at=self._last_message_at,
+            gapped=self._gapped,
+            replaying=self._replay is not None,
+            schema=self._schema.snapshot(),
+        )
+
+    async def run(self) -> None:
+        """Connect and serve until `close()`; sockets are closed (linger 0) however it ends."""
+        if self._run_task is not None:
+            raise RuntimeError("EngineStream.run() is already running or has run")
+        task = asyncio.current_task()
+        assert task is not None
+        self._run_task = task
+        if self._closing:
+            return
+        try:
+            self._open()
+            await self._serve()
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+            task.uncancel()  # our own close(): a clean end, not a cancellation of the caller
+        finally:
+            self._close_sockets()
+
+    def close(self) -> None:
+        """Ask `run()` to stop; returns at once. Idempotent; safe before, during or after `run()`.
+
+        From another task, `run()`'s task is cancelled at its current await and ends normally,
+        sockets closed; from the sink or `on_restart` (inside `run()`), `run()` ends after the
+        current batch. A stream closed before `run()` never connects.
+        """
+        self._closing = True
+        task = self._run_task
+        if task is None or task.done():
+            self._close_sockets()
+        elif task is not _current_task():
+            task.cancel()
+
+    async def aclose(self) -> None:
+        """`close()`, then wait until `run()` has ended and its sockets are closed."""
+        self.close()
+        task = self._run_task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            await asyncio.wait({task})
+
+    # -- sockets ------------------------------------------------------------------------------
+
+    def _ctx(self) -> zmq.asyncio.Context:
+        if self._context is None:
+            self._context = zmq.asyncio.Context.instance()
+        return self._context
+
+    def _open(self) -> None:
+        sub = self._ctx().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
+        self._sub = sub
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(sub, zmq.POLLIN)
+        sub.connect(self.endpoint)
+        if self.replay_endpoint is not None:
+            self._open_dealer()
+
+    def _open_dealer(self) -> None:
+        assert self.replay_endpoint is not None and self._poller is not None
+        dealer = self._ctx().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        self._dealer = dealer
+        self._poller.register(dealer, zmq.POLLIN)
+
+    def _reset_dealer(self) -> None:
+        """A fresh DEALER, so replies of an abandoned replay can never be taken for a later one's."""
+        if self._dealer is not None:
+            if self._poller is not None:
+                self._poller.unregister(self._dealer)
+            self._dealer.close(linger=0)
+            self._dealer = None
+        if self.replay_endpoint is not None and self._poller is not None and not self._closing:
+            self._open_dealer()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._sub, self._dealer):
+            if sock is not None:
+                sock.close(linger=0)
+        self._sub = self._dealer = None
+        self._poller = None
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            assert self._poller is not None and self._sub is not None
+            timeout_ms = None
+            if self._replay is not None:
+                timeout_ms = max(0, int((self._replay.deadline - loop.time()) * 1000) + 1)
+            ready = dict(await self._poller.poll(timeout_ms))
+            if self._dealer is not None and self._dealer in ready:
+                await self._drain_replies(loop)
+            if self._sub in ready:
+                await self._drain_live()
+            if self._replay is not None and loop.time() >= self._replay.deadline:
+                self._replay_timed_out()
+
+    async def _drain_live(self) -> None:
+        sub = self._sub
+        assert sub is not None
+        for _ in range(_DRAIN_MAX):
+            if self._closing or not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            self._on_live(await sub.recv_multipart())
+
+    async def _drain_replies(self, loop: asyncio.AbstractEventLoop) -> None:
+        dealer = self._dealer
+        while (
+            not self._closing
+            and dealer is not None
+            and dealer is self._dealer
+            and dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        ):
+            frames = await dealer.recv_multipart()
+            if self._replay is None:
+                continue  # nothing asked (cannot happen with a fresh DEALER per replay; be safe)
+            self._replay.deadline = loop.time() + self.replay_timeout_s
+            self._on_reply(frames)
+
+    # -- sequencing ---------------------------------------------------------------------------
+
+    def _on_live(self, frames: list[bytes]) -> None:
+        self._messages += 1
+        self._last_message_at = self._clock()
+        seq = _live_seq(frames)
+        if seq is None:
+            try:  # the codec says precisely what is wrong with the frames
+                decode_engine_message(frames, default_block_size=self.block_size)
+            except DecodeError as exc:
+                self._count_error(exc.kind)
+            else:  # pragma: no cover - _live_seq accepts every frame shape the codec accepts
+                self._count_error(ErrorKind.bad_batch)
+            return
+        if self._messages <= _SCHEMA_FIRST or self._messages % _SCHEMA_EVERY == 0:
+            self._schema.observe_payload(frames[2])
+
+        replay = self._replay
+        if replay is not None:
+            if seq < replay.last_live:
+                self._abandon_replay()  # the engine restarted mid-replay; fall through to the restart
+            elif seq == replay.last_live:
+                self._duplicates += 1
+                return
+            else:
+                replay.last_live = seq
+                self._last_live = seq
+                replay.buffered.append((seq, frames))
+                self._drain_buffer(final=False)
+                return
+
+        last, last_live = self._last, self._last_live
+        self._last_live = seq
+        if last is None or last_live is None:
+            self._apply(seq, frames)
+        elif seq < last_live:
+            self._restart(seq, frames)
+        elif seq <= last:
+            self._duplicates += 1
+        elif seq == last + 1:
+            self._apply(seq, frames)
+        else:
+            self._gap(seq, frames)
+
+    def _gap(self, seq: int, frames: list[bytes]) -> None:
+        assert self._last is not None
+        self._gaps += 1
+        start = self._last + 1
+        if self._dealer is None:
+            log.warning("%s: seq gap %d..%d and no replay endpoint: lost", self._name(), start, seq - 1)
+            self._lose(seq - start)
+            self._apply(seq, frames)
+            return
+        log.info("%s: seq gap %d..%d, asking for a replay", self._name(), start, seq - 1)
+        deadline = asyncio.get_running_loop().time() + self.replay_timeout_s
+        self._replay = _Replay(start, deadline, deque([(seq, frames)]), last_live=seq, lost_before=self._lost)
+        self._dealer.send_multipart(encode_replay_request(start))
+
+    def _on_reply(self, frames: list[bytes]) -> None:
+        try:
+            reply = decode_replay_reply(frames)
+        except DecodeError as exc:
+            self._count_error(exc.kind)
+            return
+        assert self._last is not None
+        if reply.end:
+            self._finish_replay(timed_out=False)
+        elif reply.seq <= self._last:
+            self._duplicates += 1
+        else:
+            if reply.seq > self._last + 1:  # the engine's buffer no longer holds these
+                self._lose(reply.seq - self._last - 1)
+            assert reply.payload is not None
+            self._apply_payload(reply.seq, reply.payload)
+            self._drain_buffer(final=False)
+
+    def _replay_timed_out(self) -> None:
+        log.warning("%s: replay timed out after %.1fs", self._name(), self.replay_timeout_s)
+        self._finish_replay(timed_out=True)
+
+    def _finish_replay(self, *, timed_out: bool) -> None:
+        replay = self._replay
+        assert replay is not None
+        self._drain_buffer(final=True)
+        self._replay = None
+        if timed_out:
+            self._replays_failed += 1
+            self._reset_dealer()
+        elif self._lost > replay.lost_before:
+            self._replays_failed += 1
+        else:
+            self._replays_ok += 1
+
+    def _abandon_replay(self) -> None:
+        """The engine restarted: the old incarnation's replay and buffer no longer matter."""
+        self._replay = None
+        self._reset_dealer()
+
+    def _drain_buffer(self, *, final: bool) -> None:
+        """Apply buffered live messages that are next in seq order; with `final`, all of them."""
+        replay = self._replay
+        assert replay is not None and self._last is not None
+        buffered = replay.buffered
+        while buffered:
+            seq, frames = buffered[0]
+            if seq <= self._last:
+                self._duplicates += 1
+            elif seq == self._last + 1:
+                self._apply(seq, frames)
+            elif final:
+                self._lose(seq - self._last - 1)
+                self._apply(seq, frames)
+            else:
+                return
+            buffered.popleft()
+
+    def _restart(self, seq: int, frames: list[bytes]) -> None:
+        log.warning("%s: seq went back from %s to %d: engine restart", self._name(), self._last_live, seq)
+        self._restarts += 1
+        keys = sorted(self._keys_seen) or [self.worker]
+        self._keys_seen.clear()
+        self._gapped = False
+        self._last = None
+        self._last_live = seq
+        for key in keys:
+            self._on_restart(key)
+        self._apply(seq, frames)
+
+    def _lose(self, count: int) -> None:
+        self._lost += count
+        self._gapped = True
+
+    # -- applying -----------------------------------------------------------------------------
+
+    def _apply(self, seq: int, frames: list[bytes]) -> None:
+        """Take live `seq` as applied and deliver its events; an undecodable message is counted and skipped."""
+        self._last = seq
+        self._batches += 1
+        try:
+            message = decode_engine_message(frames, default_block_size=self.block_size)
+        except DecodeError as exc:
+            self._count_error(exc.kind)
+            return
+        self._deliver(message.batch)
+
+    def _apply_payload(self, seq: int, payload: bytes) -> None:
+        """The same for a replayed batch, whose frames the replay reply already checked."""
+        self._last = seq
+        self._batches += 1
+        try:
+            batch = decode_engine_batch(payload, default_block_size=self.block_size)
+        except DecodeError as exc:
+            self._count_error(exc.kind)
+            return
+        self._deliver(batch)
+
+    def _deliver(self, batch: EngineBatch) -> None:
+        for error in batch.errors:
+            self._count_error(error.kind)
+        schema = self._schema
+        schema.dp_ranks.add(batch.dp_rank)
+        if not batch.events:
+            return
+        for event in batch.events:
+            tier = getattr(event, "tier", None)
+            if tier is not None:
+                schema.tiers.add(tier.value)
+        key = (self.worker[0], batch.dp_rank)
+        self._keys_seen.add(key)
+        self._events += len(batch.events)
+        self._last_event_at = self._clock()
+        self._sink(key, batch.events)
+
+    def _count_error(self, kind: ErrorKind) -> None:
+        label = kind.value
+        self._decode_errors[label] = self._decode_errors.get(label, 0) + 1
+
+    def _name(self) -> str:
+        return f"engine stream {self.worker[0]}:{self.worker[1]} ({self.endpoint})"
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop
+        return None
+
+
+def _live_seq(frames: Sequence[bytes]) -> int | None:
+    """The seq of a live `[topic, seq, payload]` message, or None when there is no seq to read.
+
+    A message with a seq consumes it even when the rest is bad (counted when applied), so a
+    malformed payload does not look like a gap and trigger a pointless replay.
+    """
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    return int.from_bytes(frames[1], "big")

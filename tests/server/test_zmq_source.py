@@ -1,0 +1,557 @@
+"""EngineStream against a real engine-side PUB and ROUTER on loopback, fed the real captured payloads.
+
+The test plays the engine's publisher the way vLLM's `ZmqEventPublisher` does: every batch goes to
+a replay buffer and out on PUB as `[topic, seq u64 BE, payload]`; the ROUTER answers `[b"", start]`
+with every buffered batch with seq >= start, as `[b"", topic, seq, payload]` (vLLM >= 0.26, SGLang)
+or `[b"", seq, payload]` (older vLLM), then the end marker. To force a gap a batch is buffered
+but not sent live. Nothing on the ZMQ path is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvctl.core.events import Cleared, ErrorKind, EventData, Removed, Stored, Tier
+from kvctl.server.zmq_source import EngineStream
+from tests.fixtures_path import FIXTURES
+
+END = (2**64 - 1).to_bytes(8, "big")
+WORKER_ID = 7
+MEDIUM_TIER = {"GPU": Tier.device, "CPU": Tier.host_pinned, "CPU_PINNED": Tier.host_pinned}
+# Real events that kvctl refuses: vLLM 0.23's CPU-offload placeholder store (block_size 0).
+EXPECTED_ERRORS = {("vllm-legacy/0.23.0", "j_medium_cpu.msgpack"): {0: ErrorKind.bad_block_size}}
+
+
+# -- fixtures as data ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One captured message: its payload bytes, topic, dp rank and expected events (by the manifest)."""
+
+    file: str
+    topic: str
+    payload: bytes
+    dp_rank: int
+    expected: list[tuple[Any, ...]]
+    errors: dict[int, ErrorKind]
+
+
+def _u64(value: Any) -> int:
+    if isinstance(value, dict):
+        return int(value["__bytes_hex__"][-16:], 16)
+    return value % 2**64
+
+
+def _expected(ev: dict[str, Any]) -> tuple[Any, ...]:
+    if ev["type"] == "AllBlocksCleared":
+        return ("Cleared",)
+    hashes = [_u64(h) for h in ev["block_hashes"]]
+    tier = MEDIUM_TIER[ev["medium"]]
+    if ev["type"] == "BlockRemoved":
+        return ("Removed", hashes, tier)
+    parent = ev["parent_block_hash"]
+    return ("Stored", None if parent is None else _u64(parent), hashes, tier)
+
+
+def _shape(event: EventData) -> tuple[Any, ...]:
+    """What the tests compare of a delivered event: its kind, block hashes, parent and tier."""
+    if isinstance(event, Stored):
+        return ("Stored", event.parent_hash, event.block_hashes, event.tier)
+    if isinstance(event, Removed):
+        return ("Removed", event.block_hashes, event.tier)
+    assert isinstance(event, Cleared)
+    return ("Cleared",)
+
+
+def load(folder: str) -> list[Capture]:
+    manifest = json.loads((FIXTURES / folder / "manifest.json").read_text())
+    captures = []
+    for msg in manifest["messages"]:
+        decoded = msg["decoded_expectation"]
+        errors = EXPECTED_ERRORS.get((folder, msg["file"]), {})
+        captures.append(
+            Capture(
+                file=msg["file"],
+                topic=msg["topic"],
+                payload=(FIXTURES / folder / msg["file"]).read_bytes(),
+                dp_rank=next(v for k, v in decoded.items() if k.endswith("rank")),
+                expected=[_expected(ev) for i, ev in enumerate(decoded["events"]) if i not in errors],
+                errors=errors,
+            )
+        )
+    return captures
+
+
+# -- the engine side ----------------------------------------------------------------------------
+
+
+@dataclass
+class Engine:
+    """A publisher with a replay buffer: real PUB + ROUTER sockets bound on 127.0.0.1."""
+
+    ctx: zmq.asyncio.Context
+    topic_frame: bool = True  # False: legacy 3-frame replay replies
+    mute: bool = False  # True: read replay requests, never answer
+    release: asyncio.Event = field(default_factory=asyncio.Event)  # replies wait for this
+    requests: list[int] = field(default_factory=list)  # start seqs asked for
+    buffer: list[tuple[int, str, bytes]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.release.set()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 100_000)  # ample: the burst test outpaces the SUB
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+        self.request_seen = asyncio.Event()
+        self._task = asyncio.ensure_future(self._serve_replays())
+
+    async def publish(self, seq: int, payload: bytes, topic: str = "", *, live: bool = True) -> None:
+        self.buffer.append((seq, topic, payload))
+        if live:
+            await self.pub.send_multipart([topic.encode(), seq.to_bytes(8, "big"), payload])
+
+    async def send_raw(self, frames: list[bytes]) -> None:
+        await self.pub.send_multipart(frames)
+
+    async def _serve_replays(self) -> None:
+        while True:
+            identity, delimiter, start = await self.router.recv_multipart()
+            assert delimiter == b""
+            self.requests.append(int.from_bytes(start, "big"))
+            self.request_seen.set()
+            if self.mute:
+                continue
+            await self.release.wait()
+            for seq, topic, payload in self.buffer:
+                if seq >= int.from_bytes(start, "big"):
+                    await self.router.send_multipart(
+                        [identity, b"", *self._frames(topic, seq.to_bytes(8, "big"), payload)]
+                    )
+            await self.router.send_multipart([identity, b"", *self._frames("", END, b"")])
+
+    def _frames(self, topic: str, seq: bytes, payload: bytes) -> list[bytes]:
+        return [topic.encode(), seq, payload] if self.topic_frame else [seq, payload]
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+@dataclass
+class Harness:
+    """An engine, a stream subscribed to it, and what reached the sink and on_restart."""
+
+    engine: Engine
+    stream: EngineStream
+    task: asyncio.Task[None]
+    delivered: list[tuple[tuple[int, int], list[EventData]]]
+    restarts: list[tuple[int, int]]
+    base: int = 0
+
+    def shapes(self) -> list[tuple[Any, ...]]:
+        return [_shape(ev) for _, events in self.delivered for ev in events]
+
+    async def wait(self, condition: Callable[[], bool], timeout: float = 3.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out; stats: {self.stream.stats}"
+            await asyncio.sleep(0.005)
+
+    async def start(self, seq: int, payload: bytes, topic: str = "") -> None:
+        """Publish the first message until the stream has it: PUB/SUB's slow joiner drops early sends.
+
+        The copies that arrive after the first are duplicates of seq and are skipped.
+        """
+        self.engine.buffer.append((seq, topic, payload))
+        frames = [topic.encode(), seq.to_bytes(8, "big"), payload]
+        deadline = time.monotonic() + 3.0
+        while self.stream.stats.messages == 0:
+            assert time.monotonic() < deadline, "the SUB never received the probe"
+            await self.engine.send_raw(frames)
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.03)  # let any copies still in flight arrive before the measured sends
+        self.base = self.stream.stats.messages
+
+    async def received(self, messages: int) -> None:
+        """Wait until the stream has received `messages` live messages after the probe."""
+        await self.wait(lambda: self.stream.stats.messages >= self.base + messages)
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+async def make(ctx: zmq.asyncio.Context) -> AsyncIterator[Callable[..., Any]]:
+    """Build harnesses; at teardown every stream is closed and must not have died of an exception."""
+    harnesses: list[Harness] = []
+
+    async def factory(*, replay: bool = True, timeout: float = 2.0, **engine_kw: Any) -> Harness:
+        engine = Engine(ctx, **engine_kw)
+        delivered: list[tuple[tuple[int, int], list[EventData]]] = []
+        restarts: list[tuple[int, int]] = []
+        stream = EngineStream(
+            (WORKER_ID, 0),
+            engine.endpoint,
+            engine.replay_endpoint if replay else None,
+            block_size=16,
+            sink=lambda key, events: delivered.append((key, events)),
+            on_restart=restarts.append,
+            replay_timeout_s=timeout,
+            clock=lambda: 1234.5,
+            context=ctx,
+        )
+        harness = Harness(engine, stream, asyncio.ensure_future(stream.run()), delivered, restarts)
+        harnesses.append(harness)
+        return harness
+
+    yield factory
+    for h in harnesses:
+        await h.stream.aclose()
+        assert h.task.done()
+        h.task.result()
+        await h.engine.close()
+
+
+def _events_of(captures: list[Capture]) -> list[tuple[Any, ...]]:
+    return [ev for c in captures for ev in c.expected]
+
+
+# -- in order -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("folder", ["vllm-0.33", "sglang-0.5.23", "vllm-legacy/0.23.0", "vllm-legacy/0.10.2"])
+async def test_in_order_messages_reach_the_sink_as_the_manifest_says(make: Any, folder: str) -> None:
+    captures = load(folder)
+    h = await make()
+    await h.start(0, captures[0].payload, captures[0].topic)
+    for seq, capture in enumerate(captures[1:], start=1):
+        await h.engine.publish(seq, capture.payload, capture.topic)
+    await h.wait(lambda: h.stream.stats.batches_applied == len(captures))
+
+    assert h.shapes() == _events_of(captures)
+    # One sink call per batch with events, keyed by the payload's own dp rank (not the registered 0).
+    assert [key for key, _ in h.delivered] == [(WORKER_ID, c.dp_rank) for c in captures if c.expected]
+    stats = h.stream.stats
+    assert stats.last_seq == len(captures) - 1
+    assert stats.events == len(_events_of(captures))
+    assert (stats.gaps, stats.lost_batches, stats.restarts, stats.gapped) == (0, 0, 0, False)
+    assert stats.decode_errors == {
+        kind.value: 1 for c in captures for kind in c.errors.values()
+    }  # one real bad event at most per folder here
+    assert stats.last_event_at == 1234.5 and stats.last_message_at == 1234.5
+    schema = stats.schema
+    assert schema.event_shapes == ({"array"} if folder.startswith("vllm-legacy") else {"map"})
+    assert schema.dp_ranks == {c.dp_rank for c in captures}
+    assert 16 in schema.block_sizes
+    assert Tier.device.value in schema.tiers
+    assert "GPU" in schema.media
+
+
+async def test_schema_tells_engines_apart(make: Any) -> None:
+    """SGLang's signed hashes and CPU_PINNED medium; vLLM's bytes hashes and its CPU tier."""
+    sglang, vllm = load("sglang-0.5.23"), load("vllm-0.33")
+    h = await make()
+    await h.start(0, sglang[0].payload)
+    pinned = next(c for c in sglang if c.file.startswith("j_"))
+    raw = [c for c in vllm if c.file.startswith(("g_", "j_"))]
+    for seq, capture in enumerate([pinned, *raw], start=1):
+        await h.engine.publish(seq, capture.payload)
+    await h.wait(lambda: h.stream.stats.batches_applied == 4)
+    schema = h.stream.stats.schema
+    assert schema.hash_kinds == {"u64", "i64", "bytes"}
+    assert schema.media == {"GPU", "CPU_PINNED", "CPU"}
+    assert schema.tiers == {"device", "host_pinned"}
+
+
+# -- gaps and replay ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("folder", "topic_frame"), [("vllm-0.33", True), ("sglang-0.5.23", True), ("vllm-legacy/0.23.0", False)]
+)
+async def test_gap_is_repaired_by_replay_and_live_messages_wait_for_it(
+    make: Any, folder: str, topic_frame: bool
+) -> None:
+    a, b, c, d, e = load(folder)[:5]  # store, chained store, remove, clear, mixed
+    h = await make(topic_frame=topic_frame)
+    h.engine.release.clear()  # the engine holds its replay until the live message below is in
+    await h.start(0, a.payload)
+    await h.engine.publish(1, b.payload, live=False)  # lost on the wire
+    await h.engine.publish(2, c.payload, live=False)
+    await h.engine.publish(3, d.payload)  # the gap shows
+    await h.wait(h.engine.request_seen.is_set)
+    assert h.engine.requests == [1]
+    await h.engine.publish(4, e.payload)  # live, during the replay
+    await h.received(2)
+    assert h.stream.stats.replaying
+    assert h.shapes() == _events_of([a])  # nothing past the gap yet: d and e are buffered
+    h.engine.release.set()
+    await h.wait(lambda: h.stream.stats.last_seq == 4 and not h.stream.stats.replaying)
+
+    assert h.shapes() == _events_of([a, b, c, d, e])
+    stats = h.stream.stats
+    assert (stats.gaps, stats.replays_ok, stats.replays_failed, stats.lost_batches) == (1, 1, 0, 0)
+    assert stats.gapped is False
+    assert stats.batches_applied == 5
+    assert stats.duplicates >= 2  # the engine replayed 3 and 4 too; the buffered live copies won
+
+
+async def test_without_a_replay_endpoint_the_gap_is_lost_and_the_stream_goes_on(make: Any) -> None:
+    a, b, c, d, e = load("vllm-0.33")[:5]
+    h = await make(replay=False)
+    await h.start(0, a.payload)
+    await h.engine.publish(1, b.payload, live=False)
+    await h.engine.publish(2, c.payload, live=False)
+    await h.engine.publish(3, d.payload)
+    await h.engine.publish(4, e.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 4)
+
+    assert h.shapes() == _events_of([a, d, e])
+    stats = h.stream.stats
+    assert (stats.gaps, stats.lost_batches, stats.gapped) == (1, 2, True)
+    assert (stats.replays_ok, stats.replays_failed) == (0, 0)
+    assert h.engine.requests == []
+
+
+async def test_replay_timeout_counts_a_failure_then_a_later_gap_still_replays(make: Any) -> None:
+    a, b, c, d, e = load("vllm-0.33")[:5]
+    h = await make(timeout=0.3, mute=True)
+    await h.start(0, a.payload)
+    await h.engine.publish(1, b.payload, live=False)
+    await h.engine.publish(2, c.payload)
+    await h.engine.publish(3, d.payload)  # buffered while the replay waits
+    await h.wait(lambda: h.stream.stats.replays_failed == 1, timeout=3.0)
+    await h.wait(lambda: h.stream.stats.last_seq == 3)
+
+    assert h.engine.requests == [1]
+    assert h.shapes() == _events_of([a, c, d])
+    stats = h.stream.stats
+    assert (stats.gaps, stats.replays_failed, stats.replays_ok, stats.lost_batches, stats.gapped) == (1, 1, 0, 1, True)
+
+    # The engine answers again: a fresh DEALER asks for the next gap and gets it.
+    h.engine.mute = False
+    await h.engine.publish(4, e.payload, live=False)
+    await h.engine.publish(5, a.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 5 and not h.stream.stats.replaying)
+    assert h.engine.requests == [1, 4]
+    assert h.shapes() == _events_of([a, c, d, e, a])
+    stats = h.stream.stats
+    assert (stats.gaps, stats.replays_ok, stats.replays_failed, stats.lost_batches) == (2, 1, 1, 1)
+
+
+async def test_replay_that_no_longer_holds_the_gap_counts_it_lost(make: Any) -> None:
+    a, b, c, d, _ = load("vllm-0.33")[:5]
+    h = await make()
+    await h.start(0, a.payload)
+    await h.engine.publish(1, b.payload, live=False)
+    h.engine.buffer.pop()  # the engine's replay buffer has already dropped seq 1
+    await h.engine.publish(2, c.payload)
+    await h.engine.publish(3, d.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 3 and not h.stream.stats.replaying)
+
+    assert h.shapes() == _events_of([a, c, d])
+    stats = h.stream.stats
+    assert (stats.replays_ok, stats.replays_failed, stats.lost_batches, stats.gapped) == (0, 1, 1, True)
+
+
+# -- restarts, duplicates, bad input ------------------------------------------------------------
+
+
+async def test_seq_going_back_is_a_restart(make: Any) -> None:
+    a, b, c, d, e = load("vllm-0.33")[:5]
+    h = await make(replay=False)
+    await h.start(5, a.payload)
+    await h.engine.publish(6, b.payload)
+    await h.engine.publish(8, c.payload)  # a lost batch: gapped until the restart
+    await h.wait(lambda: h.stream.stats.last_seq == 8)
+    assert h.stream.stats.gapped and h.restarts == []
+
+    await h.engine.publish(0, d.payload)  # the engine restarted
+    await h.engine.publish(1, e.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 1)
+
+    assert h.restarts == [(WORKER_ID, 0)]
+    assert h.shapes() == _events_of([a, b, c, d, e])
+    stats = h.stream.stats
+    assert (stats.restarts, stats.gapped, stats.gaps, stats.lost_batches) == (1, False, 1, 1)
+
+
+async def test_restart_during_a_replay_abandons_it(make: Any) -> None:
+    a, b, c, d, e = load("vllm-0.33")[:5]
+    h = await make(mute=True, timeout=5.0)
+    await h.start(10, a.payload)
+    await h.engine.publish(11, b.payload, live=False)
+    await h.engine.publish(12, c.payload)  # gap: replay asked, never answered
+    await h.wait(h.engine.request_seen.is_set)
+    await h.engine.publish(0, d.payload)  # the engine restarted meanwhile
+    await h.engine.publish(1, e.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 1)
+
+    assert h.restarts == [(WORKER_ID, 0)]
+    assert h.shapes() == _events_of([a, d, e])  # seq 12 belonged to the old engine's lost history
+    stats = h.stream.stats
+    assert (stats.restarts, stats.replaying, stats.gapped) == (1, False, False)
+
+
+async def test_a_burst_is_applied_in_order_without_gaps(make: Any) -> None:
+    captures = load("vllm-0.33")
+    h = await make()
+    await h.start(0, captures[0].payload)
+    n = 3000
+    for seq in range(1, n + 1):
+        await h.engine.publish(seq, captures[seq % len(captures)].payload, live=True)
+    await h.wait(lambda: h.stream.stats.last_seq == n, timeout=10.0)
+    stats = h.stream.stats
+    assert (stats.batches_applied, stats.gaps, stats.lost_batches) == (n + 1, 0, 0)
+    assert stats.events == sum(len(captures[s % len(captures)].expected) for s in range(n + 1))
+
+
+async def test_restart_clears_every_dp_rank_the_stream_fed(make: Any) -> None:
+    vllm = load("vllm-0.33")
+    a = vllm[0]
+    f = next(c for c in vllm if c.file.startswith("f_"))  # data_parallel_rank 1
+    h = await make()
+    await h.start(3, a.payload)
+    await h.engine.publish(4, f.payload, "kv-events")
+    await h.engine.publish(0, a.payload)
+    await h.wait(lambda: h.stream.stats.restarts == 1 and h.stream.stats.last_seq == 0)
+    assert sorted(h.restarts) == [(WORKER_ID, 0), (WORKER_ID, 1)]
+    assert h.engine.requests == []
+
+
+async def test_duplicate_seq_is_skipped(make: Any) -> None:
+    a, b, *_ = load("sglang-0.5.23")
+    h = await make()
+    await h.start(0, a.payload)
+    await h.engine.publish(1, b.payload)
+    await h.engine.send_raw([b"", (1).to_bytes(8, "big"), b.payload])
+    await h.engine.publish(2, a.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 2)
+    assert h.shapes() == _events_of([a, b, a])
+    assert h.stream.stats.restarts == 0 and h.stream.stats.gaps == 0
+
+
+async def test_malformed_messages_are_counted_and_skipped(make: Any) -> None:
+    vllm = load("vllm-0.33")
+    a, b, e = vllm[0], vllm[1], vllm[4]
+    wire = msgspec.msgpack.decode(e.payload)  # the real mixed batch, with two bad events spliced in
+    good_store, good_remove, good_clear = wire[1]
+    wire[1] = [
+        good_store,
+        {"type": "BlockFrobbed"},
+        good_remove,
+        {"type": "BlockRemoved", "block_hashes": ["not-a-hash"], "medium": "GPU"},
+        good_clear,
+    ]
+    h = await make()
+    await h.start(0, a.payload)
+    await h.engine.publish(1, b"\xc1 garbage, not msgpack")
+    await h.engine.publish(2, msgspec.msgpack.encode(wire))
+    await h.engine.send_raw([b"", b"short"])  # two frames: no seq to read
+    await h.engine.send_raw([b"", b"\x00" * 3, b.payload])  # a 3-byte seq
+    await h.engine.publish(3, b.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 3)
+
+    assert h.shapes() == _events_of([a, e, b])  # the mixed batch lost only its two bad events
+    stats = h.stream.stats
+    assert stats.decode_errors == {"bad_msgpack": 1, "unknown_type": 1, "bad_hash": 1, "bad_batch": 2}
+    # A bad payload still consumed its seq: no gap, no pointless replay.
+    assert (stats.gaps, stats.gapped, stats.batches_applied) == (0, False, 4)
+    assert h.engine.requests == []
+
+
+async def test_real_bad_event_of_vllm_0_23_offload_is_counted(make: Any) -> None:
+    legacy = load("vllm-legacy/0.23.0")
+    a, j = legacy[0], next(c for c in legacy if c.file.startswith("j_"))
+    h = await make()
+    await h.start(0, a.payload)
+    await h.engine.publish(1, j.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 1)
+    assert h.shapes() == _events_of([a, j]) and h.shapes()[-1][0] == "Removed"
+    assert h.stream.stats.decode_errors == {"bad_block_size": 1}
+
+
+# -- lifecycle ----------------------------------------------------------------------------------
+
+
+async def test_close_is_prompt_and_closes_the_sockets(make: Any) -> None:
+    h = await make()
+    await h.start(0, load("vllm-0.33")[0].payload)
+    sub = h.stream._sub
+    assert sub is not None and not sub.closed
+    began = time.monotonic()
+    h.stream.close()  # synchronous: the daemon calls it from its shutdown path
+    await asyncio.wait_for(h.task, 0.5)
+    assert time.monotonic() - began < 0.5
+    assert h.task.exception() is None  # run() ended normally, not cancelled
+    assert sub.closed and h.stream._sub is None and h.stream._dealer is None
+    h.stream.close()  # idempotent
+    await h.stream.aclose()
+
+
+async def test_close_during_a_replay_and_before_run(make: Any, ctx: zmq.asyncio.Context) -> None:
+    a, b, c, *_ = load("vllm-0.33")
+    h = await make(mute=True, timeout=5.0)
+    await h.start(0, a.payload)
+    await h.engine.publish(1, b.payload, live=False)
+    await h.engine.publish(2, c.payload)
+    await h.wait(h.engine.request_seen.is_set)
+    assert h.stream.stats.replaying
+    began = time.monotonic()
+    await h.stream.aclose()
+    assert time.monotonic() - began < 0.5 and h.task.done() and h.stream._dealer is None
+
+    never = EngineStream((1, 0), "tcp://127.0.0.1:9", None, block_size=16, sink=print, on_restart=print, context=ctx)
+    never.close()
+    await asyncio.wait_for(never.run(), 0.5)  # returns at once: closed before it ran
+    assert never.stats.messages == 0 and never._sub is None
+
+
+async def test_close_called_from_the_sink_ends_run_after_that_batch(ctx: zmq.asyncio.Context) -> None:
+    a, b = load("vllm-0.33")[:2]
+    engine = Engine(ctx)
+    seen: list[int] = []
+
+    def sink(key: tuple[int, int], events: list[EventData]) -> None:
+        seen.append(len(events))
+        stream.close()  # inside run(): no cancellation, run() returns after this batch
+
+    stream = EngineStream((1, 0), engine.endpoint, None, block_size=16, sink=sink, on_restart=print, context=ctx)
+    task = asyncio.ensure_future(stream.run())
+    try:
+        deadline = time.monotonic() + 3.0
+        while not task.done():
+            assert time.monotonic() < deadline
+            await engine.send_raw([b"", (0).to_bytes(8, "big"), a.payload])
+            await engine.send_raw([b"", (1).to_bytes(8, "big"), b.payload])
+            await asyncio.sleep(0.01)
+        assert task.exception() is None and seen == [1] and stream._sub is None
+    finally:
+        await engine.close()
+
+
+async def test_constructor_rejects_bad_settings() -> None:
+    with pytest.raises(ValueError):
+        EngineStream((1, 0), "tcp://127.0.0.1:9", None, block_size=0, sink=print, on_restart=print)
+    with pytest.raises(ValueError):
+        EngineStream((1, 0), "tcp://127.0.0.1:9", None, block_size=16, sink=print, on_restart=print, replay_timeout_s=0)
