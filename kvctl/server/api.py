@@ -25,6 +25,7 @@ from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
 from kvctl.core.router.scoring import NoCandidates
 from kvctl.server.metrics import Metrics
 from kvctl.server.state import DEFAULT_MODEL, Fleet, UnknownModel, UnknownWorker, WorkerInfo
+from kvctl.server.streams import Streams
 
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 U32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
@@ -105,7 +106,8 @@ def _needs_admin(method: str, path: str) -> bool:
 
 
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
-               max_body_bytes: int = 64 * 1024 * 1024) -> FastAPI:
+               max_body_bytes: int = 64 * 1024 * 1024, streams: Streams | None = None) -> FastAPI:
+    """`streams`: engine subscriptions to start and stop with worker registration (None: HTTP events only)."""
     app = FastAPI(title="kvctl router", version=__version__)
     app.state.fleet = fleet
     metrics = Metrics(fleet)
@@ -139,6 +141,11 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/status")
+    async def status() -> Response:
+        return _json({"version": __version__, "models": fleet.stats()["models"],
+                      "streams": streams.status() if streams is not None else []})
+
     @app.get("/healthz")
     async def healthz() -> Response:
         return _json({"status": "ok", "version": __version__})
@@ -151,13 +158,18 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     async def register_worker(body: WorkerBody) -> Response:
         info = fleet.register(WorkerInfo(body.worker_id, body.dp_rank, body.model, body.endpoint,
                                          body.replay_endpoint, body.topic))
+        if streams is not None:
+            streams.start(info)
         row = next(r for r in fleet.worker_rows(clock()) if (r["worker_id"], r["dp_rank"]) == info.key)
         return _json(row, 201)
 
     @app.delete("/v1/workers/{worker_id}")
     async def remove_worker(worker_id: int, dp_rank: int | None = None) -> Response:
         try:
-            return _json(fleet.unregister(worker_id, dp_rank))
+            removed = fleet.unregister(worker_id, dp_rank)
+            if streams is not None:
+                removed["streams_stopped"] = await streams.stop(worker_id, dp_rank)
+            return _json(removed)
         except UnknownWorker:
             return _error(404, f"unknown worker {worker_id}" + ("" if dp_rank is None else f":{dp_rank}"))
 

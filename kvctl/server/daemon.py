@@ -21,6 +21,7 @@ import uvicorn
 from kvctl.server import snapshot
 from kvctl.server.api import create_app
 from kvctl.server.state import DEFAULT_MODEL, Fleet, WorkerInfo
+from kvctl.server.streams import Streams
 
 log = logging.getLogger("kvctl.serve")
 
@@ -93,24 +94,26 @@ def base_url(sock: socket.socket) -> str:
 async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     fleet = Fleet(block_size=options.block_size)
     _load_state(fleet, options)
-    app = create_app(fleet, admin_token=options.admin_token)
+    streams = Streams(fleet)
+    app = create_app(fleet, admin_token=options.admin_token, streams=streams)
     sock = bind(options.host, options.port)
-    config = uvicorn.Config(app, log_level=options.log_level, access_log=False, lifespan="off")
-    server = _Server(config)
-    streams = [_start_stream(fleet, spec) for spec in options.engines]
-    tasks = [asyncio.create_task(stream.run()) for stream in streams]
-    if options.state_dir is not None:
-        tasks.append(asyncio.create_task(_snapshot_every(fleet, options.state_dir, options.snapshot_interval_s)))
+    server = _Server(uvicorn.Config(app, log_level=options.log_level, access_log=False, lifespan="off"))
+    for spec in options.engines:
+        streams.start(fleet.register(WorkerInfo(spec.worker_id, spec.dp_rank, spec.model, spec.endpoint,
+                                                spec.replay_endpoint, spec.topic)))
+    for info in list(fleet.workers.values()):  # restored from the snapshot
+        streams.start(info)
+    snapshots = (asyncio.create_task(_snapshot_every(fleet, options.state_dir, options.snapshot_interval_s))
+                 if options.state_dir is not None else None)
     announce(base_url(sock))
     try:
         await server.serve(sockets=[sock])
     finally:
-        for stream in streams:
-            stream.close()
-        for task in tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await streams.close()
+        if snapshots is not None:
+            snapshots.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await snapshots
         sock.close()
         if options.state_dir is not None:
             path = snapshot.write(fleet, options.state_dir, time.time())
@@ -138,22 +141,3 @@ async def _snapshot_every(fleet: Fleet, state_dir: Path, interval_s: float) -> N
     while True:
         await asyncio.sleep(interval_s)
         snapshot.write(fleet, state_dir, time.time())
-
-
-def _start_stream(fleet: Fleet, spec: EngineSpec):  # type: ignore[no-untyped-def]
-    from kvctl.server.zmq_source import EngineStream
-
-    fleet.register(WorkerInfo(spec.worker_id, spec.dp_rank, spec.model, spec.endpoint, spec.replay_endpoint,
-                              spec.topic))
-    model = fleet.model(spec.model)
-
-    def sink(worker: tuple[int, int], events: list) -> None:  # type: ignore[type-arg]
-        fleet.apply_engine_batch(spec.model, worker, events, time.monotonic())
-
-    def on_restart(worker: tuple[int, int]) -> None:
-        log.warning("engine %s:%s restarted (its seq went back): clearing its blocks", *worker)
-        fleet.reset(spec.model, worker[0], worker[1])
-
-    return EngineStream(worker=(spec.worker_id, spec.dp_rank), endpoint=spec.endpoint,
-                        replay_endpoint=spec.replay_endpoint, topic=spec.topic, block_size=model.block_size,
-                        sink=sink, on_restart=on_restart)

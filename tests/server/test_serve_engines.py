@@ -1,0 +1,103 @@
+"""End to end: a real engine-side PUB/ROUTER publishing vLLM's captured payloads into a `kvctl serve`
+process; what the router's /v1/tree shows must be exactly what the engine stored."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import zmq.asyncio
+
+from kvctl.core.hashing import local_block_hashes
+from tests.fixtures_path import FIXTURES
+from tests.server.zmq_engine import Engine
+
+VLLM = FIXTURES / "vllm-0.33"
+MESSAGES = {m["file"][0]: m for m in json.loads((VLLM / "manifest.json").read_text())["messages"]}
+
+
+def payload(case: str) -> bytes:
+    return (VLLM / MESSAGES[case]["file"]).read_bytes()
+
+
+def stored_blocks(case: str) -> set[tuple[int, int]]:
+    """(engine block hash, local hash) of every block a fixture message stores, from its manifest."""
+    out = set()
+    for ev in MESSAGES[case]["decoded_expectation"]["events"]:
+        if ev["type"] == "BlockStored":
+            local = local_block_hashes(ev["token_ids"], ev["block_size"], lora_name=ev["lora_name"])
+            out |= {(h % 2**64, t) for h, t in zip(ev["block_hashes"], local, strict=True)}
+    return out
+
+
+def tree_blocks(dump: list[dict[str, Any]]) -> set[tuple[int, int]]:
+    return {(b["block_hash"], b["tokens_hash"]) for ev in dump for b in ev["event"]["data"]["stored"]["blocks"]}
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[Engine]:
+    ctx = zmq.asyncio.Context()
+    eng = Engine(ctx)
+    yield eng
+    await eng.close()
+    ctx.term()
+
+
+async def _until(predicate, client: httpx.AsyncClient, what: str, timeout: float = 10.0) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        status = (await client.get("/v1/status")).json()
+        if predicate(status["streams"][0]):
+            return status["streams"][0]
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}: {status['streams'][0]}")
+        await asyncio.sleep(0.05)
+
+
+async def test_engine_events_gap_replay_restart_and_garbage(engine: Engine, tmp_path: Path) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvctl", "serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path),
+        "--worker", f"1={engine.endpoint},replay={engine.replay_endpoint}",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = (await proc.stdout.readline()).decode().strip()  # type: ignore[union-attr]
+        async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+            # Slow joiner: repeat seq 0 until the router has it (copies are skipped as duplicates).
+            await engine.publish(0, payload("a"))
+            while (await client.get("/v1/status")).json()["streams"][0]["messages"] == 0:
+                await engine.send_raw([b"", (0).to_bytes(8, "big"), payload("a")])
+                await asyncio.sleep(0.05)
+            # seq 1 never goes out live: seq 2 reveals the gap and the router replays it from the ROUTER.
+            await engine.publish(1, payload("b"), live=False)
+            await engine.publish(2, payload("h"))
+            await _until(lambda s: s["replays_ok"] == 1 and s["last_seq"] == 2, client, "the replay")
+            assert tree_blocks((await client.get("/v1/tree")).json()) == (
+                stored_blocks("a") | stored_blocks("b") | stored_blocks("h"))
+            # A malformed message is counted and skipped; the stream goes on.
+            await engine.publish(3, b"\xc1 not msgpack")
+            await engine.publish(4, payload("i"))
+            s = await _until(lambda s: s["last_seq"] == 4, client, "seq 4")
+            assert s["decode_errors"] == {"bad_msgpack": 1} and s["gaps"] == 1 and not s["gapped"]
+            # seq back to 0: the engine restarted; its old blocks are cleared, the new one applied.
+            await engine.publish(0, payload("l"))
+            await _until(lambda s: s["restarts"] == 1, client, "the restart")
+            dump = (await client.get("/v1/tree")).json()
+            assert tree_blocks([e for e in dump if e["storage_tier"] == "device"]) == set()
+            assert tree_blocks(dump) == stored_blocks("l")  # l is a CPU-tier store
+            assert {e["storage_tier"] for e in dump} == {"host_pinned"}
+            workers = (await client.get("/v1/workers")).json()["workers"]
+            assert [(w["worker_id"], w["endpoint"]) for w in workers] == [(1, engine.endpoint)]
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
