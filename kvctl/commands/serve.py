@@ -48,6 +48,26 @@ def parse_engine(text: str):  # type: ignore[no-untyped-def]
                       opts.get("model", "default"), opts.get("topic", ""))
 
 
+def parse_tier_credits(text: str | None) -> dict | None:  # type: ignore[type-arg]
+    """'default' or 'tier=credit,...' (tiers: host_pinned, disk, external)."""
+    from kvctl.core.events import Tier
+    from kvctl.core.router.scoring import DEFAULT_TIER_CREDITS
+
+    if text is None:
+        return None
+    if text == "default":
+        return dict(DEFAULT_TIER_CREDITS)
+    credits = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        try:
+            credits[Tier(name.strip())] = float(value)
+        except ValueError:
+            raise UsageError(f"--tier-credits: bad item {item!r}",
+                             hint="e.g. host_pinned=0.75,disk=0.25, or 'default'") from None
+    return credits
+
+
 def serve_command(
     ctx: typer.Context,
     listen: Annotated[str, typer.Option("--listen", envvar="KVCTL_LISTEN", help="HOST:PORT to bind (port 0: any).")]
@@ -69,7 +89,41 @@ def serve_command(
     = False,
     log_level: Annotated[str, typer.Option("--log-level", help="Log level (debug, info, warning, error).")]
     = "warning",
+    overlap_score_weight: Annotated[float, typer.Option(
+        "--overlap-score-weight", envvar="KVCTL_OVERLAP_SCORE_WEIGHT", help="Weight of prefill blocks in the cost.")]
+    = 1.0,
+    temperature: Annotated[float, typer.Option("--router-temperature", envvar="KVCTL_ROUTER_TEMPERATURE",
+                                               help="0: lowest cost wins; > 0: sample a softmax.")] = 0.0,
+    tier_credits: Annotated[str | None, typer.Option(
+        "--tier-credits", envvar="KVCTL_TIER_CREDITS", show_default=False,
+        help="Credit blocks held on slower tiers, e.g. 'host_pinned=0.75,disk=0.25' (or 'default').")] = None,
+    decode_threshold: Annotated[float | None, typer.Option(
+        "--active-decode-blocks-threshold", envvar="KVCTL_ACTIVE_DECODE_BLOCKS_THRESHOLD", show_default=False,
+        help="Busy when KV use or active decode blocks exceed this fraction of capacity.")] = None,
+    prefill_threshold: Annotated[int | None, typer.Option(
+        "--active-prefill-tokens-threshold", envvar="KVCTL_ACTIVE_PREFILL_TOKENS_THRESHOLD", show_default=False,
+        help="Busy above this many prompt tokens in flight.")] = None,
+    prefill_frac: Annotated[float | None, typer.Option(
+        "--active-prefill-tokens-threshold-frac", envvar="KVCTL_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",
+        show_default=False, help="Busy above this multiple of max batched tokens in flight.")] = None,
+    approximate: Annotated[bool, typer.Option("--approximate", envvar="KVCTL_APPROXIMATE",
+                                              help="No KV events: index the router's own decisions.")] = False,
+    router_ttl: Annotated[float, typer.Option("--router-ttl", envvar="KVCTL_ROUTER_TTL",
+                                              help="Approximate mode: seconds a routed block is assumed cached.")]
+    = 120.0,
+    max_tree_size: Annotated[int, typer.Option("--max-tree-size", envvar="KVCTL_MAX_TREE_SIZE",
+                                               help="Approximate mode: (worker, block) pairs kept at most.")]
+    = 2**20,
+    prune_target_ratio: Annotated[float, typer.Option("--prune-target-ratio", envvar="KVCTL_PRUNE_TARGET_RATIO",
+                                                      help="Approximate mode: prune to this share of the cap.")]
+    = 0.8,
+    request_expiry: Annotated[float, typer.Option("--request-expiry", envvar="KVCTL_REQUEST_EXPIRY",
+                                                  help="Force-free in-flight requests older than this (s).")]
+    = 300.0,
 ) -> None:
+    from kvctl.core.router.approx import ApproxConfig
+    from kvctl.core.router.busy import Thresholds
+    from kvctl.core.router.scoring import RouterConfig
     from kvctl.server.daemon import ServeOptions, is_loopback, run
 
     host, port = parse_listen(listen)
@@ -83,8 +137,17 @@ def serve_command(
     if not snapshot_interval > 0:
         raise UsageError(f"--snapshot-interval must be > 0 seconds, got {snapshot_interval}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        router = RouterConfig(overlap_score_weight, temperature, parse_tier_credits(tier_credits))
+        thresholds = Thresholds(decode_threshold, prefill_threshold, prefill_frac)
+        approx = ApproxConfig(router_ttl, max_tree_size, prune_target_ratio) if approximate else None
+        if not request_expiry > 0:
+            raise ValueError(f"--request-expiry must be > 0 seconds, got {request_expiry}")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
-                           snapshot_interval, not no_restore, reset_states)
+                           snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
+                           request_expiry)
     try:
         asyncio.run(run(options, out.line))
     except OSError as exc:

@@ -175,6 +175,9 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
 
     @app.post("/v1/events")
     async def post_events(request: Request, model: str = DEFAULT_MODEL) -> Response:
+        if fleet.approx is not None:
+            return _error(409, "this router runs in approximate mode: it indexes its own routing decisions, "
+                               "not KV events (restart without --approximate to accept them)")
         raw = await request.body()
         events: list[RouterEvent] = []
         rejected: dict[str, int] = {}

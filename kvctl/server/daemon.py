@@ -18,12 +18,18 @@ from pathlib import Path
 
 import uvicorn
 
+from kvctl.core.router.approx import ApproxConfig
+from kvctl.core.router.busy import Thresholds
+from kvctl.core.router.scoring import RouterConfig
+from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.server import snapshot
 from kvctl.server.api import create_app
 from kvctl.server.state import DEFAULT_MODEL, Fleet, WorkerInfo
 from kvctl.server.streams import Streams
 
 log = logging.getLogger("kvctl.serve")
+TICK_S = 1.0
+"""How often stale requests are force-freed and approximate-mode blocks expire."""
 
 
 class _Server(uvicorn.Server):
@@ -65,6 +71,10 @@ class ServeOptions:
     snapshot_interval_s: float = 60.0
     restore: bool = True
     reset_states: bool = False
+    router: RouterConfig = field(default_factory=RouterConfig)
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    approx: ApproxConfig | None = None  # approximate mode: no KV events, the router indexes its decisions
+    request_expiry_s: float = EXPIRY_S
 
 
 def is_loopback(host: str) -> bool:
@@ -92,7 +102,8 @@ def base_url(sock: socket.socket) -> str:
 
 
 async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
-    fleet = Fleet(block_size=options.block_size)
+    fleet = Fleet(block_size=options.block_size, config=options.router, thresholds=options.thresholds,
+                  approx=options.approx, request_expiry_s=options.request_expiry_s)
     _load_state(fleet, options)
     streams = Streams(fleet)
     app = create_app(fleet, admin_token=options.admin_token, streams=streams)
@@ -103,17 +114,18 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
                                                 spec.replay_endpoint, spec.topic)))
     for info in list(fleet.workers.values()):  # restored from the snapshot
         streams.start(info)
-    snapshots = (asyncio.create_task(_snapshot_every(fleet, options.state_dir, options.snapshot_interval_s))
-                 if options.state_dir is not None else None)
+    background = [asyncio.create_task(_tick_every(fleet, TICK_S))]
+    if options.state_dir is not None:
+        background.append(asyncio.create_task(_snapshot_every(fleet, options.state_dir, options.snapshot_interval_s)))
     announce(base_url(sock))
     try:
         await server.serve(sockets=[sock])
     finally:
         await streams.close()
-        if snapshots is not None:
-            snapshots.cancel()
+        for task in background:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await snapshots
+                await task
         sock.close()
         if options.state_dir is not None:
             path = snapshot.write(fleet, options.state_dir, time.time())
@@ -135,6 +147,12 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> None:
         log.warning("restored %d events from the snapshot taken %.1f s ago (%d rejected); KV events sent "
                     "after it were not seen: engines' replay or new events will fill the gap",
                     restored.events, age, restored.rejected)
+
+
+async def _tick_every(fleet: Fleet, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        fleet.tick(time.monotonic())
 
 
 async def _snapshot_every(fleet: Fleet, state_dir: Path, interval_s: float) -> None:

@@ -14,9 +14,11 @@ from typing import Any
 
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
 from kvctl.core.index import Status
-from kvctl.core.router.busy import BusyThresholds, BusyTracker, RankBusy, WorkerLoad, check_admission
+from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
+from kvctl.core.router.busy import BusyThresholds, BusyTracker, RankBusy, Thresholds, WorkerLoad, check_admission
 from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, RouterConfig
+from kvctl.core.router.sequences import EXPIRY_S, ActiveSequences
 
 Worker = tuple[int, int]
 DEFAULT_MODEL = "default"
@@ -64,13 +66,18 @@ class ModelState:
 
 
 class Fleet:
-    def __init__(self, *, block_size: int = 16, config: RouterConfig | None = None, seed: int | None = None) -> None:
+    def __init__(self, *, block_size: int = 16, config: RouterConfig | None = None, seed: int | None = None,
+                 thresholds: Thresholds | None = None, approx: ApproxConfig | None = None,
+                 request_expiry_s: float = EXPIRY_S) -> None:
+        """`approx`: approximate mode (no KV events): every model indexes its own routing decisions."""
         self.default_block_size = block_size
         self.default_config = config or RouterConfig()
+        self.approx = approx
+        self.request_expiry_s = request_expiry_s
         self._rng = random.Random(seed)
         self.models: dict[str, ModelState] = {}
         self.workers: dict[Worker, WorkerInfo] = {}
-        self.thresholds = BusyThresholds()
+        self.thresholds = BusyThresholds(thresholds or Thresholds())
         self.busy = BusyTracker()
         self.add_model(DEFAULT_MODEL)
 
@@ -79,7 +86,8 @@ class Fleet:
     def add_model(self, name: str, *, block_size: int | None = None) -> ModelState:
         if name not in self.models:
             router = Router(block_size=block_size or self.default_block_size, config=self.default_config,
-                            rng=self._rng)
+                            rng=self._rng, sequences=ActiveSequences(self.request_expiry_s),
+                            approx=ApproxIndexer(self.approx) if self.approx is not None else None)
             self.models[name] = ModelState(name, router)
         return self.models[name]
 
@@ -157,6 +165,11 @@ class Fleet:
         check_admission(model, ranks, self.thresholds.get(model))
         busy = {w: r.busy for w, r in ranks.items()}
         return state.router.route(self.candidates(model), busy=busy, now=now, **request)
+
+    def tick(self, now: float) -> None:
+        """Time-driven housekeeping of every model: stale requests, approximate-mode expiry."""
+        for state in self.models.values():
+            state.router.tick(now)
 
     # ----- views and levers ---------------------------------------------------------------------------
 

@@ -84,6 +84,9 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--worker", "1=tcp://127.0.0.1:1,bogus=2"], "unknown option 'bogus'"),
     (["serve", "--block-size", "0"], "--block-size must be positive"),
     (["serve", "--snapshot-interval", "0"], "--snapshot-interval must be > 0"),
+    (["serve", "--tier-credits", "gpu=2"], "--tier-credits"),
+    (["serve", "--active-decode-blocks-threshold", "1.5"], "active_decode_blocks_threshold"),
+    (["serve", "--approximate", "--router-ttl", "0"], "ttl_s"),
 ])
 def test_bad_serve_arguments_exit_2(args: list[str], needle: str) -> None:
     result = CliRunner().invoke(app, args)
@@ -96,3 +99,21 @@ def test_snapshot_header_is_versioned(tmp_path: Path) -> None:
         _stop(proc)
     header = json.loads((tmp_path / "snapshot.jsonl").read_text().splitlines()[0])
     assert header["schema"] == "kvctl.snapshot/v1" and header["models"] == {"default": 16}
+
+
+def test_router_knobs_and_approximate_mode(tmp_path: Path) -> None:
+    tokens = list(range(64))
+    with serving(tmp_path, "--approximate", "--active-prefill-tokens-threshold", "1000",
+                 "--overlap-score-weight", "2") as (proc, client):
+        thresholds = client.get("/busy_threshold").json()["thresholds"]
+        assert thresholds[0]["active_prefill_tokens_threshold"] == 1000
+        for worker_id in (1, 2):
+            client.post("/v1/workers", json={"worker_id": worker_id})
+        first = client.post("/v1/route", json={"token_ids": tokens, "request_id": "a", "reserve": True}).json()
+        client.delete("/v1/requests/a")
+        again = client.post("/v1/route", json={"token_ids": tokens, "explain": True}).json()
+        assert again["worker_id"] == first["worker_id"] and again["overlap_blocks"] == 4  # learned, no events
+        chosen = next(c for c in again["candidates"] if c["worker_id"] == first["worker_id"])
+        assert chosen["logit"] == 2 * 0 + 4  # weight 2 x no prefill + 4 new decode blocks
+        assert client.post("/v1/events", json=[]).status_code == 409
+        _stop(proc)
