@@ -144,7 +144,8 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     @app.get("/v1/status")
     async def status() -> Response:
         return _json({"version": __version__, "models": fleet.stats()["models"],
-                      "streams": streams.status() if streams is not None else []})
+                      "streams": streams.status() if streams is not None else [],
+                      "queues": streams.queues() if streams is not None else []})
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any
 
-from kvctl.core.events import EventData
+from kvctl.core.events import Cleared, EventData
 from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.zmq_source import EngineStream
 
@@ -18,26 +18,72 @@ log = logging.getLogger("kvctl.serve")
 Worker = tuple[int, int]
 
 
+QUEUE_BATCHES = 10_000
+"""Decoded batches a model's writer may fall behind by before sources start dropping (and counting)."""
+
+
+class ModelWriter:
+    """The one task that applies a model's engine events: sources only decode and enqueue, so a slow
+    apply never stalls a socket, and batches keep their arrival order. A full queue drops and counts."""
+
+    def __init__(self, fleet: Fleet, model: str, maxsize: int = QUEUE_BATCHES) -> None:
+        self.fleet = fleet
+        self.model = model
+        self.queue: asyncio.Queue[tuple[Worker, list[EventData]]] = asyncio.Queue(maxsize)
+        self.dropped_batches = 0
+        self.dropped_events = 0
+        self.task = asyncio.get_running_loop().create_task(self._drain())
+
+    def put(self, worker: Worker, events: list[EventData]) -> None:
+        try:
+            self.queue.put_nowait((worker, events))
+        except asyncio.QueueFull:
+            self.dropped_batches += 1
+            self.dropped_events += len(events)
+
+    async def _drain(self) -> None:
+        queue, fleet = self.queue, self.fleet
+        while True:
+            worker, events = await queue.get()
+            fleet.apply_engine_batch(self.model, worker, events, time.monotonic())
+            while not queue.empty():  # apply what is there, yielding to the loop only between bursts
+                worker, events = queue.get_nowait()
+                fleet.apply_engine_batch(self.model, worker, events, time.monotonic())
+
+    async def flush(self) -> None:
+        while not self.queue.empty():
+            await asyncio.sleep(0)
+
+    def status(self) -> dict[str, Any]:
+        return {"model": self.model, "queued": self.queue.qsize(), "capacity": self.queue.maxsize,
+                "dropped_batches": self.dropped_batches, "dropped_events": self.dropped_events}
+
+
 class Streams:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
         self._running: dict[Worker, tuple[EngineStream, asyncio.Task[None]]] = {}
+        self.writers: dict[str, ModelWriter] = {}
+
+    def _writer(self, model: str) -> ModelWriter:
+        writer = self.writers.get(model)
+        if writer is None:
+            writer = self.writers[model] = ModelWriter(self.fleet, model)
+        return writer
 
     def start(self, info: WorkerInfo) -> bool:
         """Subscribe to a worker's engine; False when it has no endpoint or is already subscribed."""
         if not info.endpoint or info.key in self._running:
             return False
         model = info.model
-
-        def sink(worker: Worker, events: list[EventData]) -> None:
-            self.fleet.apply_engine_batch(model, worker, events, time.monotonic())
+        writer = self._writer(model)
 
         def on_restart(worker: Worker) -> None:
             log.warning("engine %s:%s restarted (its seq went back): clearing its blocks", *worker)
-            self.fleet.reset(model, worker[0], worker[1])
+            writer.put(worker, [Cleared()])  # in order with the batches already queued
 
         stream = EngineStream(worker=info.key, endpoint=info.endpoint, replay_endpoint=info.replay_endpoint,
-                              topic=info.topic, block_size=self.fleet.model(model).block_size, sink=sink,
+                              topic=info.topic, block_size=self.fleet.model(model).block_size, sink=writer.put,
                               on_restart=on_restart)
         self._running[info.key] = (stream, asyncio.get_running_loop().create_task(self._run(stream)))
         return True
@@ -58,8 +104,17 @@ class Streams:
         return len(keys)
 
     async def close(self) -> None:
+        """Stop the sources, then let the writers apply what was already received."""
         for worker_id, dp_rank in list(self._running):
             await self.stop(worker_id, dp_rank)
+        for writer in self.writers.values():
+            await writer.flush()
+            writer.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer.task
+
+    def queues(self) -> list[dict[str, Any]]:
+        return [w.status() for _, w in sorted(self.writers.items())]
 
     def status(self) -> list[dict[str, Any]]:
         out = []
