@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import re
 from pathlib import Path
@@ -87,8 +86,10 @@ def serve_command(
     no_restore: Annotated[bool, typer.Option("--no-restore", help="Start empty; keep the snapshot file.")] = False,
     reset_states: Annotated[bool, typer.Option("--reset-states", help="Delete the snapshot, then start empty.")]
     = False,
-    log_level: Annotated[str, typer.Option("--log-level", help="Log level (debug, info, warning, error).")]
-    = "warning",
+    log_level: Annotated[str, typer.Option("--log-level", envvar="KVCTL_LOG_LEVEL",
+                                           help="Log level (debug, info, warning, error).")] = "warning",
+    log_format: Annotated[str, typer.Option("--log-format", envvar="KVCTL_LOG_FORMAT",
+                                            help="text, or json (one object per line).")] = "text",
     overlap_score_weight: Annotated[float, typer.Option(
         "--overlap-score-weight", envvar="KVCTL_OVERLAP_SCORE_WEIGHT", help="Weight of prefill blocks in the cost.")]
     = 1.0,
@@ -136,7 +137,13 @@ def serve_command(
     out = Output(color=ctx.find_root().obj.color)
     if not snapshot_interval > 0:
         raise UsageError(f"--snapshot-interval must be > 0 seconds, got {snapshot_interval}")
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_format not in ("text", "json"):
+        raise UsageError(f"--log-format must be text or json, got {log_format!r}")
+    if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+        raise UsageError(f"--log-level must be debug, info, warning, error or critical, got {log_level!r}")
+    from kvctl.server.logs import configure
+
+    configure(log_level, log_format)
     try:
         router = RouterConfig(overlap_score_weight, temperature, parse_tier_credits(tier_credits))
         thresholds = Thresholds(decode_threshold, prefill_threshold, prefill_frac)

@@ -71,10 +71,11 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
         time.sleep(1.0)  # at least one snapshot interval after the events
         proc.kill()
         proc.wait()
-    with serving(tmp_path) as (proc, client):
+    with serving(tmp_path, "--log-format", "json") as (proc, client):
         assert client.get("/v1/tree").json() == before
         log = _stop(proc)
-    assert "restored" in log and "s ago" in log
+    entries = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert any("restored" in e["msg"] and "s ago" in e["msg"] and e["level"] == "warning" for e in entries)
 
 
 @pytest.mark.parametrize(("args", "needle"), [
@@ -85,6 +86,7 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--block-size", "0"], "--block-size must be positive"),
     (["serve", "--snapshot-interval", "0"], "--snapshot-interval must be > 0"),
     (["serve", "--tier-credits", "gpu=2"], "--tier-credits"),
+    (["serve", "--log-format", "xml"], "--log-format"),
     (["serve", "--active-decode-blocks-threshold", "1.5"], "active_decode_blocks_threshold"),
     (["serve", "--approximate", "--router-ttl", "0"], "ttl_s"),
 ])
