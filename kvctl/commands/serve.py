@@ -73,6 +73,8 @@ def serve_command(
     = "127.0.0.1:7433",
     block_size: Annotated[int, typer.Option("--block-size", envvar="KVCTL_BLOCK_SIZE", help="Tokens per KV block.")]
     = 16,
+    config: Annotated[Path | None, typer.Option("--config", "-c", envvar="KVCTL_SERVE_CONFIG", show_default=False,
+                                                help="TOML file declaring models and workers.")] = None,
     worker: Annotated[list[str] | None, typer.Option("--worker", "-w", help="An engine's KV-event endpoint "
                                                      "(repeatable).")] = None,
     admin_token: Annotated[str | None, typer.Option("--admin-token", envvar="KVCTL_ADMIN_TOKEN", show_default=False,
@@ -134,6 +136,15 @@ def serve_command(
         raise UsageError(f"refusing to serve on {host} without --admin-token",
                          hint="set KVCTL_ADMIN_TOKEN, or pass --insecure on a trusted network")
     engines = [parse_engine(w) for w in worker or []]
+    models = []
+    if config is not None:
+        from kvctl.server.config_file import ConfigFileError, load
+
+        try:
+            declared = load(config)
+        except ConfigFileError as exc:
+            raise UsageError(str(exc)) from None
+        models, engines = declared.models, declared.workers + engines
     out = Output(color=ctx.find_root().obj.color)
     if not snapshot_interval > 0:
         raise UsageError(f"--snapshot-interval must be > 0 seconds, got {snapshot_interval}")
@@ -154,7 +165,7 @@ def serve_command(
         raise UsageError(str(exc)) from None
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
-                           request_expiry)
+                           request_expiry, models)
     try:
         asyncio.run(run(options, out.line))
     except OSError as exc:

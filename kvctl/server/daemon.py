@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -75,6 +76,7 @@ class ServeOptions:
     thresholds: Thresholds = field(default_factory=Thresholds)
     approx: ApproxConfig | None = None  # approximate mode: no KV events, the router indexes its decisions
     request_expiry_s: float = EXPIRY_S
+    models: list[Any] = field(default_factory=list)  # config_file.ModelSpec, declared before anything else
 
 
 def is_loopback(host: str) -> bool:
@@ -104,6 +106,11 @@ def base_url(sock: socket.socket) -> str:
 async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     fleet = Fleet(block_size=options.block_size, config=options.router, thresholds=options.thresholds,
                   approx=options.approx, request_expiry_s=options.request_expiry_s)
+    for spec in options.models:
+        config = options.router.override(overlap_score_weight=spec.overlap_score_weight, temperature=spec.temperature)
+        fleet.add_model(spec.name, block_size=spec.block_size, config=config)
+        if spec.thresholds:
+            fleet.thresholds.set(spec.name, **spec.thresholds)
     _load_state(fleet, options)
     streams = Streams(fleet)
     app = create_app(fleet, admin_token=options.admin_token, streams=streams)

@@ -83,9 +83,9 @@ class Fleet:
 
     # ----- models and workers -----------------------------------------------------------------------
 
-    def add_model(self, name: str, *, block_size: int | None = None) -> ModelState:
+    def add_model(self, name: str, *, block_size: int | None = None, config: RouterConfig | None = None) -> ModelState:
         if name not in self.models:
-            router = Router(block_size=block_size or self.default_block_size, config=self.default_config,
+            router = Router(block_size=block_size or self.default_block_size, config=config or self.default_config,
                             rng=self._rng, sequences=ActiveSequences(self.request_expiry_s),
                             approx=ApproxIndexer(self.approx) if self.approx is not None else None)
             self.models[name] = ModelState(name, router)

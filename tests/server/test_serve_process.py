@@ -119,3 +119,31 @@ def test_router_knobs_and_approximate_mode(tmp_path: Path) -> None:
         assert chosen["logit"] == 2 * 0 + 4  # weight 2 x no prefill + 4 new decode blocks
         assert client.post("/v1/events", json=[]).status_code == 409
         _stop(proc)
+
+
+def test_config_file_declares_models_and_workers(tmp_path: Path) -> None:
+    config = tmp_path / "serve.toml"
+    config.write_text('[[models]]\nname = "llama"\nblock_size = 32\nactive_prefill_tokens_threshold = 5000\n\n'
+                      '[[workers]]\nworker_id = 9\ndp_rank = 1\nendpoint = "tcp://127.0.0.1:1"\nmodel = "llama"\n')
+    with serving(tmp_path, "--config", str(config)) as (proc, client):
+        stats = client.get("/v1/tree/stats").json()["models"]
+        assert stats["llama"]["block_size"] == 32 and stats["default"]["block_size"] == 16
+        workers = client.get("/v1/workers").json()["workers"]
+        assert [(w["worker_id"], w["dp_rank"], w["model"]) for w in workers] == [(9, 1, "llama")]
+        by_model = {t["model"]: t for t in client.get("/busy_threshold").json()["thresholds"]}
+        assert by_model["llama"]["active_prefill_tokens_threshold"] == 5000
+        _stop(proc)
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ('[[models]]\nname = "m"\nblock_sise = 3\n', "unknown key 'block_sise'"),
+    ('[[models]]\nname = "m"\nactive_decode_blocks_threshold = 2.0\n', "active_decode_blocks_threshold"),
+    ('[[workers]]\nworker_id = 1\n', "missing 'endpoint'"),
+    ("[serve]\nx = 1\n", "unknown section 'serve'"),
+    ("models = [", "serve.toml"),
+])
+def test_bad_config_file_exits_2_naming_the_key(tmp_path: Path, text: str, needle: str) -> None:
+    config = tmp_path / "serve.toml"
+    config.write_text(text)
+    result = CliRunner().invoke(app, ["serve", "--config", str(config), "--state-dir", str(tmp_path)])
+    assert result.exit_code == 2 and needle in result.stderr
