@@ -6,12 +6,15 @@ import asyncio
 import os
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvctl.errors import UsageError
 from kvctl.output import Output
+
+if TYPE_CHECKING:
+    from kvctl.server.state import WorkerInfo
 
 HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. [read-write]"
 EXAMPLES = (
@@ -33,8 +36,8 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def parse_engine(text: str):  # type: ignore[no-untyped-def]
-    from kvctl.server.daemon import EngineSpec
+def parse_engine(text: str) -> WorkerInfo:
+    from kvctl.server.state import WorkerInfo
 
     m = _ENGINE.match(text)
     if m is None:
@@ -43,8 +46,8 @@ def parse_engine(text: str):  # type: ignore[no-untyped-def]
     unknown = set(opts) - {"replay", "model", "topic"}
     if unknown:
         raise UsageError(f"--worker: unknown option {sorted(unknown)[0]!r}", hint="known: replay, model, topic")
-    return EngineSpec(int(m["id"]), int(m["dp"] or 0), m["endpoint"], opts.get("replay"),
-                      opts.get("model", "default"), opts.get("topic", ""))
+    return WorkerInfo(int(m["id"]), int(m["dp"] or 0), opts.get("model", "default"), endpoint=m["endpoint"],
+                      replay_endpoint=opts.get("replay"), topic=opts.get("topic", ""))
 
 
 def parse_tier_credits(text: str | None) -> dict | None:  # type: ignore[type-arg]

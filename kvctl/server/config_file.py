@@ -29,7 +29,7 @@ from typing import Any
 
 from kvctl.core.router.busy import THRESHOLD_FIELDS, Thresholds
 from kvctl.core.router.scoring import RouterConfig
-from kvctl.server.daemon import EngineSpec
+from kvctl.server.state import WorkerInfo
 
 _MODEL_KEYS = {"name", "block_size", "overlap_score_weight", "temperature", *THRESHOLD_FIELDS}
 _WORKER_KEYS = {"worker_id", "dp_rank", "endpoint", "replay_endpoint", "model", "topic"}
@@ -51,7 +51,7 @@ class ModelSpec:
 @dataclass(frozen=True)
 class ServeFile:
     models: list[ModelSpec]
-    workers: list[EngineSpec]
+    workers: list[WorkerInfo]
 
 
 def _table(item: Any, where: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
@@ -93,6 +93,7 @@ def load(path: Path) -> ServeFile:
     workers = []
     for i, raw in enumerate(data.get("workers", [])):
         w = _table(raw, f"{path}: workers[{i}]", _WORKER_KEYS, {"worker_id", "endpoint"})
-        workers.append(EngineSpec(w["worker_id"], w.get("dp_rank", 0), w["endpoint"], w.get("replay_endpoint"),
-                                  w.get("model", "default"), w.get("topic", "")))
+        workers.append(WorkerInfo(w["worker_id"], w.get("dp_rank", 0), w.get("model", "default"),
+                                  endpoint=w["endpoint"], replay_endpoint=w.get("replay_endpoint"),
+                                  topic=w.get("topic", "")))
     return ServeFile(models, workers)

@@ -25,7 +25,7 @@ from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.server import snapshot
 from kvctl.server.api import create_app
-from kvctl.server.state import DEFAULT_MODEL, Fleet, WorkerInfo
+from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.streams import Streams
 
 log = logging.getLogger("kvctl.serve")
@@ -48,25 +48,13 @@ class _Server(uvicorn.Server):
 
 
 @dataclass(frozen=True)
-class EngineSpec:
-    """One `--worker ID[:DP]=tcp://HOST:PORT[,replay=tcp://…][,model=NAME][,topic=T]`."""
-
-    worker_id: int
-    dp_rank: int
-    endpoint: str
-    replay_endpoint: str | None = None
-    model: str = DEFAULT_MODEL
-    topic: str = ""
-
-
-@dataclass(frozen=True)
 class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 7433
     block_size: int = 16
     admin_token: str | None = None
     insecure: bool = False
-    engines: list[EngineSpec] = field(default_factory=list)
+    engines: list[WorkerInfo] = field(default_factory=list)  # --worker flags and the config file's workers
     log_level: str = "warning"
     state_dir: Path | None = None  # None: no snapshots
     snapshot_interval_s: float = 60.0
@@ -116,9 +104,8 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     app = create_app(fleet, admin_token=options.admin_token, streams=streams)
     sock = bind(options.host, options.port)
     server = _Server(uvicorn.Config(app, log_level=options.log_level, access_log=False, lifespan="off"))
-    for spec in options.engines:
-        streams.start(fleet.register(WorkerInfo(spec.worker_id, spec.dp_rank, spec.model, spec.endpoint,
-                                                spec.replay_endpoint, spec.topic)))
+    for info in options.engines:
+        fleet.register(info)
     for info in list(fleet.workers.values()):  # restored from the snapshot
         streams.start(info)
     background = [asyncio.create_task(_tick_every(fleet, TICK_S))]
