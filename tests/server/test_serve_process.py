@@ -147,3 +147,14 @@ def test_bad_config_file_exits_2_naming_the_key(tmp_path: Path, text: str, needl
     config.write_text(text)
     result = CliRunner().invoke(app, ["serve", "--config", str(config), "--state-dir", str(tmp_path)])
     assert result.exit_code == 2 and needle in result.stderr
+
+
+def test_keep_alive_requests_do_not_wait_on_nagle(tmp_path: Path) -> None:
+    """A listener created without IPPROTO_TCP left TCP_NODELAY off: every keep-alive answer took ~40 ms."""
+    with serving(tmp_path) as (proc, client):
+        client.get("/healthz")
+        started = time.perf_counter()
+        for _ in range(20):
+            client.get("/healthz")
+        assert (time.perf_counter() - started) / 20 < 0.02
+        _stop(proc)
