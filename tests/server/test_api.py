@@ -98,6 +98,11 @@ async def test_route_explain_and_errors(client: httpx.AsyncClient) -> None:
     assert (await client.post("/v1/route", json={})).status_code == 400
     assert (await client.post("/v1/route", json={"token_ids": [1], "local_hashes": [1]})).status_code == 400
     assert (await client.post("/v1/route", json={"token_ids": [-1]})).status_code == 422
+    assert (await client.post("/v1/route", json={"token_ids": [2**32]})).status_code == 422
+    assert (await client.post("/v1/route", json={"local_hashes": [2**64]})).status_code == 422
+    assert (await client.post("/v1/route", json={"token_ids": [1], "tokens": [1]})).status_code == 422
+    assert (await client.post("/v1/route", content=b"{")).status_code == 422
+    assert (await client.post("/v1/route", json={"token_ids": [1], "temperature": -1})).status_code == 422
     assert (await client.post("/v1/route", json={"token_ids": TOKENS, "reserve": True})).status_code == 400
     r = await client.post("/v1/route", json={"model": "nope", "token_ids": TOKENS})
     assert r.status_code == 404 and "nope" in r.json()["error"]
