@@ -13,6 +13,7 @@ Multimodal/cache-salt `extra_keys` are ignored for the local hash, as Dynamo 1.6
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -267,7 +268,13 @@ def _decode_stored(fields: Mapping[Any, Any], default_block_size: int | None) ->
 def _hash_list(value: Any) -> list[int]:
     if not isinstance(value, list):
         raise DecodeError(ErrorKind.bad_hash, "block_hashes", f"expected an array, got {describe(value)}")
-    return [normalize_hash(h, "block_hashes") for h in value]
+    try:
+        array("Q", value)  # the common case, checked in C: every hash already an int in [0, 2^64)
+    except (OverflowError, TypeError):
+        return [normalize_hash(h, "block_hashes") for h in value]
+    if True in value or False in value:  # bools pass the array check (and compare equal to 1/0)
+        return [normalize_hash(h, "block_hashes") for h in value]
+    return value
 
 
 def _tokens_hashes(fields: Mapping[Any, Any], n_blocks: int, default_block_size: int | None) -> list[int]:
