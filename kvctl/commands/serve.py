@@ -70,6 +70,15 @@ def parse_tier_credits(text: str | None) -> dict | None:  # type: ignore[type-ar
     return credits
 
 
+def _loop_factory():  # type: ignore[no-untyped-def]
+    """uvloop where it is installed (Linux, macOS): a faster loop for the HTTP and ZMQ sides alike."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def serve_command(
     ctx: typer.Context,
     listen: Annotated[str, typer.Option("--listen", envvar="KVCTL_LISTEN", help="HOST:PORT to bind (port 0: any).")]
@@ -170,7 +179,8 @@ def serve_command(
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
                            request_expiry, models)
     try:
-        asyncio.run(run(options, out.line))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(run(options, out.line))
     except OSError as exc:
         raise UsageError(f"cannot listen on {listen}: {exc.strerror}", hint="pick another --listen port") from None
     except KeyboardInterrupt:

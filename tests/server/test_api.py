@@ -196,6 +196,13 @@ async def test_admin_token_guards_mutations_and_bodies_are_capped() -> None:
                            headers={"authorization": "Bearer s3cret"})
         assert big.status_code == 413
 
+        async def chunks():  # no Content-Length: the cap is enforced while the body arrives
+            for _ in range(5):
+                yield b" " * 400
+
+        chunked = await c.post("/v1/events", content=chunks(), headers={"authorization": "Bearer s3cret"})
+        assert chunked.status_code == 413
+
 
 async def test_metrics_reflect_the_state(client: httpx.AsyncClient) -> None:
     from prometheus_client.parser import text_string_to_metric_families
