@@ -23,6 +23,7 @@ from kvctl.core.router.sequences import EXPIRY_S, ActiveSequences
 Worker = tuple[int, int]
 DEFAULT_MODEL = "default"
 _DEVICE = Tier.device
+_NO_THRESHOLDS = Thresholds()
 
 
 class UnknownModel(KeyError):
@@ -77,6 +78,7 @@ class Fleet:
         self._rng = random.Random(seed)
         self.models: dict[str, ModelState] = {}
         self.workers: dict[Worker, WorkerInfo] = {}
+        self._candidates: dict[str, list[Worker]] = {}
         self.thresholds = BusyThresholds(thresholds or Thresholds())
         self.busy = BusyTracker()
         self.add_model(DEFAULT_MODEL)
@@ -100,17 +102,26 @@ class Fleet:
     def register(self, info: WorkerInfo) -> WorkerInfo:
         """Known from now on (also created implicitly by a worker's first event); a model is created on demand."""
         self.add_model(info.model)
+        previous = self.workers.get(info.key)
         self.workers[info.key] = info
+        self._candidates.pop(info.model, None)
+        if previous is not None:
+            self._candidates.pop(previous.model, None)
         return info
 
     def candidates(self, model: str) -> list[Worker]:
-        return sorted(w for w, info in self.workers.items() if info.model == model)
+        """The model's registered (worker, dp_rank)s, sorted; kept until the registry changes."""
+        cached = self._candidates.get(model)
+        if cached is None:
+            cached = self._candidates[model] = sorted(w for w, info in self.workers.items() if info.model == model)
+        return cached
 
     def unregister(self, worker_id: int, dp_rank: int | None = None) -> dict[str, Any]:
         gone = [w for w in self.workers if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
         if not gone:
             raise UnknownWorker(worker_id)
         blocks = 0
+        self._candidates.clear()
         for w in gone:
             info = self.workers.pop(w)
             router = self.models[info.model].router
@@ -161,9 +172,11 @@ class Fleet:
     def route(self, model: str, *, now: float, **request: Any) -> Decision:
         """Raises UnknownModel, AllBusy (every worker busy), NoCandidates (no worker registered)."""
         state = self.model(model)
-        ranks = self.rank_busy(model)
-        check_admission(model, ranks, self.thresholds.get(model))
-        busy = {w: r.busy for w, r in ranks.items()}
+        busy = None
+        if self.thresholds.get(model) != _NO_THRESHOLDS:  # nothing can be busy without a threshold
+            ranks = self.rank_busy(model)
+            check_admission(model, ranks, self.thresholds.get(model))
+            busy = {w: r.busy for w, r in ranks.items()}
         return state.router.route(self.candidates(model), busy=busy, now=now, **request)
 
     def tick(self, now: float) -> None:
