@@ -175,7 +175,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     """`streams`: engine subscriptions to start and stop with worker registration (None: HTTP events only)."""
     app = FastAPI(title="kvctl router", version=__version__)
     app.state.fleet = fleet
-    metrics = Metrics(fleet)
+    metrics = Metrics(fleet, streams)
 
     app.add_middleware(_Guard, admin_token=admin_token, max_body_bytes=max_body_bytes)
 

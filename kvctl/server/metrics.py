@@ -13,11 +13,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvctl.server.state import Fleet
+from kvctl.server.streams import Streams
 
 
 class FleetCollector(Collector):
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, streams: Streams | None = None) -> None:
         self.fleet = fleet
+        self.streams = streams
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         fleet = self.fleet
@@ -44,14 +46,46 @@ class FleetCollector(Collector):
             decode.add_metric(labels, row["active_decode_blocks"])
             prefill.add_metric(labels, row["active_prefill_tokens"])
         yield from (applied, blocks, nodes, worker_blocks, decode, prefill)
+        if self.streams is not None:
+            yield from self._streams(self.streams)
+
+    @staticmethod
+    def _streams(streams: Streams) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        labels = ["worker_id", "dp_rank", "endpoint"]
+        counters = {
+            "messages": CounterMetricFamily("kvctl_stream_messages", "engine messages received", labels=labels),
+            "gaps": CounterMetricFamily("kvctl_stream_gaps", "seq gaps seen on the live stream", labels=labels),
+            "lost_batches": CounterMetricFamily("kvctl_stream_lost_batches", "batches no replay could recover",
+                                                labels=labels),
+            "replays_failed": CounterMetricFamily("kvctl_stream_replays_failed", "replays that timed out or came "
+                                                  "back incomplete", labels=labels),
+            "restarts": CounterMetricFamily("kvctl_stream_engine_restarts", "engine restarts (seq went back)",
+                                            labels=labels),
+        }
+        errors = CounterMetricFamily("kvctl_stream_decode_errors", "events or messages skipped, by kind",
+                                     labels=[*labels, "kind"])
+        gapped = GaugeMetricFamily("kvctl_stream_gapped", "1 while a lost batch leaves the index incomplete",
+                                   labels=labels)
+        for row in streams.status():
+            key = [str(row["worker"]["worker_id"]), str(row["worker"]["dp_rank"]), row["endpoint"]]
+            for name, family in counters.items():
+                family.add_metric(key, row[name])
+            for kind, n in sorted(row["decode_errors"].items()):
+                errors.add_metric([*key, kind], n)
+            gapped.add_metric(key, 1 if row["gapped"] else 0)
+        dropped = CounterMetricFamily("kvctl_queue_dropped_batches", "decoded batches dropped: writer behind",
+                                      labels=["model"])
+        for queue in streams.queues():
+            dropped.add_metric([queue["model"]], queue["dropped_batches"])
+        yield from (*counters.values(), errors, gapped, dropped)
 
 
 class Metrics:
     """One registry per app (never the process-global one): tests and embedders run several routers."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, streams: Streams | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(FleetCollector(fleet))
+        self.registry.register(FleetCollector(fleet, streams))
         self.route_seconds = Histogram(
             "kvctl_route_duration_seconds", "time to decide a route (hash, match, score, pick)", ["model"],
             buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2), registry=self.registry)

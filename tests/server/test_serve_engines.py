@@ -93,6 +93,10 @@ async def test_engine_events_gap_replay_restart_and_garbage(engine: Engine, tmp_
             assert tree_blocks([e for e in dump if e["storage_tier"] == "device"]) == set()
             assert tree_blocks(dump) == stored_blocks("l")  # l is a CPU-tier store
             assert {e["storage_tier"] for e in dump} == {"host_pinned"}
+            metrics = (await client.get("/metrics")).text
+            where = f'dp_rank="0",endpoint="{engine.endpoint}"'
+            assert f'kvctl_stream_decode_errors_total{{{where},kind="bad_msgpack",worker_id="1"}} 1.0' in metrics
+            assert f'kvctl_stream_engine_restarts_total{{{where},worker_id="1"}} 1.0' in metrics
             workers = (await client.get("/v1/workers")).json()["workers"]
             assert [(w["worker_id"], w["endpoint"]) for w in workers] == [(1, engine.endpoint)]
         proc.send_signal(signal.SIGTERM)
