@@ -110,7 +110,7 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
         fleet.register(info)
     for info in list(fleet.workers.values()):  # restored from the snapshot
         streams.start(info)
-    background = [asyncio.create_task(_tick_every(fleet, TICK_S))]
+    background = [asyncio.create_task(_tick_every(fleet, streams, TICK_S))]
     if options.state_dir is not None:
         background.append(asyncio.create_task(_snapshot_every(fleet, options.state_dir, options.snapshot_interval_s)))
     announce(base_url(sock))
@@ -145,10 +145,12 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> None:
                     restored.events, age, restored.rejected)
 
 
-async def _tick_every(fleet: Fleet, interval_s: float) -> None:
+async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        fleet.tick(time.monotonic())
+        now = time.monotonic()
+        fleet.tick(now)
+        streams.sample(now)
 
 
 async def _snapshot_every(fleet: Fleet, state_dir: Path, interval_s: float) -> None:

@@ -64,6 +64,8 @@ class Streams:
         self.fleet = fleet
         self._running: dict[Worker, tuple[EngineStream, asyncio.Task[None]]] = {}
         self.writers: dict[str, ModelWriter] = {}
+        self._rates: dict[Worker, float] = {}  # events/s over the last sampling interval
+        self._last_sample: dict[Worker, tuple[float, int]] = {}
 
     def _writer(self, model: str) -> ModelWriter:
         writer = self.writers.get(model)
@@ -98,6 +100,8 @@ class Streams:
         keys = [k for k in self._running if k[0] == worker_id and (dp_rank is None or k[1] == dp_rank)]
         for key in keys:
             stream, task = self._running.pop(key)
+            self._rates.pop(key, None)
+            self._last_sample.pop(key, None)
             stream.close()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -116,6 +120,15 @@ class Streams:
     def queues(self) -> list[dict[str, Any]]:
         return [w.status() for _, w in sorted(self.writers.items())]
 
+    def sample(self, now: float) -> None:
+        """Turn each stream's event counter into a rate over the time since the previous sample."""
+        for key, (stream, _) in self._running.items():
+            events = stream.stats.events
+            previous = self._last_sample.get(key)
+            if previous is not None and now > previous[0]:
+                self._rates[key] = (events - previous[1]) / (now - previous[0])
+            self._last_sample[key] = (now, events)
+
     def status(self) -> list[dict[str, Any]]:
         out = []
         for (worker_id, dp_rank), (stream, _) in sorted(self._running.items()):
@@ -124,5 +137,6 @@ class Streams:
             stats["schema"] = {k: sorted(v) for k, v in stats["schema"].items()}
             stats["last_event_age_s"] = None if stats["last_event_at"] is None else round(
                 time.monotonic() - stats["last_event_at"], 3)
+            stats["events_per_s"] = round(self._rates.get((worker_id, dp_rank), 0.0), 1)
             out.append(stats)
         return out

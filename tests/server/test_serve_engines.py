@@ -86,6 +86,7 @@ async def test_engine_events_gap_replay_restart_and_garbage(engine: Engine, tmp_
             await engine.publish(4, payload("i"))
             s = await _until(lambda s: s["last_seq"] == 4, client, "seq 4")
             assert s["decode_errors"] == {"bad_msgpack": 1} and s["gaps"] == 1 and not s["gapped"]
+            assert s["events_per_s"] >= 0 and s["last_event_age_s"] is not None
             # seq back to 0: the engine restarted; its old blocks are cleared, the new one applied.
             await engine.publish(0, payload("l"))
             await _until(lambda s: s["restarts"] == 1, client, "the restart")

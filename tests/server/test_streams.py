@@ -25,3 +25,17 @@ async def test_writer_applies_in_order_and_counts_drops() -> None:
     writer.task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await writer.task
+
+
+async def test_events_per_second_comes_from_successive_samples() -> None:
+    from kvctl.server.state import WorkerInfo
+    from kvctl.server.streams import Streams
+
+    streams = Streams(Fleet())
+    assert streams.start(WorkerInfo(1, 0, "default", endpoint="tcp://127.0.0.1:9"))
+    stream, _ = streams._running[(1, 0)]
+    streams.sample(10.0)
+    stream._events = 50  # type: ignore[attr-defined]
+    streams.sample(12.0)
+    assert streams.status()[0]["events_per_s"] == 25.0
+    await streams.close()
