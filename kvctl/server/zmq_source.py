@@ -255,6 +255,7 @@ class EngineStream:
         self._rcvhwm = rcvhwm
 
         self._sub: zmq.asyncio.Socket | None = None
+        self._sub_sync: zmq.Socket[bytes] | None = None  # the same socket, read without a future per message
         self._dealer: zmq.asyncio.Socket | None = None
         self._poller: zmq.asyncio.Poller | None = None
         self._run_task: asyncio.Task[None] | None = None
@@ -359,6 +360,7 @@ class EngineStream:
         sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
         sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
         self._sub = sub
+        self._sub_sync = zmq.Socket.shadow(sub.underlying)
         self._poller = zmq.asyncio.Poller()
         self._poller.register(sub, zmq.POLLIN)
         sub.connect(self.endpoint)
@@ -387,7 +389,7 @@ class EngineStream:
         for sock in (self._sub, self._dealer):
             if sock is not None:
                 sock.close(linger=0)
-        self._sub = self._dealer = None
+        self._sub = self._dealer = self._sub_sync = None
         self._poller = None
 
     # -- the loop -----------------------------------------------------------------------------
@@ -412,7 +414,8 @@ class EngineStream:
         assert sub is not None
         # Read through a synchronous shadow of the same socket: the asyncio wrapper builds a future per
         # message, which cost more than decoding it. The poller above still does the waiting.
-        sync = zmq.Socket.shadow(sub.underlying)
+        sync = self._sub_sync
+        assert sync is not None
         for _ in range(_DRAIN_MAX):
             if self._closing:
                 return

@@ -1,5 +1,4 @@
 from kvctl.core.index.kv_index import IndexMatches, KvIndex, TierStats
-from kvctl.core.index.models import ModelIndexes
 from kvctl.core.index.radix import ApplyResult, Matches, RadixTree, Status, Worker
 
 __all__ = [
@@ -7,7 +6,6 @@ __all__ = [
     "IndexMatches",
     "KvIndex",
     "Matches",
-    "ModelIndexes",
     "RadixTree",
     "Status",
     "TierStats",

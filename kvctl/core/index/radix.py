@@ -166,9 +166,6 @@ class RadixTree:
         """(worker, block) pairs held: Dynamo's `current_size`."""
         return sum(len(lk) for lk in self._lookup if lk)
 
-    def lookup(self, worker: Worker) -> dict[int, Node]:
-        return self._lookup[self._slots[worker]] or {}
-
     # ----- matching ------------------------------------------------------------------------------------
 
     def find_matches(self, local_hashes: Sequence[int], *, early_exit: bool = False) -> Matches:
