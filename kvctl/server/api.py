@@ -18,6 +18,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp
 
 from kvctl import __version__
 from kvctl.core.events import RouterEvent
@@ -85,12 +86,21 @@ class BusyBody(BaseModel):
     active_prefill_tokens_threshold_frac: float | None = None
 
 
+def _dumps(body: Any) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def _json(body: Any, status: int = 200) -> Response:
-    return Response(json.dumps(body, separators=(",", ":")), status_code=status, media_type="application/json")
+    return Response(_dumps(body), status_code=status, media_type="application/json")
 
 
-def _error(status: int, message: str, **extra: Any) -> Response:
-    return _json({"error": message, **extra}, status)
+def _error_bytes(status: int, message: str, extra: dict[str, Any] | None = None) -> tuple[int, bytes]:
+    return status, _dumps({"error": message, **(extra or {})})
+
+
+def _error(status: int, message: str, extra: dict[str, Any] | None = None) -> Response:
+    status, body = _error_bytes(status, message, extra)
+    return Response(body, status_code=status, media_type="application/json")
 
 
 def _parse_events(raw: bytes, content_type: str) -> Iterator[Any]:
@@ -120,15 +130,73 @@ def _needs_admin(method: str, path: str) -> bool:
     return (method, path) in ADMIN_ROUTES or (method == "DELETE" and path.startswith("/v1/workers/"))
 
 
-class _Guard:
-    """Body size cap and admin token, as plain ASGI: Starlette's @middleware("http") costs ~0.3 ms a request.
+def _refusal(exc: Exception, fleet: Fleet) -> tuple[int, str, dict[str, Any]]:
+    """(status, message, extra fields) for the errors the core raises while answering a request."""
+    if isinstance(exc, _BodyTooLarge):
+        return 413, str(exc), {}
+    if isinstance(exc, UnknownModel):
+        return 404, f"unknown model {exc.model!r}", {"models": sorted(fleet.models)}
+    if isinstance(exc, AllBusy):
+        tripped = {f"{w[0]}:{w[1]}": [str(r) for r in reasons] for w, reasons in sorted(exc.tripped.items())}
+        return 503, str(exc), {"thresholds": exc.thresholds.as_dict(exc.model), "tripped": tripped}
+    if isinstance(exc, NoCandidates):
+        return 503, "no workers registered for this model; register one with POST /v1/workers", {}
+    raise TypeError(f"no HTTP status for {type(exc).__name__}") from exc
 
-    Bodies announced too large are refused from their Content-Length; bodies sent without one (chunked)
-    are counted as they arrive and cut off at the cap.
+
+class _Routing:
+    """POST /v1/route, the hot path: bytes in, (status, JSON bytes) out, no framework in between."""
+
+    def __init__(self, fleet: Fleet, metrics: Metrics, clock: Callable[[], float]) -> None:
+        self.fleet, self.metrics, self.clock = fleet, metrics, clock
+
+    def reply(self, raw: bytes) -> tuple[int, bytes]:
+        try:
+            body = _ROUTE_BODY.decode(raw)
+        except msgspec.DecodeError as exc:  # ValidationError included: say which field, like a 422 from pydantic
+            return _error_bytes(422, f"invalid route request: {exc}")
+        if body.local_hashes and max(body.local_hashes) > 2**64 - 1:
+            return _error_bytes(422, "local_hashes must be u64 (< 2^64)")
+        if not all(math.isfinite(v) for v in (body.overlap_score_weight, body.temperature) if v is not None):
+            return _error_bytes(422, "overlap_score_weight and temperature must be finite")
+        if (body.token_ids is None) == (body.local_hashes is None):
+            return _error_bytes(400, "give exactly one of token_ids and local_hashes")
+        if body.reserve and not body.request_id:
+            return _error_bytes(400, "reserve needs a request_id")
+        started = time.perf_counter()
+        try:
+            decision = self.fleet.route(
+                body.model, now=self.clock(), token_ids=body.token_ids, local_hashes=body.local_hashes,
+                lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve,
+                overlap_score_weight=body.overlap_score_weight, temperature=body.temperature)
+        except (UnknownModel, AllBusy, NoCandidates) as exc:
+            return _error_bytes(*_refusal(exc, self.fleet))
+        self.metrics.route_seconds.labels(body.model).observe(time.perf_counter() - started)
+        if decision.required_blocks:
+            self.metrics.predicted_hit.labels(body.model).observe(
+                min(1.0, decision.overlap_blocks / decision.required_blocks))
+        out: dict[str, Any] = {
+            "worker_id": decision.worker[0], "dp_rank": decision.worker[1],
+            "overlap_blocks": decision.overlap_blocks, "required_blocks": decision.required_blocks,
+            "request_id": body.request_id, "reason": decision.reason.value,
+        }
+        if body.explain:
+            out["candidates"] = [c.as_dict() for c in decision.candidates]
+        return 200, _dumps(out)
+
+
+class _Front:
+    """The outermost ASGI layer: body size cap, admin token, and POST /v1/route answered directly.
+
+    Plain ASGI because every framework layer costs on every request: FastAPI's middleware stack and
+    request handling were a third of a route's server time. Bodies announced too large are refused from
+    their Content-Length; bodies sent without one (chunked) are counted as they arrive and cut off at the
+    cap.
     """
 
-    def __init__(self, app: Any, *, admin_token: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, routing: _Routing, *, admin_token: str | None, max_body_bytes: int) -> None:
         self.app = app
+        self.routing = routing
         self.expected = f"Bearer {admin_token}".encode() if admin_token else None
         self.max_body_bytes = max_body_bytes
 
@@ -139,15 +207,33 @@ class _Guard:
         headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            await _error(413, f"body of {int(length)} bytes is over the {self.max_body_bytes}-byte limit")(
-                scope, receive, send)
+            await _send(send, *_error_bytes(413, f"body of {int(length)} bytes is over the "
+                                                 f"{self.max_body_bytes}-byte limit"))
             return
         if (self.expected is not None and _needs_admin(scope["method"], scope["path"])
                 and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)):
-            await _error(401, "this endpoint needs the admin token: Authorization: Bearer <token>")(
-                scope, receive, send)
+            await _send(send, *_error_bytes(401, "this endpoint needs the admin token: Authorization: Bearer <token>"))
+            return
+        if scope["method"] == "POST" and scope["path"] == "/v1/route":
+            try:
+                raw = await self._body(receive)
+            except _BodyTooLarge as exc:
+                await _send(send, *_error_bytes(413, str(exc)))
+                return
+            await _send(send, *self.routing.reply(raw))
             return
         await self.app(scope, self._capped(receive), send)
+
+    async def _body(self, receive: Any) -> bytes:
+        read = self._capped(receive)
+        chunks = []
+        while True:
+            message = await read()
+            if message["type"] != "http.request":
+                return b"".join(chunks)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
     def _capped(self, receive: Any) -> Any:
         seen = 0
@@ -164,6 +250,15 @@ class _Guard:
         return capped
 
 
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+async def _send(send: Any, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class _BodyTooLarge(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(f"body over the {limit}-byte limit")
@@ -171,30 +266,18 @@ class _BodyTooLarge(Exception):
 
 
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
-               max_body_bytes: int = 64 * 1024 * 1024, streams: Streams | None = None) -> FastAPI:
-    """`streams`: engine subscriptions to start and stop with worker registration (None: HTTP events only)."""
+               max_body_bytes: int = 64 * 1024 * 1024, streams: Streams | None = None) -> ASGIApp:
+    """The router's ASGI app. `streams`: engine subscriptions to start and stop with worker registration
+    (None: HTTP events only)."""
     app = FastAPI(title="kvctl router", version=__version__)
     app.state.fleet = fleet
     metrics = Metrics(fleet, streams)
 
-    app.add_middleware(_Guard, admin_token=admin_token, max_body_bytes=max_body_bytes)
+    async def refuse(_: Request, exc: Exception) -> Response:
+        return _error(*_refusal(exc, fleet))
 
-    @app.exception_handler(_BodyTooLarge)
-    async def _too_large(_: Request, exc: _BodyTooLarge) -> Response:
-        return _error(413, str(exc))
-
-    @app.exception_handler(UnknownModel)
-    async def _unknown_model(_: Request, exc: UnknownModel) -> Response:
-        return _error(404, f"unknown model {exc.model!r}", models=sorted(fleet.models))
-
-    @app.exception_handler(AllBusy)
-    async def _all_busy(_: Request, exc: AllBusy) -> Response:
-        tripped = {f"{w[0]}:{w[1]}": [str(r) for r in reasons] for w, reasons in sorted(exc.tripped.items())}
-        return _error(503, str(exc), thresholds=exc.thresholds.as_dict(exc.model), tripped=tripped)
-
-    @app.exception_handler(NoCandidates)
-    async def _no_candidates(_: Request, exc: NoCandidates) -> Response:
-        return _error(503, "no workers registered for this model; register one with POST /v1/workers")
+    for exc_type in (_BodyTooLarge, UnknownModel, AllBusy, NoCandidates):
+        app.add_exception_handler(exc_type, refuse)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -254,37 +337,6 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             rejected[kind] = rejected.get(kind, 0) + n
         return _json({"applied": applied, "rejected": rejected})
 
-    @app.post("/v1/route", openapi_extra=_ROUTE_DOC)
-    async def route(request: Request) -> Response:
-        try:
-            body = _ROUTE_BODY.decode(await request.body())
-        except msgspec.DecodeError as exc:  # ValidationError included: say which field, like a 422 from pydantic
-            return _error(422, f"invalid route request: {exc}")
-        if body.local_hashes and max(body.local_hashes) > 2**64 - 1:
-            return _error(422, "local_hashes must be u64 (< 2^64)")
-        if not all(math.isfinite(v) for v in (body.overlap_score_weight, body.temperature) if v is not None):
-            return _error(422, "overlap_score_weight and temperature must be finite")
-        if (body.token_ids is None) == (body.local_hashes is None):
-            return _error(400, "give exactly one of token_ids and local_hashes")
-        if body.reserve and not body.request_id:
-            return _error(400, "reserve needs a request_id")
-        started = time.perf_counter()
-        decision = fleet.route(body.model, now=clock(), token_ids=body.token_ids, local_hashes=body.local_hashes,
-                               lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve,
-                               overlap_score_weight=body.overlap_score_weight, temperature=body.temperature)
-        metrics.route_seconds.labels(body.model).observe(time.perf_counter() - started)
-        if decision.required_blocks:
-            metrics.predicted_hit.labels(body.model).observe(
-                min(1.0, decision.overlap_blocks / decision.required_blocks))
-        out: dict[str, Any] = {
-            "worker_id": decision.worker[0], "dp_rank": decision.worker[1],
-            "overlap_blocks": decision.overlap_blocks, "required_blocks": decision.required_blocks,
-            "request_id": body.request_id, "reason": decision.reason.value,
-        }
-        if body.explain:
-            out["candidates"] = [c.as_dict() for c in decision.candidates]
-        return _json(out)
-
     @app.post("/v1/requests/{request_id}/prefill_complete")
     async def prefill_complete(request_id: str, model: str = DEFAULT_MODEL) -> Response:
         if not fleet.model(model).router.sequences.mark_prefill_completed(request_id):
@@ -333,7 +385,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         fields = body.model_dump(exclude={"model"})
         setting = any(v is not None for v in fields.values())
         if setting and body.model not in fleet.models:
-            return _error(404, f"unknown model {body.model!r}", models=sorted(fleet.models))
+            return _error(404, f"unknown model {body.model!r}", {"models": sorted(fleet.models)})
         try:
             thresholds = fleet.thresholds.apply_request(body.model, fields)
         except ThresholdError as exc:
@@ -349,7 +401,10 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             return _error(400, str(exc))
         return _json(thresholds.as_dict(model))
 
-    return app
+    app.openapi_schema = app.openapi()
+    app.openapi_schema["paths"]["/v1/route"] = {"post": {"summary": "Route", "operationId": "route",
+                                                         **_ROUTE_DOC}}
+    return _Front(app, _Routing(fleet, metrics, clock), admin_token=admin_token, max_body_bytes=max_body_bytes)
 
 
 def _worker_filter(text: str) -> Callable[[RouterEvent], bool] | bool:

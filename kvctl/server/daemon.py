@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import logging
 import signal
@@ -93,6 +94,34 @@ def base_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+GC_GEN0_THRESHOLD = 10_000
+
+
+def tune_gc() -> None:
+    """Keep the cyclic collector off the ingest path.
+
+    Every decoded batch allocates thousands of objects: with the default thresholds the young
+    generations are collected often enough to cost ~30% of the apply time. Everything alive at start-up
+    (the imported frameworks, a restored index) is frozen out of collection, and the youngest
+    generation is collected every 10,000 allocations instead of every 700.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
+
+
+def settle_gc() -> None:
+    """Freeze what survived the young generations, so that no full collection walks the whole index.
+
+    A full collection of a 1M-block index holds the loop for ~80 ms, and one comes each time the heap
+    grows by a quarter. The index's nodes are freed by reference counting (it has no cycles), frozen or
+    not; what freezing costs is that a cycle that dies after being frozen is never reclaimed, so the
+    young generations are collected first and few cycles get that far.
+    """
+    gc.collect(1)
+    gc.freeze()
+
+
 async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     fleet = Fleet(block_size=options.block_size, config=options.router, thresholds=options.thresholds,
                   approx=options.approx, request_expiry_s=options.request_expiry_s)
@@ -102,10 +131,12 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
         if spec.thresholds:
             fleet.thresholds.set(spec.name, **spec.thresholds)
     _load_state(fleet, options)
+    tune_gc()
     streams = Streams(fleet)
     app = create_app(fleet, admin_token=options.admin_token, streams=streams)
     sock = bind(options.host, options.port)
-    server = _Server(uvicorn.Config(app, log_level=options.log_level, access_log=False, lifespan="off"))
+    server = _Server(uvicorn.Config(app, log_level=options.log_level, access_log=False, lifespan="off",
+                                    proxy_headers=False, server_header=False))
     for info in options.engines:
         fleet.register(info)
     for info in list(fleet.workers.values()):  # restored from the snapshot
@@ -151,6 +182,7 @@ async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None
         now = time.monotonic()
         fleet.tick(now)
         streams.sample(now)
+        settle_gc()
 
 
 async def _snapshot_every(fleet: Fleet, state_dir: Path, interval_s: float) -> None:

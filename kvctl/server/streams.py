@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from kvctl.core.events import Cleared, EventData
+from kvctl.server.budget import SLICE_S
 from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.zmq_source import EngineStream
 
@@ -45,8 +46,12 @@ class ModelWriter:
         queue, fleet = self.queue, self.fleet
         while True:
             worker, events = await queue.get()
+            end = time.perf_counter() + SLICE_S
             fleet.apply_engine_batch(self.model, worker, events, time.monotonic())
-            while not queue.empty():  # apply what is there, yielding to the loop only between bursts
+            while not queue.empty():  # apply what is there, a slice of the loop at a time
+                if time.perf_counter() > end:
+                    await asyncio.sleep(0)
+                    end = time.perf_counter() + SLICE_S
                 worker, events = queue.get_nowait()
                 fleet.apply_engine_batch(self.model, worker, events, time.monotonic())
 

@@ -45,6 +45,7 @@ from kvctl.core.events import (
     encode_replay_request,
 )
 from kvctl.core.events.errors import parse_msgpack
+from kvctl.server.budget import SLICE_S
 
 __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
 
@@ -53,9 +54,6 @@ log = logging.getLogger(__name__)
 WorkerKey = tuple[int, int]
 Sink = Callable[[WorkerKey, list[EventData]], None]
 OnRestart = Callable[[WorkerKey], None]
-
-_DRAIN_MAX = 256
-"""Live messages taken per wake-up before yielding to the event loop (fairness across streams)."""
 
 _SCHEMA_FIRST = 32
 _SCHEMA_EVERY = 1024
@@ -416,7 +414,8 @@ class EngineStream:
         # message, which cost more than decoding it. The poller above still does the waiting.
         sync = self._sub_sync
         assert sync is not None
-        for _ in range(_DRAIN_MAX):
+        end = time.perf_counter() + SLICE_S  # then back to the poller, which yields to the loop
+        while time.perf_counter() < end:
             if self._closing:
                 return
             try:
