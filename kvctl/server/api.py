@@ -6,11 +6,12 @@ and answers are written with `json.dumps`, never through floats.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Annotated, Any
 
 import msgspec
@@ -24,8 +25,10 @@ from kvctl import __version__
 from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
 from kvctl.core.events.errors import DecodeError
+from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
 from kvctl.core.router.scoring import NoCandidates
+from kvctl.server.budget import SLICE_S
 from kvctl.server.metrics import Metrics
 from kvctl.server.state import DEFAULT_MODEL, Fleet, UnknownModel, UnknownWorker, WorkerInfo
 from kvctl.server.streams import Streams
@@ -352,16 +355,15 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     @app.get("/v1/tree")
     async def tree(model: str = DEFAULT_MODEL, worker: str | None = None,
                    format: Annotated[str, Query(pattern="^(json|jsonl)$")] = "json") -> Response:
-        index = fleet.model(model).router.index
         wanted = _worker_filter(worker) if worker is not None else None
         if wanted is False:
             return _error(400, f"worker must be ID or ID:DP, got {worker!r}")
-        events = [ev for ev in index.dump() if wanted is None or wanted(ev)]
-        if format == "jsonl":
-            return StreamingResponse((encode_router_event_json(ev) + b"\n" for ev in events),
-                                     media_type="application/x-ndjson")
-        return Response(b"[" + b",".join(encode_router_event_json(ev) for ev in events) + b"]",
-                        media_type="application/json")
+        edges = fleet.model(model).router.index.capture()  # the one step that holds the loop
+        if wanted is not None:
+            edges = [e for e in edges if wanted(e.worker)]
+        jsonl = format == "jsonl"
+        return StreamingResponse(_encode_dump(edges, jsonl),
+                                 media_type="application/x-ndjson" if jsonl else "application/json")
 
     @app.get("/v1/tree/stats")
     async def tree_stats(model: str | None = None) -> Response:
@@ -407,13 +409,32 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     return _Front(app, _Routing(fleet, metrics, clock), admin_token=admin_token, max_body_bytes=max_body_bytes)
 
 
-def _worker_filter(text: str) -> Callable[[RouterEvent], bool] | bool:
+def _worker_filter(text: str) -> Callable[[tuple[int, int]], bool] | bool:
     try:
         wid, _, dp = text.partition(":")
         worker_id, dp_rank = int(wid), (int(dp) if dp else None)
     except ValueError:
         return False
-    return lambda ev: ev.worker_id == worker_id and (dp_rank is None or ev.dp_rank == dp_rank)
+    return lambda worker: worker[0] == worker_id and (dp_rank is None or worker[1] == dp_rank)
+
+
+async def _encode_dump(edges: list[DumpEdge], jsonl: bool) -> AsyncIterator[bytes]:
+    """A captured dump as a JSON list or JSONL, sent a slice of the event loop at a time."""
+    parts = [] if jsonl else [b"["]
+    end = time.perf_counter() + SLICE_S
+    for n, event in enumerate(events_of(edges)):
+        if jsonl:
+            parts += (encode_router_event_json(event), b"\n")
+        else:
+            parts += (b"," if n else b"", encode_router_event_json(event))
+        if time.perf_counter() > end:
+            yield b"".join(parts)
+            parts.clear()
+            await asyncio.sleep(0)
+            end = time.perf_counter() + SLICE_S
+    if not jsonl:
+        parts.append(b"]")
+    yield b"".join(parts)
 
 
 __all__ = ["create_app"]

@@ -155,7 +155,7 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
                 await task
         sock.close()
         if options.state_dir is not None:
-            path = snapshot.write(fleet, options.state_dir, time.time())
+            path = snapshot.write(snapshot.capture(fleet, time.time()), options.state_dir)
             log.info("snapshot written to %s", path)
 
 
@@ -188,4 +188,7 @@ async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None
 async def _snapshot_every(fleet: Fleet, state_dir: Path, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        snapshot.write(fleet, state_dir, time.time())
+        try:  # encoded and written off the loop: only the capture holds it
+            await asyncio.to_thread(snapshot.write, snapshot.capture(fleet, time.time()), state_dir)
+        except OSError as exc:  # a full or read-only disk must not stop the router; the next interval retries
+            log.error("snapshot to %s failed: %s", state_dir, exc)

@@ -12,9 +12,11 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
 from kvctl.core.events.errors import DecodeError
+from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.server.state import Fleet, WorkerInfo
 
 SCHEMA = "kvctl.snapshot/v1"
@@ -32,7 +34,15 @@ class Restored:
     rejected: int
 
 
-def _lines(fleet: Fleet, taken_at: float) -> Iterator[bytes]:
+@dataclass(frozen=True, slots=True)
+class Capture:
+    """A fleet's state taken in one step on the event loop; encoding and writing it can happen anywhere."""
+
+    header: dict[str, Any]
+    models: list[tuple[str, list[DumpEdge]]]
+
+
+def capture(fleet: Fleet, taken_at: float) -> Capture:
     header = {
         "schema": SCHEMA,
         "taken_at": taken_at,
@@ -40,20 +50,27 @@ def _lines(fleet: Fleet, taken_at: float) -> Iterator[bytes]:
         "workers": [{"worker_id": i.worker_id, "dp_rank": i.dp_rank, "model": i.model, "endpoint": i.endpoint,
                      "replay_endpoint": i.replay_endpoint, "topic": i.topic} for i in fleet.workers.values()],
     }
-    yield json.dumps(header).encode() + b"\n"
-    for name, state in sorted(fleet.models.items()):
+    return Capture(header, [(name, state.router.index.capture()) for name, state in sorted(fleet.models.items())])
+
+
+def _lines(taken: Capture) -> Iterator[bytes]:
+    yield json.dumps(taken.header).encode() + b"\n"
+    for name, edges in taken.models:
         prefix = b'{"model":' + json.dumps(name).encode() + b',"event":'
-        for event in state.router.index.dump():
+        for event in events_of(edges):
             yield prefix + encode_router_event_json(event) + b"}\n"
 
 
-def write(fleet: Fleet, state_dir: Path, taken_at: float) -> Path:
-    """Write to a temporary file in the same directory, fsync, then rename over the old snapshot."""
+def write(taken: Capture, state_dir: Path) -> Path:
+    """Write to a temporary file in the same directory, fsync, then rename over the old snapshot.
+
+    Touches nothing but `taken`, so it may run in a thread while the loop goes on.
+    """
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / FILENAME
     tmp = state_dir / f".{FILENAME}.{os.getpid()}.tmp"
     with tmp.open("wb") as f:
-        f.writelines(_lines(fleet, taken_at))
+        f.writelines(_lines(taken))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

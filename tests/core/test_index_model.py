@@ -18,6 +18,7 @@ from xxhash import xxh3_64_intdigest
 
 from kvctl.core.events import Cleared, Removed, RouterEvent, Stored, Tier
 from kvctl.core.index import KvIndex, Status
+from kvctl.core.index.kv_index import DumpEdge, events_of
 
 Path = tuple[int, ...]
 Worker = tuple[int, int]
@@ -77,6 +78,7 @@ class IndexModel(RuleBasedStateMachine):
         self.index = KvIndex()
         self.model: dict[Worker, set[Path]] = {w: set() for w in WORKERS}
         self.extra_queries: list[list[int]] = []
+        self.captures: list[tuple[list[DumpEdge], list[RouterEvent]]] = []
 
     # ----- helpers -------------------------------------------------------------------------------------
 
@@ -209,7 +211,17 @@ class IndexModel(RuleBasedStateMachine):
     def remember_query(self, query: list[int]) -> None:
         self.extra_queries = [*self.extra_queries[-4:], query]
 
+    @rule()
+    def capture_now(self) -> None:
+        """A server captures the dump between two events and encodes it while later events apply."""
+        self.captures = [*self.captures[-2:], (self.index.capture(), self.index.dump())]
+
     # ----- invariants ----------------------------------------------------------------------------------
+
+    @invariant()
+    def captures_do_not_change_under_later_events(self) -> None:
+        for edges, at_capture in self.captures:
+            assert list(events_of(edges)) == at_capture
 
     @invariant()
     def matches_equal_longest_held_prefix(self) -> None:

@@ -7,8 +7,10 @@ onboard from them instead of recomputing it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvctl.core.events import Cleared, Removed, RouterEvent, Stored, Tier
 from kvctl.core.index.radix import OK_EMPTY, ApplyResult, Matches, RadixTree, Worker, iter_bits
@@ -19,6 +21,25 @@ class IndexMatches:
     scores: dict[Worker, int] = field(default_factory=dict)  # device tier: Dynamo's overlap scores
     tree_sizes: dict[Worker, int] = field(default_factory=dict)
     by_tier: dict[Tier, dict[Worker, int]] = field(default_factory=dict)  # matched depth per tier
+
+
+class DumpEdge(NamedTuple):
+    """One (edge, worker) of a dump: the first `length` blocks of an edge's (grow-only) arrays."""
+
+    tier: Tier
+    worker: Worker
+    parent_hash: int | None
+    block_hashes: list[int]
+    tokens_hashes: array
+    length: int
+
+
+def events_of(edges: Iterable[DumpEdge]) -> Iterator[RouterEvent]:
+    """The dump's events, one Stored per edge, with the synthetic event ids 0, 1, 2, ..."""
+    for n, e in enumerate(edges):
+        k = e.length
+        yield RouterEvent(e.worker[0], Stored(e.parent_hash, e.block_hashes[:k], e.tokens_hashes[:k].tolist(),
+                                              e.tier), e.worker[1], n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,14 +92,14 @@ class KvIndex:
     def stats(self) -> dict[Tier, TierStats]:
         return {tier: TierStats(tree.blocks, tree.nodes, tree.sizes()) for tier, tree in self.trees.items()}
 
-    def dump(self) -> list[RouterEvent]:
-        """Events that rebuild every block a query can reach, tier by tier, parents before children.
+    def capture(self) -> list[DumpEdge]:
+        """What a dump holds, taken in one step: the index may change as soon as this returns.
 
-        Like Dynamo's own dump, one Stored per (edge, worker) with synthetic event ids. A worker's
-        blocks under an edge it no longer holds whole cannot be matched by any query and could not
-        be replayed (their parent is gone for it), so they are left out; `stats` still counts them.
+        O(edges), not O(blocks): each edge is kept by reference with its length (edges only grow in
+        place, see `Node`), so a server can take it between two events and encode it at leisure.
+        `events_of` turns it into the dump's events.
         """
-        events: list[RouterEvent] = []
+        edges: list[DumpEdge] = []
         for tier, tree in self.trees.items():
             inherited: dict[int, int] = {}  # id(node) -> slots that hold its whole path
             everyone = -1
@@ -91,10 +112,17 @@ class KvIndex:
                 if node.cutoffs:
                     holders.extend((s, c) for s, c in node.cutoffs.items() if allowed >> s & 1)
                 for slot, k in holders:
-                    worker_id, dp_rank = tree.worker_of(slot)
-                    data = Stored(parent_hash, list(node.hashes[:k]), list(node.locals[:k]), tier)
-                    events.append(RouterEvent(worker_id, data, dp_rank, len(events)))
-        return events
+                    edges.append(DumpEdge(tier, tree.worker_of(slot), parent_hash, node.hashes, node.locals, k))
+        return edges
+
+    def dump(self) -> list[RouterEvent]:
+        """Events that rebuild every block a query can reach, tier by tier, parents before children.
+
+        Like Dynamo's own dump, one Stored per (edge, worker) with synthetic event ids. A worker's
+        blocks under an edge it no longer holds whole cannot be matched by any query and could not
+        be replayed (their parent is gone for it), so they are left out; `stats` still counts them.
+        """
+        return list(events_of(self.capture()))
 
     def load(self, events: Iterable[RouterEvent]) -> list[ApplyResult]:
         return [self.apply(event) for event in events]

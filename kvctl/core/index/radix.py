@@ -60,7 +60,12 @@ OK_EMPTY = ApplyResult(Status.ok)
 
 
 class Node:
-    """A compressed edge of blocks and who holds it; the root has an empty edge."""
+    """A compressed edge of blocks and who holds it; the root has an empty edge.
+
+    An edge's `hashes` and `locals` only ever grow in place (a leaf extended); cutting an edge gives it
+    new ones. So whoever holds those objects and a length keeps a prefix that cannot change under it:
+    what lets a dump be captured without copying a block.
+    """
 
     __slots__ = ("locals", "hashes", "index", "full", "cutoffs", "children", "internal", "parent")
 
@@ -357,8 +362,8 @@ class RadixTree:
             self._shadows.update(node.cutoffs or ())
         suffix_hashes = node.hashes[pos:]
         suffix_locs = node.locals[pos:]
-        del node.hashes[pos:]
-        del node.locals[pos:]
+        node.hashes = node.hashes[:pos]  # replaced, never cut in place: see Node
+        node.locals = node.locals[:pos]
         index = node.index
         for h in suffix_hashes:
             index.pop(h, None)
