@@ -29,6 +29,9 @@ DEFAULT_STATE_DIR = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local"
 _ENGINE = re.compile(r"^(?P<id>\d+)(?::(?P<dp>\d+))?=(?P<endpoint>[^,]+)(?P<opts>(,[a-z_]+=[^,]*)*)$")
 
 
+_NATS = "NATS event plane (Dynamo)"
+
+
 def parse_listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535 or not host:
@@ -135,6 +138,51 @@ def serve_command(
     request_expiry: Annotated[float, typer.Option("--request-expiry", envvar="KVCTL_REQUEST_EXPIRY",
                                                   help="Force-free in-flight requests older than this (s).")]
     = 300.0,
+    nats_url: Annotated[str | None, typer.Option(
+        "--nats", envvar="KVCTL_NATS", show_default=False, rich_help_panel=_NATS,
+        help="Follow a Dynamo event plane on this NATS server (nats://HOST:PORT).")] = None,
+    namespace: Annotated[str, typer.Option("--namespace", envvar="KVCTL_NAMESPACE", rich_help_panel=_NATS,
+                                           help="Dynamo namespace.")] = "dynamo",
+    component: Annotated[str, typer.Option("--component", envvar="KVCTL_COMPONENT", rich_help_panel=_NATS,
+                                           help="The workers' Dynamo component.")] = "backend",
+    nats_model: Annotated[str, typer.Option("--nats-model", envvar="KVCTL_NATS_MODEL", rich_help_panel=_NATS,
+                                            help="The model the event plane's workers serve.")] = "default",
+    router_id: Annotated[int | None, typer.Option(
+        "--router-id", envvar="KVCTL_ROUTER_ID", show_default=False, rich_help_panel=_NATS,
+        help="This router's id (u64): its JetStream consumer and replica-sync identity. Default: an id kept "
+             "in the state dir.")] = None,
+    shadow: Annotated[bool, typer.Option("--shadow", envvar="KVCTL_SHADOW", rich_help_panel=_NATS,
+                                         help="Read-only: never publish, purge or create anything on NATS.")]
+    = False,
+    jetstream: Annotated[bool, typer.Option("--jetstream", envvar="KVCTL_JETSTREAM", rich_help_panel=_NATS,
+                                            help="Durable mode: consume the JetStream stream, snapshot to the "
+                                                 "object store.")] = False,
+    snapshot_threshold: Annotated[int, typer.Option(
+        "--snapshot-threshold", envvar="KVCTL_SNAPSHOT_THRESHOLD", rich_help_panel=_NATS,
+        help="JetStream: snapshot and purge when the stream holds more messages than this.")] = 1_000_000,
+    replica_sync: Annotated[bool, typer.Option(
+        "--replica-sync", envvar="KVCTL_REPLICA_SYNC", rich_help_panel=_NATS,
+        help="Share in-flight requests with the other routers (and take theirs).")] = False,
+    nats_user: Annotated[str | None, typer.Option("--nats-user", envvar="KVCTL_NATS_USER", show_default=False,
+                                                  rich_help_panel=_NATS)] = None,
+    nats_password: Annotated[str | None, typer.Option("--nats-password", envvar="KVCTL_NATS_PASSWORD",
+                                                      show_default=False, rich_help_panel=_NATS)] = None,
+    nats_token: Annotated[str | None, typer.Option("--nats-token", envvar="KVCTL_NATS_TOKEN", show_default=False,
+                                                   rich_help_panel=_NATS)] = None,
+    nats_creds: Annotated[Path | None, typer.Option("--nats-creds", envvar="KVCTL_NATS_CREDS", show_default=False,
+                                                    rich_help_panel=_NATS, help="A .creds file (JWT + nkey).")]
+    = None,
+    nats_nkey: Annotated[Path | None, typer.Option("--nats-nkey", envvar="KVCTL_NATS_NKEY", show_default=False,
+                                                   rich_help_panel=_NATS, help="An nkey seed file.")] = None,
+    nats_tls_ca: Annotated[Path | None, typer.Option("--nats-tls-ca", envvar="KVCTL_NATS_TLS_CA",
+                                                     show_default=False, rich_help_panel=_NATS)] = None,
+    nats_tls_cert: Annotated[Path | None, typer.Option("--nats-tls-cert", envvar="KVCTL_NATS_TLS_CERT",
+                                                       show_default=False, rich_help_panel=_NATS)] = None,
+    nats_tls_key: Annotated[Path | None, typer.Option("--nats-tls-key", envvar="KVCTL_NATS_TLS_KEY",
+                                                      show_default=False, rich_help_panel=_NATS)] = None,
+    nats_connect_timeout: Annotated[float, typer.Option(
+        "--nats-connect-timeout", envvar="KVCTL_NATS_CONNECT_TIMEOUT", rich_help_panel=_NATS,
+        help="Seconds per connection attempt (attempts repeat with backoff).")] = 5.0,
 ) -> None:
     from kvctl.core.router.approx import ApproxConfig
     from kvctl.core.router.busy import Thresholds
@@ -175,9 +223,28 @@ def serve_command(
             raise ValueError(f"--request-expiry must be > 0 seconds, got {request_expiry}")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    nats = None
+    if nats_url is not None:
+        from kvctl.server.nats_plane import NatsOptions
+        from kvctl.server.router_id import stable_router_id
+
+        if router_id is not None and not 0 <= router_id < 2**64:
+            raise UsageError(f"--router-id must be a u64, got {router_id}")
+        if snapshot_threshold <= 0:
+            raise UsageError(f"--snapshot-threshold must be positive, got {snapshot_threshold}")
+        for flag, path in (("--nats-creds", nats_creds), ("--nats-nkey", nats_nkey), ("--nats-tls-ca", nats_tls_ca),
+                           ("--nats-tls-cert", nats_tls_cert), ("--nats-tls-key", nats_tls_key)):
+            if path is not None and not path.is_file():
+                raise UsageError(f"{flag}: no such file {str(path)!r}")
+        nats = NatsOptions(nats_url, namespace, component, nats_model,
+                           router_id if router_id is not None else stable_router_id(state_dir), shadow, jetstream,
+                           snapshot_threshold, reset_states, replica_sync, nats_user, nats_password, nats_token,
+                           nats_creds, nats_nkey, nats_tls_ca, nats_tls_cert, nats_tls_key, nats_connect_timeout)
+    elif shadow or jetstream or replica_sync:
+        raise UsageError("--shadow, --jetstream and --replica-sync need --nats URL")
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
-                           request_expiry, models)
+                           request_expiry, models, nats)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(run(options, out.line))

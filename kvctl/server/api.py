@@ -30,6 +30,7 @@ from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
 from kvctl.core.router.scoring import NoCandidates
 from kvctl.server.budget import SLICE_S
 from kvctl.server.metrics import Metrics
+from kvctl.server.nats_plane import EventPlane
 from kvctl.server.state import DEFAULT_MODEL, Fleet, UnknownModel, UnknownWorker, WorkerInfo
 from kvctl.server.streams import Streams
 
@@ -48,6 +49,7 @@ class WorkerBody(_Body):
     replay_endpoint: str | None = None
     model: str = DEFAULT_MODEL
     topic: str = ""
+    total_blocks: Annotated[int, Field(gt=0)] | None = None
 
 
 _MU32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
@@ -269,12 +271,13 @@ class _BodyTooLarge(Exception):
 
 
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
-               max_body_bytes: int = 64 * 1024 * 1024, streams: Streams | None = None) -> ASGIApp:
+               max_body_bytes: int = 64 * 1024 * 1024, streams: Streams | None = None,
+               plane: EventPlane | None = None) -> ASGIApp:
     """The router's ASGI app. `streams`: engine subscriptions to start and stop with worker registration
     (None: HTTP events only)."""
     app = FastAPI(title="kvctl router", version=__version__)
     app.state.fleet = fleet
-    metrics = Metrics(fleet, streams)
+    metrics = Metrics(fleet, streams, plane)
 
     async def refuse(_: Request, exc: Exception) -> Response:
         return _error(*_refusal(exc, fleet))
@@ -290,7 +293,8 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     async def status() -> Response:
         return _json({"version": __version__, "models": fleet.stats()["models"],
                       "streams": streams.status() if streams is not None else [],
-                      "queues": streams.queues() if streams is not None else []})
+                      "queues": streams.queues() if streams is not None else [],
+                      "event_plane": plane.status() if plane is not None else None})
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -303,7 +307,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     @app.post("/v1/workers", status_code=201)
     async def register_worker(body: WorkerBody) -> Response:
         info = fleet.register(WorkerInfo(body.worker_id, body.dp_rank, body.model, body.endpoint,
-                                         body.replay_endpoint, body.topic))
+                                         body.replay_endpoint, body.topic, total_blocks=body.total_blocks))
         if streams is not None:
             streams.start(info)
         row = next(r for r in fleet.worker_rows(clock()) if (r["worker_id"], r["dp_rank"]) == info.key)
@@ -342,13 +346,13 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
 
     @app.post("/v1/requests/{request_id}/prefill_complete")
     async def prefill_complete(request_id: str, model: str = DEFAULT_MODEL) -> Response:
-        if not fleet.model(model).router.sequences.mark_prefill_completed(request_id):
+        if not fleet.prefill_complete(model, request_id):
             return _error(404, f"request {request_id!r} is not in flight")
         return _json({"request_id": request_id, "prefill_complete": True})
 
     @app.delete("/v1/requests/{request_id}")
     async def free_request(request_id: str, model: str = DEFAULT_MODEL) -> Response:
-        if not fleet.model(model).router.sequences.free(request_id):
+        if not fleet.free(model, request_id):
             return _error(404, f"request {request_id!r} is not in flight (already freed?)")
         return _json({"request_id": request_id, "freed": True})
 

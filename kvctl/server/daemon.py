@@ -26,6 +26,7 @@ from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.server import snapshot
 from kvctl.server.api import create_app
+from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.streams import Streams
 
@@ -66,6 +67,7 @@ class ServeOptions:
     approx: ApproxConfig | None = None  # approximate mode: no KV events, the router indexes its decisions
     request_expiry_s: float = EXPIRY_S
     models: list[Any] = field(default_factory=list)  # config_file.ModelSpec, declared before anything else
+    nats: NatsOptions | None = None  # follow a Dynamo event plane
 
 
 def is_loopback(host: str) -> bool:
@@ -133,7 +135,8 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     _load_state(fleet, options)
     tune_gc()
     streams = Streams(fleet)
-    app = create_app(fleet, admin_token=options.admin_token, streams=streams)
+    plane = EventPlane(fleet, streams, options.nats) if options.nats is not None else None
+    app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane)
     sock = bind(options.host, options.port)
     server = _Server(uvicorn.Config(app, log_level=options.log_level, access_log=False, lifespan="off",
                                     proxy_headers=False, server_header=False))
@@ -141,6 +144,8 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
         fleet.register(info)
     for info in list(fleet.workers.values()):  # restored from the snapshot
         streams.start(info)
+    if plane is not None:
+        plane.start()
     background = [asyncio.create_task(_tick_every(fleet, streams, TICK_S))]
     if options.state_dir is not None:
         background.append(asyncio.create_task(_snapshot_every(fleet, options.state_dir, options.snapshot_interval_s)))
@@ -148,6 +153,8 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     try:
         await server.serve(sockets=[sock])
     finally:
+        if plane is not None:
+            await plane.close()
         await streams.close()
         for task in background:
             task.cancel()
@@ -167,6 +174,10 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> None:
             log.warning("--reset-states: deleted the snapshot in %s", options.state_dir)
         return
     if not options.restore:
+        return
+    if options.nats is not None and options.nats.jetstream:
+        log.info("JetStream mode: the object-store snapshot and the stream rebuild the index, not %s",
+                 options.state_dir)
         return
     restored = snapshot.restore(fleet, options.state_dir, time.monotonic())
     if restored is not None:

@@ -12,14 +12,16 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvctl.server.nats_plane import EventPlane
 from kvctl.server.state import Fleet
 from kvctl.server.streams import Streams
 
 
 class FleetCollector(Collector):
-    def __init__(self, fleet: Fleet, streams: Streams | None = None) -> None:
+    def __init__(self, fleet: Fleet, streams: Streams | None = None, plane: EventPlane | None = None) -> None:
         self.fleet = fleet
         self.streams = streams
+        self.plane = plane
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         fleet = self.fleet
@@ -48,6 +50,25 @@ class FleetCollector(Collector):
         yield from (applied, blocks, nodes, worker_blocks, decode, prefill)
         if self.streams is not None:
             yield from self._streams(self.streams)
+        if self.plane is not None:
+            yield from self._plane(self.plane)
+
+    @staticmethod
+    def _plane(plane: EventPlane) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        status = plane.status()
+        connected = GaugeMetricFamily("kvctl_nats_connected", "1 while connected to the NATS server", labels=["url"])
+        connected.add_metric([plane.options.url], 1 if plane.state == "connected" else 0)
+        reconnects = CounterMetricFamily("kvctl_nats_reconnects", "reconnections to the NATS server", labels=["url"])
+        reconnects.add_metric([plane.options.url], plane.reconnects)
+        counts = CounterMetricFamily("kvctl_nats_messages", "event-plane messages and events, by what became of "
+                                     "them (events, lost_events, stale_events, restarts, ...)", labels=["kind"])
+        for kind, n in sorted(status["counts"].items()):
+            counts.add_metric([kind], n)
+        errors = CounterMetricFamily("kvctl_nats_decode_errors", "event-plane messages skipped, by kind",
+                                     labels=["kind"])
+        for kind, n in sorted(status["decode_errors"].items()):
+            errors.add_metric([kind], n)
+        yield from (connected, reconnects, counts, errors)
 
     @staticmethod
     def _streams(streams: Streams) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
@@ -83,9 +104,9 @@ class FleetCollector(Collector):
 class Metrics:
     """One registry per app (never the process-global one): tests and embedders run several routers."""
 
-    def __init__(self, fleet: Fleet, streams: Streams | None = None) -> None:
+    def __init__(self, fleet: Fleet, streams: Streams | None = None, plane: EventPlane | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(FleetCollector(fleet, streams))
+        self.registry.register(FleetCollector(fleet, streams, plane))
         self.route_seconds = Histogram(
             "kvctl_route_duration_seconds", "time to decide a route (hash, match, score, pick)", ["model"],
             buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2), registry=self.registry)

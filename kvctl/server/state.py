@@ -8,22 +8,28 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
+from kvctl.core.events.plane import FREE, PREFILL_COMPLETED, ActiveLoad, ActiveSequenceEvent, AddRequest
 from kvctl.core.index import Status
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
 from kvctl.core.router.busy import BusyThresholds, BusyTracker, RankBusy, Thresholds, WorkerLoad, check_admission
 from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, RouterConfig
-from kvctl.core.router.sequences import EXPIRY_S, ActiveSequences
+from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
 
 Worker = tuple[int, int]
 DEFAULT_MODEL = "default"
 _DEVICE = Tier.device
 _NO_THRESHOLDS = Thresholds()
+
+
+ADD = "AddRequest"
+SequenceListener = Callable[[str, str, "ActiveRequest | None", Mapping[str, Any]], None]
+"""(model, action: ADD | PREFILL_COMPLETED | FREE, the request as it was tracked, the route request)."""
 
 
 class UnknownModel(KeyError):
@@ -45,6 +51,7 @@ class WorkerInfo:
     replay_endpoint: str | None = None
     topic: str = ""
     last_event_at: float | None = None
+    total_blocks: int | None = None  # KV capacity, for the decode busy check against reported usage
 
     @property
     def key(self) -> Worker:
@@ -81,6 +88,8 @@ class Fleet:
         self._candidates: dict[str, list[Worker]] = {}
         self.thresholds = BusyThresholds(thresholds or Thresholds())
         self.busy = BusyTracker()
+        self.reported: dict[Worker, tuple[ActiveLoad, float]] = {}  # load reports from the event plane
+        self.sequence_listener: SequenceListener | None = None  # told of local add / prefill / free
         self.add_model(DEFAULT_MODEL)
 
     # ----- models and workers -----------------------------------------------------------------------
@@ -165,9 +174,17 @@ class Fleet:
         sequences = state.router.sequences
         ranks = {}
         for w in self.candidates(model):
-            load = sequences.load(w)
-            ranks[w] = self.busy.update(w, WorkerLoad(load.active_blocks, load.active_prefill_tokens), thresholds)
+            ranks[w] = self.busy.update(w, self._load(w, sequences), thresholds)
         return ranks
+
+    def _load(self, worker: Worker, sequences: ActiveSequences) -> WorkerLoad:
+        """The router's own view of a rank, plus the KV usage the worker last reported (if it did)."""
+        load = sequences.load(worker)
+        report = self.reported.get(worker)
+        info = self.workers.get(worker)
+        return WorkerLoad(load.active_blocks, load.active_prefill_tokens,
+                          kv_used_blocks=report[0].kv_used_blocks if report else None,
+                          total_blocks=info.total_blocks if info else None)
 
     def route(self, model: str, *, now: float, **request: Any) -> Decision:
         """Raises UnknownModel, AllBusy (every worker busy), NoCandidates (no worker registered)."""
@@ -177,7 +194,48 @@ class Fleet:
             ranks = self.rank_busy(model)
             check_admission(model, ranks, self.thresholds.get(model))
             busy = {w: r.busy for w, r in ranks.items()}
-        return state.router.route(self.candidates(model), busy=busy, now=now, **request)
+        decision = state.router.route(self.candidates(model), busy=busy, now=now, **request)
+        if request.get("reserve") and self.sequence_listener is not None:
+            self.sequence_listener(model, ADD, state.router.sequences.get(request["request_id"]), request)
+        return decision
+
+    def prefill_complete(self, model: str, request_id: str) -> bool:
+        return self._settle(model, request_id, PREFILL_COMPLETED)
+
+    def free(self, model: str, request_id: str) -> bool:
+        return self._settle(model, request_id, FREE)
+
+    def _settle(self, model: str, request_id: str, action: str) -> bool:
+        sequences = self.model(model).router.sequences
+        request = sequences.get(request_id)
+        done = sequences.free(request_id) if action == FREE else sequences.mark_prefill_completed(request_id)
+        if done and self.sequence_listener is not None:
+            self.sequence_listener(model, action, request, {})
+        return done
+
+    # ----- the event plane ------------------------------------------------------------------------------
+
+    def report_load(self, load: ActiveLoad, now: float) -> None:
+        self.reported[(load.worker_id, load.dp_rank)] = (load, now)
+
+    def apply_peer(self, model: str, event: ActiveSequenceEvent, now: float) -> bool:
+        """Another router's add / prefill complete / free, applied without telling the listener (no echo)."""
+        state = self.add_model(model)
+        sequences = state.router.sequences
+        action = event.action
+        if action == FREE:
+            return sequences.free(event.request_id)
+        if action == PREFILL_COMPLETED:
+            return sequences.mark_prefill_completed(event.request_id)
+        assert isinstance(action, AddRequest)
+        blocks = action.token_sequence or []
+        if not action.track_prefill_tokens:
+            prefill = 0
+        elif action.prefill_tokens_hint is not None:
+            prefill = action.prefill_tokens_hint
+        else:  # no hint: the peer's overlap is unknown here, so the whole prompt is counted
+            prefill = len(blocks) * state.block_size
+        return sequences.add(event.request_id, (event.worker_id, event.dp_rank), blocks, prefill, now)
 
     def tick(self, now: float) -> None:
         """Time-driven housekeeping of every model: stale requests, approximate-mode expiry."""
@@ -191,8 +249,8 @@ class Fleet:
         for w, info in sorted(self.workers.items()):
             router = self.models[info.model].router
             load = router.sequences.load(w)
-            rank = self.busy.update(w, WorkerLoad(load.active_blocks, load.active_prefill_tokens),
-                                    self.thresholds.get(info.model))
+            rank = self.busy.update(w, self._load(w, router.sequences), self.thresholds.get(info.model))
+            report = self.reported.get(w)
             rows.append({
                 "worker_id": info.worker_id, "dp_rank": info.dp_rank, "model": info.model,
                 "endpoint": info.endpoint, "replay_endpoint": info.replay_endpoint, "topic": info.topic,
@@ -200,6 +258,11 @@ class Fleet:
                 "active_decode_blocks": load.active_blocks, "active_prefill_tokens": load.active_prefill_tokens,
                 "active_requests": load.requests, "busy": rank.busy,
                 "last_event_age_s": None if info.last_event_at is None else round(now - info.last_event_at, 3),
+                "total_blocks": info.total_blocks,
+                "reported": None if report is None else {
+                    "active_decode_blocks": report[0].active_decode_blocks,
+                    "active_prefill_tokens": report[0].active_prefill_tokens,
+                    "kv_used_blocks": report[0].kv_used_blocks, "age_s": round(now - report[1], 3)},
             })
         return rows
 

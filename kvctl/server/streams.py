@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvctl.core.events import Cleared, EventData
@@ -17,6 +18,7 @@ from kvctl.server.zmq_source import EngineStream
 
 log = logging.getLogger("kvctl.serve")
 Worker = tuple[int, int]
+_NOBODY: Worker = (0, 0)  # the worker of an empty batch (a marker): applying it touches nothing
 
 
 QUEUE_BATCHES = 10_000
@@ -30,30 +32,46 @@ class ModelWriter:
     def __init__(self, fleet: Fleet, model: str, maxsize: int = QUEUE_BATCHES) -> None:
         self.fleet = fleet
         self.model = model
-        self.queue: asyncio.Queue[tuple[Worker, list[EventData]]] = asyncio.Queue(maxsize)
+        self.queue: asyncio.Queue[tuple[Worker, list[EventData], Callable[[], None] | None]] = asyncio.Queue(maxsize)
         self.dropped_batches = 0
         self.dropped_events = 0
         self.task = asyncio.get_running_loop().create_task(self._drain())
 
-    def put(self, worker: Worker, events: list[EventData]) -> None:
+    def put(self, worker: Worker, events: list[EventData]) -> bool:
+        """Queue a batch; False when the queue was full and it was dropped (and counted)."""
         try:
-            self.queue.put_nowait((worker, events))
+            self.queue.put_nowait((worker, events, None))
         except asyncio.QueueFull:
             self.dropped_batches += 1
             self.dropped_events += len(events)
+            return False
+        return True
+
+    async def put_wait(self, worker: Worker, events: list[EventData]) -> None:
+        """Queue a batch, waiting for room: for durable sources, which must not drop."""
+        await self.queue.put((worker, events, None))
+
+    async def applied(self) -> None:
+        """Return once everything queued so far is in the index."""
+        done = asyncio.Event()
+        await self.queue.put((_NOBODY, [], done.set))
+        await done.wait()
 
     async def _drain(self) -> None:
-        queue, fleet = self.queue, self.fleet
+        queue = self.queue
         while True:
-            worker, events = await queue.get()
+            self._apply(*await queue.get())
             end = time.perf_counter() + SLICE_S
-            fleet.apply_engine_batch(self.model, worker, events, time.monotonic())
             while not queue.empty():  # apply what is there, a slice of the loop at a time
                 if time.perf_counter() > end:
                     await asyncio.sleep(0)
                     end = time.perf_counter() + SLICE_S
-                worker, events = queue.get_nowait()
-                fleet.apply_engine_batch(self.model, worker, events, time.monotonic())
+                self._apply(*queue.get_nowait())
+
+    def _apply(self, worker: Worker, events: list[EventData], on_applied: Callable[[], None] | None) -> None:
+        self.fleet.apply_engine_batch(self.model, worker, events, time.monotonic())
+        if on_applied is not None:
+            on_applied()
 
     async def flush(self) -> None:
         while not self.queue.empty():
@@ -72,7 +90,7 @@ class Streams:
         self._rates: dict[Worker, float] = {}  # events/s over the last sampling interval
         self._last_sample: dict[Worker, tuple[float, int]] = {}
 
-    def _writer(self, model: str) -> ModelWriter:
+    def writer(self, model: str) -> ModelWriter:
         writer = self.writers.get(model)
         if writer is None:
             writer = self.writers[model] = ModelWriter(self.fleet, model)
@@ -83,7 +101,7 @@ class Streams:
         if not info.endpoint or info.key in self._running:
             return False
         model = info.model
-        writer = self._writer(model)
+        writer = self.writer(model)
 
         def on_restart(worker: Worker) -> None:
             log.warning("engine %s:%s restarted (its seq went back): clearing its blocks", *worker)

@@ -89,6 +89,9 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--log-format", "xml"], "--log-format"),
     (["serve", "--active-decode-blocks-threshold", "1.5"], "active_decode_blocks_threshold"),
     (["serve", "--approximate", "--router-ttl", "0"], "ttl_s"),
+    (["serve", "--jetstream"], "need --nats URL"),
+    (["serve", "--nats", "nats://127.0.0.1:1", "--snapshot-threshold", "0"], "--snapshot-threshold must be positive"),
+    (["serve", "--nats", "nats://127.0.0.1:1", "--nats-creds", "/nonexistent.creds"], "no such file"),
 ])
 def test_bad_serve_arguments_exit_2(args: list[str], needle: str) -> None:
     result = CliRunner().invoke(app, args)

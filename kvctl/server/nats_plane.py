@@ -1,0 +1,416 @@
+"""`kvctl serve --nats`: following a Dynamo fleet's event plane (DESIGN §3.2, §3.4).
+
+Three subscriptions, one connection:
+  - KV events: NATS Core `…kv-events` (msgpack envelope around a RouterEvent), or with `--jetstream` a
+    pull consumer on the stream `{stream}.kv-events` (RouterEvent JSON), acknowledged once applied;
+  - load reports on `namespace.{ns}.kv_metrics` (ActiveLoad): shown per worker and fed to busy checks;
+  - with `--replica-sync`, peers' add / prefill-complete / free on `…active_sequences_events`, and this
+    router's own published there (its own echoes, recognised by router id, are ignored).
+
+Events are decoded here and applied by the model's one writer, like engine ZMQ batches. Event ids are
+tracked per (worker, dp_rank): a jump is counted as lost events, a repeat is dropped, and ids starting
+over (a restarted publisher) clear that worker first, as an engine restart does on ZMQ.
+
+JetStream durability: on start the object-store snapshot is loaded (read until two reads agree) and
+this router's durable consumer is recreated to deliver the whole stream after it, so snapshot + stream
+always rebuild everything; when the stream outgrows `--snapshot-threshold`, the index is uploaded as
+the snapshot (kvctl's documented serialisation: RouterEvent JSON lines) and the stream purged below the
+lowest ack floor of all consumers. Durable consumers idle for 5 minutes (routers that are gone) are
+removed by the server (`inactive_threshold`, as Dynamo sets it). A `--shadow` router reads with an
+ephemeral consumer, never purges, uploads or publishes: it cannot change the fleet it watches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
+
+from kvctl.core.events import Cleared, EventData, RouterEvent
+from kvctl.core.events.dynamo import (
+    decode_envelope,
+    decode_router_event_json,
+    decode_router_event_msgpack,
+    encode_router_event_json,
+)
+from kvctl.core.events.errors import DecodeError
+from kvctl.core.events.plane import (
+    RADIX_STATE_OBJECT,
+    ActiveSequenceEvent,
+    AddRequest,
+    PlaneNames,
+    decode_active_load,
+    decode_sequence_event,
+    encode_sequence_event,
+)
+from kvctl.core.index.kv_index import events_of
+from kvctl.core.router.sequences import ActiveRequest
+from kvctl.server.state import ADD, Fleet
+from kvctl.server.streams import ModelWriter, Streams
+
+log = logging.getLogger("kvctl.serve")
+Worker = tuple[int, int]
+
+STREAM_MAX_AGE_S = 3600.0  # Dynamo's default retention (DYN_NATS_STREAM_MAX_AGE)
+CONSUMER_INACTIVE_S = 300.0  # Dynamo's inactive_threshold: consumers of routers that are gone go away
+FETCH_BATCH = 512
+SNAPSHOT_CHECK_S = 1.0
+SNAPSHOT_READS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class NatsOptions:
+    url: str
+    namespace: str = "dynamo"
+    component: str = "backend"
+    model: str = "default"
+    router_id: int = 0
+    shadow: bool = False
+    jetstream: bool = False
+    snapshot_threshold: int = 1_000_000
+    reset_states: bool = False
+    replica_sync: bool = False
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds: Path | None = None
+    nkey: Path | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    connect_timeout_s: float = 5.0
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        """nats-py's connect() arguments for the credentials and TLS given (none of them logged)."""
+        kwargs: dict[str, Any] = {"connect_timeout": self.connect_timeout_s}
+        if self.user is not None:
+            kwargs.update(user=self.user, password=self.password)
+        if self.token is not None:
+            kwargs["token"] = self.token
+        if self.creds is not None:
+            kwargs["user_credentials"] = str(self.creds)
+        if self.nkey is not None:
+            kwargs["nkeys_seed"] = str(self.nkey)
+        if self.tls_ca or self.tls_cert:
+            context = ssl.create_default_context(cafile=str(self.tls_ca) if self.tls_ca else None)
+            if self.tls_cert:
+                context.load_cert_chain(str(self.tls_cert), str(self.tls_key) if self.tls_key else None)
+            kwargs["tls"] = context
+        return kwargs
+
+
+class _Cursor:
+    """Event ids of one (worker, dp_rank): what arrived in order, what was lost, what came twice."""
+
+    __slots__ = ("last", "publisher_id")
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+        self.publisher_id: int | None = None
+
+
+class EventPlane:
+    def __init__(self, fleet: Fleet, streams: Streams, options: NatsOptions) -> None:
+        self.fleet = fleet
+        self.options = options
+        self.names = PlaneNames(options.namespace, options.component)
+        self.writer: ModelWriter = streams.writer(options.model)
+        self.nc: nats.NATS | None = None
+        self.state = "connecting"
+        self.connects = 0
+        self.reconnects = 0
+        self.last_error: str | None = None
+        self.counts: Counter[str] = Counter()  # messages, events, lost_events, stale_events, restarts, ...
+        self.errors: Counter[str] = Counter()  # decode errors by kind
+        self.cursors: dict[Worker, _Cursor] = {}
+        self.snapshot: dict[str, Any] = {"loaded_events": None, "uploads": 0, "purged_below": None}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._publishes: set[asyncio.Task[None]] = set()
+        self._started = asyncio.Event()
+
+    # ----- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect in the background (retrying with backoff), so the HTTP API is up even while NATS is not."""
+        self._tasks.append(asyncio.get_running_loop().create_task(self._run()))
+
+    async def ready(self, timeout: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._started.wait(), timeout)
+        return self._started.is_set()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.nc is not None and not self.nc.is_closed:
+            # close, not drain: a cancelled pull fetch keeps drain waiting for its whole timeout; what is
+            # unacked is redelivered to the durable consumer, and our own publishes are flushed by close
+            with contextlib.suppress(Exception):  # closing a connection already lost must not fail shutdown
+                await self.nc.close()
+        self.state = "closed"
+
+    async def _run(self) -> None:
+        self.nc = await self._connect()
+        nc = self.nc
+        await nc.subscribe(self.names.kv_metrics, cb=self._on_load)
+        if self.options.replica_sync:
+            await nc.subscribe(self.names.active_sequences, cb=self._on_sequence)
+            if not self.options.shadow:
+                self.fleet.sequence_listener = self._publish_sequence
+        if self.options.jetstream:
+            await self._start_jetstream()
+        else:
+            await nc.subscribe(self.names.kv_events, cb=self._on_core_event)
+        self._started.set()
+        log.info("event plane: following %s on %s%s", self.names.kv_events, self.options.url,
+                 " (JetStream)" if self.options.jetstream else "")
+
+    async def _connect(self) -> nats.NATS:
+        delay = 0.1
+        while True:
+            try:
+                nc = await nats.connect(
+                    self.options.url, name=f"kvctl-router-{self.options.router_id}", max_reconnect_attempts=-1,
+                    reconnect_time_wait=1, disconnected_cb=self._disconnected, reconnected_cb=self._reconnected,
+                    closed_cb=self._closed, error_cb=self._error, **self.options.connect_kwargs())
+            except (OSError, nats.errors.Error, TimeoutError) as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("event plane: cannot connect to %s (%s); retrying in %.1f s", self.options.url,
+                            self.last_error, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            self.connects += 1
+            self.state = "connected"
+            return nc
+
+    async def _disconnected(self) -> None:
+        self.state = "reconnecting"
+        log.warning("event plane: disconnected from %s", self.options.url)
+
+    async def _reconnected(self) -> None:
+        self.state = "connected"
+        self.reconnects += 1
+        log.info("event plane: reconnected to %s", self.options.url)
+
+    async def _closed(self) -> None:
+        self.state = "closed"
+
+    async def _error(self, exc: Exception) -> None:
+        self.last_error = f"{type(exc).__name__}: {exc}"
+
+    # ----- KV events ----------------------------------------------------------------------------------
+
+    async def _on_core_event(self, msg: Msg) -> None:
+        self.counts["messages"] += 1
+        try:
+            envelope = decode_envelope(msg.data)
+            event = decode_router_event_msgpack(envelope.payload)
+        except DecodeError as exc:
+            self.errors[exc.kind.value] += 1
+            return
+        events = self._take(event, envelope.publisher_id)
+        if events:
+            self.writer.put((event.worker_id, event.dp_rank), events)  # a full queue drops and counts
+
+    def _take(self, event: RouterEvent, publisher_id: int | None) -> list[EventData]:
+        """Sequence one event by its id: what to apply for it (nothing when it came before)."""
+        worker = (event.worker_id, event.dp_rank)
+        cursor = self.cursors.get(worker)
+        if cursor is None:
+            cursor = self.cursors[worker] = _Cursor()
+        cursor.publisher_id = publisher_id
+        last, got = cursor.last, event.event_id
+        cursor.last = got
+        if last is not None and got <= last:
+            if got > 1:
+                cursor.last = last
+                self.counts["stale_events"] += 1
+                return []
+            self.counts["restarts"] += 1  # ids start over: a restarted publisher, whose cache is gone
+            log.warning("event plane: worker %s:%s restarted (event id %d after %d): clearing it", *worker, got, last)
+            self.counts["events"] += 1
+            return [Cleared(), event.data]
+        if last is not None and got > last + 1:
+            self.counts["gaps"] += 1
+            self.counts["lost_events"] += got - last - 1
+        self.counts["events"] += 1
+        return [event.data]
+
+    # ----- JetStream ----------------------------------------------------------------------------------
+
+    async def _start_jetstream(self) -> None:
+        assert self.nc is not None
+        js = self.nc.jetstream()
+        stream = self.names.stream
+        try:
+            await js.stream_info(stream)
+        except nats.js.errors.NotFoundError:
+            if self.options.shadow:
+                raise RuntimeError(f"stream {stream} does not exist (a shadow router creates nothing)") from None
+            await js.add_stream(StreamConfig(name=stream, subjects=[f"{stream}.*"], max_age=STREAM_MAX_AGE_S))
+        if self.options.reset_states and not self.options.shadow:
+            await js.purge_stream(stream)
+            with contextlib.suppress(nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
+                await js.delete_object_store(self.names.bucket)
+            log.warning("event plane: --reset-states purged stream %s and deleted bucket %s", stream,
+                        self.names.bucket)
+        else:
+            await self._load_snapshot(js)
+        config = ConsumerConfig(ack_policy=AckPolicy.ALL, deliver_policy=DeliverPolicy.ALL,
+                                inactive_threshold=CONSUMER_INACTIVE_S)
+        durable = None if self.options.shadow else str(self.options.router_id)
+        if durable is not None:  # from the stream's first message again: the snapshot covers what is gone
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await js.delete_consumer(stream, durable)
+        sub = await js.pull_subscribe(self.names.stream_subject, durable=durable, stream=stream, config=config)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._consume(sub)))
+        if not self.options.shadow:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._snapshot_loop(js)))
+
+    async def _consume(self, sub: Any) -> None:
+        while True:
+            try:
+                msgs = await sub.fetch(FETCH_BATCH, timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except (nats.errors.ConnectionClosedError, nats.errors.Error) as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(0.5)  # reconnecting: the durable consumer keeps our place
+                continue
+            for msg in msgs:
+                self.counts["messages"] += 1
+                try:
+                    event = decode_router_event_json(msg.data)
+                except DecodeError as exc:
+                    self.errors[exc.kind.value] += 1
+                    continue
+                events = self._take(event, None)
+                if events:  # a durable source waits for room rather than drop: what is unacked stays stored
+                    await self.writer.put_wait((event.worker_id, event.dp_rank), events)
+            await self.writer.applied()  # everything fetched is in the index: ack it (AckAll: the last one)
+            with contextlib.suppress(nats.errors.Error):  # a lost ack is a redelivery, and applying is idempotent
+                await msgs[-1].ack()
+
+    async def _load_snapshot(self, js: Any) -> None:
+        try:
+            store = await js.object_store(self.names.bucket)
+        except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
+            log.info("event plane: no snapshot bucket %s; reading the whole stream", self.names.bucket)
+            return
+        previous: bytes | None = None
+        for _ in range(SNAPSHOT_READS):  # an upload in progress reads differently twice in a row
+            try:
+                data = (await store.get(RADIX_STATE_OBJECT)).data or b""
+            except nats.js.errors.ObjectNotFoundError:
+                return
+            if data == previous:
+                break
+            previous = data
+            await asyncio.sleep(0.1)
+        events = [decode_router_event_json(line) for line in (previous or b"").splitlines() if line.strip()]
+        applied, rejected = self.fleet.apply(self.options.model, events, time.monotonic())
+        self.snapshot["loaded_events"] = applied
+        log.info("event plane: loaded %d events from %s/%s (%d rejected)", applied, self.names.bucket,
+                 RADIX_STATE_OBJECT, sum(rejected.values()))
+
+    async def _snapshot_loop(self, js: Any) -> None:
+        while True:
+            await asyncio.sleep(SNAPSHOT_CHECK_S)
+            try:
+                info = await js.stream_info(self.names.stream)
+                if info.state.messages > self.options.snapshot_threshold:
+                    await self._snapshot_and_purge(js)
+            except nats.errors.Error as exc:  # NATS away: the next check retries
+                self.last_error = f"{type(exc).__name__}: {exc}"
+
+    async def _snapshot_and_purge(self, js: Any) -> None:
+        """Purge below the lowest ack floor, then upload the index: it holds everything purged (this router
+        acks only what it applied), so snapshot + what the stream keeps rebuilds the whole index."""
+        stream = self.names.stream
+        floors = [c.ack_floor.stream_seq for c in await js.consumers_info(stream) if c.ack_floor is not None]
+        if not floors or min(floors) == 0:
+            return
+        below = min(floors) + 1
+        await js.purge_stream(stream, seq=below)
+        edges = self.fleet.model(self.options.model).router.index.capture()
+        data = await asyncio.to_thread(lambda: b"".join(encode_router_event_json(e) + b"\n" for e in events_of(edges)))
+        try:
+            store = await js.object_store(self.names.bucket)
+        except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
+            store = await js.create_object_store(self.names.bucket)
+        await store.put(RADIX_STATE_OBJECT, data)
+        self.snapshot["uploads"] += 1
+        self.snapshot["purged_below"] = below
+        log.info("event plane: snapshot of %d events uploaded to %s; stream purged below seq %d", len(edges),
+                 self.names.bucket, below)
+
+    # ----- load reports and replica sync --------------------------------------------------------------
+
+    async def _on_load(self, msg: Msg) -> None:
+        try:
+            load = decode_active_load(msg.data)
+        except DecodeError as exc:
+            self.errors[exc.kind.value] += 1
+            return
+        self.counts["load_reports"] += 1
+        self.fleet.report_load(load, time.monotonic())
+
+    async def _on_sequence(self, msg: Msg) -> None:
+        try:
+            event = decode_sequence_event(msg.data)
+        except DecodeError as exc:
+            self.errors[exc.kind.value] += 1
+            return
+        if event.router_id == self.options.router_id:
+            self.counts["own_sequence_events"] += 1
+            return
+        self.counts["peer_sequence_events"] += 1
+        self.fleet.apply_peer(self.options.model, event, time.monotonic())
+
+    def _publish_sequence(self, model: str, action: str, request: ActiveRequest | None,
+                          route: Mapping[str, Any]) -> None:
+        if model != self.options.model or request is None or self.nc is None:
+            return
+        data = AddRequest(list(request.block_hashes), True, None, request.prefill_tokens) if action == ADD else action
+        payload = encode_sequence_event(ActiveSequenceEvent(
+            request.request_id, request.worker[0], request.worker[1], data, self.options.router_id,
+            route.get("lora_name")))
+        task = asyncio.get_running_loop().create_task(self.nc.publish(self.names.active_sequences, payload))
+        self._publishes.add(task)
+        task.add_done_callback(self._publishes.discard)
+        self.counts["published_sequence_events"] += 1
+
+    # ----- views --------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "url": self.options.url, "state": self.state, "ready": self._started.is_set(),
+            "connects": self.connects, "reconnects": self.reconnects,
+            "last_error": self.last_error, "namespace": self.options.namespace,
+            "component": self.options.component, "model": self.options.model, "router_id": self.options.router_id,
+            "mode": "jetstream" if self.options.jetstream else "core", "shadow": self.options.shadow,
+            "replica_sync": self.options.replica_sync, "subjects": {
+                "kv_events": self.names.stream_subject if self.options.jetstream else self.names.kv_events,
+                "kv_metrics": self.names.kv_metrics, "active_sequences": self.names.active_sequences},
+            "counts": dict(self.counts), "decode_errors": dict(self.errors),
+            "publishers": [{"worker_id": w[0], "dp_rank": w[1], "publisher_id": c.publisher_id, "last_event_id": c.last}
+                           for w, c in sorted(self.cursors.items())],
+            "snapshot": dict(self.snapshot) if self.options.jetstream else None,
+        }

@@ -1,0 +1,302 @@
+"""The event plane against a real nats-server with JetStream: Dynamo's encodings in, the index out.
+
+Each test uses its own namespace, so streams, buckets and subjects never meet across tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import nats
+import pytest
+
+from kvctl.core.events import Removed, RouterEvent, Stored
+from kvctl.core.events.dynamo import (
+    EventEnvelope,
+    decode_kv_cache_event,
+    encode_envelope,
+    encode_router_event_json,
+    encode_router_event_msgpack,
+)
+from kvctl.core.events.plane import ActiveLoad, PlaneNames, encode_active_load
+from kvctl.core.hashing import local_block_hashes, sequence_hashes
+from kvctl.core.index import KvIndex
+from kvctl.server.nats_plane import EventPlane, NatsOptions
+from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.streams import Streams
+from tests.fixtures_path import FIXTURES
+from tests.nats_server import NatsServer
+
+_namespaces = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    srv = NatsServer(tmp_path_factory.mktemp("nats"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def names() -> PlaneNames:
+    return PlaneNames(f"test{next(_namespaces)}", "backend")
+
+
+class Router:
+    """A Fleet with its writers and event plane, as `kvctl serve --nats` runs them, in this loop."""
+
+    def __init__(self, options: NatsOptions) -> None:
+        self.fleet = Fleet(block_size=16, seed=0)
+        self.streams = Streams(self.fleet)
+        self.plane = EventPlane(self.fleet, self.streams, options)
+
+    async def __aenter__(self) -> Router:
+        self.plane.start()
+        assert await self.plane.ready(10), self.plane.status()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.plane.close()
+        await self.streams.close()
+
+    def blocks(self) -> dict[tuple[int, int], set[tuple[int | None, int]]]:
+        """Per worker, every (parent, block) edge it holds: equal for equal trees, whatever the dump's shape."""
+        return dump_blocks(self.fleet.models["default"].router.index.dump())
+
+
+def dump_blocks(events: list[RouterEvent]) -> dict[tuple[int, int], set[tuple[int | None, int]]]:
+    out: dict[tuple[int, int], set[tuple[int | None, int]]] = {}
+    for ev in events:
+        assert isinstance(ev.data, Stored)
+        parent = ev.data.parent_hash
+        for h in ev.data.block_hashes:
+            out.setdefault((ev.worker_id, ev.dp_rank), set()).add((parent, h))
+            parent = h
+    return out
+
+
+def options(server: NatsServer, names: PlaneNames, **kw: object) -> NatsOptions:
+    return NatsOptions(server.url, names.namespace, names.component, router_id=kw.pop("router_id", 1), **kw)  # type: ignore[arg-type]
+
+
+async def until(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def connected(server: NatsServer) -> AsyncIterator[nats.NATS]:
+    nc = await nats.connect(server.url)
+    try:
+        yield nc
+    finally:
+        await nc.drain()
+
+
+def store(worker_id: int, event_id: int, tokens: list[int], parent: int | None = None) -> RouterEvent:
+    local = local_block_hashes(tokens, 16)
+    return RouterEvent(worker_id, Stored(parent, sequence_hashes(local), local), 0, event_id)
+
+
+def envelope(ev: RouterEvent, sequence: int, publisher_id: int = 77) -> bytes:
+    return encode_envelope(EventEnvelope(publisher_id, sequence, 1_700_000_000_000, "kv-events",
+                                         encode_router_event_msgpack(ev)))
+
+
+def fixture_events() -> list[RouterEvent]:
+    """Dynamo 1.6.1's own KV cache events (its RadixTree.apply_event inputs), ids as Dynamo numbered them."""
+    lines = (FIXTURES / "dynamo-1.6.1" / "events_applied.jsonl").read_text().splitlines()
+    return [decode_kv_cache_event(json.loads(line)["event_json"], json.loads(line)["worker_id"]) for line in lines]
+
+
+def expected_blocks(events: list[RouterEvent]) -> dict[tuple[int, int], set[tuple[int | None, int]]]:
+    index = KvIndex()
+    index.load(events)
+    return dump_blocks(index.dump())
+
+
+# ----- NATS Core -----------------------------------------------------------------------------------------
+
+async def test_core_events_in_dynamo_encoding_reach_the_index(server: NatsServer, names: PlaneNames) -> None:
+    events = fixture_events()
+    async with Router(options(server, names)) as router, connected(server) as nc:
+        await nc.publish(names.kv_events, b"\x93not an envelope")  # garbage first: counted, never fatal
+        await nc.publish(names.kv_events, encode_envelope(EventEnvelope(1, 1, 0, "kv-events", b"\xc1")))
+        for n, ev in enumerate(events, 1):
+            await nc.publish(names.kv_events, envelope(ev, n))
+        await nc.flush()
+        await until(lambda: router.plane.counts["events"] == len(events), "every event")
+        await router.streams.writer("default").applied()
+        assert router.blocks() == expected_blocks(events)
+        status = router.plane.status()
+        assert sum(status["decode_errors"].values()) == 2
+        assert status["counts"]["messages"] == len(events) + 2
+        assert status["state"] == "connected" and status["mode"] == "core"
+
+
+async def test_event_id_gaps_stale_events_and_restarts_are_counted(server: NatsServer, names: PlaneNames) -> None:
+    tokens = list(range(64))
+    async with Router(options(server, names)) as router, connected(server) as nc:
+        first = store(5, 1, tokens[:32])
+        sequence = [first, store(5, 2, tokens[32:48], first.data.block_hashes[-1]),  # type: ignore[union-attr]
+                    store(5, 5, tokens[48:64]),  # ids 3 and 4 never came
+                    store(5, 4, list(range(500, 516))),  # behind the cursor: dropped
+                    store(5, 1, list(range(900, 916)))]  # ids start over: the publisher restarted
+        for n, ev in enumerate(sequence, 1):
+            await nc.publish(names.kv_events, envelope(ev, n))
+        await nc.flush()
+        await until(lambda: router.plane.counts["restarts"] == 1, "the restart")
+        await router.streams.writer("default").applied()
+        counts = router.plane.counts
+        assert (counts["gaps"], counts["lost_events"], counts["stale_events"]) == (1, 2, 1)
+        # the restart cleared what the worker held before: only the post-restart block is left
+        assert router.blocks() == expected_blocks([sequence[-1]])
+        assert router.plane.status()["publishers"] == [
+            {"worker_id": 5, "dp_rank": 0, "publisher_id": 77, "last_event_id": 1}]
+
+
+async def test_load_reports_are_shown_and_feed_the_busy_check(server: NatsServer, names: PlaneNames) -> None:
+    async with Router(options(server, names)) as router, connected(server) as nc:
+        router.fleet.register(WorkerInfo(3, 0, "default", total_blocks=100))
+        await nc.publish(names.kv_metrics, encode_active_load(ActiveLoad(3, 0, 4, 128, 95)))
+        await nc.publish(names.kv_metrics, b"garbage")
+        await nc.flush()
+        await until(lambda: (3, 0) in router.fleet.reported, "the load report")
+        row = router.fleet.worker_rows(time.monotonic())[0]
+        assert row["reported"]["kv_used_blocks"] == 95 and row["reported"]["active_prefill_tokens"] == 128
+        router.fleet.thresholds.set("default", active_decode_blocks_threshold=0.9)
+        assert router.fleet.rank_busy("default")[(3, 0)].busy  # 95 of 100 blocks used > 0.9
+        assert sum(router.plane.errors.values()) == 1
+
+
+# ----- JetStream -----------------------------------------------------------------------------------------
+
+def workload(n: int) -> list[RouterEvent]:
+    """Stores of fresh prompts on two workers, with every third one later removed again."""
+    out: list[RouterEvent] = []
+    ids = {1: 0, 2: 0}
+    for k in range(n):
+        w = 1 + k % 2
+        ids[w] += 1
+        ev = store(w, ids[w], list(range(1000 * k, 1000 * k + 32)))
+        out.append(ev)
+        if k % 3 == 2:
+            ids[w] += 1
+            out.append(RouterEvent(w, Removed(ev.data.block_hashes[1:]), 0, ids[w]))  # type: ignore[union-attr]
+    return out
+
+
+async def js_publish(server: NatsServer, names: PlaneNames, events: list[RouterEvent]) -> None:
+    async with connected(server) as nc:
+        js = nc.jetstream()
+        for ev in events:
+            await js.publish(names.stream_subject, encode_router_event_json(ev))
+
+
+async def test_jetstream_events_are_applied_then_acked(server: NatsServer, names: PlaneNames) -> None:
+    events = workload(20)
+    async with Router(options(server, names, jetstream=True)) as router:
+        await js_publish(server, names, events)
+        async with connected(server) as nc:
+            await nc.publish(f"{names.stream}.kv-events", b"{not json")  # garbage on the stream subject
+            await nc.flush()
+        await until(lambda: router.plane.counts["messages"] == len(events) + 1, "every message")
+        async with connected(server) as nc:
+            js = nc.jetstream()
+            info = await js.consumer_info(names.stream, "1")
+            deadline = time.monotonic() + 5
+            while info.ack_floor.stream_seq < len(events) + 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                info = await js.consumer_info(names.stream, "1")
+            assert info.ack_floor.stream_seq == len(events) + 1
+        assert router.blocks() == expected_blocks(events)
+        assert router.plane.errors == {"bad_json": 1}
+
+
+async def test_snapshot_purges_and_a_new_replica_boots_from_snapshot_and_tail(
+        server: NatsServer, names: PlaneNames) -> None:
+    events = workload(30)
+    head, tail = events[:30], events[30:]
+    async with Router(options(server, names, jetstream=True, snapshot_threshold=10)) as router:
+        await js_publish(server, names, head)
+        await until(lambda: router.plane.snapshot["uploads"] >= 1, "a snapshot upload", timeout=15)
+        await js_publish(server, names, tail)
+        await until(lambda: router.plane.counts["events"] >= len(events), "every event")
+        await router.streams.writer("default").applied()
+        async with connected(server) as nc:
+            info = await nc.jetstream().stream_info(names.stream)
+            assert info.state.first_seq > 1  # purged below the ack floor
+        async with Router(options(server, names, jetstream=True, router_id=2, snapshot_threshold=10**9)) as fresh:
+            assert fresh.plane.snapshot["loaded_events"]
+            await until(lambda: fresh.blocks() == router.blocks(), "the new replica to catch up")
+        assert router.blocks() == expected_blocks(events)
+
+
+async def test_reset_states_leaves_an_empty_stream_and_no_bucket(server: NatsServer, names: PlaneNames) -> None:
+    async with Router(options(server, names, jetstream=True, snapshot_threshold=5)) as router:
+        await js_publish(server, names, workload(12))
+        await until(lambda: router.plane.snapshot["uploads"] >= 1, "a snapshot upload", timeout=15)
+    async with Router(options(server, names, jetstream=True, reset_states=True, router_id=3)) as reset:
+        assert reset.blocks() == {}
+        async with connected(server) as nc:
+            js = nc.jetstream()
+            assert (await js.stream_info(names.stream)).state.messages == 0
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await js.object_store(names.bucket)
+
+
+# ----- replica sync --------------------------------------------------------------------------------------
+
+async def test_replicas_share_in_flight_requests_and_ignore_their_own(server: NatsServer, names: PlaneNames) -> None:
+    a_opts = options(server, names, replica_sync=True, router_id=11)
+    b_opts = options(server, names, replica_sync=True, router_id=12)
+    async with Router(a_opts) as a, Router(b_opts) as b:
+        for fleet in (a.fleet, b.fleet):
+            for wid in (1, 2):
+                fleet.register(WorkerInfo(wid, 0, "default"))
+        tokens = list(range(64))
+        decision = a.fleet.route("default", now=time.monotonic(), token_ids=tokens, request_id="r1", reserve=True)
+        await until(lambda: b.fleet.models["default"].router.sequences.get("r1") is not None, "the add on B")
+        on_b = b.fleet.models["default"].router.sequences.load(decision.worker)
+        assert on_b.active_blocks == 4 and on_b.active_prefill_tokens == 64
+        assert a.fleet.prefill_complete("default", "r1")
+        await until(lambda: b.fleet.models["default"].router.sequences.load(decision.worker).active_prefill_tokens
+                    == 0, "prefill complete on B")
+        assert a.fleet.free("default", "r1")
+        await until(lambda: b.fleet.models["default"].router.sequences.get("r1") is None, "the free on B")
+        await until(lambda: a.plane.counts["own_sequence_events"] == 3, "A's own echoes")
+        assert a.plane.counts["peer_sequence_events"] == 0 and b.plane.counts["peer_sequence_events"] == 3
+        assert len(a.fleet.models["default"].router.sequences) == 0  # its echoes did not re-add r1
+
+
+async def test_a_shadow_publishes_nothing(server: NatsServer, names: PlaneNames) -> None:
+    async with Router(options(server, names, replica_sync=True, shadow=True, router_id=21)) as shadow, \
+            connected(server) as nc:
+        seen: list[bytes] = []
+
+        async def on(msg: nats.aio.msg.Msg) -> None:
+            seen.append(msg.data)
+
+        await nc.subscribe(names.active_sequences, cb=on)
+        shadow.fleet.register(WorkerInfo(1, 0, "default"))
+        shadow.fleet.route("default", now=time.monotonic(), token_ids=list(range(32)), request_id="s", reserve=True)
+        shadow.fleet.free("default", "s")
+        await nc.flush()
+        await asyncio.sleep(0.3)
+        assert seen == []
+
+
+def test_stream_and_bucket_names_are_dynamos() -> None:
+    names = PlaneNames("dynamo", "backend")
+    assert names.stream == "namespace-dynamo-component-backend-kv-events"
+    assert names.bucket == "namespace-dynamo-component-backend-radix-bucket"
+    assert names.stream_subject == "namespace-dynamo-component-backend-kv-events.kv-events"
+    assert PlaneNames("My.NS", "prefill_w").stream == "namespace-my-ns-component-prefill-w-kv-events"
