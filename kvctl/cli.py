@@ -12,7 +12,9 @@ from typer.core import TyperGroup
 from typer.exceptions import Abort, Exit
 
 from kvctl import __version__
+from kvctl.commands import events as events_cmd
 from kvctl.commands import hash as hash_cmd
+from kvctl.commands import mock as mock_cmd
 from kvctl.commands import serve as serve_cmd
 from kvctl.commands._options import JsonOpt, OutputOpt
 from kvctl.errors import KvctlError
@@ -102,6 +104,8 @@ def root(
 
 app.command(name="hash", help=hash_cmd.HELP, epilog=hash_cmd.EXAMPLES)(hash_cmd.hash_command)
 app.command(name="serve", help=serve_cmd.HELP, epilog=serve_cmd.EXAMPLES)(serve_cmd.serve_command)
+app.add_typer(mock_cmd.app, name="mock")
+app.add_typer(events_cmd.app, name="events")
 
 
 def main() -> None:

@@ -24,3 +24,21 @@ def output_for(ctx: typer.Context, output: OutputFormat | None, as_json: bool) -
         raise UsageError("--json and -o disagree", hint="give only one of them")
     chosen = OutputFormat.json if as_json else (output or state.output)
     return Output(format=chosen, color=state.color)
+
+
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Go ahead without asking (needed without a terminal).")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Say what would be done; change nothing.")]
+
+
+def confirm(action: str, yes: bool) -> None:
+    """Ask before a change, unless --yes; without a terminal to ask on, refuse (never hang a script)."""
+    if yes:
+        return
+    import sys
+
+    from kvctl.errors import UsageError
+
+    if not sys.stdin.isatty():
+        raise UsageError(f"{action}: refusing without --yes (no terminal to ask on)", hint="pass --yes")
+    if not typer.confirm(f"{action}?", default=False, err=True):
+        raise typer.Abort()

@@ -10,6 +10,21 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from kvctl.commands._nats import (
+    PANEL,
+    ComponentOpt,
+    ConnectTimeoutOpt,
+    CredsOpt,
+    NamespaceOpt,
+    NkeyOpt,
+    PasswordOpt,
+    TlsCaOpt,
+    TlsCertOpt,
+    TlsKeyOpt,
+    TokenOpt,
+    UserOpt,
+    connection,
+)
 from kvctl.errors import UsageError
 from kvctl.output import Output
 
@@ -27,9 +42,6 @@ EXAMPLES = (
 DEFAULT_STATE_DIR = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "kvctl"
 
 _ENGINE = re.compile(r"^(?P<id>\d+)(?::(?P<dp>\d+))?=(?P<endpoint>[^,]+)(?P<opts>(,[a-z_]+=[^,]*)*)$")
-
-
-_NATS = "NATS event plane (Dynamo)"
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -139,50 +151,37 @@ def serve_command(
                                                   help="Force-free in-flight requests older than this (s).")]
     = 300.0,
     nats_url: Annotated[str | None, typer.Option(
-        "--nats", envvar="KVCTL_NATS", show_default=False, rich_help_panel=_NATS,
+        "--nats", envvar="KVCTL_NATS", show_default=False, rich_help_panel=PANEL,
         help="Follow a Dynamo event plane on this NATS server (nats://HOST:PORT).")] = None,
-    namespace: Annotated[str, typer.Option("--namespace", envvar="KVCTL_NAMESPACE", rich_help_panel=_NATS,
-                                           help="Dynamo namespace.")] = "dynamo",
-    component: Annotated[str, typer.Option("--component", envvar="KVCTL_COMPONENT", rich_help_panel=_NATS,
-                                           help="The workers' Dynamo component.")] = "backend",
-    nats_model: Annotated[str, typer.Option("--nats-model", envvar="KVCTL_NATS_MODEL", rich_help_panel=_NATS,
+    namespace: NamespaceOpt = "dynamo",
+    component: ComponentOpt = "backend",
+    nats_model: Annotated[str, typer.Option("--nats-model", envvar="KVCTL_NATS_MODEL", rich_help_panel=PANEL,
                                             help="The model the event plane's workers serve.")] = "default",
     router_id: Annotated[int | None, typer.Option(
-        "--router-id", envvar="KVCTL_ROUTER_ID", show_default=False, rich_help_panel=_NATS,
+        "--router-id", envvar="KVCTL_ROUTER_ID", show_default=False, rich_help_panel=PANEL,
         help="This router's id (u64): its JetStream consumer and replica-sync identity. Default: an id kept "
              "in the state dir.")] = None,
-    shadow: Annotated[bool, typer.Option("--shadow", envvar="KVCTL_SHADOW", rich_help_panel=_NATS,
+    shadow: Annotated[bool, typer.Option("--shadow", envvar="KVCTL_SHADOW", rich_help_panel=PANEL,
                                          help="Read-only: never publish, purge or create anything on NATS.")]
     = False,
-    jetstream: Annotated[bool, typer.Option("--jetstream", envvar="KVCTL_JETSTREAM", rich_help_panel=_NATS,
+    jetstream: Annotated[bool, typer.Option("--jetstream", envvar="KVCTL_JETSTREAM", rich_help_panel=PANEL,
                                             help="Durable mode: consume the JetStream stream, snapshot to the "
                                                  "object store.")] = False,
     snapshot_threshold: Annotated[int, typer.Option(
-        "--snapshot-threshold", envvar="KVCTL_SNAPSHOT_THRESHOLD", rich_help_panel=_NATS,
+        "--snapshot-threshold", envvar="KVCTL_SNAPSHOT_THRESHOLD", rich_help_panel=PANEL,
         help="JetStream: snapshot and purge when the stream holds more messages than this.")] = 1_000_000,
     replica_sync: Annotated[bool, typer.Option(
-        "--replica-sync", envvar="KVCTL_REPLICA_SYNC", rich_help_panel=_NATS,
+        "--replica-sync", envvar="KVCTL_REPLICA_SYNC", rich_help_panel=PANEL,
         help="Share in-flight requests with the other routers (and take theirs).")] = False,
-    nats_user: Annotated[str | None, typer.Option("--nats-user", envvar="KVCTL_NATS_USER", show_default=False,
-                                                  rich_help_panel=_NATS)] = None,
-    nats_password: Annotated[str | None, typer.Option("--nats-password", envvar="KVCTL_NATS_PASSWORD",
-                                                      show_default=False, rich_help_panel=_NATS)] = None,
-    nats_token: Annotated[str | None, typer.Option("--nats-token", envvar="KVCTL_NATS_TOKEN", show_default=False,
-                                                   rich_help_panel=_NATS)] = None,
-    nats_creds: Annotated[Path | None, typer.Option("--nats-creds", envvar="KVCTL_NATS_CREDS", show_default=False,
-                                                    rich_help_panel=_NATS, help="A .creds file (JWT + nkey).")]
-    = None,
-    nats_nkey: Annotated[Path | None, typer.Option("--nats-nkey", envvar="KVCTL_NATS_NKEY", show_default=False,
-                                                   rich_help_panel=_NATS, help="An nkey seed file.")] = None,
-    nats_tls_ca: Annotated[Path | None, typer.Option("--nats-tls-ca", envvar="KVCTL_NATS_TLS_CA",
-                                                     show_default=False, rich_help_panel=_NATS)] = None,
-    nats_tls_cert: Annotated[Path | None, typer.Option("--nats-tls-cert", envvar="KVCTL_NATS_TLS_CERT",
-                                                       show_default=False, rich_help_panel=_NATS)] = None,
-    nats_tls_key: Annotated[Path | None, typer.Option("--nats-tls-key", envvar="KVCTL_NATS_TLS_KEY",
-                                                      show_default=False, rich_help_panel=_NATS)] = None,
-    nats_connect_timeout: Annotated[float, typer.Option(
-        "--nats-connect-timeout", envvar="KVCTL_NATS_CONNECT_TIMEOUT", rich_help_panel=_NATS,
-        help="Seconds per connection attempt (attempts repeat with backoff).")] = 5.0,
+    nats_user: UserOpt = None,
+    nats_password: PasswordOpt = None,
+    nats_token: TokenOpt = None,
+    nats_creds: CredsOpt = None,
+    nats_nkey: NkeyOpt = None,
+    nats_tls_ca: TlsCaOpt = None,
+    nats_tls_cert: TlsCertOpt = None,
+    nats_tls_key: TlsKeyOpt = None,
+    nats_connect_timeout: ConnectTimeoutOpt = 5.0,
 ) -> None:
     from kvctl.core.router.approx import ApproxConfig
     from kvctl.core.router.busy import Thresholds
@@ -232,14 +231,11 @@ def serve_command(
             raise UsageError(f"--router-id must be a u64, got {router_id}")
         if snapshot_threshold <= 0:
             raise UsageError(f"--snapshot-threshold must be positive, got {snapshot_threshold}")
-        for flag, path in (("--nats-creds", nats_creds), ("--nats-nkey", nats_nkey), ("--nats-tls-ca", nats_tls_ca),
-                           ("--nats-tls-cert", nats_tls_cert), ("--nats-tls-key", nats_tls_key)):
-            if path is not None and not path.is_file():
-                raise UsageError(f"{flag}: no such file {str(path)!r}")
-        nats = NatsOptions(nats_url, namespace, component, nats_model,
+        conn = connection(nats_url, nats_user, nats_password, nats_token, nats_creds, nats_nkey, nats_tls_ca,
+                          nats_tls_cert, nats_tls_key, nats_connect_timeout)
+        nats = NatsOptions(conn, namespace, component, nats_model,
                            router_id if router_id is not None else stable_router_id(state_dir), shadow, jetstream,
-                           snapshot_threshold, reset_states, replica_sync, nats_user, nats_password, nats_token,
-                           nats_creds, nats_nkey, nats_tls_ca, nats_tls_cert, nats_tls_key, nats_connect_timeout)
+                           snapshot_threshold, reset_states, replica_sync)
     elif shadow or jetstream or replica_sync:
         raise UsageError("--shadow, --jetstream and --replica-sync need --nats URL")
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,

@@ -25,17 +25,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import nats
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Server
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
@@ -58,6 +57,7 @@ from kvctl.core.events.plane import (
 )
 from kvctl.core.index.kv_index import events_of
 from kvctl.core.router.sequences import ActiveRequest
+from kvctl.natsconn import NatsConnection
 from kvctl.server.state import ADD, Fleet
 from kvctl.server.streams import ModelWriter, Streams
 
@@ -73,7 +73,7 @@ SNAPSHOT_READS = 10
 
 @dataclass(frozen=True, slots=True)
 class NatsOptions:
-    url: str
+    connection: NatsConnection
     namespace: str = "dynamo"
     component: str = "backend"
     model: str = "default"
@@ -83,33 +83,15 @@ class NatsOptions:
     snapshot_threshold: int = 1_000_000
     reset_states: bool = False
     replica_sync: bool = False
-    user: str | None = None
-    password: str | None = None
-    token: str | None = None
-    creds: Path | None = None
-    nkey: Path | None = None
-    tls_ca: Path | None = None
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    connect_timeout_s: float = 5.0
 
-    def connect_kwargs(self) -> dict[str, Any]:
-        """nats-py's connect() arguments for the credentials and TLS given (none of them logged)."""
-        kwargs: dict[str, Any] = {"connect_timeout": self.connect_timeout_s}
-        if self.user is not None:
-            kwargs.update(user=self.user, password=self.password)
-        if self.token is not None:
-            kwargs["token"] = self.token
-        if self.creds is not None:
-            kwargs["user_credentials"] = str(self.creds)
-        if self.nkey is not None:
-            kwargs["nkeys_seed"] = str(self.nkey)
-        if self.tls_ca or self.tls_cert:
-            context = ssl.create_default_context(cafile=str(self.tls_ca) if self.tls_ca else None)
-            if self.tls_cert:
-                context.load_cert_chain(str(self.tls_cert), str(self.tls_key) if self.tls_key else None)
-            kwargs["tls"] = context
-        return kwargs
+    @property
+    def url(self) -> str:
+        return self.connection.url
+
+
+def _backoff(servers: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
+    """nats-py's reconnect hook: the (only) server again, after 0.1 s doubling up to 10 s per failed try."""
+    return servers[0], min(0.1 * 2 ** servers[0].reconnects, 10.0)
 
 
 class _Cursor:
@@ -177,6 +159,7 @@ class EventPlane:
             await self._start_jetstream()
         else:
             await nc.subscribe(self.names.kv_events, cb=self._on_core_event)
+        await nc.flush()  # the server has every subscription: from here on nothing published is missed
         self._started.set()
         log.info("event plane: following %s on %s%s", self.names.kv_events, self.options.url,
                  " (JetStream)" if self.options.jetstream else "")
@@ -187,8 +170,9 @@ class EventPlane:
             try:
                 nc = await nats.connect(
                     self.options.url, name=f"kvctl-router-{self.options.router_id}", max_reconnect_attempts=-1,
-                    reconnect_time_wait=1, disconnected_cb=self._disconnected, reconnected_cb=self._reconnected,
-                    closed_cb=self._closed, error_cb=self._error, **self.options.connect_kwargs())
+                    reconnect_time_wait=1, reconnect_to_server_handler=_backoff,
+                    disconnected_cb=self._disconnected, reconnected_cb=self._reconnected, closed_cb=self._closed,
+                    error_cb=self._error, **self.options.connection.connect_kwargs())
             except (OSError, nats.errors.Error, TimeoutError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("event plane: cannot connect to %s (%s); retrying in %.1f s", self.options.url,

@@ -12,6 +12,7 @@ from pathlib import Path
 import nkeys
 import pytest
 
+from kvctl.natsconn import NatsConnection
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet
 from kvctl.server.streams import Streams
@@ -72,7 +73,7 @@ def secured(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Na
 async def _plane(server: NatsServer, **kw: object) -> tuple[EventPlane, Streams]:
     fleet = Fleet()
     streams = Streams(fleet)
-    plane = EventPlane(fleet, streams, NatsOptions(server.url, "auth", connect_timeout_s=1.0, **kw))  # type: ignore[arg-type]
+    plane = EventPlane(fleet, streams, NatsOptions(NatsConnection(server.url, connect_timeout_s=1.0, **kw), "auth"))  # type: ignore[arg-type]
     plane.start()
     return plane, streams
 

@@ -26,6 +26,7 @@ from kvctl.core.events.dynamo import (
 from kvctl.core.events.plane import ActiveLoad, PlaneNames, encode_active_load
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
+from kvctl.natsconn import NatsConnection
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.streams import Streams
@@ -81,7 +82,8 @@ def dump_blocks(events: list[RouterEvent]) -> dict[tuple[int, int], set[tuple[in
 
 
 def options(server: NatsServer, names: PlaneNames, **kw: object) -> NatsOptions:
-    return NatsOptions(server.url, names.namespace, names.component, router_id=kw.pop("router_id", 1), **kw)  # type: ignore[arg-type]
+    return NatsOptions(NatsConnection(server.url), names.namespace, names.component,
+                       router_id=kw.pop("router_id", 1), **kw)  # type: ignore[arg-type]
 
 
 async def until(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None:

@@ -1,0 +1,52 @@
+"""The NATS options every command that speaks to an event plane takes, declared once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvctl.errors import UsageError
+from kvctl.natsconn import NatsConnection
+
+PANEL = "NATS event plane (Dynamo)"
+
+NamespaceOpt = Annotated[str, typer.Option("--namespace", envvar="KVCTL_NAMESPACE", rich_help_panel=PANEL,
+                                           help="Dynamo namespace.")]
+ComponentOpt = Annotated[str, typer.Option("--component", envvar="KVCTL_COMPONENT", rich_help_panel=PANEL,
+                                           help="The workers' Dynamo component.")]
+UserOpt = Annotated[str | None, typer.Option("--nats-user", envvar="KVCTL_NATS_USER", show_default=False,
+                                             rich_help_panel=PANEL)]
+PasswordOpt = Annotated[str | None, typer.Option("--nats-password", envvar="KVCTL_NATS_PASSWORD",
+                                                 show_default=False, rich_help_panel=PANEL)]
+TokenOpt = Annotated[str | None, typer.Option("--nats-token", envvar="KVCTL_NATS_TOKEN", show_default=False,
+                                              rich_help_panel=PANEL)]
+CredsOpt = Annotated[Path | None, typer.Option("--nats-creds", envvar="KVCTL_NATS_CREDS", show_default=False,
+                                               rich_help_panel=PANEL, help="A .creds file (JWT + nkey).")]
+NkeyOpt = Annotated[Path | None, typer.Option("--nats-nkey", envvar="KVCTL_NATS_NKEY", show_default=False,
+                                              rich_help_panel=PANEL, help="An nkey seed file.")]
+TlsCaOpt = Annotated[Path | None, typer.Option("--nats-tls-ca", envvar="KVCTL_NATS_TLS_CA", show_default=False,
+                                               rich_help_panel=PANEL)]
+TlsCertOpt = Annotated[Path | None, typer.Option("--nats-tls-cert", envvar="KVCTL_NATS_TLS_CERT",
+                                                 show_default=False, rich_help_panel=PANEL)]
+TlsKeyOpt = Annotated[Path | None, typer.Option("--nats-tls-key", envvar="KVCTL_NATS_TLS_KEY", show_default=False,
+                                                rich_help_panel=PANEL)]
+ConnectTimeoutOpt = Annotated[float, typer.Option(
+    "--nats-connect-timeout", envvar="KVCTL_NATS_CONNECT_TIMEOUT", rich_help_panel=PANEL,
+    help="Seconds per connection attempt.")]
+
+
+def connection(url: str, user: str | None, password: str | None, token: str | None, creds: Path | None,
+               nkey: Path | None, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None,
+               connect_timeout: float) -> NatsConnection:
+    """The connection the options describe; a named file that is not there is a usage error, before any I/O."""
+    if not url.startswith(("nats://", "tls://", "ws://", "wss://")):
+        raise UsageError(f"--nats wants a URL like nats://HOST:4222, got {url!r}")
+    if not connect_timeout > 0:
+        raise UsageError(f"--nats-connect-timeout must be > 0 seconds, got {connect_timeout}")
+    conn = NatsConnection(url, user, password, token, creds, nkey, tls_ca, tls_cert, tls_key, connect_timeout)
+    for flag, path in conn.files().items():
+        if not path.is_file():
+            raise UsageError(f"{flag}: no such file {str(path)!r}")
+    return conn

@@ -1,0 +1,48 @@
+"""RouterEvents from a file in any of the shapes they are kept in (DESIGN §4): a JSON list (a dump), JSON
+lines (`/v1/tree?format=jsonl`, a kvctl snapshot's event lines), or Dynamo's recorder lines
+(`{"timestamp": ms, "event": RouterEvent}`). The shape is told from the text, never from a file name.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvctl.core.events.dynamo import decode_router_event_json
+from kvctl.core.events.errors import DecodeError
+from kvctl.core.events.types import RouterEvent
+
+
+class DumpFileError(ValueError):
+    """The text is not events in any known shape; says where (line n) and what."""
+
+
+def read_router_events(text: str) -> list[RouterEvent]:
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            items = json.loads(stripped)
+        except ValueError as exc:
+            raise DumpFileError(f"not a JSON list of RouterEvents: {exc}") from None
+        return [_event(item, f"item {n}") for n, item in enumerate(items)]
+    events = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise DumpFileError(f"line {n} is not JSON: {exc}") from None
+        events.append(_event(item, f"line {n}"))
+    return events
+
+
+def _event(item: Any, where: str) -> RouterEvent:
+    if isinstance(item, dict) and "event" in item and "worker_id" not in item:
+        item = item["event"]  # a recorder line, or a kvctl snapshot line ({"model", "event"})
+    if not isinstance(item, dict):
+        raise DumpFileError(f"{where}: expected a RouterEvent object, got {type(item).__name__}")
+    try:
+        return decode_router_event_json(item)
+    except DecodeError as exc:
+        raise DumpFileError(f"{where}: {exc.field}: {exc.detail}") from None

@@ -1,0 +1,290 @@
+"""A mock LLM engine: real KV events and metrics from a simulated prefix cache, no GPU.
+
+Each request is admitted into a bounded batch (the rest wait in a bounded queue, then get 503),
+pins its prompt blocks in the cache, and the cache's changes go out at once as one event batch in
+the engine's wire format, so the events follow the order of the cache's changes as a real
+scheduler step would. Then the request "runs": prefill takes time per uncached prompt token,
+decode time per output token, and the client sees NDJSON lines when each phase ends.
+
+Faults reproduce the incidents kvctl diagnoses: lost batches (drop_every), an engine restart
+(restart_after), a block size or hash seed the router does not share, an engine that stops
+publishing (silent), and an overloaded one (slow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, Field
+
+from kvctl.core.events.engine_encode import (
+    FORMATS,
+    SGLANG,
+    BlockRemoved,
+    BlockStored,
+    EngineEvent,
+    encode_batch,
+)
+from kvctl.mock.cache import Allocation, CacheEvent, CacheStored, PrefixCache
+from kvctl.mock.hashing import BlockHasher, HashStyle
+from kvctl.mock.metrics import EngineMetrics
+from kvctl.mock.publisher import Publisher
+
+MOCK_FORMATS = ("vllm", "vllm-legacy", "sglang")
+"""The wire formats a mock engine can speak (names of `engine_encode.FORMATS`)."""
+
+SLOW_FACTOR = 25.0
+"""How much longer prefill and decode take on a `slow` engine."""
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """Misbehaviours of one engine; the defaults are a healthy engine."""
+
+    drop_every: int = 0
+    """Do not send every Nth batch on PUB (it stays in the replay buffer): seq gaps a router can repair."""
+    restart_after: float | None = None
+    """After this many seconds, restart once: cache, seq and replay buffer start over, silently."""
+    block_size: int | None = None
+    """Use this block size instead of the fleet's (a router configured for another size never matches)."""
+    nondeterministic_hash: bool = False
+    """Seed the hash chain randomly per engine, as vLLM did before its fix: no two engines agree."""
+    silent: bool = False
+    """Publish nothing at all, but keep serving requests."""
+    slow: bool = False
+    """Prefill and decode SLOW_FACTOR times slower: load builds up and requests queue."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    worker_id: int
+    dp_rank: int = 0
+    block_size: int = 16
+    capacity: int = 2048
+    host_capacity: int = 0
+    disk_capacity: int = 0
+    format: str = "vllm"
+    host: str = "127.0.0.1"
+    http_port: int = 0
+    zmq_port: int = 0
+    replay_port: int = 0
+    topic: str = ""
+    model_name: str = "mock"
+    prefill_us_per_token: float = 20.0
+    decode_ms_per_token: float = 1.0
+    max_running: int = 16
+    max_waiting: int = 256
+    seed: int | None = None
+    """Makes a nondeterministic hash seed reproducible (per worker id)."""
+    faults: Faults = field(default_factory=Faults)
+
+    def __post_init__(self) -> None:
+        if self.format not in MOCK_FORMATS:
+            raise ValueError(f"format must be one of {', '.join(MOCK_FORMATS)}, got {self.format!r}")
+        if min(self.block_size, self.capacity, self.max_running) <= 0 or self.faults.block_size == 0:
+            raise ValueError("block size, capacity and max running must be positive")
+        if min(self.host_capacity, self.disk_capacity, self.max_waiting, self.faults.drop_every) < 0:
+            raise ValueError("tier capacities, max waiting and drop_every must not be negative")
+
+    @property
+    def effective_block_size(self) -> int:
+        return self.faults.block_size or self.block_size
+
+
+class GenerateRequest(BaseModel):
+    token_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] = Field(min_length=1)
+    max_tokens: int = Field(16, ge=1, le=1_000_000)
+    request_id: str | None = None
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signals alone: several share one loop, and their owner handles signals."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        return contextlib.nullcontext()
+
+
+class MockEngine:
+    """One engine (one dp rank): a prefix cache, its KV-event publisher and an HTTP API."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.fmt = FORMATS[config.format]
+        self.block_size = config.effective_block_size
+        style = HashStyle.sglang if self.fmt is SGLANG else HashStyle.vllm
+        self.cache = PrefixCache(config.capacity, self.block_size, BlockHasher(style, root_seed=self._root_seed()),
+                                 host_capacity=config.host_capacity, disk_capacity=config.disk_capacity)
+        self.running = 0
+        self.waiting = 0
+        self.restarts = 0
+        self.metrics = EngineMetrics(
+            model_name=config.model_name, block_size=self.block_size,
+            usage=lambda: self.cache.used_blocks / config.capacity,
+            running=lambda: self.running, waiting=lambda: self.waiting,
+            transfers=self.cache.transfers if config.host_capacity or config.disk_capacity else None,
+        )
+        self.publisher: Publisher | None = None
+        self._slots = asyncio.Semaphore(config.max_running)
+        self._slowdown = SLOW_FACTOR if config.faults.slow else 1.0
+        self._socket: socket.socket | None = None
+        self._url: str | None = None
+        self._server: _Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def url(self) -> str:
+        assert self._url is not None, "the engine is not started"
+        return self._url
+
+    def info(self) -> dict[str, Any]:
+        """Where to reach this engine; the first six keys are what a router's POST /v1/workers takes."""
+        assert self.publisher is not None, "the engine is not started"
+        return {
+            "worker_id": self.config.worker_id,
+            "dp_rank": self.config.dp_rank,
+            "endpoint": self.publisher.endpoint,
+            "replay_endpoint": self.publisher.replay_endpoint,
+            "model": self.config.model_name,
+            "topic": self.config.topic,
+            "url": self.url,
+            "format": self.config.format,
+            "block_size": self.block_size,
+        }
+
+    async def start(self) -> None:
+        """Bind every socket (ZMQ and HTTP), then serve; returns once the HTTP server accepts requests."""
+        c = self.config
+        self.publisher = Publisher(c.host, c.zmq_port, c.replay_port, topic=c.topic, replay_topic=self.fmt.replay_topic)
+        self.publisher.start()
+        self._socket = socket.create_server((c.host, c.http_port))
+        self._url = f"http://{c.host}:{self._socket.getsockname()[1]}"
+        config = uvicorn.Config(self._app(), log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=1)
+        self._server = _Server(config)
+        serving = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._socket]))
+        self._tasks.append(serving)
+        while not self._server.started:
+            if serving.done():
+                serving.result()  # re-raise why it stopped
+                raise RuntimeError(f"engine {c.worker_id}: the HTTP server stopped while starting")
+            await asyncio.sleep(0.005)
+        if c.faults.restart_after is not None:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._restart_later(c.faults.restart_after)))
+
+    async def close(self) -> None:
+        """Stop serving (in-flight streams get a second to finish) and close every socket."""
+        if self._server is not None:
+            self._server.should_exit = True
+        for task in self._tasks[1:]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._socket is not None:
+            self._socket.close()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    def restart(self) -> None:
+        """What a crashed-and-restarted engine looks like from outside: empty cache, seq from 0, no events."""
+        assert self.publisher is not None
+        self.cache.clear()
+        self.publisher.reset()
+        self.restarts += 1
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[bytes]:
+        """Queue, prefill, decode: one NDJSON line when the first token is out, one when done."""
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        allocation: Allocation | None = None
+        try:
+            allocation = self.cache.allocate(request.token_ids)
+            self._emit(allocation.events)
+            prompt = len(request.token_ids)
+            self.metrics.record(allocation, prompt)
+            cached = allocation.cached_blocks * self.block_size
+            await asyncio.sleep((prompt - cached) * self.config.prefill_us_per_token * 1e-6 * self._slowdown)
+            yield _line(event="first_token", request_id=request.request_id, cached_tokens=cached,
+                        prompt_tokens=prompt, ttft_ms=(loop.time() - arrived) * 1e3)
+            await asyncio.sleep(request.max_tokens * self.config.decode_ms_per_token * 1e-3 * self._slowdown)
+            yield _line(event="done", request_id=request.request_id, output_tokens=request.max_tokens,
+                        total_ms=(loop.time() - arrived) * 1e3)
+        finally:
+            if allocation is not None:
+                self.cache.release(allocation)
+            self.running -= 1
+            self._slots.release()
+
+    def _emit(self, changes: Sequence[CacheEvent]) -> None:
+        """Publish one batch of cache changes, unless faults say otherwise."""
+        assert self.publisher is not None
+        faults = self.config.faults
+        if not changes or faults.silent:
+            return
+        payload = encode_batch(self.fmt, time.time(), [self._engine_event(c) for c in changes], self.config.dp_rank)
+        dropped = faults.drop_every and (self.publisher.next_seq + 1) % faults.drop_every == 0
+        self.publisher.publish(payload, live=not dropped)
+
+    def _engine_event(self, change: CacheEvent) -> EngineEvent:
+        medium = self.fmt.mediums[change.tier]
+        if isinstance(change, CacheStored):
+            return BlockStored(change.hashes, change.parent, change.tokens, self.block_size, medium=medium,
+                               extra=self.fmt.plain_stored_extra(len(change.hashes)))
+        return BlockRemoved(change.hashes, medium=medium, extra=self.fmt.plain_removed_extra())
+
+    def _root_seed(self) -> bytes | None:
+        if not self.config.faults.nondeterministic_hash:
+            return None
+        if self.config.seed is None:
+            return os.urandom(32)
+        return hashlib.sha256(f"{self.config.seed}:{self.config.worker_id}".encode()).digest()
+
+    async def _restart_later(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self.restart()
+
+    def _app(self) -> FastAPI:
+        app = FastAPI(title=f"kvctl mock engine {self.config.worker_id}", docs_url=None, redoc_url=None,
+                      openapi_url=None)
+
+        @app.post("/v1/generate", response_model=None)
+        async def generate(body: GenerateRequest) -> Response:
+            if self.waiting >= self.config.max_waiting:
+                return JSONResponse({"error": "the waiting queue is full"}, status_code=503)
+            return StreamingResponse(self.generate(body), media_type="application/x-ndjson")
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/healthz")
+        async def healthz() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @app.get("/v1/info")
+        async def info() -> dict[str, Any]:
+            return self.info()
+
+        return app
+
+
+def _line(**fields: Any) -> bytes:
+    return (json.dumps({k: v for k, v in fields.items() if v is not None}) + "\n").encode()

@@ -1,0 +1,96 @@
+"""A mock engine's `/metrics`: vLLM's names and labels, plus Dynamo KVBM's when tiers are on (DESIGN §3.5).
+
+vLLM exports through prometheus_client (labels `model_name`, `engine`; counters get `_total`),
+so the vLLM half uses prometheus_client with one registry per engine. KVBM is Rust: no labels,
+counters without `_total`, integer values. prometheus_client cannot write that shape (it renames
+every counter family to `*_total` in the TYPE line), so the KVBM half is written as text here.
+
+KVBM's hit rates are a sliding window over the last 1000 requests: Σ blocks from a tier /
+Σ blocks queried, as `cache_stats.rs` computes them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from kvctl.core.events.types import Tier
+from kvctl.mock.cache import Allocation, Transfers
+
+KVBM_WINDOW = 1000
+_SOURCES = {Tier.device: "device", Tier.host_pinned: "host", Tier.disk: "disk"}
+
+
+class EngineMetrics:
+    """Counters fed by each admitted request, gauges read from the engine when scraped."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        block_size: int,
+        usage: Callable[[], float],
+        running: Callable[[], int],
+        waiting: Callable[[], int],
+        transfers: Transfers | None,
+    ) -> None:
+        """`transfers` (the cache's, when it has lower tiers) switches the KVBM metrics on."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._block_size = block_size
+        self._transfers = transfers
+        self._window: deque[tuple[int, int, int]] = deque(maxlen=KVBM_WINDOW)  # (host, disk, queried) blocks
+        self._matched_tokens = 0
+        labels = {"model_name": model_name, "engine": "0"}
+        names = list(labels)
+        for name, doc, read in (
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
+        ):
+            Gauge(name, doc, names, registry=self.registry).labels(**labels).set_function(read)
+        self._queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                "queried tokens.", names, registry=self.registry).labels(**labels)
+        self._hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                             names, registry=self.registry).labels(**labels)
+        by_source = Counter("vllm:prompt_tokens_cached_by_source", "Cached prompt tokens by source.",
+                            [*names, "source"], registry=self.registry)
+        self._by_source = {tier: by_source.labels(**labels, source=source) for tier, source in _SOURCES.items()}
+
+    def record(self, allocation: Allocation, prompt_tokens: int) -> None:
+        """Count one admitted request's prefix-cache lookup."""
+        self._queries.inc(prompt_tokens)
+        for tier, blocks in allocation.hits.items():
+            self._by_source[tier].inc(blocks * self._block_size)
+        self._hits.inc(allocation.hits.get(Tier.device, 0) * self._block_size)
+        if self._transfers is not None:
+            host, disk = allocation.hits.get(Tier.host_pinned, 0), allocation.hits.get(Tier.disk, 0)
+            self._window.append((host, disk, allocation.prompt_blocks))
+            self._matched_tokens += (host + disk) * self._block_size
+
+    def render(self) -> bytes:
+        """The whole `/metrics` body in Prometheus text format."""
+        text = generate_latest(self.registry)
+        return text if self._transfers is None else text + self._kvbm_text().encode()
+
+    def _kvbm_text(self) -> str:
+        t = self._transfers
+        assert t is not None
+        host, disk, queried = (sum(column) for column in zip(*self._window, strict=True)) if self._window else (0, 0, 0)
+        families = [
+            ("kvbm_offload_blocks_d2h", "counter", "Blocks offloaded from device to host", t.offload_d2h),
+            ("kvbm_offload_blocks_h2d", "counter", "Blocks offloaded from host to disk", t.offload_h2d),
+            ("kvbm_offload_blocks_d2d", "counter", "Blocks offloaded from device to disk", t.offload_d2d),
+            ("kvbm_onboard_blocks_h2d", "counter", "Blocks onboarded from host to device", t.onboard_h2d),
+            ("kvbm_onboard_blocks_d2d", "counter", "Blocks onboarded from disk to device", t.onboard_d2d),
+            ("kvbm_matched_tokens", "counter", "Tokens matched on the host and disk tiers", self._matched_tokens),
+            ("kvbm_host_cache_hit_rate", "gauge", "Host cache hit rate (0-1, sliding window)", _rate(host, queried)),
+            ("kvbm_disk_cache_hit_rate", "gauge", "Disk cache hit rate (0-1, sliding window)", _rate(disk, queried)),
+        ]
+        return "".join(f"# HELP {name} {doc}\n# TYPE {name} {kind}\n{name} {value}\n"
+                       for name, kind, doc, value in families)
+
+
+def _rate(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0

@@ -1,0 +1,74 @@
+"""Publishing RouterEvents onto a Dynamo event plane, as its workers do (`kvctl events publish`).
+
+NATS Core: each event in the msgpack envelope, sequence numbers from 1, on `…kv-events`. JetStream:
+RouterEvent JSON on `{stream}.kv-events`, each acknowledged by the server (a stream that is not there
+is created with Dynamo's settings first, as a worker would).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import nats.js.errors
+from nats.js.api import StreamConfig
+
+from kvctl.core.events import RouterEvent
+from kvctl.core.events.dynamo import (
+    EventEnvelope,
+    encode_envelope,
+    encode_router_event_json,
+    encode_router_event_msgpack,
+)
+from kvctl.core.events.plane import PlaneNames
+from kvctl.errors import KvctlError, Unreachable
+from kvctl.natsconn import NatsConnection
+
+STREAM_MAX_AGE_S = 3600.0
+ACK_WINDOW = 256  # JetStream publishes in flight at once
+
+
+def publish(conn: NatsConnection, names: PlaneNames, events: list[RouterEvent], *, jetstream: bool,
+            publisher_id: int) -> int:
+    """Publish every event, in order; returns how many went out. Raises Unreachable when NATS is not there."""
+    return asyncio.run(_publish(conn, names, events, jetstream, publisher_id))
+
+
+async def _publish(conn: NatsConnection, names: PlaneNames, events: list[RouterEvent], jetstream: bool,
+                   publisher_id: int) -> int:
+    try:
+        nc = await nats.connect(conn.url, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.1,
+                                error_cb=_quiet, **conn.connect_kwargs())
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        raise Unreachable(f"cannot reach NATS at {conn.url}: {exc or type(exc).__name__}") from None
+    try:
+        if jetstream:
+            await _publish_jetstream(nc, names, events)
+        else:
+            now_ms = int(time.time() * 1000)
+            for n, ev in enumerate(events, 1):
+                envelope = EventEnvelope(publisher_id, n, now_ms, "kv-events", encode_router_event_msgpack(ev))
+                await nc.publish(names.kv_events, encode_envelope(envelope))
+            await nc.flush()
+    finally:
+        await nc.close()
+    return len(events)
+
+
+async def _quiet(_: Exception) -> None:
+    """nats-py prints every failed attempt with a traceback; the one error that matters is raised."""
+
+
+async def _publish_jetstream(nc: nats.NATS, names: PlaneNames, events: list[RouterEvent]) -> None:
+    js = nc.jetstream()
+    try:
+        await js.stream_info(names.stream)
+    except nats.js.errors.NotFoundError:
+        await js.add_stream(StreamConfig(name=names.stream, subjects=[f"{names.stream}.*"], max_age=STREAM_MAX_AGE_S))
+    for start in range(0, len(events), ACK_WINDOW):  # in order: a window is acked before the next goes
+        window = events[start:start + ACK_WINDOW]
+        try:
+            await asyncio.gather(*(js.publish(names.stream_subject, encode_router_event_json(ev)) for ev in window))
+        except nats.errors.Error as exc:
+            raise KvctlError(f"JetStream refused event {start}..{start + len(window) - 1}: {exc}") from None

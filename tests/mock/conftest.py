@@ -1,0 +1,69 @@
+"""Mock engines on free loopback ports, and a ZMQ context that the tests close."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+import httpx
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvctl.mock.engine import EngineConfig, MockEngine
+from kvctl.mock.fleet import Fleet
+
+FAST = {"block_size": 4, "capacity": 64, "prefill_us_per_token": 1.0, "decode_ms_per_token": 0.1}
+
+
+SocketFactory = Callable[[int], zmq.asyncio.Socket]
+
+
+@pytest.fixture
+def zsock() -> Iterator[SocketFactory]:
+    """`zsock(zmq.SUB)`: async ZMQ sockets that are all closed after the test."""
+    ctx = zmq.asyncio.Context()
+    sockets: list[zmq.asyncio.Socket] = []
+
+    def make(kind: int) -> zmq.asyncio.Socket:
+        sockets.append(ctx.socket(kind))
+        return sockets[-1]
+
+    yield make
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()
+
+
+EngineFactory = Callable[..., AbstractAsyncContextManager[MockEngine]]
+
+
+@pytest.fixture
+def mock_engine() -> EngineFactory:
+    """`async with mock_engine(**config) as engine:` one started engine with fast test timings."""
+
+    @asynccontextmanager
+    async def start(**overrides: object) -> AsyncIterator[MockEngine]:
+        async with Fleet([EngineConfig(**{"worker_id": 1, **FAST, **overrides})]) as fleet:
+            yield fleet.engines[0]
+
+    return start
+
+
+async def subscribe(zsock: SocketFactory, endpoint: str) -> zmq.asyncio.Socket:
+    """A SUB connected to `endpoint`, given time to join before anything is published (slow joiner)."""
+    sub = zsock(zmq.SUB)
+    sub.subscribe(b"")
+    sub.connect(endpoint)
+    await asyncio.sleep(0.2)
+    return sub
+
+
+async def generate(engine: MockEngine, tokens: list[int], max_tokens: int = 2) -> list[dict]:
+    """POST /v1/generate over real HTTP and return the NDJSON lines."""
+    async with httpx.AsyncClient(base_url=engine.url) as client:
+        response = await client.post("/v1/generate", json={"token_ids": tokens, "max_tokens": max_tokens})
+    response.raise_for_status()
+    return [json.loads(line) for line in response.text.splitlines()]

@@ -1,0 +1,53 @@
+"""`kvctl mock`: parsed `-o json` rows and exit codes, never prose."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvctl.cli import app
+
+runner = CliRunner()
+
+
+def test_json_rows_describe_every_engine() -> None:
+    result = runner.invoke(app, ["mock", "--duration", "1", "-o", "json", "--engines", "2", "--format", "sglang",
+                                 "--fault-engine", "1", "--fault-block-size", "32"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [row["worker_id"] for row in rows] == [1, 2]
+    assert [row["block_size"] for row in rows] == [16, 32]
+    assert {row["format"] for row in rows} == {"sglang"}
+    assert all(row["endpoint"].startswith("tcp://127.0.0.1:") and row["url"].startswith("http://127.0.0.1:")
+               for row in rows)
+    assert len({row["replay_endpoint"] for row in rows}) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--engines", "0"], "--engines must be positive"),
+        (["--format", "trtllm"], "--format must be one of"),
+        (["--block-size", "0"], "block sizes must be positive"),
+        (["--capacity", "-1"], "--capacity must be positive"),
+        (["--duration", "0"], "--duration must be > 0"),
+        (["--restart-after", "-2"], "--restart-after must be > 0"),
+        (["--drop-every", "-1"], "--drop-every must not be negative"),
+        (["--base-port", "65535"], "leaves no room"),
+        (["-n", "2", "--fault-engine", "2"], "fault engine indexes must be in 0..1"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args: list[str], needle: str) -> None:
+    result = runner.invoke(app, ["mock", *args])
+    assert result.exit_code == 2
+    assert needle in result.stderr and len(result.stderr.splitlines()) == 1
+    assert result.stdout == ""
+
+
+def test_the_command_offers_exactly_the_engine_formats() -> None:
+    from kvctl.commands.mock import FORMATS
+    from kvctl.mock.engine import MOCK_FORMATS
+
+    assert FORMATS == MOCK_FORMATS
