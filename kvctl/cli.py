@@ -12,6 +12,7 @@ from typer.core import TyperGroup
 from typer.exceptions import Abort, Exit
 
 from kvctl import __version__
+from kvctl.commands import demo as demo_cmd
 from kvctl.commands import events as events_cmd
 from kvctl.commands import hash as hash_cmd
 from kvctl.commands import mock as mock_cmd
@@ -104,6 +105,7 @@ def root(
 
 app.command(name="hash", help=hash_cmd.HELP, epilog=hash_cmd.EXAMPLES)(hash_cmd.hash_command)
 app.command(name="serve", help=serve_cmd.HELP, epilog=serve_cmd.EXAMPLES)(serve_cmd.serve_command)
+app.command(name="demo", help=demo_cmd.HELP, epilog=demo_cmd.EXAMPLES)(demo_cmd.demo_command)
 app.add_typer(mock_cmd.app, name="mock")
 app.add_typer(events_cmd.app, name="events")
 

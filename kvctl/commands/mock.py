@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -146,3 +148,117 @@ async def _run(fleet: Fleet, duration: float | None, announce: Callable[[list[di
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
+
+
+_LOAD_VIEW = View(
+    rows=lambda reports: reports,
+    columns=[Column("policy", "policy"), Column("hit rate", "hit_rate", justify="right"),
+             Column("requests", "completed", justify="right"), Column("req/s", "requests_per_s", justify="right"),
+             Column("ttft p50 ms", "ttft_p50_ms", justify="right"),
+             Column("ttft p99 ms", "ttft_p99_ms", justify="right"),
+             Column("tokens/s", "output_tokens_per_s", justify="right", wide_only=True),
+             Column("errors", "errors", wide_only=True)],
+    name_key="policy",
+)
+LOAD_HELP = ("Drive mock engines through a router (route, prefill complete, free), and optionally a baseline; "
+             "report the prefix hit rate the engines achieved, TTFT and throughput. [read-write]")
+LOAD_EXAMPLES = (
+    "Examples:\n\n"
+    "  kvctl mock -o json > engines.json &   kvctl mock load --engines-file engines.json --baseline random\n\n"
+    "  kvctl mock load --engine 1=http://127.0.0.1:8001 --trace conversation_trace.jsonl --speed 10"
+)
+
+
+@app.command("load", help=LOAD_HELP, epilog=LOAD_EXAMPLES)
+def load_command(
+    ctx: typer.Context,
+    server: Annotated[str, typer.Option("--server", "-s", envvar="KVCTL_SERVER", help="The router.")]
+    = "http://127.0.0.1:7433",
+    engine: Annotated[list[str] | None, typer.Option("--engine", show_default=False,
+                                                     help="WORKER_ID=URL of a mock engine (repeatable).")] = None,
+    engines_file: Annotated[Path | None, typer.Option("--engines-file", show_default=False,
+                                                      help="The JSON rows of `kvctl mock -o json`.")] = None,
+    trace: Annotated[Path | None, typer.Option("--trace", show_default=False,
+                                               help="Replay a Mooncake trace instead of the shared-prefix mix.")]
+    = None,
+    block_tokens: Annotated[int, typer.Option("--block-tokens", help="Trace: tokens per 512-token hash block.")]
+    = 64,
+    speed: Annotated[float, typer.Option("--speed", help="Trace: replay this many times faster.")] = 1.0,
+    requests: Annotated[int, typer.Option("--requests", help="Requests per policy (trace: its first N).")] = 500,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="Requests in flight at most.")] = 16,
+    baseline: Annotated[str | None, typer.Option("--baseline", show_default=False,
+                                                 help="Also run random or round-robin, from cold caches too.")]
+    = None,
+    model: Annotated[str, typer.Option("--model", help="The router's model.")] = "default",
+    seed: Annotated[int, typer.Option("--seed", help="Workload and baseline seed.")] = 0,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    out = output_for(ctx, output, as_json)
+    rows = _engine_rows(engines_file)
+    targets = _engine_urls(engine or [], rows)
+    if baseline not in (None, "random", "round-robin"):
+        raise UsageError(f"--baseline must be random or round-robin, got {baseline!r}")
+    if requests <= 0 or concurrency <= 0 or block_tokens <= 0 or not speed > 0:
+        raise UsageError("--requests, --concurrency, --block-tokens and --speed must be positive")
+    if trace is not None and not trace.is_file():
+        raise UsageError(f"--trace: no such file {str(trace)!r}")
+    from kvctl.mock.load import Policy, mooncake_trace, shared_prefix
+
+    workload = (mooncake_trace(trace, block_tokens=block_tokens, speed=speed, limit=requests) if trace
+                else shared_prefix(requests, seed=seed))
+    policies = [Policy.router] + ([Policy(baseline)] if baseline else [])
+    try:
+        reports = asyncio.run(_load(server, targets, rows, workload, policies, concurrency, model, seed))
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    out.emit(reports, _LOAD_VIEW)
+
+
+def _engine_rows(engines_file: Path | None) -> list[dict[str, Any]]:
+    if engines_file is None:
+        return []
+    try:
+        rows = json.loads(engines_file.read_text())
+        return [{"worker_id": int(row["worker_id"]), "url": str(row["url"]), "endpoint": row.get("endpoint"),
+                 "replay_endpoint": row.get("replay_endpoint")} for row in rows]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--engines-file {engines_file}: not the rows of `kvctl mock -o json` ({exc})") from None
+
+
+def _engine_urls(specs: list[str], rows: list[dict[str, Any]]) -> dict[int, str]:
+    urls: dict[int, str] = {row["worker_id"]: row["url"] for row in rows}
+    for spec in specs:
+        worker_id, sep, url = spec.partition("=")
+        if not sep or not worker_id.isdigit() or not url.startswith("http"):
+            raise UsageError(f"--engine wants WORKER_ID=URL, got {spec!r}", hint="e.g. --engine 1=http://127.0.0.1:8001")
+        urls[int(worker_id)] = url
+    if not urls:
+        raise UsageError("no engines: give --engine WORKER_ID=URL or --engines-file")
+    return urls
+
+
+async def _load(server: str, targets: dict[int, str], rows: list[dict[str, Any]], workload: list[Any],
+                policies: list[Any], concurrency: int, model: str, seed: int) -> list[dict[str, Any]]:
+    """Engines from --engines-file the router does not know yet are registered first (with their KV-event
+    endpoints); then each policy runs from cold caches."""
+    from kvctl.client import AsyncRouterClient, calls
+    from kvctl.client.engine import EngineClient
+    from kvctl.mock.load import LoadGenerator
+
+    engines = {worker_id: EngineClient(url) for worker_id, url in targets.items()}
+    try:
+        async with AsyncRouterClient(server) as router:
+            known = {(w["worker_id"], w["dp_rank"]) for w in (await router.send(calls.workers()))["workers"]}
+            for row in rows:
+                if (row["worker_id"], 0) not in known:
+                    await router.send(calls.register_worker(row["worker_id"], row["endpoint"], model=model,
+                                                            replay_endpoint=row["replay_endpoint"]))
+            load = LoadGenerator(engines, router=router, model=model, seed=seed)
+            reports = []
+            for policy in policies:
+                await load.restart_engines()  # every policy from cold caches
+                reports.append((await load.run(workload, policy, concurrency=concurrency)).report())
+            return reports
+    finally:
+        await asyncio.gather(*(e.aclose() for e in engines.values()))

@@ -271,6 +271,12 @@ class MockEngine:
                 return JSONResponse({"error": "the waiting queue is full"}, status_code=503)
             return StreamingResponse(self.generate(body), media_type="application/x-ndjson")
 
+        @app.post("/v1/restart")
+        async def restart() -> dict[str, Any]:
+            """A crash and restart on demand: cold cache, seq from 0, nothing published about it."""
+            self.restart()
+            return {"worker_id": self.config.worker_id, "restarts": self.restarts}
+
         @app.get("/metrics")
         async def metrics() -> Response:
             return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)

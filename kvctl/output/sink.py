@@ -69,6 +69,10 @@ class Output:
         """One line of plain data (a URL, an id), in every format."""
         self._write(text + "\n")
 
+    def note(self, message: str) -> None:
+        """Progress and hints for the person watching: stderr, so stdout stays data."""
+        self._err(message)
+
     def warn(self, message: str) -> None:
         self._err(f"warning: {message}")
 

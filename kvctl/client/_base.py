@@ -1,0 +1,99 @@
+"""Requests to a router, and what their answers mean, with no I/O: the sync and async clients only send.
+
+Each API call is a `Call` (method, path, params, body) built by a function below; `interpret` turns
+the response into data or into kvctl's error tree, and `translate` does the same for transport
+failures. Both clients share these, so a command and the TUI can never disagree on an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvctl.errors import ApiError, KvctlError, NotFound, Refused, Unreachable
+
+DEFAULT_MODEL = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    method: str
+    path: str
+    params: dict[str, Any] = field(default_factory=dict)
+    json: Any = None
+
+
+def interpret(call: Call, response: httpx.Response) -> Any:
+    """The answer's JSON, or the error it stands for, carrying the server's own message."""
+    if response.is_success:
+        return response.json() if response.content else None
+    try:
+        message = response.json().get("error") or response.json().get("detail")
+    except (ValueError, AttributeError):
+        message = None
+    text = f"{call.method} {call.path}: {message or response.reason_phrase} (HTTP {response.status_code})"
+    if response.status_code == 404:
+        raise NotFound(text, status=404)
+    if response.status_code == 503:
+        raise Refused(text, status=503)
+    if response.status_code == 401:
+        raise ApiError(text, status=401, hint="pass --token (or set KVCTL_TOKEN) with the router's admin token")
+    raise ApiError(text, status=response.status_code)
+
+
+@contextmanager
+def translate(base_url: str) -> Iterator[None]:
+    """httpx's transport failures as kvctl errors naming the URL (exit 3 when unreachable)."""
+    try:
+        yield
+    except httpx.TimeoutException:
+        raise KvctlError(f"{base_url} did not answer in time",
+                         hint="raise --timeout, or check the router's load") from None
+    except httpx.TransportError as exc:
+        raise Unreachable(f"cannot reach the router at {base_url}: {exc or type(exc).__name__}",
+                          hint="is `kvctl serve` running there? (--server / KVCTL_SERVER)") from None
+
+
+def headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+# ----- the API, one function per call (DESIGN §3.6) -----------------------------------------------------
+
+def status() -> Call:
+    return Call("GET", "/v1/status")
+
+
+def workers() -> Call:
+    return Call("GET", "/v1/workers")
+
+
+def register_worker(worker_id: int, endpoint: str | None = None, *, dp_rank: int = 0,
+                    replay_endpoint: str | None = None, model: str = DEFAULT_MODEL, topic: str = "") -> Call:
+    return Call("POST", "/v1/workers", json={"worker_id": worker_id, "dp_rank": dp_rank, "endpoint": endpoint,
+                                             "replay_endpoint": replay_endpoint, "model": model, "topic": topic})
+
+
+def route(*, token_ids: list[int] | None = None, local_hashes: list[int] | None = None,
+          model: str = DEFAULT_MODEL, request_id: str | None = None, reserve: bool = False,
+          explain: bool = False) -> Call:
+    body: dict[str, Any] = {"model": model, "reserve": reserve, "explain": explain}
+    body.update({k: v for k, v in (("token_ids", token_ids), ("local_hashes", local_hashes),
+                                   ("request_id", request_id)) if v is not None})
+    return Call("POST", "/v1/route", json=body)
+
+
+def prefill_complete(request_id: str, model: str = DEFAULT_MODEL) -> Call:
+    return Call("POST", f"/v1/requests/{request_id}/prefill_complete", params={"model": model})
+
+
+def free(request_id: str, model: str = DEFAULT_MODEL) -> Call:
+    return Call("DELETE", f"/v1/requests/{request_id}", params={"model": model})
+
+
+def tree_stats(model: str | None = None) -> Call:
+    return Call("GET", "/v1/tree/stats", params={"model": model} if model else {})

@@ -1,0 +1,31 @@
+"""The router client for asyncio code (the TUI, the load generator): the same calls, awaited."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from kvctl.client._base import Call, headers, interpret, translate
+
+
+class AsyncRouterClient:
+    def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 5.0,
+                 transport: httpx.AsyncBaseTransport | None = None, max_connections: int = 100) -> None:
+        self.base_url = base_url
+        self._http = httpx.AsyncClient(base_url=base_url, headers=headers(token), timeout=timeout,
+                                       transport=transport, limits=httpx.Limits(max_connections=max_connections))
+
+    async def send(self, call: Call) -> Any:
+        with translate(self.base_url):
+            response = await self._http.request(call.method, call.path, params=call.params, json=call.json)
+        return interpret(call, response)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncRouterClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

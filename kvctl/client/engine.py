@@ -1,0 +1,45 @@
+"""A (mock) engine's request API, as the load generator drives it: one generate call, two moments.
+
+`generate` streams NDJSON: a `first_token` line when prefill is done (with how much of the prompt
+was cached), a `done` line at the end. The caller learns both moments, which is what a router needs
+to mark prefill complete and then free the request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from kvctl.client._base import Call, interpret, translate
+
+
+class EngineClient:
+    def __init__(self, base_url: str, *, timeout: float = 60.0, max_connections: int = 64) -> None:
+        self.base_url = base_url
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout,
+                                       limits=httpx.Limits(max_connections=max_connections))
+
+    async def generate(self, token_ids: list[int], max_tokens: int,
+                       request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        call = Call("POST", "/v1/generate", json={"token_ids": token_ids, "max_tokens": max_tokens,
+                                                 "request_id": request_id})
+        with translate(self.base_url):
+            async with self._http.stream(call.method, call.path, json=call.json) as response:
+                if not response.is_success:
+                    await response.aread()
+                    interpret(call, response)
+                async for line in response.aiter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+
+    async def restart(self) -> None:
+        """Cold cache and seq from 0, as after a crash: what a fair comparison between policies starts from."""
+        call = Call("POST", "/v1/restart")
+        with translate(self.base_url):
+            interpret(call, await self._http.post(call.path))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

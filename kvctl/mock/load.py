@@ -1,0 +1,194 @@
+"""The load generator: requests against mock engines, placed by the router or by a baseline policy.
+
+With the router, each request is routed with `reserve`, sent to the chosen engine, marked prefill
+complete at its first token and freed when done: the router's full request lifecycle. Baselines
+(random, round-robin) pick an engine without asking. Either way, what counts is what the engines
+report: how much of each prompt they found cached (the achieved prefix hit rate), time to first
+token, throughput.
+
+Workloads: a seeded synthetic shared-prefix mix (system prompts reused across requests, a fresh
+suffix each), or a Mooncake trace replayed in time, its 512-token hash blocks rescaled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from kvctl.client import AsyncRouterClient, calls
+from kvctl.client.engine import EngineClient
+from kvctl.errors import KvctlError, Refused
+
+VOCAB = 32_000
+MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake traces
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    tokens: list[int]
+    max_tokens: int
+    at_s: float | None = None  # arrival time from the start (traces); None: as soon as a slot is free
+
+
+class Policy(StrEnum):
+    router = "router"
+    random = "random"
+    round_robin = "round-robin"
+
+
+def shared_prefix(count: int, *, prefixes: int = 16, prefix_tokens: int = 1024, suffix_tokens: int = 256,
+                  output_tokens: int = 16, seed: int = 0) -> list[Request]:
+    """`count` requests, each one of `prefixes` system prompts plus its own suffix; same seed, same list."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(VOCAB) for _ in range(prefix_tokens)] for _ in range(prefixes)]
+    return [Request(rng.choice(systems) + [rng.randrange(VOCAB) for _ in range(suffix_tokens)], output_tokens)
+            for _ in range(count)]
+
+
+def mooncake_trace(path: Path, *, block_tokens: int = 64, speed: float = 1.0, limit: int | None = None,
+                   max_output_tokens: int = 64) -> list[Request]:
+    """A Mooncake trace with every 512-token hash block shrunk to `block_tokens` (lengths scale alike):
+    equal hash ids still mean an equal prefix. Arrival times are divided by `speed`."""
+    scale = block_tokens / MOONCAKE_BLOCK
+    blocks: dict[int, list[int]] = {}
+    out = []
+    with path.open() as f:
+        for line in itertools.islice(f, limit):
+            row = json.loads(line)
+            tokens: list[int] = []
+            for hash_id in row["hash_ids"]:
+                block = blocks.get(hash_id)
+                if block is None:
+                    rng = random.Random(hash_id)
+                    block = blocks[hash_id] = [rng.randrange(VOCAB) for _ in range(block_tokens)]
+                tokens += block
+            length = max(1, round(row["input_length"] * scale))
+            out.append(Request(tokens[:length], max(1, min(max_output_tokens, round(row["output_length"] * scale))),
+                               row["timestamp"] / 1000.0 / speed))
+    return out
+
+
+@dataclass
+class LoadStats:
+    """What the engines reported, accumulated as requests finish (read live by `kvctl demo`)."""
+
+    policy: Policy
+    started: float = field(default_factory=time.monotonic)
+    completed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_ms: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    finished: float | None = None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def report(self) -> dict[str, Any]:
+        elapsed = (self.finished or time.monotonic()) - self.started
+        ttft = sorted(self.ttft_ms)
+        return {
+            "policy": self.policy.value, "completed": self.completed, "hit_rate": round(self.hit_rate, 4),
+            "ttft_p50_ms": round(statistics.median(ttft), 2) if ttft else None,
+            "ttft_p99_ms": round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 2) if ttft else None,
+            "requests_per_s": round(self.completed / elapsed, 1) if elapsed > 0 else 0.0,
+            "output_tokens_per_s": round(self.output_tokens / elapsed, 1) if elapsed > 0 else 0.0,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "errors": dict(self.errors), "duration_s": round(elapsed, 2),
+        }
+
+
+class LoadGenerator:
+    def __init__(self, engines: Mapping[int, EngineClient], *, router: AsyncRouterClient | None = None,
+                 model: str = "default", seed: int = 0) -> None:
+        """`engines`: worker id -> client; `router` is needed for the router policy only."""
+        if not engines:
+            raise ValueError("no engines to send requests to")
+        self.engines = dict(engines)
+        self.router = router
+        self.model = model
+        self._rng = random.Random(seed)
+        self._ids = itertools.count(1)
+        self._turn = itertools.cycle(sorted(self.engines))
+
+    async def run(self, workload: Sequence[Request], policy: Policy, *, concurrency: int = 16,
+                  duration_s: float | None = None, stats: LoadStats | None = None) -> LoadStats:
+        """Send the workload (cycled until `duration_s` when given), at most `concurrency` at a time;
+        requests with arrival times wait for them."""
+        if policy is Policy.router and self.router is None:
+            raise ValueError("the router policy needs a router")
+        stats = stats or LoadStats(policy)
+        deadline = None if duration_s is None else stats.started + duration_s
+        pending: Iterator[Request] = itertools.cycle(workload) if duration_s is not None else iter(workload)
+
+        async def worker() -> None:
+            for request in pending:  # shared iterator: each request goes to exactly one worker
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
+                if request.at_s is not None:
+                    await asyncio.sleep(max(0.0, stats.started + request.at_s - time.monotonic()))
+                await self._one(request, policy, stats)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        stats.finished = time.monotonic()
+        return stats
+
+    async def _one(self, request: Request, policy: Policy, stats: LoadStats) -> None:
+        request_id = f"load-{next(self._ids)}"
+        try:
+            worker_id = await self._place(request, policy, request_id)
+        except Refused:
+            stats.errors["all_busy"] += 1
+            return
+        except KvctlError as exc:
+            stats.errors[type(exc).__name__] += 1
+            return
+        try:
+            async for line in self.engines[worker_id].generate(request.tokens, request.max_tokens, request_id):
+                if line["event"] == "first_token":
+                    stats.prompt_tokens += line["prompt_tokens"]
+                    stats.cached_tokens += line["cached_tokens"]
+                    stats.ttft_ms.append(line["ttft_ms"])
+                    if policy is Policy.router:
+                        await self._router_call(calls.prefill_complete(request_id, self.model), stats)
+                elif line["event"] == "done":
+                    stats.output_tokens += line["output_tokens"]
+            stats.completed += 1
+        except KvctlError as exc:
+            stats.errors[f"engine_{type(exc).__name__}"] += 1
+        finally:
+            if policy is Policy.router:
+                await self._router_call(calls.free(request_id, self.model), stats)
+
+    async def _place(self, request: Request, policy: Policy, request_id: str) -> int:
+        if policy is Policy.random:
+            return self._rng.choice(sorted(self.engines))
+        if policy is Policy.round_robin:
+            return next(self._turn)
+        assert self.router is not None
+        decision = await self.router.send(calls.route(token_ids=request.tokens, model=self.model,
+                                                      request_id=request_id, reserve=True))
+        return int(decision["worker_id"])
+
+    async def _router_call(self, call: calls.Call, stats: LoadStats) -> None:
+        assert self.router is not None
+        try:
+            await self.router.send(call)
+        except KvctlError as exc:
+            stats.errors[f"router_{type(exc).__name__}"] += 1
+
+    async def restart_engines(self) -> None:
+        """Cold caches everywhere, so the next policy starts where the previous one did."""
+        await asyncio.gather(*(engine.restart() for engine in self.engines.values()))

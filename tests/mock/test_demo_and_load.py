@@ -1,0 +1,96 @@
+"""`kvctl demo` headless and `kvctl mock load` against a real router and real mock engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from kvctl.mock.load import mooncake_trace, shared_prefix
+from tests.fixtures_path import FIXTURES
+
+TRACE = FIXTURES / "traces" / "conversation_trace.jsonl"
+
+
+def _kvctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvctl", *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _listening(url: str) -> bool:
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def test_demo_headless_beats_random_placement_and_leaves_nothing_running() -> None:
+    result = _kvctl("demo", "--duration", "8", "-o", "json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["baseline"]["policy"] == "random" and report["router"]["policy"] == "router"
+    assert report["router"]["completed"] > 50 and report["baseline"]["completed"] > 50
+    assert report["router"]["errors"] == {} and report["baseline"]["errors"] == {}
+    assert report["hit_rate_gain_points"] >= 20, report
+    assert "hit rate" in result.stderr  # the periodic summaries went to stderr, stdout stayed data
+    assert not _listening(report["router_url"])  # the router process is gone
+
+
+@contextmanager
+def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    with subprocess.Popen([sys.executable, "-m", "kvctl", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          stdin=subprocess.DEVNULL, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            yield proc, proc.stdout.readline()
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def test_mock_load_runs_the_router_lifecycle_and_a_baseline(tmp_path: Path) -> None:
+    with _process("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--no-restore") as (_, url), \
+            _process("mock", "--engines", "2", "--capacity", "256", "-o", "json") as (_, rows):
+        engines = tmp_path / "engines.json"
+        engines.write_text(rows)
+        result = _kvctl("mock", "load", "--server", url.strip(), "--engines-file", str(engines), "--requests", "40",
+                        "--concurrency", "4", "--baseline", "round-robin", "-o", "json")
+        assert result.returncode == 0, result.stderr
+        router, baseline = json.loads(result.stdout)
+        assert (router["policy"], baseline["policy"]) == ("router", "round-robin")
+        assert router["completed"] == baseline["completed"] == 40
+        assert router["errors"] == {} and 0 < router["hit_rate"] < 1
+        # the engines were registered from the file, and every request the router reserved was freed
+        workers = httpx.get(f"{url.strip()}/v1/workers").json()["workers"]
+        assert sorted(w["worker_id"] for w in workers) == [1, 2]
+        assert all(w["active_requests"] == 0 and w["blocks"] > 0 for w in workers)
+
+
+def test_shared_prefix_is_seeded_and_shares_prefixes() -> None:
+    a, b = shared_prefix(50, prefixes=4, prefix_tokens=64, suffix_tokens=16, seed=3), shared_prefix(
+        50, prefixes=4, prefix_tokens=64, suffix_tokens=16, seed=3)
+    assert a == b
+    assert len({tuple(r.tokens[:64]) for r in a}) <= 4 and len({tuple(r.tokens[64:]) for r in a}) == 50
+
+
+def test_mooncake_trace_keeps_shared_hash_blocks_shared_when_rescaled() -> None:
+    rows = [json.loads(line) for line in TRACE.read_text().splitlines()[:30]]
+    requests = mooncake_trace(TRACE, block_tokens=8, speed=10, limit=30)
+    assert len(requests) == 30
+    for row, request in zip(rows, requests, strict=True):
+        assert len(request.tokens) == min(len(row["hash_ids"]) * 8, max(1, round(row["input_length"] / 64)))
+        assert request.at_s == row["timestamp"] / 1000 / 10
+    # the first two requests share hash id 0: their first block of tokens is the same
+    assert rows[0]["hash_ids"][0] == rows[1]["hash_ids"][0]
+    assert requests[0].tokens[:8] == requests[1].tokens[:8]
+    assert requests[0].tokens[8:16] != requests[1].tokens[8:16]
