@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvctl.commands._nats import ComponentOpt, NamespaceOpt
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for
 from kvctl.errors import UsageError
 from kvctl.output import Column, View
@@ -31,7 +32,7 @@ EXAMPLES = (
     "  kvctl mock --format sglang --tiers -o json\n\n"
     "  kvctl mock --drop-every 10 --fault-engine 0 --duration 60"
 )
-FORMATS = ("vllm", "vllm-legacy", "sglang")  # kvctl.mock.engine.MOCK_FORMATS, without importing the engine
+FORMATS = ("vllm", "vllm-legacy", "sglang", "dynamo-nats")  # kvctl.mock.engine.MOCK_FORMATS, not importing it
 
 _VIEW = View(
     rows=lambda engines: engines,
@@ -57,8 +58,13 @@ def mock_command(
     engines: Annotated[int, typer.Option("--engines", "-n", help="How many engines (worker ids 1..N).")] = 4,
     block_size: Annotated[int, typer.Option("--block-size", "-b", help="Tokens per KV block.")] = 16,
     capacity: Annotated[int, typer.Option("--capacity", help="Device KV-cache size, in blocks.")] = 2048,
-    wire_format: Annotated[str, typer.Option("--format", help="Event wire format: vllm, vllm-legacy or sglang.")]
+    wire_format: Annotated[str, typer.Option("--format", help="Event wire format: vllm, vllm-legacy, sglang (engine "
+                                             "ZMQ), or dynamo-nats (RouterEvents on a NATS event plane).")]
     = "vllm",
+    nats_url: Annotated[str | None, typer.Option("--nats", show_default=False,
+                                                 help="dynamo-nats: the NATS server (nats://HOST:4222).")] = None,
+    namespace: NamespaceOpt = "dynamo",
+    component: ComponentOpt = "backend",
     tiers: Annotated[bool, typer.Option("--tiers", help="Add host (2x) and disk (8x) tiers, with KVBM metrics.")]
     = False,
     host: Annotated[str, typer.Option("--host", help="Address every socket binds to.")] = "127.0.0.1",
@@ -87,7 +93,8 @@ def mock_command(
     if ctx.invoked_subcommand is not None:
         return
     out = output_for(ctx, output, as_json)
-    _check(engines=engines, block_size=block_size, capacity=capacity, wire_format=wire_format, base_port=base_port,
+    _check(engines=engines, block_size=block_size, capacity=capacity, wire_format=wire_format, nats_url=nats_url,
+           base_port=base_port,
            drop_every=drop_every, restart_after=restart_after, fault_block_size=fault_block_size, duration=duration)
 
     from kvctl.mock.engine import EngineConfig, Faults
@@ -97,7 +104,7 @@ def mock_command(
                     nondeterministic_hash=nondeterministic_hash, silent=silent, slow=slow)
     base = EngineConfig(worker_id=1, block_size=block_size, capacity=capacity, format=wire_format, host=host,
                         host_capacity=2 * capacity if tiers else 0, disk_capacity=8 * capacity if tiers else 0,
-                        seed=seed)
+                        seed=seed, nats_url=nats_url, namespace=namespace, component=component)
     try:
         configs = fleet_configs(engines, base, base_port=base_port, faults=faults,
                                 fault_engines=set(fault_engine) if fault_engine else None)
@@ -111,8 +118,8 @@ def mock_command(
         pass
 
 
-def _check(*, engines: int, block_size: int, capacity: int, wire_format: str, base_port: int, drop_every: int,
-           restart_after: float | None, fault_block_size: int | None, duration: float | None) -> None:
+def _check(*, engines: int, block_size: int, capacity: int, wire_format: str, nats_url: str | None, base_port: int,
+           drop_every: int, restart_after: float | None, fault_block_size: int | None, duration: float | None) -> None:
     """Reject bad values before anything binds a port."""
     if engines <= 0:
         raise UsageError(f"--engines must be positive, got {engines}")
@@ -122,6 +129,9 @@ def _check(*, engines: int, block_size: int, capacity: int, wire_format: str, ba
         raise UsageError(f"--capacity must be positive, got {capacity}")
     if wire_format not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {wire_format!r}")
+    if (wire_format == "dynamo-nats") != (nats_url is not None):
+        raise UsageError("--format dynamo-nats and --nats go together", hint="e.g. --format dynamo-nats --nats "
+                         "nats://127.0.0.1:4222")
     if base_port and not 0 < base_port <= 65535 - 3 * engines:
         raise UsageError(f"--base-port {base_port} leaves no room for {engines} engines (3 ports each)")
     if drop_every < 0:

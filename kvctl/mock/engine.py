@@ -38,13 +38,17 @@ from kvctl.core.events.engine_encode import (
     EngineEvent,
     encode_batch,
 )
+from kvctl.core.events.plane import PlaneNames
 from kvctl.mock.cache import Allocation, CacheEvent, CacheStored, PrefixCache
 from kvctl.mock.hashing import BlockHasher, HashStyle
 from kvctl.mock.metrics import EngineMetrics
+from kvctl.mock.nats_publisher import NatsEventPublisher
 from kvctl.mock.publisher import Publisher
 
-MOCK_FORMATS = ("vllm", "vllm-legacy", "sglang")
-"""The wire formats a mock engine can speak (names of `engine_encode.FORMATS`)."""
+MOCK_FORMATS = ("vllm", "vllm-legacy", "sglang", "dynamo-nats")
+"""The wire formats a mock engine can speak: engine ZMQ (names of `engine_encode.FORMATS`), or a Dynamo
+worker's RouterEvents on a NATS event plane."""
+DYNAMO_NATS = "dynamo-nats"
 
 SLOW_FACTOR = 25.0
 """How much longer prefill and decode take on a `slow` engine."""
@@ -90,10 +94,15 @@ class EngineConfig:
     seed: int | None = None
     """Makes a nondeterministic hash seed reproducible (per worker id)."""
     faults: Faults = field(default_factory=Faults)
+    nats_url: str | None = None  # dynamo-nats: the event plane's server, namespace and worker component
+    namespace: str = "dynamo"
+    component: str = "backend"
 
     def __post_init__(self) -> None:
         if self.format not in MOCK_FORMATS:
             raise ValueError(f"format must be one of {', '.join(MOCK_FORMATS)}, got {self.format!r}")
+        if self.format == DYNAMO_NATS and not self.nats_url:
+            raise ValueError("the dynamo-nats format needs a NATS URL")
         if min(self.block_size, self.capacity, self.max_running) <= 0 or self.faults.block_size == 0:
             raise ValueError("block size, capacity and max running must be positive")
         if min(self.host_capacity, self.disk_capacity, self.max_waiting, self.faults.drop_every) < 0:
@@ -122,7 +131,7 @@ class MockEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.fmt = FORMATS[config.format]
+        self.fmt = FORMATS["vllm" if config.format == DYNAMO_NATS else config.format]
         self.block_size = config.effective_block_size
         style = HashStyle.sglang if self.fmt is SGLANG else HashStyle.vllm
         self.cache = PrefixCache(config.capacity, self.block_size, BlockHasher(style, root_seed=self._root_seed()),
@@ -137,6 +146,7 @@ class MockEngine:
             transfers=self.cache.transfers if config.host_capacity or config.disk_capacity else None,
         )
         self.publisher: Publisher | None = None
+        self.nats: NatsEventPublisher | None = None
         self._slots = asyncio.Semaphore(config.max_running)
         self._slowdown = SLOW_FACTOR if config.faults.slow else 1.0
         self._socket: socket.socket | None = None
@@ -155,8 +165,8 @@ class MockEngine:
         return {
             "worker_id": self.config.worker_id,
             "dp_rank": self.config.dp_rank,
-            "endpoint": self.publisher.endpoint,
-            "replay_endpoint": self.publisher.replay_endpoint,
+            "endpoint": None if self.nats else self.publisher.endpoint,
+            "replay_endpoint": None if self.nats else self.publisher.replay_endpoint,
             "model": self.config.model_name,
             "topic": self.config.topic,
             "url": self.url,
@@ -169,6 +179,11 @@ class MockEngine:
         c = self.config
         self.publisher = Publisher(c.host, c.zmq_port, c.replay_port, topic=c.topic, replay_topic=self.fmt.replay_topic)
         self.publisher.start()
+        if c.format == DYNAMO_NATS:
+            assert c.nats_url is not None
+            self.nats = NatsEventPublisher(c.nats_url, PlaneNames(c.namespace, c.component), c.worker_id, c.dp_rank,
+                                           self.block_size)
+            await self.nats.start()
         self._socket = socket.create_server((c.host, c.http_port))
         self._url = f"http://{c.host}:{self._socket.getsockname()[1]}"
         config = uvicorn.Config(self._app(), log_config=None, access_log=False, lifespan="off",
@@ -196,12 +211,16 @@ class MockEngine:
             self._socket.close()
         if self.publisher is not None:
             await self.publisher.close()
+        if self.nats is not None:
+            await self.nats.close()
 
     def restart(self) -> None:
         """What a crashed-and-restarted engine looks like from outside: empty cache, seq from 0, no events."""
         assert self.publisher is not None
         self.cache.clear()
         self.publisher.reset()
+        if self.nats is not None:
+            self.nats.reset()
         self.restarts += 1
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[bytes]:
@@ -238,6 +257,9 @@ class MockEngine:
         assert self.publisher is not None
         faults = self.config.faults
         if not changes or faults.silent:
+            return
+        if self.nats is not None:
+            self.nats.publish(changes)
             return
         payload = encode_batch(self.fmt, time.time(), [self._engine_event(c) for c in changes], self.config.dp_rank)
         dropped = faults.drop_every and (self.publisher.next_seq + 1) % faults.drop_every == 0
