@@ -473,7 +473,7 @@ class EngineStream:
         self._last_live = seq
         if last is None or last_live is None:
             self._apply(seq, frames)
-        elif seq < last_live:
+        elif seq <= last_live:  # a PUB never sends a seq twice: the same one again is a restart
             self._restart(seq, frames)
         elif seq <= last:
             self._duplicates += 1

@@ -117,18 +117,10 @@ class Harness:
             await asyncio.sleep(0.005)
 
     async def start(self, seq: int, payload: bytes, topic: str = "") -> None:
-        """Publish the first message until the stream has it: PUB/SUB's slow joiner drops early sends.
-
-        The copies that arrive after the first are duplicates of seq and are skipped.
-        """
-        self.engine.buffer.append((seq, topic, payload))
-        frames = [topic.encode(), seq.to_bytes(8, "big"), payload]
-        deadline = time.monotonic() + 3.0
-        while self.stream.stats.messages == 0:
-            assert time.monotonic() < deadline, "the SUB never received the probe"
-            await self.engine.send_raw(frames)
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.03)  # let any copies still in flight arrive before the measured sends
+        """Publish the first message once the stream's subscription has reached the engine."""
+        await self.engine.subscribed()
+        await self.engine.publish(seq, payload, topic)
+        await self.wait(lambda: self.stream.stats.messages == 1)
         self.base = self.stream.stats.messages
 
     async def received(self, messages: int) -> None:
@@ -382,16 +374,16 @@ async def test_restart_clears_every_dp_rank_the_stream_fed(make: Any) -> None:
     assert h.engine.requests == []
 
 
-async def test_duplicate_seq_is_skipped(make: Any) -> None:
+async def test_the_same_live_seq_again_is_a_restart(make: Any) -> None:
+    """A PUB never sends a seq twice: seq 0 again, even right after the first batch, is a restarted engine."""
     a, b, *_ = load("sglang-0.5.23")
     h = await make()
     await h.start(0, a.payload)
-    await h.engine.publish(1, b.payload)
-    await h.engine.send_raw([b"", (1).to_bytes(8, "big"), b.payload])
-    await h.engine.publish(2, a.payload)
-    await h.wait(lambda: h.stream.stats.last_seq == 2)
-    assert h.shapes() == _events_of([a, b, a])
-    assert h.stream.stats.restarts == 0 and h.stream.stats.gaps == 0
+    await h.engine.send_raw([b"", (0).to_bytes(8, "big"), b.payload])
+    await h.wait(lambda: h.stream.stats.restarts == 1 and h.stream.stats.events == len(_events_of([a, b])))
+    assert h.restarts == [(WORKER_ID, 0)]
+    assert h.shapes() == _events_of([a, b])
+    assert h.stream.stats.duplicates == 0 and h.stream.stats.gaps == 0
 
 
 async def test_malformed_messages_are_counted_and_skipped(make: Any) -> None:
@@ -483,10 +475,11 @@ async def test_close_called_from_the_sink_ends_run_after_that_batch(ctx: zmq.asy
     task = asyncio.ensure_future(stream.run())
     try:
         deadline = time.monotonic() + 3.0
+        await engine.subscribed()
+        await engine.send_raw([b"", (0).to_bytes(8, "big"), a.payload])
+        await engine.send_raw([b"", (1).to_bytes(8, "big"), b.payload])
         while not task.done():
             assert time.monotonic() < deadline
-            await engine.send_raw([b"", (0).to_bytes(8, "big"), a.payload])
-            await engine.send_raw([b"", (1).to_bytes(8, "big"), b.payload])
             await asyncio.sleep(0.01)
         assert task.exception() is None and seen == [1] and stream._sub is None
     finally:

@@ -1,4 +1,4 @@
-"""An engine's KV-event side as vLLM's ZmqEventPublisher runs it: real PUB + ROUTER sockets on loopback.
+"""An engine's KV-event side as vLLM's ZmqEventPublisher runs it: real PUB (as XPUB) + ROUTER sockets.
 
 Every batch goes to a replay buffer and out on PUB as `[topic, seq u64 BE, payload]`; the ROUTER
 answers `[b"", start]` with every buffered batch with seq >= start, as `[b"", topic, seq, payload]`
@@ -30,7 +30,7 @@ class Engine:
 
     def __post_init__(self) -> None:
         self.release.set()
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(zmq.XPUB)  # a PUB that also hears subscriptions: no slow-joiner guessing
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)  # ample: the burst test outpaces the SUB
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -44,6 +44,11 @@ class Engine:
         self.buffer.append((seq, topic, payload))
         if live:
             await self.pub.send_multipart([topic.encode(), seq.to_bytes(8, "big"), payload])
+
+    async def subscribed(self, timeout: float = 3.0) -> None:
+        """Wait until a subscriber's subscription has reached this socket: what is sent next is delivered."""
+        message = await asyncio.wait_for(self.pub.recv(), timeout)
+        assert message[:1] == b"\x01", message
 
     async def send_raw(self, frames: list[bytes]) -> None:
         await self.pub.send_multipart(frames)
