@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -50,9 +52,12 @@ def demo_command(
     from kvctl.mock.demo import DemoPlan, run_demo
 
     plan = DemoPlan(engines=engines, duration_s=duration, concurrency=concurrency, seed=seed)
+    live = _LiveSummary(out) if sys.stderr.isatty() else None
+    progress = live.update if live is not None else (lambda stats: _progress(out, stats))
     try:
-        result = asyncio.run(run_demo(plan, lambda url, infos: _announce(out, url, infos),
-                                      lambda stats: _progress(out, stats)))
+        with live or contextlib.nullcontext():
+            result = asyncio.run(run_demo(plan, lambda url, infos: _announce(out, url, infos), progress,
+                                          every_s=0.5 if live else 2.0))
     except KeyboardInterrupt:
         out.note("interrupted: everything the demo started is stopped")
         raise typer.Exit(130) from None
@@ -66,6 +71,37 @@ def _announce(out: Output, url: str, infos: list[dict[str, Any]]) -> None:
         out.note(f"engine {info['worker_id']:<3} {info['url']}   events {info['endpoint']}")
     out.note(f"try, while it runs:\n  kvctl --server {url} workers\n  kvctl --server {url} tree stats\n"
              f"  curl -s {url}/v1/status | jq .streams\n  curl -s {url}/metrics | grep kvctl_\n")
+
+
+class _LiveSummary:
+    """With a terminal: one live table on stderr, a row per phase, redrawn as the load runs."""
+
+    def __init__(self, out: Output) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self._rows: dict[str, dict[str, Any]] = {}
+        self._live = Live(console=Console(file=out.stderr, no_color=not out.color), auto_refresh=False)
+
+    def __enter__(self) -> _LiveSummary:
+        self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._live.__exit__(None, None, None)
+
+    def update(self, stats: LoadStats) -> None:
+        from rich.table import Table
+
+        report = stats.report()
+        self._rows[report["policy"]] = report
+        table = Table(title="kvctl demo: prefix hit rate by placement (Ctrl-C stops everything)", box=None)
+        for header in ("policy", "elapsed s", "hit rate", "done", "req/s", "ttft p50 ms", "errors"):
+            table.add_column(header, justify="left" if header == "policy" else "right")
+        for r in self._rows.values():
+            table.add_row(r["policy"], f"{r['duration_s']:.1f}", f"{100 * r['hit_rate']:.1f}%", str(r["completed"]),
+                          f"{r['requests_per_s']:.1f}", str(r["ttft_p50_ms"]), str(sum(r["errors"].values())))
+        self._live.update(table, refresh=True)
 
 
 def _progress(out: Output, stats: LoadStats) -> None:

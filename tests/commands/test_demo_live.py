@@ -1,0 +1,24 @@
+"""The demo's live summary (what a terminal sees): one row per phase, redrawn in place."""
+
+from __future__ import annotations
+
+import io
+
+from kvctl.commands.demo import _LiveSummary
+from kvctl.mock.load import LoadStats, Policy
+from kvctl.output import Output
+
+
+def test_live_summary_shows_each_phase_once_with_its_hit_rate() -> None:
+    err = io.StringIO()
+    baseline, routed = LoadStats(Policy.random), LoadStats(Policy.router)
+    baseline.prompt_tokens, baseline.cached_tokens, baseline.completed = 1000, 300, 10
+    routed.prompt_tokens, routed.cached_tokens, routed.completed = 1000, 750, 12
+    with _LiveSummary(Output(stderr=err, color=False)) as live:
+        live.update(baseline)
+        live.update(routed)
+        routed.completed = 20
+        live.update(routed)
+    final = err.getvalue().split("kvctl demo:")[-1]
+    assert "30.0%" in final and "75.0%" in final
+    assert final.count("router") == 1 and " 20 " in final
