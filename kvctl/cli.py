@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import typer
@@ -28,6 +28,8 @@ class CliState:
     output: OutputFormat = OutputFormat.table
     color: bool = True
     debug: bool = False
+    flags: dict[str, Any] = field(default_factory=dict)  # --server, --token, --timeout, --prometheus as given
+    context: str | None = None
 
 
 def _debug_requested(args: list[str]) -> bool:
@@ -95,11 +97,21 @@ def root(
     version: bool = typer.Option(
         False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
     ),
+    server: str | None = typer.Option(None, "--server", "-s", show_default=False,
+                                      help="Router URL (KVCTL_SERVER; default http://127.0.0.1:7433)."),
+    token: str | None = typer.Option(None, "--token", show_default=False,
+                                     help="The router's admin token (KVCTL_TOKEN)."),
+    timeout: float | None = typer.Option(None, "--timeout", show_default=False,
+                                         help="Seconds to wait for an answer (KVCTL_TIMEOUT; default 5)."),
+    context: str | None = typer.Option(None, "--context", show_default=False,
+                                       help="A context of the config file (KVCTL_CONTEXT)."),
 ) -> None:
     ctx.obj = CliState(
         output=OutputFormat.json if as_json else (output or OutputFormat.table),
         color=not no_color and "NO_COLOR" not in os.environ,
         debug=debug,
+        flags={"server": server, "token": token, "timeout": timeout},
+        context=context,
     )
 
 

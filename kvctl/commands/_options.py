@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from kvctl.output import Output, OutputFormat
+
+if TYPE_CHECKING:
+    from kvctl.client import RouterClient
+    from kvctl.config import Settings
 
 OutputOpt = Annotated[
     OutputFormat | None,
@@ -42,3 +46,20 @@ def confirm(action: str, yes: bool) -> None:
         raise UsageError(f"{action}: refusing without --yes (no terminal to ask on)", hint="pass --yes")
     if not typer.confirm(f"{action}?", default=False, err=True):
         raise typer.Abort()
+
+
+def settings_for(ctx: typer.Context, **flags: Any) -> Settings:
+    """The resolved server/token/timeout/prometheus for this command (its own flags win over the root's)."""
+    from kvctl.config import resolve
+
+    state = ctx.find_root().obj
+    given = {**state.flags, **{k: v for k, v in flags.items() if v is not None}}
+    return resolve(given, context=state.context)
+
+
+def router_client(ctx: typer.Context) -> RouterClient:
+    """A blocking client for the router this command talks to (close it, or use it as a context manager)."""
+    from kvctl.client import RouterClient
+
+    settings = settings_for(ctx)
+    return RouterClient(settings.server, token=settings.token, timeout=settings.timeout)

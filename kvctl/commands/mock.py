@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.commands._nats import ComponentOpt, NamespaceOpt
-from kvctl.commands._options import JsonOpt, OutputOpt, output_for
+from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
 from kvctl.errors import UsageError
 from kvctl.output import Column, View
 
@@ -182,8 +182,9 @@ LOAD_EXAMPLES = (
 @app.command("load", help=LOAD_HELP, epilog=LOAD_EXAMPLES)
 def load_command(
     ctx: typer.Context,
-    server: Annotated[str, typer.Option("--server", "-s", envvar="KVCTL_SERVER", help="The router.")]
-    = "http://127.0.0.1:7433",
+    server: Annotated[str | None, typer.Option("--server", "-s", show_default=False,
+                                               help="The router (else kvctl --server, KVCTL_SERVER, context).")]
+    = None,
     engine: Annotated[list[str] | None, typer.Option("--engine", show_default=False,
                                                      help="WORKER_ID=URL of a mock engine (repeatable).")] = None,
     engines_file: Annotated[Path | None, typer.Option("--engines-file", show_default=False,
@@ -219,7 +220,8 @@ def load_command(
                 else shared_prefix(requests, seed=seed))
     policies = [Policy.router] + ([Policy(baseline)] if baseline else [])
     try:
-        reports = asyncio.run(_load(server, targets, rows, workload, policies, concurrency, model, seed))
+        router_url = settings_for(ctx, server=server).server
+        reports = asyncio.run(_load(router_url, targets, rows, workload, policies, concurrency, model, seed))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     out.emit(reports, _LOAD_VIEW)
