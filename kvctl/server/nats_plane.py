@@ -198,6 +198,8 @@ class EventPlane:
 
     async def _error(self, exc: Exception) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            self.counts["slow_consumer_drops"] += 1  # a message nats-py dropped: we could not keep up
 
     # ----- KV events ----------------------------------------------------------------------------------
 
@@ -211,7 +213,9 @@ class EventPlane:
             return
         events = self._take(event, envelope.publisher_id)
         if events:
-            self.writer.put((event.worker_id, event.dp_rank), events)  # a full queue drops and counts
+            # Wait for room rather than drop: the backlog then waits in nats-py's pending buffer, and what
+            # overflows that is a slow-consumer drop the server and client both report (and we count).
+            await self.writer.put_wait((event.worker_id, event.dp_rank), events)
 
     def _take(self, event: RouterEvent, publisher_id: int | None) -> list[EventData]:
         """Sequence one event by its id: what to apply for it (nothing when it came before)."""
