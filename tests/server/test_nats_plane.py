@@ -302,3 +302,18 @@ def test_stream_and_bucket_names_are_dynamos() -> None:
     assert names.bucket == "namespace-dynamo-component-backend-radix-bucket"
     assert names.stream_subject == "namespace-dynamo-component-backend-kv-events.kv-events"
     assert PlaneNames("My.NS", "prefill_w").stream == "namespace-my-ns-component-prefill-w-kv-events"
+
+
+async def test_a_burst_larger_than_the_writer_queue_is_not_dropped(server: NatsServer, names: PlaneNames) -> None:
+    """NATS Core has no backpressure: a full writer queue must make the subscription wait, never drop."""
+    events = workload(300)
+    async with Router(options(server, names)) as router, connected(server) as nc:
+        writer = router.streams.writer("default")
+        writer.queue = asyncio.Queue(4)  # a tiny queue: the burst cannot fit
+        for n, ev in enumerate(events, 1):
+            await nc.publish(names.kv_events, envelope(ev, n))
+        await nc.flush()
+        await until(lambda: router.plane.counts["events"] == len(events), "every event", timeout=20)
+        await writer.applied()
+        assert writer.dropped_events == 0
+        assert router.blocks() == expected_blocks(events)
