@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from kvctl.core.events import Tier
+from kvctl.core.events.engine_encode import FORMATS as ENGINE_FORMATS
 from kvctl.mock.engine import MOCK_FORMATS, EngineConfig, Faults, MockEngine
 from kvctl.mock.fleet import Fleet as EngineFleet
 from kvctl.mock.fleet import fleet_configs
@@ -84,7 +85,8 @@ class Rig:
 
     async def tree(self, worker_id: int) -> dict[int, int]:
         """The worker's device blocks in the router's index: tokens_hash -> engine block hash (as u64)."""
-        dump = (await self.client.get("/v1/tree", params={"worker": str(worker_id)})).json()
+        params = {"worker": str(worker_id), "model": self.engines[worker_id].config.model_name}
+        dump = (await self.client.get("/v1/tree", params=params)).json()
         return {b["tokens_hash"]: b["block_hash"] for ev in dump if ev["storage_tier"] == Tier.device.value
                 for b in ev["event"]["data"]["stored"]["blocks"]}
 
@@ -141,8 +143,22 @@ def metric(text: str, name: str) -> float:
 # ----- 1. every format is ingested cleanly and the index mirrors the engine ------------------------------
 
 
-@pytest.mark.parametrize("fmt", MOCK_FORMATS)
-async def test_each_format_is_ingested_without_errors_and_the_index_equals_the_cache(fmt: str) -> None:
+ZMQ_FORMATS = [fmt for fmt in MOCK_FORMATS if fmt in ENGINE_FORMATS]
+FORMAT_CASES = [
+    ("vllm", "map", ["u64"]),
+    ("vllm-legacy", "array", ["u64"]),  # positional events
+    ("sglang", "map", ["i64", "u64"]),  # signed hashes, about half of them negative
+]
+
+
+def test_every_engine_zmq_format_is_covered() -> None:
+    assert [fmt for fmt, _, _ in FORMAT_CASES] == ZMQ_FORMATS
+
+
+@pytest.mark.parametrize(("fmt", "event_shape", "hash_kinds"), FORMAT_CASES, ids=[c[0] for c in FORMAT_CASES])
+async def test_each_format_is_ingested_without_errors_and_the_index_equals_the_cache(
+    fmt: str, event_shape: str, hash_kinds: list[str]
+) -> None:
     async with rig([replace(BASE, format=fmt)]) as r:
         engine = r.engines[1]
         await run_all(engine, PROMPTS)
@@ -150,6 +166,8 @@ async def test_each_format_is_ingested_without_errors_and_the_index_equals_the_c
         tree = await r.tree(1)
     assert row["decode_errors"] == {} and row["messages"] == len(PROMPTS) == row["batches_applied"]
     assert (row["gaps"], row["lost_batches"], row["gapped"]) == (0, 0, False)
+    assert (row["schema"]["event_shapes"], row["schema"]["hash_kinds"]) == ([event_shape], hash_kinds)
+    assert row["schema"]["block_sizes"] == [ROUTER_BLOCK_SIZE] and row["schema"]["tiers"] == ["device"]
     assert not set(chain(engine, PROMPTS[0])) <= engine_blocks(engine)  # something was evicted
     assert len(engine_blocks(engine)) == BASE.capacity
     assert set(tree.values()) == engine_blocks(engine)
@@ -174,17 +192,24 @@ async def test_drop_every_gaps_are_repaired_from_the_replay_buffer() -> None:
 # ----- 3. each fault knob shows the symptom it names ------------------------------------------------------
 
 
+async def across_the_restart(r: Rig, engine: MockEngine, before: Sequence[Sequence[int]],
+                             after: Sequence[Sequence[int]]) -> set[int]:
+    """Send `before`, see them indexed, wait for the engine's `restart_after`, send `after`; returns the old blocks."""
+    await run_all(engine, before)
+    await r.settle()
+    old = set((await r.tree(engine.config.worker_id)).values())
+    assert engine.restarts == 0 and old == engine_blocks(engine), "the restart came too early for this test"
+    while not engine.restarts:
+        await asyncio.sleep(0.02)
+    await run_all(engine, after)
+    return old
+
+
 async def test_restart_after_counts_a_restart_and_leaves_only_post_restart_blocks() -> None:
-    async with rig(fleet_configs(1, BASE, faults=Faults(restart_after=0.6))) as r:
+    after = [prompt(3, 0, blocks=6)]
+    async with rig(fleet_configs(1, BASE, faults=Faults(restart_after=0.8))) as r:
         engine = r.engines[1]
-        before, after = PROMPTS[:2], [prompt(3, 0, blocks=6)]
-        await run_all(engine, before)  # seqs 0, 1
-        await r.settle()
-        old = set((await r.tree(1)).values())
-        assert engine.restarts == 0 and old == engine_blocks(engine), "the restart came too early for this test"
-        while not engine.restarts:
-            await asyncio.sleep(0.02)
-        await run_all(engine, after)  # seq 0 again
+        old = await across_the_restart(r, engine, PROMPTS[:2], after)  # seqs 0, 1, then 0 again
         row = await r.until(1, lambda s: s["restarts"] == 1 and s["last_seq"] == 0, "the restart")
         await r.settle()
         tree = await r.tree(1)
@@ -193,6 +218,18 @@ async def test_restart_after_counts_a_restart_and_leaves_only_post_restart_block
     assert set(tree.values()) == engine_blocks(engine) == set(chain(engine, after[0]))
     assert old.isdisjoint(tree.values())
     assert metric(metrics, "kvctl_stream_engine_restarts_total") == 1
+
+
+async def test_a_restart_after_a_single_batch_is_still_detected() -> None:
+    async with rig(fleet_configs(1, BASE, faults=Faults(restart_after=0.5))) as r:
+        engine = r.engines[1]
+        old = await across_the_restart(r, engine, PROMPTS[:1], PROMPTS[1:2])  # seq 0, then seq 0 again
+        row = await r.until(1, lambda s: s["messages"] == 2, "the second message")
+        await r.settle()
+        tree = await r.tree(1)
+    assert (row["restarts"], row["duplicates"]) == (1, 0)  # a PUB never sends a seq twice: seq 0 again is a restart
+    assert set(tree.values()) == engine_blocks(engine) == set(chain(engine, PROMPTS[1]))
+    assert old - engine_blocks(engine)  # pre-restart blocks the engine lost are gone from the index too
 
 
 async def test_a_foreign_block_size_is_visible_in_the_schema_and_never_matches() -> None:
@@ -211,22 +248,23 @@ async def test_a_foreign_block_size_is_visible_in_the_schema_and_never_matches()
     assert overlaps == {1: 4, 2: 0}
 
 
-async def test_nondeterministic_hash_engines_disagree_where_healthy_ones_agree() -> None:
-    configs = fleet_configs(4, replace(BASE, seed=11), faults=Faults(nondeterministic_hash=True),
-                            fault_engines=[2, 3])
+async def test_nondeterministic_hash_engines_publish_different_hashes_for_the_same_tokens() -> None:
+    # One model (one index) per engine: a shared index keeps one engine hash per block, the first it was
+    # told (as Dynamo's tree does), so each engine's own hashes are only visible in an index of its own.
+    configs = fleet_configs(4, replace(BASE, seed=11), faults=Faults(nondeterministic_hash=True), fault_engines=[2, 3])
+    configs = [replace(c, model_name=f"model-{c.worker_id}") for c in configs]
     tokens = prompt(5, 0, blocks=6)
     async with rig(configs) as r:
         for engine in r.engines.values():
             await run_all(engine, [tokens])
-        await r.settle()
+        rows = await r.settle()
         trees = {w: await r.tree(w) for w in r.engines}
-        overlaps = await r.overlaps(tokens)
-    assert all(len(tree) == 6 for tree in trees.values())
-    assert trees[1] == trees[2]  # healthy: same tokens, same engine block hashes
+    assert all(row["decode_errors"] == {} for row in rows.values())
+    assert all(set(trees[w].values()) == engine_blocks(e) and len(trees[w]) == 6 for w, e in r.engines.items())
+    assert trees[1] == trees[2]  # healthy: the same tokens under the same engine block hashes
     assert trees[3].keys() == trees[1].keys() == trees[4].keys()  # the same tokens ...
-    for tokens_hash, block_hash in trees[3].items():  # ... under different engine block hashes
+    for tokens_hash, block_hash in trees[3].items():  # ... under three different engine block hashes
         assert len({block_hash, trees[4][tokens_hash], trees[1][tokens_hash]}) == 3
-    assert overlaps == {1: 6, 2: 6, 3: 6, 4: 6}  # the router matches on tokens, not on engine hashes
 
 
 async def test_a_silent_engine_serves_but_the_router_sees_nothing() -> None:
@@ -268,3 +306,27 @@ async def _load(engine: MockEngine) -> tuple[float, float]:
     async with httpx.AsyncClient(base_url=engine.url) as client:
         text = (await client.get("/metrics")).text
     return metric(text, "vllm:num_requests_running"), metric(text, "vllm:num_requests_waiting")
+
+
+# ----- Dynamo's semantics where engines disagree on hashes ---------------------------------------------
+
+
+async def test_engines_hashing_the_same_tokens_differently_show_as_failed_removals() -> None:
+    """Dynamo 1.6.1's tree keeps one engine hash per edge (the first writer's): a worker with other hashes for
+    the same tokens cannot remove its blocks there (Dynamo itself fails with "Failed to find block"). kvctl
+    keeps those semantics and makes the symptom visible: removals counted as block_not_found, and the
+    evicted prefix still routed to that worker (a phantom hit, what `kvctl doctor` names)."""
+    configs = fleet_configs(2, replace(BASE, seed=11, capacity=8), faults=Faults(nondeterministic_hash=True),
+                            fault_engines=[1])
+    shared = prompt(7, 0, blocks=4, shared=4)
+    async with rig(configs) as r:
+        for engine in r.engines.values():  # the healthy engine stores the shared prefix first
+            await run_all(engine, [shared])
+        await run_all(r.engines[2], [prompt(8, s, blocks=4, shared=0) for s in range(3)])  # and worker 2 evicts it
+        await r.settle()
+        metrics = (await r.client.get("/metrics")).text
+        overlaps = await r.overlaps(shared)
+    failed = [line for line in metrics.splitlines()
+              if line.startswith("kvctl_kv_events_applied_total") and 'status="block_not_found"' in line]
+    assert failed and float(failed[0].rsplit(" ", 1)[1]) > 0
+    assert overlaps == {1: 4, 2: 4}  # worker 2 evicted the prefix, but the index still credits it
