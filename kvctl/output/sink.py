@@ -13,9 +13,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TextIO
 
-from rich.console import Console
-from rich.table import Table
-
 
 class OutputFormat(StrEnum):
     table = "table"
@@ -80,6 +77,9 @@ class Output:
         self._err(f"error: {message}" + (f" ({hint})" if hint else ""))
 
     def _table(self, data: Any, view: View, *, wide: bool) -> None:
+        from rich.console import Console  # here, not at import: every command loads the sink, few draw tables
+        from rich.table import Table
+
         columns = [c for c in view.columns if wide or not c.wide_only]
         table = Table(title=view.title, box=None, header_style="bold", pad_edge=False)
         for column in columns:
