@@ -12,11 +12,18 @@ from typer.core import TyperGroup
 from typer.exceptions import Abort, Exit
 
 from kvctl import __version__
+from kvctl.commands import busy as busy_cmd
+from kvctl.commands import config_cmd
 from kvctl.commands import demo as demo_cmd
 from kvctl.commands import events as events_cmd
 from kvctl.commands import hash as hash_cmd
 from kvctl.commands import mock as mock_cmd
+from kvctl.commands import route as route_cmd
+from kvctl.commands import router as router_cmd
 from kvctl.commands import serve as serve_cmd
+from kvctl.commands import tiers as tiers_cmd
+from kvctl.commands import tree as tree_cmd
+from kvctl.commands import workers as workers_cmd
 from kvctl.commands._options import JsonOpt, OutputOpt
 from kvctl.errors import KvctlError
 from kvctl.exit_codes import ExitCode
@@ -118,8 +125,15 @@ def root(
 app.command(name="hash", help=hash_cmd.HELP, epilog=hash_cmd.EXAMPLES)(hash_cmd.hash_command)
 app.command(name="serve", help=serve_cmd.HELP, epilog=serve_cmd.EXAMPLES)(serve_cmd.serve_command)
 app.command(name="demo", help=demo_cmd.HELP, epilog=demo_cmd.EXAMPLES)(demo_cmd.demo_command)
+app.command(name="route", help=route_cmd.HELP, epilog=route_cmd.EXAMPLES)(route_cmd.route_command)
+app.command(name="workers", help=workers_cmd.HELP, epilog=workers_cmd.EXAMPLES)(workers_cmd.workers_command)
+app.command(name="tiers", help=tiers_cmd.HELP, epilog=tiers_cmd.EXAMPLES)(tiers_cmd.tiers_command)
 app.add_typer(mock_cmd.app, name="mock")
 app.add_typer(events_cmd.app, name="events")
+app.add_typer(tree_cmd.app, name="tree")
+app.add_typer(router_cmd.app, name="router")
+app.add_typer(busy_cmd.app, name="busy")
+app.add_typer(config_cmd.app, name="config")
 
 
 def main() -> None:

@@ -97,3 +97,27 @@ def free(request_id: str, model: str = DEFAULT_MODEL) -> Call:
 
 def tree_stats(model: str | None = None) -> Call:
     return Call("GET", "/v1/tree/stats", params={"model": model} if model else {})
+
+
+def reset(*, model: str | None = None, worker_id: int | None = None, dp_rank: int | None = None) -> Call:
+    return Call("POST", "/v1/reset", json={"model": model, "worker_id": worker_id, "dp_rank": dp_rank})
+
+
+def busy_thresholds() -> Call:
+    """Dynamo's `GET /busy_threshold`: every model's thresholds."""
+    return Call("GET", "/busy_threshold")
+
+
+def set_busy_thresholds(model: str, fields: dict[str, float | int]) -> Call:
+    """Dynamo's `POST /busy_threshold`: the given thresholds are merged in; only non-null fields are sent."""
+    return Call("POST", "/busy_threshold", json={"model": model, **fields})
+
+
+def unset_busy_thresholds(model: str, fields: list[str]) -> Call:
+    """kvctl's `DELETE /busy_threshold` (a Dynamo frontend cannot unset a threshold over HTTP)."""
+    return Call("DELETE", "/busy_threshold", params={"model": model, "field": fields})
+
+
+def post_events(events: list[dict[str, Any]], model: str = DEFAULT_MODEL) -> Call:
+    """RouterEvent objects (Python ints: exact beyond 2^53) into the router's index."""
+    return Call("POST", "/v1/events", params={"model": model}, json=events)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
@@ -17,7 +16,7 @@ if TYPE_CHECKING:
     from kvctl.mock.load import LoadStats
 
 HELP = ("Start a router, mock engines and load on loopback ports; show what KV-aware routing buys over random "
-        "placement. [read-only]")
+        "placement. (read-only)")
 EXAMPLES = "Examples:\n\n  kvctl demo\n\n  kvctl demo --duration 20 -o json"
 
 _VIEW = View(
@@ -49,6 +48,8 @@ def demo_command(
         raise UsageError(f"--engines must be 1..64, got {engines}")
     if concurrency < 1:
         raise UsageError(f"--concurrency must be positive, got {concurrency}")
+    import asyncio
+
     from kvctl.mock.demo import DemoPlan, run_demo
 
     plan = DemoPlan(engines=engines, duration_s=duration, concurrency=concurrency, seed=seed)

@@ -3,9 +3,14 @@ Dynamo's exact encodings: the msgpack envelope on NATS Core, RouterEvent JSON on
 
 from __future__ import annotations
 
+import contextlib
+import json
+import signal
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -23,17 +28,22 @@ from kvctl.commands._nats import (
     UserOpt,
     connection,
 )
-from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for
-from kvctl.errors import UsageError
-from kvctl.output import Column, View
+from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
+from kvctl.errors import Unreachable, UsageError
+from kvctl.output import Column, OutputFormat, View
+
+if TYPE_CHECKING:
+    from kvctl.core.events import RouterEvent
+    from kvctl.event_taps import Tapped, TapStats
 
 _VIEW = View(rows=lambda data: [data], name_key="subject",
              columns=[Column("published", "published", justify="right"), Column("events", "events", justify="right"),
                       Column("subject", "subject"), Column("mode", "mode"), Column("dry run", "dry_run")])
 
-app = typer.Typer(help="KV events on the wire: publish (more to come).", no_args_is_help=True)
+app = typer.Typer(help="KV events on the wire: tail, record, replay into a router, publish onto NATS.",
+                  no_args_is_help=True)
 
-PUBLISH_HELP = "Publish RouterEvents from a file (or -) onto a Dynamo event plane. [read-write]"
+PUBLISH_HELP = "Publish RouterEvents from a file (or -) onto a Dynamo event plane. (read-write)"
 PUBLISH_EXAMPLES = (
     "Examples:\n\n"
     "  kvctl events publish dump.jsonl --nats nats://127.0.0.1:4222 --yes\n\n"
@@ -92,3 +102,220 @@ def publish_command(
 
         summary["published"] = publish(conn, names, events, jetstream=jetstream, publisher_id=publisher_id)
     out.emit(summary, _VIEW)
+
+
+def _event_obj(event: RouterEvent) -> dict[str, Any]:
+    from kvctl.core.events.dynamo import encode_router_event_json
+
+    return json.loads(encode_router_event_json(event))
+
+
+def _describe(tapped: Tapped) -> str:
+    """One human line per event or gap."""
+    from kvctl.core.events import Removed, Stored
+
+    when = time.strftime("%H:%M:%S", time.localtime(tapped.received_ms / 1000))
+    if tapped.event is None:
+        first, last = tapped.missing or (0, 0)
+        return f"{when} GAP   {first}..{last} never arrived ({last - first + 1})"
+    ev, data = tapped.event, tapped.event.data
+    head = f"{when} seq={tapped.seq} {ev.worker_id}:{ev.dp_rank}"
+    if isinstance(data, Stored):
+        parent = "root" if data.parent_hash is None else f"{data.parent_hash:#x}"
+        return f"{head} stored  {len(data.block_hashes)} blocks under {parent} [{data.tier.value}]"
+    if isinstance(data, Removed):
+        return f"{head} removed {len(data.block_hashes)} blocks [{data.tier.value}]"
+    return f"{head} cleared"
+
+
+class _Until:
+    """Stop after `count` events, `duration` seconds, or Ctrl-C (SIGINT or SIGTERM): what a tap checks."""
+
+    def __init__(self, count: int | None, duration: float | None) -> None:
+        self.count, self.seen = count, 0
+        self.deadline = None if duration is None else time.monotonic() + duration
+        self.interrupted = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread (embedded): Ctrl-C is the caller's
+                signal.signal(sig, self._interrupt)
+
+    def _interrupt(self, *_: object) -> None:
+        self.interrupted = True
+
+    def __call__(self) -> bool:
+        return (self.interrupted or (self.count is not None and self.seen >= self.count)
+                or (self.deadline is not None and time.monotonic() >= self.deadline))
+
+
+def _taps(zmq_endpoint: str | None, nats_url: str | None, conn_args: tuple[Any, ...], names: Any, jetstream: bool,
+          worker_id: int, topic: str, block_size: int | None, until: _Until, stats: TapStats) -> Iterator[Tapped]:
+    """The events of whichever source was named (exactly one)."""
+    import asyncio
+
+    from kvctl.event_taps import tap_nats, tap_zmq
+
+    if (zmq_endpoint is None) == (nats_url is None):
+        raise UsageError("give exactly one source: --zmq tcp://HOST:PORT or --nats nats://HOST:PORT")
+    if zmq_endpoint is not None:
+        if not zmq_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise UsageError(f"--zmq wants an endpoint like tcp://HOST:5557, got {zmq_endpoint!r}")
+        yield from tap_zmq(zmq_endpoint, stop=until, stats=stats, topic=topic, worker_id=worker_id,
+                           block_size=block_size)
+        return
+    assert nats_url is not None
+    conn = connection(nats_url, *conn_args)
+    loop = asyncio.new_event_loop()
+    agen = tap_nats(conn, names, stop=until, stats=stats, jetstream=jetstream)
+    try:
+        while True:
+            try:
+                yield loop.run_until_complete(agen.__anext__())
+            except StopAsyncIteration:
+                return
+    except OSError as exc:
+        raise Unreachable(f"cannot reach NATS at {nats_url}: {exc}") from None
+    finally:
+        loop.run_until_complete(agen.aclose())
+        loop.close()
+
+
+SourceZmq = Annotated[str | None, typer.Option("--zmq", show_default=False, help="An engine's PUB endpoint.")]
+SourceNats = Annotated[str | None, typer.Option("--nats", show_default=False, help="A Dynamo event plane.")]
+JetStreamOpt = Annotated[bool, typer.Option("--jetstream", help="NATS: the JetStream stream's JSON instead.")]
+WorkerIdOpt = Annotated[int, typer.Option("--worker-id", help="ZMQ: the worker id to give the events.")]
+TopicOpt = Annotated[str, typer.Option("--topic", help="ZMQ topic filter.")]
+BlockSizeOpt = Annotated[int | None, typer.Option("--block-size", show_default=False,
+                                                  help="ZMQ: for events that carry none.")]
+CountOpt = Annotated[int | None, typer.Option("--count", "-n", show_default=False, help="Stop after N events.")]
+DurationOpt = Annotated[float | None, typer.Option("--duration", show_default=False, help="Stop after S seconds.")]
+
+
+@app.command("tail", help="Decode KV events live from an engine (--zmq) or an event plane (--nats): one line "
+                          "per event, gaps shown, counters on exit. No router needed. (read-only)")
+def tail_command(
+    ctx: typer.Context, zmq_endpoint: SourceZmq = None, nats_url: SourceNats = None,
+    namespace: NamespaceOpt = "dynamo", component: ComponentOpt = "backend", jetstream: JetStreamOpt = False,
+    worker_id: WorkerIdOpt = 0, topic: TopicOpt = "", block_size: BlockSizeOpt = None, count: CountOpt = None,
+    duration: DurationOpt = None, nats_user: UserOpt = None, nats_password: PasswordOpt = None,
+    nats_token: TokenOpt = None, nats_creds: CredsOpt = None, nats_nkey: NkeyOpt = None,
+    nats_tls_ca: TlsCaOpt = None, nats_tls_cert: TlsCertOpt = None, nats_tls_key: TlsKeyOpt = None,
+    nats_connect_timeout: ConnectTimeoutOpt = 5.0, output: OutputOpt = None, as_json: JsonOpt = False,
+) -> None:
+    from kvctl.core.events.plane import PlaneNames
+    from kvctl.event_taps import TapStats
+
+    out = output_for(ctx, output, as_json)
+    until, stats = _Until(count, duration), TapStats()
+    conn_args = (nats_user, nats_password, nats_token, nats_creds, nats_nkey, nats_tls_ca, nats_tls_cert,
+                 nats_tls_key, nats_connect_timeout)
+    for tapped in _taps(zmq_endpoint, nats_url, conn_args, PlaneNames(namespace, component), jetstream, worker_id,
+                        topic, block_size, until, stats):
+        if out.format is OutputFormat.json:
+            out.line(json.dumps({"timestamp": tapped.received_ms, "seq": tapped.seq, "missing": tapped.missing,
+                                 "event": None if tapped.event is None else _event_obj(tapped.event)}))
+        else:
+            out.line(_describe(tapped))
+        until.seen += tapped.event is not None
+    out.note(f"{stats.messages} messages, {stats.events} events, {stats.gaps} gaps ({stats.missing} missing), "
+             f"decode errors {dict(stats.decode_errors) or 'none'}")
+
+
+@app.command("record", help="Record KV events from an engine or an event plane to JSONL in Dynamo's recorder "
+                            "shape ({\"timestamp\": ms, \"event\": RouterEvent}). (read-only)")
+def record_command(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Option("--file", "-f", help="Where to write (appended to).")],
+    zmq_endpoint: SourceZmq = None, nats_url: SourceNats = None,
+    namespace: NamespaceOpt = "dynamo", component: ComponentOpt = "backend", jetstream: JetStreamOpt = False,
+    worker_id: WorkerIdOpt = 0, topic: TopicOpt = "", block_size: BlockSizeOpt = None, count: CountOpt = None,
+    duration: DurationOpt = None, nats_user: UserOpt = None, nats_password: PasswordOpt = None,
+    nats_token: TokenOpt = None, nats_creds: CredsOpt = None, nats_nkey: NkeyOpt = None,
+    nats_tls_ca: TlsCaOpt = None, nats_tls_cert: TlsCertOpt = None, nats_tls_key: TlsKeyOpt = None,
+    nats_connect_timeout: ConnectTimeoutOpt = 5.0, output: OutputOpt = None, as_json: JsonOpt = False,
+) -> None:
+    from kvctl.core.events.plane import PlaneNames
+    from kvctl.event_taps import TapStats
+
+    out = output_for(ctx, output, as_json)
+    until, stats = _Until(count, duration), TapStats()
+    conn_args = (nats_user, nats_password, nats_token, nats_creds, nats_nkey, nats_tls_ca, nats_tls_cert,
+                 nats_tls_key, nats_connect_timeout)
+    try:
+        sink = file.open("a")
+    except OSError as exc:
+        raise UsageError(f"cannot write {file}: {exc.strerror}") from None
+    with sink:
+        for tapped in _taps(zmq_endpoint, nats_url, conn_args, PlaneNames(namespace, component), jetstream,
+                            worker_id, topic, block_size, until, stats):
+            if tapped.event is not None:
+                sink.write(json.dumps({"timestamp": tapped.received_ms, "event": _event_obj(tapped.event)}) + "\n")
+                sink.flush()
+                until.seen += 1
+    out.emit({"file": str(file), **stats.as_dict()}, _RECORD_VIEW)
+
+
+_RECORD_VIEW = View(rows=lambda data: [data], name_key="file",
+                    columns=[Column("file", "file"), Column("events", "events", justify="right"),
+                             Column("messages", "messages", justify="right"), Column("gaps", "gaps", justify="right"),
+                             Column("missing", "missing", justify="right")])
+_REPLAY_VIEW = View(rows=lambda data: [data], name_key="source",
+                    columns=[Column("source", "source"), Column("sent", "sent", justify="right"),
+                             Column("applied", "applied", justify="right"), Column("rejected", "rejected")])
+
+
+@app.command("replay", help="Send recorded (or dumped) events into a router's index, at their recorded pace "
+                            "times --speed (0: all at once). (read-write)")
+def replay_command(
+    ctx: typer.Context,
+    source: Annotated[str, typer.Argument(help="A recorder, JSONL or dump file; - for stdin.")],
+    speed: Annotated[float, typer.Option("--speed", help="Pace multiplier for recorded timestamps; 0: no "
+                                                         "waiting.")] = 0.0,
+    model: Annotated[str, typer.Option("--model", help="The router's model.")] = "default",
+    yes: YesOpt = False,
+    dry_run: DryRunOpt = False,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    from kvctl.client import calls
+    from kvctl.core.events.dump_file import DumpFileError, read_timed_events
+
+    out = output_for(ctx, output, as_json)
+    if speed < 0:
+        raise UsageError(f"--speed must be >= 0, got {speed}")
+    try:
+        timed = read_timed_events(sys.stdin.read() if source == "-" else Path(source).read_text())
+    except OSError as exc:
+        raise UsageError(f"cannot read {source}: {exc.strerror}") from None
+    except DumpFileError as exc:
+        raise UsageError(f"{source}: {exc}") from None
+    summary: dict[str, Any] = {"source": source, "sent": 0, "applied": 0, "rejected": {}, "dry_run": dry_run}
+    if not dry_run and timed:
+        confirm(f"replay {len(timed)} events into the router's index", yes)
+        with router_client(ctx) as client:
+            for batch in _paced(timed, speed):
+                answer = client.send(calls.post_events([_event_obj(e) for e in batch], model))
+                summary["sent"] += len(batch)
+                summary["applied"] += answer["applied"]
+                for kind, n in answer["rejected"].items():
+                    summary["rejected"][kind] = summary["rejected"].get(kind, 0) + n
+    out.emit(summary, _REPLAY_VIEW)
+
+
+def _paced(timed: list[tuple[int | None, RouterEvent]], speed: float, batch: int = 1000) -> Iterator[
+        list[RouterEvent]]:
+    """Batches of events, each sent when its first event's recorded time (scaled by `speed`) comes."""
+    start, first_ts = time.monotonic(), next((ts for ts, _ in timed if ts is not None), None)
+    pending: list[RouterEvent] = []
+    due: float | None = None
+    for ts, event in timed:
+        at = None if speed == 0 or ts is None or first_ts is None else (ts - first_ts) / 1000 / speed
+        if pending and (len(pending) >= batch or (at is not None and due is not None and at > due)):
+            yield pending
+            pending = []
+        if not pending:
+            due = at
+            if at is not None:
+                time.sleep(max(0.0, start + at - time.monotonic()))
+        pending.append(event)
+    if pending:
+        yield pending

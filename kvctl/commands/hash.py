@@ -6,18 +6,18 @@ the engine's events or the router's tree dump carry (block size and LoRA name in
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from kvctl.commands._input import read_numbers
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.errors import UsageError
 from kvctl.output import Column, View
 
-HELP = "Compute Dynamo's local and sequence block hashes for token ids. [read-only]"
+HELP = "Compute Dynamo's local and sequence block hashes for token ids. (read-only)"
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl hash 1 2 3 4 --block-size 4\n\n"
@@ -69,7 +69,7 @@ def hash_command(
     out = output_for(ctx, output, as_json)
     if block_size <= 0:
         raise UsageError(f"--block-size must be positive, got {block_size}", hint="e.g. --block-size 16")
-    ids = _read_tokens(tokens, file)
+    ids = read_numbers(tokens, file, parse_token_text, "token ids")
     local = local_block_hashes(ids, block_size, lora_name=lora_name)
     data: dict[str, Any] = {"block_size": block_size, "local_hashes": local, "sequence_hashes": sequence_hashes(local)}
     if lora_name:
@@ -78,18 +78,3 @@ def hash_command(
     if tail:
         out.warn(f"the last {tail} token(s) do not fill a block of {block_size} and are not hashed")
     out.emit(data, _VIEW)
-
-
-def _read_tokens(tokens: list[str] | None, file: Path | None) -> list[int]:
-    if tokens and file is not None:
-        raise UsageError("give token ids as arguments or with --file, not both")
-    if tokens:
-        return [_token(word, "the arguments") for word in tokens]
-    if file is not None:
-        try:
-            return parse_token_text(file.read_text(), str(file))
-        except OSError as exc:
-            raise UsageError(f"cannot read {file}: {exc.strerror}") from None
-    if sys.stdin is None or sys.stdin.isatty():
-        raise UsageError("no token ids given", hint="pass them as arguments, with --file, or on stdin")
-    return parse_token_text(sys.stdin.read(), "stdin")

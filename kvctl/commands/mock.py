@@ -7,13 +7,9 @@ The engine code (asyncio, ZMQ, uvicorn) is imported only when the command runs.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import signal
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
@@ -22,10 +18,7 @@ from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
 from kvctl.errors import UsageError
 from kvctl.output import Column, View
 
-if TYPE_CHECKING:
-    from kvctl.mock.fleet import Fleet
-
-HELP = "Run mock engines that publish real wire-format KV events and metrics (no GPU). [read-only]"
+HELP = "Run mock engines that publish real wire-format KV events and metrics (no GPU). (read-only)"
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl mock --engines 4\n\n"
@@ -97,8 +90,10 @@ def mock_command(
            base_port=base_port,
            drop_every=drop_every, restart_after=restart_after, fault_block_size=fault_block_size, duration=duration)
 
+    import asyncio
+
     from kvctl.mock.engine import EngineConfig, Faults
-    from kvctl.mock.fleet import Fleet, fleet_configs
+    from kvctl.mock.fleet import Fleet, fleet_configs, run_until_stopped
 
     faults = Faults(drop_every=drop_every, restart_after=restart_after, block_size=fault_block_size,
                     nondeterministic_hash=nondeterministic_hash, silent=silent, slow=slow)
@@ -111,7 +106,7 @@ def mock_command(
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
-        asyncio.run(_run(Fleet(configs), duration, lambda infos: out.emit(infos, _VIEW)))
+        asyncio.run(run_until_stopped(Fleet(configs), duration, lambda infos: out.emit(infos, _VIEW)))
     except OSError as exc:
         raise UsageError(f"cannot bind on {host}: {exc.strerror}", hint="pick another --base-port") from None
     except KeyboardInterrupt:
@@ -141,25 +136,6 @@ def _check(*, engines: int, block_size: int, capacity: int, wire_format: str, na
             raise UsageError(f"{name} must be > 0 seconds, got {value}")
 
 
-async def _run(fleet: Fleet, duration: float | None, announce: Callable[[list[dict[str, Any]]], None]) -> None:
-    """Start the fleet, announce it, and wait for a signal or the end of `duration`; always close."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    handled = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
-            loop.add_signal_handler(sig, stop.set)
-            handled.append(sig)
-    try:
-        async with fleet:
-            announce(fleet.infos())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), duration)
-    finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
-
-
 _LOAD_VIEW = View(
     rows=lambda reports: reports,
     columns=[Column("policy", "policy"), Column("hit rate", "hit_rate", justify="right"),
@@ -171,7 +147,7 @@ _LOAD_VIEW = View(
     name_key="policy",
 )
 LOAD_HELP = ("Drive mock engines through a router (route, prefill complete, free), and optionally a baseline; "
-             "report the prefix hit rate the engines achieved, TTFT and throughput. [read-write]")
+             "report the prefix hit rate the engines achieved, TTFT and throughput. (read-write)")
 LOAD_EXAMPLES = (
     "Examples:\n\n"
     "  kvctl mock -o json > engines.json &   kvctl mock load --engines-file engines.json --baseline random\n\n"
@@ -214,14 +190,16 @@ def load_command(
         raise UsageError("--requests, --concurrency, --block-tokens and --speed must be positive")
     if trace is not None and not trace.is_file():
         raise UsageError(f"--trace: no such file {str(trace)!r}")
-    from kvctl.mock.load import Policy, mooncake_trace, shared_prefix
+    import asyncio
+
+    from kvctl.mock.load import Policy, mooncake_trace, run_policies, shared_prefix
 
     workload = (mooncake_trace(trace, block_tokens=block_tokens, speed=speed, limit=requests) if trace
                 else shared_prefix(requests, seed=seed))
     policies = [Policy.router] + ([Policy(baseline)] if baseline else [])
     try:
         router_url = settings_for(ctx, server=server).server
-        reports = asyncio.run(_load(router_url, targets, rows, workload, policies, concurrency, model, seed))
+        reports = asyncio.run(run_policies(router_url, targets, rows, workload, policies, concurrency, model, seed))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     out.emit(reports, _LOAD_VIEW)
@@ -248,29 +226,3 @@ def _engine_urls(specs: list[str], rows: list[dict[str, Any]]) -> dict[int, str]
     if not urls:
         raise UsageError("no engines: give --engine WORKER_ID=URL or --engines-file")
     return urls
-
-
-async def _load(server: str, targets: dict[int, str], rows: list[dict[str, Any]], workload: list[Any],
-                policies: list[Any], concurrency: int, model: str, seed: int) -> list[dict[str, Any]]:
-    """Engines from --engines-file the router does not know yet are registered first (with their KV-event
-    endpoints); then each policy runs from cold caches."""
-    from kvctl.client import AsyncRouterClient, calls
-    from kvctl.client.engine import EngineClient
-    from kvctl.mock.load import LoadGenerator
-
-    engines = {worker_id: EngineClient(url) for worker_id, url in targets.items()}
-    try:
-        async with AsyncRouterClient(server) as router:
-            known = {(w["worker_id"], w["dp_rank"]) for w in (await router.send(calls.workers()))["workers"]}
-            for row in rows:
-                if (row["worker_id"], 0) not in known:
-                    await router.send(calls.register_worker(row["worker_id"], row["endpoint"], model=model,
-                                                            replay_endpoint=row["replay_endpoint"]))
-            load = LoadGenerator(engines, router=router, model=model, seed=seed)
-            reports = []
-            for policy in policies:
-                await load.restart_engines()  # every policy from cold caches
-                reports.append((await load.run(workload, policy, concurrency=concurrency)).report())
-            return reports
-    finally:
-        await asyncio.gather(*(e.aclose() for e in engines.values()))

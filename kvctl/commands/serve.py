@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 from pathlib import Path
@@ -31,7 +30,7 @@ from kvctl.output import Output
 if TYPE_CHECKING:
     from kvctl.server.state import WorkerInfo
 
-HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. [read-write]"
+HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. (read-write)"
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl serve\n\n"
@@ -241,6 +240,8 @@ def serve_command(
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
                            request_expiry, models, nats)
+    import asyncio
+
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(run(options, out.line))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Collection, Sequence
+import signal
+from collections.abc import Callable, Collection, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -72,3 +74,23 @@ class Fleet:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+async def run_until_stopped(fleet: Fleet, duration: float | None,
+                            announce: Callable[[list[dict[str, Any]]], None]) -> None:
+    """Start the fleet, announce it, and wait for a signal or the end of `duration`; always close."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    handled = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
+            loop.add_signal_handler(sig, stop.set)
+            handled.append(sig)
+    try:
+        async with fleet:
+            announce(fleet.infos())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), duration)
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)

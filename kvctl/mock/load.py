@@ -192,3 +192,25 @@ class LoadGenerator:
     async def restart_engines(self) -> None:
         """Cold caches everywhere, so the next policy starts where the previous one did."""
         await asyncio.gather(*(engine.restart() for engine in self.engines.values()))
+
+
+async def run_policies(server: str, targets: dict[int, str], rows: list[dict[str, Any]], workload: list[Request],
+                       policies: list[Policy], concurrency: int, model: str, seed: int) -> list[dict[str, Any]]:
+    """Engines from --engines-file the router does not know yet are registered first (with their KV-event
+    endpoints); then each policy runs from cold caches."""
+    engines = {worker_id: EngineClient(url) for worker_id, url in targets.items()}
+    try:
+        async with AsyncRouterClient(server) as router:
+            known = {(w["worker_id"], w["dp_rank"]) for w in (await router.send(calls.workers()))["workers"]}
+            for row in rows:
+                if (row["worker_id"], 0) not in known:
+                    await router.send(calls.register_worker(row["worker_id"], row["endpoint"], model=model,
+                                                            replay_endpoint=row["replay_endpoint"]))
+            load = LoadGenerator(engines, router=router, model=model, seed=seed)
+            reports = []
+            for policy in policies:
+                await load.restart_engines()  # every policy from cold caches
+                reports.append((await load.run(workload, policy, concurrency=concurrency)).report())
+            return reports
+    finally:
+        await asyncio.gather(*(e.aclose() for e in engines.values()))

@@ -74,7 +74,7 @@ class ModelWriter:
             on_applied()
 
     async def flush(self) -> None:
-        while not self.queue.empty():
+        while not self.queue.empty() and not self.task.done():  # a dead writer drains nothing: do not spin
             await asyncio.sleep(0)
 
     def status(self) -> dict[str, Any]:
@@ -83,8 +83,9 @@ class ModelWriter:
 
 
 class Streams:
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, *, queue_batches: int = QUEUE_BATCHES) -> None:
         self.fleet = fleet
+        self.queue_batches = queue_batches
         self._running: dict[Worker, tuple[EngineStream, asyncio.Task[None]]] = {}
         self.writers: dict[str, ModelWriter] = {}
         self._rates: dict[Worker, float] = {}  # events/s over the last sampling interval
@@ -93,7 +94,7 @@ class Streams:
     def writer(self, model: str) -> ModelWriter:
         writer = self.writers.get(model)
         if writer is None:
-            writer = self.writers[model] = ModelWriter(self.fleet, model)
+            writer = self.writers[model] = ModelWriter(self.fleet, model, self.queue_batches)
         return writer
 
     def start(self, info: WorkerInfo) -> bool:

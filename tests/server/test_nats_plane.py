@@ -51,9 +51,9 @@ def names() -> PlaneNames:
 class Router:
     """A Fleet with its writers and event plane, as `kvctl serve --nats` runs them, in this loop."""
 
-    def __init__(self, options: NatsOptions) -> None:
+    def __init__(self, options: NatsOptions, **streams: int) -> None:
         self.fleet = Fleet(block_size=16, seed=0)
-        self.streams = Streams(self.fleet)
+        self.streams = Streams(self.fleet, **streams)
         self.plane = EventPlane(self.fleet, self.streams, options)
 
     async def __aenter__(self) -> Router:
@@ -307,9 +307,8 @@ def test_stream_and_bucket_names_are_dynamos() -> None:
 async def test_a_burst_larger_than_the_writer_queue_is_not_dropped(server: NatsServer, names: PlaneNames) -> None:
     """NATS Core has no backpressure: a full writer queue must make the subscription wait, never drop."""
     events = workload(300)
-    async with Router(options(server, names)) as router, connected(server) as nc:
+    async with Router(options(server, names), queue_batches=4) as router, connected(server) as nc:  # tiny
         writer = router.streams.writer("default")
-        writer.queue = asyncio.Queue(4)  # a tiny queue: the burst cannot fit
         for n, ev in enumerate(events, 1):
             await nc.publish(names.kv_events, envelope(ev, n))
         await nc.flush()

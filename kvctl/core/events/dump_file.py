@@ -18,6 +18,11 @@ class DumpFileError(ValueError):
 
 
 def read_router_events(text: str) -> list[RouterEvent]:
+    return [event for _, event in read_timed_events(text)]
+
+
+def read_timed_events(text: str) -> list[tuple[int | None, RouterEvent]]:
+    """Each event with its recorder timestamp (ms), None where the shape has none."""
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
@@ -37,12 +42,14 @@ def read_router_events(text: str) -> list[RouterEvent]:
     return events
 
 
-def _event(item: Any, where: str) -> RouterEvent:
+def _event(item: Any, where: str) -> tuple[int | None, RouterEvent]:
+    timestamp = None
     if isinstance(item, dict) and "event" in item and "worker_id" not in item:
+        timestamp = item.get("timestamp") if isinstance(item.get("timestamp"), int) else None
         item = item["event"]  # a recorder line, or a kvctl snapshot line ({"model", "event"})
     if not isinstance(item, dict):
         raise DumpFileError(f"{where}: expected a RouterEvent object, got {type(item).__name__}")
     try:
-        return decode_router_event_json(item)
+        return timestamp, decode_router_event_json(item)
     except DecodeError as exc:
         raise DumpFileError(f"{where}: {exc.field}: {exc.detail}") from None

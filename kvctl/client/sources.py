@@ -1,0 +1,107 @@
+"""Dumps of a radix index read from where they live: a kvctl router, Dynamo's standalone indexer, or the
+JetStream snapshot a durable router leaves in its object store (DESIGN §4 sources).
+
+Each returns the dump's RouterEvents; every failure is one of kvctl's errors naming the place, so
+`kvctl tree` can take any two sources without caring which is which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+
+from kvctl.client._base import DEFAULT_MODEL, Call, headers, interpret, translate
+from kvctl.core.events import DecodeError, RouterEvent, decode_router_event_json
+from kvctl.core.events.dump_file import DumpFileError, read_router_events
+from kvctl.core.events.plane import RADIX_STATE_OBJECT, PlaneNames
+from kvctl.errors import KvctlError, NotFound, Unreachable, UsageError
+from kvctl.natsconn import NatsConnection
+
+
+def router_events(url: str, *, model: str | None, token: str | None, timeout: float) -> list[RouterEvent]:
+    """A kvctl router's index of one model (`GET /v1/tree?format=jsonl`)."""
+    text = _get(url, Call("GET", "/v1/tree", params={"model": model or DEFAULT_MODEL, "format": "jsonl"}),
+                token, timeout)
+    try:
+        return read_router_events(text)
+    except DumpFileError as exc:
+        raise KvctlError(f"{url} answered a malformed dump: {exc}") from None
+
+
+def dynamo_indexer_events(url: str, *, model: str | None, timeout: float) -> list[RouterEvent]:
+    """One model of a Dynamo standalone indexer's `GET /dump`: `{"model:routing_group": {"events": [...]}}`.
+
+    With no model named, the indexer's only model (none: an empty dump); `model` matches the name
+    with or without its routing group.
+    """
+    dump = json.loads(_get(url, Call("GET", "/dump"), None, timeout) or "{}")
+    if not isinstance(dump, dict):
+        raise KvctlError(f"{url}/dump is not a Dynamo indexer dump (expected an object by model)")
+    if model is None:
+        if len(dump) > 1:
+            raise UsageError(f"{url} indexes several models: {', '.join(sorted(dump))}", hint="pick one with --model")
+        chosen = list(dump.values())
+    else:
+        chosen = [v for k, v in dump.items() if model in (k, k.rsplit(":", 1)[0])]
+        if not chosen:
+            raise NotFound(f"{url} has no model {model!r} (it has: {', '.join(sorted(dump)) or 'none'})",
+                           status=404)
+    return [_decode(item, url) for entry in chosen for item in _events_of(entry, url)]
+
+
+def nats_snapshot_events(conn: NatsConnection, names: PlaneNames) -> list[RouterEvent]:
+    """The `radix-state` object of a durable router's snapshot bucket: RouterEvent JSON lines."""
+    data = asyncio.run(_read_object(conn, names.bucket))
+    try:
+        return read_router_events(data.decode())
+    except (DumpFileError, UnicodeDecodeError) as exc:
+        raise KvctlError(f"{names.bucket}/{RADIX_STATE_OBJECT} on {conn.url} is not a dump: {exc}") from None
+
+
+def _get(url: str, call: Call, token: str | None, timeout: float) -> str:
+    with translate(url), httpx.Client(base_url=url, headers=headers(token), timeout=timeout) as http:
+        response = http.request(call.method, call.path, params=call.params)
+    if not response.is_success:
+        interpret(call, response)  # raises the error the status stands for
+    return response.text
+
+
+def _events_of(entry: Any, url: str) -> list[Any]:
+    events = entry.get("events") if isinstance(entry, dict) else None
+    if not isinstance(events, list):
+        raise KvctlError(f"{url}/dump: a model without an events list")
+    return events
+
+
+def _decode(item: Any, url: str) -> RouterEvent:
+    if not isinstance(item, dict):
+        raise KvctlError(f"{url}/dump: expected a RouterEvent object, got {type(item).__name__}")
+    try:
+        return decode_router_event_json(item)
+    except DecodeError as exc:
+        raise KvctlError(f"{url}/dump: {exc.field}: {exc.detail}") from None
+
+
+async def _read_object(conn: NatsConnection, bucket: str) -> bytes:
+    import nats
+    import nats.js.errors
+
+    from kvctl.plane_publisher import _quiet  # nats-py's default prints a traceback per failed attempt
+
+    try:
+        nc = await nats.connect(conn.url, allow_reconnect=False, max_reconnect_attempts=1, error_cb=_quiet,
+                                **conn.connect_kwargs())
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        raise Unreachable(f"cannot reach NATS at {conn.url}: {exc or type(exc).__name__}") from None
+    try:
+        store = await nc.jetstream().object_store(bucket)
+        return (await store.get(RADIX_STATE_OBJECT)).data or b""
+    except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError, nats.js.errors.ObjectNotFoundError):
+        raise NotFound(f"no snapshot {bucket}/{RADIX_STATE_OBJECT} on {conn.url}", status=404,
+                       hint="a durable router writes one only once its stream passes --snapshot-threshold") from None
+    finally:
+        await nc.close()
+

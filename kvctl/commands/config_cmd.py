@@ -1,0 +1,145 @@
+"""`kvctl config show / use-context / set`: the contexts of kvctl's config file, kubectl-style.
+
+`show --sources` answers "why did this command talk to that router?": every setting with where it
+came from (flag > environment > context > default). The edits rewrite the file atomically.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Annotated, Any
+
+import typer
+
+from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.errors import ConfigError, UsageError
+from kvctl.output import Column, View
+
+app = typer.Typer(help="kvctl's own settings: contexts in the config file (KVCTL_CONFIG overrides its path).",
+                  no_args_is_help=True)
+
+SHOW_HELP = "Show the settings a command would use, and with --sources where each came from. (read-only)"
+SHOW_EXAMPLES = "Examples:\n\n  kvctl config show --sources\n\n  kvctl --context prod config show -o json"
+USE_HELP = "Make NAME the current context of the config file. [writes the config file]"
+USE_EXAMPLES = "Examples:\n\n  kvctl config use-context prod"
+SET_HELP = (
+    "Set KEY (server, token, prometheus or timeout) to VALUE in a context of the config file, creating the "
+    "context (and the file) when new. The context edited: --context, else the one commands would use "
+    "(the global --context, KVCTL_CONTEXT, the file's current-context). [writes the config file]"
+)
+SET_EXAMPLES = (
+    "Examples:\n\n"
+    "  kvctl config set server http://router.prod:7433 --context prod\n\n"
+    "  kvctl config set timeout 10"
+)
+_MASK = "***"
+_URL_KEYS = ("server", "prometheus")
+
+_SETTING_COLUMNS = [Column("key", "key"), Column("value", "value")]
+_EDIT_VIEW = View(rows=lambda edit: [edit], name_key="context",
+                  columns=[Column("context", "context"), Column("key", "key"), Column("value", "value"),
+                           Column("config file", "config_file")])
+
+
+def _settings_view(shown: dict[str, Any], with_sources: bool) -> View:
+    columns = [*_SETTING_COLUMNS, Column("source", "source")] if with_sources else _SETTING_COLUMNS
+    return View(
+        rows=lambda data: [{"key": key, "value": value, "source": data.get("sources", {}).get(key)}
+                           for key, value in data["settings"].items()],
+        columns=columns, name_key="key",
+        title=f"context: {shown['context'] or 'none'} ({shown['config_file']})",
+    )
+
+
+@app.command("show", help=SHOW_HELP, epilog=SHOW_EXAMPLES)
+def show_command(
+    ctx: typer.Context,
+    sources: Annotated[bool, typer.Option("--sources", help="Say where each value came from.")] = False,
+    show_token: Annotated[bool, typer.Option("--show-token", help="Print the token instead of ***.")] = False,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    from kvctl.config import KEYS, ConfigFile
+
+    out = output_for(ctx, output, as_json)
+    file = ConfigFile.load()
+    settings = settings_for(ctx)
+    values = {key: getattr(settings, key) for key in KEYS}  # typed: an env var's "3" shows as 3.0
+    if values["token"] is not None and not show_token:
+        values["token"] = _MASK
+    shown: dict[str, Any] = {"config_file": str(file.path), "context": settings.context,
+                             "contexts": sorted(file.contexts), "settings": values}
+    if sources:
+        shown["sources"] = settings.sources
+    out.emit(shown, _settings_view(shown, sources))
+
+
+@app.command("use-context", help=USE_HELP, epilog=USE_EXAMPLES)
+def use_context_command(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="A context of the config file.")],
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    from kvctl import config_writer
+    from kvctl.config import ConfigFile
+
+    out = output_for(ctx, output, as_json)
+    file = ConfigFile.load()
+    if name not in file.contexts:
+        raise ConfigError(f"no context {name!r} in {file.path}",
+                          hint=f"known: {', '.join(sorted(file.contexts)) or 'none'}; create one with "
+                               "'kvctl config set server URL --context NAME'")
+    config_writer.write(file.path, {**file.data, "current-context": name})
+    out.emit({"context": name, "key": "current-context", "value": name, "config_file": str(file.path)}, _EDIT_VIEW)
+
+
+@app.command("set", help=SET_HELP, epilog=SET_EXAMPLES)
+def set_command(
+    ctx: typer.Context,
+    key: Annotated[str, typer.Argument(help="server, token, prometheus or timeout.")],
+    value: Annotated[str, typer.Argument(help="The value (a URL, a token, or seconds for timeout).")],
+    context: Annotated[str | None, typer.Option("--context", help="The context to edit (created when new).",
+                                                show_default=False)] = None,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    from kvctl import config_writer
+    from kvctl.config import ConfigFile
+
+    out = output_for(ctx, output, as_json)
+    typed = _typed(key, value)
+    file = ConfigFile.load()
+    name = context or ctx.find_root().obj.context or os.environ.get("KVCTL_CONTEXT") or file.current
+    if name is None:
+        raise UsageError("no context to set it in (the config file has no current-context)",
+                         hint="pass --context NAME; a new context is created")
+    contexts = {n: dict(c) for n, c in file.contexts.items()}
+    contexts.setdefault(name, {})[key] = typed
+    data = {**file.data, "contexts": contexts}
+    if file.current is None:
+        data["current-context"] = name
+        out.note(f"{name} is now the current context (the config file had none)")
+    config_writer.write(file.path, data)
+    out.emit({"context": name, "key": key, "value": _MASK if key == "token" else typed,
+              "config_file": str(file.path)}, _EDIT_VIEW)
+
+
+def _typed(key: str, value: str) -> str | float:
+    """VALUE as the config file holds KEY: timeout a positive number of seconds, URLs with their scheme."""
+    from kvctl.config import KEYS
+
+    if key not in KEYS:
+        raise UsageError(f"unknown key {key!r}", hint=f"one of {', '.join(KEYS)}")
+    if key == "timeout":
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise UsageError(f"timeout must be a positive number of seconds, got {value!r}")
+        return seconds
+    if key in _URL_KEYS and not value.startswith(("http://", "https://")):
+        raise UsageError(f"{key} must be an http:// or https:// URL, got {value!r}")
+    return value

@@ -1,0 +1,141 @@
+"""`kvctl route`: ask a router where a request would go and, with --explain, why.
+
+The explanation is every candidate's cost as the router computed it (overlap, prefill and decode
+blocks, logit): the way to see whether a bad routing decision came from the cache view or the load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvctl.commands._input import parse_hash_text, read_numbers
+from kvctl.commands._options import JsonOpt, OutputOpt, output_for, router_client
+from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number, worker_name
+from kvctl.commands.hash import parse_token_text
+from kvctl.errors import UsageError
+from kvctl.output import Column, OutputFormat, View
+
+HELP = (
+    "Ask a router which worker a request's token ids would go to, and why. [read-only; --reserve adds load]\n\n"
+    "Token ids come from the arguments, --file, stdin, or --text with a Hugging Face --tokenizer (needs the "
+    "transformers package). --reserve also records the request as in flight on the chosen worker, as a "
+    "frontend does, until it is freed or expires."
+)
+EXAMPLES = (
+    "Examples:\n\n"
+    "  kvctl route --file prompt.json --explain\n\n"
+    "  kvctl hash --file prompt.txt -o json | jq -r '.local_hashes[]' | kvctl route --local-hashes\n\n"
+    "  kvctl route --text 'Hello there' --tokenizer Qwen/Qwen3-0.6B --reserve --request-id r1 -o json"
+)
+
+
+def _decision_row(answer: dict[str, Any]) -> dict[str, Any]:
+    return {**answer, NAME_KEY: worker_name(answer["worker_id"], answer["dp_rank"])}
+
+
+_DECISION_VIEW = View(
+    rows=lambda answer: [_decision_row(answer)],
+    columns=[*WORKER_COLUMNS, Column("overlap blocks", "overlap_blocks", justify="right"),
+             Column("required blocks", "required_blocks", justify="right"), Column("request id", "request_id"),
+             Column("reason", "reason")],
+    name_key=NAME_KEY,
+)
+
+
+def _candidate_rows(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    chosen = (answer["worker_id"], answer["dp_rank"])
+    return [{**c, NAME_KEY: worker_name(c["worker_id"], c["dp_rank"]),
+             "chosen": "*" if (c["worker_id"], c["dp_rank"]) == chosen else "",
+             "overlap_by_tier": counts(c["overlap_by_tier"]),
+             **{key: number(c[key]) for key in ("prefill_blocks", "decode_blocks", "logit", "effective_overlap")
+                if key in c}}
+            for c in answer["candidates"]]
+
+
+_CANDIDATE_COLUMNS = [
+    Column("", "chosen"),
+    *WORKER_COLUMNS,
+    Column("overlap blocks", "overlap_blocks", justify="right"),
+    Column("overlap by tier", "overlap_by_tier"),
+    Column("tree size", "tree_size", justify="right"),
+    Column("prefill blocks", "prefill_blocks", justify="right"),
+    Column("decode blocks", "decode_blocks", justify="right"),
+    Column("logit", "logit", justify="right"),
+    Column("busy", "busy"),
+    Column("effective overlap", "effective_overlap", wide_only=True, justify="right"),
+]
+
+
+def _explained_view(answer: dict[str, Any]) -> View:
+    """Every candidate, the chosen one marked `*`, titled with the decision and its reason."""
+    title = (f"routed to {worker_name(answer['worker_id'], answer['dp_rank'])}: {answer['reason']} "
+             f"({answer['overlap_blocks']} of {answer['required_blocks']} blocks cached)")
+    return View(rows=_candidate_rows, columns=_CANDIDATE_COLUMNS, name_key=NAME_KEY, title=title)
+
+
+def route_command(
+    ctx: typer.Context,
+    tokens: Annotated[list[str] | None, typer.Argument(help="Token ids (or use --file, stdin or --text).",
+                                                       show_default=False)] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="Read token ids (or hashes) from this file.",
+                                              dir_okay=False)] = None,
+    local_hashes: Annotated[bool, typer.Option("--local-hashes", help="The numbers are local block hashes "
+                                               "(u64), not token ids.")] = False,
+    model: Annotated[str, typer.Option("--model", "-m", help="The model to route for.")] = "default",
+    explain: Annotated[bool, typer.Option("--explain", help="Show every candidate's costs and the reason.")]
+    = False,
+    reserve: Annotated[bool, typer.Option("--reserve", help="Record the request as in flight on the chosen worker "
+                                          "(needs --request-id).")] = False,
+    request_id: Annotated[str | None, typer.Option("--request-id", help="The request's id (to free it later).",
+                                                   show_default=False)] = None,
+    text: Annotated[str | None, typer.Option("--text", help="A prompt to tokenize (needs --tokenizer).",
+                                             show_default=False)] = None,
+    tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="Hugging Face tokenizer name or path for "
+                                                  "--text.", show_default=False)] = None,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    from kvctl.client import calls
+
+    out = output_for(ctx, output, as_json)
+    if reserve and not request_id:
+        raise UsageError("--reserve needs --request-id ID", hint="the id is how the request is freed later")
+    ids = _request_numbers(tokens, file, local_hashes, text, tokenizer)
+    call = calls.route(token_ids=None if local_hashes else ids, local_hashes=ids if local_hashes else None,
+                       model=model, request_id=request_id, reserve=reserve, explain=explain)
+    with router_client(ctx) as client:
+        answer = client.send(call)
+    explained = explain and out.format is not OutputFormat.name  # -o name prints the chosen worker only
+    out.emit(answer, _explained_view(answer) if explained else _DECISION_VIEW)
+
+
+def _request_numbers(tokens: list[str] | None, file: Path | None, local_hashes: bool, text: str | None,
+                     tokenizer: str | None) -> list[int]:
+    """The request as token ids (or local hashes), from whichever one source was given."""
+    if text is not None or tokenizer is not None:
+        if text is None or tokenizer is None:
+            raise UsageError("--text and --tokenizer go together", hint="e.g. --text 'Hi' --tokenizer Qwen/Qwen3-0.6B")
+        if tokens or file is not None or local_hashes:
+            raise UsageError("--text replaces token ids: drop the arguments, --file and --local-hashes")
+        ids = _tokenize(text, tokenizer)
+    elif local_hashes:
+        ids = read_numbers(tokens, file, parse_hash_text, "local hashes")
+    else:
+        ids = read_numbers(tokens, file, parse_token_text, "token ids")
+    if not ids:
+        raise UsageError("the request is empty", hint="give at least one token id")
+    return ids
+
+
+def _tokenize(text: str, name: str) -> list[int]:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UsageError("--text needs the transformers package", hint="pip install transformers") from None
+    try:
+        return list(AutoTokenizer.from_pretrained(name).encode(text))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot load tokenizer {name!r}: {exc}") from None

@@ -1,0 +1,185 @@
+"""`kvctl router reset / status`: the lever that clears a router's index, and the health of its event streams.
+
+`status` answers the first on-call question about a router whose routing looks wrong: are its engines'
+events arriving at all, and has any been lost (gaps, failed replays, restarts, decode errors)?
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
+from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, age, counts, number, worker_name
+from kvctl.commands._watch import IntervalOpt, WatchOpt, show
+from kvctl.errors import UsageError
+from kvctl.output import Column, Output, OutputFormat, View
+
+app = typer.Typer(help="Reset a router's state, or show the health of its event streams.", no_args_is_help=True)
+
+RESET_HELP = (
+    "Clear a router's index: every model, one model (--model), or one worker (--worker W or W:DP). (read-write)\n\n"
+    "Prints what was cleared. --dry-run says what would be, from the tree stats, and changes nothing.\n\n"
+    "Against a JetStream router, Dynamo's reset also purges the stream; kvctl serve does not expose that over "
+    "HTTP yet, so this clears the in-memory index only (restart the router with --reset-states to purge)."
+)
+RESET_EXAMPLES = (
+    "Examples:\n\n"
+    "  kvctl router reset --dry-run\n\n"
+    "  kvctl router reset --model llama --worker 3:1 --yes -o json"
+)
+STATUS_HELP = "Health of each engine event stream (and of the event plane, if any). (read-only)"
+STATUS_EXAMPLES = (
+    "Examples:\n\n"
+    "  kvctl router status\n\n"
+    "  kvctl router status --watch --interval 2 -o json | jq .streams"
+)
+
+_RESET_VIEW = View(
+    rows=lambda result: [{**c, "workers": ", ".join(c["workers"]) or None} for c in result["cleared"]],
+    columns=[Column("model", "model"), Column("blocks", "blocks", justify="right"), Column("workers", "workers")],
+    name_key="model",
+)
+
+
+def _stream_state(stream: dict[str, Any]) -> str:
+    """One word for a stream: replaying a gap, gapped (lost events since it started), waiting (no message
+    yet) or ok."""
+    if stream.get("replaying"):
+        return "replaying"
+    if stream.get("gapped"):
+        return "gapped"
+    return "ok" if stream.get("messages") else "waiting"
+
+
+def _stream_row(stream: dict[str, Any]) -> dict[str, Any]:
+    worker = stream["worker"]
+    return {**stream, **worker, NAME_KEY: worker_name(worker["worker_id"], worker["dp_rank"]),
+            "state": _stream_state(stream), "decode_errors": counts(stream.get("decode_errors")),
+            "events_per_s": number(stream.get("events_per_s")), "last_event_age": age(stream.get("last_event_age_s"))}
+
+
+_STREAMS_VIEW = View(
+    rows=lambda status: [_stream_row(s) for s in status["streams"]],
+    columns=[
+        *WORKER_COLUMNS,
+        Column("endpoint", "endpoint"),
+        Column("state", "state"),
+        Column("messages", "messages", justify="right"),
+        Column("gaps", "gaps", justify="right"),
+        Column("replays ok", "replays_ok", justify="right"),
+        Column("replays failed", "replays_failed", justify="right"),
+        Column("restarts", "restarts", justify="right"),
+        Column("lost", "lost_batches", justify="right"),
+        Column("decode errors", "decode_errors"),
+        Column("events/s", "events_per_s", justify="right"),
+        Column("last event", "last_event_age", justify="right"),
+        Column("replay endpoint", "replay_endpoint", wide_only=True),
+        Column("batches", "batches_applied", wide_only=True, justify="right"),
+        Column("duplicates", "duplicates", wide_only=True, justify="right"),
+        Column("last seq", "last_seq", wide_only=True, justify="right"),
+    ],
+    name_key=NAME_KEY,
+    title="engine streams",
+)
+
+
+def _plane_rows(plane: dict[str, Any]) -> list[dict[str, Any]]:
+    """The event plane's block as field/value rows: one connection, so a vertical table reads best."""
+    snapshot = plane.get("snapshot")
+    values = {
+        "url": plane.get("url"), "mode": plane.get("mode"), "state": plane.get("state"), "ready": plane.get("ready"),
+        "connects": plane.get("connects"), "reconnects": plane.get("reconnects"),
+        "last error": plane.get("last_error"), "kv events subject": (plane.get("subjects") or {}).get("kv_events"),
+        "counts": counts(plane.get("counts")), "decode errors": counts(plane.get("decode_errors")),
+        "publishers": len(plane.get("publishers") or []),
+        "snapshot": counts(snapshot) if isinstance(snapshot, dict) else snapshot,
+    }
+    return [{"field": k, "value": v} for k, v in values.items()]
+
+
+_PLANE_VIEW = View(rows=_plane_rows, columns=[Column("field", "field"), Column("value", "value")],
+                   name_key="field", title="event plane")
+
+
+def parse_worker(text: str) -> tuple[int, int | None]:
+    """`W` or `W:DP` as (worker_id, dp_rank or None for every rank)."""
+    wid, sep, dp = text.partition(":")
+    try:
+        worker_id, dp_rank = int(wid), (int(dp) if sep else None)
+    except ValueError:
+        raise UsageError(f"--worker wants W or W:DP (integers), got {text!r}", hint="e.g. --worker 3:0") from None
+    if not 0 <= worker_id < 2**64 or (dp_rank is not None and not 0 <= dp_rank < 2**32):
+        raise UsageError(f"--worker {text!r}: worker ids are u64 and dp ranks u32")
+    return worker_id, dp_rank
+
+
+def _would_clear(stats: dict[str, Any], worker_id: int | None, dp_rank: int | None) -> dict[str, Any]:
+    """What POST /v1/reset would answer, worked out from GET /v1/tree/stats (device-tier blocks, as reset counts)."""
+    cleared = []
+    for model, model_stats in stats["models"].items():
+        held = {key: n for key, n in model_stats["workers"].items() if _selected(key, worker_id, dp_rank)}
+        cleared.append({"model": model, "workers": list(held), "blocks": sum(held.values())})
+    return {"cleared": cleared}
+
+
+def _selected(key: str, worker_id: int | None, dp_rank: int | None) -> bool:
+    """Whether the worker `ID:DP` is one that --worker (absent: every worker) names."""
+    wid, dp = parse_worker(key)
+    return worker_id is None or (wid == worker_id and dp_rank in (None, dp))
+
+
+@app.command("reset", help=RESET_HELP, epilog=RESET_EXAMPLES)
+def reset_command(
+    ctx: typer.Context,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Only this model (default: every model).",
+                                              show_default=False)] = None,
+    worker: Annotated[str | None, typer.Option("--worker", help="Only this worker: W (every dp rank) or W:DP.",
+                                               show_default=False)] = None,
+    yes: YesOpt = False,
+    dry_run: DryRunOpt = False,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    from kvctl.client import calls
+
+    out = output_for(ctx, output, as_json)
+    worker_id, dp_rank = parse_worker(worker) if worker is not None else (None, None)
+    with router_client(ctx) as client:
+        if dry_run:
+            result = {**_would_clear(client.send(calls.tree_stats(model)), worker_id, dp_rank), "dry_run": True}
+            out.note("dry run: nothing was cleared")
+        else:
+            scope = " ".join(filter(None, [f"model {model}" if model else "every model",
+                                           f"worker {worker}" if worker else None]))
+            confirm(f"clear the index of {scope} on {client.base_url}", yes)
+            result = client.send(calls.reset(model=model, worker_id=worker_id, dp_rank=dp_rank))
+    if worker is not None and not any(c["workers"] for c in result["cleared"]):
+        out.warn(f"no worker {worker} holds blocks" + (f" in model {model}" if model else ""))
+    out.emit(result, _RESET_VIEW)
+
+
+@app.command("status", help=STATUS_HELP, epilog=STATUS_EXAMPLES)
+def status_command(
+    ctx: typer.Context,
+    watch: WatchOpt = False,
+    interval: IntervalOpt = 2.0,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    from kvctl.client import calls
+
+    out = output_for(ctx, output, as_json)
+    with router_client(ctx) as client:
+        show(out, lambda: client.send(calls.status()), lambda status: _render_status(out, status),
+             watch=watch, interval=interval)
+
+
+def _render_status(out: Output, status: dict[str, Any]) -> None:
+    """The whole /v1/status object in json/yaml; as tables, the streams and then the event plane's block."""
+    if not status["streams"] and out.format in (OutputFormat.table, OutputFormat.wide):
+        out.note("no engine streams: this router gets its events over HTTP or the event plane")
+    out.emit(status, _STREAMS_VIEW)
+    if status.get("event_plane") and out.format in (OutputFormat.table, OutputFormat.wide):
+        out.emit(status["event_plane"], _PLANE_VIEW)

@@ -1,0 +1,181 @@
+"""`kvctl tiers`: is each KV tier earning its keep? Hit rates per instance and tier over a window.
+
+The numbers come from Prometheus (`increase()` over --window) or from engines' `/metrics` scraped twice
+--window apart; each says which metric family it came from, and families nobody exposes are listed,
+never guessed. With --warn/--crit it is a Nagios check of one tier's hit rate: one status line, and
+exit 0 OK / 1 WARNING / 2 CRITICAL / 3 UNKNOWN (no data, or the source cannot be reached).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.commands._watch import IntervalOpt, WatchOpt, show
+from kvctl.errors import UsageError
+from kvctl.output import Column, Output, OutputFormat, View
+
+if TYPE_CHECKING:
+    from kvctl.client.tier_sources import Auth
+    from kvctl.core.tiers import Reading, TierReport, Window
+
+HELP = "KV tier hit rates (device/host/disk/object) per instance, from Prometheus or engines' /metrics. [read-only]"
+EXAMPLES = (
+    "Examples:\n\n"
+    "  kvctl tiers --prometheus http://prometheus:9090 --window 15m\n\n"
+    "  kvctl tiers --metrics http://engine-0:8000 --metrics http://engine-1:8000 --window 30s\n\n"
+    "  kvctl tiers --tier host --warn 0.2 --crit 0.05   # Nagios: exit 0/1/2/3\n\n"
+    "  kvctl tiers -o json | jq '.totals[] | select(.metric == \"hit_rate\")'"
+)
+_BAR_WIDTH = 20
+_TIER_ORDER = {tier: n for n, tier in enumerate(("device", "host", "disk", "object", "p2p", "external"))}
+
+
+def _bar(value: float | None) -> str | None:
+    if value is None:
+        return None
+    filled = round(value * _BAR_WIDTH)
+    return "█" * filled + "·" * (_BAR_WIDTH - filled)
+
+
+def _shown(r: Reading) -> str | None:
+    if r.value is None:
+        return None
+    if r.kind == "ratio":
+        return f"{r.value:.1%}"
+    return f"{r.value:.4g}/s" if r.kind == "rate" else f"{r.value:g}"
+
+
+def _rows(report: TierReport) -> list[dict[str, Any]]:
+    """Every reading as a table row; the totals only when there is more than one instance to total."""
+    totals = report.totals if len(report.instances) > 1 else ()
+    readings = sorted(report.readings, key=lambda r: (r.instance, _TIER_ORDER.get(r.tier, len(_TIER_ORDER))))
+    return [{**r.to_dict(), "name": f"{r.instance}/{r.tier or '-'}/{r.metric}", "value": _shown(r),
+             "bar": _bar(r.value) if r.kind == "ratio" else None}
+            for r in (*readings, *totals)]
+
+
+_VIEW = View(
+    rows=lambda data: _rows(data),
+    columns=[
+        Column("instance", "instance"),
+        Column("tier", "tier"),
+        Column("metric", "metric"),
+        Column("value", "value", justify="right"),
+        Column("", "bar"),
+        Column("family", "family"),
+        Column("numerator", "numerator", wide_only=True, justify="right"),
+        Column("denominator", "denominator", wide_only=True, justify="right"),
+    ],
+    name_key="name",
+)
+
+TierOpt = Annotated[str, typer.Option("--tier", help="The tier --warn/--crit check: host, disk, object or device.")]
+
+
+def tiers_command(
+    ctx: typer.Context,
+    prometheus: Annotated[str | None, typer.Option("--prometheus", show_default=False, help=(
+        "Prometheus URL (KVCTL_PROMETHEUS, or the context's `prometheus`).")), ] = None,
+    metrics: Annotated[list[str] | None, typer.Option("--metrics", show_default=False, help=(
+        "An engine's /metrics URL instead (repeatable): scraped twice, --window apart.")), ] = None,
+    window: Annotated[str, typer.Option("--window", help="Over how long: 30s, 5m, 1h.")] = "5m",
+    instance: Annotated[str | None, typer.Option("--instance", show_default=False,
+                                                 help="Only instances this regex finds.")] = None,
+    auth_user: Annotated[str | None, typer.Option("--auth-user", show_default=False,
+                                                  help="Basic-auth user for Prometheus or the endpoints.")] = None,
+    auth_password: Annotated[str | None, typer.Option("--auth-password", envvar="KVCTL_METRICS_PASSWORD",
+                                                      show_default=False, help="Its password.")] = None,
+    bearer_token: Annotated[str | None, typer.Option("--bearer-token", envvar="KVCTL_METRICS_TOKEN",
+                                                     show_default=False, help="A bearer token instead.")] = None,
+    warn: Annotated[float | None, typer.Option("--warn", show_default=False, min=0.0, max=1.0,
+                                               help="WARNING (exit 1) when the tier's hit rate is below this.")] = None,
+    crit: Annotated[float | None, typer.Option("--crit", show_default=False, min=0.0, max=1.0,
+                                               help="CRITICAL (exit 2) when below this.")] = None,
+    tier: TierOpt = "host",
+    watch: WatchOpt = False,
+    interval: IntervalOpt = 5.0,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    from kvctl.client.tier_sources import Auth
+    from kvctl.core.tiers import CHECK_TIERS, parse_duration, report
+
+    out = output_for(ctx, output, as_json)
+    checking = warn is not None or crit is not None
+    _check_options(tier, warn, crit, checking and watch, CHECK_TIERS)
+    try:
+        window_s = parse_duration(window)
+        pattern = re.compile(instance) if instance is not None else None
+    except (ValueError, re.error) as exc:
+        raise UsageError(f"--window/--instance: {exc}") from None
+    auth = Auth(auth_user, auth_password, bearer_token)
+    fetch_windows = _source(ctx, prometheus, metrics or [], window_s, auth)
+
+    def fetch() -> TierReport:
+        tier_report = report(fetch_windows(), instance=pattern)
+        if not tier_report.instances:
+            out.warn("no instance exposes any of the metric families kvctl reads" if pattern is None
+                     else f"no instance matches --instance {instance!r}")
+        elif out.format in (OutputFormat.table, OutputFormat.wide) and tier_report.missing:
+            out.note(f"not found: {', '.join(tier_report.missing)}")
+        return tier_report
+
+    if checking:
+        _run_check(out, fetch(), tier, warn, crit)  # exits with the check's status
+    show(out, fetch, lambda data: out.emit(data.to_dict() if _structured(out) else data, _VIEW),
+         watch=watch, interval=interval)
+
+
+def _structured(out: Output) -> bool:
+    return out.format in (OutputFormat.json, OutputFormat.yaml)
+
+
+def _check_options(tier: str, warn: float | None, crit: float | None, watching: bool, tiers: tuple[str, ...]) -> None:
+    if tier not in tiers:
+        raise UsageError(f"--tier must be one of {', '.join(tiers)}, got {tier!r}")
+    if warn is not None and crit is not None and crit > warn:
+        raise UsageError(f"--crit {crit} is above --warn {warn}", hint="a hit rate below --crit is worse than one "
+                         "below --warn: give --crit <= --warn")
+    if watching:
+        raise UsageError("--warn/--crit check once; they do not go with --watch")
+
+
+def _source(ctx: typer.Context, prometheus: str | None, metrics: list[str], window_s: float,
+            auth: Auth) -> Any:
+    """A function returning fresh windows from the chosen source (a flag, else the configured Prometheus)."""
+    settings = settings_for(ctx, prometheus=prometheus)
+    if metrics and prometheus:
+        raise UsageError("--prometheus and --metrics are two sources", hint="give one of them")
+    if metrics:
+        return lambda: _scrape(metrics, window_s, auth, settings.timeout)
+    if settings.prometheus is None:
+        raise UsageError("no source to read", hint="give --prometheus URL or --metrics URL (or set KVCTL_PROMETHEUS,"
+                         " or `prometheus` in the config context)")
+    from kvctl.client.tier_sources import prometheus_windows
+
+    url = settings.prometheus.rstrip("/")
+    return lambda: prometheus_windows(url, window_s=window_s, auth=auth, timeout=settings.timeout)
+
+
+def _scrape(urls: list[str], window_s: float, auth: Auth, timeout: float) -> list[Window]:
+    from kvctl.client.tier_sources import Scraper
+
+    with Scraper(urls, auth=auth, timeout=timeout) as scraper:
+        return scraper.windows(window_s)
+
+
+def _run_check(out: Output, tier_report: TierReport, tier: str, warn: float | None, crit: float | None) -> None:
+    """Print the check (one Nagios line, or the report with its verdict as JSON) and exit with its status."""
+    from kvctl.core.tiers import check
+    from kvctl.exit_codes import CheckStatus
+
+    result = check(tier_report, tier, warn=warn, crit=crit)
+    if _structured(out):
+        out.emit({**tier_report.to_dict(), "check": result.to_dict()}, _VIEW)
+    else:
+        out.line(result.nagios(warn, crit))
+    raise typer.Exit(CheckStatus[result.status.value])

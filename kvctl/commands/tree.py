@@ -1,0 +1,355 @@
+"""`kvctl tree dump|diff|stats`: a radix index from any source, drawn, compared, summarised.
+
+A source is a kvctl router (`http://…`, the resolved --server when left out), a Dynamo standalone
+indexer (`dynamo+http://HOST:PORT`, read through its /dump), a durable router's JetStream snapshot
+(`nats://HOST:PORT` with --namespace/--component) or a dump file (JSON list, JSONL, recorder or
+snapshot lines; `-` for stdin). Whatever the source, its events are replayed into an index first,
+so every command sees content, not the shape of one dump (see `kvctl.core.tree_diff`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kvctl.commands._nats import (
+    ComponentOpt,
+    ConnectTimeoutOpt,
+    CredsOpt,
+    NamespaceOpt,
+    NkeyOpt,
+    PasswordOpt,
+    TlsCaOpt,
+    TlsCertOpt,
+    TlsKeyOpt,
+    TokenOpt,
+    UserOpt,
+)
+from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.errors import UsageError
+from kvctl.output import Column, Output, OutputFormat, View
+
+if TYPE_CHECKING:
+    from kvctl.core.events import RouterEvent
+    from kvctl.core.tree_diff import IndexContent, PathTrie, Segment
+
+app = typer.Typer(help="A radix index from a router, a Dynamo indexer, a snapshot or a file: dump, diff, stats.",
+                  no_args_is_help=True)
+
+SOURCE_KINDS = ("http://ROUTER, dynamo+http://INDEXER, nats://HOST:PORT (a JetStream snapshot) or a dump file "
+                "(JSON list, JSONL, recorder lines; - for stdin)")
+SourceArg = Annotated[str | None, typer.Argument(help=f"{SOURCE_KINDS}; default: the --server router.",
+                                                 show_default=False)]
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", show_default=False,
+                                              help="Model to read (a router's default: default; ignored for files).")]
+
+
+class DumpFormat(StrEnum):
+    tree = "tree"
+    events = "events"
+    stats = "stats"
+
+
+@dataclass(frozen=True)
+class Reader:
+    """Reads any source into RouterEvents with the settings this command resolved once."""
+
+    ctx: typer.Context
+    out: Output
+    model: str | None
+    namespace: str
+    component: str
+    nats_options: tuple[Any, ...]  # connection()'s arguments after the URL
+
+    def events(self, source: str | None) -> list[RouterEvent]:
+        from kvctl.client import sources
+
+        settings = settings_for(self.ctx)
+        source = source or settings.server
+        if source.startswith(("http://", "https://")):
+            return sources.router_events(source.rstrip("/"), model=self.model, token=settings.token,
+                                         timeout=settings.timeout)
+        if source.startswith(("dynamo+http://", "dynamo+https://")):
+            return sources.dynamo_indexer_events(source.removeprefix("dynamo+").rstrip("/"), model=self.model,
+                                                 timeout=settings.timeout)
+        if source.startswith("nats://"):
+            from kvctl.commands._nats import connection
+            from kvctl.core.events.plane import PlaneNames
+
+            conn = connection(source, *self.nats_options)
+            return sources.nats_snapshot_events(conn, PlaneNames(self.namespace, self.component))
+        if "://" in source:
+            raise UsageError(f"unknown source {source!r}", hint="http://, dynamo+http://, nats:// or a file path")
+        return self._file(source)
+
+    def _file(self, source: str) -> list[RouterEvent]:
+        from kvctl.core.events.dump_file import DumpFileError, read_router_events
+
+        if self.model is not None:
+            self.out.warn(f"--model does not apply to the file {source} (a file holds one model's events)")
+        try:
+            text = sys.stdin.read() if source == "-" else Path(source).read_text()
+        except OSError as exc:
+            raise UsageError(f"cannot read {source}: {exc.strerror}") from None
+        try:
+            return read_router_events(text)
+        except DumpFileError as exc:
+            raise UsageError(f"{source}: {exc}") from None
+
+
+def _emit_sections(out: Output, data: Any, views: Sequence[View]) -> None:
+    """One object in json/yaml (named by the first view's rows with -o name); one table per view for people."""
+    if out.format in (OutputFormat.table, OutputFormat.wide):
+        for view in views:
+            out.emit(data, view)
+    else:
+        out.emit(data, views[0])
+
+
+# ----- dump ------------------------------------------------------------------------------------------------
+
+DUMP_HELP = "Show a radix index: as a tree, as RouterEvents (a dump any router loads) or as stats. (read-only)"
+DUMP_EXAMPLES = (
+    "Examples:\n\n"
+    "  kvctl tree dump                                  # the --server router, drawn\n\n"
+    "  kvctl tree dump http://router:7433 --worker 3 --depth 4\n\n"
+    "  kvctl tree dump dynamo+http://indexer:8090 -o json > dump.json\n\n"
+    "  kvctl tree dump dump.jsonl --format stats"
+)
+
+# Only json/yaml emit the events through the sink (which ignores a view there); people get JSONL lines.
+_EVENTS_VIEW = View(rows=lambda events: events, columns=[], name_key="worker_id")
+
+
+@app.command("dump", help=DUMP_HELP, epilog=DUMP_EXAMPLES)
+def dump_command(
+    ctx: typer.Context,
+    source: SourceArg = None,
+    model: ModelOpt = None,
+    worker: Annotated[str | None, typer.Option("--worker", "-w", show_default=False,
+                                               help="Only this worker: ID (every dp rank) or ID:DP.")] = None,
+    fmt: Annotated[DumpFormat | None, typer.Option("--format", "-f", show_default=False,
+                                                   help="tree (default), events (default with -o json) or stats.")]
+    = None,
+    depth: Annotated[int | None, typer.Option("--depth", "-d", min=1, show_default=False,
+                                              help="Draw at most N levels of the (collapsed) tree.")] = None,
+    namespace: NamespaceOpt = "dynamo",
+    component: ComponentOpt = "backend",
+    nats_user: UserOpt = None,
+    nats_password: PasswordOpt = None,
+    nats_token: TokenOpt = None,
+    nats_creds: CredsOpt = None,
+    nats_nkey: NkeyOpt = None,
+    nats_tls_ca: TlsCaOpt = None,
+    nats_tls_cert: TlsCertOpt = None,
+    nats_tls_key: TlsKeyOpt = None,
+    nats_connect_timeout: ConnectTimeoutOpt = 5.0,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    from kvctl.core.tree_diff import content_stats, index_content
+
+    out = output_for(ctx, output, as_json)
+    machine = out.format in (OutputFormat.json, OutputFormat.yaml)
+    fmt = fmt or (DumpFormat.events if machine else DumpFormat.tree)
+    if fmt is DumpFormat.tree and machine:
+        raise UsageError(f"--format tree is drawn for people, not -o {out.format}", hint="use --format events or stats")
+    wanted = _worker_filter(worker)
+    reader = Reader(ctx, out, model, namespace, component, (nats_user, nats_password, nats_token, nats_creds,
+                    nats_nkey, nats_tls_ca, nats_tls_cert, nats_tls_key, nats_connect_timeout))
+    events = [e for e in reader.events(source) if wanted is None or wanted(e.worker_id, e.dp_rank)]
+    content = index_content(events)
+    if fmt is DumpFormat.stats:
+        _emit_sections(out, content_stats(content), _STATS_VIEWS)
+    elif fmt is DumpFormat.events:
+        _emit_events(out, content.index.dump())
+    else:
+        out.line(_draw(content, source or settings_for(ctx).server, depth))
+
+
+def _worker_filter(spec: str | None) -> Any:
+    """`ID` or `ID:DP` as a predicate on (worker_id, dp_rank); None for no filter."""
+    if spec is None:
+        return None
+    wid, _, dp = spec.partition(":")
+    try:
+        worker_id, dp_rank = int(wid), (int(dp) if dp else None)
+    except ValueError:
+        raise UsageError(f"--worker wants ID or ID:DP, got {spec!r}") from None
+    return lambda w, d: w == worker_id and (dp_rank is None or d == dp_rank)
+
+
+def _emit_events(out: Output, events: list[RouterEvent]) -> None:
+    from kvctl.core.events import encode_router_event_json
+
+    encoded = [encode_router_event_json(e) for e in events]
+    if out.format in (OutputFormat.json, OutputFormat.yaml):
+        import json
+
+        out.emit([json.loads(e) for e in encoded], _EVENTS_VIEW)
+    elif encoded:
+        out.line(b"\n".join(encoded).decode())
+
+
+def _draw(content: IndexContent, title: str, depth: int | None) -> str:
+    """The collapsed tree as text (rich's guides, no colour): what `--format tree` prints."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.text import Text
+    from rich.tree import Tree
+
+    from kvctl.core.tree_diff import outline
+
+    trie = content.trie
+    workers = sum(1 for blocks in content.held.values() if blocks)
+    blocks = sum(len(b) for b in content.held.values())
+    root = Tree(Text(f"{title}: {blocks} blocks held by {workers} workers"))
+    stack = [(root, seg) for seg in reversed(outline(content, depth))]
+    while stack:
+        parent, seg = stack.pop()
+        node = parent.add(Text(_label(seg, trie)))
+        stack.extend((node, child) for child in reversed(seg.children))
+    buffer = StringIO()
+    Console(file=buffer, width=10_000, no_color=True, soft_wrap=True).print(root)
+    return buffer.getvalue().rstrip("\n")
+
+
+def _label(seg: Segment, trie: PathTrie) -> str:
+    from kvctl.core.tree_diff import worker_name
+
+    n = seg.blocks(trie)
+    first, last = trie.depths[seg.first], trie.depths[seg.last]
+    span = f"block {first}  {trie.locals[seg.first]}" if n == 1 else (
+        f"blocks {first}-{last} ({n})  {trie.locals[seg.first]}…{trie.locals[seg.last]}")
+    by_tier: dict[str, list[str]] = {}
+    for worker, tiers in seg.holders.items():
+        for tier in sorted(tiers):
+            by_tier.setdefault(tier.value, []).append(worker_name(worker))
+    held = "; ".join(f"{tier}: {' '.join(names)}" for tier, names in by_tier.items())
+    return f"{span}  [{held}]" + (f"  (+{seg.hidden} below)" if seg.hidden else "")
+
+
+# ----- diff ------------------------------------------------------------------------------------------------
+
+DIFF_HELP = ("Compare two radix indexes block by block (by content: dump shape, event ids and engine hashes "
+             "do not matter). (read-only)")
+DIFF_EXAMPLES = (
+    "Examples:\n\n"
+    "  kvctl tree diff http://router-a:7433 http://router-b:7433 --exit-code\n\n"
+    "  kvctl tree diff dynamo+http://indexer:8090 http://router:7433 --model llama\n\n"
+    "  kvctl tree diff before.jsonl http://router:7433 -o json"
+)
+
+_DIFF_VIEWS = (
+    View(rows=lambda d: d["workers"], name_key="worker",
+         columns=[Column("worker", "worker"), Column("blocks a", "blocks_a", justify="right"),
+                  Column("blocks b", "blocks_b", justify="right"), Column("only a", "only_a", justify="right"),
+                  Column("only b", "only_b", justify="right")]),
+    View(rows=lambda d: d["only_a"] + d["only_b"], name_key="sequence_hash", title="differing blocks",
+         columns=[Column("side", "side"), Column("worker", "worker"), Column("tier", "tier"),
+                  Column("depth", "depth", justify="right"), Column("local hash", "local_hash"),
+                  Column("sequence hash", "sequence_hash", wide_only=True)]),
+)
+
+
+@app.command("diff", help=DIFF_HELP, epilog=DIFF_EXAMPLES)
+def diff_command(
+    ctx: typer.Context,
+    a: Annotated[str, typer.Argument(help=f"Source A: {SOURCE_KINDS}.", show_default=False)],
+    b: Annotated[str, typer.Argument(help="Source B, any kind.", show_default=False)],
+    model: ModelOpt = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=0,
+                                       help="Differing blocks listed per side (the counts are always complete).")]
+    = 20,
+    exit_code: Annotated[bool, typer.Option("--exit-code", help="Exit 1 when the indexes differ.")] = False,
+    namespace: NamespaceOpt = "dynamo",
+    component: ComponentOpt = "backend",
+    nats_user: UserOpt = None,
+    nats_password: PasswordOpt = None,
+    nats_token: TokenOpt = None,
+    nats_creds: CredsOpt = None,
+    nats_nkey: NkeyOpt = None,
+    nats_tls_ca: TlsCaOpt = None,
+    nats_tls_cert: TlsCertOpt = None,
+    nats_tls_key: TlsKeyOpt = None,
+    nats_connect_timeout: ConnectTimeoutOpt = 5.0,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    from kvctl.core.tree_diff import diff_events
+
+    out = output_for(ctx, output, as_json)
+    if a == b == "-":
+        raise UsageError("only one source can be stdin")
+    reader = Reader(ctx, out, model, namespace, component, (nats_user, nats_password, nats_token, nats_creds,
+                    nats_nkey, nats_tls_ca, nats_tls_cert, nats_tls_key, nats_connect_timeout))
+    diff = diff_events(reader.events(a), reader.events(b))
+    data = {"a": a, "b": b, **diff.to_dict(limit)}
+    views = _DIFF_VIEWS if data["only_a"] or data["only_b"] else _DIFF_VIEWS[:1]
+    _emit_sections(out, data, views)
+    if diff.equal:
+        out.note("the indexes hold the same blocks")
+    elif exit_code:
+        raise typer.Exit(1)
+
+
+# ----- stats -----------------------------------------------------------------------------------------------
+
+STATS_HELP = "Size and shape of a radix index: blocks, nodes, per-worker sizes, depths, shared prefixes. (read-only)"
+STATS_EXAMPLES = (
+    "Examples:\n\n"
+    "  kvctl tree stats\n\n"
+    "  kvctl tree stats dynamo+http://indexer:8090 --top 5 -o json"
+)
+
+_STATS_VIEWS = (
+    View(rows=lambda d: [{"worker": w, "blocks": n} for w, n in d["workers"].items()], name_key="worker",
+         columns=[Column("worker", "worker"), Column("blocks", "blocks", justify="right")]),
+    View(rows=lambda d: [{**r, "depths": f"{r['min']}-{r['max']}"} for r in d["depths"]], name_key="depths",
+         title="depths",
+         columns=[Column("depths", "depths", justify="right"), Column("blocks", "blocks", justify="right"),
+                  Column("held", "held", justify="right")]),
+    View(rows=lambda d: [{**r, "workers": " ".join(r["workers"])} for r in d["shared_prefixes"]],
+         name_key="sequence_hash", title="shared prefixes",
+         columns=[Column("holders", "holders", justify="right"), Column("depth", "depth", justify="right"),
+                  Column("local hash", "local_hash"), Column("sequence hash", "sequence_hash", wide_only=True),
+                  Column("workers", "workers")]),
+    View(rows=lambda d: [{**d, "workers": len(d["workers"])}], name_key="blocks",
+         columns=[Column("blocks", "blocks", justify="right"), Column("nodes", "nodes", justify="right"),
+                  Column("distinct", "paths", justify="right"), Column("workers", "workers", justify="right")]),
+)
+
+
+@app.command("stats", help=STATS_HELP, epilog=STATS_EXAMPLES)
+def stats_command(
+    ctx: typer.Context,
+    source: SourceArg = None,
+    model: ModelOpt = None,
+    top: Annotated[int, typer.Option("--top", min=0, help="Shared prefixes listed.")] = 10,
+    namespace: NamespaceOpt = "dynamo",
+    component: ComponentOpt = "backend",
+    nats_user: UserOpt = None,
+    nats_password: PasswordOpt = None,
+    nats_token: TokenOpt = None,
+    nats_creds: CredsOpt = None,
+    nats_nkey: NkeyOpt = None,
+    nats_tls_ca: TlsCaOpt = None,
+    nats_tls_cert: TlsCertOpt = None,
+    nats_tls_key: TlsKeyOpt = None,
+    nats_connect_timeout: ConnectTimeoutOpt = 5.0,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    from kvctl.core.tree_diff import tree_stats
+
+    out = output_for(ctx, output, as_json)
+    reader = Reader(ctx, out, model, namespace, component, (nats_user, nats_password, nats_token, nats_creds,
+                    nats_nkey, nats_tls_ca, nats_tls_cert, nats_tls_key, nats_connect_timeout))
+    _emit_sections(out, tree_stats(reader.events(source), top=top), _STATS_VIEWS)

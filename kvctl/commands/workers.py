@@ -1,0 +1,78 @@
+"""`kvctl workers`: every (worker, dp rank) a router knows, with its cached blocks, in-flight load and busy flag.
+
+The last event age tells a silent engine from an idle one; wide mode adds what the worker itself last
+reported on the event plane, to compare with the router's own view of its load.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from kvctl.commands._options import JsonOpt, OutputOpt, output_for, router_client
+from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, age, worker_name
+from kvctl.commands._watch import IntervalOpt, WatchOpt, show
+from kvctl.output import Column, View
+
+HELP = "List a router's workers: blocks held, active load, busy flag, last event age. (read-only)"
+EXAMPLES = (
+    "Examples:\n\n"
+    "  kvctl workers\n\n"
+    "  kvctl workers --model llama -o wide --watch\n\n"
+    "  kvctl workers -o json | jq '.workers[] | select(.busy)'"
+)
+
+
+def _row(worker: dict[str, Any]) -> dict[str, Any]:
+    reported = worker.get("reported") or {}
+    return {**worker, NAME_KEY: worker_name(worker["worker_id"], worker["dp_rank"]),
+            "last_event_age": age(worker.get("last_event_age_s")),
+            **{f"reported_{key}": value for key, value in reported.items()},
+            "reported_age": age(reported.get("age_s"))}
+
+
+_VIEW = View(
+    rows=lambda answer: [_row(w) for w in answer["workers"]],
+    columns=[
+        *WORKER_COLUMNS,
+        Column("model", "model"),
+        Column("endpoint", "endpoint"),
+        Column("blocks", "blocks", justify="right"),
+        Column("active decode blocks", "active_decode_blocks", justify="right"),
+        Column("prefill tokens", "active_prefill_tokens", justify="right"),
+        Column("busy", "busy"),
+        Column("last event", "last_event_age", justify="right"),
+        Column("requests", "active_requests", wide_only=True, justify="right"),
+        Column("total blocks", "total_blocks", wide_only=True, justify="right"),
+        Column("reported decode blocks", "reported_active_decode_blocks", wide_only=True, justify="right"),
+        Column("reported prefill tokens", "reported_active_prefill_tokens", wide_only=True, justify="right"),
+        Column("reported kv used", "reported_kv_used_blocks", wide_only=True, justify="right"),
+        Column("reported", "reported_age", wide_only=True, justify="right"),
+        Column("replay endpoint", "replay_endpoint", wide_only=True),
+    ],
+    name_key=NAME_KEY,
+)
+
+
+def workers_command(
+    ctx: typer.Context,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Only this model's workers.",
+                                              show_default=False)] = None,
+    watch: WatchOpt = False,
+    interval: IntervalOpt = 2.0,
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    from kvctl.client import calls
+
+    out = output_for(ctx, output, as_json)
+    with router_client(ctx) as client:
+
+        def fetch() -> dict[str, Any]:
+            answer = client.send(calls.workers())
+            if model is None:
+                return answer
+            return {**answer, "workers": [w for w in answer["workers"] if w["model"] == model]}
+
+        show(out, fetch, lambda answer: out.emit(answer, _VIEW), watch=watch, interval=interval)

@@ -1,0 +1,131 @@
+"""`kvctl events tail|record|replay` against a real engine PUB socket, a real nats-server and a real router."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from kvctl.core.events.dump_file import read_timed_events
+from kvctl.core.events.engine import decode_engine_batch
+from tests.fixtures_path import FIXTURES
+from tests.nats_server import NatsServer
+
+VLLM = FIXTURES / "vllm-0.33"
+PAYLOADS = [(VLLM / m["file"]).read_bytes() for m in json.loads((VLLM / "manifest.json").read_text())["messages"]]
+DUMP = FIXTURES / "dynamo-1.6.1" / "dump.jsonl"
+
+
+def kvctl(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "kvctl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@contextmanager
+def engine() -> Iterator[tuple[zmq.Socket, str]]:
+    """A PUB socket that says when a subscriber arrived (XPUB), sending the real vLLM captures."""
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield pub, f"tcp://127.0.0.1:{port}"
+    finally:
+        pub.close(0)
+
+
+def send(pub: zmq.Socket, seqs: list[int]) -> int:
+    """Send captures a, b, c, ... with these seqs once the tail has subscribed; returns the events sent."""
+    assert pub.poll(10_000), "the tail never subscribed"
+    pub.recv()
+    events = 0
+    for seq, payload in zip(seqs, PAYLOADS, strict=False):
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        events += len(decode_engine_batch(payload, default_block_size=16).events)
+    return events
+
+
+def test_tail_from_an_engine_shows_events_and_the_gap() -> None:
+    with engine() as (pub, endpoint):
+        proc = kvctl("events", "tail", "--zmq", endpoint, "--worker-id", "7", "--duration", "3", "-o", "json")
+        sent = send(pub, [0, 1, 4])  # seqs 2 and 3 never come
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    gaps = [line for line in lines if line["event"] is None]
+    assert [g["missing"] for g in gaps] == [[2, 3]]
+    assert sum(1 for line in lines if line["event"]) == sent
+    assert {line["event"]["worker_id"] for line in lines if line["event"]} == {7}
+    assert "1 gaps (2 missing)" in err
+
+
+def test_record_then_replay_into_a_router(tmp_path: Path) -> None:
+    recording = tmp_path / "rec.jsonl"
+    with engine() as (pub, endpoint):
+        proc = kvctl("events", "record", "--zmq", endpoint, "-f", str(recording), "--worker-id", "3",
+                     "--duration", "3", "-o", "json")
+        sent = send(pub, [0, 1, 2])
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["events"] == sent
+    timed = read_timed_events(recording.read_text())
+    assert len(timed) == sent and all(ts is not None for ts, _ in timed)
+    with serve(tmp_path) as url:
+        replay = kvctl("--server", url, "events", "replay", str(recording), "--yes", "-o", "json")
+        out, err = replay.communicate(timeout=30)
+        assert replay.returncode == 0, err
+        summary = json.loads(out)
+        assert summary["sent"] == sent and summary["applied"] + sum(summary["rejected"].values()) == sent
+        assert httpx.get(f"{url}/v1/tree/stats").json()["models"]["default"]["workers"]["3:0"] > 0
+
+
+def test_replay_without_a_terminal_or_yes_refuses(tmp_path: Path) -> None:
+    proc = kvctl("events", "replay", str(DUMP))
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 2 and "--yes" in err
+
+
+def test_tail_needs_exactly_one_source() -> None:
+    proc = kvctl("events", "tail")
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 2 and "exactly one source" in err
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    srv = NatsServer(tmp_path / "nats")
+    yield srv
+    srv.stop()
+
+
+def test_tail_from_a_nats_event_plane(nats_server: NatsServer) -> None:
+    tail = kvctl("events", "tail", "--nats", nats_server.url, "--namespace", "tailns", "--count", "7",
+                 "--duration", "20", "-o", "json")
+    time.sleep(1.5)  # let it subscribe
+    publish = kvctl("events", "publish", str(DUMP), "--nats", nats_server.url, "--namespace", "tailns", "--yes")
+    publish.communicate(timeout=20)
+    assert publish.returncode == 0
+    out, err = tail.communicate(timeout=30)
+    assert tail.returncode == 0, err
+    events = [e for line in out.splitlines() if (e := json.loads(line)["event"]) is not None]
+    assert len(events) == 7 and all(e["worker_id"] for e in events)
+
+
+@contextmanager
+def serve(tmp_path: Path) -> Iterator[str]:
+    with kvctl("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"), "--no-restore") as proc:
+        try:
+            assert proc.stdout is not None
+            yield proc.stdout.readline().strip()
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=10)

@@ -1,0 +1,119 @@
+"""`kvctl workers` and `kvctl route` against a real router loaded with Dynamo 1.6.1's dump."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.commands.live_router import (
+    PROMPT,
+    PROMPT_HASHES,
+    WORKERS,
+    json_of,
+    kvctl,
+    loaded_router,
+    one_line_error,
+)
+
+TOKENS = [str(t) for t in PROMPT]
+
+
+@pytest.fixture
+def router(tmp_path: Path) -> Iterator[httpx.Client]:
+    with loaded_router(tmp_path) as client:
+        yield client
+
+
+def _name(row: dict) -> str:
+    return f"{row['worker_id']}:{row['dp_rank']}"
+
+
+def test_workers_lists_every_rank_with_its_blocks(router: httpx.Client) -> None:
+    workers = json_of(kvctl(router, "workers", "-o", "json"))["workers"]
+    stats = router.get("/v1/tree/stats").json()["models"]["default"]["workers"]
+    assert {_name(w): w["blocks"] for w in workers} == stats and set(stats) == WORKERS
+    assert all(not w["busy"] and w["active_decode_blocks"] == 0 for w in workers)
+    assert set(kvctl(router, "-o", "name", "workers").stdout.split()) == WORKERS
+    assert kvctl(router, "workers", "-o", "wide").exit_code == 0
+
+
+def test_workers_of_an_unknown_model_is_an_empty_list(router: httpx.Client) -> None:
+    assert json_of(kvctl(router, "workers", "--model", "nope", "-o", "json")) == {"workers": []}
+
+
+def test_workers_watch_streams_json_lines(router: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    sleeps = iter([None, KeyboardInterrupt()])
+
+    def sleep(_: float) -> None:
+        step = next(sleeps)
+        if step is not None:
+            raise step
+
+    monkeypatch.setattr("kvctl.commands._watch.time.sleep", sleep)
+    result = kvctl(router, "workers", "--watch", "-o", "json")
+    assert result.exit_code == 0
+    assert [len(json.loads(line)["workers"]) for line in result.stdout.splitlines()] == [4, 4]
+
+
+def test_route_explain_lists_every_candidate(router: httpx.Client) -> None:
+    answer = json_of(kvctl(router, "route", "--explain", "-o", "json", *TOKENS))
+    by_name = {_name(c): c for c in answer["candidates"]}
+    assert set(by_name) == WORKERS
+    assert {n: c["overlap_blocks"] for n, c in by_name.items()} == {
+        "1:0": 4, "2:1": 4, "9223372036854775815:0": 2, "2:0": 0}
+    assert _name(answer) in {"1:0", "2:1"} and answer["overlap_blocks"] == answer["required_blocks"] == 4
+    assert answer["reason"] and all(c["overlap_by_tier"]["device"] == c["overlap_blocks"] for c in by_name.values())
+    table = kvctl(router, "route", "--explain", *TOKENS)
+    assert table.exit_code == 0 and answer["reason"] in table.stdout
+    assert kvctl(router, "-o", "name", "route", "--explain", *TOKENS).stdout.strip() in {"1:0", "2:1"}
+
+
+def test_tokens_from_arguments_file_stdin_or_local_hashes_agree(router: httpx.Client, tmp_path: Path) -> None:
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(str(PROMPT))
+    answers = [
+        json_of(kvctl(router, "route", "-o", "json", *TOKENS)),
+        json_of(kvctl(router, "route", "-o", "json", "--file", str(prompt))),
+        json_of(kvctl(router, "route", "-o", "json", input=" ".join(TOKENS))),
+        json_of(kvctl(router, "route", "-o", "json", "--local-hashes", *map(str, PROMPT_HASHES))),
+    ]
+    assert {(a["overlap_blocks"], a["required_blocks"]) for a in answers} == {(4, 4)}
+
+
+def test_reserve_shows_as_active_load(router: httpx.Client) -> None:
+    answer = json_of(kvctl(router, "route", "--reserve", "--request-id", "r1", "-o", "json", *TOKENS))
+    assert answer["request_id"] == "r1"
+    workers = {_name(w): w for w in json_of(kvctl(router, "workers", "-o", "json"))["workers"]}
+    chosen = workers.pop(_name(answer))
+    assert chosen["active_requests"] == 1 and chosen["active_decode_blocks"] == 4
+    assert all(w["active_requests"] == 0 for w in workers.values())
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["route", "--reserve", "1", "2"], "--reserve needs --request-id"),
+    (["route", "1", "x"], "not an integer"),
+    (["route", "--", "-1"], "outside [0, 2^32)"),
+    (["route", "--local-hashes", "18446744073709551616"], "outside [0, 2^64)"),
+    (["route", "--text", "hi"], "--text and --tokenizer go together"),
+    (["route", "--tokenizer", "gpt2", "1"], "--text and --tokenizer go together"),
+    (["route", "--text", "hi", "--tokenizer", "gpt2", "1"], "--text replaces token ids"),
+    (["route", "--file", "/nonexistent/prompt"], "/nonexistent/prompt"),
+    (["route", "1", "--file", "/dev/null"], "not both"),
+    (["route"], "the request is empty"),
+])
+def test_bad_route_arguments_exit_2_with_one_line(router: httpx.Client, args: list[str], needle: str) -> None:
+    one_line_error(kvctl(router, *args, input=""), 2, needle)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers is installed")
+def test_text_without_transformers_names_what_to_install(router: httpx.Client) -> None:
+    one_line_error(kvctl(router, "route", "--text", "hello", "--tokenizer", "gpt2"), 2, "pip install transformers")
+
+
+def test_route_for_an_unknown_model_is_a_server_error(router: httpx.Client) -> None:
+    one_line_error(kvctl(router, "route", "--model", "nope", "1", "2"), 1, "unknown model 'nope'")

@@ -1,0 +1,70 @@
+"""A real Prometheus server (Debian's `prometheus`) for the tests: loopback, free port, storage in a temp dir.
+
+It scrapes the given targets every second; `wait_for_scrapes` blocks until each target has been scraped
+often enough for `increase()` over a short window to have data. Stopped by its pid at the end.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+BINARY = shutil.which("prometheus")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def prometheus(targets: list[str], workdir: Path) -> Iterator[str]:
+    """Yields the server's URL; skips the test where the binary is not installed."""
+    if BINARY is None:
+        pytest.skip("prometheus is not installed (Debian package `prometheus`; .ci/run installs it)")
+    config = workdir / "prometheus.yml"
+    config.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
+                      "scrape_configs:\n  - job_name: tiers\n    static_configs:\n"
+                      f"      - targets: [{', '.join(repr(t) for t in targets)}]\n")
+    port = free_port()
+    log = (workdir / "prometheus.log").open("w")
+    process = subprocess.Popen(
+        [BINARY, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def wait_for_scrapes(url: str, targets: int, scrapes: int, timeout: float = 20.0) -> None:
+    """Until each of `targets` has `scrapes` successful scrapes in the last `scrapes` seconds."""
+    query = f"count(count_over_time(up{{job='tiers'}}[{scrapes}s]) >= {scrapes} and up == 1)"
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=url, timeout=2.0) as http:
+        while time.monotonic() < deadline:
+            try:
+                response = http.get("/api/v1/query", params={"query": query})
+            except httpx.TransportError:
+                response = None
+            result = response.json()["data"]["result"] if response is not None and response.is_success else []
+            if result and int(float(result[0]["value"][1])) >= targets:
+                return
+            time.sleep(0.25)
+    raise TimeoutError(f"Prometheus at {url} did not scrape {targets} targets {scrapes} times in {timeout}s")
