@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -50,3 +53,34 @@ def connection(url: str, user: str | None, password: str | None, token: str | No
         if not path.is_file():
             raise UsageError(f"{flag}: no such file {str(path)!r}")
     return conn
+
+
+NatsAuth = Callable[[str], NatsConnection]
+"""A URL -> the connection to it with the credentials the command was given."""
+
+_CREDENTIALS: tuple[tuple[str, Any, Any], ...] = (
+    ("nats_user", UserOpt, None), ("nats_password", PasswordOpt, None), ("nats_token", TokenOpt, None),
+    ("nats_creds", CredsOpt, None), ("nats_nkey", NkeyOpt, None), ("nats_tls_ca", TlsCaOpt, None),
+    ("nats_tls_cert", TlsCertOpt, None), ("nats_tls_key", TlsKeyOpt, None),
+    ("nats_connect_timeout", ConnectTimeoutOpt, 5.0),
+)
+
+
+def with_nats_credentials(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a command the --nats-* credential and TLS options, and hand it `nats_auth` (a `NatsAuth`) instead.
+
+    Declared here once: every command that reaches NATS takes the same nine options, checked the same way.
+    """
+    signature = inspect.signature(command, eval_str=True)  # real Annotated[...] objects, for typer to read
+    kept = [p for p in signature.parameters.values() if p.name != "nats_auth"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+             for name, annotation, default in _CREDENTIALS]
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        given = [kwargs.pop(name) for name, _, _ in _CREDENTIALS]
+        return command(*args, nats_auth=lambda url: connection(url, *given), **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=[*kept, *added])  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {}  # the signature says it all; the wrapped function's strings would shadow it
+    return wrapper

@@ -16,17 +16,9 @@ import typer
 
 from kvctl.commands._nats import (
     ComponentOpt,
-    ConnectTimeoutOpt,
-    CredsOpt,
     NamespaceOpt,
-    NkeyOpt,
-    PasswordOpt,
-    TlsCaOpt,
-    TlsCertOpt,
-    TlsKeyOpt,
-    TokenOpt,
-    UserOpt,
-    connection,
+    NatsAuth,
+    with_nats_credentials,
 )
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
 from kvctl.errors import Unreachable, UsageError
@@ -52,6 +44,7 @@ PUBLISH_EXAMPLES = (
 
 
 @app.command("publish", help=PUBLISH_HELP, epilog=PUBLISH_EXAMPLES)
+@with_nats_credentials
 def publish_command(
     ctx: typer.Context,
     source: Annotated[str, typer.Argument(help="A dump (JSON list), JSONL or recorder file; - for stdin.")],
@@ -64,15 +57,7 @@ def publish_command(
     = 1,
     yes: YesOpt = False,
     dry_run: DryRunOpt = False,
-    nats_user: UserOpt = None,
-    nats_password: PasswordOpt = None,
-    nats_token: TokenOpt = None,
-    nats_creds: CredsOpt = None,
-    nats_nkey: NkeyOpt = None,
-    nats_tls_ca: TlsCaOpt = None,
-    nats_tls_cert: TlsCertOpt = None,
-    nats_tls_key: TlsKeyOpt = None,
-    nats_connect_timeout: ConnectTimeoutOpt = 5.0,
+    nats_auth: NatsAuth | None = None,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -80,8 +65,8 @@ def publish_command(
     from kvctl.core.events.plane import PlaneNames
 
     out = output_for(ctx, output, as_json)
-    conn = connection(nats_url, nats_user, nats_password, nats_token, nats_creds, nats_nkey, nats_tls_ca,
-                      nats_tls_cert, nats_tls_key, nats_connect_timeout)
+    assert nats_auth is not None
+    conn = nats_auth(nats_url)
     if not 0 <= publisher_id < 2**64:
         raise UsageError(f"--publisher-id must be a u64, got {publisher_id}")
     try:
@@ -147,7 +132,7 @@ class _Until:
                 or (self.deadline is not None and time.monotonic() >= self.deadline))
 
 
-def _taps(zmq_endpoint: str | None, nats_url: str | None, conn_args: tuple[Any, ...], names: Any, jetstream: bool,
+def _taps(zmq_endpoint: str | None, nats_url: str | None, nats_auth: NatsAuth | None, names: Any, jetstream: bool,
           worker_id: int, topic: str, block_size: int | None, until: _Until, stats: TapStats) -> Iterator[Tapped]:
     """The events of whichever source was named (exactly one)."""
     import asyncio
@@ -163,7 +148,8 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, conn_args: tuple[Any, 
                            block_size=block_size)
         return
     assert nats_url is not None
-    conn = connection(nats_url, *conn_args)
+    assert nats_auth is not None
+    conn = nats_auth(nats_url)
     loop = asyncio.new_event_loop()
     agen = tap_nats(conn, names, stop=until, stats=stats, jetstream=jetstream)
     try:
@@ -192,23 +178,20 @@ DurationOpt = Annotated[float | None, typer.Option("--duration", show_default=Fa
 
 @app.command("tail", help="Decode KV events live from an engine (--zmq) or an event plane (--nats): one line "
                           "per event, gaps shown, counters on exit. No router needed. (read-only)")
+@with_nats_credentials
 def tail_command(
     ctx: typer.Context, zmq_endpoint: SourceZmq = None, nats_url: SourceNats = None,
     namespace: NamespaceOpt = "dynamo", component: ComponentOpt = "backend", jetstream: JetStreamOpt = False,
     worker_id: WorkerIdOpt = 0, topic: TopicOpt = "", block_size: BlockSizeOpt = None, count: CountOpt = None,
-    duration: DurationOpt = None, nats_user: UserOpt = None, nats_password: PasswordOpt = None,
-    nats_token: TokenOpt = None, nats_creds: CredsOpt = None, nats_nkey: NkeyOpt = None,
-    nats_tls_ca: TlsCaOpt = None, nats_tls_cert: TlsCertOpt = None, nats_tls_key: TlsKeyOpt = None,
-    nats_connect_timeout: ConnectTimeoutOpt = 5.0, output: OutputOpt = None, as_json: JsonOpt = False,
+    duration: DurationOpt = None, nats_auth: NatsAuth | None = None,
+    output: OutputOpt = None, as_json: JsonOpt = False,
 ) -> None:
     from kvctl.core.events.plane import PlaneNames
     from kvctl.event_taps import TapStats
 
     out = output_for(ctx, output, as_json)
     until, stats = _Until(count, duration), TapStats()
-    conn_args = (nats_user, nats_password, nats_token, nats_creds, nats_nkey, nats_tls_ca, nats_tls_cert,
-                 nats_tls_key, nats_connect_timeout)
-    for tapped in _taps(zmq_endpoint, nats_url, conn_args, PlaneNames(namespace, component), jetstream, worker_id,
+    for tapped in _taps(zmq_endpoint, nats_url, nats_auth, PlaneNames(namespace, component), jetstream, worker_id,
                         topic, block_size, until, stats):
         if out.format is OutputFormat.json:
             out.line(json.dumps({"timestamp": tapped.received_ms, "seq": tapped.seq, "missing": tapped.missing,
@@ -222,30 +205,27 @@ def tail_command(
 
 @app.command("record", help="Record KV events from an engine or an event plane to JSONL in Dynamo's recorder "
                             "shape ({\"timestamp\": ms, \"event\": RouterEvent}). (read-only)")
+@with_nats_credentials
 def record_command(
     ctx: typer.Context,
     file: Annotated[Path, typer.Option("--file", "-f", help="Where to write (appended to).")],
     zmq_endpoint: SourceZmq = None, nats_url: SourceNats = None,
     namespace: NamespaceOpt = "dynamo", component: ComponentOpt = "backend", jetstream: JetStreamOpt = False,
     worker_id: WorkerIdOpt = 0, topic: TopicOpt = "", block_size: BlockSizeOpt = None, count: CountOpt = None,
-    duration: DurationOpt = None, nats_user: UserOpt = None, nats_password: PasswordOpt = None,
-    nats_token: TokenOpt = None, nats_creds: CredsOpt = None, nats_nkey: NkeyOpt = None,
-    nats_tls_ca: TlsCaOpt = None, nats_tls_cert: TlsCertOpt = None, nats_tls_key: TlsKeyOpt = None,
-    nats_connect_timeout: ConnectTimeoutOpt = 5.0, output: OutputOpt = None, as_json: JsonOpt = False,
+    duration: DurationOpt = None, nats_auth: NatsAuth | None = None,
+    output: OutputOpt = None, as_json: JsonOpt = False,
 ) -> None:
     from kvctl.core.events.plane import PlaneNames
     from kvctl.event_taps import TapStats
 
     out = output_for(ctx, output, as_json)
     until, stats = _Until(count, duration), TapStats()
-    conn_args = (nats_user, nats_password, nats_token, nats_creds, nats_nkey, nats_tls_ca, nats_tls_cert,
-                 nats_tls_key, nats_connect_timeout)
     try:
         sink = file.open("a")
     except OSError as exc:
         raise UsageError(f"cannot write {file}: {exc.strerror}") from None
     with sink:
-        for tapped in _taps(zmq_endpoint, nats_url, conn_args, PlaneNames(namespace, component), jetstream,
+        for tapped in _taps(zmq_endpoint, nats_url, nats_auth, PlaneNames(namespace, component), jetstream,
                             worker_id, topic, block_size, until, stats):
             if tapped.event is not None:
                 sink.write(json.dumps({"timestamp": tapped.received_ms, "event": _event_obj(tapped.event)}) + "\n")

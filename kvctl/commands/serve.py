@@ -12,17 +12,9 @@ import typer
 from kvctl.commands._nats import (
     PANEL,
     ComponentOpt,
-    ConnectTimeoutOpt,
-    CredsOpt,
     NamespaceOpt,
-    NkeyOpt,
-    PasswordOpt,
-    TlsCaOpt,
-    TlsCertOpt,
-    TlsKeyOpt,
-    TokenOpt,
-    UserOpt,
-    connection,
+    NatsAuth,
+    with_nats_credentials,
 )
 from kvctl.errors import UsageError
 from kvctl.output import Output
@@ -93,6 +85,7 @@ def _loop_factory():  # type: ignore[no-untyped-def]
     return uvloop.new_event_loop
 
 
+@with_nats_credentials
 def serve_command(
     ctx: typer.Context,
     listen: Annotated[str, typer.Option("--listen", envvar="KVCTL_LISTEN", help="HOST:PORT to bind (port 0: any).")]
@@ -172,15 +165,7 @@ def serve_command(
     replica_sync: Annotated[bool, typer.Option(
         "--replica-sync", envvar="KVCTL_REPLICA_SYNC", rich_help_panel=PANEL,
         help="Share in-flight requests with the other routers (and take theirs).")] = False,
-    nats_user: UserOpt = None,
-    nats_password: PasswordOpt = None,
-    nats_token: TokenOpt = None,
-    nats_creds: CredsOpt = None,
-    nats_nkey: NkeyOpt = None,
-    nats_tls_ca: TlsCaOpt = None,
-    nats_tls_cert: TlsCertOpt = None,
-    nats_tls_key: TlsKeyOpt = None,
-    nats_connect_timeout: ConnectTimeoutOpt = 5.0,
+    nats_auth: NatsAuth | None = None,
 ) -> None:
     from kvctl.core.router.approx import ApproxConfig
     from kvctl.core.router.busy import Thresholds
@@ -230,8 +215,8 @@ def serve_command(
             raise UsageError(f"--router-id must be a u64, got {router_id}")
         if snapshot_threshold <= 0:
             raise UsageError(f"--snapshot-threshold must be positive, got {snapshot_threshold}")
-        conn = connection(nats_url, nats_user, nats_password, nats_token, nats_creds, nats_nkey, nats_tls_ca,
-                          nats_tls_cert, nats_tls_key, nats_connect_timeout)
+        assert nats_auth is not None
+        conn = nats_auth(nats_url)
         nats = NatsOptions(conn, namespace, component, nats_model,
                            router_id if router_id is not None else stable_router_id(state_dir), shadow, jetstream,
                            snapshot_threshold, reset_states, replica_sync)

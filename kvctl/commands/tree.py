@@ -20,16 +20,9 @@ import typer
 
 from kvctl.commands._nats import (
     ComponentOpt,
-    ConnectTimeoutOpt,
-    CredsOpt,
     NamespaceOpt,
-    NkeyOpt,
-    PasswordOpt,
-    TlsCaOpt,
-    TlsCertOpt,
-    TlsKeyOpt,
-    TokenOpt,
-    UserOpt,
+    NatsAuth,
+    with_nats_credentials,
 )
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
 from kvctl.errors import UsageError
@@ -65,7 +58,7 @@ class Reader:
     model: str | None
     namespace: str
     component: str
-    nats_options: tuple[Any, ...]  # connection()'s arguments after the URL
+    nats_auth: NatsAuth | None
 
     def events(self, source: str | None) -> list[RouterEvent]:
         from kvctl.client import sources
@@ -79,11 +72,10 @@ class Reader:
             return sources.dynamo_indexer_events(source.removeprefix("dynamo+").rstrip("/"), model=self.model,
                                                  timeout=settings.timeout)
         if source.startswith("nats://"):
-            from kvctl.commands._nats import connection
             from kvctl.core.events.plane import PlaneNames
 
-            conn = connection(source, *self.nats_options)
-            return sources.nats_snapshot_events(conn, PlaneNames(self.namespace, self.component))
+            assert self.nats_auth is not None
+            return sources.nats_snapshot_events(self.nats_auth(source), PlaneNames(self.namespace, self.component))
         if "://" in source:
             raise UsageError(f"unknown source {source!r}", hint="http://, dynamo+http://, nats:// or a file path")
         return self._file(source)
@@ -128,6 +120,7 @@ _EVENTS_VIEW = View(rows=lambda events: events, columns=[], name_key="worker_id"
 
 
 @app.command("dump", help=DUMP_HELP, epilog=DUMP_EXAMPLES)
+@with_nats_credentials
 def dump_command(
     ctx: typer.Context,
     source: SourceArg = None,
@@ -141,15 +134,7 @@ def dump_command(
                                               help="Draw at most N levels of the (collapsed) tree.")] = None,
     namespace: NamespaceOpt = "dynamo",
     component: ComponentOpt = "backend",
-    nats_user: UserOpt = None,
-    nats_password: PasswordOpt = None,
-    nats_token: TokenOpt = None,
-    nats_creds: CredsOpt = None,
-    nats_nkey: NkeyOpt = None,
-    nats_tls_ca: TlsCaOpt = None,
-    nats_tls_cert: TlsCertOpt = None,
-    nats_tls_key: TlsKeyOpt = None,
-    nats_connect_timeout: ConnectTimeoutOpt = 5.0,
+    nats_auth: NatsAuth | None = None,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -161,8 +146,7 @@ def dump_command(
     if fmt is DumpFormat.tree and machine:
         raise UsageError(f"--format tree is drawn for people, not -o {out.format}", hint="use --format events or stats")
     wanted = _worker_filter(worker)
-    reader = Reader(ctx, out, model, namespace, component, (nats_user, nats_password, nats_token, nats_creds,
-                    nats_nkey, nats_tls_ca, nats_tls_cert, nats_tls_key, nats_connect_timeout))
+    reader = Reader(ctx, out, model, namespace, component, nats_auth)
     events = [e for e in reader.events(source) if wanted is None or wanted(e.worker_id, e.dp_rank)]
     content = index_content(events)
     if fmt is DumpFormat.stats:
@@ -260,6 +244,7 @@ _DIFF_VIEWS = (
 
 
 @app.command("diff", help=DIFF_HELP, epilog=DIFF_EXAMPLES)
+@with_nats_credentials
 def diff_command(
     ctx: typer.Context,
     a: Annotated[str, typer.Argument(help=f"Source A: {SOURCE_KINDS}.", show_default=False)],
@@ -271,15 +256,7 @@ def diff_command(
     exit_code: Annotated[bool, typer.Option("--exit-code", help="Exit 1 when the indexes differ.")] = False,
     namespace: NamespaceOpt = "dynamo",
     component: ComponentOpt = "backend",
-    nats_user: UserOpt = None,
-    nats_password: PasswordOpt = None,
-    nats_token: TokenOpt = None,
-    nats_creds: CredsOpt = None,
-    nats_nkey: NkeyOpt = None,
-    nats_tls_ca: TlsCaOpt = None,
-    nats_tls_cert: TlsCertOpt = None,
-    nats_tls_key: TlsKeyOpt = None,
-    nats_connect_timeout: ConnectTimeoutOpt = 5.0,
+    nats_auth: NatsAuth | None = None,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -288,8 +265,7 @@ def diff_command(
     out = output_for(ctx, output, as_json)
     if a == b == "-":
         raise UsageError("only one source can be stdin")
-    reader = Reader(ctx, out, model, namespace, component, (nats_user, nats_password, nats_token, nats_creds,
-                    nats_nkey, nats_tls_ca, nats_tls_cert, nats_tls_key, nats_connect_timeout))
+    reader = Reader(ctx, out, model, namespace, component, nats_auth)
     diff = diff_events(reader.events(a), reader.events(b))
     data = {"a": a, "b": b, **diff.to_dict(limit)}
     views = _DIFF_VIEWS if data["only_a"] or data["only_b"] else _DIFF_VIEWS[:1]
@@ -328,6 +304,7 @@ _STATS_VIEWS = (
 
 
 @app.command("stats", help=STATS_HELP, epilog=STATS_EXAMPLES)
+@with_nats_credentials
 def stats_command(
     ctx: typer.Context,
     source: SourceArg = None,
@@ -335,21 +312,12 @@ def stats_command(
     top: Annotated[int, typer.Option("--top", min=0, help="Shared prefixes listed.")] = 10,
     namespace: NamespaceOpt = "dynamo",
     component: ComponentOpt = "backend",
-    nats_user: UserOpt = None,
-    nats_password: PasswordOpt = None,
-    nats_token: TokenOpt = None,
-    nats_creds: CredsOpt = None,
-    nats_nkey: NkeyOpt = None,
-    nats_tls_ca: TlsCaOpt = None,
-    nats_tls_cert: TlsCertOpt = None,
-    nats_tls_key: TlsKeyOpt = None,
-    nats_connect_timeout: ConnectTimeoutOpt = 5.0,
+    nats_auth: NatsAuth | None = None,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     from kvctl.core.tree_diff import tree_stats
 
     out = output_for(ctx, output, as_json)
-    reader = Reader(ctx, out, model, namespace, component, (nats_user, nats_password, nats_token, nats_creds,
-                    nats_nkey, nats_tls_ca, nats_tls_cert, nats_tls_key, nats_connect_timeout))
+    reader = Reader(ctx, out, model, namespace, component, nats_auth)
     _emit_sections(out, tree_stats(reader.events(source), top=top), _STATS_VIEWS)
