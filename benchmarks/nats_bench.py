@@ -47,7 +47,6 @@ import json
 import os
 import queue
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -59,6 +58,7 @@ from typing import Any
 
 import httpx
 import nats
+from _procs import Proc, rss_bytes  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,58 +232,12 @@ class Publisher:
 
 # ----- processes -----------------------------------------------------------------------------------------
 
-def rss_bytes(pid: int) -> int:
-    """VmRSS of pid and its descendants."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo.extend(int(c) for c in (task / "children").read_text().split())
-    return total
-
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of one process so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-
-class Proc:
-    """A server subprocess whose output is drained by threads (its first stdout line kept aside)."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  stdin=subprocess.DEVNULL)
-        self.lines: list[str] = []
-        self.first_line = ""
-        self.first = threading.Event()
-        for stream in (self.p.stdout, self.p.stderr):
-            threading.Thread(target=self._drain, args=(stream, stream is self.p.stdout), daemon=True).start()
-
-    def _drain(self, stream: Any, is_stdout: bool) -> None:
-        for raw in stream:
-            line = raw.decode(errors="replace").rstrip()
-            if is_stdout and not self.first.is_set():
-                self.first_line = line
-                self.first.set()
-            self.lines.append(line)
-            del self.lines[:-40]
-
-    def tail(self) -> str:
-        return " | ".join(self.lines[-5:])
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(5)
 
 
 class Router:

@@ -26,17 +26,14 @@ share it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from array import array
 from collections.abc import Callable
@@ -47,6 +44,7 @@ import httpx
 import msgspec
 import xxhash
 import zmq
+from _procs import Proc, rss_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("KVCTL_FIXTURES", "/work/shared/fixtures")) / "vllm-0.33"
@@ -194,51 +192,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rss_bytes(pid: int) -> int:
-    """VmRSS of pid and its descendants."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo.extend(int(c) for c in (task / "children").read_text().split())
-    return total
-
-
-class Proc:
-    """A server subprocess whose output is drained by threads (its first stdout line kept aside)."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  stdin=subprocess.DEVNULL)
-        self.lines: list[str] = []
-        self.first = threading.Event()
-        for stream in (self.p.stdout, self.p.stderr):
-            threading.Thread(target=self._drain, args=(stream, stream is self.p.stdout), daemon=True).start()
-
-    def _drain(self, stream: Any, is_stdout: bool) -> None:
-        for raw in stream:
-            line = raw.decode(errors="replace").rstrip()
-            if is_stdout and not self.first.is_set():
-                self.first_line = line
-                self.first.set()
-            self.lines.append(line)
-            del self.lines[:-40]
-
-    def tail(self) -> str:
-        return " | ".join(self.lines[-5:])
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(5)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(5)
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, what: str, proc: Proc | None = None) -> float:

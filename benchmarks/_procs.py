@@ -1,0 +1,59 @@
+"""Process helpers the end-to-end benchmarks share: a drained server subprocess, and its memory."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of pid and its descendants."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+    return total
+
+
+class Proc:
+    """A server subprocess whose output is drained by threads (its first stdout line kept aside)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  stdin=subprocess.DEVNULL)
+        self.lines: list[str] = []
+        self.first_line = ""
+        self.first = threading.Event()
+        for stream in (self.p.stdout, self.p.stderr):
+            threading.Thread(target=self._drain, args=(stream, stream is self.p.stdout), daemon=True).start()
+
+    def _drain(self, stream: Any, is_stdout: bool) -> None:
+        for raw in stream:
+            line = raw.decode(errors="replace").rstrip()
+            if is_stdout and not self.first.is_set():
+                self.first_line = line
+                self.first.set()
+            self.lines.append(line)
+            del self.lines[:-40]
+
+    def tail(self) -> str:
+        return " | ".join(self.lines[-5:])
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(5)
