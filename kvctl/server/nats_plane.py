@@ -225,20 +225,18 @@ class EventPlane:
             cursor = self.cursors[worker] = _Cursor()
         cursor.publisher_id = publisher_id
         last, got = cursor.last, event.event_id
+        if last is not None and 1 < got <= last:  # came before: a duplicate or a late copy
+            self.counts["stale_events"] += 1
+            return []
         cursor.last = got
-        if last is not None and got <= last:
-            if got > 1:
-                cursor.last = last
-                self.counts["stale_events"] += 1
-                return []
-            self.counts["restarts"] += 1  # ids start over: a restarted publisher, whose cache is gone
+        self.counts["events"] += 1
+        if last is not None and got <= last:  # ids start over (got is 0 or 1): a restarted publisher
+            self.counts["restarts"] += 1
             log.warning("event plane: worker %s:%s restarted (event id %d after %d): clearing it", *worker, got, last)
-            self.counts["events"] += 1
             return [Cleared(), event.data]
         if last is not None and got > last + 1:
             self.counts["gaps"] += 1
             self.counts["lost_events"] += got - last - 1
-        self.counts["events"] += 1
         return [event.data]
 
     # ----- JetStream ----------------------------------------------------------------------------------
