@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvctl.client import AsyncRouterClient, calls
+from kvctl.client import AsyncRouterClient
 from kvctl.client.engine import EngineClient
 from kvctl.mock.engine import EngineConfig
 from kvctl.mock.fleet import Fleet, fleet_configs
-from kvctl.mock.load import LoadGenerator, LoadStats, Policy, shared_prefix
+from kvctl.mock.load import LoadGenerator, LoadStats, Policy, register_engines, shared_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +77,7 @@ async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]
         async with router_process(Path(state_dir), plan.block_size) as url, \
                 Fleet(fleet_configs(plan.engines, base)) as fleet, AsyncRouterClient(url) as router:
             infos = fleet.infos()
-            for info in infos:
-                await router.send(calls.register_worker(info["worker_id"], info["endpoint"],
-                                                        replay_endpoint=info["replay_endpoint"]))
+            await register_engines(router, infos, "default")
             announce(url, infos)
             engines = {info["worker_id"]: EngineClient(info["url"]) for info in infos}
             try:

@@ -194,6 +194,17 @@ class LoadGenerator:
         await asyncio.gather(*(engine.restart() for engine in self.engines.values()))
 
 
+async def register_engines(router: AsyncRouterClient, engines: Sequence[Mapping[str, Any]], model: str) -> None:
+    """Tell the router about engines (rows of `kvctl mock -o json`) it does not know yet, with their KV-event
+    endpoints, so that it subscribes to them."""
+    known = {(w["worker_id"], w["dp_rank"]) for w in (await router.send(calls.workers()))["workers"]}
+    for row in engines:
+        if (row["worker_id"], row.get("dp_rank", 0)) not in known:
+            await router.send(calls.register_worker(row["worker_id"], row["endpoint"], model=model,
+                                                    dp_rank=row.get("dp_rank", 0),
+                                                    replay_endpoint=row["replay_endpoint"]))
+
+
 async def run_policies(server: str, targets: dict[int, str], rows: list[dict[str, Any]], workload: list[Request],
                        policies: list[Policy], concurrency: int, model: str, seed: int) -> list[dict[str, Any]]:
     """Engines from --engines-file the router does not know yet are registered first (with their KV-event
@@ -201,11 +212,7 @@ async def run_policies(server: str, targets: dict[int, str], rows: list[dict[str
     engines = {worker_id: EngineClient(url) for worker_id, url in targets.items()}
     try:
         async with AsyncRouterClient(server) as router:
-            known = {(w["worker_id"], w["dp_rank"]) for w in (await router.send(calls.workers()))["workers"]}
-            for row in rows:
-                if (row["worker_id"], 0) not in known:
-                    await router.send(calls.register_worker(row["worker_id"], row["endpoint"], model=model,
-                                                            replay_endpoint=row["replay_endpoint"]))
+            await register_engines(router, rows, model)
             load = LoadGenerator(engines, router=router, model=model, seed=seed)
             reports = []
             for policy in policies:
