@@ -73,6 +73,7 @@ from kvctl.core.events.dynamo import (  # noqa: E402
 )
 from kvctl.core.events.plane import PlaneNames  # noqa: E402
 from kvctl.core.hashing import local_block_hashes, sequence_hashes  # noqa: E402
+from kvctl.nats_barrier import barrier  # noqa: E402
 from tests.nats_server import NatsServer  # noqa: E402
 
 BLOCK = 16
@@ -190,7 +191,7 @@ class Publisher:
         if self.js is None:
             for p in payloads:
                 await self.nc.publish(self.subject, p)
-            await self.nc.flush()
+            await barrier(self.nc)
             return
         for start in range(0, len(payloads), JS_WINDOW):
             await asyncio.gather(*(self.js.publish(self.subject, p) for p in payloads[start:start + JS_WINDOW]))
@@ -217,7 +218,7 @@ class Publisher:
                 else:
                     await asyncio.gather(*(self.js.publish(self.subject, p) for p in batch))
                 await asyncio.sleep(TICK_S)
-            await self.nc.flush()
+            await barrier(self.nc)
             return sent, time.perf_counter() - t0
         finally:
             sent_probes.put(None)

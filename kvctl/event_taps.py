@@ -20,6 +20,7 @@ from kvctl.core.events.dynamo import decode_envelope, decode_router_event_json, 
 from kvctl.core.events.engine import decode_engine_message
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import PlaneNames
+from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
 
 POLL_MS = 200
@@ -50,14 +51,22 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _unheard(_: str) -> None:
+    pass
+
+
 def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: str = "", worker_id: int = 0,
-            block_size: int | None = None) -> Iterator[Tapped]:
-    """An engine's live batches, as RouterEvents of `worker_id` (engines do not say who they are)."""
+            block_size: int | None = None, listening: Callable[[str], None] = _unheard) -> Iterator[Tapped]:
+    """An engine's live batches, as RouterEvents of `worker_id` (engines do not say who they are).
+
+    `listening` is told once the SUB socket is connecting; ZMQ joins in the background, so an engine's
+    first messages can still be missed (its PUB drops what it sends before the join completes)."""
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
     sub.connect(endpoint)
+    listening(f"subscribed to {endpoint}" + (f" (topic {topic!r})" if topic else ""))
     last: int | None = None
     try:
         while not stop():
@@ -85,9 +94,11 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
 
 
 async def tap_nats(conn: NatsConnection, names: PlaneNames, *, stop: Callable[[], bool], stats: TapStats,
-                   jetstream: bool = False) -> AsyncIterator[Tapped]:
+                   jetstream: bool = False, listening: Callable[[str], None] = _unheard) -> AsyncIterator[Tapped]:
     """A Dynamo event plane: envelopes on NATS Core, or the JetStream stream's JSON (new messages only,
-    through an ephemeral consumer: tailing never moves a router's place)."""
+    through an ephemeral consumer: tailing never moves a router's place).
+
+    `listening` is told once the server has the subscription: nothing published after that is missed."""
     import nats
 
     nc = await nats.connect(conn.url, max_reconnect_attempts=-1, **conn.connect_kwargs())
@@ -103,8 +114,11 @@ async def tap_nats(conn: NatsConnection, names: PlaneNames, *, stop: Callable[[]
 
             await nc.jetstream().subscribe(names.stream_subject, cb=on, ordered_consumer=True,
                                            deliver_policy=DeliverPolicy.NEW)
+            listening(f"listening on stream {names.stream} ({names.stream_subject}) at {conn.url}")
         else:
             await nc.subscribe(names.kv_events, cb=on)
+            await barrier(nc)
+            listening(f"listening on {names.kv_events} at {conn.url}")
         while not stop():
             try:
                 data = await asyncio.wait_for(queue.get(), POLL_MS / 1000)

@@ -23,6 +23,7 @@ from kvctl.core.events.dynamo import (
 )
 from kvctl.core.events.plane import PlaneNames
 from kvctl.errors import KvctlError, Unreachable
+from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
 
 STREAM_MAX_AGE_S = 3600.0
@@ -50,7 +51,7 @@ async def _publish(conn: NatsConnection, names: PlaneNames, events: list[RouterE
             for n, ev in enumerate(events, 1):
                 envelope = EventEnvelope(publisher_id, n, now_ms, "kv-events", encode_router_event_msgpack(ev))
                 await nc.publish(names.kv_events, encode_envelope(envelope))
-            await nc.flush()
+            await barrier(nc)
     finally:
         await nc.close()
     return len(events)

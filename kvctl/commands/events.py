@@ -8,7 +8,7 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -133,8 +133,9 @@ class _Until:
 
 
 def _taps(zmq_endpoint: str | None, nats_url: str | None, nats_auth: NatsAuth | None, names: Any, jetstream: bool,
-          worker_id: int, topic: str, block_size: int | None, until: _Until, stats: TapStats) -> Iterator[Tapped]:
-    """The events of whichever source was named (exactly one)."""
+          worker_id: int, topic: str, block_size: int | None, until: _Until, stats: TapStats,
+          listening: Callable[[str], None]) -> Iterator[Tapped]:
+    """The events of whichever source was named (exactly one); `listening` hears when the tap is live."""
     import asyncio
 
     from kvctl.event_taps import tap_nats, tap_zmq
@@ -145,13 +146,13 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, nats_auth: NatsAuth | 
         if not zmq_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise UsageError(f"--zmq wants an endpoint like tcp://HOST:5557, got {zmq_endpoint!r}")
         yield from tap_zmq(zmq_endpoint, stop=until, stats=stats, topic=topic, worker_id=worker_id,
-                           block_size=block_size)
+                           block_size=block_size, listening=listening)
         return
     assert nats_url is not None
     assert nats_auth is not None
     conn = nats_auth(nats_url)
     loop = asyncio.new_event_loop()
-    agen = tap_nats(conn, names, stop=until, stats=stats, jetstream=jetstream)
+    agen = tap_nats(conn, names, stop=until, stats=stats, jetstream=jetstream, listening=listening)
     try:
         while True:
             try:
@@ -192,7 +193,7 @@ def tail_command(
     out = output_for(ctx, output, as_json)
     until, stats = _Until(count, duration), TapStats()
     for tapped in _taps(zmq_endpoint, nats_url, nats_auth, PlaneNames(namespace, component), jetstream, worker_id,
-                        topic, block_size, until, stats):
+                        topic, block_size, until, stats, out.note):
         if out.format is OutputFormat.json:
             out.line(json.dumps({"timestamp": tapped.received_ms, "seq": tapped.seq, "missing": tapped.missing,
                                  "event": None if tapped.event is None else _event_obj(tapped.event)}))
@@ -226,7 +227,7 @@ def record_command(
         raise UsageError(f"cannot write {file}: {exc.strerror}") from None
     with sink:
         for tapped in _taps(zmq_endpoint, nats_url, nats_auth, PlaneNames(namespace, component), jetstream,
-                            worker_id, topic, block_size, until, stats):
+                            worker_id, topic, block_size, until, stats, out.note):
             if tapped.event is not None:
                 sink.write(json.dumps({"timestamp": tapped.received_ms, "event": _event_obj(tapped.event)}) + "\n")
                 sink.flush()

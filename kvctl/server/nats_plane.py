@@ -27,7 +27,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,7 @@ from kvctl.core.events.plane import (
 )
 from kvctl.core.index.kv_index import events_of
 from kvctl.core.router.sequences import ActiveRequest
+from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
 from kvctl.server.state import ADD, Fleet
 from kvctl.server.streams import ModelWriter, Streams
@@ -127,7 +128,21 @@ class EventPlane:
 
     def start(self) -> None:
         """Connect in the background (retrying with backoff), so the HTTP API is up even while NATS is not."""
-        self._tasks.append(asyncio.get_running_loop().create_task(self._run()))
+        self._spawn(self._run())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        task.add_done_callback(self._died)
+        self._tasks.append(task)
+
+    def _died(self, task: asyncio.Task[None]) -> None:
+        """A loop of the plane that ends other than by close() is a bug; say so in status, not only at exit."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        self.state = "failed"
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        log.error("event plane: %s stopped", task.get_coro().__qualname__, exc_info=exc)
 
     async def ready(self, timeout: float) -> bool:
         with contextlib.suppress(TimeoutError):
@@ -159,7 +174,7 @@ class EventPlane:
             await self._start_jetstream()
         else:
             await nc.subscribe(self.names.kv_events, cb=self._on_core_event)
-        await nc.flush()  # the server has every subscription: from here on nothing published is missed
+        await barrier(nc)  # the server has every subscription: from here on nothing published is missed
         self._started.set()
         log.info("event plane: following %s on %s%s", self.names.kv_events, self.options.url,
                  " (JetStream)" if self.options.jetstream else "")
@@ -266,9 +281,9 @@ class EventPlane:
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await js.delete_consumer(stream, durable)
         sub = await js.pull_subscribe(self.names.stream_subject, durable=durable, stream=stream, config=config)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._consume(sub)))
+        self._spawn(self._consume(sub))
         if not self.options.shadow:
-            self._tasks.append(asyncio.get_running_loop().create_task(self._snapshot_loop(js)))
+            self._spawn(self._snapshot_loop(js))
 
     async def _consume(self, sub: Any) -> None:
         while True:
@@ -279,6 +294,8 @@ class EventPlane:
             except (nats.errors.ConnectionClosedError, nats.errors.Error) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(0.5)  # reconnecting: the durable consumer keeps our place
+                continue
+            if not msgs:  # nats-py 2.16 answers a status on its long poll (404, 408, 409) with an empty batch
                 continue
             for msg in msgs:
                 self.counts["messages"] += 1

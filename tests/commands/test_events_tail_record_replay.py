@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -110,7 +109,8 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 def test_tail_from_a_nats_event_plane(nats_server: NatsServer) -> None:
     tail = kvctl("events", "tail", "--nats", nats_server.url, "--namespace", "tailns", "--count", "7",
                  "--duration", "20", "-o", "json")
-    time.sleep(1.5)  # let it subscribe
+    assert tail.stderr is not None
+    assert tail.stderr.readline().startswith("listening on namespace.tailns.component.backend.kv-events")
     publish = kvctl("events", "publish", str(DUMP), "--nats", nats_server.url, "--namespace", "tailns", "--yes")
     publish.communicate(timeout=20)
     assert publish.returncode == 0

@@ -26,6 +26,7 @@ from kvctl.core.events.dynamo import (
 from kvctl.core.events.plane import ActiveLoad, PlaneNames, encode_active_load
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
+from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet, WorkerInfo
@@ -134,7 +135,7 @@ async def test_core_events_in_dynamo_encoding_reach_the_index(server: NatsServer
         await nc.publish(names.kv_events, encode_envelope(EventEnvelope(1, 1, 0, "kv-events", b"\xc1")))
         for n, ev in enumerate(events, 1):
             await nc.publish(names.kv_events, envelope(ev, n))
-        await nc.flush()
+        await barrier(nc)
         await until(lambda: router.plane.counts["events"] == len(events), "every event")
         await router.streams.writer("default").applied()
         assert router.blocks() == expected_blocks(events)
@@ -154,7 +155,7 @@ async def test_event_id_gaps_stale_events_and_restarts_are_counted(server: NatsS
                     store(5, 1, list(range(900, 916)))]  # ids start over: the publisher restarted
         for n, ev in enumerate(sequence, 1):
             await nc.publish(names.kv_events, envelope(ev, n))
-        await nc.flush()
+        await barrier(nc)
         await until(lambda: router.plane.counts["restarts"] == 1, "the restart")
         await router.streams.writer("default").applied()
         counts = router.plane.counts
@@ -170,7 +171,7 @@ async def test_load_reports_are_shown_and_feed_the_busy_check(server: NatsServer
         router.fleet.register(WorkerInfo(3, 0, "default", total_blocks=100))
         await nc.publish(names.kv_metrics, encode_active_load(ActiveLoad(3, 0, 4, 128, 95)))
         await nc.publish(names.kv_metrics, b"garbage")
-        await nc.flush()
+        await barrier(nc)
         await until(lambda: (3, 0) in router.fleet.reported, "the load report")
         row = router.fleet.worker_rows(time.monotonic())[0]
         assert row["reported"]["kv_used_blocks"] == 95 and row["reported"]["active_prefill_tokens"] == 128
@@ -209,7 +210,7 @@ async def test_jetstream_events_are_applied_then_acked(server: NatsServer, names
         await js_publish(server, names, events)
         async with connected(server) as nc:
             await nc.publish(f"{names.stream}.kv-events", b"{not json")  # garbage on the stream subject
-            await nc.flush()
+            await barrier(nc)
         await until(lambda: router.plane.counts["messages"] == len(events) + 1, "every message")
         async with connected(server) as nc:
             js = nc.jetstream()
@@ -288,11 +289,14 @@ async def test_a_shadow_publishes_nothing(server: NatsServer, names: PlaneNames)
             seen.append(msg.data)
 
         await nc.subscribe(names.active_sequences, cb=on)
+        await barrier(nc)
         shadow.fleet.register(WorkerInfo(1, 0, "default"))
         shadow.fleet.route("default", now=time.monotonic(), token_ids=list(range(32)), request_id="s", reserve=True)
         shadow.fleet.free("default", "s")
-        await nc.flush()
-        await asyncio.sleep(0.3)
+        assert shadow.plane.nc is not None
+        await barrier(shadow.plane.nc)  # whatever the shadow queued has reached the server ...
+        await barrier(nc)  # ... and whatever the server routed to us has arrived
+        await asyncio.sleep(0.1)
         assert seen == []
 
 
@@ -311,7 +315,7 @@ async def test_a_burst_larger_than_the_writer_queue_is_not_dropped(server: NatsS
         writer = router.streams.writer("default")
         for n, ev in enumerate(events, 1):
             await nc.publish(names.kv_events, envelope(ev, n))
-        await nc.flush()
+        await barrier(nc)
         await until(lambda: router.plane.counts["events"] == len(events), "every event", timeout=20)
         await writer.applied()
         assert writer.dropped_events == 0
