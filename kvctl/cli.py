@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,18 +14,6 @@ from typer.core import TyperGroup
 from typer.exceptions import Abort, Exit
 
 from kvctl import __version__
-from kvctl.commands import busy as busy_cmd
-from kvctl.commands import config_cmd
-from kvctl.commands import demo as demo_cmd
-from kvctl.commands import events as events_cmd
-from kvctl.commands import hash as hash_cmd
-from kvctl.commands import mock as mock_cmd
-from kvctl.commands import route as route_cmd
-from kvctl.commands import router as router_cmd
-from kvctl.commands import serve as serve_cmd
-from kvctl.commands import tiers as tiers_cmd
-from kvctl.commands import tree as tree_cmd
-from kvctl.commands import workers as workers_cmd
 from kvctl.commands._options import JsonOpt, OutputOpt
 from kvctl.errors import KvctlError
 from kvctl.exit_codes import ExitCode
@@ -43,8 +33,56 @@ def _debug_requested(args: list[str]) -> bool:
     return "--debug" in args or os.environ.get("KVCTL_DEBUG", "") not in ("", "0")
 
 
+# Every sub-command and the module that defines it, in the order `kvctl --help` lists them. A module
+# defines either `app` (a group) or `<name>_command` with HELP and EXAMPLES (a single command).
+COMMANDS: dict[str, str] = {
+    "hash": "kvctl.commands.hash", "serve": "kvctl.commands.serve", "demo": "kvctl.commands.demo",
+    "route": "kvctl.commands.route", "workers": "kvctl.commands.workers", "tiers": "kvctl.commands.tiers",
+    "mock": "kvctl.commands.mock", "events": "kvctl.commands.events", "tree": "kvctl.commands.tree",
+    "router": "kvctl.commands.router", "busy": "kvctl.commands.busy", "config": "kvctl.commands.config_cmd",
+}
+
+
+def _load_command(name: str) -> typer.core.TyperCommand | TyperGroup:
+    module = importlib.import_module(COMMANDS[name])
+    group = getattr(module, "app", None)
+    if group is not None:
+        command: typer.core.TyperCommand | TyperGroup = typer.main.get_group(group)
+    else:  # add_completion: the root has the completion options, not every command
+        single = typer.Typer(add_completion=False)
+        single.command(name=name, help=module.HELP, epilog=module.EXAMPLES)(getattr(module, f"{name}_command"))
+        command = typer.main.get_command(single)  # type: ignore[assignment]
+    command.name = name
+    return command
+
+
+class _LazyCommands(Mapping[str, Any]):
+    """The root group's commands, each imported when first named: `kvctl tree stats` loads the tree
+    command and not the server, the mock engines or NATS, which keeps a runbook's calls fast."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._loaded:
+            if name not in COMMANDS:
+                raise KeyError(name)
+            self._loaded[name] = _load_command(name)
+        return self._loaded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(COMMANDS)
+
+    def __len__(self) -> int:
+        return len(COMMANDS)
+
+
 class KvctlGroup(TyperGroup):
     """Runs the app in non-standalone mode so every failure is reported the same way: one line on stderr."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands = _LazyCommands()  # type: ignore[assignment]  # read-only: nothing adds commands later
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
@@ -120,20 +158,6 @@ def root(
         flags={"server": server, "token": token, "timeout": timeout},
         context=context,
     )
-
-
-app.command(name="hash", help=hash_cmd.HELP, epilog=hash_cmd.EXAMPLES)(hash_cmd.hash_command)
-app.command(name="serve", help=serve_cmd.HELP, epilog=serve_cmd.EXAMPLES)(serve_cmd.serve_command)
-app.command(name="demo", help=demo_cmd.HELP, epilog=demo_cmd.EXAMPLES)(demo_cmd.demo_command)
-app.command(name="route", help=route_cmd.HELP, epilog=route_cmd.EXAMPLES)(route_cmd.route_command)
-app.command(name="workers", help=workers_cmd.HELP, epilog=workers_cmd.EXAMPLES)(workers_cmd.workers_command)
-app.command(name="tiers", help=tiers_cmd.HELP, epilog=tiers_cmd.EXAMPLES)(tiers_cmd.tiers_command)
-app.add_typer(mock_cmd.app, name="mock")
-app.add_typer(events_cmd.app, name="events")
-app.add_typer(tree_cmd.app, name="tree")
-app.add_typer(router_cmd.app, name="router")
-app.add_typer(busy_cmd.app, name="busy")
-app.add_typer(config_cmd.app, name="config")
 
 
 def main() -> None:

@@ -62,6 +62,13 @@ def headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def verify_tls(base_url: str) -> bool:
+    """Certificates are checked whenever there is TLS. A plain-http client has none (redirects are not
+    followed, so it never leaves its base URL), and httpx would still load the CA bundle: ~30 ms of a
+    command that should take a few hundred."""
+    return base_url.startswith("https://")
+
+
 # ----- the API, one function per call (DESIGN §3.6) -----------------------------------------------------
 
 def status() -> Call:

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from kvctl.client._base import DEFAULT_MODEL, Call, headers, interpret, translate
+from kvctl.client._base import DEFAULT_MODEL, Call, headers, interpret, translate, verify_tls
 from kvctl.core.events import DecodeError, RouterEvent, decode_router_event_json
 from kvctl.core.events.dump_file import DumpFileError, read_router_events
 from kvctl.core.events.plane import RADIX_STATE_OBJECT, PlaneNames
@@ -62,7 +62,8 @@ def nats_snapshot_events(conn: NatsConnection, names: PlaneNames) -> list[Router
 
 
 def _get(url: str, call: Call, token: str | None, timeout: float) -> str:
-    with translate(url), httpx.Client(base_url=url, headers=headers(token), timeout=timeout) as http:
+    with translate(url), httpx.Client(base_url=url, headers=headers(token), timeout=timeout,
+                                      verify=verify_tls(url)) as http:
         response = http.request(call.method, call.path, params=call.params)
     if not response.is_success:
         interpret(call, response)  # raises the error the status stands for

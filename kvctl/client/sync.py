@@ -6,14 +6,15 @@ from typing import Any
 
 import httpx
 
-from kvctl.client._base import Call, headers, interpret, translate
+from kvctl.client._base import Call, headers, interpret, translate, verify_tls
 
 
 class RouterClient:
     def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 5.0,
                  transport: httpx.BaseTransport | None = None) -> None:
         self.base_url = base_url
-        self._http = httpx.Client(base_url=base_url, headers=headers(token), timeout=timeout, transport=transport)
+        self._http = httpx.Client(base_url=base_url, headers=headers(token), timeout=timeout, transport=transport,
+                                  verify=verify_tls(base_url))
 
     def send(self, call: Call) -> Any:
         with translate(self.base_url):
