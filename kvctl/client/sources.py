@@ -7,18 +7,19 @@ Each returns the dump's RouterEvents; every failure is one of kvctl's errors nam
 
 from __future__ import annotations
 
-import asyncio
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from kvctl.client._base import DEFAULT_MODEL, Call, headers, interpret, translate, verify_tls
 from kvctl.core.events import DecodeError, RouterEvent, decode_router_event_json
 from kvctl.core.events.dump_file import DumpFileError, read_router_events
-from kvctl.core.events.plane import RADIX_STATE_OBJECT, PlaneNames
 from kvctl.errors import KvctlError, NotFound, Unreachable, UsageError
-from kvctl.natsconn import NatsConnection
+
+if TYPE_CHECKING:  # NATS is loaded only by the snapshot source: an HTTP dump is the common case
+    from kvctl.core.events.plane import PlaneNames
+    from kvctl.natsconn import NatsConnection
 
 
 def router_events(url: str, *, model: str | None, token: str | None, timeout: float) -> list[RouterEvent]:
@@ -54,6 +55,10 @@ def dynamo_indexer_events(url: str, *, model: str | None, timeout: float) -> lis
 
 def nats_snapshot_events(conn: NatsConnection, names: PlaneNames) -> list[RouterEvent]:
     """The `radix-state` object of a durable router's snapshot bucket: RouterEvent JSON lines."""
+    import asyncio
+
+    from kvctl.core.events.plane import RADIX_STATE_OBJECT
+
     data = asyncio.run(_read_object(conn, names.bucket))
     try:
         return read_router_events(data.decode())
@@ -90,6 +95,7 @@ async def _read_object(conn: NatsConnection, bucket: str) -> bytes:
     import nats
     import nats.js.errors
 
+    from kvctl.core.events.plane import RADIX_STATE_OBJECT
     from kvctl.plane_publisher import _quiet  # nats-py's default prints a traceback per failed attempt
 
     try:

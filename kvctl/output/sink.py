@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TextIO
 
+from kvctl.output.table import render_table
+
 
 class OutputFormat(StrEnum):
     table = "table"
@@ -77,17 +79,11 @@ class Output:
         self._err(f"error: {message}" + (f" ({hint})" if hint else ""))
 
     def _table(self, data: Any, view: View, *, wide: bool) -> None:
-        from rich.console import Console  # here, not at import: every command loads the sink, few draw tables
-        from rich.table import Table
-
         columns = [c for c in view.columns if wide or not c.wide_only]
-        table = Table(title=view.title, box=None, header_style="bold", pad_edge=False)
-        for column in columns:
-            table.add_column(column.header.upper(), justify=column.justify, no_wrap=True)  # type: ignore[arg-type]
-        for row in view.rows(data):
-            table.add_row(*(_cell(row.get(c.key)) for c in columns))
-        console = Console(file=self.stdout, no_color=not self.color, soft_wrap=True, width=10_000)
-        console.print(table)
+        rows = [[_cell(row.get(c.key)) for c in columns] for row in view.rows(data)]
+        bold = self.color and self.stdout.isatty()
+        self._write(render_table([c.header.upper() for c in columns], rows, [c.justify for c in columns],
+                                 title=view.title, bold_header=bold))
 
     def _write(self, text: str) -> None:
         self.stdout.write(text)
