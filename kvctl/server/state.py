@@ -52,6 +52,9 @@ class WorkerInfo:
     topic: str = ""
     last_event_at: float | None = None
     total_blocks: int | None = None  # KV capacity, for the decode busy check against reported usage
+    # Events the index refused, by status: a worker whose removals name blocks it never stored
+    # (block_not_found) hashes tokens differently from its peers or lost events; doctor names which.
+    rejected: Counter[str] = field(default_factory=Counter)
 
     @property
     def key(self) -> Worker:
@@ -161,6 +164,7 @@ class Fleet:
                 applied += 1
             else:
                 rejected[result.status.value] += 1
+                info.rejected[result.status.value] += 1
         return applied, rejected
 
     def apply_engine_batch(self, model: str, worker: Worker, events: Sequence[EventData], now: float) -> None:
@@ -258,7 +262,7 @@ class Fleet:
                 "active_decode_blocks": load.active_blocks, "active_prefill_tokens": load.active_prefill_tokens,
                 "active_requests": load.requests, "busy": rank.busy,
                 "last_event_age_s": None if info.last_event_at is None else round(now - info.last_event_at, 3),
-                "total_blocks": info.total_blocks,
+                "total_blocks": info.total_blocks, "rejected_events": dict(info.rejected),
                 "reported": None if report is None else {
                     "active_decode_blocks": report[0].active_decode_blocks,
                     "active_prefill_tokens": report[0].active_prefill_tokens,
@@ -295,6 +299,8 @@ class Fleet:
                 workers = [w for w in index.workers() if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
             for w in workers:
                 index.apply(RouterEvent(w[0], Cleared(), w[1]))
+                if (info := self.workers.get(w)) is not None:
+                    info.rejected.clear()  # a fresh start: what doctor reports from here is new
             after = index.stats()[_DEVICE]
             cleared.append({"model": name, "workers": [f"{w[0]}:{w[1]}" for w in sorted(workers)],
                             "blocks": before.blocks - after.blocks})

@@ -78,6 +78,14 @@ async def test_events_single_list_jsonl_and_rejections(client: httpx.AsyncClient
     stats = (await client.get("/v1/tree/stats")).json()["models"]["default"]
     # a rejected event still makes its worker known (as Dynamo does), holding nothing
     assert stats["blocks"] == 4 + 4 + 2 and stats["workers"] == {f"{BIG}:0": 4, "1:0": 4, "2:0": 2, "3:0": 0}
+    assert await _rejected_by_worker(client) == {BIG: {}, 1: {}, 2: {}, 3: {"parent_block_not_found": 1}}
+    await client.post("/v1/reset", json={"worker_id": 3})
+    assert (await _rejected_by_worker(client))[3] == {}  # a reset worker starts over
+
+
+async def _rejected_by_worker(client: httpx.AsyncClient) -> dict[int, dict[str, int]]:
+    """Whose events the index refused, not only how many: what `kvctl doctor` needs to name a worker."""
+    return {w["worker_id"]: w["rejected_events"] for w in (await client.get("/v1/workers")).json()["workers"]}
 
 
 async def test_route_explain_and_errors(client: httpx.AsyncClient) -> None:
