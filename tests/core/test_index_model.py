@@ -246,6 +246,10 @@ class IndexModel(RuleBasedStateMachine):
             assert device.nodes == 0
 
     @invariant()
+    def engines_that_agree_on_hashes_show_no_mismatch(self) -> None:
+        assert self.index.hash_mismatches() == {}
+
+    @invariant()
     def dump_then_load_is_identical(self) -> None:
         events = self.index.dump()
         fresh = KvIndex()
@@ -294,3 +298,16 @@ def test_all_blocks_removed_frees_every_node() -> None:
     stats = index.stats()[Tier.device]
     assert (stats.blocks, stats.nodes) == (0, 0)
     assert index.find_matches([3]).scores == {}
+
+
+def test_a_worker_hashing_known_tokens_differently_is_counted_until_cleared() -> None:
+    index = KvIndex()
+    paths = chain((), (3, 2**63 + 11, 2**64 - 1))
+    index.apply(stored((1, 0), None, paths))
+    other_seed = Stored(None, [h ^ 1 for h in (engine_hash(p) for p in paths[:2])], [p[-1] for p in paths[:2]])
+    assert index.apply(RouterEvent(2, other_seed, 0)).status is Status.ok
+    assert index.hash_mismatches() == {(2, 0): 2}  # the first writer is not blamed
+    assert index.find_matches([3, 2**63 + 11]).scores == {(1, 0): 2, (2, 0): 2}  # it still routes by tokens
+    index.apply(RouterEvent(2, Cleared(), 0))
+    assert index.hash_mismatches() == {}
+

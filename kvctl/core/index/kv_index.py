@@ -89,6 +89,14 @@ class KvIndex:
             seen.update(dict.fromkeys(tree.workers()))
         return list(seen)
 
+    def hash_mismatches(self) -> dict[Worker, int]:
+        """Per worker, blocks stored on token paths indexed under other engine hashes (every tier)."""
+        total: dict[Worker, int] = {}
+        for tree in self.trees.values():
+            for worker, n in tree.hash_mismatches.items():
+                total[worker] = total.get(worker, 0) + n
+        return total
+
     def stats(self) -> dict[Tier, TierStats]:
         return {tier: TierStats(tree.blocks, tree.nodes, tree.sizes()) for tier, tree in self.trees.items()}
 

@@ -140,6 +140,10 @@ class RadixTree:
         self._ghosts: dict[Worker, int] = {}  # removed workers whose bits may linger -> their slot
         self._lookup: list[dict[int, Node] | None] = []  # slot -> engine block hash -> node
         self.nodes = 0
+        # Blocks a worker stored on a token path already indexed under other engine hashes: engines
+        # that hash the same tokens differently (Dynamo's "block_hash mismatch"), whose removals then
+        # miss and whose blocks other workers' lookups cannot find. Counted since the worker's last clear.
+        self.hash_mismatches: dict[Worker, int] = {}
 
     # ----- workers -------------------------------------------------------------------------------------
 
@@ -317,7 +321,13 @@ class RadixTree:
     def _bind_shared(self, slot: int, lookup: dict[int, Node], keys: list[int], node: Node) -> None:
         """Bind keys to `node`'s first edge positions, reusing the node's own int objects where equal."""
         own = node.hashes[: len(keys)]
-        self._bind(slot, lookup, own if own == keys else keys, node)
+        if own == keys:
+            self._bind(slot, lookup, own, node)
+            return
+        worker = self.worker_of(slot)
+        differing = sum(a != b for a, b in zip(own, keys, strict=True))
+        self.hash_mismatches[worker] = self.hash_mismatches.get(worker, 0) + differing
+        self._bind(slot, lookup, keys, node)
 
     def _reuse_parent_edge(self, node: Node, pos: int, hashes: list[int], locs: array, bit: int, slot: int,
                            lookup: dict[int, Node]) -> bool:
@@ -496,6 +506,7 @@ class RadixTree:
             return OK_EMPTY
         self._drop_slot(slot)
         self._lookup[slot] = {}
+        self.hash_mismatches.pop(worker, None)
         return OK_EMPTY
 
     def remove_worker(self, worker_id: int, dp_rank: int | None = None) -> int:
@@ -503,6 +514,7 @@ class RadixTree:
         gone = [w for w in self._slots if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
         total = 0
         for w in gone:
+            self.hash_mismatches.pop(w, None)
             slot = self._slots.pop(w)
             total += len(self._lookup[slot])  # type: ignore[arg-type]
             self._drop_slot(slot)
