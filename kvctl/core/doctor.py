@@ -1,0 +1,331 @@
+"""The checks `kvctl doctor` runs: each turns what a router reports into findings an on-call engineer
+can act on, naming the cause, the numbers that show it, and the command to run next.
+
+Pure: the inputs are the router's own API objects (`/v1/status`, `/v1/workers`, `/busy_threshold`)
+and, for replica divergence, per-peer tree diffs; the command gathers them. A check that finds
+nothing wrong says so with an OK finding, so the report always shows what was looked at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+DEFAULT_MODEL = "default"
+SHOWN = 8
+"""Workers named in one finding's evidence; the count says how many more there are."""
+
+
+class Severity(IntEnum):
+    """Nagios' order, so the worst finding is the exit code."""
+
+    OK = 0
+    WARNING = 1
+    CRITICAL = 2
+    UNKNOWN = 3
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str  # stable id, for scripts: router, workers, silent, streams, block_size, hashing, busy, ...
+    severity: Severity
+    cause: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    next_step: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"check": self.check, "severity": self.severity.name, "cause": self.cause,
+                "evidence": self.evidence, "next_step": self.next_step}
+
+
+@dataclass(frozen=True)
+class Limits:
+    silent_after_s: float = 60.0
+    most_busy_share: float = 0.5  # WARNING when more than this share of a model's workers is busy
+    kv_full_share: float = 0.9  # "extreme" load: KV usage of a worker's capacity, with no threshold set
+    divergence_share: float = 0.01  # replicas may differ by this share of blocks (events in flight)
+    nodes_per_block: float = 0.75  # an index with almost a node per block shares no prefixes
+    min_blocks_for_shape: int = 10_000  # below this, the node/block ratio says nothing
+
+
+@dataclass(frozen=True)
+class PeerDiff:
+    """A peer router compared with this one: blocks each holds per worker, and those only one holds."""
+
+    url: str
+    against: str  # this router's URL
+    blocks: int
+    differing: int
+    workers: list[dict[str, Any]]
+
+
+def worst(findings: Iterable[Finding]) -> Severity:
+    return max((f.severity for f in findings), default=Severity.OK)
+
+
+def _name(row: Mapping[str, Any]) -> str:
+    return f"{row['worker_id']}:{row['dp_rank']}"
+
+
+def _named(names: Sequence[str]) -> dict[str, Any]:
+    return {"workers": list(names[:SHOWN]), "count": len(names)}
+
+
+def _first(names: Sequence[str]) -> str:
+    return names[0].split(":")[0] if names else "W"
+
+
+# ----- 1. registration ------------------------------------------------------------------------------------
+
+def check_registration(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    if not workers:
+        return [Finding("workers", Severity.CRITICAL, "no workers registered: every route is refused (503)",
+                        {"models": sorted(status.get("models", {}))},
+                        "register engines: kvctl serve --worker ID=tcp://HOST:PORT, or POST /v1/workers")]
+    by_model: dict[str, int] = {}
+    for row in workers:
+        by_model[row["model"]] = by_model.get(row["model"], 0) + 1
+    # the router always has the default model; it is empty, not broken, when workers serve named models
+    empty = [m for m in status.get("models", {}) if m not in by_model and m != DEFAULT_MODEL]
+    if empty:
+        return [Finding("workers", Severity.WARNING, f"model {empty[0]!r} has no workers: its routes are refused",
+                        {"models_without_workers": empty, "workers_by_model": by_model},
+                        f"kvctl workers; register workers for {empty[0]!r} (POST /v1/workers with model_name)")]
+    return [Finding("workers", Severity.OK, f"{len(workers)} workers registered", {"workers_by_model": by_model})]
+
+
+# ----- 2. silent workers ----------------------------------------------------------------------------------
+
+def check_silent(workers: Sequence[Mapping[str, Any]], limits: Limits) -> list[Finding]:
+    never = [_name(w) for w in workers if w.get("last_event_age_s") is None]
+    stale = [(_name(w), w["last_event_age_s"]) for w in workers
+             if w.get("last_event_age_s") is not None and w["last_event_age_s"] > limits.silent_after_s]
+    if not never and not stale:
+        return [Finding("silent", Severity.OK, f"every worker sent events in the last {limits.silent_after_s:g} s")]
+    silent = never + [n for n, _ in stale]
+    severity = Severity.CRITICAL if len(silent) == len(workers) else Severity.WARNING
+    cause = (f"{len(silent)} of {len(workers)} workers silent: "
+             + ", ".join(filter(None, [f"{len(never)} never sent an event" if never else "",
+                                       f"{len(stale)} quiet for over {limits.silent_after_s:g} s" if stale else ""])))
+    evidence = {**_named(silent), "never": never[:SHOWN], "quiet_s": dict(stale[:SHOWN])}
+    return [Finding("silent", severity, cause, evidence,
+                    f"kvctl events tail --zmq <the engine's KV-event endpoint>  (is worker {_first(silent)} "
+                    "publishing at all? check the engine's kv-events config and the endpoint registered)")]
+
+
+# ----- 3. streams: gaps, replays, restarts, decode errors --------------------------------------------------
+
+def check_streams(status: Mapping[str, Any]) -> list[Finding]:
+    streams = status.get("streams") or []
+    findings: list[Finding] = []
+    lost = [(_stream_name(s), s) for s in streams
+            if s.get("lost_batches") or s.get("replays_failed") or s.get("gapped")]
+    if lost:
+        names = [n for n, _ in lost]
+        findings.append(Finding(
+            "streams", Severity.WARNING,
+            f"{len(lost)} stream(s) lost batches that replay could not recover: their index may hold stale "
+            "blocks or miss new ones",
+            {**_named(names), "lost_batches": {n: s.get("lost_batches", 0) for n, s in lost[:SHOWN]},
+             "replays_failed": {n: s.get("replays_failed", 0) for n, s in lost[:SHOWN]},
+             "replay_endpoint": {n: s.get("replay_endpoint") for n, s in lost[:SHOWN]}},
+            f"kvctl router reset --worker {_first(names)} --yes  (resync it; give engines a replay endpoint "
+            "and a larger replay buffer)"))
+    restarted = [(_stream_name(s), s["restarts"]) for s in streams if s.get("restarts")]
+    if restarted:
+        findings.append(Finding(
+            "restarts", Severity.WARNING, f"{len(restarted)} engine(s) restarted; each restart cleared the worker",
+            {**_named([n for n, _ in restarted]), "restarts": dict(restarted[:SHOWN])},
+            "check the engines' logs for crashes or OOM kills; kvctl router status"))
+    broken = [(_stream_name(s), s) for s in streams if s.get("decode_errors")]
+    plane = status.get("event_plane") or {}
+    if broken or plane.get("decode_errors"):
+        errors: dict[str, dict[str, int]] = {n: s["decode_errors"] for n, s in broken[:SHOWN]}
+        if plane.get("decode_errors"):
+            errors["event_plane"] = plane["decode_errors"]
+        findings.append(Finding(
+            "decode", Severity.WARNING,
+            "events that could not be decoded were skipped: an engine speaks a format or version the router "
+            "does not expect",
+            {"decode_errors": errors, "schema_seen": {n: s.get("schema", {}) for n, s in broken[:SHOWN]}},
+            "kvctl events tail --zmq <endpoint>  (see the raw events; compare the schema with the engine's version)"))
+    gaps = sum(s.get("gaps", 0) for s in streams)
+    if not findings:
+        repaired = f", {gaps} gap(s) repaired by replay" if gaps else ""
+        lost_events = plane.get("counts", {}).get("lost_events", 0)
+        if lost_events:
+            findings.append(Finding("streams", Severity.WARNING,
+                                    f"the event plane lost {lost_events} event(s) (event ids skipped)",
+                                    {"event_plane": plane.get("counts", {})},
+                                    "use --jetstream for durable events; kvctl router status"))
+        else:
+            findings.append(Finding("streams", Severity.OK, f"{len(streams)} engine stream(s) whole{repaired}",
+                                    {"gaps": gaps}))
+    return findings
+
+
+def _stream_name(stream: Mapping[str, Any]) -> str:
+    return _name(stream["worker"])
+
+
+# ----- 4. block size -----------------------------------------------------------------------------------------
+
+def check_block_size(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    model_of = {_name(w): w["model"] for w in workers}
+    models = status.get("models", {})
+    wrong: dict[str, dict[str, Any]] = {}
+    for s in status.get("streams") or []:
+        name = _stream_name(s)
+        expected = models.get(model_of.get(name, DEFAULT_MODEL), {}).get("block_size")
+        seen = [b for b in s.get("schema", {}).get("block_sizes", []) if b != expected]
+        if expected is not None and seen:
+            wrong[name] = {"engine": sorted(s["schema"]["block_sizes"]), "router": expected}
+    if not wrong:
+        return [Finding("block_size", Severity.OK, "engines' block sizes match their models'")]
+    names = list(wrong)
+    first = wrong[names[0]]
+    return [Finding(
+        "block_size", Severity.CRITICAL,
+        f"block size mismatch: worker {names[0]} publishes {first['engine']}-token blocks, its model uses "
+        f"{first['router']}: its blocks never match a request, so its overlap is always zero",
+        {**_named(names), "block_sizes": {n: wrong[n] for n in names[:SHOWN]}},
+        f"set the router's --block-size (or the model's block_size) to the engine's {first['engine'][0]}, "
+        "or the engine's to the router's")]
+
+
+# ----- 5. engine hashing ---------------------------------------------------------------------------------------
+
+def check_hashing(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    mismatched = [(_name(w), w["hash_mismatches"]) for w in workers if w.get("hash_mismatches")]
+    missing = [(_name(w), w.get("rejected_events", {}).get("block_not_found", 0)) for w in workers
+               if w.get("rejected_events", {}).get("block_not_found")]
+    if mismatched:
+        names = [n for n, _ in mismatched]
+        return [Finding(
+            "hashing", Severity.CRITICAL,
+            f"non-deterministic engine hashing: {len(names)} worker(s) stored known token paths under other "
+            "block hashes (Dynamo's \"block_hash mismatch\"), so their removals miss and prefixes are not shared",
+            {**_named(names), "mismatched_blocks": dict(mismatched[:SHOWN]),
+             "removals_not_found": dict(missing[:SHOWN])},
+            "give every engine the same hash seed (vLLM: PYTHONHASHSEED, or --prefix-caching-hash-algo "
+            "sha256_cbor); kvctl hash <tokens> shows the hashes the router expects")]
+    if missing:
+        return [Finding(
+            "hashing", Severity.WARNING,
+            f"{len(missing)} worker(s) removed blocks the router never saw stored: events were lost or "
+            "the engine's hashes changed",
+            {**_named([n for n, _ in missing]), "removals_not_found": dict(missing[:SHOWN])},
+            "kvctl router status  (gaps? restarts?); kvctl router reset --worker W --yes to resync")]
+    return [Finding("hashing", Severity.OK, "engines agree on block hashes")]
+
+
+# ----- 6. busy ----------------------------------------------------------------------------------------------
+
+def check_busy(workers: Sequence[Mapping[str, Any]], thresholds: Sequence[Mapping[str, Any]],
+               limits: Limits) -> list[Finding]:
+    set_for = {t["model"]: {k: v for k, v in t.items() if k != "model" and v is not None} for t in thresholds}
+    findings: list[Finding] = []
+    by_model: dict[str, list[Mapping[str, Any]]] = {}
+    for w in workers:
+        by_model.setdefault(w["model"], []).append(w)
+    for model, rows in sorted(by_model.items()):
+        busy = [_name(w) for w in rows if w.get("busy")]
+        loads = {_name(w): {"active_decode_blocks": w.get("active_decode_blocks"),
+                            "active_prefill_tokens": w.get("active_prefill_tokens")} for w in rows[:SHOWN]}
+        if busy and len(busy) == len(rows):
+            findings.append(Finding(
+                "busy", Severity.CRITICAL, f"every worker of {model!r} is busy: its requests are refused (503)",
+                {"thresholds": set_for.get(model, {}), **_named(busy), "loads": loads},
+                f"add capacity, or raise the thresholds: kvctl busy set --model {model} ..."))
+        elif len(busy) > limits.most_busy_share * len(rows):
+            findings.append(Finding(
+                "busy", Severity.WARNING, f"{len(busy)} of {len(rows)} workers of {model!r} are busy",
+                {"thresholds": set_for.get(model, {}), **_named(busy), "loads": loads},
+                f"kvctl workers; kvctl busy get --model {model}"))
+        elif not set_for.get(model):
+            full = [(_name(w), share) for w in rows if (share := _kv_share(w)) is not None
+                    and share >= limits.kv_full_share]
+            if full:
+                findings.append(Finding(
+                    "busy", Severity.WARNING,
+                    f"{len(full)} worker(s) of {model!r} use over {limits.kv_full_share:.0%} of their KV cache "
+                    "and no busy threshold is set: the router keeps sending them work",
+                    {**_named([n for n, _ in full]), "kv_share": dict(full[:SHOWN])},
+                    f"kvctl busy set --model {model} --active-decode-blocks-threshold 0.9"))
+    if not findings:
+        findings.append(Finding("busy", Severity.OK, "no model has most of its workers busy"))
+    return findings
+
+
+def _kv_share(worker: Mapping[str, Any]) -> float | None:
+    total = worker.get("total_blocks")
+    if not total:
+        return None
+    reported = worker.get("reported") or {}
+    used = reported.get("kv_used_blocks")
+    used = used if used is not None else worker.get("active_decode_blocks")
+    return None if used is None else round(used / total, 3)
+
+
+# ----- 7. replicas ---------------------------------------------------------------------------------------------
+
+def check_divergence(peers: Sequence[PeerDiff], limits: Limits) -> list[Finding]:
+    findings = []
+    for peer in peers:
+        share = peer.differing / peer.blocks if peer.blocks else (1.0 if peer.differing else 0.0)
+        if share <= limits.divergence_share:
+            findings.append(Finding("divergence", Severity.OK,
+                                    f"{peer.url} agrees ({peer.differing} of {peer.blocks} blocks differ)",
+                                    {"peer": peer.url, "share": round(share, 4)}))
+            continue
+        differing = [w for w in peer.workers if w["only_a"] or w["only_b"]]
+        findings.append(Finding(
+            "divergence", Severity.WARNING,
+            f"replica {peer.url} disagrees on {share:.1%} of blocks ({peer.differing} of {peer.blocks}): "
+            "the replicas route the same request differently",
+            {"peer": peer.url, "share": round(share, 4), "workers": differing[:SHOWN], "count": len(differing)},
+            f"kvctl tree diff {peer.against} {peer.url} --limit 20  (missed events? replica sync off?)"))
+    return findings
+
+
+# ----- 8. index health -----------------------------------------------------------------------------------------
+
+def check_index(status: Mapping[str, Any], limits: Limits) -> list[Finding]:
+    findings: list[Finding] = []
+    drops = [q for q in status.get("queues") or [] if q.get("dropped_batches")]
+    if drops:
+        findings.append(Finding(
+            "queues", Severity.CRITICAL,
+            "event queues overflowed: batches were dropped, so the index misses blocks",
+            {"queues": drops},
+            "the writer cannot keep up: fewer workers per router, or kvctl router status to see the rate"))
+    for model, stats in sorted((status.get("models") or {}).items()):
+        blocks, nodes = stats.get("blocks", 0), stats.get("nodes", 0)
+        if blocks >= limits.min_blocks_for_shape and nodes / blocks > limits.nodes_per_block:
+            findings.append(Finding(
+                "index", Severity.WARNING,
+                f"model {model!r}: {nodes} nodes for {blocks} blocks: requests share almost no prefixes, so "
+                "the index costs memory and routing gains little",
+                {"model": model, "blocks": blocks, "nodes": nodes, "nodes_per_block": round(nodes / blocks, 3)},
+                "kvctl tree stats  (shared prefixes? per-request salts or LoRA names splitting the tree?)"))
+    if not findings:
+        total = sum(s.get("blocks", 0) for s in (status.get("models") or {}).values())
+        findings.append(Finding("index", Severity.OK, f"index holds {total} blocks; no queue dropped events"))
+    return findings
+
+
+def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
+             thresholds: Sequence[Mapping[str, Any]], peers: Sequence[PeerDiff] = (),
+             limits: Limits | None = None) -> list[Finding]:
+    """Every check, worst first; registration problems make the rest moot, so they come alone."""
+    limits = limits or Limits()
+    registration = check_registration(status, workers)
+    if worst(registration) is Severity.CRITICAL:
+        return registration
+    findings = [*registration, *check_silent(workers, limits), *check_streams(status),
+                *check_block_size(status, workers), *check_hashing(workers),
+                *check_busy(workers, thresholds, limits), *check_divergence(peers, limits),
+                *check_index(status, limits)]
+    return sorted(findings, key=lambda f: -f.severity)

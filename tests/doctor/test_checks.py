@@ -1,0 +1,78 @@
+"""The pure checks on a real router's API objects, altered to the conditions a fleet cannot easily be
+driven into in a test (queue overflow, a 10k-block index without sharing, a model nobody serves)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvctl.core.doctor import Limits, Severity, check_busy, check_hashing, check_index, check_registration, diagnose
+from tests.commands.live_router import loaded_router
+
+Answers = tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Answers]:
+    """/v1/status, /v1/workers and /busy_threshold of a router holding Dynamo's fixture dump."""
+    with loaded_router(Path(tmp_path_factory.mktemp("router"))) as client:
+        yield (client.get("/v1/status").json(), client.get("/v1/workers").json()["workers"],
+               client.get("/busy_threshold").json()["thresholds"])
+
+
+def fresh(answers: Answers) -> Answers:
+    return copy.deepcopy(answers)
+
+
+def test_the_fixture_router_has_no_warning_beyond_silence(answers: Answers) -> None:
+    found = diagnose(*fresh(answers))
+    assert {f.check for f in found if f.severity is not Severity.OK} <= {"silent"}
+
+
+def test_a_model_without_workers_is_a_warning(answers: Answers) -> None:
+    status, workers, _ = fresh(answers)
+    status["models"]["llama"] = {**status["models"]["default"], "blocks": 0}
+    [finding] = check_registration(status, workers)
+    assert finding.severity is Severity.WARNING and finding.evidence["models_without_workers"] == ["llama"]
+
+
+def test_dropped_batches_are_critical(answers: Answers) -> None:
+    status, _, _ = fresh(answers)
+    status["queues"] = [{"model": "default", "queued": 0, "capacity": 4096, "dropped_batches": 3,
+                         "dropped_events": 40}]
+    [finding] = check_index(status, Limits())
+    assert finding.check == "queues" and finding.severity is Severity.CRITICAL
+
+
+def test_an_index_without_shared_prefixes_is_a_warning_only_when_large(answers: Answers) -> None:
+    status, _, _ = fresh(answers)
+    status["models"]["default"].update(blocks=20_000, nodes=19_000)
+    [finding] = check_index(status, Limits())
+    assert finding.severity is Severity.WARNING and finding.evidence["nodes_per_block"] == 0.95
+    status["models"]["default"].update(blocks=900, nodes=900)
+    assert check_index(status, Limits())[0].severity is Severity.OK
+
+
+def test_most_workers_busy_warns_and_a_full_cache_without_thresholds_warns(answers: Answers) -> None:
+    _, workers, thresholds = fresh(answers)
+    for w in workers[:3]:
+        w["busy"] = True
+    [finding] = check_busy(workers, thresholds, Limits())
+    assert finding.severity is Severity.WARNING and finding.evidence["count"] == 3
+    for w in workers:
+        w["busy"] = False
+    workers[0].update(total_blocks=100, active_decode_blocks=95)
+    [finding] = check_busy(workers, thresholds, Limits())
+    assert finding.severity is Severity.WARNING and "no busy threshold" in finding.cause
+    assert finding.evidence["kv_share"] == {f"{workers[0]['worker_id']}:0": 0.95}
+
+
+def test_removals_of_unknown_blocks_without_a_hash_mismatch_point_at_lost_events(answers: Answers) -> None:
+    _, workers, _ = fresh(answers)
+    workers[1]["rejected_events"] = {"block_not_found": 7}
+    [finding] = check_hashing(workers)
+    assert finding.severity is Severity.WARNING and finding.evidence["removals_not_found"] == {"2:0": 7}

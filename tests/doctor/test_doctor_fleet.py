@@ -1,0 +1,124 @@
+"""`kvctl doctor` against a real router and real mock engines: each fault knob, named as its cause."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvctl.client import calls
+from kvctl.mock.engine import Faults
+from tests.commands.live_router import free_port_url
+from tests.doctor.rig import BASE, Rig, doctor, engines_behind_router, eventually, findings
+from tests.server.test_serve_process import serving
+
+
+def severities(report: dict[str, object]) -> set[str]:
+    return {f["severity"] for f in report["findings"]}  # type: ignore[attr-defined]
+
+
+async def test_a_healthy_fleet_is_ok(tmp_path: Path) -> None:
+    async with engines_behind_router(tmp_path) as rig:
+        await rig.load()
+        await rig.until(lambda ws: all(w["blocks"] for w in ws), "every engine's blocks")
+        code, report = await rig.doctor()
+    assert "CRITICAL" not in severities(report) and "WARNING" not in severities(report), report
+    assert code == 0 and report["status"] == "OK"
+    assert {f["check"] for f in report["findings"]} >= {"workers", "silent", "streams", "block_size", "hashing",
+                                                        "busy", "index"}
+
+
+def test_an_unreachable_router_is_critical_and_named() -> None:
+    url = free_port_url()
+    code, report = doctor(url)
+    [finding] = report["findings"]
+    assert code == 2 and finding["check"] == "router" and url in finding["cause"]
+
+
+def test_a_router_without_workers_is_critical(tmp_path: Path) -> None:
+    with serving(tmp_path, "--no-restore") as (_, client):
+        code, report = doctor(str(client.base_url).rstrip("/"))
+    [finding] = report["findings"]
+    assert code == 2 and finding["check"] == "workers" and "no workers" in finding["cause"]
+
+
+async def test_a_silent_engine_is_named(tmp_path: Path) -> None:
+    async with engines_behind_router(tmp_path, faults=Faults(silent=True), fault_engines=[0]) as rig:
+        await rig.load()
+        await rig.until(lambda ws: sum(bool(w["blocks"]) for w in ws) == 2, "the other engines' blocks")
+        code, report = await rig.doctor()
+    [finding] = findings(report, "silent")
+    assert code == 1 and finding["severity"] == "WARNING"
+    assert finding["evidence"]["never"] == ["1:0"] and "1 of 3 workers silent" in finding["cause"]
+
+
+async def test_a_block_size_mismatch_is_critical(tmp_path: Path) -> None:
+    async with engines_behind_router(tmp_path, faults=Faults(block_size=32), fault_engines=[1]) as rig:
+        await rig.load()
+        await rig.until(lambda ws: all(w["blocks"] for w in ws), "every engine's blocks")
+        code, report = await rig.doctor()
+    [finding] = findings(report, "block_size")
+    assert code == 2 and finding["severity"] == "CRITICAL"
+    assert finding["evidence"]["block_sizes"] == {"2:0": {"engine": [32], "router": 16}}
+
+
+async def test_engines_hashing_differently_are_named(tmp_path: Path) -> None:
+    async with engines_behind_router(tmp_path, faults=Faults(nondeterministic_hash=True)) as rig:
+        await rig.load()
+        await rig.until(lambda ws: any(w["hash_mismatches"] for w in ws), "a hash mismatch")
+        code, report = await rig.doctor()
+    [finding] = findings(report, "hashing")
+    assert code == 2 and finding["severity"] == "CRITICAL" and "non-deterministic" in finding["cause"]
+    assert finding["evidence"]["count"] >= 1 and all(n > 0 for n in finding["evidence"]["mismatched_blocks"].values())
+
+
+async def test_batches_lost_without_a_replay_endpoint_are_named(tmp_path: Path) -> None:
+    async with engines_behind_router(tmp_path, faults=Faults(drop_every=3), fault_engines=[0], replay=False) as rig:
+        await rig.load()
+        await eventually(lambda: _stream_of(rig, 1, lambda s: s["lost_batches"] > 0), "a lost batch")
+        code, report = await rig.doctor()
+    [finding] = findings(report, "streams")
+    assert code == 1 and finding["severity"] == "WARNING" and finding["evidence"]["workers"] == ["1:0"]
+    assert finding["evidence"]["replay_endpoint"] == {"1:0": None} and "router reset --worker 1" in finding["next_step"]
+
+
+async def test_gaps_that_replay_repairs_are_not_a_problem(tmp_path: Path) -> None:
+    async with engines_behind_router(tmp_path, faults=Faults(drop_every=3), fault_engines=[0]) as rig:
+        await rig.load()
+        await eventually(lambda: _stream_of(rig, 1, lambda s: s["replays_ok"] > 0), "a repaired gap")
+        code, report = await rig.doctor()
+    [finding] = findings(report, "streams")
+    assert code == 0 and finding["severity"] == "OK" and "repaired by replay" in finding["cause"]
+
+
+async def test_an_engine_restart_is_named(tmp_path: Path) -> None:
+    async with engines_behind_router(tmp_path, faults=Faults(restart_after=0.5), fault_engines=[2]) as rig:
+        await rig.load()
+        await asyncio.sleep(0.7)
+        await rig.load()
+        await eventually(lambda: _stream_of(rig, 3, lambda s: s["restarts"] > 0), "the restart seen")
+        code, report = await rig.doctor()
+    [finding] = findings(report, "restarts")
+    assert code == 1 and finding["evidence"]["restarts"] == {"3:0": 1}
+
+
+async def test_a_fleet_that_is_all_busy_is_critical_and_names_the_threshold(tmp_path: Path) -> None:
+    slow = replace(BASE, prefill_us_per_token=3_000.0)  # ~0.3 s of prefill per request: load piles up
+    async with engines_behind_router(tmp_path, base=slow) as rig:
+        await rig.router.send(calls.set_busy_thresholds("default", {"active_prefill_tokens_threshold": 1}))
+        load = asyncio.create_task(rig.load(requests=30, concurrency=6))
+        try:
+            await rig.until(lambda ws: all(w["busy"] for w in ws), "every worker busy")
+            code, report = await rig.doctor()
+        finally:
+            await load  # to the end: a cancelled load would leave engine streams open
+    [finding] = findings(report, "busy")
+    assert code == 2 and finding["severity"] == "CRITICAL" and "every worker" in finding["cause"]
+    assert finding["evidence"]["thresholds"] == {"active_prefill_tokens_threshold": 1}
+
+
+async def _stream_of(rig: Rig, worker_id: int, predicate: Callable[[dict[str, Any]], bool]) -> bool:
+    status = await rig.status()
+    return any(predicate(s) for s in status["streams"] if s["worker"]["worker_id"] == worker_id)

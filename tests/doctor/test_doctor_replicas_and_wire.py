@@ -1,0 +1,59 @@
+"""`kvctl doctor` on what one fleet cannot show: a second router that disagrees, an engine speaking garbage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import zmq.asyncio
+
+from tests.commands.live_router import DUMP
+from tests.doctor.rig import doctor, findings
+from tests.server.test_serve_process import serving
+from tests.server.zmq_engine import Engine
+
+
+def _load(client: object, body: str) -> None:
+    answer = client.post("/v1/events", content=body, headers={"content-type": "application/x-ndjson"})  # type: ignore[attr-defined]
+    assert answer.json()["rejected"] == {}
+
+
+def test_a_replica_that_missed_events_is_named_and_an_equal_one_is_ok(tmp_path: Path) -> None:
+    extra = json.loads(DUMP.splitlines()[0])
+    extra["worker_id"] = 77  # the same blocks on a worker only replica B heard of
+    with serving(tmp_path / "a", "--no-restore") as (_, a), serving(tmp_path / "b", "--no-restore") as (_, b), \
+            serving(tmp_path / "c", "--no-restore") as (_, c):
+        for client in (a, b, c):
+            _load(client, DUMP)
+        _load(b, json.dumps(extra))
+        url = str(a.base_url).rstrip("/")
+        peer_b, peer_c = str(b.base_url).rstrip("/"), str(c.base_url).rstrip("/")
+        code, report = doctor(url, "--peer", peer_b, "--peer", peer_c)
+    by_peer = {f["evidence"]["peer"]: f for f in findings(report, "divergence")}
+    assert code == 1 and by_peer[peer_c]["severity"] == "OK"
+    diverged = by_peer[peer_b]
+    assert diverged["severity"] == "WARNING" and [w["worker"] for w in diverged["evidence"]["workers"]] == ["77:0"]
+    assert diverged["evidence"]["workers"][0]["only_b"] > 0 and f"tree diff {url} {peer_b}" in diverged["next_step"]
+
+
+async def test_an_engine_sending_undecodable_batches_is_named_with_its_schema(tmp_path: Path) -> None:
+    ctx = zmq.asyncio.Context()
+    engine = Engine(ctx)
+    try:
+        with serving(tmp_path, "--no-restore") as (_, client):
+            assert client.post("/v1/workers", json={"worker_id": 5, "endpoint": engine.endpoint}).status_code == 201
+            await engine.subscribed()
+            for seq in range(3):
+                await engine.publish(seq, b"\xc1 not msgpack")
+            url = str(client.base_url).rstrip("/")
+            for _ in range(100):
+                code, report = doctor(url)
+                if findings(report, "decode"):
+                    break
+    finally:
+        await engine.close()
+        ctx.term()
+    [finding] = findings(report, "decode")
+    assert finding["severity"] == "WARNING" and finding["evidence"]["decode_errors"] == {"5:0": {"bad_msgpack": 3}}
+    [silent] = findings(report, "silent")  # nothing it sent could be used: the only worker never delivered
+    assert code == 2 and silent["severity"] == "CRITICAL" and silent["evidence"]["never"] == ["5:0"]
