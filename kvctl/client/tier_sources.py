@@ -7,6 +7,7 @@ the math is the same whichever source was used. Transport failures become kvctl 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -124,6 +125,12 @@ class Scraper:
             now, after = self._timed(url, clock)
             windows.append(Window(urlsplit(url).netloc, now - started, increases(before, after)))
         return windows
+
+    def since_start(self) -> list[Window]:
+        """Each endpoint's counters since it started, from one scrape: ratios of counters over the whole
+        life of an engine ("has the router ever predicted a hit?"). The window's length is unknown, so it
+        is infinite: rates read 0 and must not be shown."""
+        return [Window(urlsplit(url).netloc, math.inf, increases((), self.scrape(url))) for url in self.urls]
 
     def _timed(self, url: str, clock: Callable[[], float]) -> tuple[float, list[Sample]]:
         """A scrape and its moment: the middle of the request, as a new connection's setup would skew its start."""

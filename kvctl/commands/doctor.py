@@ -48,6 +48,10 @@ def doctor_command(
         "--silent-after", min=0, help="Seconds without events before a worker counts as silent.")] = 60.0,
     divergence: Annotated[float, typer.Option(
         "--divergence", min=0, max=1, help="Share of blocks replicas may differ by (events in flight).")] = 0.01,
+    metrics: Annotated[list[str] | None, typer.Option(
+        "--metrics", show_default=False,
+        help="An engine's /metrics (repeatable): compare its prefix-cache hit rate with the router's "
+             "prediction.")] = None,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -65,7 +69,8 @@ def doctor_command(
                             f"is `kvctl serve` running there? (--server / KVCTL_SERVER); curl {url}/healthz")]
     else:
         diffs, unreachable = _peers(ctx, peer or [])
-        findings = [*diagnose(status, workers, thresholds, diffs, limits), *unreachable]
+        hit_rates = _hit_rates(ctx, metrics) if metrics else None
+        findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates), *unreachable]
     status = worst(findings)
     report = {"server": url, "status": status.name, "findings": [f.as_dict() for f in findings]}
     out.emit(report, _VIEW)
@@ -116,3 +121,25 @@ def _peers(ctx: typer.Context, urls: list[str]) -> tuple[list[Any], list[Any]]:
         differing = sum(w["only_a"] + w["only_b"] for w in summary)
         diffs.append(PeerDiff(url, settings.server, blocks, differing, summary))
     return diffs, unreachable
+
+
+def _hit_rates(ctx: typer.Context, urls: list[str]) -> list[Any]:
+    """Engines' device prefix-cache hit rates and the router's mean predicted hit rate, since each started."""
+    from kvctl.client.tier_sources import Auth, Scraper
+    from kvctl.core.doctor import Finding, Severity, check_hit_rates
+    from kvctl.core.tiers import hit_rates, report
+    from kvctl.errors import KvctlError
+
+    settings = settings_for(ctx)
+    router = settings.server.rstrip("/") + "/metrics"
+    try:  # the router's token goes to the router only, never to the engines
+        with Scraper([router], auth=Auth(token=settings.token), timeout=settings.timeout) as own, \
+                Scraper(urls, auth=Auth(), timeout=settings.timeout) as theirs:
+            mine, engines = report(own.since_start()), report(theirs.since_start())
+    except KvctlError as exc:
+        return [Finding("hit_rate", Severity.UNKNOWN, f"metrics not read: {exc.message}", {},
+                        "kvctl tiers --metrics URL  (is each engine's /metrics reachable?)")]
+    predicted = [r.value for r in mine.readings if r.metric == "predicted_hit_rate"]
+    return check_hit_rates({r.instance: r.value for r in hit_rates(engines, "device") if r.value is not None},
+                           predicted[0] if predicted else None)
+

@@ -19,7 +19,7 @@ SHOWN = 8
 
 
 class Severity(IntEnum):
-    """Nagios' order, so the worst finding is the exit code."""
+    """Nagios' statuses, valued as its exit codes; `worst` ranks them."""
 
     OK = 0
     WARNING = 1
@@ -61,8 +61,12 @@ class PeerDiff:
     workers: list[dict[str, Any]]
 
 
+_RANK = {Severity.OK: 0, Severity.UNKNOWN: 1, Severity.WARNING: 2, Severity.CRITICAL: 3}
+"""A known problem outranks a check that could not run; UNKNOWN outranks OK."""
+
+
 def worst(findings: Iterable[Finding]) -> Severity:
-    return max((f.severity for f in findings), default=Severity.OK)
+    return max((f.severity for f in findings), key=_RANK.__getitem__, default=Severity.OK)
 
 
 def _name(row: Mapping[str, Any]) -> str:
@@ -195,6 +199,31 @@ def check_block_size(status: Mapping[str, Any], workers: Sequence[Mapping[str, A
         "or the engine's to the router's")]
 
 
+def check_hit_rates(engines: Mapping[str, float], predicted: float | None, *,
+                    zero: float = 0.05, high: float = 0.3) -> list[Finding]:
+    """Engines' own prefix-cache hit rates against the router's predicted hit rate (both since start).
+
+    Engines that find their prefixes cached while the router predicts no overlap means the router's
+    blocks never match the engines' (block size, hash seed, LoRA or salt): it routes blind."""
+    if not engines:
+        return [Finding("hit_rate", Severity.UNKNOWN, "no engine prefix-cache hit rate in the metrics given",
+                        {}, "kvctl tiers --metrics URL  (which families do the engines expose?)")]
+    mean = round(sum(engines.values()) / len(engines), 3)
+    evidence = {"engines": {k: round(v, 3) for k, v in list(engines.items())[:SHOWN]}, "engines_mean": mean,
+                "router_predicted": None if predicted is None else round(predicted, 3)}
+    if predicted is None:
+        return [Finding("hit_rate", Severity.UNKNOWN, "the router has routed nothing yet: no prediction to compare",
+                        evidence, "kvctl route TOKENS --explain")]
+    if predicted < zero and mean >= high:
+        return [Finding(
+            "hit_rate", Severity.CRITICAL,
+            f"the router predicts {predicted:.0%} cache hits while engines hit {mean:.0%} of prompt tokens: "
+            "router and engines disagree on blocks, so routing ignores the cache",
+            evidence, "kvctl doctor's block_size and hashing findings; kvctl hash TOKENS vs the engine's hashes")]
+    return [Finding("hit_rate", Severity.OK,
+                    f"router predicts {predicted:.0%} hits, engines hit {mean:.0%}", evidence)]
+
+
 # ----- 5. engine hashing ---------------------------------------------------------------------------------------
 
 def check_hashing(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
@@ -318,8 +347,9 @@ def check_index(status: Mapping[str, Any], limits: Limits) -> list[Finding]:
 
 def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
              thresholds: Sequence[Mapping[str, Any]], peers: Sequence[PeerDiff] = (),
-             limits: Limits | None = None) -> list[Finding]:
-    """Every check, worst first; registration problems make the rest moot, so they come alone."""
+             limits: Limits | None = None, hit_rates: list[Finding] | None = None) -> list[Finding]:
+    """Every check, worst first; registration problems make the rest moot, so they come alone.
+    `hit_rates`: `check_hit_rates`' finding, when engines' metrics were read."""
     limits = limits or Limits()
     registration = check_registration(status, workers)
     if worst(registration) is Severity.CRITICAL:
@@ -327,5 +357,5 @@ def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
     findings = [*registration, *check_silent(workers, limits), *check_streams(status),
                 *check_block_size(status, workers), *check_hashing(workers),
                 *check_busy(workers, thresholds, limits), *check_divergence(peers, limits),
-                *check_index(status, limits)]
-    return sorted(findings, key=lambda f: -f.severity)
+                *check_index(status, limits), *(hit_rates or [])]
+    return sorted(findings, key=lambda f: -_RANK[f.severity])

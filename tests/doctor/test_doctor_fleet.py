@@ -122,3 +122,21 @@ async def test_a_fleet_that_is_all_busy_is_critical_and_names_the_threshold(tmp_
 async def _stream_of(rig: Rig, worker_id: int, predicate: Callable[[dict[str, Any]], bool]) -> bool:
     status = await rig.status()
     return any(predicate(s) for s in status["streams"] if s["worker"]["worker_id"] == worker_id)
+
+
+async def test_engines_hitting_their_cache_while_the_router_predicts_none_is_critical(tmp_path: Path) -> None:
+    async with engines_behind_router(tmp_path, faults=Faults(block_size=32)) as rig:  # every engine: 32
+        await rig.load()
+        await rig.until(lambda ws: all(w["blocks"] for w in ws), "every engine's blocks")
+        code, report = await rig.doctor(*(arg for e in rig.fleet.engines for arg in ("--metrics", e.url)))
+    [finding] = findings(report, "hit_rate")
+    assert code == 2 and finding["severity"] == "CRITICAL"
+    assert finding["evidence"]["router_predicted"] == 0 and finding["evidence"]["engines_mean"] >= 0.3
+
+
+async def test_a_healthy_fleet_s_hit_rates_agree(tmp_path: Path) -> None:
+    async with engines_behind_router(tmp_path) as rig:
+        await rig.load()
+        code, report = await rig.doctor(*(arg for e in rig.fleet.engines for arg in ("--metrics", e.url)))
+    [finding] = findings(report, "hit_rate")
+    assert finding["severity"] == "OK" and finding["evidence"]["router_predicted"] > 0
