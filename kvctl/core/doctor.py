@@ -48,6 +48,7 @@ class Limits:
     divergence_share: float = 0.01  # replicas may differ by this share of blocks (events in flight)
     nodes_per_block: float = 0.75  # an index with almost a node per block shares no prefixes
     min_blocks_for_shape: int = 10_000  # below this, the node/block ratio says nothing
+    near_cap: float = 0.9  # approximate mode: blocks as a share of --max-tree-size
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,11 @@ def check_registration(status: Mapping[str, Any], workers: Sequence[Mapping[str,
 
 # ----- 2. silent workers ----------------------------------------------------------------------------------
 
-def check_silent(workers: Sequence[Mapping[str, Any]], limits: Limits) -> list[Finding]:
+def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]], limits: Limits) -> list[Finding]:
+    approximate = {m for m, stats in (status.get("models") or {}).items() if stats.get("approximate")}
+    workers = [w for w in workers if w["model"] not in approximate]  # they publish no events, by design
+    if not workers:
+        return [Finding("silent", Severity.OK, "approximate mode: the router indexes its own routes, not events")]
     never = [_name(w) for w in workers if w.get("last_event_age_s") is None]
     stale = [(_name(w), w["last_event_age_s"]) for w in workers
              if w.get("last_event_age_s") is not None and w["last_event_age_s"] > limits.silent_after_s]
@@ -332,6 +337,14 @@ def check_index(status: Mapping[str, Any], limits: Limits) -> list[Finding]:
             "the writer cannot keep up: fewer workers per router, or kvctl router status to see the rate"))
     for model, stats in sorted((status.get("models") or {}).items()):
         blocks, nodes = stats.get("blocks", 0), stats.get("nodes", 0)
+        cap = (stats.get("approximate") or {}).get("max_tree_size")
+        if cap and blocks >= limits.near_cap * cap:
+            findings.append(Finding(
+                "index", Severity.WARNING,
+                f"model {model!r}: {blocks} blocks, {blocks / cap:.0%} of the approximate-mode cap {cap}: "
+                "pruning keeps evicting what the router learnt from its own routes",
+                {"model": model, "blocks": blocks, "max_tree_size": cap},
+                "raise --max-tree-size, or lower --router-ttl so blocks expire before the cap prunes them"))
         if blocks >= limits.min_blocks_for_shape and nodes / blocks > limits.nodes_per_block:
             findings.append(Finding(
                 "index", Severity.WARNING,
@@ -354,7 +367,7 @@ def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
     registration = check_registration(status, workers)
     if worst(registration) is Severity.CRITICAL:
         return registration
-    findings = [*registration, *check_silent(workers, limits), *check_streams(status),
+    findings = [*registration, *check_silent(status, workers, limits), *check_streams(status),
                 *check_block_size(status, workers), *check_hashing(workers),
                 *check_busy(workers, thresholds, limits), *check_divergence(peers, limits),
                 *check_index(status, limits), *(hit_rates or [])]

@@ -286,6 +286,9 @@ class Fleet:
                 "workers": {f"{w[0]}:{w[1]}": n for w, n in sorted(device.workers.items())},
                 "tiers": {t.value: {"blocks": s.blocks, "nodes": s.nodes} for t, s in tiers.items()},
             }
+            if self.approx is not None:  # the cap the index is pruned at: blocks near it mean churn
+                out[name]["approximate"] = {"max_tree_size": self.approx.max_tree_size, "ttl_s": self.approx.ttl_s,
+                                            "prune_target_ratio": self.approx.prune_target_ratio}
         return {"models": out}
 
     def reset(self, model: str | None, worker_id: int | None, dp_rank: int | None) -> dict[str, Any]:

@@ -57,3 +57,16 @@ async def test_an_engine_sending_undecodable_batches_is_named_with_its_schema(tm
     assert finding["severity"] == "WARNING" and finding["evidence"]["decode_errors"] == {"5:0": {"bad_msgpack": 3}}
     [silent] = findings(report, "silent")  # nothing it sent could be used: the only worker never delivered
     assert code == 2 and silent["severity"] == "CRITICAL" and silent["evidence"]["never"] == ["5:0"]
+
+
+def test_an_approximate_index_at_its_cap_is_named(tmp_path: Path) -> None:
+    with serving(tmp_path, "--no-restore", "--approximate", "--max-tree-size", "100") as (_, client):
+        for worker_id in (1, 2):
+            assert client.post("/v1/workers", json={"worker_id": worker_id}).status_code == 201
+        for n in range(46):  # 2 blocks a route: 92 of the 100 (worker, block) pairs the cap allows
+            request = {"token_ids": [n * 1000 + t for t in range(32)], "request_id": f"r{n}", "reserve": True}
+            assert client.post("/v1/route", json=request).status_code == 200
+            client.delete(f"/v1/requests/r{n}")
+        code, report = doctor(str(client.base_url).rstrip("/"))
+    [finding] = [f for f in findings(report, "index") if "approximate-mode cap" in f["cause"]]
+    assert code == 1 and finding["evidence"] == {"model": "default", "blocks": 92, "max_tree_size": 100}
