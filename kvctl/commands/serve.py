@@ -142,6 +142,9 @@ def serve_command(
     request_expiry: Annotated[float, typer.Option("--request-expiry", envvar="KVCTL_REQUEST_EXPIRY",
                                                   help="Force-free in-flight requests older than this (s).")]
     = 300.0,
+    queue_batches: Annotated[int, typer.Option(
+        "--queue-batches", envvar="KVCTL_QUEUE_BATCHES", min=1,
+        help="Decoded batches a model's writer may hold; beyond, batches are dropped and counted.")] = 10_000,
     nats_url: Annotated[str | None, typer.Option(
         "--nats", envvar="KVCTL_NATS", show_default=False, rich_help_panel=PANEL,
         help="Follow a Dynamo event plane on this NATS server (nats://HOST:PORT).")] = None,
@@ -224,7 +227,7 @@ def serve_command(
         raise UsageError("--shadow, --jetstream and --replica-sync need --nats URL")
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
-                           request_expiry, models, nats)
+                           request_expiry, models, nats, queue_batches)
     import asyncio
 
     try:

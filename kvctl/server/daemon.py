@@ -28,7 +28,7 @@ from kvctl.server import snapshot
 from kvctl.server.api import create_app
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet, WorkerInfo
-from kvctl.server.streams import Streams
+from kvctl.server.streams import QUEUE_BATCHES, Streams
 
 log = logging.getLogger("kvctl.serve")
 TICK_S = 1.0
@@ -68,6 +68,7 @@ class ServeOptions:
     request_expiry_s: float = EXPIRY_S
     models: list[Any] = field(default_factory=list)  # config_file.ModelSpec, declared before anything else
     nats: NatsOptions | None = None  # follow a Dynamo event plane
+    queue_batches: int = QUEUE_BATCHES  # decoded batches a model's writer holds before dropping (counted)
 
 
 def is_loopback(host: str) -> bool:
@@ -134,7 +135,7 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
             fleet.thresholds.set(spec.name, **spec.thresholds)
     _load_state(fleet, options)
     tune_gc()
-    streams = Streams(fleet)
+    streams = Streams(fleet, queue_batches=options.queue_batches)
     plane = EventPlane(fleet, streams, options.nats) if options.nats is not None else None
     app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane)
     sock = bind(options.host, options.port)

@@ -1,4 +1,5 @@
-"""`kvctl doctor` on what one fleet cannot show: a second router that disagrees, an engine speaking garbage."""
+"""`kvctl doctor` on what a mock fleet cannot show: diverging replicas, garbage on the wire, an overflowing
+queue, an approximate index at its cap, a declared model nobody serves."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import zmq.asyncio
 
 from tests.commands.live_router import DUMP
 from tests.doctor.rig import doctor, findings
+from tests.fixtures_path import FIXTURES
 from tests.server.test_serve_process import serving
 from tests.server.zmq_engine import Engine
+
+VLLM = FIXTURES / "vllm-0.33"
+PAYLOADS = [(VLLM / m["file"]).read_bytes() for m in json.loads((VLLM / "manifest.json").read_text())["messages"]]
 
 
 def _load(client: object, body: str) -> None:
@@ -70,3 +75,35 @@ def test_an_approximate_index_at_its_cap_is_named(tmp_path: Path) -> None:
         code, report = doctor(str(client.base_url).rstrip("/"))
     [finding] = [f for f in findings(report, "index") if "approximate-mode cap" in f["cause"]]
     assert code == 1 and finding["evidence"] == {"model": "default", "blocks": 92, "max_tree_size": 100}
+
+
+async def test_a_writer_queue_that_overflows_is_critical(tmp_path: Path) -> None:
+    ctx = zmq.asyncio.Context()
+    engine = Engine(ctx)
+    try:
+        with serving(tmp_path, "--no-restore", "--queue-batches", "1") as (_, client):
+            assert client.post("/v1/workers", json={"worker_id": 5, "endpoint": engine.endpoint}).status_code == 201
+            await engine.subscribed()
+            for seq in range(2_000):  # a burst the writer cannot take one batch at a time
+                await engine.publish(seq, PAYLOADS[seq % len(PAYLOADS)])
+            url = str(client.base_url).rstrip("/")
+            for _ in range(100):
+                code, report = doctor(url)
+                if findings(report, "queues"):
+                    break
+    finally:
+        await engine.close()
+        ctx.term()
+    [finding] = findings(report, "queues")
+    assert code == 2 and finding["severity"] == "CRITICAL"
+    assert finding["evidence"]["queues"][0]["dropped_batches"] > 0 and finding["evidence"]["queues"][0]["capacity"] == 1
+
+
+def test_a_declared_model_without_workers_is_named(tmp_path: Path) -> None:
+    config = tmp_path / "serve.toml"
+    config.write_text('[[models]]\nname = "llama"\nblock_size = 32\n')
+    with serving(tmp_path, "--no-restore", "--config", str(config)) as (_, client):
+        _load(client, DUMP)  # the default model's workers
+        code, report = doctor(str(client.base_url).rstrip("/"))
+    [finding] = findings(report, "workers")
+    assert code == 1 and finding["severity"] == "WARNING" and finding["evidence"]["models_without_workers"] == ["llama"]
