@@ -3,8 +3,10 @@ queue, an approximate index at its cap, a declared model nobody serves."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import zmq.asyncio
 
@@ -41,23 +43,30 @@ def test_a_replica_that_missed_events_is_named_and_an_equal_one_is_ok(tmp_path: 
     assert diverged["evidence"]["workers"][0]["only_b"] > 0 and f"tree diff {url} {peer_b}" in diverged["next_step"]
 
 
-async def test_an_engine_sending_undecodable_batches_is_named_with_its_schema(tmp_path: Path) -> None:
+async def doctor_after_publishing(tmp_path: Path, payloads: list[bytes], finding: str,
+                                  *serve_args: str) -> tuple[int, dict[str, Any]]:
+    """A router subscribed to one real ZMQ engine (worker 5) that publishes `payloads`; doctor is run until
+    it reports `finding` (the router takes the burst in its own time)."""
     ctx = zmq.asyncio.Context()
     engine = Engine(ctx)
     try:
-        with serving(tmp_path, "--no-restore") as (_, client):
+        with serving(tmp_path, "--no-restore", *serve_args) as (_, client):
             assert client.post("/v1/workers", json={"worker_id": 5, "endpoint": engine.endpoint}).status_code == 201
             await engine.subscribed()
-            for seq in range(3):
-                await engine.publish(seq, b"\xc1 not msgpack")
-            url = str(client.base_url).rstrip("/")
+            for seq, payload in enumerate(payloads):
+                await engine.publish(seq, payload)
             for _ in range(100):
-                code, report = doctor(url)
-                if findings(report, "decode"):
-                    break
+                code, report = await asyncio.to_thread(doctor, str(client.base_url).rstrip("/"))
+                if findings(report, finding):
+                    return code, report
+            raise AssertionError(f"doctor never reported {finding!r}: {report}")
     finally:
         await engine.close()
         ctx.term()
+
+
+async def test_an_engine_sending_undecodable_batches_is_named_with_its_schema(tmp_path: Path) -> None:
+    code, report = await doctor_after_publishing(tmp_path, [b"\xc1 not msgpack"] * 3, "decode")
     [finding] = findings(report, "decode")
     assert finding["severity"] == "WARNING" and finding["evidence"]["decode_errors"] == {"5:0": {"bad_msgpack": 3}}
     [silent] = findings(report, "silent")  # nothing it sent could be used: the only worker never delivered
@@ -78,22 +87,8 @@ def test_an_approximate_index_at_its_cap_is_named(tmp_path: Path) -> None:
 
 
 async def test_a_writer_queue_that_overflows_is_critical(tmp_path: Path) -> None:
-    ctx = zmq.asyncio.Context()
-    engine = Engine(ctx)
-    try:
-        with serving(tmp_path, "--no-restore", "--queue-batches", "1") as (_, client):
-            assert client.post("/v1/workers", json={"worker_id": 5, "endpoint": engine.endpoint}).status_code == 201
-            await engine.subscribed()
-            for seq in range(2_000):  # a burst the writer cannot take one batch at a time
-                await engine.publish(seq, PAYLOADS[seq % len(PAYLOADS)])
-            url = str(client.base_url).rstrip("/")
-            for _ in range(100):
-                code, report = doctor(url)
-                if findings(report, "queues"):
-                    break
-    finally:
-        await engine.close()
-        ctx.term()
+    burst = [PAYLOADS[n % len(PAYLOADS)] for n in range(2_000)]  # more than a 1-batch queue takes at once
+    code, report = await doctor_after_publishing(tmp_path, burst, "queues", "--queue-batches", "1")
     [finding] = findings(report, "queues")
     assert code == 2 and finding["severity"] == "CRITICAL"
     assert finding["evidence"]["queues"][0]["dropped_batches"] > 0 and finding["evidence"]["queues"][0]["capacity"] == 1
