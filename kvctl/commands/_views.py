@@ -18,19 +18,6 @@ def worker_name(worker_id: int, dp_rank: int) -> str:
     return f"{worker_id}:{dp_rank}"
 
 
-def age(seconds: float | None) -> str | None:
-    """An age as a person reads it at a glance (`45s`, `12m3s`, `2h5m`); None (shown `-`) for never."""
-    if seconds is None:
-        return None
-    if seconds < 60:
-        return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes}m"
-
-
 def counts(by_kind: Mapping[str, int] | None) -> str | None:
     """A counter map as `kind=n, …` (only non-zero kinds); None (shown `-`) when nothing was counted."""
     shown = [f"{kind}={n}" for kind, n in sorted((by_kind or {}).items()) if n]

@@ -11,10 +11,11 @@ from typing import Annotated, Any
 import typer
 
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
-from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, age, counts, number, worker_name
+from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number, worker_name
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
 from kvctl.errors import UsageError
 from kvctl.output import Column, Output, OutputFormat, View
+from kvctl.output.words import age, stream_state
 
 app = typer.Typer(help="Reset a router's state, or show the health of its event streams.", no_args_is_help=True)
 
@@ -43,20 +44,10 @@ _RESET_VIEW = View(
 )
 
 
-def _stream_state(stream: dict[str, Any]) -> str:
-    """One word for a stream: replaying a gap, gapped (lost events since it started), waiting (no message
-    yet) or ok."""
-    if stream.get("replaying"):
-        return "replaying"
-    if stream.get("gapped"):
-        return "gapped"
-    return "ok" if stream.get("messages") else "waiting"
-
-
 def _stream_row(stream: dict[str, Any]) -> dict[str, Any]:
     worker = stream["worker"]
     return {**stream, **worker, NAME_KEY: worker_name(worker["worker_id"], worker["dp_rank"]),
-            "state": _stream_state(stream), "decode_errors": counts(stream.get("decode_errors")),
+            "state": stream_state(stream), "decode_errors": counts(stream.get("decode_errors")),
             "events_per_s": number(stream.get("events_per_s")), "last_event_age": age(stream.get("last_event_age_s"))}
 
 

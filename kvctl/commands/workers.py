@@ -11,9 +11,10 @@ from typing import Annotated, Any
 import typer
 
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, router_client
-from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, age, worker_name
+from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, worker_name
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
 from kvctl.output import Column, View
+from kvctl.output.words import age
 
 HELP = "List a router's workers: blocks held, active load, busy flag, last event age. (read-only)"
 EXAMPLES = (

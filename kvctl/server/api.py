@@ -10,8 +10,10 @@ import asyncio
 import hmac
 import json
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
@@ -289,9 +291,12 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    started = clock()
+
     @app.get("/v1/status")
     async def status() -> Response:
-        return _json({"version": __version__, "models": fleet.stats()["models"],
+        return _json({"version": __version__, "uptime_s": round(clock() - started, 3), "rss_bytes": rss_bytes(),
+                      "models": fleet.stats()["models"],
                       "streams": streams.status() if streams is not None else [],
                       "queues": streams.queues() if streams is not None else [],
                       "event_plane": plane.status() if plane is not None else None})
@@ -442,3 +447,13 @@ async def _encode_dump(edges: list[DumpEdge], jsonl: bool) -> AsyncIterator[byte
 
 
 __all__ = ["create_app"]
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory now (Linux's /proc; None elsewhere): what the index costs, live."""
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+

@@ -55,6 +55,7 @@ class WorkerInfo:
     # Events the index refused, by status: a worker whose removals name blocks it never stored
     # (block_not_found) hashes tokens differently from its peers or lost events; doctor names which.
     rejected: Counter[str] = field(default_factory=Counter)
+    routes: int = 0  # decisions that chose this worker: its share of the traffic
 
     @property
     def key(self) -> Worker:
@@ -199,6 +200,8 @@ class Fleet:
             check_admission(model, ranks, self.thresholds.get(model))
             busy = {w: r.busy for w, r in ranks.items()}
         decision = state.router.route(self.candidates(model), busy=busy, now=now, **request)
+        if (chosen := self.workers.get(decision.worker)) is not None:
+            chosen.routes += 1
         if request.get("reserve") and self.sequence_listener is not None:
             self.sequence_listener(model, ADD, state.router.sequences.get(request["request_id"]), request)
         return decision
@@ -264,7 +267,7 @@ class Fleet:
                 "active_requests": load.requests, "busy": rank.busy,
                 "last_event_age_s": None if info.last_event_at is None else round(now - info.last_event_at, 3),
                 "total_blocks": info.total_blocks, "rejected_events": dict(info.rejected),
-                "hash_mismatches": mismatches[info.model].get(w, 0),
+                "hash_mismatches": mismatches[info.model].get(w, 0), "routes": info.routes,
                 "reported": None if report is None else {
                     "active_decode_blocks": report[0].active_decode_blocks,
                     "active_prefill_tokens": report[0].active_prefill_tokens,

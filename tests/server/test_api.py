@@ -103,6 +103,8 @@ async def test_route_explain_and_errors(client: httpx.AsyncClient) -> None:
     assert cands[2]["overlap_by_tier"] == {"device": 1, "host_pinned": 0, "disk": 0, "external": 0}
     by_hash = await client.post("/v1/route", json={"local_hashes": local_block_hashes(TOKENS, 16)})
     assert by_hash.json()["worker_id"] == 1
+    routes = {w["worker_id"]: w["routes"] for w in (await client.get("/v1/workers")).json()["workers"]}
+    assert routes == {1: 2, 2: 0, 3: 0}  # each decision counted on the worker it chose
     assert (await client.post("/v1/route", json={})).status_code == 400
     assert (await client.post("/v1/route", json={"token_ids": [1], "local_hashes": [1]})).status_code == 400
     assert (await client.post("/v1/route", json={"token_ids": [-1]})).status_code == 422

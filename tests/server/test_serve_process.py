@@ -48,6 +48,10 @@ def _stop(proc: subprocess.Popen[str]) -> str:
 def test_serve_answers_and_a_restart_keeps_the_index(tmp_path: Path) -> None:
     with serving(tmp_path) as (proc, client):
         assert client.get("/healthz").json()["status"] == "ok"
+        first = client.get("/v1/status").json()
+        assert first["rss_bytes"] > 10 * 2**20  # this very process's resident memory, not a peak or a guess
+        time.sleep(0.05)
+        assert client.get("/v1/status").json()["uptime_s"] >= first["uptime_s"] + 0.05
         assert client.post("/v1/workers", json={"worker_id": 5}).status_code == 201
         r = client.post("/v1/events", content=DUMP, headers={"content-type": "application/x-ndjson"})
         assert r.json()["applied"] == len(DUMP.splitlines())
