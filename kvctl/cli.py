@@ -38,6 +38,7 @@ def _debug_requested(args: list[str]) -> bool:
 COMMANDS: dict[str, str] = {
     "hash": "kvctl.commands.hash", "serve": "kvctl.commands.serve", "demo": "kvctl.commands.demo",
     "route": "kvctl.commands.route", "workers": "kvctl.commands.workers", "tiers": "kvctl.commands.tiers",
+    "top": "kvctl.commands.top",
     "mock": "kvctl.commands.mock", "events": "kvctl.commands.events", "tree": "kvctl.commands.tree",
     "router": "kvctl.commands.router", "busy": "kvctl.commands.busy", "doctor": "kvctl.commands.doctor",
     "config": "kvctl.commands.config_cmd",

@@ -1,0 +1,128 @@
+"""`kvctl top`: a router's whole state, live, in a terminal (Textual); `--once` prints one frame as text.
+
+Textual and the dashboard are imported only when the command runs, so other commands start fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.errors import UsageError
+
+if TYPE_CHECKING:
+    from kvctl.output import Output
+    from kvctl.tui.sources import Source
+
+HELP = ("Live dashboard of a router: workers, rates, stream health, tiers, shared prefixes. Read-only unless "
+        "--admin (then `r` resets a worker, after a confirmation).")
+EXAMPLES = (
+    "Examples:\n\n"
+    "  kvctl top\n\n"
+    "  kvctl top --server http://router:7433 --metrics http://engine-0:8000 --metrics http://engine-1:8000\n\n"
+    "  kvctl top --record incident.jsonl      # later: kvctl top --replay incident.jsonl\n\n"
+    "  kvctl top --once -o json | jq '.workers[] | select(.marks != [])'\n\n"
+    "Keys: q quit, p pause, s sort, / filter, t shared prefixes, enter worker detail, ? help, r reset (--admin)."
+)
+
+
+def top_command(
+    ctx: typer.Context,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between polls.")] = 1.0,
+    admin: Annotated[bool, typer.Option("--admin", help="Allow `r` to reset the selected worker (read-write; "
+                                                        "needs the router's admin token if it has one).")] = False,
+    record: Annotated[Path | None, typer.Option("--record", show_default=False, dir_okay=False,
+                                                help="Also write every poll to FILE (JSON lines).")] = None,
+    replay: Annotated[Path | None, typer.Option("--replay", show_default=False, dir_okay=False, exists=True,
+                                                help="Show a --record FILE again instead of a router.")] = None,
+    once: Annotated[bool, typer.Option("--once", help="Print one frame as text and exit (no terminal needed); "
+                                                      "it takes two polls, --interval apart, for the rates.")] = False,
+    iterations: Annotated[int | None, typer.Option("--iterations", min=1, show_default=False, help=(
+        "Stop after N polls; without a terminal, print a frame after each.")), ] = None,
+    prometheus: Annotated[str | None, typer.Option("--prometheus", show_default=False, help=(
+        "Prometheus URL for the tiers panel (KVCTL_PROMETHEUS, or the context's `prometheus`).")), ] = None,
+    metrics: Annotated[list[str] | None, typer.Option("--metrics", show_default=False, help=(
+        "An engine's /metrics URL for the tiers panel instead (repeatable).")), ] = None,
+    window: Annotated[str, typer.Option("--window", help="The tiers' window with --prometheus: 30s, 5m, 1h.")] = "5m",
+    output: OutputOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    out = output_for(ctx, output, as_json)
+    if not interval > 0:
+        raise UsageError(f"--interval must be > 0 seconds, got {interval}")
+    if once and iterations is not None:
+        raise UsageError("--once is one frame; --iterations N is N frames", hint="give one of them")
+    if replay is not None and (record is not None or admin):
+        raise UsageError("--replay shows a recording: it cannot be recorded again or reset",
+                         hint="drop --record/--admin")
+    interactive = not once and sys.stdout.isatty() and sys.stdin.isatty()
+    if not interactive and not once and iterations is None:
+        raise UsageError("kvctl top needs a terminal", hint="use --once, or --iterations N, to print frames as text")
+    source = _source(ctx, replay, record, prometheus, metrics or [], window)
+    if interactive:
+        from kvctl.tui.app import TopApp
+
+        TopApp(source, interval=interval, admin=admin, iterations=iterations).run()
+    else:
+        import asyncio
+
+        asyncio.run(_print_frames(source, out, interval, 2 if once else iterations or 1, once))
+
+
+def _source(ctx: typer.Context, replay: Path | None, record: Path | None, prometheus: str | None,
+            metrics: list[str], window: str) -> Source:
+    """The source the flags name: a recording, or the router (recorded to a file with --record)."""
+    from kvctl.tui.sources import Recorder, ReplaySource
+
+    if replay is not None:
+        return ReplaySource(replay)
+    if metrics and prometheus:
+        raise UsageError("--prometheus and --metrics are two sources for the tiers panel", hint="give one of them")
+    from kvctl.client import AsyncRouterClient
+    from kvctl.client.tier_sources import Auth
+    from kvctl.core.tiers import parse_duration
+    from kvctl.tui.sources import LiveSource, TierFeed
+
+    settings = settings_for(ctx, prometheus=prometheus)
+    tiers = None
+    if metrics or settings.prometheus:
+        try:
+            window_s = parse_duration(window)
+        except ValueError as exc:
+            raise UsageError(f"--window: {exc}") from None
+        tiers = TierFeed(prometheus=settings.prometheus if not metrics else None, metrics=metrics,
+                         auth=Auth(), timeout=settings.timeout, window_s=window_s)
+    client = AsyncRouterClient(settings.server, token=settings.token, timeout=settings.timeout)
+    live = LiveSource(client, token=settings.token, timeout=settings.timeout, tiers=tiers)
+    return Recorder(live, record) if record is not None else live
+
+
+async def _print_frames(source: Source, out: Output, interval: float, polls: int, once: bool) -> None:
+    """Frames as text, for scripts and CI. With --once only the last of its two polls is printed: the first
+    one is there for the rates."""
+    import asyncio
+
+    from kvctl.tui.frame import FrameBuilder
+    from kvctl.tui.sources import EndOfRecording
+    from kvctl.tui.views import emit_frame
+
+    builder = FrameBuilder(source.label)
+    frame = None
+    try:
+        for n in range(polls):
+            if n:
+                await asyncio.sleep(interval)
+            try:
+                frame = builder.update(await source.poll())
+            except EndOfRecording:
+                break
+            if not once:
+                emit_frame(out, frame)
+        if once and frame is not None:
+            emit_frame(out, frame)
+    finally:
+        await source.aclose()

@@ -1,0 +1,58 @@
+"""The tree view's content: the prefixes most workers share, and who holds them, from a router's dump.
+
+The dump is replayed into kvctl's own index, whose edges are already runs of blocks with one set of
+holders: each edge is one prefix step, and the most widely held edges are listed first at every level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvctl.core.events import RouterEvent, Tier
+from kvctl.core.index import KvIndex
+from kvctl.core.index.radix import Node, RadixTree, iter_bits
+
+WIDTH = 8
+"""Prefixes kept per level: the tree view is for the few that matter, not for browsing the index."""
+
+LEVELS = 6
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    blocks: int  # blocks on this step
+    depth: int  # blocks from the root to the end of this step
+    holders: tuple[str, ...]  # "ID:DP" of the workers holding the whole step
+    partial: int  # workers holding only its first blocks
+    children: tuple[Prefix, ...]
+    more: int  # children left out (beyond WIDTH)
+
+
+def shared_prefixes(events: Iterable[RouterEvent], *, width: int = WIDTH, levels: int = LEVELS) -> tuple[Prefix, ...]:
+    """The device tier's top `width` prefixes at each of the first `levels` levels, most holders first."""
+    index = KvIndex()
+    index.load(events)
+    tree = index.tree(Tier.device)
+    return _steps(tree, tree.root, 0, width, levels)[0]
+
+
+def _steps(tree: RadixTree, node: Node, above: int, width: int, levels: int) -> tuple[tuple[Prefix, ...], int]:
+    if levels == 0 or not node.children:
+        return (), 0
+    found = []
+    for child in node.children.values():
+        depth = above + len(child.locals)
+        children, more = _steps(tree, child, depth, width, levels - 1)
+        holders = tuple(sorted(f"{w}:{dp}" for w, dp in (tree.worker_of(s) for s in iter_bits(child.full))))
+        found.append(Prefix(len(child.locals), depth, holders, len(child.cutoffs or ()), children, more))
+    found.sort(key=lambda p: (-len(p.holders), -p.depth, p.holders))
+    return tuple(found[:width]), max(0, len(found) - width)
+
+
+def describe(prefix: Prefix) -> str:
+    """One tree line: `+12 blocks (to 16) · 3 workers: 1:0, 2:0, 2:1`."""
+    shown = ", ".join(prefix.holders[:6]) + (f", … +{len(prefix.holders) - 6}" if len(prefix.holders) > 6 else "")
+    partly = f" (+{prefix.partial} partly)" if prefix.partial else ""
+    noun = "worker" if len(prefix.holders) == 1 else "workers"
+    return f"+{prefix.blocks} blocks (to {prefix.depth}) · {len(prefix.holders)} {noun}{partly}: {shown or '-'}"

@@ -1,0 +1,208 @@
+"""Where `kvctl top` gets its polls: a live router, a recording of one, or a fake for tests.
+
+The app is handed a `Source` and never builds a client itself (dolphie's live/replay split). A live
+source speaks to the router only through `kvctl.client`: the async client for the JSON API, and the
+blocking `/metrics` scraper and dump reader (on a thread) for what the JSON API does not carry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from kvctl.client import AsyncRouterClient, calls
+from kvctl.client.tier_sources import Auth, Scraper, metrics_url, prometheus_windows
+from kvctl.core.tiers import CHECK_TIERS, Sample, Window, hit_rates, increases, report
+from kvctl.errors import KvctlError, UsageError
+from kvctl.tui.poll import Poll, TierRate, router_counters
+from kvctl.tui.prefixes import Prefix, shared_prefixes
+
+RECORDING = "kvctl top recording"
+"""The first line of a recording says what it is and which router it watched; one poll a line follows."""
+
+
+class EndOfRecording(Exception):
+    """A replay has shown its last poll."""
+
+
+class Source(Protocol):
+    label: str  # the router URL, as the header shows it
+
+    async def poll(self) -> Poll: ...
+
+    async def reset(self, model: str, worker_id: int, dp_rank: int) -> dict[str, Any]: ...
+
+    async def prefixes(self, model: str) -> tuple[Prefix, ...]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class TierFeed:
+    """Tier hit rates for the tiers panel, by the same math as `kvctl tiers`. Blocking: call it on a thread.
+
+    Prometheus is asked for `increase()` over `window_s`; engines' `/metrics` are scraped each refresh and the
+    window is the time since the previous scrape (so the first refresh has no rates yet). Prometheus is asked
+    at most every `every_s`: its window is minutes long, and a query a second would be a needless load.
+    """
+
+    def __init__(self, *, prometheus: str | None = None, metrics: list[str] | None = None, auth: Auth | None = None,
+                 timeout: float = 5.0, window_s: float = 300.0, every_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.prometheus = prometheus.rstrip("/") if prometheus else None
+        self.auth = auth or Auth()
+        self.timeout = timeout
+        self.window_s = window_s
+        self.every_s = every_s
+        self._clock = clock
+        self._scraper = Scraper(metrics, auth=self.auth, timeout=timeout) if metrics else None
+        self._previous: dict[str, tuple[float, list[Sample]]] = {}
+        self._rates: tuple[TierRate, ...] = ()
+        self._refreshed: float | None = None
+
+    def rates(self) -> tuple[TierRate, ...]:
+        now = self._clock()
+        if self.prometheus is not None and self._refreshed is not None and now - self._refreshed < self.every_s:
+            return self._rates
+        tier_report = report(self._windows(now))
+        self._rates = tuple(TierRate(r.instance, tier, r.value, r.family)
+                            for tier in CHECK_TIERS for r in hit_rates(tier_report, tier) if r.value is not None)
+        self._refreshed = now
+        return self._rates
+
+    def _windows(self, now: float) -> list[Window]:
+        if self.prometheus is not None:
+            return prometheus_windows(self.prometheus, window_s=self.window_s, auth=self.auth, timeout=self.timeout)
+        assert self._scraper is not None
+        windows = []
+        for url in self._scraper.urls:
+            samples = self._scraper.scrape(url)
+            previous = self._previous.get(url)
+            if previous is not None:
+                windows.append(Window(url, now - previous[0], increases(previous[1], samples)))
+            self._previous[url] = (now, samples)
+        return windows
+
+    def close(self) -> None:
+        if self._scraper is not None:
+            self._scraper.close()
+
+
+class LiveSource:
+    """A router polled over HTTP: `/v1/status` and `/v1/workers` concurrently, `/metrics` for the counters."""
+
+    def __init__(self, client: AsyncRouterClient, *, token: str | None = None, timeout: float = 5.0,
+                 tiers: TierFeed | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.client = client
+        self.label = client.base_url
+        self.token = token
+        self.timeout = timeout
+        self.tiers = tiers
+        self._clock = clock
+        self._metrics = Scraper([metrics_url(client.base_url)], auth=Auth(token=token), timeout=timeout)
+
+    async def poll(self) -> Poll:
+        started = self._clock()
+        answers = await asyncio.gather(
+            self.client.send(calls.status()), self.client.send(calls.workers()),
+            asyncio.to_thread(self._metrics.scrape, self._metrics.urls[0]), return_exceptions=True)
+        at = (started + self._clock()) / 2  # the middle of the requests: what the counters' rates divide by
+        for answer in answers:  # all awaited, the first failure in call order reported: the router's own
+            if isinstance(answer, BaseException):
+                raise answer
+        status, workers, samples = answers
+        tiers, tiers_error = await self._tier_rates()
+        return Poll(at=at, status=status, workers=workers["workers"], counters=router_counters(samples),
+                    tiers=tiers, tiers_error=tiers_error)
+
+    async def _tier_rates(self) -> tuple[tuple[TierRate, ...] | None, str | None]:
+        """The tiers panel's rates; a tiers source that fails leaves the rest of the frame live."""
+        if self.tiers is None:
+            return None, None
+        try:
+            return await asyncio.to_thread(self.tiers.rates), None
+        except KvctlError as exc:
+            return (), exc.message
+
+    async def reset(self, model: str, worker_id: int, dp_rank: int) -> dict[str, Any]:
+        return await self.client.send(calls.reset(model=model, worker_id=worker_id, dp_rank=dp_rank))
+
+    async def prefixes(self, model: str) -> tuple[Prefix, ...]:
+        from kvctl.client.sources import router_events
+
+        def read() -> tuple[Prefix, ...]:
+            return shared_prefixes(router_events(self.label, model=model, token=self.token, timeout=self.timeout))
+
+        return await asyncio.to_thread(read)
+
+    async def aclose(self) -> None:
+        self._metrics.close()
+        if self.tiers is not None:
+            self.tiers.close()
+        await self.client.aclose()
+
+
+class Recorder:
+    """Any source, with each poll also written to a file that `--replay` shows again."""
+
+    def __init__(self, source: Source, path: Path) -> None:
+        self.source = source
+        self.label = source.label
+        self._file: IO[str] = path.open("w", encoding="utf-8")
+        self._file.write(json.dumps({"recording": RECORDING, "version": 1, "router": source.label}) + "\n")
+
+    async def poll(self) -> Poll:
+        poll = await self.source.poll()
+        self._file.write(poll.to_json() + "\n")
+        self._file.flush()
+        return poll
+
+    async def reset(self, model: str, worker_id: int, dp_rank: int) -> dict[str, Any]:
+        return await self.source.reset(model, worker_id, dp_rank)
+
+    async def prefixes(self, model: str) -> tuple[Prefix, ...]:
+        return await self.source.prefixes(model)
+
+    async def aclose(self) -> None:
+        self._file.close()
+        await self.source.aclose()
+
+
+class ReplaySource:
+    """A recording's polls in order, one per refresh; rates come out as they were, from the recorded times."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self._file: IO[str] = path.open(encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--replay {path}: {exc}") from None
+        try:
+            first = json.loads(self._file.readline() or "null")
+        except ValueError:
+            first = None
+        if not isinstance(first, dict) or first.get("recording") != RECORDING:
+            self._file.close()
+            raise UsageError(f"--replay {path}: not a `kvctl top --record` file")
+        self.label = f"{first['router']} (replay)"
+        self._lines: Iterator[str] = iter(self._file)
+
+    async def poll(self) -> Poll:
+        line = next(self._lines, None)
+        if line is None:
+            raise EndOfRecording
+        try:
+            return Poll.from_json(line)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise KvctlError(f"a malformed poll in the recording: {exc}") from None
+
+    async def reset(self, model: str, worker_id: int, dp_rank: int) -> dict[str, Any]:
+        raise UsageError("a recording cannot be reset")
+
+    async def prefixes(self, model: str) -> tuple[Prefix, ...]:
+        raise KvctlError("recordings keep polls, not the tree")
+
+    async def aclose(self) -> None:
+        self._file.close()

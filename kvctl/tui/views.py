@@ -1,0 +1,120 @@
+"""How a frame reads as text: the cells both the dashboard's table and `kvctl top --once` show, and the
+output sink's views for `--once` (json/yaml print `Frame.to_dict()` instead)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvctl.output import Column, Output, OutputFormat, View
+from kvctl.output.words import age
+from kvctl.tui.frame import Frame, Header, StreamHealth, WorkerRow
+
+WORKER_COLUMNS = (
+    Column("worker", "name"),
+    Column("model", "model"),
+    Column("blocks", "blocks", justify="right"),
+    Column("decode blk", "active_decode_blocks", justify="right"),
+    Column("prefill tok", "active_prefill_tokens", justify="right"),
+    Column("busy", "busy"),
+    Column("last event", "last_event", justify="right"),
+    Column("gaps", "gaps", justify="right"),
+    Column("decode err", "decode_errors", justify="right"),
+    Column("routes", "route_share", justify="right"),
+    Column("marks", "marks"),
+)
+"""The workers table's columns, in the dashboard and in `--once` alike."""
+
+
+def count(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def per_second(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 1000:
+        return f"{value / 1000:.1f}k"
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    unit, scale = next((u, s) for u, s in _UNITS if n >= s or s == 1)
+    return f"{n} B" if scale == 1 else f"{n / scale:.1f} {unit}"
+
+
+def worker_cells(row: WorkerRow) -> dict[str, str]:
+    """A worker row as the strings its cells show, by column key."""
+    return {
+        "name": row.key, "model": row.model, "blocks": count(row.blocks),
+        "active_decode_blocks": count(row.active_decode_blocks),
+        "active_prefill_tokens": count(row.active_prefill_tokens), "busy": "yes" if row.busy else "no",
+        "last_event": age(row.last_event_age_s) or "never", "gaps": count(row.gaps),
+        "decode_errors": count(row.decode_errors), "route_share": percent(row.route_share),
+        "marks": " ".join(row.marks) or "-",
+    }
+
+
+def header_fields(router: str, header: Header) -> dict[str, str]:
+    return {
+        "router": router, "models": ", ".join(header.models) or "-", "uptime": age(header.uptime_s) or "-",
+        "events/s": per_second(header.events_per_s), "routes/s": per_second(header.routes_per_s),
+        "blocks": count(header.blocks),
+        "nodes": count(header.nodes), "rss": size(header.rss_bytes),
+    }
+
+
+def health_fields(health: StreamHealth) -> dict[str, str]:
+    states = " · ".join(f"{state} {n}" for state, n in sorted(health.by_state.items()))
+    fields = {
+        "streams": f"{health.streams}: {states}" if health.streams else "none (events over HTTP or NATS)",
+        "gaps": count(health.gaps), "lost batches": count(health.lost_batches),
+        "failed replays": count(health.replays_failed), "restarts": count(health.restarts),
+        "decode errors": count(health.decode_errors), "queue drops": count(health.dropped_batches),
+    }
+    if health.plane is not None:
+        fields["event plane"] = f"{health.plane.get('state')} (reconnects {health.plane.get('reconnects', 0)})"
+    return fields
+
+
+def _field_rows(fields: dict[str, str]) -> list[dict[str, Any]]:
+    return [{"field": k, "value": v} for k, v in fields.items()]
+
+
+_FIELD_COLUMNS = [Column("field", "field"), Column("value", "value")]
+_WORKERS_VIEW = View(rows=lambda frame: [worker_cells(w) for w in frame.workers], columns=WORKER_COLUMNS,
+                     name_key="name", title="workers")
+_HEADER_VIEW = View(rows=lambda frame: _field_rows(header_fields(frame.router, frame.header)),
+                    columns=_FIELD_COLUMNS, name_key="field", title="router")
+_HEALTH_VIEW = View(rows=lambda frame: _field_rows(health_fields(frame.health)), columns=_FIELD_COLUMNS,
+                    name_key="field", title="stream health")
+_TIERS_VIEW = View(
+    rows=lambda frame: [{"instance": t.instance, "tier": t.tier, "hit_rate": percent(t.hit_rate), "family": t.family}
+                        for t in frame.tiers or ()],
+    columns=[Column("instance", "instance"), Column("tier", "tier"), Column("hit rate", "hit_rate", justify="right"),
+             Column("family", "family")],
+    name_key="instance", title="tiers")
+
+
+def emit_frame(out: Output, frame: Frame) -> None:
+    """One frame through the sink: json/yaml the frame object, `name` one worker a line, tables otherwise."""
+    if out.format in (OutputFormat.json, OutputFormat.yaml):
+        out.emit(frame.to_dict(), _WORKERS_VIEW)
+        return
+    if out.format is OutputFormat.name:
+        out.emit(frame, _WORKERS_VIEW)
+        return
+    for view in (_HEADER_VIEW, _WORKERS_VIEW, _HEALTH_VIEW):
+        out.emit(frame, view)
+    if frame.tiers_error:
+        out.warn(f"tiers: {frame.tiers_error}")
+    if frame.tiers is not None:
+        out.emit(frame, _TIERS_VIEW)

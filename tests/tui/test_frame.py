@@ -1,0 +1,99 @@
+"""The frame model with no Textual: rates from counter increases, marks, shares, sorting and filtering."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvctl.client.tier_sources import parse_metrics
+from kvctl.tui.fake import fleet
+from kvctl.tui.frame import SORTS, FrameBuilder, Mark, arrange, next_sort
+from kvctl.tui.poll import EVENTS, PREDICTED_COUNT, PREDICTED_SUM, ROUTES, Poll, router_counters
+
+
+def _worker(worker_id: int, **fields: Any) -> dict[str, Any]:
+    return {"worker_id": worker_id, "dp_rank": 0, "model": "default", "blocks": 10, "active_decode_blocks": 0,
+            "active_prefill_tokens": 0, "busy": False, "last_event_age_s": 1.0, **fields}
+
+
+def _poll(at: float, counters: dict[str, float], workers: list[dict[str, Any]] | None = None,
+          streams: list[dict[str, Any]] | None = None) -> Poll:
+    status = {"models": {"default": {"blocks": 30, "nodes": 3}}, "streams": streams or []}
+    return Poll(at=at, status=status, workers=workers or [_worker(1)], counters=counters)
+
+
+def test_rates_are_counter_increases_over_the_time_between_polls_and_a_restart_counts_from_zero() -> None:
+    builder = FrameBuilder("http://router")
+    first = builder.update(_poll(10.0, {EVENTS: 100, ROUTES: 10, PREDICTED_SUM: 2.0, PREDICTED_COUNT: 4}))
+    assert (first.header.events_per_s, first.header.routes_per_s, first.header.predicted_hit_rate) == (None,) * 3
+    second = builder.update(_poll(12.0, {EVENTS: 300, ROUTES: 30, PREDICTED_SUM: 17.0, PREDICTED_COUNT: 24}))
+    assert second.header.events_per_s == 100.0
+    assert second.header.routes_per_s == 10.0
+    assert second.header.predicted_hit_rate == pytest.approx(0.75)  # 15 / 20 over the interval, not 17 / 24
+    restarted = builder.update(_poll(14.0, {EVENTS: 50, ROUTES: 4, PREDICTED_SUM: 0.0, PREDICTED_COUNT: 0}))
+    assert restarted.header.events_per_s == 25.0
+    assert restarted.header.predicted_hit_rate is None  # nothing routed since the restart
+    assert restarted.history["events_per_s"] == (100.0, 25.0)
+
+
+def test_router_counters_sum_the_routers_metrics_over_models_and_outcomes() -> None:
+    text = (
+        "# TYPE kvctl_kv_events_applied counter\n"
+        'kvctl_kv_events_applied_total{model="a",event_type="stored",status="ok"} 7\n'
+        'kvctl_kv_events_applied_total{model="b",event_type="removed",status="block_not_found"} 2\n'
+        "# TYPE kvctl_route_duration_seconds histogram\n"
+        'kvctl_route_duration_seconds_bucket{model="a",le="+Inf"} 5\n'
+        'kvctl_route_duration_seconds_count{model="a"} 5\n'
+        'kvctl_route_duration_seconds_sum{model="a"} 0.01\n'
+    )
+    assert router_counters(parse_metrics(text)) == {EVENTS: 9.0, ROUTES: 5.0, PREDICTED_SUM: 0.0, PREDICTED_COUNT: 0.0}
+
+
+def test_marks_name_busy_gapped_and_silent_workers() -> None:
+    workers = [_worker(1), _worker(2, busy=True), _worker(3), _worker(4, last_event_age_s=45.0),
+               _worker(5, last_event_age_s=None)]
+    streams = [{"worker": {"worker_id": 3, "dp_rank": 0}, "gaps": 1, "gapped": True, "messages": 9,
+                "decode_errors": {"a": 2, "b": 1}}]
+    frame = FrameBuilder("r").update(_poll(0.0, {}, workers, streams))
+    marks = {w.worker_id: w.marks for w in frame.workers}
+    assert marks == {1: (), 2: (Mark.busy,), 3: (Mark.gapped,), 4: (Mark.silent,), 5: (Mark.silent,)}
+    three = next(w for w in frame.workers if w.worker_id == 3)
+    assert (three.gaps, three.decode_errors) == (1, 3)
+    assert next(w for w in frame.workers if w.worker_id == 1).gaps is None  # no engine stream
+    assert frame.health.by_state == {"gapped": 1}
+
+
+def test_share_of_routes_is_of_the_routes_decided_since_the_previous_poll() -> None:
+    builder = FrameBuilder("r")
+    builder.update(_poll(0.0, {}, [_worker(1, routes=100), _worker(2, routes=0), _worker(3)]))
+    frame = builder.update(_poll(1.0, {}, [_worker(1, routes=130), _worker(2, routes=10), _worker(3)]))
+    assert {w.worker_id: w.route_share for w in frame.workers} == {1: 0.75, 2: 0.25, 3: None}
+
+
+def test_sorts_cycle_and_keep_unknown_values_last_and_ties_in_worker_order() -> None:
+    rows = FrameBuilder("r").update(_poll(0.0, {}, [
+        _worker(3, blocks=5), _worker(1, blocks=9), _worker(2, blocks=9, last_event_age_s=None)])).workers
+    by_blocks = next_sort(SORTS[0])
+    assert [r.worker_id for r in arrange(rows, SORTS[0])] == [1, 2, 3]
+    assert [r.worker_id for r in arrange(rows, by_blocks)] == [1, 2, 3]
+    last_event = next(s for s in SORTS if s.field == "last_event_age_s")
+    assert [r.worker_id for r in arrange(rows, last_event)] == [1, 3, 2]
+    sort = SORTS[0]
+    for _ in SORTS:
+        sort = next_sort(sort)
+    assert sort == SORTS[0]
+
+
+def test_filter_finds_worker_names_models_and_marks() -> None:
+    rows = FrameBuilder("r").update(fleet(16)(0)).workers
+    assert {r.key for r in arrange(rows, SORTS[0], "101:")} == {"101:0", "101:1"}
+    assert {r.model for r in arrange(rows, SORTS[0], "QWEN")} == {"qwen"}
+    assert all(Mark.silent in r.marks for r in arrange(rows, SORTS[0], "silent"))
+    assert arrange(rows, SORTS[0], "silent")
+    assert arrange(rows, SORTS[0], "nothing-like-this") == []
+
+
+def test_a_poll_survives_its_json_line() -> None:
+    poll = fleet(4, tiers=True)(3)
+    assert Poll.from_json(poll.to_json()) == poll

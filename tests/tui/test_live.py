@@ -1,0 +1,108 @@
+"""`kvctl top` against real routers: a `kvctl serve` process that goes away and comes back, and one fed by
+mock engines publishing real vLLM-format ZMQ events while a load generator routes requests through it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from click.testing import Result
+
+from kvctl.client import AsyncRouterClient
+from kvctl.client.engine import EngineClient
+from kvctl.mock.engine import EngineConfig
+from kvctl.mock.fleet import Fleet as EngineFleet
+from kvctl.mock.load import LoadGenerator, Policy, register_engines, shared_prefix
+from kvctl.tui.app import TopApp
+from kvctl.tui.frame import Frame, FrameBuilder
+from kvctl.tui.sources import LiveSource
+from tests.commands.live_router import DUMP, WORKERS, free_port_url, kvctl
+from tests.server.test_serve_process import serving
+from tests.tui.test_pilot import SIZE, header_text
+
+ENGINES = 4
+SETTLE_S = 10.0
+
+
+def live(url: str) -> LiveSource:
+    return LiveSource(AsyncRouterClient(url, timeout=2.0), timeout=2.0)
+
+
+async def test_a_router_that_goes_away_leaves_its_last_frame_marked_stale_until_it_returns(tmp_path: Path) -> None:
+    url = free_port_url()
+    listen = url.removeprefix("http://")
+    with serving(tmp_path / "first", "--listen", listen, "--no-restore") as (proc, client):
+        client.post("/v1/events", content=DUMP, headers={"content-type": "application/x-ndjson"})
+        app = TopApp(live(url), interval=3600.0)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            assert set(app.shown_keys) == WORKERS and app.stale is None
+            last = app.frame
+            proc.kill()
+            proc.wait()
+            await app.refresh_frame()
+            assert app.stale is not None and "cannot reach the router" in app.stale
+            assert "✕ stale" in header_text(app)
+            assert app.frame is last and set(app.shown_keys) == WORKERS  # the last frame stays on screen
+            await app.refresh_frame()  # still down: said once, not once a poll
+            await pilot.pause()
+            assert [n.title for n in app._notifications] == ["router unreachable"]
+
+            with serving(tmp_path / "second", "--listen", listen, "--no-restore") as (_, back):
+                back.post("/v1/workers", json={"worker_id": 77})
+                await app.refresh_frame()
+                assert app.stale is None and "● live" in header_text(app)
+                assert app.shown_keys == ["77:0"]  # the new router's state, not the old frame's
+                await pilot.pause()
+                assert [n.title for n in app._notifications] == ["router unreachable", "router back"]
+
+
+async def _settled(source: LiveSource, builder: FrameBuilder, want: int) -> Frame:
+    """Poll until every engine's blocks reached the router's index (their events cross ZMQ asynchronously)."""
+    deadline = asyncio.get_running_loop().time() + SETTLE_S
+    while True:
+        await asyncio.sleep(0.3)
+        frame = builder.update(await source.poll())
+        if sum(w.blocks for w in frame.workers) >= want or asyncio.get_running_loop().time() > deadline:
+            return frame
+
+
+async def test_values_move_between_polls_with_mock_engines_and_once_lists_every_worker(tmp_path: Path) -> None:
+    configs = [EngineConfig(worker_id=10 + n, model_name="default", block_size=16, capacity=512,
+                            prefill_us_per_token=1.0, decode_ms_per_token=0.1) for n in range(ENGINES)]
+    with serving(tmp_path, "--no-restore") as (_, client):
+        url = str(client.base_url).rstrip("/")
+        async with EngineFleet(configs) as engines, AsyncRouterClient(url) as router:
+            await register_engines(router, engines.infos(), "default")
+            await asyncio.sleep(0.3)  # the router's SUB sockets join before anything is published
+            source = live(url)
+            builder = FrameBuilder(url)
+            before = builder.update(await source.poll())
+            assert {w.key for w in before.workers} == {f"{10 + n}:0" for n in range(ENGINES)}
+            assert sum(w.blocks for w in before.workers) == 0
+
+            clients = {e.config.worker_id: EngineClient(e.url) for e in engines.engines}
+            load = LoadGenerator(clients, router=router)
+            stats = await load.run(shared_prefix(40, prefixes=4, prefix_tokens=128, suffix_tokens=32,
+                                                 output_tokens=2), Policy.router, concurrency=4)
+            assert stats.completed == 40, stats.errors
+            await asyncio.gather(*(c.aclose() for c in clients.values()))
+            after = await _settled(source, builder, want=1)
+
+            assert sum(w.blocks for w in after.workers) > 0
+            assert after.header.blocks > before.header.blocks and after.header.nodes > before.header.nodes
+            assert after.header.routes_per_s is not None and after.header.routes_per_s > 0
+            assert after.header.events_per_s is not None and after.header.events_per_s > 0
+            assert after.header.predicted_hit_rate is not None and 0 < after.header.predicted_hit_rate <= 1
+            assert after.health.streams == ENGINES and after.health.gaps == 0
+            await source.aclose()
+
+            once: Result = await asyncio.to_thread(kvctl, url, "top", "--once", "--interval", "0.2", "-o", "json")
+            assert once.exit_code == 0, once.output
+            frame = json.loads(once.stdout)
+            assert sorted(w["name"] for w in frame["workers"]) == sorted(w.key for w in after.workers)
+            table: Result = await asyncio.to_thread(kvctl, url, "top", "--once", "--interval", "0.2")
+            assert table.exit_code == 0, table.output
+            listed = {line.split()[0] for line in table.stdout.splitlines() if line[:1].isdigit()}
+            assert listed == {w.key for w in after.workers}
