@@ -24,6 +24,7 @@ from kvctl.core.router.approx import ApproxConfig
 from kvctl.core.router.busy import Thresholds
 from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
+from kvctl.gc_tuning import tune_gc
 from kvctl.server import snapshot
 from kvctl.server.api import create_app
 from kvctl.server.nats_plane import EventPlane, NatsOptions
@@ -95,22 +96,6 @@ def bind(host: str, port: int) -> socket.socket:
 def base_url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-GC_GEN0_THRESHOLD = 10_000
-
-
-def tune_gc() -> None:
-    """Keep the cyclic collector off the ingest path.
-
-    Every decoded batch allocates thousands of objects: with the default thresholds the young
-    generations are collected often enough to cost ~30% of the apply time. Everything alive at start-up
-    (the imported frameworks, a restored index) is frozen out of collection, and the youngest
-    generation is collected every 10,000 allocations instead of every 700.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def settle_gc() -> None:
