@@ -160,18 +160,17 @@ def check_streams(status: Mapping[str, Any]) -> list[Finding]:
             "does not expect",
             {"decode_errors": errors, "schema_seen": {n: s.get("schema", {}) for n, s in broken[:SHOWN]}},
             "kvctl events tail --zmq <endpoint>  (see the raw events; compare the schema with the engine's version)"))
-    gaps = sum(s.get("gaps", 0) for s in streams)
+    lost_events = plane.get("counts", {}).get("lost_events", 0)
+    if lost_events:
+        findings.append(Finding("streams", Severity.WARNING,
+                                f"the event plane lost {lost_events} event(s) (event ids skipped)",
+                                {"event_plane": plane.get("counts", {})},
+                                "use --jetstream for durable events; kvctl router status"))
     if not findings:
+        gaps = sum(s.get("gaps", 0) for s in streams)
         repaired = f", {gaps} gap(s) repaired by replay" if gaps else ""
-        lost_events = plane.get("counts", {}).get("lost_events", 0)
-        if lost_events:
-            findings.append(Finding("streams", Severity.WARNING,
-                                    f"the event plane lost {lost_events} event(s) (event ids skipped)",
-                                    {"event_plane": plane.get("counts", {})},
-                                    "use --jetstream for durable events; kvctl router status"))
-        else:
-            findings.append(Finding("streams", Severity.OK, f"{len(streams)} engine stream(s) whole{repaired}",
-                                    {"gaps": gaps}))
+        findings.append(Finding("streams", Severity.OK, f"{len(streams)} engine stream(s) whole{repaired}",
+                                {"gaps": gaps}))
     return findings
 
 

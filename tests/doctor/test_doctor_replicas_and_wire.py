@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import nats
 import zmq.asyncio
 
+from kvctl.core.events.plane import PlaneNames
+from kvctl.nats_barrier import barrier
 from tests.commands.live_router import DUMP
 from tests.doctor.rig import doctor, findings
 from tests.fixtures_path import FIXTURES
+from tests.nats_server import NatsServer
+from tests.server.test_nats_plane import envelope, store
 from tests.server.test_serve_process import serving
 from tests.server.zmq_engine import Engine
 
@@ -43,10 +49,21 @@ def test_a_replica_that_missed_events_is_named_and_an_equal_one_is_ok(tmp_path: 
     assert diverged["evidence"]["workers"][0]["only_b"] > 0 and f"tree diff {url} {peer_b}" in diverged["next_step"]
 
 
+async def doctor_until(url: str, check: str, matches: Callable[[dict[str, Any]], bool] = lambda _: True,
+                       ) -> tuple[int, dict[str, Any]]:
+    """Run doctor until it reports a `check` finding that `matches` (the router takes events in its own time)."""
+    for _ in range(100):
+        code, report = await asyncio.to_thread(doctor, url)
+        if any(matches(f) for f in findings(report, check)):
+            return code, report
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"doctor never reported {check!r}: {report}")
+
+
 async def doctor_after_publishing(tmp_path: Path, payloads: list[bytes], finding: str,
                                   *serve_args: str) -> tuple[int, dict[str, Any]]:
     """A router subscribed to one real ZMQ engine (worker 5) that publishes `payloads`; doctor is run until
-    it reports `finding` (the router takes the burst in its own time)."""
+    it reports `finding`."""
     ctx = zmq.asyncio.Context()
     engine = Engine(ctx)
     try:
@@ -55,11 +72,7 @@ async def doctor_after_publishing(tmp_path: Path, payloads: list[bytes], finding
             await engine.subscribed()
             for seq, payload in enumerate(payloads):
                 await engine.publish(seq, payload)
-            for _ in range(100):
-                code, report = await asyncio.to_thread(doctor, str(client.base_url).rstrip("/"))
-                if findings(report, finding):
-                    return code, report
-            raise AssertionError(f"doctor never reported {finding!r}: {report}")
+            return await doctor_until(str(client.base_url).rstrip("/"), finding)
     finally:
         await engine.close()
         ctx.term()
@@ -102,3 +115,29 @@ def test_a_declared_model_without_workers_is_named(tmp_path: Path) -> None:
         code, report = doctor(str(client.base_url).rstrip("/"))
     [finding] = findings(report, "workers")
     assert code == 1 and finding["severity"] == "WARNING" and finding["evidence"]["models_without_workers"] == ["llama"]
+
+
+async def test_events_lost_on_the_nats_event_plane_are_named(tmp_path: Path) -> None:
+    nats_server = NatsServer(tmp_path / "nats")
+    try:
+        plane = ("--nats", nats_server.url, "--namespace", "doc")
+        with serving(tmp_path / "router", "--no-restore", *plane) as (_, client):
+            for _ in range(200):
+                if (client.get("/v1/status").json()["event_plane"] or {}).get("ready"):
+                    break
+                await asyncio.sleep(0.05)
+            tokens = list(range(48))
+            first = store(5, 1, tokens[:32])
+            nc = await nats.connect(nats_server.url)
+            try:
+                for n, ev in enumerate([first, store(5, 4, tokens[32:48])], 1):  # ids 2 and 3 never come
+                    await nc.publish(PlaneNames("doc", "backend").kv_events, envelope(ev, n))
+                await barrier(nc)
+            finally:
+                await nc.close()
+            code, report = await doctor_until(str(client.base_url).rstrip("/"), "streams",
+                                              lambda f: f["severity"] == "WARNING")
+    finally:
+        nats_server.stop()
+    [finding] = findings(report, "streams")
+    assert code == 1 and "lost 2 event(s)" in finding["cause"] and "--jetstream" in finding["next_step"]
