@@ -63,3 +63,13 @@ def router_client(ctx: typer.Context) -> RouterClient:
 
     settings = settings_for(ctx)
     return RouterClient(settings.server, token=settings.token, timeout=settings.timeout)
+
+
+# Credentials for Prometheus and engines' /metrics (never the router's token: that goes to the router only).
+MetricsUserOpt = Annotated[str | None, typer.Option("--auth-user", show_default=False,
+                                                    help="Basic-auth user for Prometheus or the endpoints.")]
+MetricsPasswordOpt = Annotated[str | None, typer.Option("--auth-password", envvar="KVCTL_METRICS_PASSWORD",
+                                                        show_default=False, help="Its password.")]
+MetricsTokenOpt = Annotated[str | None, typer.Option("--bearer-token", envvar="KVCTL_METRICS_TOKEN",
+                                                     show_default=False, help="A bearer token instead.")]
+

@@ -8,12 +8,24 @@ unreachable router is a CRITICAL finding, not a usage error: it is the first thi
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvctl.commands._options import JsonOpt, OutputOpt, output_for, router_client, settings_for
+from kvctl.commands._options import (
+    JsonOpt,
+    MetricsPasswordOpt,
+    MetricsTokenOpt,
+    MetricsUserOpt,
+    OutputOpt,
+    output_for,
+    router_client,
+    settings_for,
+)
 from kvctl.output import Column, View
+
+if TYPE_CHECKING:
+    from kvctl.client.tier_sources import Auth
 
 HELP = ("Diagnose a router: silent workers, lost events, block-size and hashing mismatches, busy fleets, "
         "diverging replicas, index health; names the cause and the next command. (read-only)")
@@ -52,6 +64,9 @@ def doctor_command(
         "--metrics", show_default=False,
         help="An engine's /metrics (repeatable): compare its prefix-cache hit rate with the router's "
              "prediction.")] = None,
+    auth_user: MetricsUserOpt = None,
+    auth_password: MetricsPasswordOpt = None,
+    bearer_token: MetricsTokenOpt = None,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -69,7 +84,10 @@ def doctor_command(
                             f"is `kvctl serve` running there? (--server / KVCTL_SERVER); curl {url}/healthz")]
     else:
         diffs, unreachable = _peers(ctx, peer or [])
-        hit_rates = _hit_rates(ctx, metrics) if metrics else None
+        from kvctl.client.tier_sources import Auth
+
+        engines_auth = Auth(auth_user, auth_password, bearer_token)
+        hit_rates = _hit_rates(ctx, metrics, engines_auth) if metrics else None
         findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates), *unreachable]
     status = worst(findings)
     report = {"server": url, "status": status.name, "findings": [f.as_dict() for f in findings]}
@@ -123,7 +141,7 @@ def _peers(ctx: typer.Context, urls: list[str]) -> tuple[list[Any], list[Any]]:
     return diffs, unreachable
 
 
-def _hit_rates(ctx: typer.Context, urls: list[str]) -> list[Any]:
+def _hit_rates(ctx: typer.Context, urls: list[str], engines_auth: Auth) -> list[Any]:
     """Engines' device prefix-cache hit rates and the router's mean predicted hit rate, since each started."""
     from kvctl.client.tier_sources import Auth, Scraper
     from kvctl.core.doctor import Finding, Severity, check_hit_rates
@@ -134,7 +152,7 @@ def _hit_rates(ctx: typer.Context, urls: list[str]) -> list[Any]:
     router = settings.server.rstrip("/") + "/metrics"
     try:  # the router's token goes to the router only, never to the engines
         with Scraper([router], auth=Auth(token=settings.token), timeout=settings.timeout) as own, \
-                Scraper(urls, auth=Auth(), timeout=settings.timeout) as theirs:
+                Scraper(urls, auth=engines_auth, timeout=settings.timeout) as theirs:
             mine, engines = report(own.since_start()), report(theirs.since_start())
     except KvctlError as exc:
         return [Finding("hit_rate", Severity.UNKNOWN, f"metrics not read: {exc.message}", {},

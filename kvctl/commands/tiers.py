@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.commands._options import (
+    JsonOpt,
+    MetricsPasswordOpt,
+    MetricsTokenOpt,
+    MetricsUserOpt,
+    OutputOpt,
+    output_for,
+    settings_for,
+)
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
 from kvctl.errors import UsageError
 from kvctl.output import Column, Output, OutputFormat, View
@@ -85,12 +93,9 @@ def tiers_command(
     window: Annotated[str, typer.Option("--window", help="Over how long: 30s, 5m, 1h.")] = "5m",
     instance: Annotated[str | None, typer.Option("--instance", show_default=False,
                                                  help="Only instances this regex finds.")] = None,
-    auth_user: Annotated[str | None, typer.Option("--auth-user", show_default=False,
-                                                  help="Basic-auth user for Prometheus or the endpoints.")] = None,
-    auth_password: Annotated[str | None, typer.Option("--auth-password", envvar="KVCTL_METRICS_PASSWORD",
-                                                      show_default=False, help="Its password.")] = None,
-    bearer_token: Annotated[str | None, typer.Option("--bearer-token", envvar="KVCTL_METRICS_TOKEN",
-                                                     show_default=False, help="A bearer token instead.")] = None,
+    auth_user: MetricsUserOpt = None,
+    auth_password: MetricsPasswordOpt = None,
+    bearer_token: MetricsTokenOpt = None,
     warn: Annotated[float | None, typer.Option("--warn", show_default=False, min=0.0, max=1.0,
                                                help="WARNING (exit 1) when the tier's hit rate is below this.")] = None,
     crit: Annotated[float | None, typer.Option("--crit", show_default=False, min=0.0, max=1.0,

@@ -11,10 +11,19 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.commands._options import (
+    JsonOpt,
+    MetricsPasswordOpt,
+    MetricsTokenOpt,
+    MetricsUserOpt,
+    OutputOpt,
+    output_for,
+    settings_for,
+)
 from kvctl.errors import UsageError
 
 if TYPE_CHECKING:
+    from kvctl.client.tier_sources import Auth
     from kvctl.output import Output
     from kvctl.tui.sources import Source
 
@@ -48,6 +57,9 @@ def top_command(
     metrics: Annotated[list[str] | None, typer.Option("--metrics", show_default=False, help=(
         "An engine's /metrics URL for the tiers panel instead (repeatable).")), ] = None,
     window: Annotated[str, typer.Option("--window", help="The tiers' window with --prometheus: 30s, 5m, 1h.")] = "5m",
+    auth_user: MetricsUserOpt = None,
+    auth_password: MetricsPasswordOpt = None,
+    bearer_token: MetricsTokenOpt = None,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -62,7 +74,10 @@ def top_command(
     interactive = not once and sys.stdout.isatty() and sys.stdin.isatty()
     if not interactive and not once and iterations is None:
         raise UsageError("kvctl top needs a terminal", hint="use --once, or --iterations N, to print frames as text")
-    source = _source(ctx, replay, record, prometheus, metrics or [], window)
+    from kvctl.client.tier_sources import Auth
+
+    auth = Auth(auth_user, auth_password, bearer_token)
+    source = _source(ctx, replay, record, prometheus, metrics or [], window, auth)
     if interactive:
         from kvctl.gc_tuning import tuned_gc
         from kvctl.tui.app import TopApp
@@ -76,7 +91,7 @@ def top_command(
 
 
 def _source(ctx: typer.Context, replay: Path | None, record: Path | None, prometheus: str | None,
-            metrics: list[str], window: str) -> Source:
+            metrics: list[str], window: str, auth: Auth) -> Source:
     """The source the flags name: a recording, or the router (recorded to a file with --record)."""
     from kvctl.tui.sources import Recorder, ReplaySource
 
@@ -85,7 +100,6 @@ def _source(ctx: typer.Context, replay: Path | None, record: Path | None, promet
     if metrics and prometheus:
         raise UsageError("--prometheus and --metrics are two sources for the tiers panel", hint="give one of them")
     from kvctl.client import AsyncRouterClient
-    from kvctl.client.tier_sources import Auth
     from kvctl.core.tiers import parse_duration
     from kvctl.tui.sources import LiveSource, TierFeed
 
@@ -97,7 +111,7 @@ def _source(ctx: typer.Context, replay: Path | None, record: Path | None, promet
         except ValueError as exc:
             raise UsageError(f"--window: {exc}") from None
         tiers = TierFeed(prometheus=settings.prometheus if not metrics else None, metrics=metrics,
-                         auth=Auth(), timeout=settings.timeout, window_s=window_s)
+                         auth=auth, timeout=settings.timeout, window_s=window_s)
     client = AsyncRouterClient(settings.server, token=settings.token, timeout=settings.timeout)
     live = LiveSource(client, token=settings.token, timeout=settings.timeout, tiers=tiers)
     return Recorder(live, record) if record is not None else live
