@@ -148,8 +148,11 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
                 await task
         sock.close()
         if options.state_dir is not None:
-            path = snapshot.write(snapshot.capture(fleet, time.time()), options.state_dir)
-            log.info("snapshot written to %s", path)
+            try:
+                path = snapshot.write(snapshot.capture(fleet, time.time()), options.state_dir)
+                log.info("snapshot written to %s", path)
+            except OSError as exc:  # the previous snapshot is still there: a restart loses what came since
+                log.error("final snapshot to %s failed: %s", options.state_dir, exc)
 
 
 def _load_state(fleet: Fleet, options: ServeOptions) -> None:
@@ -165,12 +168,16 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> None:
         log.info("JetStream mode: the object-store snapshot and the stream rebuild the index, not %s",
                  options.state_dir)
         return
-    restored = snapshot.restore(fleet, options.state_dir, time.monotonic())
+    restored, problems = snapshot.restore(fleet, options.state_dir, time.monotonic())
+    for problem in problems:
+        log.error("damaged snapshot: %s", problem)
     if restored is not None:
         age = max(0.0, time.time() - restored.taken_at)
-        log.warning("restored %d events from the snapshot taken %.1f s ago (%d rejected); KV events sent "
+        log.warning("restored %d events from %s, taken %.1f s ago (%d rejected); KV events sent "
                     "after it were not seen: engines' replay or new events will fill the gap",
-                    restored.events, age, restored.rejected)
+                    restored.events, restored.path.name, age, restored.rejected)
+    elif problems:
+        log.error("no sound snapshot in %s: starting with an empty index", options.state_dir)
 
 
 async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None:

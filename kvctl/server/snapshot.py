@@ -1,12 +1,18 @@
 """Router state on disk: written atomically on shutdown and every snapshot interval, restored on start.
 
-Format (JSON lines, `kvctl.snapshot/v1`): a header line `{"schema", "taken_at", "models": {name:
-block_size}, "workers": [...]}`, then one `{"model": name, "event": RouterEvent}` line per dumped
-event, so a snapshot is also readable by `jq` and by anything that reads Dynamo's RouterEvent JSON.
+Format (JSON lines, `kvctl.snapshot/v2`): a header line `{"schema", "taken_at", "models": {name:
+block_size}, "workers": [...]}`, one `{"model": name, "event": RouterEvent}` line per dumped event,
+so a snapshot is also readable by `jq` and by anything that reads Dynamo's RouterEvent JSON, then a
+trailer `{"end": {"lines": N, "sha256": hex}}` over every line before it. v1 files (no trailer) load.
+
+A crash can interrupt a write anywhere, and a disk can rot, so the state dir keeps two snapshots: the
+newest and the one before (`snapshot.jsonl.prev`). A file's trailer and checksum are checked before
+anything of it is applied; one that fails is moved aside as `.damaged` and the other one is used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -19,8 +25,10 @@ from kvctl.core.events.errors import DecodeError
 from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.server.state import Fleet, WorkerInfo
 
-SCHEMA = "kvctl.snapshot/v1"
+SCHEMA = "kvctl.snapshot/v2"
+SCHEMAS = ("kvctl.snapshot/v1", SCHEMA)  # v1: no trailer, so no checksum
 FILENAME = "snapshot.jsonl"
+PREVIOUS = FILENAME + ".prev"
 
 
 class SnapshotError(Exception):
@@ -32,6 +40,7 @@ class Restored:
     taken_at: float
     events: int
     rejected: int
+    path: Path  # the newest snapshot, or the previous one when the newest was damaged
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,41 +70,113 @@ def _lines(taken: Capture) -> Iterator[bytes]:
             yield prefix + encode_router_event_json(event) + b"}\n"
 
 
-def write(taken: Capture, state_dir: Path) -> Path:
-    """Write to a temporary file in the same directory, fsync, then rename over the old snapshot.
+def _with_trailer(lines: Iterator[bytes]) -> Iterator[bytes]:
+    digest, count = hashlib.sha256(), 0
+    for line in lines:
+        digest.update(line)
+        count += 1
+        yield line
+    yield json.dumps({"end": {"lines": count, "sha256": digest.hexdigest()}}).encode() + b"\n"
 
-    Touches nothing but `taken`, so it may run in a thread while the loop goes on.
+
+def write(taken: Capture, state_dir: Path) -> Path:
+    """Write to a temporary file in the same directory and fsync it; then the current snapshot becomes
+    the previous one and the new file takes its name, and the directory is fsynced.
+
+    A crash before the first rename leaves both snapshots as they were; between the renames, only the
+    previous one (which restore falls back to). Touches nothing but `taken`, so it may run in a thread.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / FILENAME
     tmp = state_dir / f".{FILENAME}.{os.getpid()}.tmp"
-    with tmp.open("wb") as f:
-        f.writelines(_lines(taken))
-        f.flush()
-        os.fsync(f.fileno())
+    for stale in state_dir.glob(f".{FILENAME}.*.tmp"):  # left by a process killed mid-write
+        if stale != tmp:
+            stale.unlink(missing_ok=True)
+    try:
+        with tmp.open("wb") as f:
+            f.writelines(_with_trailer(_lines(taken)))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep a half file around
+        raise
+    if path.exists():
+        os.replace(path, state_dir / PREVIOUS)
     os.replace(tmp, path)
+    _fsync_dir(state_dir)
     return path
 
 
-def restore(fleet: Fleet, state_dir: Path, now: float) -> Restored | None:
-    """Load the snapshot into an empty fleet; None when there is none. A damaged file raises SnapshotError."""
-    path = state_dir / FILENAME
-    if not path.exists():
-        return None
-    with path.open("rb") as f:
+def _fsync_dir(directory: Path) -> None:
+    """Make the renames durable: without it a power loss may bring back the directory as it was."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def restore(fleet: Fleet, state_dir: Path, now: float) -> tuple[Restored | None, list[str]]:
+    """Load the newest sound snapshot into an empty fleet. Returns it (None when there is none) and the
+    problems found on the way: each damaged file is named and moved aside."""
+    problems: list[str] = []
+    for path in (state_dir / FILENAME, state_dir / PREVIOUS):
+        if not path.exists():
+            continue
         try:
-            header = json.loads(f.readline())
-        except ValueError as exc:
-            raise SnapshotError(f"{path}: unreadable header ({exc})") from None
-        if not isinstance(header, dict) or header.get("schema") != SCHEMA:
-            raise SnapshotError(f"{path}: not a {SCHEMA} snapshot")
-        for name, block_size in header["models"].items():
-            fleet.add_model(name, block_size=block_size)
-        for w in header["workers"]:
-            fleet.register(WorkerInfo(w["worker_id"], w["dp_rank"], w["model"], w["endpoint"],
-                                      w["replay_endpoint"], w["topic"]))
-        events = rejected = 0
-        for n, line in enumerate(f, 2):
+            header, body_lines = _verify(path)
+            return _apply(fleet, header, path, body_lines, now), problems
+        except SnapshotError as exc:
+            aside = path.with_name(f"{path.name}.damaged")
+            os.replace(path, aside)
+            problems.append(f"{exc} (moved to {aside.name})")
+    return None, problems
+
+
+def _verify(path: Path) -> tuple[dict[str, Any], int]:
+    """The header and the number of event lines after it, once the file is whole: one streaming pass,
+    so a snapshot of a large index is never held in memory."""
+    digest, hashed, pending = hashlib.sha256(), 0, None  # pending: the newest line, maybe the trailer
+    try:
+        with path.open("rb") as f:
+            first = f.readline()
+            digest.update(first)
+            hashed = 1
+            for line in f:
+                if pending is not None:
+                    digest.update(pending)
+                    hashed += 1
+                pending = line
+    except OSError as exc:
+        raise SnapshotError(f"{path}: unreadable ({exc.strerror})") from None
+    try:
+        header = json.loads(first)
+    except ValueError as exc:
+        raise SnapshotError(f"{path}: unreadable header ({exc})") from None
+    if not isinstance(header, dict) or header.get("schema") not in SCHEMAS:
+        raise SnapshotError(f"{path}: not a kvctl snapshot ({', '.join(SCHEMAS)})")
+    if header["schema"] != SCHEMA:  # v1: no trailer to check
+        return header, hashed - 1 + (pending is not None)
+    try:
+        end = json.loads(pending or b"")["end"]
+        expected_lines, expected_sha = int(end["lines"]), str(end["sha256"])
+    except (ValueError, KeyError, TypeError):
+        raise SnapshotError(f"{path}: no trailer: the write was cut short") from None
+    if hashed != expected_lines or digest.hexdigest() != expected_sha:
+        raise SnapshotError(f"{path}: checksum mismatch: the file changed after it was written")
+    return header, hashed - 1
+
+
+def _apply(fleet: Fleet, header: dict[str, Any], path: Path, body_lines: int, now: float) -> Restored:
+    for name, block_size in header["models"].items():
+        fleet.add_model(name, block_size=block_size)
+    for w in header["workers"]:
+        fleet.register(WorkerInfo(w["worker_id"], w["dp_rank"], w["model"], w["endpoint"],
+                                  w["replay_endpoint"], w["topic"]))
+    events = rejected = 0
+    with path.open("rb") as f:
+        f.readline()
+        for n, line in zip(range(2, body_lines + 2), f, strict=False):
             try:
                 item = json.loads(line)
                 event = decode_router_event_json(item["event"])
@@ -104,12 +185,14 @@ def restore(fleet: Fleet, state_dir: Path, now: float) -> Restored | None:
             applied, bad = fleet.apply(item["model"], [event], now)
             events += applied
             rejected += sum(bad.values())
-    return Restored(header["taken_at"], events, rejected)
+    return Restored(header["taken_at"], events, rejected, path)
 
 
 def delete(state_dir: Path) -> bool:
-    path = state_dir / FILENAME
-    if path.exists():
-        path.unlink()
-        return True
-    return False
+    """Delete both snapshots; True when there was one."""
+    found = False
+    for path in (state_dir / FILENAME, state_dir / PREVIOUS):
+        if path.exists():
+            path.unlink()
+            found = True
+    return found

@@ -106,8 +106,10 @@ def test_snapshot_header_is_versioned(tmp_path: Path) -> None:
     with serving(tmp_path) as (proc, client):
         client.post("/v1/events", content=DUMP, headers={"content-type": "application/x-ndjson"})
         _stop(proc)
-    header = json.loads((tmp_path / "snapshot.jsonl").read_text().splitlines()[0])
-    assert header["schema"] == "kvctl.snapshot/v1" and header["models"] == {"default": 16}
+    lines = (tmp_path / "snapshot.jsonl").read_text().splitlines()
+    header, trailer = json.loads(lines[0]), json.loads(lines[-1])
+    assert header["schema"] == "kvctl.snapshot/v2" and header["models"] == {"default": 16}
+    assert trailer["end"]["lines"] == len(lines) - 1 and len(trailer["end"]["sha256"]) == 64
 
 
 def test_router_knobs_and_approximate_mode(tmp_path: Path) -> None:
