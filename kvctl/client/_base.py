@@ -106,6 +106,11 @@ def tree_stats(model: str | None = None) -> Call:
     return Call("GET", "/v1/tree/stats", params={"model": model} if model else {})
 
 
+def tree(model: str = DEFAULT_MODEL, worker: str | None = None) -> Call:
+    """`GET /v1/tree`: a model's index as a JSON list of RouterEvents; one worker's part (`ID` or `ID:DP`)."""
+    return Call("GET", "/v1/tree", params={"model": model, **({"worker": worker} if worker else {})})
+
+
 def reset(*, model: str | None = None, worker_id: int | None = None, dp_rank: int | None = None) -> Call:
     return Call("POST", "/v1/reset", json={"model": model, "worker_id": worker_id, "dp_rank": dp_rank})
 

@@ -8,6 +8,7 @@ unreachable router is a CRITICAL finding, not a usage error: it is the first thi
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -22,9 +23,22 @@ from kvctl.commands._options import (
     router_client,
     settings_for,
 )
+from kvctl.core.doctor import (
+    SHOWN,
+    Finding,
+    Limits,
+    PeerDiff,
+    Severity,
+    check_hit_rates,
+    diagnose,
+    differing_workers,
+    worst,
+)
+from kvctl.errors import UsageError
 from kvctl.output import Column, View
 
 if TYPE_CHECKING:
+    from kvctl.client import RouterClient
     from kvctl.client.tier_sources import Auth
 
 HELP = ("Diagnose a router: silent workers, lost events, block-size and hashing mismatches, busy fleets, "
@@ -64,47 +78,80 @@ def doctor_command(
         "--metrics", show_default=False,
         help="An engine's /metrics (repeatable): compare its prefix-cache hit rate with the router's "
              "prediction.")] = None,
+    prometheus: Annotated[str | None, typer.Option(
+        "--prometheus", show_default=False,
+        help="A Prometheus scraping the engines, instead of --metrics: their hit rates over --window. "
+             "Only when given here (a configured one is not used implicitly).")] = None,
+    window: Annotated[str, typer.Option("--window", help="With --prometheus: over how long (30s, 5m, 1h).")] = "5m",
     auth_user: MetricsUserOpt = None,
     auth_password: MetricsPasswordOpt = None,
     bearer_token: MetricsTokenOpt = None,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    from kvctl.core.doctor import Finding, Limits, Severity, diagnose, worst
-    from kvctl.errors import Unreachable
+    from kvctl.core.tiers import parse_duration
     from kvctl.exit_codes import CheckStatus
 
     out = output_for(ctx, output, as_json)
+    if metrics and prometheus:
+        raise UsageError("--prometheus and --metrics are two sources of engine metrics", hint="give one of them")
+    try:
+        window_s = parse_duration(window)
+    except ValueError as exc:
+        raise UsageError(f"--window: {exc}") from None
     url = settings_for(ctx).server
     limits = Limits(silent_after_s=silent_after, divergence_share=divergence)
-    try:
-        status, workers, thresholds = _gather(ctx, model)
-    except Unreachable as exc:
-        findings = [Finding("router", Severity.CRITICAL, f"router unreachable at {url}", {"error": exc.message},
-                            f"is `kvctl serve` running there? (--server / KVCTL_SERVER); curl {url}/healthz")]
+    gathered = _gather(ctx, model)
+    if isinstance(gathered, Finding):
+        findings = [gathered]
     else:
-        diffs, unreachable = _peers(ctx, peer or [])
+        status, workers, thresholds = gathered
+        diffs, not_compared = _peers(ctx, peer or [], status.get("models", {}), model)
         from kvctl.client.tier_sources import Auth
 
-        engines_auth = Auth(auth_user, auth_password, bearer_token)
-        hit_rates = _hit_rates(ctx, metrics, engines_auth) if metrics else None
-        findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates), *unreachable]
-    status = worst(findings)
-    report = {"server": url, "status": status.name, "findings": [f.as_dict() for f in findings]}
-    out.emit(report, _VIEW)
+        engines = _Engines(metrics or [], prometheus, window_s, Auth(auth_user, auth_password, bearer_token))
+        hit_rates = _hit_rates(ctx, engines) if metrics or prometheus else None
+        findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates), *not_compared]
+    verdict = worst(findings)
+    out.emit({"server": url, "status": verdict.name, "findings": [f.as_dict() for f in findings]}, _VIEW)
     counts = {s: sum(f.severity is s for f in findings) for s in Severity}
-    out.note(f"doctor: {status.name} (" + ", ".join(f"{n} {s.name.lower()}" for s, n in counts.items() if n) + ")")
-    raise typer.Exit(CheckStatus(int(status)))
+    out.note(f"doctor: {verdict.name} (" + ", ".join(f"{n} {s.name.lower()}" for s, n in counts.items() if n) + ")")
+    raise typer.Exit(CheckStatus(int(verdict)))
 
 
-def _gather(ctx: typer.Context, model: str | None) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
-    """The router's own view: status, workers, busy thresholds (restricted to `model` when given)."""
+@dataclass(frozen=True)
+class _Engines:
+    """Where the engines' prefix-cache hit rates come from: their /metrics (since each started) or a Prometheus."""
+
+    metrics: list[str]
+    prometheus: str | None
+    window_s: float
+    auth: Auth
+
+
+Gathered = tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]
+
+
+def _gather(ctx: typer.Context, model: str | None) -> Gathered | Finding:
+    """The router's own view: status, workers, busy thresholds (restricted to `model` when given); or, when the
+    router cannot be asked, the finding that says so: CRITICAL when nothing answers (or not in time), UNKNOWN
+    when something answers with an error (not a kvctl router, or one that refuses doctor's questions)."""
     from kvctl.client import calls
+    from kvctl.errors import ApiError, KvctlError
 
-    with router_client(ctx) as client:
-        status = client.send(calls.status())
-        workers = client.send(calls.workers())["workers"]
-        thresholds = client.send(calls.busy_thresholds())["thresholds"]
+    url = settings_for(ctx).server
+    try:
+        with router_client(ctx) as client:
+            status = client.send(calls.status())
+            workers = client.send(calls.workers())["workers"]
+            thresholds = client.send(calls.busy_thresholds())["thresholds"]
+    except ApiError as exc:
+        return Finding("router", Severity.UNKNOWN, f"the router at {url} answered with an error: cannot diagnose it",
+                       {"error": exc.message, "http_status": exc.status},
+                       f"is {url} a kvctl router (not an engine or a frontend)? curl {url}/v1/status")
+    except KvctlError as exc:
+        return Finding("router", Severity.CRITICAL, f"router unreachable at {url}", {"error": exc.message},
+                       f"is `kvctl serve` running there? (--server / KVCTL_SERVER); curl {url}/healthz")
     if model is not None:
         workers = [w for w in workers if w["model"] == model]
         status = {**status, "models": {m: s for m, s in status.get("models", {}).items() if m == model}}
@@ -112,52 +159,71 @@ def _gather(ctx: typer.Context, model: str | None) -> tuple[dict[str, Any], list
     return status, workers, thresholds
 
 
-def _peers(ctx: typer.Context, urls: list[str]) -> tuple[list[Any], list[Any]]:
-    """Each peer's index diffed against this router's (one dump of this router, one per peer), and a
-    WARNING finding for each peer that cannot be reached."""
-    if not urls:
-        return [], []
-    from kvctl.client import sources
-    from kvctl.core.doctor import Finding, PeerDiff, Severity
-    from kvctl.core.tree_diff import diff_events
-    from kvctl.errors import Unreachable
+def _peers(ctx: typer.Context, urls: list[str], mine: dict[str, Any],
+           model: str | None) -> tuple[list[PeerDiff], list[Finding]]:
+    """Each peer compared with this router (`mine`: its status' models), and a WARNING finding for each peer
+    that could not be read."""
+    from kvctl.client import RouterClient, calls
+    from kvctl.errors import KvctlError
 
     settings = settings_for(ctx)
-    mine = sources.router_events(settings.server.rstrip("/"), model=None, token=settings.token,
-                                 timeout=settings.timeout)
-    diffs, unreachable = [], []
-    for url in urls:
-        try:
-            theirs = sources.router_events(url.rstrip("/"), model=None, token=settings.token,
-                                           timeout=settings.timeout)
-        except Unreachable as exc:
-            unreachable.append(Finding("divergence", Severity.WARNING, f"peer {url} unreachable: not compared",
-                                       {"peer": url, "error": exc.message}, f"curl {url}/healthz"))
+    diffs, not_compared = [], []
+    with router_client(ctx) as own:
+        for url in urls:
+            try:
+                with RouterClient(url.rstrip("/"), token=settings.token, timeout=settings.timeout) as peer:
+                    theirs = {m: s for m, s in peer.send(calls.status())["models"].items() if model in (None, m)}
+                    rows = _compare(own, peer, mine, theirs)
+            except KvctlError as exc:
+                not_compared.append(Finding("divergence", Severity.WARNING, f"peer {url} not compared: {exc.message}",
+                                            {"peer": url, "error": exc.message}, f"curl {url}/v1/status"))
+                continue
+            blocks = max(sum(m.get("blocks", 0) for m in models.values()) for models in (mine, theirs))
+            diffs.append(PeerDiff(url, settings.server, blocks, sum(r["only_a"] + r["only_b"] for r in rows), rows))
+    return diffs, not_compared
+
+
+def _compare(own: RouterClient, peer: RouterClient, mine: dict[str, Any],
+             theirs: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per-worker block counts first; then the blocks themselves of up to SHOWN workers whose counts differ
+    (both routers' parts of the index, diffed by path); the other differing workers count by their difference
+    in blocks, marked estimated. Reading only the differing workers keeps a 1M-block comparison in seconds."""
+    from kvctl.client import calls
+    from kvctl.core.events.dynamo import decode_router_event_json
+    from kvctl.core.tree_diff import diff_events
+
+    rows: list[dict[str, Any]] = []
+    for n, (model, worker, here, there) in enumerate(differing_workers(mine, theirs)):
+        if n >= SHOWN:
+            rows.append({"model": model, "worker": worker, "blocks_a": here, "blocks_b": there,
+                         "only_a": max(0, here - there), "only_b": max(0, there - here), "estimated": True})
             continue
-        summary = diff_events(mine, theirs).summary()
-        blocks = max(sum(w["blocks_a"] for w in summary), sum(w["blocks_b"] for w in summary))
-        differing = sum(w["only_a"] + w["only_b"] for w in summary)
-        diffs.append(PeerDiff(url, settings.server, blocks, differing, summary))
-    return diffs, unreachable
+        a, b = ([decode_router_event_json(e) for e in client.send(calls.tree(model, worker))] for client in (own, peer))
+        rows += [{**row, "model": model} for row in diff_events(a, b).summary()]
+    return rows
 
 
-def _hit_rates(ctx: typer.Context, urls: list[str], engines_auth: Auth) -> list[Any]:
-    """Engines' device prefix-cache hit rates and the router's mean predicted hit rate, since each started."""
-    from kvctl.client.tier_sources import Auth, Scraper
-    from kvctl.core.doctor import Finding, Severity, check_hit_rates
+def _hit_rates(ctx: typer.Context, engines: _Engines) -> list[Finding]:
+    """Engines' device prefix-cache hit rates and the router's mean predicted hit rate since it started."""
+    from kvctl.client.tier_sources import Auth, Scraper, prometheus_windows
     from kvctl.core.tiers import hit_rates, report
     from kvctl.errors import KvctlError
 
     settings = settings_for(ctx)
     router = settings.server.rstrip("/") + "/metrics"
-    try:  # the router's token goes to the router only, never to the engines
-        with Scraper([router], auth=Auth(token=settings.token), timeout=settings.timeout) as own, \
-                Scraper(urls, auth=engines_auth, timeout=settings.timeout) as theirs:
-            mine, engines = report(own.since_start()), report(theirs.since_start())
+    try:  # the router's token goes to the router only, never to the engines or Prometheus
+        with Scraper([router], auth=Auth(token=settings.token), timeout=settings.timeout) as own:
+            mine = report(own.since_start())
+        if engines.prometheus is not None:
+            windows = prometheus_windows(engines.prometheus.rstrip("/"), window_s=engines.window_s,
+                                         auth=engines.auth, timeout=settings.timeout)
+        else:
+            with Scraper(engines.metrics, auth=engines.auth, timeout=settings.timeout) as theirs:
+                windows = theirs.since_start()
     except KvctlError as exc:
+        source = "--prometheus URL" if engines.prometheus is not None else "--metrics URL"
         return [Finding("hit_rate", Severity.UNKNOWN, f"metrics not read: {exc.message}", {},
-                        "kvctl tiers --metrics URL  (is each engine's /metrics reachable?)")]
+                        f"kvctl tiers {source}  (is it reachable? are the engines' families there?)")]
     predicted = [r.value for r in mine.readings if r.metric == "predicted_hit_rate"]
-    return check_hit_rates({r.instance: r.value for r in hit_rates(engines, "device") if r.value is not None},
+    return check_hit_rates({r.instance: r.value for r in hit_rates(report(windows), "device") if r.value is not None},
                            predicted[0] if predicted else None)
-

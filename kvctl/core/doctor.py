@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from kvctl.core.router.busy import THRESHOLD_FIELDS, BusyTracker, Thresholds, WorkerLoad
+
 DEFAULT_MODEL = "default"
 SHOWN = 8
 """Workers named in one finding's evidence; the count says how many more there are."""
@@ -46,7 +48,7 @@ class Limits:
     most_busy_share: float = 0.5  # WARNING when more than this share of a model's workers is busy
     kv_full_share: float = 0.9  # "extreme" load: KV usage of a worker's capacity, with no threshold set
     divergence_share: float = 0.01  # replicas may differ by this share of blocks (events in flight)
-    nodes_per_block: float = 0.75  # an index with almost a node per block shares no prefixes
+    nodes_per_block: float = 0.75  # nodes are compressed runs of blocks: near one per block, nothing is shared
     min_blocks_for_shape: int = 10_000  # below this, the node/block ratio says nothing
     near_cap: float = 0.9  # approximate mode: blocks as a share of --max-tree-size
 
@@ -104,6 +106,10 @@ def check_registration(status: Mapping[str, Any], workers: Sequence[Mapping[str,
 # ----- 2. silent workers ----------------------------------------------------------------------------------
 
 def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]], limits: Limits) -> list[Finding]:
+    """Silence alone may be an idle fleet: an engine publishes events only when its cache changes. It is a
+    fault for sure when the worker serves regardless: routes won with no event ever, requests in flight
+    now, or messages arriving that deliver no event. CRITICAL only when every worker is silent and some
+    are known to be serving: the router routes blind (Dynamo #4249: engines not emitting KV events)."""
     approximate = {m for m, stats in (status.get("models") or {}).items() if stats.get("approximate")}
     workers = [w for w in workers if w["model"] not in approximate]  # they publish no events, by design
     if not workers:
@@ -114,14 +120,38 @@ def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]
     if not never and not stale:
         return [Finding("silent", Severity.OK, f"every worker sent events in the last {limits.silent_after_s:g} s")]
     silent = never + [n for n, _ in stale]
-    severity = Severity.CRITICAL if len(silent) == len(workers) else Severity.WARNING
+    serving = _serving_while_silent(status, [w for w in workers if _name(w) in silent], limits)
+    severity = Severity.CRITICAL if len(silent) == len(workers) and serving else Severity.WARNING
     cause = (f"{len(silent)} of {len(workers)} workers silent: "
              + ", ".join(filter(None, [f"{len(never)} never sent an event" if never else "",
-                                       f"{len(stale)} quiet for over {limits.silent_after_s:g} s" if stale else ""])))
-    evidence = {**_named(silent), "never": never[:SHOWN], "quiet_s": dict(stale[:SHOWN])}
+                                       f"{len(stale)} quiet for over {limits.silent_after_s:g} s" if stale else "",
+                                       f"{len(serving)} of them serving regardless" if serving
+                                       else "none known to be serving (idle, or not publishing?)"])))
+    evidence = {**_named(silent), "never": never[:SHOWN], "quiet_s": dict(stale[:SHOWN]),
+                "serving": dict(list(serving.items())[:SHOWN])}
     return [Finding("silent", severity, cause, evidence,
                     f"kvctl events tail --zmq <the engine's KV-event endpoint>  (is worker {_first(silent)} "
                     "publishing at all? check the engine's kv-events config and the endpoint registered)")]
+
+
+def _serving_while_silent(status: Mapping[str, Any], silent: Sequence[Mapping[str, Any]],
+                          limits: Limits) -> dict[str, dict[str, Any]]:
+    """Silent workers with signs of work: what each shows (routes won, requests in flight, messages)."""
+    streams = {_stream_name(s): s for s in status.get("streams") or []}
+    out: dict[str, dict[str, Any]] = {}
+    for w in silent:
+        name, stream = _name(w), streams.get(_name(w), {})
+        signs = {}
+        if w.get("last_event_age_s") is None and w.get("routes"):
+            signs["routes"] = w["routes"]
+        if w.get("active_requests"):
+            signs["active_requests"] = w["active_requests"]
+        message_at, event_at = stream.get("last_message_at"), stream.get("last_event_at")
+        if message_at is not None and (event_at is None or message_at - event_at > limits.silent_after_s):
+            signs["messages"] = stream.get("messages", 0)
+        if signs:
+            out[name] = signs
+    return out
 
 
 # ----- 3. streams: gaps, replays, restarts, decode errors --------------------------------------------------
@@ -133,15 +163,22 @@ def check_streams(status: Mapping[str, Any]) -> list[Finding]:
             if s.get("lost_batches") or s.get("replays_failed") or s.get("gapped")]
     if lost:
         names = [n for n, _ in lost]
+        unreplayable = [n for n, s in lost if not s.get("replay_endpoint")]
+        failed = [n for n, s in lost if s.get("replays_failed")]
+        why = ", ".join(filter(None, [f"{len(unreplayable)} with no replay endpoint" if unreplayable else "",
+                                      f"{len(failed)} whose replays failed" if failed else ""]))
+        fix = ("register each engine's replay endpoint (POST /v1/workers replay_endpoint, or serve --worker "
+               "ID=tcp://…,replay=tcp://…)" if unreplayable else
+               "is the engine's replay ROUTER socket reachable, and its replay buffer large enough?")
         findings.append(Finding(
             "streams", Severity.WARNING,
-            f"{len(lost)} stream(s) lost batches that replay could not recover: their index may hold stale "
-            "blocks or miss new ones",
+            f"{len(lost)} stream(s) lost batches that replay could not recover ({why}): their index may hold "
+            "stale blocks or miss new ones",
             {**_named(names), "lost_batches": {n: s.get("lost_batches", 0) for n, s in lost[:SHOWN]},
+             "gaps": {n: s.get("gaps", 0) for n, s in lost[:SHOWN]},
              "replays_failed": {n: s.get("replays_failed", 0) for n, s in lost[:SHOWN]},
              "replay_endpoint": {n: s.get("replay_endpoint") for n, s in lost[:SHOWN]}},
-            f"kvctl router reset --worker {_first(names)} --yes  (resync it; give engines a replay endpoint "
-            "and a larger replay buffer)"))
+            f"kvctl router reset --worker {_first(names)} --yes  (resync it); then {fix}"))
     restarted = [(_stream_name(s), s["restarts"]) for s in streams if s.get("restarts")]
     if restarted:
         findings.append(Finding(
@@ -258,25 +295,15 @@ def check_hashing(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
 
 def check_busy(workers: Sequence[Mapping[str, Any]], thresholds: Sequence[Mapping[str, Any]],
                limits: Limits) -> list[Finding]:
-    set_for = {t["model"]: {k: v for k, v in t.items() if k != "model" and v is not None} for t in thresholds}
+    set_for = {t["model"]: {k: t[k] for k in THRESHOLD_FIELDS if t.get(k) is not None} for t in thresholds}
     findings: list[Finding] = []
     by_model: dict[str, list[Mapping[str, Any]]] = {}
     for w in workers:
         by_model.setdefault(w["model"], []).append(w)
     for model, rows in sorted(by_model.items()):
-        busy = [_name(w) for w in rows if w.get("busy")]
-        loads = {_name(w): {"active_decode_blocks": w.get("active_decode_blocks"),
-                            "active_prefill_tokens": w.get("active_prefill_tokens")} for w in rows[:SHOWN]}
-        if busy and len(busy) == len(rows):
-            findings.append(Finding(
-                "busy", Severity.CRITICAL, f"every worker of {model!r} is busy: its requests are refused (503)",
-                {"thresholds": set_for.get(model, {}), **_named(busy), "loads": loads},
-                f"add capacity, or raise the thresholds: kvctl busy set --model {model} ..."))
-        elif len(busy) > limits.most_busy_share * len(rows):
-            findings.append(Finding(
-                "busy", Severity.WARNING, f"{len(busy)} of {len(rows)} workers of {model!r} are busy",
-                {"thresholds": set_for.get(model, {}), **_named(busy), "loads": loads},
-                f"kvctl workers; kvctl busy get --model {model}"))
+        busy = [w for w in rows if w.get("busy")]
+        if busy and (len(busy) == len(rows) or len(busy) > limits.most_busy_share * len(rows)):
+            findings.append(_busy_finding(model, rows, busy, set_for.get(model, {})))
         elif not set_for.get(model):
             full = [(_name(w), share) for w in rows if (share := _kv_share(w)) is not None
                     and share >= limits.kv_full_share]
@@ -292,6 +319,37 @@ def check_busy(workers: Sequence[Mapping[str, Any]], thresholds: Sequence[Mappin
     return findings
 
 
+def _busy_finding(model: str, rows: Sequence[Mapping[str, Any]], busy: Sequence[Mapping[str, Any]],
+                  thresholds: Mapping[str, Any]) -> Finding:
+    """All or most workers busy, naming the thresholds that trip: judged again from each row's loads by the
+    router's own busy checks, as `/v1/workers` says that a worker is busy but not why."""
+    tracker, limits = BusyTracker(), Thresholds(**thresholds)
+    tripped: dict[str, list[str]] = {}
+    signals: dict[str, int] = {}
+    for w in busy:
+        reported = w.get("reported") or {}
+        load = WorkerLoad(w.get("active_decode_blocks") or 0, w.get("active_prefill_tokens") or 0,
+                          kv_used_blocks=reported.get("kv_used_blocks"), total_blocks=w.get("total_blocks"))
+        reasons = tracker.update((w["worker_id"], w["dp_rank"]), load, limits).reasons
+        tripped[_name(w)] = [str(r) for r in reasons]
+        for reason in reasons:
+            signals[reason.signal.value] = signals.get(reason.signal.value, 0) + 1
+    names = [_name(w) for w in busy]
+    evidence = {"thresholds": dict(thresholds), "tripped_by": signals, **_named(names),
+                "tripped": {n: tripped[n] for n in names[:SHOWN]},
+                "loads": {_name(w): {"active_decode_blocks": w.get("active_decode_blocks"),
+                                     "active_prefill_tokens": w.get("active_prefill_tokens")} for w in rows[:SHOWN]}}
+    which = ", ".join(signals) or "a threshold"
+    if len(busy) == len(rows):
+        return Finding("busy", Severity.CRITICAL,
+                       f"every worker of {model!r} is busy ({which} over its threshold): its requests are "
+                       "refused (503)", evidence,
+                       f"add capacity, or raise the thresholds: kvctl busy set --model {model} ...")
+    return Finding("busy", Severity.WARNING,
+                   f"{len(busy)} of {len(rows)} workers of {model!r} are busy ({which} over its threshold)",
+                   evidence, f"kvctl workers; kvctl busy get --model {model}")
+
+
 def _kv_share(worker: Mapping[str, Any]) -> float | None:
     total = worker.get("total_blocks")
     if not total:
@@ -303,6 +361,18 @@ def _kv_share(worker: Mapping[str, Any]) -> float | None:
 
 
 # ----- 7. replicas ---------------------------------------------------------------------------------------------
+
+def differing_workers(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[tuple[str, str, int, int]]:
+    """(model, worker, blocks here, blocks there) for each worker whose block count differs between two
+    routers' `models` objects (`/v1/status`): the workers a diff of the whole indexes would name, found from
+    two small answers. Equal counts over different blocks go unseen: the price of not reading 1M blocks twice."""
+    out = []
+    for model in sorted(mine.keys() | theirs.keys()):
+        here, there = mine.get(model, {}).get("workers", {}), theirs.get(model, {}).get("workers", {})
+        out += [(model, w, here.get(w, 0), there.get(w, 0)) for w in sorted(here.keys() | there.keys())
+                if here.get(w, 0) != there.get(w, 0)]
+    return out
+
 
 def check_divergence(peers: Sequence[PeerDiff], limits: Limits) -> list[Finding]:
     findings = []
@@ -345,11 +415,14 @@ def check_index(status: Mapping[str, Any], limits: Limits) -> list[Finding]:
                 {"model": model, "blocks": blocks, "max_tree_size": cap},
                 "raise --max-tree-size, or lower --router-ttl so blocks expire before the cap prunes them"))
         if blocks >= limits.min_blocks_for_shape and nodes / blocks > limits.nodes_per_block:
+            rss = status.get("rss_bytes")
             findings.append(Finding(
                 "index", Severity.WARNING,
-                f"model {model!r}: {nodes} nodes for {blocks} blocks: requests share almost no prefixes, so "
-                "the index costs memory and routing gains little",
-                {"model": model, "blocks": blocks, "nodes": nodes, "nodes_per_block": round(nodes / blocks, 3)},
+                f"model {model!r}: {nodes} nodes for {blocks} blocks: the index is short branches nobody shares "
+                "(the tree compresses shared runs of blocks into one node; here there are none), the shape that "
+                "costs the most memory per block",
+                {"model": model, "blocks": blocks, "nodes": nodes, "nodes_per_block": round(nodes / blocks, 3),
+                 "router_rss_bytes_per_block": None if not rss else round(rss / blocks)},
                 "kvctl tree stats  (shared prefixes? per-request salts or LoRA names splitting the tree?)"))
     if not findings:
         total = sum(s.get("blocks", 0) for s in (status.get("models") or {}).values())

@@ -54,6 +54,26 @@ async def test_a_silent_engine_is_named(tmp_path: Path) -> None:
     assert finding["evidence"]["never"] == ["1:0"] and "1 of 3 workers silent" in finding["cause"]
 
 
+async def test_engines_that_serve_but_never_publish_are_critical(tmp_path: Path) -> None:
+    async with engines_behind_router(tmp_path, faults=Faults(silent=True)) as rig:  # kv events off everywhere
+        await rig.load()
+        code, report = await rig.doctor()
+    [finding] = findings(report, "silent")
+    assert code == 2 and finding["severity"] == "CRITICAL" and "3 of 3 workers silent" in finding["cause"]
+    assert finding["evidence"]["never"] == ["1:0", "2:0", "3:0"]
+    assert sum(signs["routes"] for signs in finding["evidence"]["serving"].values()) == 24  # every request routed
+
+
+async def test_a_fleet_quiet_for_longer_than_silent_after_is_a_warning_not_critical(tmp_path: Path) -> None:
+    async with engines_behind_router(tmp_path) as rig:
+        await rig.load()
+        await rig.until(lambda ws: all((w["last_event_age_s"] or 0) > 0.5 for w in ws), "every worker quiet 0.5 s")
+        code, report = await rig.doctor("--silent-after", "0.5")
+    [finding] = findings(report, "silent")
+    assert code == 1 and finding["severity"] == "WARNING" and "3 quiet for over 0.5 s" in finding["cause"]
+    assert set(finding["evidence"]["quiet_s"]) == {"1:0", "2:0", "3:0"} and finding["evidence"]["serving"] == {}
+
+
 async def test_a_block_size_mismatch_is_critical(tmp_path: Path) -> None:
     async with engines_behind_router(tmp_path, faults=Faults(block_size=32), fault_engines=[1]) as rig:
         await rig.load()
@@ -117,6 +137,8 @@ async def test_a_fleet_that_is_all_busy_is_critical_and_names_the_threshold(tmp_
     [finding] = findings(report, "busy")
     assert code == 2 and finding["severity"] == "CRITICAL" and "every worker" in finding["cause"]
     assert finding["evidence"]["thresholds"] == {"active_prefill_tokens_threshold": 1}
+    assert finding["evidence"]["tripped_by"] == {"active_prefill_tokens": 3}
+    assert "active_prefill_tokens over its threshold" in finding["cause"]
 
 
 async def _stream_of(rig: Rig, worker_id: int, predicate: Callable[[dict[str, Any]], bool]) -> bool:

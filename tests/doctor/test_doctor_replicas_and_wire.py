@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import zmq.asyncio
 
@@ -23,6 +24,7 @@ from tests.server.test_serve_process import serving
 from tests.server.zmq_engine import Engine
 
 VLLM = FIXTURES / "vllm-0.33"
+LEGACY = FIXTURES / "vllm-legacy" / "0.23.0"
 PAYLOADS = [(VLLM / m["file"]).read_bytes() for m in json.loads((VLLM / "manifest.json").read_text())["messages"]]
 
 
@@ -60,19 +62,23 @@ async def doctor_until(url: str, check: str, matches: Callable[[dict[str, Any]],
     raise AssertionError(f"doctor never reported {check!r}: {report}")
 
 
-async def doctor_after_publishing(tmp_path: Path, payloads: list[bytes], finding: str,
-                                  *serve_args: str) -> tuple[int, dict[str, Any]]:
-    """A router subscribed to one real ZMQ engine (worker 5) that publishes `payloads`; doctor is run until
-    it reports `finding`."""
+async def doctor_after_publishing(tmp_path: Path, payloads: list[bytes], finding: str, *serve_args: str,
+                                  unsent: frozenset[int] = frozenset(), mute: bool = False,
+                                  matches: Callable[[dict[str, Any]], bool] = lambda _: True,
+                                  ) -> tuple[int, dict[str, Any]]:
+    """A router subscribed to one real ZMQ engine (worker 5, its replay endpoint registered) that publishes
+    `payloads` as seqs 0, 1, ... (those in `unsent` only into its replay buffer: a gap); doctor is run until it
+    reports a `finding` that `matches`. A `mute` engine never answers replay requests."""
     ctx = zmq.asyncio.Context()
-    engine = Engine(ctx)
+    engine = Engine(ctx, mute=mute)
     try:
         with serving(tmp_path, "--no-restore", *serve_args) as (_, client):
-            assert client.post("/v1/workers", json={"worker_id": 5, "endpoint": engine.endpoint}).status_code == 201
+            worker = {"worker_id": 5, "endpoint": engine.endpoint, "replay_endpoint": engine.replay_endpoint}
+            assert client.post("/v1/workers", json=worker).status_code == 201
             await engine.subscribed()
             for seq, payload in enumerate(payloads):
-                await engine.publish(seq, payload)
-            return await doctor_until(str(client.base_url).rstrip("/"), finding)
+                await engine.publish(seq, payload, live=seq not in unsent)
+            return await doctor_until(str(client.base_url).rstrip("/"), finding, matches)
     finally:
         await engine.close()
         ctx.term()
@@ -84,6 +90,27 @@ async def test_an_engine_sending_undecodable_batches_is_named_with_its_schema(tm
     assert finding["severity"] == "WARNING" and finding["evidence"]["decode_errors"] == {"5:0": {"bad_msgpack": 3}}
     [silent] = findings(report, "silent")  # nothing it sent could be used: the only worker never delivered
     assert code == 2 and silent["severity"] == "CRITICAL" and silent["evidence"]["never"] == ["5:0"]
+
+
+async def test_bad_events_in_a_legacy_array_batch_are_named_with_the_schema_seen(tmp_path: Path) -> None:
+    ts, events, dp_rank = msgspec.msgpack.decode((LEGACY / "a_block_stored_4x16.msgpack").read_bytes())
+    events[0][3] = events[0][3][:40]  # vLLM 0.23's positional token_ids, cut short of its 4 blocks
+    good = (LEGACY / "b_block_stored_chained.msgpack").read_bytes()
+    code, report = await doctor_after_publishing(tmp_path, [msgspec.msgpack.encode([ts, events, dp_rank]), good],
+                                                 "decode")
+    [finding] = findings(report, "decode")
+    assert code == 1 and finding["evidence"]["decode_errors"] == {"5:0": {"bad_tokens": 1}}
+    schema = finding["evidence"]["schema_seen"]["5:0"]
+    assert (schema["batch_shapes"], schema["event_shapes"], schema["hash_kinds"]) == (["array"], ["array"], ["u64"])
+
+
+async def test_a_replay_that_fails_is_named_with_the_lost_batches(tmp_path: Path) -> None:
+    code, report = await doctor_after_publishing(tmp_path, PAYLOADS[:3], "streams", unsent=frozenset({1}), mute=True,
+                                                 matches=lambda f: f["severity"] == "WARNING")
+    [finding] = [f for f in findings(report, "streams") if f["severity"] == "WARNING"]
+    assert code == 1 and "1 whose replays failed" in finding["cause"]
+    assert finding["evidence"]["replays_failed"] == {"5:0": 1} and finding["evidence"]["lost_batches"] == {"5:0": 1}
+    assert "replay buffer" in finding["next_step"]
 
 
 def test_an_approximate_index_at_its_cap_is_named(tmp_path: Path) -> None:

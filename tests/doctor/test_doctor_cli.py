@@ -1,0 +1,46 @@
+"""`kvctl doctor` as a check command: its table and summary line, usage errors, and a URL that is not a router."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+
+from kvctl.exit_codes import CheckStatus
+from kvctl.mock.engine import EngineConfig
+from kvctl.mock.fleet import Fleet
+from tests.commands.live_router import free_port_url, kvctl, loaded_router
+from tests.doctor.rig import doctor
+
+
+def test_the_table_has_one_row_per_finding_and_the_summary_goes_to_stderr(tmp_path: Path) -> None:
+    with loaded_router(tmp_path) as client:
+        table = kvctl(client, "doctor")
+        _, report = doctor(str(client.base_url).rstrip("/"))
+    header, *rows = table.stdout.splitlines()
+    assert header.split() == ["SEVERITY", "CHECK", "CAUSE", "NEXT"]
+    assert [row.split()[:2] for row in rows] == [[f["severity"], f["check"]] for f in report["findings"]]
+    counts = {s: sum(f["severity"] == s for f in report["findings"]) for s in ("CRITICAL", "WARNING", "OK")}
+    assert re.fullmatch(rf"doctor: {CheckStatus(table.exit_code).name} \(.*\)\n", table.stderr)
+    assert f"{counts['OK']} ok" in table.stderr and report["status"] == CheckStatus(table.exit_code).name
+
+
+@pytest.mark.parametrize("args", [
+    ["--silent-after", "-1"],
+    ["--divergence", "2"],
+    ["--window", "soon", "--prometheus", "http://127.0.0.1:1"],
+    ["--prometheus", "http://127.0.0.1:1", "--metrics", "http://127.0.0.1:1"],
+])
+def test_a_bad_option_is_a_usage_error_before_anything_is_asked(args: list[str]) -> None:
+    result = kvctl(free_port_url(), "doctor", *args)  # nothing listens there: usage is checked first
+    assert result.exit_code == 2 and result.stdout == "", result.output
+
+
+async def test_a_url_that_is_not_a_router_is_unknown() -> None:
+    async with Fleet([EngineConfig(worker_id=1)]) as fleet:  # a mock engine's HTTP API: no /v1/status
+        code, report = await asyncio.to_thread(doctor, fleet.engines[0].url)
+    [finding] = report["findings"]
+    assert code == 3 and finding["check"] == "router" and finding["severity"] == "UNKNOWN"
+    assert finding["evidence"]["http_status"] == 404
