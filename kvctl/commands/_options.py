@@ -73,3 +73,17 @@ MetricsPasswordOpt = Annotated[str | None, typer.Option("--auth-password", envva
 MetricsTokenOpt = Annotated[str | None, typer.Option("--bearer-token", envvar="KVCTL_METRICS_TOKEN",
                                                      show_default=False, help="A bearer token instead.")]
 
+
+def metrics_window(metrics: list[str] | None, prometheus: str | None, window: str) -> float:
+    """The rule every command reading engines' metrics shares: `--metrics` or `--prometheus`, never both,
+    and `--window` in seconds; either mistake is a usage error before anything is asked."""
+    from kvctl.core.tiers import parse_duration
+    from kvctl.errors import UsageError
+
+    if metrics and prometheus:
+        raise UsageError("--prometheus and --metrics are two sources of engine metrics", hint="give one of them")
+    try:
+        return parse_duration(window)
+    except ValueError as exc:
+        raise UsageError(f"--window: {exc}") from None
+

@@ -19,6 +19,7 @@ from kvctl.commands._options import (
     MetricsTokenOpt,
     MetricsUserOpt,
     OutputOpt,
+    metrics_window,
     output_for,
     router_client,
     settings_for,
@@ -34,7 +35,6 @@ from kvctl.core.doctor import (
     differing_workers,
     worst,
 )
-from kvctl.errors import UsageError
 from kvctl.output import Column, View
 
 if TYPE_CHECKING:
@@ -89,16 +89,10 @@ def doctor_command(
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    from kvctl.core.tiers import parse_duration
     from kvctl.exit_codes import CheckStatus
 
     out = output_for(ctx, output, as_json)
-    if metrics and prometheus:
-        raise UsageError("--prometheus and --metrics are two sources of engine metrics", hint="give one of them")
-    try:
-        window_s = parse_duration(window)
-    except ValueError as exc:
-        raise UsageError(f"--window: {exc}") from None
+    window_s = metrics_window(metrics, prometheus, window)
     url = settings_for(ctx).server
     limits = Limits(silent_after_s=silent_after, divergence_share=divergence)
     gathered = _gather(ctx, model)

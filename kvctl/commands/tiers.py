@@ -19,6 +19,7 @@ from kvctl.commands._options import (
     MetricsTokenOpt,
     MetricsUserOpt,
     OutputOpt,
+    metrics_window,
     output_for,
     settings_for,
 )
@@ -107,16 +108,16 @@ def tiers_command(
     as_json: JsonOpt = False,
 ) -> None:
     from kvctl.client.tier_sources import Auth
-    from kvctl.core.tiers import CHECK_TIERS, parse_duration, report
+    from kvctl.core.tiers import CHECK_TIERS, report
 
     out = output_for(ctx, output, as_json)
     checking = warn is not None or crit is not None
     _check_options(tier, warn, crit, checking and watch, CHECK_TIERS)
+    window_s = metrics_window(metrics, prometheus, window)
     try:
-        window_s = parse_duration(window)
         pattern = re.compile(instance) if instance is not None else None
-    except (ValueError, re.error) as exc:
-        raise UsageError(f"--window/--instance: {exc}") from None
+    except re.error as exc:
+        raise UsageError(f"--instance: {exc}") from None
     auth = Auth(auth_user, auth_password, bearer_token)
     fetch_windows = _source(ctx, prometheus, metrics or [], window_s, auth)
 
@@ -153,8 +154,6 @@ def _source(ctx: typer.Context, prometheus: str | None, metrics: list[str], wind
             auth: Auth) -> Any:
     """A function returning fresh windows from the chosen source (a flag, else the configured Prometheus)."""
     settings = settings_for(ctx, prometheus=prometheus)
-    if metrics and prometheus:
-        raise UsageError("--prometheus and --metrics are two sources", hint="give one of them")
     if metrics:
         return lambda: _scrape(metrics, window_s, auth, settings.timeout)
     if settings.prometheus is None:

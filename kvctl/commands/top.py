@@ -17,6 +17,7 @@ from kvctl.commands._options import (
     MetricsTokenOpt,
     MetricsUserOpt,
     OutputOpt,
+    metrics_window,
     output_for,
     settings_for,
 )
@@ -77,7 +78,8 @@ def top_command(
     from kvctl.client.tier_sources import Auth
 
     auth = Auth(auth_user, auth_password, bearer_token)
-    source = _source(ctx, replay, record, prometheus, metrics or [], window, auth)
+    window_s = metrics_window(metrics, prometheus, window)
+    source = _source(ctx, replay, record, prometheus, metrics or [], window_s, auth)
     if interactive:
         from kvctl.gc_tuning import tuned_gc
         from kvctl.tui.app import TopApp
@@ -91,25 +93,18 @@ def top_command(
 
 
 def _source(ctx: typer.Context, replay: Path | None, record: Path | None, prometheus: str | None,
-            metrics: list[str], window: str, auth: Auth) -> Source:
+            metrics: list[str], window_s: float, auth: Auth) -> Source:
     """The source the flags name: a recording, or the router (recorded to a file with --record)."""
     from kvctl.tui.sources import Recorder, ReplaySource
 
     if replay is not None:
         return ReplaySource(replay)
-    if metrics and prometheus:
-        raise UsageError("--prometheus and --metrics are two sources for the tiers panel", hint="give one of them")
     from kvctl.client import AsyncRouterClient
-    from kvctl.core.tiers import parse_duration
     from kvctl.tui.sources import LiveSource, TierFeed
 
     settings = settings_for(ctx, prometheus=prometheus)
     tiers = None
     if metrics or settings.prometheus:
-        try:
-            window_s = parse_duration(window)
-        except ValueError as exc:
-            raise UsageError(f"--window: {exc}") from None
         tiers = TierFeed(prometheus=settings.prometheus if not metrics else None, metrics=metrics,
                          auth=auth, timeout=settings.timeout, window_s=window_s)
     client = AsyncRouterClient(settings.server, token=settings.token, timeout=settings.timeout)
