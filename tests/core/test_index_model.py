@@ -180,6 +180,26 @@ class IndexModel(RuleBasedStateMachine):
         assert (result.blocks, result.missing) == (len(gone), int(unknown))
         self.model[worker] = held
 
+    @precondition(lambda self: self.holders())
+    @rule(data=st.data(), depth=st.integers(1, 12))
+    def evict_branch_leaf_first(self, data: st.DataObject, depth: int) -> None:
+        """One event taking a leaf and its ancestors, deepest first, as an engine frees a request's blocks:
+        runs that walk whole edges backwards, across edges, and stop at a block still needed elsewhere."""
+        worker = data.draw(st.sampled_from(self.holders()), label="worker")
+        held = set(self.model[worker])
+        leaf = data.draw(st.sampled_from(leaves(held)), label="leaf")
+        gone: list[Path] = []
+        for cut in range(len(leaf), max(0, len(leaf) - depth), -1):
+            path = leaf[:cut]
+            if any(p != path and p[:cut] == path for p in held):  # still a prefix of another held block
+                break
+            held.discard(path)
+            gone.append(path)
+        result = self.index.apply(removed(worker, [engine_hash(p) for p in gone]))
+        assert result.status is Status.ok
+        assert (result.blocks, result.missing) == (len(gone), 0)
+        self.model[worker] = held
+
     @rule(worker=st.sampled_from(WORKERS), syms=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=3))
     def remove_unknown(self, worker: Worker, syms: list[int]) -> None:
         """A hash the worker does not hold (maybe another worker does): counted, nothing changes."""

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import repeat
+from operator import is_
 
 Worker = tuple[int, int]  # (worker_id, dp_rank)
 
@@ -447,6 +448,19 @@ class RadixTree:
                 continue
             # Engines evict runs of one edge together: take the following hashes of this edge the
             # worker still holds in one step (the same end state as one by one, as Dynamo does).
+            # Leaf-first eviction walks the edge backwards to its start: when the rest of the event is
+            # exactly that, one slice compare takes the run instead of two lookups per block. It needs
+            # each hash at one place (no repeat in the edge) and, for a slot whose lookup ever lost
+            # track of a node (`_shadows`), a check that the run is still bound here.
+            k = min(pos, n - i)
+            if k and len(index) == len(node.hashes):
+                run = node.hashes[pos - k:pos]
+                run.reverse()
+                if hashes[i:i + k] == run and (
+                        slot not in self._shadows or all(map(is_, map(lookup.get, run), repeat(node)))):
+                    removed += k
+                    i += k
+                    pos -= k
             while i < n and lookup.get(hashes[i]) is node:
                 nxt = index.get(hashes[i])
                 if nxt is None or nxt >= cut:
