@@ -114,11 +114,11 @@ async def tap_nats(conn: NatsConnection, names: PlaneNames, *, stop: Callable[[]
 
             await nc.jetstream().subscribe(names.stream_subject, cb=on, ordered_consumer=True,
                                            deliver_policy=DeliverPolicy.NEW)
-            listening(f"listening on stream {names.stream} ({names.stream_subject}) at {conn.url}")
+            listening(f"listening on stream {names.stream} ({names.stream_subject}) at {conn.shown_url}")
         else:
             await nc.subscribe(names.kv_events, cb=on)
             await barrier(nc)
-            listening(f"listening on {names.kv_events} at {conn.url}")
+            listening(f"listening on {names.kv_events} at {conn.shown_url}")
         while not stop():
             try:
                 data = await asyncio.wait_for(queue.get(), POLL_MS / 1000)

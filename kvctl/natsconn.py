@@ -25,6 +25,12 @@ class NatsConnection:
     tls_key: Path | None = None
     connect_timeout_s: float = 5.0
 
+    @property
+    def shown_url(self) -> str:
+        """The URL to log and show: credentials written into it (nats://user:PASSWORD@ or nats://TOKEN@)
+        masked."""
+        return redact_url(self.url)
+
     def files(self) -> dict[str, Path]:
         """The files this connection reads, by the option that named them (checked before connecting)."""
         named = {"--nats-creds": self.creds, "--nats-nkey": self.nkey, "--nats-tls-ca": self.tls_ca,
@@ -47,3 +53,22 @@ class NatsConnection:
                 context.load_cert_chain(str(self.tls_cert), str(self.tls_key) if self.tls_key else None)
             kwargs["tls"] = context
         return kwargs
+
+
+def redact_url(url: str) -> str:
+    """`url` with the secret of its userinfo replaced by ***: the password of user:password, or a lone
+    token (nats://TOKEN@host). Several comma-separated URLs (a NATS server list) are each masked."""
+    return ",".join(_redact_one(part) for part in url.split(","))
+
+
+def _redact_one(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, tail = rest.partition("/")
+    userinfo, at, host = authority.rpartition("@")
+    if not at:
+        return url
+    user, colon, _ = userinfo.partition(":")
+    masked = f"{user}:***" if colon else "***"
+    return f"{scheme}://{masked}@{host}{slash}{tail}"

@@ -42,7 +42,7 @@ async def _publish(conn: NatsConnection, names: PlaneNames, events: list[RouterE
         nc = await nats.connect(conn.url, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.1,
                                 error_cb=_quiet, **conn.connect_kwargs())
     except (OSError, TimeoutError, nats.errors.Error) as exc:
-        raise Unreachable(f"cannot reach NATS at {conn.url}: {exc or type(exc).__name__}") from None
+        raise Unreachable(f"cannot reach NATS at {conn.shown_url}: {exc or type(exc).__name__}") from None
     try:
         if jetstream:
             await _publish_jetstream(nc, names, events)

@@ -63,7 +63,7 @@ def nats_snapshot_events(conn: NatsConnection, names: PlaneNames) -> list[Router
     try:
         return read_router_events(data.decode())
     except (DumpFileError, UnicodeDecodeError) as exc:
-        raise KvctlError(f"{names.bucket}/{RADIX_STATE_OBJECT} on {conn.url} is not a dump: {exc}") from None
+        raise KvctlError(f"{names.bucket}/{RADIX_STATE_OBJECT} on {conn.shown_url} is not a dump: {exc}") from None
 
 
 def _get(url: str, call: Call, token: str | None, timeout: float) -> str:
@@ -102,12 +102,12 @@ async def _read_object(conn: NatsConnection, bucket: str) -> bytes:
         nc = await nats.connect(conn.url, allow_reconnect=False, max_reconnect_attempts=1, error_cb=_quiet,
                                 **conn.connect_kwargs())
     except (OSError, TimeoutError, nats.errors.Error) as exc:
-        raise Unreachable(f"cannot reach NATS at {conn.url}: {exc or type(exc).__name__}") from None
+        raise Unreachable(f"cannot reach NATS at {conn.shown_url}: {exc or type(exc).__name__}") from None
     try:
         store = await nc.jetstream().object_store(bucket)
         return (await store.get(RADIX_STATE_OBJECT)).data or b""
     except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError, nats.js.errors.ObjectNotFoundError):
-        raise NotFound(f"no snapshot {bucket}/{RADIX_STATE_OBJECT} on {conn.url}", status=404,
+        raise NotFound(f"no snapshot {bucket}/{RADIX_STATE_OBJECT} on {conn.shown_url}", status=404,
                        hint="a durable router writes one only once its stream passes --snapshot-threshold") from None
     finally:
         await nc.close()

@@ -52,7 +52,43 @@ def connection(url: str, user: str | None, password: str | None, token: str | No
     for flag, path in conn.files().items():
         if not path.is_file():
             raise UsageError(f"{flag}: no such file {str(path)!r}")
+    if creds is not None:
+        _check_creds(creds)
+    if nkey is not None:
+        _check_seed("--nats-nkey", nkey, _read(nkey, "--nats-nkey").strip())
     return conn
+
+
+def _read(path: Path, flag: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot read {str(path)!r}: {exc.strerror}") from None
+
+
+def _check_creds(path: Path) -> None:
+    """A .creds file as nats-py reads it: the line after each BEGIN marker. nats-py does not check: a file
+    without the JWT loops forever inside the event loop, one without the seed raises a TypeError."""
+    lines = _read(path, "--nats-creds").splitlines()
+
+    def after(marker: bytes) -> bytes:
+        at = next((n for n, line in enumerate(lines) if marker in line), None)
+        return lines[at + 1].strip() if at is not None and at + 1 < len(lines) else b""
+
+    if after(b"BEGIN NATS USER JWT").count(b".") != 2:
+        raise UsageError(f"--nats-creds: {str(path)!r} holds no NATS user JWT",
+                         hint="a .creds file has a -----BEGIN NATS USER JWT----- and a -----BEGIN USER NKEY "
+                              "SEED----- section (nsc generate creds); a lone seed goes to --nats-nkey")
+    _check_seed("--nats-creds", path, after(b"BEGIN USER NKEY SEED"))
+
+
+def _check_seed(flag: str, path: Path, seed: bytes) -> None:
+    import nkeys
+
+    try:
+        nkeys.from_seed(bytearray(seed)).wipe()
+    except (nkeys.NkeysError, ValueError):
+        raise UsageError(f"{flag}: {str(path)!r} holds no valid nkey seed") from None
 
 
 NatsAuth = Callable[[str], NatsConnection]

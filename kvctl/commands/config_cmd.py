@@ -56,7 +56,8 @@ def _settings_view(shown: dict[str, Any], with_sources: bool) -> View:
 def show_command(
     ctx: typer.Context,
     sources: Annotated[bool, typer.Option("--sources", help="Say where each value came from.")] = False,
-    show_token: Annotated[bool, typer.Option("--show-token", help="Print the token instead of ***.")] = False,
+    show_token: Annotated[bool, typer.Option("--show-token",
+                                             help="Print the token and URL passwords instead of ***.")] = False,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -66,8 +67,11 @@ def show_command(
     file = ConfigFile.load()
     settings = settings_for(ctx)
     values = {key: getattr(settings, key) for key in KEYS}  # typed: an env var's "3" shows as 3.0
-    if values["token"] is not None and not show_token:
-        values["token"] = _MASK
+    if not show_token:
+        if values["token"] is not None:
+            values["token"] = _MASK
+        for key in _URL_KEYS:
+            values[key] = _masked_url(values[key])
     shown: dict[str, Any] = {"config_file": str(file.path), "context": settings.context,
                              "contexts": sorted(file.contexts), "settings": values}
     if sources:
@@ -122,8 +126,21 @@ def set_command(
         data["current-context"] = name
         out.note(f"{name} is now the current context (the config file had none)")
     config_writer.write(file.path, data)
-    out.emit({"context": name, "key": key, "value": _MASK if key == "token" else typed,
+    out.emit({"context": name, "key": key, "value": _MASK if key == "token" else _masked_url(typed),
               "config_file": str(file.path)}, _EDIT_VIEW)
+
+
+def _masked_url(value: Any) -> Any:
+    """A URL with the password of its userinfo (http://user:PASSWORD@host) replaced by ***."""
+    if not isinstance(value, str) or "@" not in value:
+        return value
+    scheme, sep, rest = value.partition("://")
+    authority, slash, tail = rest.partition("/")
+    userinfo, at, host = authority.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    if not (sep and at and colon):
+        return value
+    return f"{scheme}://{user}:{_MASK}@{host}{slash}{tail}"
 
 
 def _typed(key: str, value: str) -> str | float:

@@ -82,7 +82,7 @@ def publish_command(
     summary = {"published": 0, "events": len(events), "subject": subject, "mode": "jetstream" if jetstream else "core",
                "dry_run": dry_run}
     if not dry_run:
-        confirm(f"publish {len(events)} events to {subject} on {nats_url}", yes)
+        confirm(f"publish {len(events)} events to {subject} on {conn.shown_url}", yes)
         from kvctl.plane_publisher import publish
 
         summary["published"] = publish(conn, names, events, jetstream=jetstream, publisher_id=publisher_id)
@@ -160,7 +160,7 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, nats_auth: NatsAuth | 
             except StopAsyncIteration:
                 return
     except OSError as exc:
-        raise Unreachable(f"cannot reach NATS at {nats_url}: {exc}") from None
+        raise Unreachable(f"cannot reach NATS at {conn.shown_url}: {exc}") from None
     finally:
         loop.run_until_complete(agen.aclose())
         loop.close()

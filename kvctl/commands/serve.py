@@ -145,6 +145,9 @@ def serve_command(
     queue_batches: Annotated[int, typer.Option(
         "--queue-batches", envvar="KVCTL_QUEUE_BATCHES", min=1,
         help="Decoded batches a model's writer may hold; beyond, batches are dropped and counted.")] = 10_000,
+    max_body_bytes: Annotated[int, typer.Option(
+        "--max-body-bytes", envvar="KVCTL_MAX_BODY_BYTES", min=1,
+        help="Largest request body accepted; larger ones are refused with 413.")] = 64 * 1024 * 1024,
     nats_url: Annotated[str | None, typer.Option(
         "--nats", envvar="KVCTL_NATS", show_default=False, rich_help_panel=PANEL,
         help="Follow a Dynamo event plane on this NATS server (nats://HOST:PORT).")] = None,
@@ -227,7 +230,7 @@ def serve_command(
         raise UsageError("--shadow, --jetstream and --replica-sync need --nats URL")
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
-                           request_expiry, models, nats, queue_batches)
+                           request_expiry, models, nats, queue_batches, max_body_bytes=max_body_bytes)
     import asyncio
 
     try:

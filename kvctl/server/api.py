@@ -11,6 +11,7 @@ import hmac
 import json
 import math
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -36,6 +37,7 @@ from kvctl.server.nats_plane import EventPlane
 from kvctl.server.state import DEFAULT_MODEL, Fleet, UnknownModel, UnknownWorker, WorkerInfo
 from kvctl.server.streams import Streams
 
+MAX_BODY_BYTES = 64 * 1024 * 1024
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 U32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
@@ -128,13 +130,21 @@ def _parse_events(raw: bytes, content_type: str) -> Iterator[Any]:
     yield from (body if isinstance(body, list) else [body])
 
 
-ADMIN_ROUTES = {("POST", "/v1/events"), ("POST", "/v1/reset"), ("POST", "/busy_threshold"),
-                ("DELETE", "/busy_threshold"), ("POST", "/v1/workers")}
-"""Mutating endpoints that need the admin token when one is set (plus DELETE /v1/workers/{id})."""
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_OPEN_MUTATIONS = (
+    ("POST", re.compile(r"/v1/route")),
+    ("POST", re.compile(r"/v1/requests/[^/]+/prefill_complete")),
+    ("DELETE", re.compile(r"/v1/requests/[^/]+")),
+)
+"""The non-GET calls that never need the admin token: the data plane's request lifecycle (route, with or
+without a reservation, prefill complete, free), which a request router calls on every request and which
+cannot change the index. Every other method but GET/HEAD/OPTIONS needs the token when one is set,
+endpoints added later included (deny by default)."""
 
 
 def _needs_admin(method: str, path: str) -> bool:
-    return (method, path) in ADMIN_ROUTES or (method == "DELETE" and path.startswith("/v1/workers/"))
+    return method not in SAFE_METHODS and not any(
+        method == m and pattern.fullmatch(path) for m, pattern in _OPEN_MUTATIONS)
 
 
 def _refusal(exc: Exception, fleet: Fleet) -> tuple[int, str, dict[str, Any]]:
@@ -229,6 +239,15 @@ class _Front:
                 return
             await _send(send, *self.routing.reply(raw))
             return
+        if b"content-length" not in headers and b"transfer-encoding" in headers:
+            # Read here, not by the framework: FastAPI turns any error while it reads a body for a model
+            # parameter into a 400, so a chunked body over the cap must be refused before it gets there.
+            try:
+                raw = await self._body(receive)
+            except _BodyTooLarge as exc:
+                await _send(send, *_error_bytes(413, str(exc)))
+                return
+            receive = _replay(raw, receive)
         await self.app(scope, self._capped(receive), send)
 
     async def _body(self, receive: Any) -> bytes:
@@ -266,6 +285,20 @@ async def _send(send: Any, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _replay(body: bytes, receive: Any) -> Any:
+    """A receive that gives the body already read, then whatever the connection says next (a disconnect)."""
+    given = False
+
+    async def replay() -> Any:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
 class _BodyTooLarge(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(f"body over the {limit}-byte limit")
@@ -273,7 +306,7 @@ class _BodyTooLarge(Exception):
 
 
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
-               max_body_bytes: int = 64 * 1024 * 1024, streams: Streams | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, streams: Streams | None = None,
                plane: EventPlane | None = None) -> ASGIApp:
     """The router's ASGI app. `streams`: engine subscriptions to start and stop with worker registration
     (None: HTTP events only)."""

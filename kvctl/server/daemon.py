@@ -26,7 +26,7 @@ from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.gc_tuning import tune_gc
 from kvctl.server import snapshot
-from kvctl.server.api import create_app
+from kvctl.server.api import MAX_BODY_BYTES, create_app
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.streams import QUEUE_BATCHES, Streams
@@ -70,6 +70,7 @@ class ServeOptions:
     models: list[Any] = field(default_factory=list)  # config_file.ModelSpec, declared before anything else
     nats: NatsOptions | None = None  # follow a Dynamo event plane
     queue_batches: int = QUEUE_BATCHES  # decoded batches a model's writer holds before dropping (counted)
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies are refused (413)
 
 
 def is_loopback(host: str) -> bool:
@@ -122,10 +123,15 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     tune_gc()
     streams = Streams(fleet, queue_batches=options.queue_batches)
     plane = EventPlane(fleet, streams, options.nats) if options.nats is not None else None
-    app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane)
+    app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane,
+                     max_body_bytes=options.max_body_bytes)
     sock = bind(options.host, options.port)
-    server = _Server(uvicorn.Config(app, log_level=options.log_level, access_log=False, lifespan="off",
-                                    proxy_headers=False, server_header=False))
+    if not options.admin_token and not is_loopback(options.host):
+        log.warning("serving on %s without an admin token (--insecure): anyone who can reach it can change "
+                    "the index, workers and thresholds", options.host)
+    # log_config=None: uvicorn's own lines go through the handler `--log-format` chose (JSON stays JSON)
+    server = _Server(uvicorn.Config(app, log_config=None, log_level=options.log_level, access_log=False,
+                                    lifespan="off", proxy_headers=False, server_header=False))
     for info in options.engines:
         fleet.register(info)
     for info in list(fleet.workers.values()):  # restored from the snapshot

@@ -87,7 +87,9 @@ class NatsOptions:
 
     @property
     def url(self) -> str:
-        return self.connection.url
+        """For logs, status and metrics: credentials written into the URL are masked (connect with
+        `connection.url`)."""
+        return self.connection.shown_url
 
 
 def _backoff(servers: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
@@ -184,8 +186,8 @@ class EventPlane:
         while True:
             try:
                 nc = await nats.connect(
-                    self.options.url, name=f"kvctl-router-{self.options.router_id}", max_reconnect_attempts=-1,
-                    reconnect_time_wait=1, reconnect_to_server_handler=_backoff,
+                    self.options.connection.url, name=f"kvctl-router-{self.options.router_id}",
+                    max_reconnect_attempts=-1, reconnect_time_wait=1, reconnect_to_server_handler=_backoff,
                     disconnected_cb=self._disconnected, reconnected_cb=self._reconnected, closed_cb=self._closed,
                     error_cb=self._error, **self.options.connection.connect_kwargs())
             except (OSError, nats.errors.Error, TimeoutError) as exc:
