@@ -332,6 +332,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                       "models": fleet.stats()["models"],
                       "streams": streams.status() if streams is not None else [],
                       "queues": streams.queues() if streams is not None else [],
+                      "decoder": streams.decoder.status() if streams is not None else None,
                       "event_plane": plane.status() if plane is not None else None})
 
     @app.get("/healthz")
@@ -354,9 +355,11 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     @app.delete("/v1/workers/{worker_id}")
     async def remove_worker(worker_id: int, dp_rank: int | None = None) -> Response:
         try:
-            removed = fleet.unregister(worker_id, dp_rank)
-            if streams is not None:
-                removed["streams_stopped"] = await streams.stop(worker_id, dp_rank)
+            fleet.check_worker(worker_id, dp_rank)
+            stopped = await streams.stop(worker_id, dp_rank) if streams is not None else None
+            removed = fleet.unregister(worker_id, dp_rank)  # after the streams' last batches are in
+            if stopped is not None:
+                removed["streams_stopped"] = stopped
             return _json(removed)
         except UnknownWorker:
             return _error(404, f"unknown worker {worker_id}" + ("" if dp_rank is None else f":{dp_rank}"))

@@ -27,6 +27,7 @@ from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.gc_tuning import tune_gc
 from kvctl.server import snapshot
 from kvctl.server.api import MAX_BODY_BYTES, create_app
+from kvctl.server.decoder import make_decoder
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.streams import QUEUE_BATCHES, Streams
@@ -71,6 +72,7 @@ class ServeOptions:
     nats: NatsOptions | None = None  # follow a Dynamo event plane
     queue_batches: int = QUEUE_BATCHES  # decoded batches a model's writer holds before dropping (counted)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies are refused (413)
+    decoder: str = "auto"  # where engine payloads are decoded: auto, process or inline (see decoder.py)
 
 
 def is_loopback(host: str) -> bool:
@@ -121,7 +123,7 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
             fleet.thresholds.set(spec.name, **spec.thresholds)
     _load_state(fleet, options)
     tune_gc()
-    streams = Streams(fleet, queue_batches=options.queue_batches)
+    streams = Streams(fleet, queue_batches=options.queue_batches, decoder=make_decoder(options.decoder))
     plane = EventPlane(fleet, streams, options.nats) if options.nats is not None else None
     app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane,
                      max_body_bytes=options.max_body_bytes)

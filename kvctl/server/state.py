@@ -129,10 +129,15 @@ class Fleet:
             cached = self._candidates[model] = sorted(w for w, info in self.workers.items() if info.model == model)
         return cached
 
-    def unregister(self, worker_id: int, dp_rank: int | None = None) -> dict[str, Any]:
-        gone = [w for w in self.workers if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
-        if not gone:
+    def check_worker(self, worker_id: int, dp_rank: int | None = None) -> list[Worker]:
+        """The registered keys of a worker (all its ranks, or one); raises UnknownWorker when none."""
+        keys = [w for w in self.workers if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+        if not keys:
             raise UnknownWorker(worker_id)
+        return keys
+
+    def unregister(self, worker_id: int, dp_rank: int | None = None) -> dict[str, Any]:
+        gone = self.check_worker(worker_id, dp_rank)
         blocks = 0
         self._candidates.clear()
         for w in gone:

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvctl.core.events import Cleared, EventData
 from kvctl.server.budget import SLICE_S
+from kvctl.server.decoder import Decoder, InlineDecoder
 from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.zmq_source import EngineStream
 
@@ -27,15 +28,37 @@ QUEUE_BATCHES = 10_000
 
 class ModelWriter:
     """The one task that applies a model's engine events: sources only decode and enqueue, so a slow
-    apply never stalls a socket, and batches keep their arrival order. A full queue drops and counts."""
+    apply never stalls a socket, and batches keep their arrival order. A full queue drops and counts.
 
-    def __init__(self, fleet: Fleet, model: str, maxsize: int = QUEUE_BATCHES) -> None:
+    Engine streams do not get that far: once the queue and the batches still being decoded (which
+    will land in it) fill half the queue (`full`), they stop reading until that is down to a quarter
+    (`room`), so a burst waits in ZMQ, and what ZMQ drops comes back as a gap the engine replays.
+    """
+
+    def __init__(self, fleet: Fleet, model: str, maxsize: int = QUEUE_BATCHES, decoder: Decoder | None = None
+                 ) -> None:
         self.fleet = fleet
         self.model = model
         self.queue: asyncio.Queue[tuple[Worker, list[EventData], Callable[[], None] | None]] = asyncio.Queue(maxsize)
         self.dropped_batches = 0
         self.dropped_events = 0
+        self._decoder: Decoder = InlineDecoder() if decoder is None else decoder
+        self._high = max(1, maxsize // 2)
+        self._low = maxsize // 4
+        self._has_room = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._drain())
+
+    def _backlog(self) -> int:
+        return self.queue.qsize() + self._decoder.in_flight
+
+    @property
+    def full(self) -> bool:
+        return self._backlog() >= self._high
+
+    async def room(self) -> None:
+        while self._backlog() > self._low and not self.task.done():
+            self._has_room.clear()
+            await self._has_room.wait()
 
     def put(self, worker: Worker, events: list[EventData]) -> bool:
         """Queue a batch; False when the queue was full and it was dropped (and counted)."""
@@ -67,6 +90,9 @@ class ModelWriter:
                     await asyncio.sleep(0)
                     end = time.perf_counter() + SLICE_S
                 self._apply(*queue.get_nowait())
+                if self._backlog() <= self._low:
+                    self._has_room.set()
+            self._has_room.set()
 
     def _apply(self, worker: Worker, events: list[EventData], on_applied: Callable[[], None] | None) -> None:
         self.fleet.apply_engine_batch(self.model, worker, events, time.monotonic())
@@ -83,9 +109,12 @@ class ModelWriter:
 
 
 class Streams:
-    def __init__(self, fleet: Fleet, *, queue_batches: int = QUEUE_BATCHES) -> None:
+    """`decoder` is shared by every stream, so batches reach the writers in the order they came in."""
+
+    def __init__(self, fleet: Fleet, *, queue_batches: int = QUEUE_BATCHES, decoder: Decoder | None = None) -> None:
         self.fleet = fleet
         self.queue_batches = queue_batches
+        self.decoder: Decoder = InlineDecoder() if decoder is None else decoder
         self._running: dict[Worker, tuple[EngineStream, asyncio.Task[None]]] = {}
         self.writers: dict[str, ModelWriter] = {}
         self._rates: dict[Worker, float] = {}  # events/s over the last sampling interval
@@ -94,7 +123,7 @@ class Streams:
     def writer(self, model: str) -> ModelWriter:
         writer = self.writers.get(model)
         if writer is None:
-            writer = self.writers[model] = ModelWriter(self.fleet, model, self.queue_batches)
+            writer = self.writers[model] = ModelWriter(self.fleet, model, self.queue_batches, self.decoder)
         return writer
 
     def start(self, info: WorkerInfo) -> bool:
@@ -110,7 +139,7 @@ class Streams:
 
         stream = EngineStream(worker=info.key, endpoint=info.endpoint, replay_endpoint=info.replay_endpoint,
                               topic=info.topic, block_size=self.fleet.model(model).block_size, sink=writer.put,
-                              on_restart=on_restart)
+                              on_restart=on_restart, decoder=self.decoder, downstream=writer)
         self._running[info.key] = (stream, asyncio.get_running_loop().create_task(self._run(stream)))
         return True
 
@@ -121,6 +150,7 @@ class Streams:
             log.exception("engine stream %s stopped", stream.stats.endpoint)
 
     async def stop(self, worker_id: int, dp_rank: int | None = None) -> int:
+        """Stop a worker's streams; returns once what they had received is in the index."""
         keys = [k for k in self._running if k[0] == worker_id and (dp_rank is None or k[1] == dp_rank)]
         for key in keys:
             stream, task = self._running.pop(key)
@@ -129,12 +159,18 @@ class Streams:
             stream.close()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if keys:
+            await self.decoder.drained()
+            for writer in self.writers.values():
+                if not writer.task.done():
+                    await writer.applied()
         return len(keys)
 
     async def close(self) -> None:
         """Stop the sources, then let the writers apply what was already received."""
         for worker_id, dp_rank in list(self._running):
             await self.stop(worker_id, dp_rank)
+        await self.decoder.close()
         for writer in self.writers.values():
             await writer.flush()
             writer.task.cancel()

@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import zmq
@@ -39,13 +40,14 @@ from kvctl.core.events import (
     EngineBatch,
     ErrorKind,
     EventData,
-    decode_engine_batch,
     decode_engine_message,
     decode_replay_reply,
+    decode_topic,
     encode_replay_request,
 )
 from kvctl.core.events.errors import parse_msgpack
 from kvctl.server.budget import SLICE_S
+from kvctl.server.decoder import Backpressure, Decoder, InlineDecoder
 
 __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
 
@@ -94,7 +96,8 @@ class StreamStats:
     """A snapshot of one stream's counters (`EngineStream.stats`).
 
     - `messages`: live messages received (malformed ones included; duplicates included).
-    - `batches_applied`: batches (live or replayed) taken in seq order, events delivered or not.
+    - `batches_applied`: batches (live or replayed) taken in seq order and decoded, events delivered or not;
+      `last_seq` is the last of them.
     - `events`: events handed to the sink.
     - `gaps`: gaps detected on the live stream; `lost_batches`: seqs that could not be replayed.
     - `replays_ok` / `replays_failed`: replays that repaired their gap / that timed out or came back
@@ -219,6 +222,12 @@ class EngineStream:
 
     `run()` serves until `close()`; `stats` is a snapshot at any time. `clock` (monotonic seconds)
     only stamps `last_event_at` / `last_message_at`; replay timeouts use the event loop's clock.
+
+    Payloads go to `decoder` in seq order and reach the sink in that order, maybe later (a
+    `ProcessDecoder` decodes in a child): counters of what was delivered follow when it is. While
+    `decoder` or `downstream` (the writer the sink feeds) is full, the stream stops reading and lets
+    ZMQ buffer: past its high-water mark the engine's PUB drops, which the stream sees as a gap and
+    replays, where a dropped decoded batch would be lost for good.
     """
 
     def __init__(
@@ -235,6 +244,8 @@ class EngineStream:
         clock: Callable[[], float] = time.monotonic,
         context: zmq.asyncio.Context | None = None,
         rcvhwm: int = 100_000,
+        decoder: Decoder | None = None,
+        downstream: Backpressure | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -251,6 +262,8 @@ class EngineStream:
         self._clock = clock
         self._context = context
         self._rcvhwm = rcvhwm
+        self._decoder: Decoder = InlineDecoder() if decoder is None else decoder
+        self._holds: tuple[Backpressure, ...] = (self._decoder,) if downstream is None else (self._decoder, downstream)
 
         self._sub: zmq.asyncio.Socket | None = None
         self._sub_sync: zmq.Socket[bytes] | None = None  # the same socket, read without a future per message
@@ -261,6 +274,7 @@ class EngineStream:
 
         self._last: int | None = None  # last seq applied (live or replayed)
         self._last_live: int | None = None  # last seq received live (restart detection)
+        self._last_delivered: int | None = None  # last seq whose batch reached the sink (or failed to decode)
         self._replay: _Replay | None = None
         self._keys_seen: set[WorkerKey] = set()
 
@@ -290,7 +304,7 @@ class EngineStream:
             messages=self._messages,
             batches_applied=self._batches,
             events=self._events,
-            last_seq=self._last,
+            last_seq=self._last_delivered,
             gaps=self._gaps,
             replays_ok=self._replays_ok,
             replays_failed=self._replays_failed,
@@ -399,6 +413,10 @@ class EngineStream:
             timeout_ms = None
             if self._replay is not None:
                 timeout_ms = max(0, int((self._replay.deadline - loop.time()) * 1000) + 1)
+            held = next((h for h in self._holds if h.full), None)
+            if held is not None:
+                await held.room()
+                continue
             ready = dict(await self._poller.poll(timeout_ms))
             if self._dealer is not None and self._dealer in ready:
                 await self._drain_replies(loop)
@@ -415,8 +433,9 @@ class EngineStream:
         sync = self._sub_sync
         assert sync is not None
         end = time.perf_counter() + SLICE_S  # then back to the poller, which yields to the loop
+        holds = self._holds
         while time.perf_counter() < end:
-            if self._closing:
+            if self._closing or any(h.full for h in holds):
                 return
             try:
                 frames = sync.recv_multipart(zmq.NOBLOCK)
@@ -557,14 +576,17 @@ class EngineStream:
     def _restart(self, seq: int, frames: list[bytes]) -> None:
         log.warning("%s: seq went back from %s to %d: engine restart", self._name(), self._last_live, seq)
         self._restarts += 1
-        keys = sorted(self._keys_seen) or [self.worker]
-        self._keys_seen.clear()
         self._gapped = False
         self._last = None
         self._last_live = seq
+        self._decoder.then(self._clear_seen)  # once the old incarnation's batches are all delivered
+        self._apply(seq, frames)
+
+    def _clear_seen(self) -> None:
+        keys = sorted(self._keys_seen) or [self.worker]
+        self._keys_seen.clear()
         for key in keys:
             self._on_restart(key)
-        self._apply(seq, frames)
 
     def _lose(self, count: int) -> None:
         self._lost += count
@@ -574,25 +596,26 @@ class EngineStream:
 
     def _apply(self, seq: int, frames: list[bytes]) -> None:
         """Take live `seq` as applied and deliver its events; an undecodable message is counted and skipped."""
-        self._last = seq
-        self._batches += 1
-        try:
-            message = decode_engine_message(frames, default_block_size=self.block_size)
+        try:  # _live_seq has checked the frame count and the seq
+            decode_topic(frames[0])
         except DecodeError as exc:
-            self._count_error(exc.kind)
+            self._last = seq
+            self._decoder.then(partial(self._decoded, seq, exc.kind))  # counted in turn
             return
-        self._deliver(message.batch)
+        self._apply_payload(seq, frames[2])
 
     def _apply_payload(self, seq: int, payload: bytes) -> None:
         """The same for a replayed batch, whose frames the replay reply already checked."""
         self._last = seq
+        self._decoder.submit(payload, self.block_size, partial(self._decoded, seq))
+
+    def _decoded(self, seq: int, result: EngineBatch | ErrorKind) -> None:
         self._batches += 1
-        try:
-            batch = decode_engine_batch(payload, default_block_size=self.block_size)
-        except DecodeError as exc:
-            self._count_error(exc.kind)
-            return
-        self._deliver(batch)
+        self._last_delivered = seq
+        if isinstance(result, ErrorKind):
+            self._count_error(result)
+        else:
+            self._deliver(result)
 
     def _deliver(self, batch: EngineBatch) -> None:
         for error in batch.errors:

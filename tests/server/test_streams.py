@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from kvctl.core.events import Stored
+import pytest
+import zmq.asyncio
+
+from kvctl.core.events import Stored, Tier
+from kvctl.core.events.engine_encode import FORMATS
 from kvctl.server.state import Fleet
 from kvctl.server.streams import ModelWriter
 
@@ -39,3 +43,40 @@ async def test_events_per_second_comes_from_successive_samples() -> None:
     streams.sample(12.0)
     assert streams.status()[0]["events_per_s"] == 25.0
     await streams.close()
+
+
+@pytest.mark.parametrize("decoder", ["inline", "process"])
+async def test_a_burst_far_larger_than_the_writer_queue_waits_in_zmq_and_loses_nothing(decoder: str) -> None:
+    """8 queued batches at most, 600 published at once: the stream stops reading while the writer is
+    behind, so every batch is applied and none is dropped or lost."""
+    from kvctl.core.events.engine_encode import BlockStored, encode_batch
+    from kvctl.server.decoder import make_decoder
+    from kvctl.server.state import WorkerInfo
+    from kvctl.server.streams import Streams
+    from tests.server.zmq_engine import Engine
+
+    fmt = FORMATS["vllm"]
+    ctx = zmq.asyncio.Context()
+    engine = Engine(ctx)
+    fleet = Fleet()
+    streams = Streams(fleet, queue_batches=8, decoder=make_decoder(decoder))
+    try:
+        streams.start(WorkerInfo(1, 0, "default", endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint))
+        await engine.subscribed()
+        parent = None
+        for seq in range(600):
+            hashes = [seq * 4 + k + 1 for k in range(4)]
+            tokens = list(range(seq * 64, seq * 64 + 64))
+            await engine.publish(seq, encode_batch(fmt, 0.0, [BlockStored(hashes, parent, tokens, 16)]))
+            parent = hashes[-1]
+        index = fleet.model("default").router.index
+        deadline = asyncio.get_running_loop().time() + 20
+        while index.stats()[Tier.device].blocks < 2400:
+            assert asyncio.get_running_loop().time() < deadline, streams.status()
+            await asyncio.sleep(0.01)
+        (row,) = streams.status()
+        assert (row["lost_batches"], row["decode_errors"], streams.queues()[0]["dropped_batches"]) == (0, {}, 0)
+    finally:
+        await streams.close()
+        await engine.close()
+        ctx.term()

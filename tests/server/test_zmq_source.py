@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from kvctl.core.events import Cleared, ErrorKind, EventData, Removed, Stored, Tier
+from kvctl.server.decoder import Decoder, InlineDecoder, ProcessDecoder
 from kvctl.server.zmq_source import EngineStream
 from tests.fixtures_path import FIXTURES
 from tests.server.zmq_engine import Engine
@@ -120,7 +121,7 @@ class Harness:
         """Publish the first message once the stream's subscription has reached the engine."""
         await self.engine.subscribed()
         await self.engine.publish(seq, payload, topic)
-        await self.wait(lambda: self.stream.stats.messages == 1)
+        await self.wait(lambda: self.stream.stats.messages == 1 and self.stream.stats.batches_applied == 1)
         self.base = self.stream.stats.messages
 
     async def received(self, messages: int) -> None:
@@ -135,8 +136,16 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context.destroy(linger=0)
 
 
+@pytest.fixture(params=["inline", "process"])
+async def decoder(request: pytest.FixtureRequest) -> AsyncIterator[Decoder]:
+    """Every behaviour holds whether payloads are decoded in the loop or by the decode process."""
+    chosen = InlineDecoder() if request.param == "inline" else ProcessDecoder()
+    yield chosen
+    await chosen.close()
+
+
 @pytest.fixture
-async def make(ctx: zmq.asyncio.Context) -> AsyncIterator[Callable[..., Any]]:
+async def make(ctx: zmq.asyncio.Context, decoder: Decoder) -> AsyncIterator[Callable[..., Any]]:
     """Build harnesses; at teardown every stream is closed and must not have died of an exception."""
     harnesses: list[Harness] = []
 
@@ -154,6 +163,7 @@ async def make(ctx: zmq.asyncio.Context) -> AsyncIterator[Callable[..., Any]]:
             replay_timeout_s=timeout,
             clock=lambda: 1234.5,
             context=ctx,
+            decoder=decoder,
         )
         harness = Harness(engine, stream, asyncio.ensure_future(stream.run()), delivered, restarts)
         harnesses.append(harness)

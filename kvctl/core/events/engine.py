@@ -126,7 +126,7 @@ def decode_engine_message(frames: Sequence[bytes], *, default_block_size: int | 
         )
     topic, seq, payload = frames
     return EngineMessage(
-        _decode_topic(topic),
+        decode_topic(topic),
         _decode_seq(seq),
         decode_engine_batch(payload, default_block_size=default_block_size),
     )
@@ -156,7 +156,7 @@ def decode_replay_reply(frames: Sequence[bytes]) -> ReplayFrame:
     """
     if len(frames) == 4:
         delimiter, topic_frame, seq_frame, payload = frames
-        topic: str | None = _decode_topic(topic_frame)
+        topic: str | None = decode_topic(topic_frame)
     elif len(frames) == 3:
         delimiter, seq_frame, payload = frames
         topic = None
@@ -179,7 +179,8 @@ def encode_replay_request(start_seq: int) -> list[bytes]:
     return [b"", start_seq.to_bytes(8, "big")]
 
 
-def _decode_topic(frame: bytes) -> str:
+def decode_topic(frame: bytes) -> str:
+    """The topic frame of a live message or replay reply; not UTF-8 is a bad_batch DecodeError."""
     try:
         return bytes(frame).decode("utf-8")
     except UnicodeDecodeError:

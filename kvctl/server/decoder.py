@@ -1,0 +1,275 @@
+"""Where engine payloads are decoded: in the router's own loop, or in a child process beside it.
+
+Decoding a batch costs about twice what applying it does (msgpack, then one XXH3 per block of token
+ids), and the router is one Python thread. With a spare core, `ProcessDecoder` hands the payloads
+to `python -m kvctl.server.decode_worker` and gets the decoded batches back in the same order, so
+ingest runs on two cores. Everything else (seq tracking, replays, counters, the index) stays in
+the router; the child holds no state, and if it dies the router logs it and decodes in-process
+from then on, starting with the payloads the child had not answered: nothing is lost.
+
+Both decoders keep submission order across everything submitted, streams included, and `then()`
+runs a callback once everything submitted before it has been delivered: an engine restart clears
+its worker only after that worker's earlier batches are in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kvctl.core.events import DecodeError, EngineBatch, ErrorKind, decode_engine_batch
+from kvctl.server.decode_wire import HEADER, split_answers
+
+__all__ = ["Backpressure", "Decoded", "Decoder", "InlineDecoder", "ProcessDecoder", "make_decoder"]
+
+log = logging.getLogger("kvctl.serve")
+
+Decoded = Callable[[EngineBatch | ErrorKind], None]
+"""Receives a decoded batch, or the kind of error that made the whole payload unusable."""
+
+MAX_PENDING = 4096
+"""Payloads the child may be behind by before sources stop reading their sockets (ZMQ then buffers)."""
+
+_READ = 256 * 1024  # per wake-up: answers are applied in the loop, a slice at a time
+_PIPE_BYTES = 1 << 20  # a pipe of 1 MiB: a millisecond's payloads fit in one write
+_FLUSH_S = 0.001
+_FLUSH_BYTES = 256 * 1024
+"""Payloads are written to the child in runs: a write per millisecond (or per 256 KiB) rather than one
+per payload halves what the pipe costs both processes in wake-ups, for at most a millisecond of delay."""
+
+
+class Backpressure(Protocol):
+    """Something a source feeds that can fall behind: while `full`, the source waits for `room()`."""
+
+    @property
+    def full(self) -> bool: ...
+    async def room(self) -> None: ...
+
+
+class Decoder(Backpressure, Protocol):
+    in_flight: int  # submitted, not yet delivered
+
+    def submit(self, payload: bytes, block_size: int, done: Decoded) -> None: ...
+    def then(self, callback: Callable[[], None]) -> None: ...
+    async def drained(self) -> None: ...
+    async def close(self) -> None: ...
+    def status(self) -> dict[str, Any]: ...
+
+
+def decode_now(payload: bytes, block_size: int) -> EngineBatch | ErrorKind:
+    try:
+        return decode_engine_batch(payload, default_block_size=block_size)
+    except DecodeError as exc:
+        return exc.kind
+
+
+class InlineDecoder:
+    """Decode on the spot, in the caller's loop."""
+
+    full = False
+    in_flight = 0
+
+    def submit(self, payload: bytes, block_size: int, done: Decoded) -> None:
+        done(decode_now(payload, block_size))
+
+    def then(self, callback: Callable[[], None]) -> None:
+        callback()
+
+    async def room(self) -> None:
+        return
+
+    async def drained(self) -> None:
+        return
+
+    async def close(self) -> None:
+        return
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": "inline"}
+
+
+class ProcessDecoder:
+    """Decode in a child process; answers are delivered in submission order by the event loop."""
+
+    def __init__(self, *, max_pending: int = MAX_PENDING) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+            [sys.executable, "-m", "kvctl.server.decode_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._to_child = self._proc.stdin.fileno()
+        self._from_child = self._proc.stdout.fileno()
+        for fd in (self._to_child, self._from_child):
+            os.set_blocking(fd, False)
+            with contextlib.suppress(OSError, AttributeError):  # Linux only; the default 64 KiB still works
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        self._loop.add_reader(self._from_child, self._on_readable)
+        self._max_pending = max_pending
+        # in submission order: (payload, block size, done) awaiting an answer, or a callback for then()
+        self._pending: deque[tuple[bytes, int, Decoded] | Callable[[], None]] = deque()
+        self.in_flight = 0
+        self._outbox = bytearray()
+        self._inbox = bytearray()
+        self._flush_soon = False
+        self._waiting_to_write = False
+        self._room = asyncio.Event()
+        self._room.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._decoded = 0
+        self._failure: str | None = None  # why the child is gone; decoding is in-process since
+
+    # -- the Decoder protocol ------------------------------------------------------------------
+
+    @property
+    def full(self) -> bool:
+        return self.in_flight >= self._max_pending
+
+    def submit(self, payload: bytes, block_size: int, done: Decoded) -> None:
+        if self._failure is not None:
+            done(decode_now(payload, block_size))
+            return
+        self._pending.append((payload, block_size, done))
+        self.in_flight += 1
+        self._idle.clear()
+        if self.in_flight >= self._max_pending:
+            self._room.clear()
+        outbox = self._outbox
+        outbox += HEADER.pack(len(payload), block_size)
+        outbox += payload
+        if self._waiting_to_write:
+            return
+        if len(outbox) >= _FLUSH_BYTES:
+            self._flush()
+        elif not self._flush_soon:
+            self._flush_soon = True
+            self._loop.call_later(_FLUSH_S, self._flush)
+
+    def then(self, callback: Callable[[], None]) -> None:
+        if self._pending:
+            self._pending.append(callback)
+        else:
+            callback()
+
+    async def room(self) -> None:
+        await self._room.wait()
+
+    async def drained(self) -> None:
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        """Stop the child once it has answered everything submitted (callers drain sources first)."""
+        await self.drained()
+        self._stop_child()
+        self._failure = "stopped"
+
+    def status(self) -> dict[str, Any]:
+        proc = self._proc
+        return {"mode": "process", "pid": None if proc is None else proc.pid, "in_flight": self.in_flight,
+                "decoded": self._decoded, "failed": self._failure}
+
+    # -- the pipe ------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        if self._failure is not None:
+            return
+        try:
+            while self._outbox:
+                written = os.write(self._to_child, self._outbox)
+                del self._outbox[:written]
+        except BlockingIOError:
+            if not self._waiting_to_write:
+                self._waiting_to_write = True
+                self._loop.add_writer(self._to_child, self._flush)
+            return
+        except OSError as exc:  # EPIPE: the child is gone; its EOF on the other pipe says so too
+            self._fail(f"cannot write to the decode process: {exc}")
+            return
+        self._flush_soon = False
+        if self._waiting_to_write:
+            self._waiting_to_write = False
+            self._loop.remove_writer(self._to_child)
+
+    def _on_readable(self) -> None:
+        try:
+            chunk = os.read(self._from_child, _READ)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._fail(f"cannot read from the decode process: {exc}")
+            return
+        if not chunk:
+            self._fail("the decode process exited")
+            return
+        self._inbox += chunk
+        for answer in split_answers(self._inbox):
+            payload_done = self._pending.popleft()
+            assert isinstance(payload_done, tuple)
+            self.in_flight -= 1
+            self._decoded += 1
+            payload_done[2](answer)
+            self._run_callbacks()
+        self._settle()
+
+    def _run_callbacks(self) -> None:
+        pending = self._pending
+        while pending and not isinstance(pending[0], tuple):
+            pending.popleft()()  # type: ignore[operator]
+
+    def _settle(self) -> None:
+        if self.in_flight < self._max_pending // 2:
+            self._room.set()
+        if not self._pending:
+            self._idle.set()
+
+    def _fail(self, why: str) -> None:
+        """The child is gone: decode what it had not answered here, in order, and everything after."""
+        proc = self._proc
+        code = None if proc is None else proc.poll()
+        self._failure = why if code is None else f"{why} (exit status {code})"
+        log.error("%s; decoding in the router's own process from now on (%d batches taken back)",
+                  self._failure, self.in_flight)
+        self._stop_child()
+        pending, self._pending = self._pending, deque()
+        self.in_flight = 0
+        self._outbox.clear()
+        self._inbox.clear()
+        for entry in pending:
+            if isinstance(entry, tuple):
+                payload, block_size, done = entry
+                done(decode_now(payload, block_size))
+            else:
+                entry()
+        self._settle()
+
+    def _stop_child(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        self._loop.remove_reader(self._from_child)
+        if self._waiting_to_write:
+            self._waiting_to_write = False
+            self._loop.remove_writer(self._to_child)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def make_decoder(mode: str) -> Decoder:
+    """`inline`, `process`, or `auto`: a process when this machine has a core to spare for it."""
+    if mode == "process" or (mode == "auto" and (os.cpu_count() or 1) > 1):
+        return ProcessDecoder()
+    return InlineDecoder()

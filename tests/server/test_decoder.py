@@ -1,0 +1,107 @@
+"""The decode process gives back exactly what decoding in the loop gives, in submission order, and losing
+it (killed mid-stream) loses nothing: what it had not answered is decoded in the router instead."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kvctl.core.events import EngineBatch, ErrorKind
+from kvctl.server.decode_wire import answer, read_answer, split_answers
+from kvctl.server.decoder import InlineDecoder, ProcessDecoder, decode_now
+from tests.fixtures_path import FIXTURES
+
+PAYLOADS = [p.read_bytes() for folder in ("vllm-0.33", "sglang-0.5.23", "vllm-legacy/0.23.0")
+            for p in sorted((FIXTURES / folder).glob("*.msgpack"))]
+JUNK = [b"", b"\xc1", b"\x93\x01\x02", b"\x92\xcb" + b"\0" * 8 + b"\x91\xc0"]
+
+
+def _same(a: EngineBatch | ErrorKind, b: EngineBatch | ErrorKind) -> bool:
+    if isinstance(a, ErrorKind) or isinstance(b, ErrorKind):
+        return a == b
+    return (a.ts, a.dp_rank, a.events, [e.kind for e in a.errors]) == (
+        b.ts, b.dp_rank, b.events, [e.kind for e in b.errors])
+
+
+@pytest.fixture
+async def process() -> AsyncIterator[ProcessDecoder]:
+    decoder = ProcessDecoder(max_pending=64)
+    yield decoder
+    await decoder.close()
+
+
+def test_the_pipe_codec_round_trips_every_fixture_and_junk() -> None:
+    assert len(PAYLOADS) > 20
+    for payload in PAYLOADS + JUNK:
+        wire = bytearray(answer(payload, 16))
+        (got,) = split_answers(wire)
+        assert not wire
+        assert _same(got, decode_now(payload, 16)), payload
+
+
+def test_a_partial_answer_waits_for_the_rest() -> None:
+    wire = bytearray(answer(PAYLOADS[0], 16) + answer(PAYLOADS[1], 16))
+    head, tail = wire[:10], wire[10:]
+    assert split_answers(head) == [] and len(head) == 10
+    head += tail
+    assert len(split_answers(head)) == 2 and not head
+    assert read_answer([ErrorKind.bad_msgpack.value]) is ErrorKind.bad_msgpack
+
+
+async def test_answers_and_callbacks_come_back_in_submission_order(process: ProcessDecoder) -> None:
+    inputs = (PAYLOADS + JUNK) * 20  # more than max_pending: `full` must turn on and off again
+    got: list[tuple[int, EngineBatch | ErrorKind]] = []
+    marks: list[int] = []
+    saw_full = False
+    for i, payload in enumerate(inputs):
+        if process.full:
+            saw_full = True
+            await process.room()
+        process.submit(payload, 16, lambda result, i=i: got.append((i, result)))
+        if i % 50 == 0:
+            process.then(lambda n=i: marks.append(len(got) - 1 == n and n))
+    await asyncio.wait_for(process.drained(), 10)
+    assert saw_full
+    assert [i for i, _ in got] == list(range(len(inputs)))
+    assert all(_same(r, decode_now(inputs[i], 16)) for i, r in got)
+    assert marks == list(range(0, len(inputs), 50))  # each ran right after the answer before it
+    assert process.status()["decoded"] == len(inputs) and process.status()["failed"] is None
+
+
+async def test_a_killed_decode_process_loses_nothing(process: ProcessDecoder) -> None:
+    got: list[int] = []
+    results: list[EngineBatch | ErrorKind] = []
+
+    def keep(i: int) -> object:
+        return lambda result: (got.append(i), results.append(result))
+
+    for i in range(40):
+        process.submit(PAYLOADS[i % len(PAYLOADS)], 16, keep(i))
+    pid = process.status()["pid"]
+    os.kill(pid, signal.SIGKILL)
+    for i in range(40, 80):  # submitted while it dies, and after
+        process.submit(PAYLOADS[i % len(PAYLOADS)], 16, keep(i))
+        await asyncio.sleep(0)
+    deadline = time.monotonic() + 10
+    while process.status()["failed"] is None:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(process.drained(), 10)
+    for i in range(80, 90):
+        process.submit(PAYLOADS[i % len(PAYLOADS)], 16, keep(i))
+    assert got == list(range(90))
+    assert all(_same(r, decode_now(PAYLOADS[i % len(PAYLOADS)], 16)) for i, r in enumerate(results))
+    assert "exited" in process.status()["failed"] or "cannot" in process.status()["failed"]
+
+
+async def test_inline_decoder_is_immediate() -> None:
+    decoder = InlineDecoder()
+    got: list[EngineBatch | ErrorKind] = []
+    decoder.submit(JUNK[1], 16, got.append)
+    decoder.then(lambda: got.append(ErrorKind.bad_batch))
+    assert got == [ErrorKind.bad_msgpack, ErrorKind.bad_batch] and not decoder.full
