@@ -147,8 +147,9 @@ def serve_command(
         help="Decoded batches a model's writer may hold; beyond, batches are dropped and counted.")] = 10_000,
     decoder: Annotated[str, typer.Option(
         "--decoder", envvar="KVCTL_DECODER",
-        help="Where engine payloads are decoded: process (a child beside the router, so ingest uses two "
-             "cores), inline (the router's own loop), auto (process when there is a core to spare).")] = "auto",
+        help="Where engine payloads are decoded: inline (the router's own loop) or process (a child beside the "
+             "router: ingest on two cores, the route loop freed of decoding; for hosts with cores to spare).")
+    ] = "inline",
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", envvar="KVCTL_MAX_BODY_BYTES", min=1,
         help="Largest request body accepted; larger ones are refused with 413.")] = 64 * 1024 * 1024,
@@ -201,8 +202,8 @@ def serve_command(
     out = Output(color=ctx.find_root().obj.color)
     if not snapshot_interval > 0:
         raise UsageError(f"--snapshot-interval must be > 0 seconds, got {snapshot_interval}")
-    if decoder not in ("auto", "process", "inline"):
-        raise UsageError(f"--decoder must be auto, process or inline, got {decoder!r}")
+    if decoder not in ("inline", "process"):
+        raise UsageError(f"--decoder must be inline or process, got {decoder!r}")
     if log_format not in ("text", "json"):
         raise UsageError(f"--log-format must be text or json, got {log_format!r}")
     if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):

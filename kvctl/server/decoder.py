@@ -3,7 +3,8 @@
 Decoding a batch costs about twice what applying it does (msgpack, then one XXH3 per block of token
 ids), and the router is one Python thread. With a spare core, `ProcessDecoder` hands the payloads
 to `python -m kvctl.server.decode_worker` and gets the decoded batches back in the same order, so
-ingest runs on two cores. Everything else (seq tracking, replays, counters, the index) stays in
+ingest runs on two cores, and the loop that answers routes is freed of most of the ingest work.
+Everything else (seq tracking, replays, counters, the index) stays in
 the router; the child holds no state, and if it dies the router logs it and decodes in-process
 from then on, starting with the payloads the child had not answered: nothing is lost.
 
@@ -269,7 +270,6 @@ class ProcessDecoder:
 
 
 def make_decoder(mode: str) -> Decoder:
-    """`inline`, `process`, or `auto`: a process when this machine has a core to spare for it."""
-    if mode == "process" or (mode == "auto" and (os.cpu_count() or 1) > 1):
-        return ProcessDecoder()
-    return InlineDecoder()
+    """`inline` or `process`. Inline is the default: on a 2-core host the process measured slower
+    (benchmarks/serve_bench.py), the router, its ZMQ I/O thread and the child contending for two cores."""
+    return ProcessDecoder() if mode == "process" else InlineDecoder()
