@@ -14,6 +14,7 @@ from typing import Any
 from kvctl.core.events import Cleared, EventData
 from kvctl.server.budget import SLICE_S
 from kvctl.server.decoder import Decoder, InlineDecoder
+from kvctl.server.memory import BurstTrimmer
 from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.zmq_source import EngineStream
 
@@ -46,6 +47,7 @@ class ModelWriter:
         self._high = max(1, maxsize // 2)
         self._low = maxsize // 4
         self._has_room = asyncio.Event()
+        self._trimmer = BurstTrimmer()
         self.task = asyncio.get_running_loop().create_task(self._drain())
 
     def _backlog(self) -> int:
@@ -84,15 +86,20 @@ class ModelWriter:
         queue = self.queue
         while True:
             self._apply(*await queue.get())
+            applied = 1
             end = time.perf_counter() + SLICE_S
             while not queue.empty():  # apply what is there, a slice of the loop at a time
                 if time.perf_counter() > end:
                     await asyncio.sleep(0)
                     end = time.perf_counter() + SLICE_S
                 self._apply(*queue.get_nowait())
+                applied += 1
                 if self._backlog() <= self._low:
                     self._has_room.set()
             self._has_room.set()
+            self._trimmer.applied(applied)
+            if not self._decoder.in_flight:
+                self._trimmer.idle()
 
     def _apply(self, worker: Worker, events: list[EventData], on_applied: Callable[[], None] | None) -> None:
         self.fleet.apply_engine_batch(self.model, worker, events, time.monotonic())
