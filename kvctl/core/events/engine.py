@@ -295,7 +295,8 @@ def _tokens_hashes(fields: Mapping[Any, Any], n_blocks: int, default_block_size:
     if lora_name is not None and not isinstance(lora_name, str):
         raise DecodeError(ErrorKind.bad_type, "lora_name", f"expected a string, got {describe(lora_name)}")
     try:
-        return local_block_hashes(tokens[:needed], block_size, lora_name=lora_name)
+        return local_block_hashes(tokens if len(tokens) == needed else tokens[:needed], block_size,
+                                  lora_name=lora_name)
     except (ValueError, TypeError) as exc:  # an id outside u32, or not an int at all
         raise DecodeError(ErrorKind.bad_tokens, "token_ids", str(exc)) from None
 
