@@ -37,6 +37,7 @@ from kvctl.server import api
 from kvctl.server.api import create_app
 from kvctl.server.state import Fleet
 from tests.nats_server import NatsServer, free_port
+from tests.server.test_serve_process import refused
 
 TOKEN = "adm-" + secrets.token_hex(12)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
@@ -201,15 +202,8 @@ def test_non_loopback_listen_without_a_token_exits_2_binding_nothing(tmp_path: P
         if not host:
             pytest.skip("no hostname here resolves to a non-loopback address")
     port = free_port()
-    cmd = [sys.executable, "-m", "kvctl", "serve", "--listen", f"{host}:{port}", "--state-dir", str(tmp_path)]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=20)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode == 2 and out == "", (out, err)  # no URL: nothing was bound
+    code, out, err = refused("--listen", f"{host}:{port}", "--state-dir", str(tmp_path))
+    assert code == 2 and out == "", (out, err)  # no URL: nothing was bound
     assert len(err.strip().splitlines()) == 1 and "--admin-token" in err and "--insecure" in err, err
     assert list(tmp_path.iterdir()) == []
     with socket.socket() as sock:  # and the port it named is free

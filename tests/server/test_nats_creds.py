@@ -13,8 +13,6 @@ import base64
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -30,6 +28,7 @@ from kvctl.server.state import Fleet
 from kvctl.server.streams import Streams
 from tests.nats_server import NatsServer
 from tests.server.test_nats_auth import _tls
+from tests.server.test_serve_process import refused
 
 UNLIMITED = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True, "conn": -1,
              "leaf": -1}
@@ -209,14 +208,7 @@ def test_a_file_that_is_not_credentials_exits_2_before_serving(tmp_path: Path, o
                                                                 make: Any) -> None:
     server, issuer = operator
     flag, path = make(tmp_path, issuer)
-    cmd = [sys.executable, "-m", "kvctl", "serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
-           "--nats", server.url, flag, str(path)]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=20)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode == 2 and out == "", (out, err)
+    code, out, err = refused("--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"), "--nats", server.url,
+                             flag, str(path))
+    assert code == 2 and out == "", (out, err)
     assert flag in err and str(path) in err and len(err.strip().splitlines()) == 1, err

@@ -39,6 +39,19 @@ def serving(state_dir: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str
                 proc.wait()
 
 
+def refused(*args: str, timeout: float = 20) -> tuple[int, str, str]:
+    """`kvctl serve ARGS` that is expected to refuse to start: (exit status, stdout, stderr)."""
+    cmd = [sys.executable, "-m", "kvctl", "serve", *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return proc.returncode, out, err
+
+
 def _stop(proc: subprocess.Popen[str]) -> str:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
@@ -91,6 +104,7 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--snapshot-interval", "0"], "--snapshot-interval must be > 0"),
     (["serve", "--tier-credits", "gpu=2"], "--tier-credits"),
     (["serve", "--log-format", "xml"], "--log-format"),
+    (["serve", "--decoder", "auto"], "--decoder must be inline or process"),
     (["serve", "--active-decode-blocks-threshold", "1.5"], "active_decode_blocks_threshold"),
     (["serve", "--approximate", "--router-ttl", "0"], "ttl_s"),
     (["serve", "--jetstream"], "need --nats URL"),
