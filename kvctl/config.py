@@ -8,6 +8,7 @@ source, so `kvctl config show --sources` can say why a command talked to the ser
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -64,16 +65,26 @@ class ConfigFile:
             return cls(path)
         try:
             data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"{path}: {exc}") from None
+        current = data.get("current-context")
+        if current is not None and not isinstance(current, str):
+            raise ConfigError(f"{path}: current-context must be a string (a context's name), got {_shown(current)}")
         contexts = data.get("contexts", {})
-        if not isinstance(contexts, dict) or not all(isinstance(c, dict) for c in contexts.values()):
-            raise ConfigError(f"{path}: [contexts.NAME] tables expected")
+        if not isinstance(contexts, dict):
+            raise ConfigError(f"{path}: contexts must be [contexts.NAME] tables, got {_shown(contexts)}")
         for name, context in contexts.items():
+            if not isinstance(context, dict):
+                raise ConfigError(f"{path}: contexts.{name} must be a [contexts.NAME] table, got {_shown(context)}")
             unknown = set(context) - set(KEYS)
             if unknown:
                 raise ConfigError(f"{path}: context {name!r}: unknown key {sorted(unknown)[0]!r}",
                                   hint=f"known: {', '.join(KEYS)}")
+            for key, value in context.items():
+                number = isinstance(value, int | float) and not isinstance(value, bool)
+                if not (number if key == "timeout" else isinstance(value, str)):
+                    raise ConfigError(f"{path}: context {name!r}: {key} must be a "
+                                      f"{'number of seconds' if key == 'timeout' else 'string'}, got {_shown(value)}")
         return cls(path, data)
 
     @property
@@ -85,6 +96,11 @@ class ConfigFile:
         return self.data.get("current-context")
 
 
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def resolve(flags: dict[str, Any], *, context: str | None = None, env: dict[str, str] | None = None,
             file: ConfigFile | None = None) -> Settings:
     """Each key from the first of: a flag given, its environment variable, the context, the default."""
@@ -94,7 +110,8 @@ def resolve(flags: dict[str, Any], *, context: str | None = None, env: dict[str,
     chosen: dict[str, Any] = {}
     if name is not None:
         if name not in file.contexts:
-            raise ConfigError(f"no context {name!r} in {file.path}",
+            named_by = "" if context or env.get("KVCTL_CONTEXT") else " (its current-context)"
+            raise ConfigError(f"no context {name!r} in {file.path}{named_by}",
                               hint=f"known: {', '.join(sorted(file.contexts)) or 'none'}")
         chosen = file.contexts[name]
     values: dict[str, Any] = {}
@@ -109,9 +126,9 @@ def resolve(flags: dict[str, Any], *, context: str | None = None, env: dict[str,
         else:
             values[key], sources[key] = DEFAULTS[key], "default"
     try:
-        if float(values["timeout"]) <= 0:
+        if not 0 < float(values["timeout"]) < math.inf:  # NaN fails this too
             raise ValueError
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"timeout must be a positive number of seconds, got {values['timeout']!r} "
                           f"(from {sources['timeout']})") from None
     return Settings(values, sources, name)

@@ -30,10 +30,13 @@ class Call:
 def interpret(call: Call, response: httpx.Response) -> Any:
     """The answer's JSON, or the error it stands for, carrying the server's own message."""
     if response.is_success:
-        return response.json() if response.content else None
+        try:
+            return response.json() if response.content else None
+        except (ValueError, RecursionError) as exc:  # not a router (a proxy's page?), or nested too deep
+            raise KvctlError(f"{call.method} {call.path}: the answer is not JSON: {exc}") from None
     try:
         message = response.json().get("error") or response.json().get("detail")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         message = None
     text = f"{call.method} {call.path}: {message or response.reason_phrase} (HTTP {response.status_code})"
     if response.status_code == 404:

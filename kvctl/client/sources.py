@@ -38,7 +38,10 @@ def dynamo_indexer_events(url: str, *, model: str | None, timeout: float) -> lis
     With no model named, the indexer's only model (none: an empty dump); `model` matches the name
     with or without its routing group.
     """
-    dump = json.loads(_get(url, Call("GET", "/dump"), None, timeout) or "{}")
+    try:
+        dump = json.loads(_get(url, Call("GET", "/dump"), None, timeout) or "{}")
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise KvctlError(f"{url}/dump is not JSON: {exc}") from None
     if not isinstance(dump, dict):
         raise KvctlError(f"{url}/dump is not a Dynamo indexer dump (expected an object by model)")
     if model is None:

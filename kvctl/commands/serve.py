@@ -52,6 +52,16 @@ def parse_engine(text: str) -> WorkerInfo:
     unknown = set(opts) - {"replay", "model", "topic"}
     if unknown:
         raise UsageError(f"--worker: unknown option {sorted(unknown)[0]!r}", hint="known: replay, model, topic")
+    from kvctl.server.endpoint import check_endpoint
+
+    if len(m["id"]) > 20 or int(m["id"]) >= 2**64 or len(m["dp"] or "") > 10 or int(m["dp"] or 0) >= 2**32:
+        raise UsageError(f"--worker: the worker id is a u64 and the dp rank a u32, got {text!r}")
+    try:
+        for endpoint in (m["endpoint"], opts.get("replay")):
+            if endpoint is not None:
+                check_endpoint(endpoint)
+    except ValueError as exc:
+        raise UsageError(f"--worker: {exc}") from None
     return WorkerInfo(int(m["id"]), int(m["dp"] or 0), opts.get("model", "default"), endpoint=m["endpoint"],
                       replay_endpoint=opts.get("replay"), topic=opts.get("topic", ""))
 

@@ -89,6 +89,8 @@ class Reader:
             text = sys.stdin.read() if source == "-" else Path(source).read_text()
         except OSError as exc:
             raise UsageError(f"cannot read {source}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"{source}: not UTF-8 text (byte {exc.start}): not a dump file") from None
         try:
             return read_router_events(text)
         except DumpFileError as exc:

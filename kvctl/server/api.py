@@ -19,9 +19,10 @@ from typing import Annotated, Any
 
 import msgspec
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.types import ASGIApp
 
 from kvctl import __version__
@@ -32,8 +33,10 @@ from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
 from kvctl.core.router.scoring import NoCandidates
 from kvctl.server.budget import SLICE_S
+from kvctl.server.endpoint import check_endpoint
 from kvctl.server.metrics import Metrics
 from kvctl.server.nats_plane import EventPlane
+from kvctl.server.openapi_doc import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE, complete, ref, replies
 from kvctl.server.state import DEFAULT_MODEL, Fleet, UnknownModel, UnknownWorker, WorkerInfo
 from kvctl.server.streams import Streams
 
@@ -49,11 +52,16 @@ class _Body(BaseModel):
 class WorkerBody(_Body):
     worker_id: U64
     dp_rank: U32 = 0
-    endpoint: str | None = None
-    replay_endpoint: str | None = None
+    endpoint: str | None = Field(None, description="The engine's PUB socket: tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+    replay_endpoint: str | None = Field(None, description="Its replay ROUTER socket, in the same forms")
     model: str = DEFAULT_MODEL
     topic: str = ""
     total_blocks: Annotated[int, Field(gt=0)] | None = None
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _connectable(cls, value: str | None) -> str | None:
+        return None if value is None else check_endpoint(value)
 
 
 _MU32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
@@ -77,8 +85,6 @@ class RouteBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _ROUTE_BODY = msgspec.json.Decoder(RouteBody)
-_ROUTE_DOC = {"requestBody": {"required": True, "content": {"application/json": {
-    "schema": msgspec.json.schema(RouteBody)}}}}
 
 
 class ResetBody(_Body):
@@ -119,12 +125,12 @@ def _parse_events(raw: bytes, content_type: str) -> Iterator[Any]:
             if line.strip():
                 try:
                     yield json.loads(line)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
                     raise ValueError(f"line {n} is not JSON: {exc}") from None
         return
     try:
         body = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ValueError(f"body is not JSON ({exc}); send a RouterEvent, a list of them, or JSONL with "
                          "Content-Type: application/x-ndjson") from None
     yield from (body if isinstance(body, list) else [body])
@@ -305,6 +311,13 @@ class _BodyTooLarge(Exception):
         self.limit = limit
 
 
+async def _invalid(_: Request, exc: Exception) -> Response:
+    """FastAPI's 422 without the offending input echoed back: it may hold NaN or Infinity, which are not JSON (the
+    default handler failed on them with a 500), or be most of a 64 MB body."""
+    assert isinstance(exc, RequestValidationError)
+    return _json({"detail": [{"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]}, 422)
+
+
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, streams: Streams | None = None,
                plane: EventPlane | None = None) -> ASGIApp:
@@ -319,14 +332,15 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
 
     for exc_type in (_BodyTooLarge, UnknownModel, AllBusy, NoCandidates):
         app.add_exception_handler(exc_type, refuse)
+    app.add_exception_handler(RequestValidationError, _invalid)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # documented as text/plain, as it is
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     started = clock()
 
-    @app.get("/v1/status")
+    @app.get("/v1/status", responses=replies(ok={"type": "object", "required": ["version", "models"]}))
     async def status() -> Response:
         return _json({"version": __version__, "uptime_s": round(clock() - started, 3), "rss_bytes": rss_bytes(),
                       "models": fleet.stats()["models"],
@@ -335,15 +349,16 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                       "decoder": streams.decoder.status() if streams is not None else None,
                       "event_plane": plane.status() if plane is not None else None})
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses=replies(ok={"type": "object", "required": ["status", "version"]}))
     async def healthz() -> Response:
         return _json({"status": "ok", "version": __version__})
 
-    @app.get("/v1/workers")
+    @app.get("/v1/workers", responses=replies(ok={"type": "object", "required": ["workers"], "properties": {
+        "workers": {"type": "array", "items": ref("Worker")}}}))
     async def list_workers() -> Response:
         return _json({"workers": fleet.worker_rows(clock())})
 
-    @app.post("/v1/workers", status_code=201)
+    @app.post("/v1/workers", status_code=201, responses=replies(400, 422, ok=ref("Worker"), status=201))
     async def register_worker(body: WorkerBody) -> Response:
         info = fleet.register(WorkerInfo(body.worker_id, body.dp_rank, body.model, body.endpoint,
                                          body.replay_endpoint, body.topic, total_blocks=body.total_blocks))
@@ -352,7 +367,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         row = next(r for r in fleet.worker_rows(clock()) if (r["worker_id"], r["dp_rank"]) == info.key)
         return _json(row, 201)
 
-    @app.delete("/v1/workers/{worker_id}")
+    @app.delete("/v1/workers/{worker_id}", responses=replies(404, 422, ok={"type": "object", "required": ["removed"]}))
     async def remove_worker(worker_id: int, dp_rank: int | None = None) -> Response:
         try:
             fleet.check_worker(worker_id, dp_rank)
@@ -364,7 +379,8 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         except UnknownWorker:
             return _error(404, f"unknown worker {worker_id}" + ("" if dp_rank is None else f":{dp_rank}"))
 
-    @app.post("/v1/events")
+    @app.post("/v1/events", responses=replies(400, 409, 422, ok=EVENTS_APPLIED),
+              openapi_extra={"requestBody": EVENTS_BODY})
     async def post_events(request: Request, model: str = DEFAULT_MODEL) -> Response:
         if fleet.approx is not None:
             return _error(409, "this router runs in approximate mode: it indexes its own routing decisions, "
@@ -385,19 +401,19 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             rejected[kind] = rejected.get(kind, 0) + n
         return _json({"applied": applied, "rejected": rejected})
 
-    @app.post("/v1/requests/{request_id}/prefill_complete")
+    @app.post("/v1/requests/{request_id}/prefill_complete", responses=replies(404, 422, ok=OBJECT))
     async def prefill_complete(request_id: str, model: str = DEFAULT_MODEL) -> Response:
         if not fleet.prefill_complete(model, request_id):
             return _error(404, f"request {request_id!r} is not in flight")
         return _json({"request_id": request_id, "prefill_complete": True})
 
-    @app.delete("/v1/requests/{request_id}")
+    @app.delete("/v1/requests/{request_id}", responses=replies(404, 422, ok=OBJECT))
     async def free_request(request_id: str, model: str = DEFAULT_MODEL) -> Response:
         if not fleet.free(model, request_id):
             return _error(404, f"request {request_id!r} is not in flight (already freed?)")
         return _json({"request_id": request_id, "freed": True})
 
-    @app.get("/v1/tree")
+    @app.get("/v1/tree", responses=replies(400, 404, 422, content=TREE))
     async def tree(model: str = DEFAULT_MODEL, worker: str | None = None,
                    format: Annotated[str, Query(pattern="^(json|jsonl)$")] = "json") -> Response:
         wanted = _worker_filter(worker) if worker is not None else None
@@ -410,20 +426,23 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         return StreamingResponse(_encode_dump(edges, jsonl),
                                  media_type="application/x-ndjson" if jsonl else "application/json")
 
-    @app.get("/v1/tree/stats")
+    @app.get("/v1/tree/stats", responses=replies(404, 422, ok={"type": "object", "required": ["models"]}))
     async def tree_stats(model: str | None = None) -> Response:
         return _json(fleet.stats(model))
 
-    @app.post("/v1/reset")
+    @app.post("/v1/reset", responses=replies(400, 404, 422, ok={"type": "object", "required": ["cleared"]}))
     async def reset(body: ResetBody) -> Response:
         return _json(fleet.reset(body.model, body.worker_id, body.dp_rank))
 
-    @app.get("/busy_threshold")
+    @app.get("/busy_threshold", responses=replies(ok={"type": "object", "required": ["thresholds"], "properties": {
+        "thresholds": {"type": "array", "items": ref("Thresholds")}}}))
     async def get_thresholds() -> Response:
         models = sorted(set(fleet.models) | set(fleet.thresholds.all()))
         return _json({"thresholds": [fleet.thresholds.get(m).as_dict(m) for m in models]})
 
-    @app.post("/busy_threshold")
+    @app.post("/busy_threshold", responses=replies(400, 404, 422, ok=ref("Thresholds")),
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": BusyBody.model_json_schema()}}}})
     async def post_thresholds(request: Request) -> Response:
         try:
             body = BusyBody.model_validate_json(await request.body())
@@ -439,7 +458,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             return _error(400, str(exc))
         return _json(thresholds.as_dict(body.model))
 
-    @app.delete("/busy_threshold")
+    @app.delete("/busy_threshold", responses=replies(400, 422, ok=ref("Thresholds")))
     async def unset_thresholds(model: str, field: Annotated[list[str] | None, Query()] = None) -> Response:
         """kvctl's addition: Dynamo's POST can only set, never clear a threshold."""
         try:
@@ -448,9 +467,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             return _error(400, str(exc))
         return _json(thresholds.as_dict(model))
 
-    app.openapi_schema = app.openapi()
-    app.openapi_schema["paths"]["/v1/route"] = {"post": {"summary": "Route", "operationId": "route",
-                                                         **_ROUTE_DOC}}
+    app.openapi_schema = complete(app.openapi(), RouteBody, _needs_admin)
     return _Front(app, _Routing(fleet, metrics, clock), admin_token=admin_token, max_body_bytes=max_body_bytes)
 
 

@@ -22,6 +22,7 @@ Unknown keys are errors (a typo must not silently fall back to a default).
 
 from __future__ import annotations
 
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 
 from kvctl.core.router.busy import THRESHOLD_FIELDS, Thresholds
 from kvctl.core.router.scoring import RouterConfig
+from kvctl.server.endpoint import check_endpoint
 from kvctl.server.state import WorkerInfo
 
 _MODEL_KEYS = {"name", "block_size", "overlap_score_weight", "temperature", *THRESHOLD_FIELDS}
@@ -66,24 +68,59 @@ def _table(item: Any, where: str, allowed: set[str], required: set[str]) -> dict
     return item
 
 
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check(where: str, key: str, value: Any, ok: bool, wanted: str) -> Any:
+    if not ok:
+        raise ConfigFileError(f"{where}: {key} must be {wanted}, got {_shown(value)}")
+    return value
+
+
+def _number(value: Any) -> bool:
+    """An int or float TOML value that a float can hold (not a bool, which Python counts as an int)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and abs(value) <= sys.float_info.max
+
+
+def _uint(value: Any, bits: int) -> bool:
+    return type(value) is int and 0 <= value < 1 << bits
+
+
+def _name(value: Any) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+def _array(data: dict[str, Any], key: str, path: Path) -> list[Any]:
+    return _check(str(path), key, data.get(key, []), isinstance(data.get(key, []), list),
+                  f"an array of tables ([[{key}]])")
+
+
 def load(path: Path) -> ServeFile:
     try:
         data = tomllib.loads(path.read_text())
     except OSError as exc:
         raise ConfigFileError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigFileError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"{path}: {exc}") from None
     unknown = sorted(set(data) - {"models", "workers"})
     if unknown:
         raise ConfigFileError(f"{path}: unknown section {unknown[0]!r} (known: models, workers)")
     models = []
-    for i, raw in enumerate(data.get("models", [])):
+    for i, raw in enumerate(_array(data, "models", path)):
         where = f"{path}: models[{i}]"
         m = _table(raw, where, _MODEL_KEYS, {"name"})
+        _check(where, "name", m["name"], _name(m["name"]), "a non-empty string")
         spec = ModelSpec(m["name"], m.get("block_size"), m.get("overlap_score_weight"), m.get("temperature"),
                          {k: m[k] for k in THRESHOLD_FIELDS if k in m})
         if spec.block_size is not None and not (type(spec.block_size) is int and spec.block_size > 0):
-            raise ConfigFileError(f"{where}: block_size must be a positive integer, got {spec.block_size!r}")
+            raise ConfigFileError(f"{where}: block_size must be a positive integer, got {_shown(spec.block_size)}")
+        for key in ("overlap_score_weight", "temperature"):
+            if key in m:
+                _check(where, key, m[key], _number(m[key]), "a number")
         try:  # the same checks as the flags and the HTTP API
             Thresholds(**spec.thresholds)
             RouterConfig().override(overlap_score_weight=spec.overlap_score_weight, temperature=spec.temperature)
@@ -91,8 +128,20 @@ def load(path: Path) -> ServeFile:
             raise ConfigFileError(f"{where} ({spec.name}): {exc}") from None
         models.append(spec)
     workers = []
-    for i, raw in enumerate(data.get("workers", [])):
-        w = _table(raw, f"{path}: workers[{i}]", _WORKER_KEYS, {"worker_id", "endpoint"})
+    for i, raw in enumerate(_array(data, "workers", path)):
+        where = f"{path}: workers[{i}]"
+        w = _table(raw, where, _WORKER_KEYS, {"worker_id", "endpoint"})
+        _check(where, "worker_id", w["worker_id"], _uint(w["worker_id"], 64), "an integer in [0, 2^64)")
+        _check(where, "dp_rank", w.get("dp_rank", 0), _uint(w.get("dp_rank", 0), 32), "an integer in [0, 2^32)")
+        _check(where, "model", w.get("model", "default"), _name(w.get("model", "default")), "a non-empty string")
+        _check(where, "topic", w.get("topic", ""), isinstance(w.get("topic", ""), str), "a string")
+        for key in ("endpoint", "replay_endpoint"):
+            if key in w:
+                _check(where, key, w[key], isinstance(w[key], str), "a string")
+                try:
+                    check_endpoint(w[key])
+                except ValueError as exc:
+                    raise ConfigFileError(f"{where}: {key}: {exc}") from None
         workers.append(WorkerInfo(w["worker_id"], w.get("dp_rank", 0), w.get("model", "default"),
                                   endpoint=w["endpoint"], replay_endpoint=w.get("replay_endpoint"),
                                   topic=w.get("topic", "")))

@@ -27,7 +27,7 @@ def read_timed_events(text: str) -> list[tuple[int | None, RouterEvent]]:
     if stripped.startswith("["):
         try:
             items = json.loads(stripped)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise DumpFileError(f"not a JSON list of RouterEvents: {exc}") from None
         return [_event(item, f"item {n}") for n, item in enumerate(items)]
     events = []
@@ -36,7 +36,7 @@ def read_timed_events(text: str) -> list[tuple[int | None, RouterEvent]]:
             continue
         try:
             item = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise DumpFileError(f"line {n} is not JSON: {exc}") from None
         events.append(_event(item, f"line {n}"))
     return events

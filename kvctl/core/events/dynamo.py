@@ -36,8 +36,11 @@ class EventEnvelope(msgspec.Struct, frozen=True):
 
 
 def decode_router_event_json(data: bytes | str | dict[str, Any]) -> RouterEvent:
-    """One RouterEvent from its JSON text (or an already parsed object): a dump line, a JetStream message."""
-    return _router_event(data if isinstance(data, dict) else parse_json(data))
+    """One RouterEvent from its JSON text (or an already parsed value): a dump line, a JetStream message.
+
+    A parsed value that is not a map (an item of a JSON list: null, 5, [..]) is a bad_type DecodeError.
+    """
+    return _router_event(parse_json(data) if isinstance(data, bytes | str) else data)
 
 
 def decode_router_event_msgpack(data: bytes) -> RouterEvent:
