@@ -13,7 +13,9 @@ codec and hands the events to a sink, keeping them in the engine's seq order:
   buffer. Without a replay endpoint, on a timeout, or when the engine no longer holds the range,
   the missing batches are counted as lost, the stream is marked `gapped`, and it carries on.
 - `seq` lower than the last live seq is an engine restart: `on_restart` is called (the server
-  clears that worker) and the stream continues from the new seq.
+  clears that worker) and the stream continues from the new seq. A restarted engine counts from 0,
+  so a first seq above 0 means its first batches went out before our SUB had reconnected: they are
+  a gap from 0, replayed (or counted lost) like any other.
 
 Everything malformed is counted in `decode_errors` by `ErrorKind` and skipped; the stream never
 stops on bad input. Only the sink or `on_restart` raising ends `run()` (a server bug, not input).
@@ -493,7 +495,7 @@ class EngineStream:
         if last is None or last_live is None:
             self._apply(seq, frames)
         elif seq <= last_live:  # a PUB never sends a seq twice: the same one again is a restart
-            self._restart(seq, frames)
+            self._restart(last_live, seq, frames)
         elif seq <= last:
             self._duplicates += 1
         elif seq == last + 1:
@@ -573,14 +575,18 @@ class EngineStream:
                 return
             buffered.popleft()
 
-    def _restart(self, seq: int, frames: list[bytes]) -> None:
-        log.warning("%s: seq went back from %s to %d: engine restart", self._name(), self._last_live, seq)
+    def _restart(self, last_live: int, seq: int, frames: list[bytes]) -> None:
+        log.warning("%s: seq went back from %d to %d: engine restart", self._name(), last_live, seq)
         self._restarts += 1
         self._gapped = False
-        self._last = None
         self._last_live = seq
         self._decoder.then(self._clear_seen)  # once the old incarnation's batches are all delivered
-        self._apply(seq, frames)
+        if seq == 0:
+            self._last = None
+            self._apply(seq, frames)
+        else:  # the new engine's seqs 0..seq-1 left before we reconnected: a gap like any other
+            self._last = -1
+            self._gap(seq, frames)
 
     def _clear_seen(self) -> None:
         keys = sorted(self._keys_seen) or [self.worker]
