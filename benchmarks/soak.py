@@ -136,7 +136,8 @@ def route_client(url: str, rate: float, prompts: list[list[int]], unique: bool, 
     window_end = time.perf_counter() + window
     next_at = time.perf_counter()
     n = 0
-    while not stop.is_set():
+    parent = os.getppid()
+    while not stop.is_set() and os.getppid() == parent:  # a killed soak must not leave its client running
         now = time.perf_counter()
         if now >= window_end:
             out.put((lat, errors))

@@ -475,11 +475,7 @@ async def test_hwm_overflow_drops_are_seen_as_gaps_and_replayed(ctx: zmq.asyncio
         assert stats.batches_applied == len(engine.buffer)
         assert indexed == held  # stores and removes applied in the engine's order: the same cache
     finally:
-        await stream.aclose()
-        task.result()
-        writer.task.cancel()
-        await asyncio.gather(writer.task, return_exceptions=True)
-        await engine.close()
+        await _stop_in_process(stream, task, writer, engine)
 
 
 @contextlib.asynccontextmanager
@@ -597,8 +593,13 @@ async def test_restart_first_heard_past_seq_0_without_replay_counts_what_went_by
         assert (stats.restarts, stats.lost_batches, stats.gapped) == (1, 2, True), stats
         assert missing == new.chains[100] | new.chains[101] and indexed == new.held() - missing  # old ones cleared
     finally:
-        await stream.aclose()
-        task.result()
-        writer.task.cancel()
-        await asyncio.gather(writer.task, return_exceptions=True)
-        await engine.close()
+        await _stop_in_process(stream, task, writer, engine)
+
+
+async def _stop_in_process(stream: Any, task: asyncio.Task[None], writer: Any, engine: Any) -> None:
+    """Close an in-process stream (it must not have died), its writer and its engine."""
+    await stream.aclose()
+    task.result()
+    writer.task.cancel()
+    await asyncio.gather(writer.task, return_exceptions=True)
+    await engine.close()
