@@ -42,6 +42,15 @@ def test_an_index_without_shared_prefixes_is_a_warning_only_when_large(answers: 
     assert check_index(status, Limits())[0].severity is Severity.OK
 
 
+def test_a_queue_that_dropped_batches_is_critical(answers: Answers) -> None:
+    status, _, _ = fresh(answers)
+    status["queues"] = [{"model": "default", "queued": 1, "capacity": 1, "dropped_batches": 3, "dropped_events": 9}]
+    [finding] = [f for f in check_index(status, Limits()) if f.check == "queues"]
+    assert finding.severity is Severity.CRITICAL and finding.evidence["queues"][0]["dropped_batches"] == 3
+    status["queues"][0].update(dropped_batches=0, dropped_events=0)
+    assert not [f for f in check_index(status, Limits()) if f.check == "queues"]
+
+
 def test_most_workers_busy_warns_and_a_full_cache_without_thresholds_warns(answers: Answers) -> None:
     _, workers, thresholds = fresh(answers)
     for w in workers[:3]:
