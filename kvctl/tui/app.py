@@ -97,6 +97,8 @@ class TopApp(App[None]):
         """One poll: a new frame, or the last one marked stale (told once per outage), or the end of a replay."""
         try:
             poll = await self.source.poll()
+            if not self.is_running:  # the app closed while the poll was out: its widgets are gone
+                return
         except EndOfRecording:
             self.ended = True
             self.notify("end of the recording: the last frame stays", title="replay")

@@ -102,10 +102,19 @@ async def test_restart_after_resets_seq_and_cache_silently(mock_engine: EngineFa
         assert [(await _recv(sub)).seq for _ in range(2)] == [0, 1]
         while not engine.restarts:
             await asyncio.sleep(0.05)
-        lines = await generate(engine, TOKENS)
-        message = await _recv(sub)
-    assert message.seq == 0
-    assert lines[0]["cached_tokens"] == 0  # the cache went with the restart
+        first = await generate(engine, TOKENS)
+        # The restarted engine binds a new PUB: what it sends before our SUB has reconnected is not seen
+        # (the slow joiner), so publish until something arrives; its seq counts from 0 again.
+        for published in range(1, 20):
+            try:
+                message = await _recv(sub, timeout=0.25)
+                break
+            except TimeoutError:
+                await generate(engine, list(range(2000 + 10 * published, 2010 + 10 * published)))
+        else:
+            raise AssertionError("nothing arrived from the restarted engine")
+    assert message.seq < published  # 0 unless the first publishes went out before the reconnect
+    assert first[0]["cached_tokens"] == 0  # the cache went with the restart
     assert isinstance(message.batch.events[0], Stored)
 
 
