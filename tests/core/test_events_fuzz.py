@@ -6,7 +6,6 @@ structural mutations of the decoded objects re-encoded with msgspec.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ from kvctl.core.events import (
     encode_envelope,
 )
 from tests.fixtures_path import FIXTURES
+from tests.fuzz.junk import mutated as mutate_one
 
 ENGINE_PAYLOADS = sorted(p.read_bytes() for p in FIXTURES.glob("**/*.msgpack"))
 # Captures whose events all decode and that hold more than one: the survivors of a corruption.
@@ -64,32 +64,9 @@ JUNK = st.recursive(
 )
 
 
-def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Every location in a decoded value, the root included."""
-    children = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
-    return [prefix] + [p for key, value in children for p in _paths(value, (*prefix, key))]
-
-
-@st.composite
-def mutated(draw: st.DrawFn, seed: Any) -> Any:
-    """A copy of `seed` with one location replaced by junk, deleted, or given an extra junk entry."""
-    obj = copy.deepcopy(seed)
-    path = draw(st.sampled_from(_paths(obj)))
-    if not path:
-        return draw(JUNK)
-    parent = obj
-    for key in path[:-1]:
-        parent = parent[key]
-    action = draw(st.sampled_from(["replace", "delete", "extend"]))
-    if action == "replace":
-        parent[path[-1]] = draw(JUNK)
-    elif action == "delete":
-        del parent[path[-1]]
-    elif isinstance(parent, dict):
-        parent[draw(_names)] = draw(JUNK)
-    else:
-        parent.append(draw(JUNK))
-    return obj
+def mutated(seed: Any) -> st.SearchStrategy[Any]:
+    """`seed` replaced whole by junk, or with one inner location replaced, deleted or given a junk sibling."""
+    return JUNK | mutate_one(seed, JUNK)
 
 
 def hostile(
