@@ -44,8 +44,8 @@ from typing import Any
 
 import httpx
 import msgspec
-import zmq
 from _procs import Proc, rss_bytes  # noqa: E402
+from serve_bench import Publishers  # noqa: E402
 
 BLOCK = 16
 PROMPT_BLOCKS = 32
@@ -57,19 +57,11 @@ ENC = msgspec.msgpack.Encoder()
 # ----- engines ------------------------------------------------------------------------------------------
 
 class Engines:
-    """E PUB sockets, each with a prompt and a ring of request slots; `step()` frees the oldest request
-    and stores a new one: two events per step per engine, all hashes unique to their (engine, generation)."""
+    """E PUB sockets (serve_bench's publishers), each with a prompt and a ring of request slots; a step frees
+    the oldest request and stores a new one: all hashes unique to their (engine, generation)."""
 
     def __init__(self, engines: int, slots: int, events_per_batch: int) -> None:
-        self.ctx = zmq.Context()
-        self.socks, self.ports = [], []
-        for _ in range(engines):
-            sock = self.ctx.socket(zmq.PUB)
-            sock.setsockopt(zmq.SNDHWM, 1_000_000)
-            sock.setsockopt(zmq.LINGER, 0)
-            self.ports.append(sock.bind_to_random_port("tcp://127.0.0.1"))
-            self.socks.append(sock)
-        self.seq = [0] * engines
+        self.pubs = Publishers(engines)
         self.slots = slots
         self.per_batch = max(2, events_per_batch - events_per_batch % 2)
         self.generation = [0] * engines
@@ -80,16 +72,15 @@ class Engines:
         self.events_sent = 0
 
     def endpoints(self) -> list[str]:
-        return [f"tcp://127.0.0.1:{p}" for p in self.ports]
+        return self.pubs.endpoints()
 
     def _send(self, e: int, events: list[dict[str, Any]]) -> None:
-        self.socks[e].send_multipart([b"", self.seq[e].to_bytes(8, "big"), ENC.encode([time.time(), events, 0])])
-        self.seq[e] += 1
+        self.pubs.send(e, ENC.encode([time.time(), events, 0]))
         self.events_sent += len(events)
 
     def hello(self) -> None:
         """Every engine (re)stores its prompt: the slow-joiner probe, repeated until the router has it."""
-        for e in range(len(self.socks)):
+        for e in range(len(self.prompt_tokens)):
             self._send(e, [_stored(self.prompt_hashes[e], None, self.prompt_tokens[e])])
 
     def batch(self, e: int) -> None:
@@ -114,9 +105,7 @@ class Engines:
         return sum(PROMPT_BLOCKS + REQUEST_BLOCKS * sum(1 for s in ring if s is not None) for ring in self.rings)
 
     def close(self) -> None:
-        for s in self.socks:
-            s.close(0)
-        self.ctx.term()
+        self.pubs.close()
 
 
 def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, Any]:
