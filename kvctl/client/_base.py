@@ -18,6 +18,15 @@ from kvctl.errors import ApiError, KvctlError, NotFound, Refused, Unreachable
 
 DEFAULT_MODEL = "default"
 
+KEEPALIVE_EXPIRY_S = 2.0
+"""How long an idle pooled connection is reused. Below uvicorn's 5 s idle timeout (the default of vLLM's
+and SGLang's servers and of kvctl's own), because at equal values the server can close a connection just
+as the client sends on it, and the request fails with "Server disconnected without sending a response"."""
+
+
+def pool_limits(max_connections: int | None = None) -> httpx.Limits:
+    return httpx.Limits(max_connections=max_connections, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
 
 @dataclass(frozen=True, slots=True)
 class Call:

@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from kvctl.client._base import Call, headers, interpret, translate, verify_tls
+from kvctl.client._base import Call, headers, interpret, pool_limits, translate, verify_tls
 
 
 class AsyncRouterClient:
@@ -14,7 +14,7 @@ class AsyncRouterClient:
                  transport: httpx.AsyncBaseTransport | None = None, max_connections: int = 100) -> None:
         self.base_url = base_url
         self._http = httpx.AsyncClient(base_url=base_url, headers=headers(token), timeout=timeout,
-                                       transport=transport, limits=httpx.Limits(max_connections=max_connections),
+                                       transport=transport, limits=pool_limits(max_connections),
                                        verify=verify_tls(base_url))
 
     async def send(self, call: Call) -> Any:

@@ -13,14 +13,14 @@ from typing import Any
 
 import httpx
 
-from kvctl.client._base import Call, interpret, translate
+from kvctl.client._base import Call, interpret, pool_limits, translate
 
 
 class EngineClient:
     def __init__(self, base_url: str, *, timeout: float = 60.0, max_connections: int = 64) -> None:
         self.base_url = base_url
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout,
-                                       limits=httpx.Limits(max_connections=max_connections))
+                                       limits=pool_limits(max_connections))
 
     async def generate(self, token_ids: list[int], max_tokens: int,
                        request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:

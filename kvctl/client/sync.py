@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from kvctl.client._base import Call, headers, interpret, translate, verify_tls
+from kvctl.client._base import Call, headers, interpret, pool_limits, translate, verify_tls
 
 
 class RouterClient:
@@ -14,7 +14,7 @@ class RouterClient:
                  transport: httpx.BaseTransport | None = None) -> None:
         self.base_url = base_url
         self._http = httpx.Client(base_url=base_url, headers=headers(token), timeout=timeout, transport=transport,
-                                  verify=verify_tls(base_url))
+                                  limits=pool_limits(), verify=verify_tls(base_url))
 
     def send(self, call: Call) -> Any:
         with translate(self.base_url):

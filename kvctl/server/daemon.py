@@ -34,6 +34,7 @@ from kvctl.server.streams import QUEUE_BATCHES, Streams
 
 log = logging.getLogger("kvctl.serve")
 TICK_S = 1.0
+KEEPALIVE_IDLE_S = 30
 """How often stale requests are force-freed and approximate-mode blocks expire."""
 
 
@@ -131,9 +132,12 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     if not options.admin_token and not is_loopback(options.host):
         log.warning("serving on %s without an admin token (--insecure): anyone who can reach it can change "
                     "the index, workers and thresholds", options.host)
-    # log_config=None: uvicorn's own lines go through the handler `--log-format` chose (JSON stays JSON)
+    # log_config=None: uvicorn's own lines go through the handler `--log-format` chose (JSON stays JSON).
+    # Idle keep-alive connections live longer than the pools of common clients (aiohttp 15 s, httpx 5 s) so
+    # the server is never the side that closes a connection a client is about to reuse.
     server = _Server(uvicorn.Config(app, log_config=None, log_level=options.log_level, access_log=False,
-                                    lifespan="off", proxy_headers=False, server_header=False))
+                                    lifespan="off", proxy_headers=False, server_header=False,
+                                    timeout_keep_alive=KEEPALIVE_IDLE_S))
     for info in options.engines:
         fleet.register(info)
     for info in list(fleet.workers.values()):  # restored from the snapshot
