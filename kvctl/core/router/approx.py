@@ -190,11 +190,18 @@ class ApproxIndexer:
         All heap items due at one instant are taken together and their blocks sorted, so the order
         is Dynamo's per-block heap order. When the budget runs out inside such a group, the group's
         items go back on the heap: the blocks fired meanwhile are stale in them now.
+
+        Dynamo applies each fired block as its own one-block `Removed`; here each worker's fired blocks
+        go out as one `Removed`, in firing order (its ids advance by one per block all the same). A
+        worker's removals never touch another worker's pairs, so the index ends the same, and a prune of
+        thousands of blocks costs a few index calls instead of one per block: it ran 15 ms at a 20k cap
+        with one call per block, a stall every route behind it waited out.
         """
         heap = self._heap
         pop = heapq.heappop
-        fired = 0
-        while heap and heap[0][0] <= until and fired < budget:
+        fired: dict[Worker, list[int]] = {}
+        n = 0
+        while heap and heap[0][0] <= until and n < budget:
             expiry = heap[0][0]
             group = [pop(heap)]
             while heap and heap[0][0] == expiry:
@@ -205,17 +212,22 @@ class ApproxIndexer:
                 reverse=True,
             )
             for pos, key, worker in due:
-                if fired >= budget:
+                if n >= budget:
                     for item in group:
                         heapq.heappush(heap, item)
                     break
-                fired += self._fire(worker, key, pos, expiry)
+                if self._take(worker, key, pos, expiry):
+                    fired.setdefault(worker, []).append(key)
+                    n += 1
             else:
                 self._heap_blocks -= len(due)
+        for (worker_id, dp_rank), keys in fired.items():
+            self._event_id += len(keys)
+            self._index.apply(RouterEvent(worker_id, Removed(keys), dp_rank, self._event_id))
         self._maybe_rebuild()
 
-    def _fire(self, worker: Worker, key: int, pos: int, expiry: float) -> bool:
-        """Apply one due block if its timer is still this one (not refreshed since, nor its worker removed)."""
+    def _take(self, worker: Worker, key: int, pos: int, expiry: float) -> bool:
+        """Drop one due block's timer if it is still this one (not refreshed since, nor its worker removed)."""
         timers = self._timers.get(worker)
         if timers is None or timers.get((key, pos)) != expiry:
             return False
@@ -223,8 +235,6 @@ class ApproxIndexer:
         if not timers:
             del self._timers[worker]
         self._live -= 1
-        self._event_id += 1
-        self._index.apply(RouterEvent(worker[0], Removed([key]), worker[1], self._event_id))
         return True
 
     def _any_live(self, item: _HeapItem) -> bool:
