@@ -121,7 +121,7 @@ class EventPlane:
         self.counts: Counter[str] = Counter()  # messages, events, lost_events, stale_events, restarts, ...
         self.errors: Counter[str] = Counter()  # decode errors by kind
         self.cursors: dict[Worker, _Cursor] = {}
-        self.snapshot: dict[str, Any] = {"loaded_events": None, "uploads": 0, "purged_below": None}
+        self.snapshot: dict[str, Any] = {"loaded_events": None, "bad_lines": 0, "uploads": 0, "purged_below": None}
         self._tasks: list[asyncio.Task[None]] = []
         self._publishes: set[asyncio.Task[None]] = set()
         self._started = asyncio.Event()
@@ -329,11 +329,26 @@ class EventPlane:
                 break
             previous = data
             await asyncio.sleep(0.1)
-        events = [decode_router_event_json(line) for line in (previous or b"").splitlines() if line.strip()]
+        # A damaged line costs that line, not the plane: the stream is still followed, and what the line
+        # held comes back when its worker stores it again.
+        events: list[RouterEvent] = []
+        bad: Counter[str] = Counter()
+        for line in (previous or b"").splitlines():
+            if line.strip():
+                try:
+                    events.append(decode_router_event_json(line))
+                except DecodeError as exc:
+                    bad[exc.kind.value] += 1
         applied, rejected = self.fleet.apply(self.options.model, events, time.monotonic())
         self.snapshot["loaded_events"] = applied
+        self.snapshot["bad_lines"] = sum(bad.values())
+        self.errors.update(bad)
         log.info("event plane: loaded %d events from %s/%s (%d rejected)", applied, self.names.bucket,
                  RADIX_STATE_OBJECT, sum(rejected.values()))
+        if bad:
+            log.warning("event plane: %d lines of %s/%s are not RouterEvent JSON (%s); skipped, the index "
+                        "lacks what they held until their workers store it again", sum(bad.values()),
+                        self.names.bucket, RADIX_STATE_OBJECT, ", ".join(f"{k}: {n}" for k, n in sorted(bad.items())))
 
     async def _snapshot_loop(self, js: Any) -> None:
         while True:

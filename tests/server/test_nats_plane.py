@@ -23,7 +23,7 @@ from kvctl.core.events.dynamo import (
     encode_router_event_json,
     encode_router_event_msgpack,
 )
-from kvctl.core.events.plane import ActiveLoad, PlaneNames, encode_active_load
+from kvctl.core.events.plane import RADIX_STATE_OBJECT, ActiveLoad, PlaneNames, encode_active_load
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
 from kvctl.nats_barrier import barrier
@@ -241,6 +241,26 @@ async def test_snapshot_purges_and_a_new_replica_boots_from_snapshot_and_tail(
             assert fresh.plane.snapshot["loaded_events"]
             await until(lambda: fresh.blocks() == router.blocks(), "the new replica to catch up")
         assert router.blocks() == expected_blocks(events)
+
+
+async def test_a_damaged_snapshot_costs_its_bad_lines_not_the_plane(server: NatsServer, names: PlaneNames) -> None:
+    events = [store(w, 1, list(range(100 * w, 100 * w + 32))) for w in (1, 2, 3, 4)]
+    good = [encode_router_event_json(ev) for ev in events]
+    damaged = b"\n".join([good[0], b"{torn", *good[1:], b"\xff\xfe"])
+    async with connected(server) as nc:
+        js = nc.jetstream()
+        await js.add_stream(name=names.stream, subjects=[f"{names.stream}.*"])
+        bucket = await js.create_object_store(names.bucket)
+        await bucket.put(RADIX_STATE_OBJECT, damaged)
+    tail = [store(w, 1, list(range(5000 * w, 5000 * w + 48))) for w in (1, 5)]
+    async with Router(options(server, names, jetstream=True)) as router:
+        assert router.plane.state != "failed", router.plane.status()
+        assert router.plane.snapshot["loaded_events"] == len(events) and router.plane.snapshot["bad_lines"] == 2
+        await js_publish(server, names, tail)  # and the stream is still followed
+        await until(lambda: router.plane.counts["events"] >= len(tail), "the stream's events")
+        await router.streams.writer("default").applied()
+        assert router.blocks() == expected_blocks(events + tail)
+        assert sum(router.plane.errors.values()) == 2
 
 
 async def test_reset_states_leaves_an_empty_stream_and_no_bucket(server: NatsServer, names: PlaneNames) -> None:
