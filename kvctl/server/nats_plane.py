@@ -118,6 +118,7 @@ class EventPlane:
         self.connects = 0
         self.reconnects = 0
         self.last_error: str | None = None
+        self._logged_error: str | None = None
         self.counts: Counter[str] = Counter()  # messages, events, lost_events, stale_events, restarts, ...
         self.errors: Counter[str] = Counter()  # decode errors by kind
         self.cursors: dict[Worker, _Cursor] = {}
@@ -191,14 +192,14 @@ class EventPlane:
                     disconnected_cb=self._disconnected, reconnected_cb=self._reconnected, closed_cb=self._closed,
                     error_cb=self._error, **self.options.connection.connect_kwargs())
             except (OSError, nats.errors.Error, TimeoutError) as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("event plane: cannot connect to %s (%s); retrying in %.1f s", self.options.url,
-                            self.last_error, delay)
+                self._report(f"{type(exc).__name__}: {exc}", f"cannot connect to {self.options.url}",
+                             "retrying with backoff up to 10 s")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
                 continue
             self.connects += 1
             self.state = "connected"
+            self._logged_error = None
             return nc
 
     async def _disconnected(self) -> None:
@@ -208,15 +209,26 @@ class EventPlane:
     async def _reconnected(self) -> None:
         self.state = "connected"
         self.reconnects += 1
+        self._logged_error = None
         log.info("event plane: reconnected to %s", self.options.url)
 
     async def _closed(self) -> None:
         self.state = "closed"
 
     async def _error(self, exc: Exception) -> None:
-        self.last_error = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, nats.errors.SlowConsumerError):
             self.counts["slow_consumer_drops"] += 1  # a message nats-py dropped: we could not keep up
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return
+        self._report(f"{type(exc).__name__}: {exc}", f"NATS at {self.options.url} reports", "retrying")
+
+    def _report(self, error: str, what: str, then: str) -> None:
+        """Status always shows the last error; the log says each different one once (a wrong password is
+        refused on every retry: one line, not one a second), and again after a successful connection."""
+        self.last_error = error
+        if error != self._logged_error:
+            self._logged_error = error
+            log.warning("event plane: %s: %s; %s", what, error, then)
 
     # ----- KV events ----------------------------------------------------------------------------------
 

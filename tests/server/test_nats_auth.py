@@ -78,7 +78,8 @@ async def _plane(server: NatsServer, **kw: object) -> tuple[EventPlane, Streams]
     return plane, streams
 
 
-async def test_connection_options_get_in_and_wrong_ones_are_reported(secured: tuple[NatsServer, dict, dict]) -> None:
+async def test_connection_options_get_in_and_wrong_ones_are_reported(secured: tuple[NatsServer, dict, dict],
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
     server, good, bad = secured
     plane, streams = await _plane(server, **good)
     try:
@@ -92,6 +93,9 @@ async def test_connection_options_get_in_and_wrong_ones_are_reported(secured: tu
         assert not await plane.ready(1.5)
         status = plane.status()
         assert status["state"] == "connecting" and status["last_error"], status
+        # and the log says it too, once, not once per retry
+        said = [r for r in caplog.records if r.name == "kvctl.serve" and status["last_error"] in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in caplog.records]
     finally:
         await plane.close()
         await streams.close()
