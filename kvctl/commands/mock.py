@@ -198,8 +198,9 @@ def load_command(
                 else shared_prefix(requests, seed=seed))
     policies = [Policy.router] + ([Policy(baseline)] if baseline else [])
     try:
-        router_url = settings_for(ctx, server=server).server
-        reports = asyncio.run(run_policies(router_url, targets, rows, workload, policies, concurrency, model, seed))
+        settings = settings_for(ctx, server=server)
+        reports = asyncio.run(run_policies(settings.server, targets, rows, workload, policies, concurrency, model,
+                                           seed, token=settings.token))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     out.emit(reports, _LOAD_VIEW)

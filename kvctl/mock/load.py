@@ -206,12 +206,13 @@ async def register_engines(router: AsyncRouterClient, engines: Sequence[Mapping[
 
 
 async def run_policies(server: str, targets: dict[int, str], rows: list[dict[str, Any]], workload: list[Request],
-                       policies: list[Policy], concurrency: int, model: str, seed: int) -> list[dict[str, Any]]:
+                       policies: list[Policy], concurrency: int, model: str, seed: int,
+                       token: str | None = None) -> list[dict[str, Any]]:
     """Engines from --engines-file the router does not know yet are registered first (with their KV-event
-    endpoints); then each policy runs from cold caches."""
+    endpoints: the router's admin `token` when it has one); then each policy runs from cold caches."""
     engines = {worker_id: EngineClient(url) for worker_id, url in targets.items()}
     try:
-        async with AsyncRouterClient(server) as router:
+        async with AsyncRouterClient(server, token=token) as router:
             await register_engines(router, rows, model)
             load = LoadGenerator(engines, router=router, model=model, seed=seed)
             reports = []

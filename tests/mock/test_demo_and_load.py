@@ -20,9 +20,9 @@ from tests.fixtures_path import FIXTURES
 TRACE = FIXTURES / "traces" / "conversation_trace.jsonl"
 
 
-def _kvctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def _kvctl(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvctl", *args], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
 
 
 def _listening(url: str) -> bool:
@@ -59,12 +59,17 @@ def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
 
 
 def test_mock_load_runs_the_router_lifecycle_and_a_baseline(tmp_path: Path) -> None:
-    with _process("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--no-restore") as (_, url), \
+    """Against a router with an admin token: registering the engines needs it, routing does not."""
+    with _process("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--no-restore",
+                  "--admin-token", "t0ken") as (_, url), \
             _process("mock", "--engines", "2", "--capacity", "256", "-o", "json") as (_, rows):
         engines = tmp_path / "engines.json"
         engines.write_text(rows)
-        result = _kvctl("mock", "load", "--server", url.strip(), "--engines-file", str(engines), "--requests", "40",
-                        "--concurrency", "4", "--baseline", "round-robin", "-o", "json")
+        load = ("mock", "load", "--server", url.strip(), "--engines-file", str(engines), "--requests", "40",
+                "--concurrency", "4", "--baseline", "round-robin", "-o", "json")
+        refused = _kvctl(*load)
+        assert refused.returncode != 0 and "KVCTL_TOKEN" in refused.stderr, refused.stderr
+        result = _kvctl(*load, KVCTL_TOKEN="t0ken")
         assert result.returncode == 0, result.stderr
         router, baseline = json.loads(result.stdout)
         assert (router["policy"], baseline["policy"]) == ("router", "round-robin")
