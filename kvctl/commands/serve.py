@@ -157,9 +157,10 @@ def serve_command(
         help="Decoded batches a model's writer may hold; beyond, batches are dropped and counted.")] = 10_000,
     decoder: Annotated[str, typer.Option(
         "--decoder", envvar="KVCTL_DECODER",
-        help="Where engine payloads are decoded: inline (the router's own loop) or process (a child beside the "
-             "router: ingest on two cores, the route loop freed of decoding; for hosts with cores to spare).")
-    ] = "inline",
+        help="Where engine payloads are decoded: inline (the router's own loop), process (a child beside the "
+             "router: ingest on two cores, the route loop freed of decoding) or auto (process when this "
+             "process may use two cores or more).")
+    ] = "auto",
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", envvar="KVCTL_MAX_BODY_BYTES", min=1,
         help="Largest request body accepted; larger ones are refused with 413.")] = 64 * 1024 * 1024,
@@ -192,6 +193,7 @@ def serve_command(
     from kvctl.core.router.busy import Thresholds
     from kvctl.core.router.scoring import RouterConfig
     from kvctl.server.daemon import ServeOptions, is_loopback, run
+    from kvctl.server.decoder import DECODER_MODES
 
     host, port = parse_listen(listen)
     if block_size <= 0:
@@ -212,8 +214,8 @@ def serve_command(
     out = Output(color=ctx.find_root().obj.color)
     if not snapshot_interval > 0:
         raise UsageError(f"--snapshot-interval must be > 0 seconds, got {snapshot_interval}")
-    if decoder not in ("inline", "process"):
-        raise UsageError(f"--decoder must be inline or process, got {decoder!r}")
+    if decoder not in DECODER_MODES:
+        raise UsageError(f"--decoder must be one of {', '.join(DECODER_MODES)}, got {decoder!r}")
     if log_format not in ("text", "json"):
         raise UsageError(f"--log-format must be text or json, got {log_format!r}")
     if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):

@@ -73,7 +73,7 @@ class ServeOptions:
     nats: NatsOptions | None = None  # follow a Dynamo event plane
     queue_batches: int = QUEUE_BATCHES  # decoded batches a model's writer holds before dropping (counted)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies are refused (413)
-    decoder: str = "inline"  # where engine payloads are decoded: inline or process (see decoder.py)
+    decoder: str = "auto"  # where engine payloads are decoded: auto, inline or process (see decoder.py)
 
 
 def is_loopback(host: str) -> bool:

@@ -13,7 +13,7 @@ import pytest
 
 from kvctl.core.events import EngineBatch, ErrorKind
 from kvctl.server.decode_wire import answer, read_answer, split_answers
-from kvctl.server.decoder import InlineDecoder, ProcessDecoder, decode_now
+from kvctl.server.decoder import InlineDecoder, ProcessDecoder, decode_now, make_decoder
 from tests.fixtures_path import FIXTURES
 
 PAYLOADS = [p.read_bytes() for folder in ("vllm-0.33", "sglang-0.5.23", "vllm-legacy/0.23.0")
@@ -105,3 +105,17 @@ async def test_inline_decoder_is_immediate() -> None:
     decoder.submit(JUNK[1], 16, got.append)
     decoder.then(lambda: got.append(ErrorKind.bad_batch))
     assert got == [ErrorKind.bad_msgpack, ErrorKind.bad_batch] and not decoder.full
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [({0}, InlineDecoder), ({0, 1}, ProcessDecoder),
+                                                 ({2, 5, 7, 9}, ProcessDecoder)])
+async def test_auto_decodes_in_a_process_only_with_a_second_core_to_run_it(
+        monkeypatch: pytest.MonkeyPatch, cpus: set[int], expected: type) -> None:
+    # the cores this process may run on (a cgroup- or taskset-limited router counts what it was given)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
+    decoder = make_decoder("auto")
+    try:
+        assert type(decoder) is expected
+        assert type(make_decoder("inline")) is InlineDecoder
+    finally:
+        await decoder.close()

@@ -104,7 +104,7 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--snapshot-interval", "0"], "--snapshot-interval must be > 0"),
     (["serve", "--tier-credits", "gpu=2"], "--tier-credits"),
     (["serve", "--log-format", "xml"], "--log-format"),
-    (["serve", "--decoder", "auto"], "--decoder must be inline or process"),
+    (["serve", "--decoder", "threads"], "--decoder must be one of auto, inline, process"),
     (["serve", "--active-decode-blocks-threshold", "1.5"], "active_decode_blocks_threshold"),
     (["serve", "--approximate", "--router-ttl", "0"], "ttl_s"),
     (["serve", "--jetstream"], "need --nats URL"),
