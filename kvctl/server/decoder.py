@@ -275,9 +275,10 @@ DECODER_MODES = ("auto", "inline", "process")
 def make_decoder(mode: str) -> Decoder:
     """`inline`, `process`, or `auto`: a process wherever this one may run on two cores or more.
 
-    On a 2-core host, 1M (worker, block) pairs from 16 and 128 engines (benchmarks/serve_bench.py, three
-    runs each): stored blocks/s 0.87M, 0.71M, 0.81M with the process against 0.55M, 0.44M, 0.48M inline;
-    removals and route latency the same within the noise. On one core the child only adds the pipe.
+    On a 2-core host, 1M (worker, block) pairs (benchmarks/serve_bench.py, three runs each): stored
+    blocks/s from 16 engines 0.81M, 0.71M, 0.87M with the process against 0.48M, 0.44M, 0.55M inline,
+    from 128 engines 0.63M-0.68M against 0.49M-0.55M; removals and route latency the same within the
+    noise. On one core the child only adds the pipe.
     """
     if mode == "auto":
         mode = "process" if len(os.sched_getaffinity(0)) >= 2 else "inline"
