@@ -70,6 +70,7 @@ CONSUMER_INACTIVE_S = 300.0  # Dynamo's inactive_threshold: consumers of routers
 FETCH_BATCH = 512
 SNAPSHOT_CHECK_S = 1.0
 SNAPSHOT_READS = 10
+LOGGED_ERRORS_MAX = 16  # distinct connection errors logged between good connections (status shows them all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,7 @@ class EventPlane:
         self.connects = 0
         self.reconnects = 0
         self.last_error: str | None = None
-        self._logged_error: str | None = None
+        self._logged_errors: set[str] = set()  # said in the log since the last good connection
         self.counts: Counter[str] = Counter()  # messages, events, lost_events, stale_events, restarts, ...
         self.errors: Counter[str] = Counter()  # decode errors by kind
         self.cursors: dict[Worker, _Cursor] = {}
@@ -199,7 +200,7 @@ class EventPlane:
                 continue
             self.connects += 1
             self.state = "connected"
-            self._logged_error = None
+            self._logged_errors.clear()
             return nc
 
     async def _disconnected(self) -> None:
@@ -209,7 +210,7 @@ class EventPlane:
     async def _reconnected(self) -> None:
         self.state = "connected"
         self.reconnects += 1
-        self._logged_error = None
+        self._logged_errors.clear()
         log.info("event plane: reconnected to %s", self.options.url)
 
     async def _closed(self) -> None:
@@ -226,8 +227,8 @@ class EventPlane:
         """Status always shows the last error; the log says each different one once (a wrong password is
         refused on every retry: one line, not one a second), and again after a successful connection."""
         self.last_error = error
-        if error != self._logged_error:
-            self._logged_error = error
+        if error not in self._logged_errors and len(self._logged_errors) < LOGGED_ERRORS_MAX:
+            self._logged_errors.add(error)
             log.warning("event plane: %s: %s; %s", what, error, then)
 
     # ----- KV events ----------------------------------------------------------------------------------
