@@ -24,12 +24,14 @@ import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from kvctl.core.events import DecodeError, EngineBatch, ErrorKind, decode_engine_batch
 from kvctl.server.decode_wire import HEADER, split_answers
 
-__all__ = ["Backpressure", "Decoded", "Decoder", "DECODER_MODES", "InlineDecoder", "ProcessDecoder", "make_decoder"]
+__all__ = ["Backpressure", "Decoded", "Decoder", "DECODER_MODES", "InlineDecoder", "ProcessDecoder", "make_decoder",
+           "usable_cpus"]
 
 log = logging.getLogger("kvctl.serve")
 
@@ -281,5 +283,24 @@ def make_decoder(mode: str) -> Decoder:
     noise. On one core the child only adds the pipe.
     """
     if mode == "auto":
-        mode = "process" if len(os.sched_getaffinity(0)) >= 2 else "inline"
+        mode = "process" if usable_cpus() >= 2 else "inline"
     return ProcessDecoder() if mode == "process" else InlineDecoder()
+
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cpus(cpu_max: Path | None = None) -> float:
+    """Cores this process may use: the CPUs it may be scheduled on, capped by a cgroup v2 CPU quota.
+
+    A router in a Kubernetes pod with a CPU limit of 1 sees every core of the node in its affinity mask,
+    and its quota (`cpu.max`: "100000 100000") is what it really gets: a second process there would
+    only be throttled with it."""
+    cpus = float(len(os.sched_getaffinity(0)))
+    try:
+        quota, period = (cpu_max or CGROUP_CPU_MAX).read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, int(quota) / int(period))
+    except (OSError, ValueError, ZeroDivisionError):  # no cgroup v2, or a file we do not read: the affinity stands
+        pass
+    return cpus

@@ -8,10 +8,12 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
 from kvctl.core.events import EngineBatch, ErrorKind
+from kvctl.server import decoder as decoder_module
 from kvctl.server.decode_wire import answer, read_answer, split_answers
 from kvctl.server.decoder import InlineDecoder, ProcessDecoder, decode_now, make_decoder
 from tests.fixtures_path import FIXTURES
@@ -107,12 +109,22 @@ async def test_inline_decoder_is_immediate() -> None:
     assert got == [ErrorKind.bad_msgpack, ErrorKind.bad_batch] and not decoder.full
 
 
-@pytest.mark.parametrize(("cpus", "expected"), [({0}, InlineDecoder), ({0, 1}, ProcessDecoder),
-                                                 ({2, 5, 7, 9}, ProcessDecoder)])
+@pytest.mark.parametrize(("cpus", "cpu_max", "expected"), [
+    ({0}, None, InlineDecoder),
+    ({0, 1}, None, ProcessDecoder),
+    ({2, 5, 7, 9}, "max 100000", ProcessDecoder),
+    ({2, 5, 7, 9}, "100000 100000", InlineDecoder),  # a pod limited to one CPU on a big node
+    ({2, 5, 7, 9}, "250000 100000", ProcessDecoder),
+    ({2, 5, 7, 9}, "garbage", ProcessDecoder),
+])
 async def test_auto_decodes_in_a_process_only_with_a_second_core_to_run_it(
-        monkeypatch: pytest.MonkeyPatch, cpus: set[int], expected: type) -> None:
-    # the cores this process may run on (a cgroup- or taskset-limited router counts what it was given)
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cpus: set[int], cpu_max: str | None, expected: type) -> None:
+    # the cores this process may be scheduled on (taskset), capped by its cgroup v2 CPU quota
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
+    quota = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        quota.write_text(cpu_max + "\n")
+    monkeypatch.setattr(decoder_module, "CGROUP_CPU_MAX", quota)
     decoder = make_decoder("auto")
     try:
         assert type(decoder) is expected
