@@ -51,11 +51,18 @@ async def engine() -> AsyncIterator[Engine]:
     ctx.term()
 
 
+def _settled(status: dict[str, Any]) -> bool:
+    """Everything the stream has taken is in the index: nothing left with the decoder or the writer (the
+    stream's own counters move when a batch is taken, before a decode process has answered for it)."""
+    return status["decoder"].get("in_flight", 0) == 0 and all(q["queued"] == 0 for q in status["queues"])
+
+
 async def _until(predicate, client: httpx.AsyncClient, what: str, timeout: float = 10.0) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The stream's status once `predicate` holds of it and everything it took has been applied."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         status = (await client.get("/v1/status")).json()
-        if predicate(status["streams"][0]):
+        if predicate(status["streams"][0]) and _settled(status):
             return status["streams"][0]
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}: {status['streams'][0]}")
