@@ -283,7 +283,9 @@ def make_decoder(mode: str) -> Decoder:
     noise. On one core the child only adds the pipe.
     """
     if mode == "auto":
-        mode = "process" if usable_cpus() >= 2 else "inline"
+        cpus = usable_cpus()
+        mode = "process" if cpus >= 2 else "inline"
+        log.info("--decoder auto: %s (%g usable CPUs)", "a decode process" if mode == "process" else "inline", cpus)
     return ProcessDecoder() if mode == "process" else InlineDecoder()
 
 

@@ -118,16 +118,21 @@ async def test_inline_decoder_is_immediate() -> None:
     ({2, 5, 7, 9}, "garbage", ProcessDecoder),
 ])
 async def test_auto_decodes_in_a_process_only_with_a_second_core_to_run_it(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cpus: set[int], cpu_max: str | None, expected: type) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path, cpus: set[int],
+        cpu_max: str | None, expected: type) -> None:
     # the cores this process may be scheduled on (taskset), capped by its cgroup v2 CPU quota
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
     quota = tmp_path / "cpu.max"
     if cpu_max is not None:
         quota.write_text(cpu_max + "\n")
     monkeypatch.setattr(decoder_module, "CGROUP_CPU_MAX", quota)
+    caplog.set_level("INFO", logger="kvctl.serve")
     decoder = make_decoder("auto")
     try:
         assert type(decoder) is expected
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--decoder auto")]
+        assert said == [f"--decoder auto: {'a decode process' if expected is ProcessDecoder else 'inline'} "
+                        f"({decoder_module.usable_cpus():g} usable CPUs)"]
         assert type(make_decoder("inline")) is InlineDecoder
     finally:
         await decoder.close()
