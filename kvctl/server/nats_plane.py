@@ -93,6 +93,11 @@ class NatsOptions:
         return self.connection.shown_url
 
 
+def _error_text(exc: BaseException) -> str:
+    """How an error shows in status and logs: its type and message (nats-py's messages alone can be empty)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _backoff(servers: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
     """nats-py's reconnect hook: the (only) server again, after 0.1 s doubling up to 10 s per failed try."""
     return servers[0], min(0.1 * 2 ** servers[0].reconnects, 10.0)
@@ -145,7 +150,7 @@ class EventPlane:
             return
         exc = task.exception()
         self.state = "failed"
-        self.last_error = f"{type(exc).__name__}: {exc}"
+        self.last_error = _error_text(exc)
         log.error("event plane: %s stopped", task.get_coro().__qualname__, exc_info=exc)
 
     async def ready(self, timeout: float) -> bool:
@@ -193,8 +198,7 @@ class EventPlane:
                     disconnected_cb=self._disconnected, reconnected_cb=self._reconnected, closed_cb=self._closed,
                     error_cb=self._error, **self.options.connection.connect_kwargs())
             except (OSError, nats.errors.Error, TimeoutError) as exc:
-                self._report(f"{type(exc).__name__}: {exc}", f"cannot connect to {self.options.url}",
-                             "retrying with backoff up to 10 s")
+                self._report(exc, f"cannot connect to {self.options.url}", "retrying with backoff up to 10 s")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
                 continue
@@ -219,14 +223,14 @@ class EventPlane:
     async def _error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):
             self.counts["slow_consumer_drops"] += 1  # a message nats-py dropped: we could not keep up
-            self.last_error = f"{type(exc).__name__}: {exc}"
+            self.last_error = _error_text(exc)
             return
-        self._report(f"{type(exc).__name__}: {exc}", f"NATS at {self.options.url} reports", "retrying")
+        self._report(exc, f"NATS at {self.options.url} reports", "retrying")
 
-    def _report(self, error: str, what: str, then: str) -> None:
+    def _report(self, exc: BaseException, what: str, then: str) -> None:
         """Status always shows the last error; the log says each different one once (a wrong password is
         refused on every retry: one line, not one a second), and again after a successful connection."""
-        self.last_error = error
+        self.last_error = error = _error_text(exc)
         if error not in self._logged_errors and len(self._logged_errors) < LOGGED_ERRORS_MAX:
             self._logged_errors.add(error)
             log.warning("event plane: %s: %s; %s", what, error, then)
@@ -307,7 +311,7 @@ class EventPlane:
             except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except (nats.errors.ConnectionClosedError, nats.errors.Error) as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.last_error = _error_text(exc)
                 await asyncio.sleep(0.5)  # reconnecting: the durable consumer keeps our place
                 continue
             if not msgs:  # nats-py 2.16 answers a status on its long poll (404, 408, 409) with an empty batch
@@ -371,7 +375,7 @@ class EventPlane:
                 if info.state.messages > self.options.snapshot_threshold:
                     await self._snapshot_and_purge(js)
             except nats.errors.Error as exc:  # NATS away: the next check retries
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.last_error = _error_text(exc)
 
     async def _snapshot_and_purge(self, js: Any) -> None:
         """Purge below the lowest ack floor, then upload the index: it holds everything purged (this router
