@@ -27,6 +27,7 @@ from kvctl.core.events import (
     encode_router_event_json,
 )
 from kvctl.core.index import KvIndex, Status
+from tests.core.index_checks import assert_lookups_consistent
 
 _core = pytest.importorskip("dynamo._core")
 pytestmark = pytest.mark.oracle
@@ -228,8 +229,11 @@ class Pair:
                 oracle_ok = None if self.oracle_dead else False
         if op[0] == "remove_worker":
             self.index.remove_worker(op[1])
-            return oracle_ok, True
-        return oracle_ok, self.index.apply(kvctl_event(op, self.event_id)).status is Status.ok
+            kvctl_ok = True
+        else:
+            kvctl_ok = self.index.apply(kvctl_event(op, self.event_id)).status is Status.ok
+        assert_lookups_consistent(self.index)
+        return oracle_ok, kvctl_ok
 
     def scores(self, query: Sequence[int]) -> tuple[dict[Key, int] | None, dict[Key, int]]:
         """(the oracle's scores, or None once it has panicked; kvctl's). kvctl's exceptions propagate."""

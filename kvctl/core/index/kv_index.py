@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvctl.core.events import Cleared, Removed, RouterEvent, Stored, Tier
+from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
 from kvctl.core.index.radix import OK_EMPTY, ApplyResult, Matches, RadixTree, Worker, iter_bits
 
 
@@ -60,8 +60,10 @@ class KvIndex:
         return tree
 
     def apply(self, event: RouterEvent) -> ApplyResult:
-        data = event.data
-        worker = (event.worker_id, event.dp_rank)
+        return self.apply_data((event.worker_id, event.dp_rank), event.data)
+
+    def apply_data(self, worker: Worker, data: EventData) -> ApplyResult:
+        """One event of `worker`'s, without the RouterEvent around it (engine batches come per worker)."""
         if type(data) is Stored:
             return self.tree(data.tier).store(worker, data.parent_hash, data.block_hashes, data.tokens_hashes)
         if type(data) is Removed:
@@ -96,6 +98,13 @@ class KvIndex:
             for worker, n in tree.hash_mismatches.items():
                 total[worker] = total.get(worker, 0) + n
         return total
+
+    def reclaim(self, budget: int) -> bool:
+        """Give back up to `budget` freed lookup entries per tier (`RadixTree.reclaim`); True while more is left."""
+        more = False
+        for tree in self.trees.values():
+            more = tree.reclaim(budget) or more
+        return more
 
     def stats(self) -> dict[Tier, TierStats]:
         return {tier: TierStats(tree.blocks, tree.nodes, tree.sizes()) for tier, tree in self.trees.items()}

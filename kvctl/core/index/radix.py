@@ -30,6 +30,10 @@ from operator import is_
 
 Worker = tuple[int, int]  # (worker_id, dp_rank)
 
+_DEAD_SLACK = 1024
+"""Entries a worker's lookup may grow by, beyond twice its size when it started keeping dead ones, before
+`remove` pops dead ones itself instead of leaving them to `reclaim`."""
+
 # Bit positions of every byte value: turns a bitmask into slot numbers without a per-bit Python loop.
 _BYTE_BITS: tuple[tuple[int, ...], ...] = tuple(tuple(b for b in range(8) if v >> b & 1) for v in range(256))
 
@@ -68,7 +72,7 @@ class Node:
     what lets a dump be captured without copying a block.
     """
 
-    __slots__ = ("locals", "hashes", "index", "full", "cutoffs", "children", "internal", "parent")
+    __slots__ = ("locals", "hashes", "index", "full", "cutoffs", "children", "internal", "parent", "freed")
 
     def __init__(self, locals_: array, hashes: list[int], parent: Node | None, full: int) -> None:
         self.locals = locals_
@@ -79,6 +83,7 @@ class Node:
         self.children: dict[int, Node] | None = None  # first local hash of the child's edge -> child
         self.internal = False  # once a node has had children it is never extended again (as Dynamo)
         self.parent = parent
+        self.freed = False  # nobody holds it any more and it is out of the tree
 
     def cutoff(self, slot: int) -> int:
         if self.full >> slot & 1:
@@ -118,6 +123,15 @@ class Node:
 
 
 @dataclass(slots=True)
+class _Deferred:
+    """What a worker's lookup still holds of nodes it freed (see `RadixTree.remove`)."""
+
+    dead: int = 0  # entries pointing at freed nodes
+    nodes: list[Node] = field(default_factory=list)  # those nodes (and maybe some whose entries have gone)
+    base: int = 0  # the lookup's size when `nodes` was last empty
+
+
+@dataclass(slots=True)
 class Matches:
     """find_matches' answer: contiguous matched depth per worker, and its tree size."""
 
@@ -140,6 +154,8 @@ class RadixTree:
         self._shadows: set[int] = set()
         self._ghosts: dict[Worker, int] = {}  # removed workers whose bits may linger -> their slot
         self._lookup: list[dict[int, Node] | None] = []  # slot -> engine block hash -> node
+        self._deferred: list[_Deferred] = []  # slot -> what its lookup still holds of freed nodes: see `remove`
+        self._garbage: list[dict[int, Node]] = []  # lookups of workers that let go of everything: see `reclaim`
         self.nodes = 0
         # Blocks a worker stored on a token path already indexed under other engine hashes: engines
         # that hash the same tokens differently (Dynamo's "block_hash mismatch"), whose removals then
@@ -156,8 +172,10 @@ class RadixTree:
                 slot = len(self._workers)
                 self._workers.append(worker)
                 self._lookup.append({})
+                self._deferred.append(_Deferred())
             else:
                 self._lookup[slot] = {}
+                self._deferred[slot] = _Deferred()
             self._slots[worker] = slot
         return slot
 
@@ -166,15 +184,19 @@ class RadixTree:
 
     def size(self, worker: Worker) -> int:
         slot = self._slots.get(worker)
-        return 0 if slot is None else len(self._lookup[slot])  # type: ignore[arg-type]
+        return 0 if slot is None else self._held(slot)
+
+    def _held(self, slot: int) -> int:
+        """Blocks the slot holds: Dynamo's per-worker lookup size, less the entries kvctl lets go lazily."""
+        return len(self._lookup[slot] or ()) - self._deferred[slot].dead
 
     def sizes(self) -> dict[Worker, int]:
-        return {w: len(self._lookup[s]) for w, s in self._slots.items()}  # type: ignore[arg-type]
+        return {w: self._held(s) for w, s in self._slots.items()}
 
     @property
     def blocks(self) -> int:
         """(worker, block) pairs held: Dynamo's `current_size`."""
-        return sum(len(lk) for lk in self._lookup if lk)
+        return sum(len(lk) for lk in self._lookup if lk) - sum(d.dead for d in self._deferred)
 
     # ----- matching ------------------------------------------------------------------------------------
 
@@ -225,9 +247,9 @@ class RadixTree:
                 break
         if active:
             slot_scores.update(dict.fromkeys(iter_bits(active), depth))
-        workers, lookup = self._workers, self._lookup
+        workers, held = self._workers, self._held
         result.scores = {workers[s]: score for s, score in slot_scores.items()}  # type: ignore[misc]
-        result.tree_sizes = {workers[s]: len(lookup[s] or ()) for s in slot_scores}  # type: ignore[misc]
+        result.tree_sizes = {workers[s]: held(s) for s in slot_scores}  # type: ignore[misc]
         return result
 
     # ----- mutation ------------------------------------------------------------------------------------
@@ -242,7 +264,7 @@ class RadixTree:
         locs = tokens_hashes if isinstance(tokens_hashes, array) else array("Q", tokens_hashes)
         nblocks = len(hashes)
         if len(set(hashes)) != nblocks:  # one hash at two places: a lookup key can name only one of them
-            self._shadows.add(slot)
+            self._shadow(slot)
         if parent_hash is None:
             parent = self.root
         else:
@@ -254,8 +276,10 @@ class RadixTree:
                 return ApplyResult(Status.parent_block_not_found)
             if not node.covers(slot, pos):
                 del lookup[parent_hash]
+                if node.freed and slot not in self._shadows:
+                    self._deferred[slot].dead -= 1
                 if node.cutoff(slot):  # a duplicate hash resolved past what the worker holds of the edge
-                    self._shadows.add(slot)
+                    self._shadow(slot)
                 return ApplyResult(Status.parent_block_not_found)
             if self._reuse_parent_edge(node, pos, hashes, locs, bit, slot, lookup):
                 return ApplyResult(Status.ok, nblocks)
@@ -313,11 +337,34 @@ class RadixTree:
               moving_from: Node | None = None) -> None:
         """Point `keys` of a worker's lookup at `node`, noting when that takes one away from another node."""
         if not lookup.keys().isdisjoint(keys):
-            previous = set(map(lookup.get, keys))
+            bound = list(map(lookup.get, keys))
+            previous = set(bound)
             previous.difference_update((None, node, moving_from))
+            if previous and slot not in self._shadows:
+                freed = [p for p in previous if p.freed]  # entries let go lazily: taken back, no longer dead
+                if freed:
+                    self._deferred[slot].dead -= sum(map(bound.count, freed))
+                    previous.difference_update(freed)
             if previous:
-                self._shadows.add(slot)
+                self._shadow(slot)
         lookup.update(zip(keys, repeat(node)))
+
+    def _shadow(self, slot: int) -> None:
+        """Note a slot whose lookup lost track of a node; its entries are let go one by one from now on.
+
+        Lazily let-go entries (see `remove`) rely on the lookup naming each held block exactly once, so
+        a slot that turns shadow drops them first.
+        """
+        if slot in self._shadows:
+            return
+        self._shadows.add(slot)
+        deferred = self._deferred[slot]
+        if deferred.nodes:
+            lookup = self._lookup[slot]
+            assert lookup is not None
+            for h in [h for h, node in lookup.items() if node.freed]:
+                del lookup[h]
+            self._deferred[slot] = _Deferred()
 
     def _bind_shared(self, slot: int, lookup: dict[int, Node], keys: list[int], node: Node) -> None:
         """Bind keys to `node`'s first edge positions, reusing the node's own int objects where equal."""
@@ -369,8 +416,8 @@ class RadixTree:
         """Cut `node`'s edge at `pos`; the suffix becomes its only child and takes its children."""
         if len(node.index) != len(node.hashes):
             # A hash repeated in this edge: its holders' lookups can follow only one of its places.
-            self._shadows.update(iter_bits(node.full))
-            self._shadows.update(node.cutoffs or ())
+            for s in (*iter_bits(node.full), *(node.cutoffs or ())):
+                self._shadow(s)
         suffix_hashes = node.hashes[pos:]
         suffix_locs = node.locals[pos:]
         node.hashes = node.hashes[:pos]  # replaced, never cut in place: see Node
@@ -413,6 +460,17 @@ class RadixTree:
         return suffix
 
     def remove(self, worker: Worker, block_hashes: Sequence[int]) -> ApplyResult:
+        """Let the worker go of blocks, Dynamo's way; a node nobody holds any more is freed.
+
+        Most removals free the node they empty (engines evict whole requests, leaf first). Popping each
+        of its hashes from the worker's lookup, and freeing them, would cost cache misses per block, so
+        those entries are left in place, pointing at the freed node: every reader takes such an entry
+        for no entry, and `_deferred` counts them. `reclaim` pops them later, when the server is idle; a
+        worker that lets go of everything hands its whole lookup over at once; and a lookup that keeps
+        growing meanwhile pops them here once it is twice its size. The count is exact only where the
+        lookup names each block of the edge exactly once (no shadow, no hash mismatch, no hash twice in
+        the edge), so elsewhere entries are popped one by one as before.
+        """
         slot = self._slots.get(worker)
         if slot is None:
             self._slot(worker)
@@ -420,6 +478,7 @@ class RadixTree:
         bit = 1 << slot
         lookup = self._lookup[slot]
         assert lookup is not None
+        shadows = self._shadows
         removed = missing = 0
         made_stale: list[Sequence[int]] = []  # only searched when a hash is missing, which is rare
         hashes = block_hashes
@@ -429,7 +488,9 @@ class RadixTree:
             h = hashes[i]
             i += 1
             node = lookup.pop(h, None)
-            if node is None:
+            if node is None or (node.freed and slot not in shadows):
+                if node is not None:
+                    self._deferred[slot].dead -= 1
                 if not any(h in run for run in made_stale):
                     missing += 1
                 continue
@@ -443,7 +504,7 @@ class RadixTree:
             cut = node.cutoff(slot)
             if pos >= cut:
                 if cut:  # a duplicate hash resolved to a later position: the worker still holds this edge
-                    self._shadows.add(slot)
+                    self._shadow(slot)
                 made_stale.append((h,))
                 continue
             # Engines evict runs of one edge together: take the following hashes of this edge the
@@ -452,12 +513,13 @@ class RadixTree:
             # exactly that, one slice compare takes the run instead of two lookups per block. It needs
             # each hash at one place (no repeat in the edge) and, for a slot whose lookup ever lost
             # track of a node (`_shadows`), a check that the run is still bound here.
+            unique = len(index) == len(node.hashes)
             k = min(pos, n - i)
-            if k and len(index) == len(node.hashes):
+            if k and unique:
                 run = node.hashes[pos - k:pos]
                 run.reverse()
                 if hashes[i:i + k] == run and (
-                        slot not in self._shadows or all(map(is_, map(lookup.get, run), repeat(node)))):
+                        slot not in shadows or all(map(is_, map(lookup.get, run), repeat(node)))):
                     removed += k
                     i += k
                     pos -= k
@@ -472,12 +534,6 @@ class RadixTree:
             # The worker keeps only edge[:pos]: the rest of what it held of this edge goes stale (not
             # its blocks in child edges). A later hash of the same event made stale here is no error.
             stale = node.hashes[pos:cut]
-            popped = set(map(lookup.pop, stale, repeat(None)))
-            popped.difference_update((None, node))
-            # A stale hash that the worker also stored elsewhere (another node, or earlier in this
-            # edge: the edge index then has fewer entries than the edge) loses that binding too.
-            if popped or (pos and len(node.index) != len(node.hashes)):
-                self._shadows.add(slot)
             made_stale.append(stale)
             if pos == 0:
                 node.drop(bit, slot)
@@ -487,12 +543,80 @@ class RadixTree:
                     node.cutoffs = {slot: pos}
                 else:
                     node.cutoffs[slot] = pos
+            if (pos == 0 and unique and not node.has_workers() and slot not in shadows
+                    and worker not in self.hash_mismatches):
+                deferred = self._deferred[slot]
+                if not deferred.nodes:
+                    deferred.base = len(lookup) + 1
+                deferred.nodes.append(node)
+                deferred.dead += cut - 1  # edge[:cut] but h, which is popped
+            else:
+                popped = set(map(lookup.pop, stale, repeat(None)))
+                popped.difference_update((None, node))
+                # A stale hash that the worker also stored elsewhere (another node, or earlier in this
+                # edge: the edge index then has fewer entries than the edge) loses that binding too.
+                if popped or (pos and not unique):
+                    self._shadow(slot)
             self._after_loss(node)
-        if not lookup:
-            self._lookup[slot] = {}  # a dict never shrinks its table; an emptied worker gives it back
+        self._tidy(slot)
         if missing:
             return ApplyResult(Status.block_not_found, removed, missing)
         return ApplyResult(Status.ok, removed)
+
+    def _tidy(self, slot: int) -> None:
+        """Hand an emptied lookup to `reclaim`; keep a churning one within twice its size (amortised)."""
+        lookup = self._lookup[slot]
+        assert lookup is not None
+        deferred = self._deferred[slot]
+        if len(lookup) == deferred.dead:
+            if lookup:
+                self._garbage.append(lookup)
+            self._lookup[slot] = {}  # a dict never shrinks its table; an emptied worker gives it back
+            self._deferred[slot] = _Deferred()
+            return
+        nodes = deferred.nodes
+        while nodes and len(lookup) > 2 * deferred.base + _DEAD_SLACK:
+            self._release(slot, nodes.pop())
+
+    def _release(self, slot: int, node: Node) -> int:
+        """Pop what the slot's lookup still holds of a node it freed; returns the hashes looked up."""
+        lookup = self._lookup[slot]
+        assert lookup is not None
+        keys = node.hashes
+        popped = list(map(lookup.pop, keys, repeat(None)))
+        mine = popped.count(node)
+        if mine + popped.count(None) != len(keys):  # a hash bound elsewhere since: it stays there
+            for h, other in zip(keys, popped, strict=True):
+                if other is not None and other is not node:
+                    lookup[h] = other
+        self._deferred[slot].dead -= mine
+        return len(keys)
+
+    @property
+    def debt(self) -> int:
+        """Lookup entries of freed nodes not given back yet (see `remove` and `reclaim`)."""
+        return sum(map(len, self._garbage)) + sum(d.dead for d in self._deferred)
+
+    def reclaim(self, budget: int) -> bool:
+        """Give back about `budget` entries of freed nodes' memory; True while there is more.
+
+        `remove` leaves this work for later, so a burst of removals is applied at the speed of the index
+        rather than of the allocator; a server calls this when its event queues are empty.
+        """
+        garbage = self._garbage
+        while budget > 0 and garbage:
+            lookup = garbage[-1]
+            n = min(budget, len(lookup))
+            for _ in repeat(None, n):
+                lookup.popitem()
+            budget -= n
+            if not lookup:
+                garbage.pop()
+        for slot, deferred in enumerate(self._deferred):
+            nodes = deferred.nodes
+            while budget > 0 and nodes:
+                budget -= self._release(slot, nodes.pop())
+        return bool(garbage) or any(d.nodes for d in self._deferred)
 
     def _after_loss(self, node: Node) -> None:
         """Dynamo clears the children of an edge nobody holds whole; kvctl also frees a node nobody holds."""
@@ -502,6 +626,7 @@ class RadixTree:
             node.children = None
         if not node.has_workers():
             self.nodes -= 1
+            node.freed = True
             parent = node.parent
             if parent is not None:
                 children = parent.children
@@ -520,6 +645,7 @@ class RadixTree:
             return OK_EMPTY
         self._drop_slot(slot)
         self._lookup[slot] = {}
+        self._deferred[slot] = _Deferred()
         self.hash_mismatches.pop(worker, None)
         return OK_EMPTY
 
@@ -530,9 +656,10 @@ class RadixTree:
         for w in gone:
             self.hash_mismatches.pop(w, None)
             slot = self._slots.pop(w)
-            total += len(self._lookup[slot])  # type: ignore[arg-type]
+            total += self._held(slot)
             self._drop_slot(slot)
             self._lookup[slot] = None
+            self._deferred[slot] = _Deferred()
             if slot in self._shadows:
                 self._ghosts[w] = slot
             else:
@@ -552,7 +679,7 @@ class RadixTree:
         live = [s for s, w in enumerate(self._workers) if w is not None]
         remap = {old: new for new, old in enumerate(live)}
         seen: set[int] = set()
-        stack = [self.root] + [n for s in live for n in (self._lookup[s] or {}).values()]
+        stack = [self.root] + [n for s in live for n in (self._lookup[s] or {}).values() if not n.freed]
         while stack:
             node = stack.pop()
             if id(node) in seen:
@@ -565,6 +692,7 @@ class RadixTree:
                 stack.extend(node.children.values())
         self._workers = [self._workers[s] for s in live]
         self._lookup = [self._lookup[s] for s in live]
+        self._deferred = [self._deferred[s] for s in live]
         self._slots = {w: remap[s] for w, s in self._slots.items()}
         self._ghosts = {w: remap[s] for w, s in self._ghosts.items()}
         self._shadows = {remap[s] for s in self._shadows}
