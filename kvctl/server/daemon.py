@@ -27,13 +27,17 @@ from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.gc_tuning import tune_gc
 from kvctl.server import snapshot
 from kvctl.server.api import MAX_BODY_BYTES, create_app
+from kvctl.server.budget import RECLAIM_ENTRIES
 from kvctl.server.decoder import make_decoder
+from kvctl.server.memory import trim_heap
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.streams import QUEUE_BATCHES, Streams
 
 log = logging.getLogger("kvctl.serve")
 TICK_S = 1.0
+SETTLE_LATEST_S = 10.0
+ROUTE_QUIET_S = 0.25
 KEEPALIVE_IDLE_S = 30
 """How often stale requests are force-freed and approximate-mode blocks expire."""
 
@@ -144,7 +148,8 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
         streams.start(info)
     if plane is not None:
         plane.start()
-    background = [asyncio.create_task(_tick_every(fleet, streams, TICK_S))]
+    background = [asyncio.create_task(_tick_every(fleet, streams, TICK_S)),
+                  asyncio.create_task(_reclaim_every(fleet, streams, ROUTE_QUIET_S))]
     if options.state_dir is not None:
         background.append(asyncio.create_task(_snapshot_every(fleet, options.state_dir, options.snapshot_interval_s)))
     announce(base_url(sock))
@@ -193,12 +198,40 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> None:
 
 
 async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None:
+    settled = time.monotonic()
     while True:
         await asyncio.sleep(interval_s)
         now = time.monotonic()
         fleet.tick(now)
         streams.sample(now)
-        settle_gc()
+        # Collecting what a burst allocated takes tens of milliseconds: after the burst, unless it never ends.
+        if streams.idle() or now - settled >= SETTLE_LATEST_S:
+            settle_gc()
+            settled = now
+
+
+async def _reclaim_every(fleet: Fleet, streams: Streams, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await reclaim_when_idle(fleet, streams)
+
+
+async def reclaim_when_idle(fleet: Fleet, streams: Streams) -> None:
+    """Give back the memory of freed index nodes (see `RadixTree.reclaim`) while the router is idle.
+
+    Removals leave it for later so that a burst is applied at the speed of the index, and later is
+    here: once no event waits and no route came for `ROUTE_QUIET_S`, a slice at a time, stopping as
+    soon as either comes in again; then the freed pages go back to the system. A router that is never
+    idle still keeps each lookup within twice its size (`RadixTree._tidy`).
+    """
+    if not fleet.reclaim(0):
+        return
+    while streams.idle() and time.monotonic() - fleet.last_route_at >= ROUTE_QUIET_S:
+        start = time.perf_counter()
+        if not fleet.reclaim(RECLAIM_ENTRIES):
+            trim_heap()
+            return
+        await asyncio.sleep(2 * (time.perf_counter() - start))
 
 
 async def _snapshot_every(fleet: Fleet, state_dir: Path, interval_s: float) -> None:

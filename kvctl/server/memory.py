@@ -14,7 +14,7 @@ import ctypes.util
 import time
 from collections.abc import Callable
 
-__all__ = ["BurstTrimmer"]
+__all__ = ["BurstTrimmer", "trim_heap"]
 
 
 def _malloc_trim() -> Callable[[], object] | None:
@@ -29,13 +29,23 @@ def _malloc_trim() -> Callable[[], object] | None:
     return lambda: trim(0)
 
 
+_TRIM = _malloc_trim()
+
+
+def trim_heap() -> bool:
+    """Hand the free pages of every malloc arena back to the system; False where there is no malloc_trim."""
+    if _TRIM is None:
+        return False
+    _TRIM()
+    return True
+
+
 class BurstTrimmer:
     """Call `applied(n)` as batches are applied and `idle()` when the backlog is empty: after at least
     `burst` batches since the last trim, and at most once per `every_s`, the heap is trimmed."""
 
     def __init__(self, *, burst: int = 256, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic
                  ) -> None:
-        self._trim = _malloc_trim()
         self._burst = burst
         self._every_s = every_s
         self._clock = clock
@@ -47,12 +57,11 @@ class BurstTrimmer:
         self._since += batches
 
     def idle(self) -> None:
-        if self._trim is None or self._since < self._burst:
+        if self._since < self._burst:
             return
         now = self._clock()
-        if now - self._last < self._every_s:
+        if now - self._last < self._every_s or not trim_heap():
             return
-        self._trim()
         self._since = 0
         self._last = now
         self.trims += 1

@@ -10,6 +10,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any
 
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
@@ -94,6 +95,7 @@ class Fleet:
         self.busy = BusyTracker()
         self.reported: dict[Worker, tuple[ActiveLoad, float]] = {}  # load reports from the event plane
         self.sequence_listener: SequenceListener | None = None  # told of local add / prefill / free
+        self.last_route_at = float("-inf")  # housekeeping that can wait does so while routes come in
         self.add_model(DEFAULT_MODEL)
 
     # ----- models and workers -----------------------------------------------------------------------
@@ -155,26 +157,35 @@ class Fleet:
     def apply(self, model: str, events: Iterable[RouterEvent], now: float) -> tuple[int, Counter[str]]:
         """Apply events in order; returns (applied, rejected by kind). Unknown workers become known."""
         state = self.add_model(model)
-        index = state.router.index
         applied = 0
         rejected: Counter[str] = Counter()
-        for event in events:
-            key = (event.worker_id, event.dp_rank)
-            info = self.workers.get(key)
-            if info is None:
-                info = self.register(WorkerInfo(event.worker_id, event.dp_rank, model))
-            info.last_event_at = now
-            result = index.apply(event)
-            state.applied[(_event_type(event.data), result.status.value)] += 1
-            if result.status is Status.ok:
-                applied += 1
-            else:
-                rejected[result.status.value] += 1
-                info.rejected[result.status.value] += 1
+        for worker, run in groupby(events, key=lambda e: (e.worker_id, e.dp_rank)):
+            applied += self._apply_run(state, worker, (event.data for event in run), now, rejected)
         return applied, rejected
 
     def apply_engine_batch(self, model: str, worker: Worker, events: Sequence[EventData], now: float) -> None:
-        self.apply(model, (RouterEvent(worker[0], data, worker[1]) for data in events), now)
+        if events:  # an empty batch (the writer's marker) makes no worker known
+            self._apply_run(self.add_model(model), worker, events, now, None)
+
+    def _apply_run(self, state: ModelState, worker: Worker, events: Iterable[EventData], now: float,
+                   rejected: Counter[str] | None) -> int:
+        """Apply one worker's events in order; returns how many applied, adds the others to `rejected`."""
+        info = self.workers.get(worker)
+        if info is None:
+            info = self.register(WorkerInfo(worker[0], worker[1], state.name))
+        info.last_event_at = now
+        index, counts = state.router.index, state.applied
+        applied = 0
+        for data in events:
+            status = index.apply_data(worker, data).status
+            counts[(_event_type(data), status.value)] += 1
+            if status is Status.ok:
+                applied += 1
+            else:
+                info.rejected[status.value] += 1
+                if rejected is not None:
+                    rejected[status.value] += 1
+        return applied
 
     # ----- routing ------------------------------------------------------------------------------------
 
@@ -205,6 +216,7 @@ class Fleet:
             check_admission(model, ranks, self.thresholds.get(model))
             busy = {w: r.busy for w, r in ranks.items()}
         decision = state.router.route(self.candidates(model), busy=busy, now=now, **request)
+        self.last_route_at = now
         if (chosen := self.workers.get(decision.worker)) is not None:
             chosen.routes += 1
         if request.get("reserve") and self.sequence_listener is not None:
@@ -248,6 +260,14 @@ class Fleet:
         else:  # no hint: the peer's overlap is unknown here, so the whole prompt is counted
             prefill = len(blocks) * state.block_size
         return sequences.add(event.request_id, (event.worker_id, event.dp_rank), blocks, prefill, now)
+
+    def reclaim(self, budget: int, model: str | None = None) -> bool:
+        """Memory of freed index nodes given back (`RadixTree.reclaim`), one model or all; True while more is left."""
+        states = self.models.values() if model is None else [self.model(model)]
+        more = False
+        for state in states:
+            more = state.router.index.reclaim(budget) or more
+        return more
 
     def tick(self, now: float) -> None:
         """Time-driven housekeeping of every model: stale requests, approximate-mode expiry."""

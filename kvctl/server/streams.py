@@ -184,6 +184,10 @@ class Streams:
             with contextlib.suppress(asyncio.CancelledError):
                 await writer.task
 
+    def idle(self) -> bool:
+        """Nothing received is waiting to be decoded or applied."""
+        return not self.decoder.in_flight and all(w.queue.empty() for w in self.writers.values())
+
     def queues(self) -> list[dict[str, Any]]:
         return [w.status() for _, w in sorted(self.writers.items())]
 
