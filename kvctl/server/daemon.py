@@ -222,7 +222,7 @@ async def reclaim_when_idle(fleet: Fleet, streams: Streams) -> None:
     Removals leave it for later so that a burst is applied at the speed of the index, and later is
     here: once no event waits and no route came for `ROUTE_QUIET_S`, a slice at a time, stopping as
     soon as either comes in again; then the freed pages go back to the system. A router that is never
-    idle still keeps each lookup within twice its size (`RadixTree._tidy`).
+    idle still keeps each lookup within 1.25x its size (`RadixTree._tidy`).
     """
     if not fleet.reclaim(0):
         return

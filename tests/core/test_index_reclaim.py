@@ -2,7 +2,7 @@
 
 The sizes a router reports must be exact at every moment, whatever is still waiting; the waiting work
 must be found and done by `reclaim` in slices of the size asked; and a router that never goes idle
-must still keep its lookups within twice their size.
+must still keep its lookups within a quarter more than their size.
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ def test_a_worker_that_lets_go_of_everything_hands_its_whole_lookup_over() -> No
 
 
 @pytest.mark.parametrize("slack", [0, 1024])
-def test_a_lookup_that_is_never_reclaimed_stays_within_twice_its_size(monkeypatch: pytest.MonkeyPatch,
+def test_a_lookup_that_is_never_reclaimed_grows_by_a_quarter_at_most(monkeypatch: pytest.MonkeyPatch,
                                                                         slack: int) -> None:
     """Steady churn (a request in, the oldest out) with no idle moment: dead entries are popped by
-    `remove` itself once the lookup has doubled, and the sizes stay exact throughout."""
+    `remove` itself once the lookup has grown by a quarter, and the sizes stay exact throughout."""
     monkeypatch.setattr(radix, "_DEAD_SLACK", slack)
     tree = RadixTree()
     live = [request(tree, W, n) for n in range(30)]
@@ -80,5 +80,5 @@ def test_a_lookup_that_is_never_reclaimed_stays_within_twice_its_size(monkeypatc
         largest = max(largest, len(tree._lookup[tree._slots[W]]))
         assert tree.size(W) == 30 * 64
     consistent(tree)
-    assert largest <= 2 * base + slack + 2 * 64
+    assert largest <= base + base // 4 + slack + 2 * 64
     assert tree.debt > 0  # churn alone never pays all of it: that is left to reclaim

@@ -31,8 +31,12 @@ from operator import is_
 Worker = tuple[int, int]  # (worker_id, dp_rank)
 
 _DEAD_SLACK = 1024
-"""Entries a worker's lookup may grow by, beyond twice its size when it started keeping dead ones, before
-`remove` pops dead ones itself instead of leaving them to `reclaim`."""
+"""Entries a worker's lookup may grow by, beyond a quarter more than its size when it started keeping
+dead ones, before `remove` pops dead ones itself instead of leaving them to `reclaim`."""
+
+# What a freed node keeps of its index and local hashes once they are let go (never written to).
+_RELEASED_INDEX: dict[int, int] = {}
+_RELEASED_LOCALS = array("Q")
 
 # Bit positions of every byte value: turns a bitmask into slot numbers without a per-bit Python loop.
 _BYTE_BITS: tuple[tuple[int, ...], ...] = tuple(tuple(b for b in range(8) if v >> b & 1) for v in range(256))
@@ -467,7 +471,7 @@ class RadixTree:
         those entries are left in place, pointing at the freed node: every reader takes such an entry
         for no entry, and `_deferred` counts them. `reclaim` pops them later, when the server is idle; a
         worker that lets go of everything hands its whole lookup over at once; and a lookup that keeps
-        growing meanwhile pops them here once it is twice its size. The count is exact only where the
+        growing meanwhile pops them here once it is a quarter larger. The count is exact only where the
         lookup names each block of the edge exactly once (no shadow, no hash mismatch, no hash twice in
         the edge), so elsewhere entries are popped one by one as before.
         """
@@ -550,13 +554,18 @@ class RadixTree:
                     deferred.base = len(lookup) + 1
                 deferred.nodes.append(node)
                 deferred.dead += cut - 1  # edge[:cut] but h, which is popped
-            else:
-                popped = set(map(lookup.pop, stale, repeat(None)))
-                popped.difference_update((None, node))
-                # A stale hash that the worker also stored elsewhere (another node, or earlier in this
-                # edge: the edge index then has fewer entries than the edge) loses that binding too.
-                if popped or (pos and not unique):
-                    self._shadow(slot)
+                self._after_loss(node)
+                if not shadows:
+                    # Nothing will read its index or local hashes again (a shadow slot's stale entry
+                    # might): only its engine hashes are kept, for `_release` to find its entries.
+                    node.index, node.locals = _RELEASED_INDEX, _RELEASED_LOCALS
+                continue
+            popped = set(map(lookup.pop, stale, repeat(None)))
+            popped.difference_update((None, node))
+            # A stale hash that the worker also stored elsewhere (another node, or earlier in this
+            # edge: the edge index then has fewer entries than the edge) loses that binding too.
+            if popped or (pos and not unique):
+                self._shadow(slot)
             self._after_loss(node)
         self._tidy(slot)
         if missing:
@@ -564,7 +573,7 @@ class RadixTree:
         return ApplyResult(Status.ok, removed)
 
     def _tidy(self, slot: int) -> None:
-        """Hand an emptied lookup to `reclaim`; keep a churning one within twice its size (amortised)."""
+        """Hand an emptied lookup to `reclaim`; keep a churning one within 1.25x its size (amortised)."""
         lookup = self._lookup[slot]
         assert lookup is not None
         deferred = self._deferred[slot]
@@ -575,7 +584,7 @@ class RadixTree:
             self._deferred[slot] = _Deferred()
             return
         nodes = deferred.nodes
-        while nodes and len(lookup) > 2 * deferred.base + _DEAD_SLACK:
+        while nodes and len(lookup) > deferred.base + (deferred.base >> 2) + _DEAD_SLACK:
             self._release(slot, nodes.pop())
 
     def _release(self, slot: int, node: Node) -> int:
