@@ -610,7 +610,7 @@ class RadixTree:
         """Give back about `budget` entries of freed nodes' memory; True while there is more.
 
         `remove` leaves this work for later, so a burst of removals is applied at the speed of the index
-        rather than of the allocator; a server calls this when its event queues are empty.
+        rather than of the allocator; a server calls this while idle, a slice at a time.
         """
         garbage = self._garbage
         while budget > 0 and garbage:
