@@ -36,10 +36,12 @@ from kvctl.server.streams import QUEUE_BATCHES, Streams
 
 log = logging.getLogger("kvctl.serve")
 TICK_S = 1.0
-SETTLE_LATEST_S = 10.0
-ROUTE_QUIET_S = 0.25
-KEEPALIVE_IDLE_S = 30
 """How often stale requests are force-freed and approximate-mode blocks expire."""
+SETTLE_LATEST_S = 10.0
+"""The longest a busy router goes without settling the GC (see `settle_gc`), which an idle one does each tick."""
+ROUTE_QUIET_S = 0.25
+"""How long without a route before freed index memory is given back (see `reclaim_when_idle`)."""
+KEEPALIVE_IDLE_S = 30
 
 
 class _Server(uvicorn.Server):
