@@ -344,9 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tree-size", type=int, default=50_000, help="approximate phase: the cap (pairs)")
     ap.add_argument("--router-ttl", type=float, default=120.0, help="approximate phase: block TTL (s)")
     ap.add_argument("--window", type=float, default=10.0, help="seconds per sample (default 10)")
-    ap.add_argument("--route-clients", type=int, default=4,
-                    help="processes sharing the route rate, one keep-alive connection each (default 4: with 2, a "
-                         "2-core host beside 50k events/s dipped under 1,000 routes/s in some windows)")
+    ap.add_argument("--route-clients", type=int, default=2,
+                    help="processes sharing the route rate, one keep-alive connection each (default 2)")
     ap.add_argument("--phases", default="events,approximate")
     a = ap.parse_args(argv)
     if round(a.duration / a.window) < 3:

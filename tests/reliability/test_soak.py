@@ -20,7 +20,7 @@ SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 def test_a_minute_of_churn_and_routing_keeps_memory_nodes_latency_and_every_event() -> None:
     args = ["--duration", "30", "--window", "5", "--events-per-s", "5000", "--routes-per-s", "100",
-            "--engines", "8", "--slots", "1000", "--max-tree-size", "20000", "--route-clients", "2"]
+            "--engines", "8", "--slots", "1000", "--max-tree-size", "20000"]
     run = subprocess.run([sys.executable, str(SOAK), *args], cwd=SOAK.parent, capture_output=True, text=True,
                          timeout=150)
     lines = run.stdout.strip().splitlines()
