@@ -226,7 +226,7 @@ async def reclaim_when_idle(fleet: Fleet, streams: Streams) -> None:
     soon as either comes in again; then the freed pages go back to the system. A router that is never
     idle still keeps each lookup within 1.25x its size (`RadixTree._tidy`).
     """
-    if not fleet.reclaim(0):
+    if not fleet.reclaim_debt():
         return
     while streams.idle() and time.monotonic() - fleet.last_route_at >= ROUTE_QUIET_S:
         start = time.perf_counter()

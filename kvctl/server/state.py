@@ -261,11 +261,14 @@ class Fleet:
             prefill = len(blocks) * state.block_size
         return sequences.add(event.request_id, (event.worker_id, event.dp_rank), blocks, prefill, now)
 
-    def reclaim(self, budget: int, model: str | None = None) -> bool:
-        """Memory of freed index nodes given back (`RadixTree.reclaim`), one model or all; True while more is left."""
-        states = self.models.values() if model is None else [self.model(model)]
+    def reclaim_debt(self) -> int:
+        """Freed index lookup entries not given back yet, every model (`RadixTree.debt`)."""
+        return sum(state.router.index.debt for state in self.models.values())
+
+    def reclaim(self, budget: int) -> bool:
+        """Memory of freed index nodes given back (`RadixTree.reclaim`), every model; True while more is left."""
         more = False
-        for state in states:
+        for state in self.models.values():
             more = state.router.index.reclaim(budget) or more
         return more
 

@@ -10,22 +10,21 @@ fall back to popping).
 
 from __future__ import annotations
 
-from kvctl.core.index import KvIndex
+from kvctl.core.index import RadixTree
 
 
-def assert_lookups_consistent(index: KvIndex) -> None:
-    for tree in index.trees.values():
-        for slot, lookup in enumerate(tree._lookup):
-            deferred = tree._deferred[slot]
-            if lookup is None or slot in tree._shadows:
-                assert (deferred.dead, deferred.nodes) == (0, []), slot
-                continue
-            freed = [node for node in lookup.values() if node.freed]
-            assert deferred.dead == len(freed), (slot, deferred.dead, len(freed))
-            assert {id(node) for node in freed} <= {id(node) for node in deferred.nodes}, slot  # reclaim finds them
-            if tree.worker_of(slot) in tree.hash_mismatches:
-                continue
-            for h, node in lookup.items():
-                if not node.freed and len(node.index) == len(node.hashes):
-                    pos = node.index.get(h)
-                    assert pos is not None and node.covers(slot, pos), (slot, h)
+def assert_lookups_consistent(tree: RadixTree) -> None:
+    for slot, lookup in enumerate(tree._lookup):
+        deferred = tree._deferred[slot]
+        if lookup is None or slot in tree._shadows:
+            assert (deferred.dead, deferred.nodes) == (0, []), slot
+            continue
+        freed = [node for node in lookup.values() if node.freed]
+        assert deferred.dead == len(freed), (slot, deferred.dead, len(freed))
+        assert {id(node) for node in freed} <= {id(node) for node in deferred.nodes}, slot  # reclaim finds them
+        if tree.worker_of(slot) in tree.hash_mismatches:
+            continue
+        for h, node in lookup.items():
+            if not node.freed and len(node.index) == len(node.hashes):
+                pos = node.index.get(h)
+                assert pos is not None and node.covers(slot, pos), (slot, h)

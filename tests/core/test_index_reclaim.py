@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvctl.core.events import Tier
-from kvctl.core.index import KvIndex, RadixTree, Status, radix
+from kvctl.core.index import RadixTree, Status, radix
 from tests.core.index_checks import assert_lookups_consistent
 
 W = (1, 0)
@@ -24,12 +23,6 @@ def request(tree: RadixTree, worker: tuple[int, int], n: int, blocks: int = 64) 
     return hashes[::-1]
 
 
-def consistent(tree: RadixTree) -> None:
-    index = KvIndex()
-    index.trees[Tier.device] = tree
-    assert_lookups_consistent(index)
-
-
 def test_removed_requests_leave_entries_that_reclaim_gives_back_in_slices() -> None:
     tree = RadixTree()
     evictions = [request(tree, W, n) for n in range(50)]
@@ -37,11 +30,11 @@ def test_removed_requests_leave_entries_that_reclaim_gives_back_in_slices() -> N
         assert tree.remove(W, hashes).status is Status.ok
     assert (tree.size(W), tree.blocks, tree.nodes) == (10 * 64, 10 * 64, 10)
     assert tree.debt == 40 * 63  # each request's first hash is popped by the removal itself
-    consistent(tree)
+    assert_lookups_consistent(tree)
     slices = 0
     while tree.reclaim(128):
         slices += 1
-        consistent(tree)
+        assert_lookups_consistent(tree)
         assert tree.size(W) == 10 * 64
     assert slices == 40 * 64 // 128 - 1
     assert tree.debt == 0
@@ -79,6 +72,6 @@ def test_a_lookup_that_is_never_reclaimed_grows_by_a_quarter_at_most(monkeypatch
         assert tree.remove(W, live.pop(0)).status is Status.ok
         largest = max(largest, len(tree._lookup[tree._slots[W]]))
         assert tree.size(W) == 30 * 64
-    consistent(tree)
+    assert_lookups_consistent(tree)
     assert largest <= base + base // 4 + slack + 2 * 64
     assert tree.debt > 0  # churn alone never pays all of it: that is left to reclaim

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvctl.core.events import Removed, RouterEvent, Stored, Tier
+from kvctl.core.events import Removed, RouterEvent, Stored
 from kvctl.server import daemon
 from kvctl.server.state import Fleet
 from kvctl.server.streams import Streams
@@ -24,16 +24,12 @@ def churned_fleet() -> Fleet:
     return fleet
 
 
-def debt(fleet: Fleet) -> int:
-    return fleet.model("default").router.index.trees[Tier.device].debt
-
-
 async def test_freed_memory_is_given_back_when_nothing_waits() -> None:
     fleet = churned_fleet()
     streams = Streams(fleet)
-    assert debt(fleet) == 30 * 63
+    assert fleet.reclaim_debt() == 30 * 63
     await daemon.reclaim_when_idle(fleet, streams)
-    assert debt(fleet) == 0
+    assert fleet.reclaim_debt() == 0
     assert fleet.stats("default")["models"]["default"]["blocks"] == 10 * 64
 
 
@@ -44,7 +40,7 @@ async def test_nothing_is_reclaimed_while_events_wait() -> None:
     writer.task.cancel()  # a writer that has not got to its queue yet
     writer.put((1, 0), [Stored(None, [7], [7])])
     await daemon.reclaim_when_idle(fleet, streams)
-    assert debt(fleet) == 30 * 63
+    assert fleet.reclaim_debt() == 30 * 63
     await asyncio.gather(writer.task, return_exceptions=True)
 
 
@@ -52,7 +48,7 @@ async def test_nothing_is_reclaimed_while_routes_come_in() -> None:
     fleet = churned_fleet()
     fleet.route("default", now=time.monotonic(), token_ids=list(range(64)))
     await daemon.reclaim_when_idle(fleet, Streams(fleet))
-    assert debt(fleet) == 30 * 63
+    assert fleet.reclaim_debt() == 30 * 63
     fleet.last_route_at -= daemon.ROUTE_QUIET_S
     await daemon.reclaim_when_idle(fleet, Streams(fleet))
-    assert debt(fleet) == 0
+    assert fleet.reclaim_debt() == 0

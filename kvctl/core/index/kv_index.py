@@ -99,6 +99,11 @@ class KvIndex:
                 total[worker] = total.get(worker, 0) + n
         return total
 
+    @property
+    def debt(self) -> int:
+        """Freed lookup entries not given back yet, every tier (`RadixTree.debt`)."""
+        return sum(tree.debt for tree in self.trees.values())
+
     def reclaim(self, budget: int) -> bool:
         """Give back up to `budget` freed lookup entries per tier (`RadixTree.reclaim`); True while more is left."""
         more = False

@@ -251,9 +251,11 @@ class RadixTree:
                 break
         if active:
             slot_scores.update(dict.fromkeys(iter_bits(active), depth))
-        workers, held = self._workers, self._held
+        workers, lookup, deferred = self._workers, self._lookup, self._deferred
         result.scores = {workers[s]: score for s, score in slot_scores.items()}  # type: ignore[misc]
-        result.tree_sizes = {workers[s]: held(s) for s in slot_scores}  # type: ignore[misc]
+        # `_held`, inlined: a route asks it of every matched worker
+        result.tree_sizes = {workers[s]: len(lookup[s] or ()) - deferred[s].dead  # type: ignore[misc]
+                             for s in slot_scores}
         return result
 
     # ----- mutation ------------------------------------------------------------------------------------
