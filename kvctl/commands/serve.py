@@ -157,9 +157,9 @@ def serve_command(
         help="Decoded batches a model's writer may hold; beyond, batches are dropped and counted.")] = 10_000,
     decoder: Annotated[str, typer.Option(
         "--decoder", envvar="KVCTL_DECODER",
-        help="Where engine payloads are decoded: inline (the router's own loop), process (a child beside the "
-             "router: ingest on two cores, the route loop freed of decoding) or auto (process when this "
-             "process may use two cores or more).")
+        help="Where engine messages are received and decoded: inline (the router's own loop), process (a "
+             "child beside the router: ingest on two cores, the route loop freed of most of it) or auto "
+             "(process when this process may use two cores or more).")
     ] = "auto",
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", envvar="KVCTL_MAX_BODY_BYTES", min=1,

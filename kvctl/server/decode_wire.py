@@ -1,20 +1,30 @@
 """The pipe protocol between the router and its decode process (`kvctl.server.decoder`).
 
 Decoding an engine batch (msgpack, then one XXH3 per block of token ids) costs about twice what
-applying it to the index does, so a router with a spare core decodes in a child process. What
-crosses the pipe must be much cheaper to read than the payload it replaces: requests are the raw
-payloads, answers are the decoded events as flat msgpack arrays of ints (no maps, no names).
+applying it to the index does, and receiving it from ZMQ about half, so a router with a spare core
+has a child process receive and decode. What crosses the pipe must be much cheaper to read than
+the payload it replaces: answers are the decoded events as flat msgpack arrays of ints (no maps,
+no names), many of them per read.
 
-Request:  u32 LE payload length, u32 LE block size, payload.
-Answer:   u32 LE body length, body = msgpack `[ts, dp_rank, events, error kinds]` for a batch, or
-          `[kind]` when the whole payload failed; events are `[0, parent, hashes, locals, tier]`
-          (stored), `[1, hashes, tier]` (removed) or `[2]` (cleared).
-Answers come back one per request, in request order.
+Requests (router -> child): u32 LE payload length, u32 LE block size, payload.
+  - block size > 0: decode this payload (a replayed batch) and answer it;
+  - block size 0 (`CONTROL`): the payload is a msgpack command, answered by nothing:
+    `["open", key, endpoint, topic, rcvhwm, block size]` subscribes to an engine's PUB and sends
+    every live message received there; `["close", key]` unsubscribes.
+Answers (child -> router): u32 LE body length, u8 origin, body.
+  - origin 0 (`REQUEST`): the answer to the oldest unanswered decode request: msgpack
+    `[ts, dp_rank, events, error kinds]` for a batch, or `[kind]` when the whole payload failed;
+    events are `[0, parent, hashes, locals, tier]` (stored), `[1, hashes, tier]` (removed) or `[2]`
+    (cleared). Requests are answered one each, in request order.
+  - origin 1 (`LIVE`): a message received on stream `key`: msgpack `[key, seq, sample, answer]`,
+    `seq` nil when the frames carry none (then `answer` is `[kind]`), `sample` the raw payload when
+    the stream's schema samples this message (`kvctl.server.schema_seen.sampled`), else nil.
 """
 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -29,15 +39,40 @@ from kvctl.core.events import (
     Stored,
     Tier,
     decode_engine_batch,
+    decode_topic,
+    live_seq,
 )
 
 HEADER = struct.Struct("<II")
-LENGTH = struct.Struct("<I")
+ANSWER = struct.Struct("<IB")
+CONTROL = 0
+REQUEST, LIVE = 0, 1
 
 _TIERS = {t.value: t for t in Tier}
 _ENCODE = msgspec.msgpack.Encoder().encode
 _DECODE = msgspec.msgpack.Decoder().decode
 _CLEARED = Cleared()
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """A live message the child received on stream `key`, decoded (see the module docstring)."""
+
+    key: int
+    seq: int | None
+    sample: bytes | None
+    result: EngineBatch | ErrorKind
+
+
+def control(command: list[Any]) -> bytes:
+    """A command request (`open` / `close`)."""
+    body = _ENCODE(command)
+    return HEADER.pack(len(body), CONTROL) + body
+
+
+def read_control(payload: bytes) -> list[Any]:
+    command: list[Any] = _DECODE(payload)
+    return command
 
 
 def split_requests(buf: bytearray) -> list[tuple[bytes, int]]:
@@ -57,15 +92,33 @@ def split_requests(buf: bytearray) -> list[tuple[bytes, int]]:
 
 
 def answer(payload: bytes, block_size: int) -> bytes:
-    """Decode one payload and encode what the router needs of it (the child's whole job)."""
+    """Decode one requested payload and encode what the router needs of it."""
+    body = _ENCODE(_decoded(payload, block_size))
+    return ANSWER.pack(len(body), REQUEST) + body
+
+
+def live_answer(key: int, frames: list[bytes], block_size: int, sample: bool) -> bytes:
+    """Decode one live `[topic, seq, payload]` message of stream `key` the way the router would."""
+    seq = live_seq(frames)
+    if seq is None:
+        inner: list[Any] = [ErrorKind.bad_batch.value]
+    else:
+        try:
+            decode_topic(frames[0])
+        except DecodeError as exc:
+            inner = [exc.kind.value]
+        else:
+            inner = _decoded(frames[2], block_size)
+    body = _ENCODE([key, seq, frames[2] if sample and seq is not None else None, inner])
+    return ANSWER.pack(len(body), LIVE) + body
+
+
+def _decoded(payload: bytes, block_size: int) -> list[Any]:
     try:
         batch = decode_engine_batch(payload, default_block_size=block_size)
     except DecodeError as exc:
-        body = _ENCODE([exc.kind.value])
-    else:
-        body = _ENCODE([batch.ts, batch.dp_rank, [_event(e) for e in batch.events],
-                        [e.kind.value for e in batch.errors]])
-    return LENGTH.pack(len(body)) + body
+        return [exc.kind.value]
+    return [batch.ts, batch.dp_rank, [_event(e) for e in batch.events], [e.kind.value for e in batch.errors]]
 
 
 def _event(event: EventData) -> list[Any]:
@@ -76,18 +129,24 @@ def _event(event: EventData) -> list[Any]:
     return [2]
 
 
-def split_answers(buf: bytearray) -> list[EngineBatch | ErrorKind]:
-    """Complete answers at the head of `buf`; consumed bytes are removed."""
-    out = []
+def split_answers(buf: bytearray) -> list[EngineBatch | ErrorKind | Live]:
+    """Complete answers at the head of `buf`, in order; consumed bytes are removed."""
+    out: list[EngineBatch | ErrorKind | Live] = []
     at = 0
     size = len(buf)
     with memoryview(buf) as view:
-        while size - at >= LENGTH.size:
-            (length,) = LENGTH.unpack_from(buf, at)
-            end = at + LENGTH.size + length
+        while size - at >= ANSWER.size:
+            length, origin = ANSWER.unpack_from(buf, at)
+            start = at + ANSWER.size
+            end = start + length
             if end > size:
                 break
-            out.append(read_answer(_DECODE(view[at + LENGTH.size:end])))
+            body = _DECODE(view[start:end])
+            if origin == LIVE:
+                key, seq, sample, inner = body
+                out.append(Live(key, seq, sample, read_answer(inner)))
+            else:
+                out.append(read_answer(body))
             at = end
     del buf[:at]
     return out

@@ -1,8 +1,15 @@
-"""The router's decode process: engine payloads in on stdin, decoded batches out on stdout, in order.
+"""The router's decode process: requests in on stdin, answers out on stdout (`kvctl.server.decode_wire`).
 
 Started by `kvctl.server.decoder.ProcessDecoder` as `python -m kvctl.server.decode_worker`; it ends
-when its stdin closes. Everything it reads is answered: a payload that does not decode is answered
-with its error kind, so the router counts it exactly as it would have in-process.
+when its stdin closes. It decodes the payloads the router sends (replayed batches), and receives and
+decodes the live messages of the engine streams the router hands it, one SUB socket each. Everything
+it reads is answered: a message that does not decode is answered with its error kind, so the router
+counts it exactly as it would have in-process. It keeps no state beyond its sockets: sequencing,
+replays and counters stay in the router.
+
+When the router falls behind, it stops reading stdout; this process then blocks on its write and stops
+reading its sockets, and a burst waits in ZMQ exactly as it would in the router's own sockets. Once a
+burst is over, the memory it went through goes back to the system (`BurstTrimmer`), as in the router.
 """
 
 from __future__ import annotations
@@ -10,24 +17,108 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from dataclasses import dataclass
+
+import zmq
 
 from kvctl.gc_tuning import tune_gc
-from kvctl.server.decode_wire import answer, split_requests
+from kvctl.server.decode_wire import CONTROL, answer, live_answer, read_control, split_requests
+from kvctl.server.memory import BurstTrimmer
+from kvctl.server.schema_seen import sampled
 
 _READ = 1 << 20
+_BURST = 64
+"""Live messages taken from one socket before the others get a turn."""
+_IDLE_MS = 50
+"""After a burst, this long with nothing to read is the end of it."""
+
+
+@dataclass(slots=True)
+class _Sub:
+    key: int
+    block_size: int
+    messages: int = 0
+
+
+class _Receiver:
+    def __init__(self, fd_in: int) -> None:
+        self.fd_in = fd_in
+        self.context = zmq.Context()
+        self.poller = zmq.Poller()
+        self.poller.register(fd_in, zmq.POLLIN)
+        self.subs: dict[zmq.Socket[bytes], _Sub] = {}
+        self.by_key: dict[int, zmq.Socket[bytes]] = {}
+
+    def command(self, command: list[object]) -> None:
+        verb, key = command[0], command[1]
+        assert isinstance(key, int)
+        if verb == "open":
+            _, _, endpoint, topic, rcvhwm, block_size = command
+            assert isinstance(endpoint, str) and isinstance(topic, str)
+            assert isinstance(rcvhwm, int) and isinstance(block_size, int)
+            sub = self.context.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, rcvhwm)
+            sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+            sub.connect(endpoint)
+            self.subs[sub] = _Sub(key, block_size)
+            self.by_key[key] = sub
+            self.poller.register(sub, zmq.POLLIN)
+        elif verb == "close":
+            sub = self.by_key.pop(key, None)
+            if sub is not None:
+                del self.subs[sub]
+                self.poller.unregister(sub)
+                sub.close(linger=0)
+
+    def receive(self, sock: zmq.Socket[bytes], out: list[bytes]) -> None:
+        stream = self.subs.get(sock)
+        if stream is None:  # closed by a command earlier in this round
+            return
+        for _ in range(_BURST):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            stream.messages += 1
+            out.append(live_answer(stream.key, frames, stream.block_size, sampled(stream.messages)))
+
+    def close(self) -> None:
+        for sock in self.subs:
+            sock.close(linger=0)
+        self.context.term()
 
 
 def serve(fd_in: int, fd_out: int) -> None:
+    receiver = _Receiver(fd_in)
+    trimmer = BurstTrimmer()
     pending = bytearray()
-    while True:
-        chunk = os.read(fd_in, _READ)
-        if not chunk:
-            return
-        pending += chunk
-        out = b"".join([answer(payload, block_size) for payload, block_size in split_requests(pending)])
-        view = memoryview(out)
-        while view:
-            view = view[os.write(fd_out, view):]
+    try:
+        while True:
+            ready = receiver.poller.poll(_IDLE_MS if trimmer.due else None)
+            if not ready:
+                trimmer.idle()
+                continue
+            out: list[bytes] = []
+            for item, _ in ready:
+                if item == fd_in:
+                    chunk = os.read(fd_in, _READ)
+                    if not chunk:
+                        return
+                    pending += chunk
+                    for payload, block_size in split_requests(pending):
+                        if block_size == CONTROL:
+                            receiver.command(read_control(payload))
+                        else:
+                            out.append(answer(payload, block_size))
+                else:
+                    receiver.receive(item, out)
+            trimmer.applied(len(out))
+            view = memoryview(b"".join(out))
+            while view:
+                view = view[os.write(fd_out, view):]
+    finally:
+        receiver.close()
 
 
 def main() -> None:

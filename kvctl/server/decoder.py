@@ -1,12 +1,15 @@
-"""Where engine payloads are decoded: in the router's own loop, or in a child process beside it.
+"""Where engine payloads are received and decoded: in the router's own loop, or in a child process beside it.
 
-Decoding a batch costs about twice what applying it does (msgpack, then one XXH3 per block of token
-ids), and the router is one Python thread. With a spare core, `ProcessDecoder` hands the payloads
-to `python -m kvctl.server.decode_worker` and gets the decoded batches back in the same order, so
-ingest runs on two cores, and the loop that answers routes is freed of most of the ingest work.
-Everything else (seq tracking, replays, counters, the index) stays in
-the router; the child holds no state, and if it dies the router logs it and decodes in-process
-from then on, starting with the payloads the child had not answered: nothing is lost.
+Receiving a batch from ZMQ and decoding it (msgpack, then one XXH3 per block of token ids) costs about
+three times what applying it does, and the router is one Python thread. With a spare core,
+`ProcessDecoder` runs `python -m kvctl.server.decode_worker`, which subscribes to the engines the
+streams hand it (`receive`) and sends their messages back decoded, many per read, and decodes the
+payloads the router submits (replayed batches) in the same order they were submitted. Ingest runs on
+two cores, and the loop that answers routes is freed of most of the ingest work. Everything else
+(seq tracking, replays, counters, the index) stays in the router; the child holds no state but its
+sockets. If it dies, the router logs it and works alone from then on: it decodes the payloads the
+child had not answered, in order, and each stream the child received for opens its own socket; what
+the child had received and not sent is a gap the stream replays like any other (or counts as lost).
 
 Both decoders keep submission order across everything submitted, streams included, and `then()`
 runs a callback once everything submitted before it has been delivered: an engine restart clears
@@ -24,19 +27,24 @@ import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from kvctl.core.events import DecodeError, EngineBatch, ErrorKind, decode_engine_batch
-from kvctl.server.decode_wire import HEADER, split_answers
+from kvctl.server.decode_wire import HEADER, Live, control, split_answers
 
-__all__ = ["Backpressure", "Decoded", "Decoder", "DECODER_MODES", "InlineDecoder", "ProcessDecoder", "make_decoder",
-           "usable_cpus"]
+__all__ = ["Backpressure", "Decoded", "Decoder", "DECODER_MODES", "InlineDecoder", "OnLive", "ProcessDecoder",
+           "Subscription", "make_decoder", "usable_cpus"]
 
 log = logging.getLogger("kvctl.serve")
 
 Decoded = Callable[[EngineBatch | ErrorKind], None]
 """Receives a decoded batch, or the kind of error that made the whole payload unusable."""
+
+OnLive = Callable[[int | None, EngineBatch | ErrorKind, bytes | None], None]
+"""Receives a live message decoded by the decode process: its seq (None: the frames had none), the
+batch or error kind, and its raw payload when the stream's schema samples it."""
 
 MAX_PENDING = 4096
 """Payloads the child may be behind by before sources stop reading their sockets (ZMQ then buffers)."""
@@ -57,9 +65,27 @@ class Backpressure(Protocol):
     async def room(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """What a stream asks the decode process to receive for it (see `Decoder.receive`).
+
+    `on_lost` is called when the decode process is gone and the stream must read its own socket;
+    `hold` is where the stream's batches go, which answers wait on while it is full."""
+
+    endpoint: str
+    topic: str
+    rcvhwm: int
+    block_size: int
+    on_live: OnLive
+    on_lost: Callable[[], None]
+    hold: Backpressure
+
+
 class Decoder(Backpressure, Protocol):
     in_flight: int  # submitted, not yet delivered
 
+    def receive(self, subscription: Subscription) -> int | None: ...
+    def stop_receiving(self, key: int) -> None: ...
     def submit(self, payload: bytes, block_size: int, done: Decoded) -> None: ...
     def then(self, callback: Callable[[], None]) -> None: ...
     async def drained(self) -> None: ...
@@ -79,6 +105,12 @@ class InlineDecoder:
 
     full = False
     in_flight = 0
+
+    def receive(self, subscription: Subscription) -> int | None:
+        return None  # the stream reads its own socket
+
+    def stop_receiving(self, key: int) -> None:
+        return
 
     def submit(self, payload: bytes, block_size: int, done: Decoded) -> None:
         done(decode_now(payload, block_size))
@@ -120,6 +152,7 @@ class ProcessDecoder:
         self.in_flight = 0
         self._outbox = bytearray()
         self._inbox = bytearray()
+        self._answers: deque[EngineBatch | ErrorKind | Live] = deque()  # read, not yet delivered
         self._flush_soon = False
         self._waiting_to_write = False
         self._room = asyncio.Event()
@@ -128,12 +161,38 @@ class ProcessDecoder:
         self._idle.set()
         self._decoded = 0
         self._failure: str | None = None  # why the child is gone; decoding is in-process since
+        self._subscriptions: dict[int, Subscription] = {}
+        self._holds: list[Backpressure] = []  # the distinct holds of the subscriptions
+        self._next_key = 0
+        self._resuming: asyncio.Task[None] | None = None  # while answers wait for a hold to have room
 
     # -- the Decoder protocol ------------------------------------------------------------------
 
     @property
     def full(self) -> bool:
         return self.in_flight >= self._max_pending
+
+    def receive(self, subscription: Subscription) -> int | None:
+        """Have the child subscribe for a stream; returns the key of its answers, None when the child is gone."""
+        if self._failure is not None:
+            return None
+        self._next_key += 1
+        key = self._next_key
+        self._subscriptions[key] = subscription
+        self._holds = list({id(s.hold): s.hold for s in self._subscriptions.values()}.values())
+        self._outbox += control(["open", key, subscription.endpoint, subscription.topic, subscription.rcvhwm,
+                                 subscription.block_size])
+        self._send_soon()
+        return key
+
+    def stop_receiving(self, key: int) -> None:
+        """Unsubscribe; answers of `key` still on their way are dropped."""
+        if self._subscriptions.pop(key, None) is None:
+            return
+        self._holds = list({id(s.hold): s.hold for s in self._subscriptions.values()}.values())
+        if self._failure is None:
+            self._outbox += control(["close", key])
+            self._send_soon()
 
     def submit(self, payload: bytes, block_size: int, done: Decoded) -> None:
         if self._failure is not None:
@@ -147,13 +206,7 @@ class ProcessDecoder:
         outbox = self._outbox
         outbox += HEADER.pack(len(payload), block_size)
         outbox += payload
-        if self._waiting_to_write:
-            return
-        if len(outbox) >= _FLUSH_BYTES:
-            self._flush()
-        elif not self._flush_soon:
-            self._flush_soon = True
-            self._loop.call_later(_FLUSH_S, self._flush)
+        self._send_soon()
 
     def then(self, callback: Callable[[], None]) -> None:
         if self._pending:
@@ -176,9 +229,18 @@ class ProcessDecoder:
     def status(self) -> dict[str, Any]:
         proc = self._proc
         return {"mode": "process", "pid": None if proc is None else proc.pid, "in_flight": self.in_flight,
-                "decoded": self._decoded, "failed": self._failure}
+                "decoded": self._decoded, "receiving": len(self._subscriptions), "failed": self._failure}
 
     # -- the pipe ------------------------------------------------------------------------------
+
+    def _send_soon(self) -> None:
+        if self._waiting_to_write:
+            return
+        if len(self._outbox) >= _FLUSH_BYTES:
+            self._flush()
+        elif not self._flush_soon:
+            self._flush_soon = True
+            self._loop.call_later(_FLUSH_S, self._flush)
 
     def _flush(self) -> None:
         if self._failure is not None:
@@ -212,14 +274,43 @@ class ProcessDecoder:
             self._fail("the decode process exited")
             return
         self._inbox += chunk
-        for answer in split_answers(self._inbox):
+        self._answers.extend(split_answers(self._inbox))
+        self._dispatch(hold=True)
+
+    def _dispatch(self, *, hold: bool) -> None:
+        """Deliver the answers read so far, in order; with `hold`, stop while a subscription's hold is full.
+
+        Reading stops with it: the child then blocks on its writes and stops receiving, and a burst
+        waits in ZMQ (where a gap can be replayed) rather than in a writer queue that would drop it."""
+        answers, subscriptions, holds = self._answers, self._subscriptions, self._holds
+        while answers:
+            if hold and holds:
+                held = next((h for h in holds if h.full), None)
+                if held is not None:
+                    if self._resuming is None:
+                        self._loop.remove_reader(self._from_child)
+                        self._resuming = self._loop.create_task(self._read_again(held))
+                    break
+            answer = answers.popleft()
+            if type(answer) is Live:
+                subscription = subscriptions.get(answer.key)
+                if subscription is not None:  # else unsubscribed since
+                    subscription.on_live(answer.seq, answer.result, answer.sample)
+                continue
             payload_done = self._pending.popleft()
             assert isinstance(payload_done, tuple)
             self.in_flight -= 1
             self._decoded += 1
-            payload_done[2](answer)
+            payload_done[2](answer)  # type: ignore[arg-type]
             self._run_callbacks()
         self._settle()
+
+    async def _read_again(self, held: Backpressure) -> None:
+        await held.room()
+        self._resuming = None
+        self._dispatch(hold=True)
+        if self._resuming is None and self._proc is not None:
+            self._loop.add_reader(self._from_child, self._on_readable)
 
     def _run_callbacks(self) -> None:
         pending = self._pending
@@ -240,6 +331,7 @@ class ProcessDecoder:
         log.error("%s; decoding in the router's own process from now on (%d batches taken back)",
                   self._failure, self.in_flight)
         self._stop_child()
+        self._dispatch(hold=False)  # what was read is good: delivered first, in order
         pending, self._pending = self._pending, deque()
         self.in_flight = 0
         self._outbox.clear()
@@ -251,12 +343,19 @@ class ProcessDecoder:
             else:
                 entry()
         self._settle()
+        subscriptions, self._subscriptions = self._subscriptions, {}
+        self._holds = []
+        for subscription in subscriptions.values():
+            subscription.on_lost()
 
     def _stop_child(self) -> None:
         proc, self._proc = self._proc, None
         if proc is None:
             return
         self._loop.remove_reader(self._from_child)
+        if self._resuming is not None:
+            self._resuming.cancel()
+            self._resuming = None
         if self._waiting_to_write:
             self._waiting_to_write = False
             self._loop.remove_writer(self._to_child)

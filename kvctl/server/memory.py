@@ -56,6 +56,11 @@ class BurstTrimmer:
     def applied(self, batches: int) -> None:
         self._since += batches
 
+    @property
+    def due(self) -> bool:
+        """A burst went through since the last trim: `idle()` would trim, now or once `every_s` has passed."""
+        return self._since >= self._burst
+
     def idle(self) -> None:
         if self._since < self._burst:
             return

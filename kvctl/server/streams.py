@@ -44,10 +44,11 @@ class ModelWriter:
         self.dropped_batches = 0
         self.dropped_events = 0
         self._decoder: Decoder = InlineDecoder() if decoder is None else decoder
-        self._high = max(1, maxsize // 2)
+        self.high = max(1, maxsize // 2)
         self._low = maxsize // 4
         self._has_room = asyncio.Event()
         self._trimmer = BurstTrimmer()
+        self.queued = _QueueAlone(self)
         self.task = asyncio.get_running_loop().create_task(self._drain())
 
     def _backlog(self) -> int:
@@ -55,10 +56,13 @@ class ModelWriter:
 
     @property
     def full(self) -> bool:
-        return self._backlog() >= self._high
+        return self._backlog() >= self.high
 
     async def room(self) -> None:
-        while self._backlog() > self._low and not self.task.done():
+        await self.room_below(self._backlog)
+
+    async def room_below(self, size: Callable[[], int]) -> None:
+        while size() > self._low and not self.task.done():
             self._has_room.clear()
             await self._has_room.wait()
 
@@ -94,7 +98,7 @@ class ModelWriter:
                     end = time.perf_counter() + SLICE_S
                 self._apply(*queue.get_nowait())
                 applied += 1
-                if self._backlog() <= self._low:
+                if queue.qsize() <= self._low:  # waiters check their own measure (see room_below)
                     self._has_room.set()
             self._has_room.set()
             self._trimmer.applied(applied)
@@ -113,6 +117,21 @@ class ModelWriter:
     def status(self) -> dict[str, Any]:
         return {"model": self.model, "queued": self.queue.qsize(), "capacity": self.queue.maxsize,
                 "dropped_batches": self.dropped_batches, "dropped_events": self.dropped_events}
+
+
+class _QueueAlone:
+    """A writer's queue without the batches still being decoded, as backpressure: what the decode
+    process's answers wait on, since the batches in flight there can only land once they are read."""
+
+    def __init__(self, writer: ModelWriter) -> None:
+        self._writer = writer
+
+    @property
+    def full(self) -> bool:
+        return self._writer.queue.qsize() >= self._writer.high
+
+    async def room(self) -> None:
+        await self._writer.room_below(self._writer.queue.qsize)
 
 
 class Streams:
@@ -146,7 +165,7 @@ class Streams:
 
         stream = EngineStream(worker=info.key, endpoint=info.endpoint, replay_endpoint=info.replay_endpoint,
                               topic=info.topic, block_size=self.fleet.model(model).block_size, sink=writer.put,
-                              on_restart=on_restart, decoder=self.decoder, downstream=writer)
+                              on_restart=on_restart, decoder=self.decoder, downstream=writer, queue=writer.queued)
         self._running[info.key] = (stream, asyncio.get_running_loop().create_task(self._run(stream)))
         return True
 

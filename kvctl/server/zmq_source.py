@@ -20,7 +20,8 @@ codec and hands the events to a sink, keeping them in the engine's seq order:
 Everything malformed is counted in `decode_errors` by `ErrorKind` and skipped; the stream never
 stops on bad input. Only the sink or `on_restart` raising ends `run()` (a server bug, not input).
 
-Only this module talks to ZMQ; the decoding is `kvctl.core.events.engine`, which does no I/O.
+This module and the decode process (`kvctl.server.decode_worker`, which may hold the SUB socket) are
+the router's only ZMQ speakers; the decoding is `kvctl.core.events.engine`, which does no I/O.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -42,14 +43,14 @@ from kvctl.core.events import (
     EngineBatch,
     ErrorKind,
     EventData,
-    decode_engine_message,
     decode_replay_reply,
     decode_topic,
     encode_replay_request,
+    live_seq,
 )
-from kvctl.core.events.errors import parse_msgpack
 from kvctl.server.budget import SLICE_S
-from kvctl.server.decoder import Backpressure, Decoder, InlineDecoder
+from kvctl.server.decoder import Backpressure, Decoder, InlineDecoder, Subscription
+from kvctl.server.schema_seen import Schema, SchemaSeen, sampled
 
 __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
 
@@ -57,41 +58,9 @@ log = logging.getLogger(__name__)
 
 WorkerKey = tuple[int, int]
 Sink = Callable[[WorkerKey, list[EventData]], None]
+Received = list[bytes] | EngineBatch | ErrorKind
+"""A live message as received: its frames when the stream read them itself, decoded when the decode process did."""
 OnRestart = Callable[[WorkerKey], None]
-
-_SCHEMA_FIRST = 32
-_SCHEMA_EVERY = 1024
-"""Raw payloads are re-read for `schema` on the first 32 messages, then on every 1024th."""
-
-_SCHEMA_EVENTS = 16
-"""Events of a sampled batch looked at for `schema`."""
-
-# Positions of fields in vLLM <= 0.23 positional events, counting the tag as position 0.
-_POS_BLOCK_HASHES = 1
-_POS_STORED_BLOCK_SIZE = 4
-_POS_STORED_MEDIUM = 6
-_POS_REMOVED_MEDIUM = 2
-
-
-@dataclass(frozen=True, slots=True)
-class SchemaSeen:
-    """What the engine's payloads looked like (sampled): answers "which engine / which settings?".
-
-    - `batch_shapes`: "array" (`[ts, events, dp_rank]`), "array2" (`[ts, events]`, old vLLM) or "map".
-    - `event_shapes`: "map" (vLLM >= 0.24, SGLang) or "array" (vLLM <= 0.23 positional).
-    - `hash_kinds`: "u64", "i64" (negative: SGLang), "bytes" (vLLM with int hashes off).
-    - `block_sizes`, `media`: as sent by the engine (e.g. 16, "GPU", "CPU_PINNED").
-    - `tiers`, `dp_ranks`: from every decoded batch (not sampled).
-    """
-
-    batch_shapes: frozenset[str] = frozenset()
-    event_shapes: frozenset[str] = frozenset()
-    hash_kinds: frozenset[str] = frozenset()
-    block_sizes: frozenset[int] = frozenset()
-    media: frozenset[str] = frozenset()
-    tiers: frozenset[str] = frozenset()
-    dp_ranks: frozenset[int] = frozenset()
-
 
 @dataclass(frozen=True, slots=True)
 class StreamStats:
@@ -133,83 +102,12 @@ class StreamStats:
 
 
 @dataclass(slots=True)
-class _Schema:
-    batch_shapes: set[str] = field(default_factory=set)
-    event_shapes: set[str] = field(default_factory=set)
-    hash_kinds: set[str] = field(default_factory=set)
-    block_sizes: set[int] = field(default_factory=set)
-    media: set[str] = field(default_factory=set)
-    tiers: set[str] = field(default_factory=set)
-    dp_ranks: set[int] = field(default_factory=set)
-
-    def snapshot(self) -> SchemaSeen:
-        return SchemaSeen(
-            frozenset(self.batch_shapes),
-            frozenset(self.event_shapes),
-            frozenset(self.hash_kinds),
-            frozenset(self.block_sizes),
-            frozenset(self.media),
-            frozenset(self.tiers),
-            frozenset(self.dp_ranks),
-        )
-
-    def observe_payload(self, payload: bytes) -> None:
-        """Record the wire shape of one raw payload; anything unexpected is simply not recorded."""
-        try:
-            raw = parse_msgpack(payload)
-        except DecodeError:
-            return
-        if isinstance(raw, dict):
-            self.batch_shapes.add("map")
-            events = raw.get("events")
-        elif isinstance(raw, list) and len(raw) >= 2:
-            self.batch_shapes.add("array" if len(raw) > 2 else "array2")
-            events = raw[1]
-        else:
-            return
-        if not isinstance(events, list):
-            return
-        for event in events[:_SCHEMA_EVENTS]:
-            self._observe_event(event)
-
-    def _observe_event(self, event: Any) -> None:
-        if isinstance(event, dict):
-            self.event_shapes.add("map")
-            tag = event.get("type")
-            hashes, block_size, medium = event.get("block_hashes"), event.get("block_size"), event.get("medium")
-        elif isinstance(event, list) and event:
-            self.event_shapes.add("array")
-            tag = event[0]
-            hashes = _at(event, _POS_BLOCK_HASHES)
-            block_size = _at(event, _POS_STORED_BLOCK_SIZE) if tag == "BlockStored" else None
-            medium = _at(event, _POS_STORED_MEDIUM if tag == "BlockStored" else _POS_REMOVED_MEDIUM)
-        else:
-            return
-        if tag == "AllBlocksCleared":
-            return
-        if isinstance(hashes, list) and hashes:
-            first = hashes[0]
-            if isinstance(first, bytes):
-                self.hash_kinds.add("bytes")
-            elif type(first) is int:
-                self.hash_kinds.add("i64" if first < 0 else "u64")
-        if tag == "BlockStored" and type(block_size) is int:
-            self.block_sizes.add(block_size)
-        if isinstance(medium, str):
-            self.media.add(medium)
-
-
-def _at(items: list[Any], index: int) -> Any:
-    return items[index] if index < len(items) else None
-
-
-@dataclass(slots=True)
 class _Replay:
     """The replay in flight: the live messages that arrived meanwhile, and when to give up."""
 
     start: int
     deadline: float
-    buffered: deque[tuple[int, list[bytes]]] = field(default_factory=deque)
+    buffered: deque[tuple[int, Received]] = field(default_factory=deque)
     last_live: int = 0  # highest live seq buffered
     lost_before: int = 0  # the stream's lost_batches when the replay began
 
@@ -230,6 +128,12 @@ class EngineStream:
     `decoder` or `downstream` (the writer the sink feeds) is full, the stream stops reading and lets
     ZMQ buffer: past its high-water mark the engine's PUB drops, which the stream sees as a gap and
     replays, where a dropped decoded batch would be lost for good.
+
+    A `ProcessDecoder` also receives: the SUB socket is then the child's, which sends each live
+    message back decoded, and the stream sequences them exactly as it sequences what it reads itself
+    (only the replay DEALER stays here). The child stops sending while `queue` (the writer's queue
+    alone: batches in flight in the child cannot land before it reads them) is full. If the child
+    dies, the stream opens its own SUB.
     """
 
     def __init__(
@@ -248,6 +152,7 @@ class EngineStream:
         rcvhwm: int = 100_000,
         decoder: Decoder | None = None,
         downstream: Backpressure | None = None,
+        queue: Backpressure | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -266,11 +171,14 @@ class EngineStream:
         self._rcvhwm = rcvhwm
         self._decoder: Decoder = InlineDecoder() if decoder is None else decoder
         self._holds: tuple[Backpressure, ...] = (self._decoder,) if downstream is None else (self._decoder, downstream)
+        self._queue: Backpressure = InlineDecoder() if queue is None else queue  # (never full)
 
         self._sub: zmq.asyncio.Socket | None = None
         self._sub_sync: zmq.Socket[bytes] | None = None  # the same socket, read without a future per message
         self._dealer: zmq.asyncio.Socket | None = None
         self._poller: zmq.asyncio.Poller | None = None
+        self._key: int | None = None  # while the decode process receives for this stream
+        self._wake = asyncio.Event()  # a replay to time, or a socket to open: see _wait_for_replies
         self._run_task: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -293,7 +201,7 @@ class EngineStream:
         self._last_event_at: float | None = None
         self._last_message_at: float | None = None
         self._gapped = False
-        self._schema = _Schema()
+        self._schema = Schema()
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -369,17 +277,32 @@ class EngineStream:
         return self._context
 
     def _open(self) -> None:
+        self._poller = zmq.asyncio.Poller()
+        self._key = self._decoder.receive(Subscription(self.endpoint, self.topic, self._rcvhwm, self.block_size,
+                                                       self._on_received, self._on_receiver_lost, self._queue))
+        if self._key is None:
+            self._open_sub()
+        if self.replay_endpoint is not None:
+            self._open_dealer()
+
+    def _open_sub(self) -> None:
+        assert self._poller is not None
         sub = self._ctx().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
         sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
         self._sub = sub
         self._sub_sync = zmq.Socket.shadow(sub.underlying)
-        self._poller = zmq.asyncio.Poller()
         self._poller.register(sub, zmq.POLLIN)
         sub.connect(self.endpoint)
-        if self.replay_endpoint is not None:
-            self._open_dealer()
+
+    def _on_receiver_lost(self) -> None:
+        """The decode process is gone, and what it had received with it: read our own socket from now on."""
+        self._key = None
+        if not self._closing and self._poller is not None:
+            log.warning("%s: the decode process is gone; receiving in the router", self._name())
+            self._open_sub()
+            self._wake.set()
 
     def _open_dealer(self) -> None:
         assert self.replay_endpoint is not None and self._poller is not None
@@ -400,6 +323,9 @@ class EngineStream:
             self._open_dealer()
 
     def _close_sockets(self) -> None:
+        if self._key is not None:
+            self._decoder.stop_receiving(self._key)
+            self._key = None
         for sock in (self._sub, self._dealer):
             if sock is not None:
                 sock.close(linger=0)
@@ -411,7 +337,7 @@ class EngineStream:
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._closing:
-            assert self._poller is not None and self._sub is not None
+            assert self._poller is not None
             timeout_ms = None
             if self._replay is not None:
                 timeout_ms = max(0, int((self._replay.deadline - loop.time()) * 1000) + 1)
@@ -419,13 +345,35 @@ class EngineStream:
             if held is not None:
                 await held.room()
                 continue
-            ready = dict(await self._poller.poll(timeout_ms))
+            if self._key is None:
+                ready = dict(await self._poller.poll(timeout_ms))
+            else:
+                ready = await self._wait_for_replies(timeout_ms)
             if self._dealer is not None and self._dealer in ready:
                 await self._drain_replies(loop)
-            if self._sub in ready:
+            if self._sub is not None and self._sub in ready:
                 await self._drain_live()
             if self._replay is not None and loop.time() >= self._replay.deadline:
                 self._replay_timed_out()
+
+    async def _wait_for_replies(self, timeout_ms: int | None) -> dict[Any, int]:
+        """While the decode process receives for us, only the DEALER is ours to wait on; a gap found in
+        its answers (a replay to time) or its loss (a socket to open) sets `_wake`."""
+        wake = self._wake
+        if wake.is_set():
+            wake.clear()
+            return {}
+        woken = asyncio.ensure_future(wake.wait())
+        polling = None if self._dealer is None or self._poller is None else self._poller.poll(timeout_ms)
+        waits: set[asyncio.Future[Any]] = {woken} if polling is None else {woken, polling}
+        try:
+            await asyncio.wait(waits, timeout=None if timeout_ms is None else timeout_ms / 1000,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+        wake.clear()
+        return dict(polling.result()) if polling is not None and polling.done() and not polling.cancelled() else {}
 
     async def _drain_live(self) -> None:
         sub = self._sub
@@ -464,18 +412,27 @@ class EngineStream:
     def _on_live(self, frames: list[bytes]) -> None:
         self._messages += 1
         self._last_message_at = self._clock()
-        seq = _live_seq(frames)
+        seq = live_seq(frames)
         if seq is None:
-            try:  # the codec says precisely what is wrong with the frames
-                decode_engine_message(frames, default_block_size=self.block_size)
-            except DecodeError as exc:
-                self._count_error(exc.kind)
-            else:  # pragma: no cover - _live_seq accepts every frame shape the codec accepts
-                self._count_error(ErrorKind.bad_batch)
+            self._count_error(ErrorKind.bad_batch)
             return
-        if self._messages <= _SCHEMA_FIRST or self._messages % _SCHEMA_EVERY == 0:
+        if sampled(self._messages):
             self._schema.observe_payload(frames[2])
+        self._sequence(seq, frames)
 
+    def _on_received(self, seq: int | None, result: EngineBatch | ErrorKind, sample: bytes | None) -> None:
+        """A live message the decode process received for this stream, decoded (`_on_live`'s twin)."""
+        self._messages += 1
+        self._last_message_at = self._clock()
+        if seq is None:
+            assert isinstance(result, ErrorKind)
+            self._count_error(result)
+            return
+        if sample is not None:
+            self._schema.observe_payload(sample)
+        self._sequence(seq, result)
+
+    def _sequence(self, seq: int, item: Received) -> None:
         replay = self._replay
         if replay is not None:
             if seq < replay.last_live:
@@ -486,36 +443,37 @@ class EngineStream:
             else:
                 replay.last_live = seq
                 self._last_live = seq
-                replay.buffered.append((seq, frames))
+                replay.buffered.append((seq, item))
                 self._drain_buffer(final=False)
                 return
 
         last, last_live = self._last, self._last_live
         self._last_live = seq
         if last is None or last_live is None:
-            self._apply(seq, frames)
+            self._apply(seq, item)
         elif seq <= last_live:  # a PUB never sends a seq twice: the same one again is a restart
-            self._restart(last_live, seq, frames)
+            self._restart(last_live, seq, item)
         elif seq <= last:
             self._duplicates += 1
         elif seq == last + 1:
-            self._apply(seq, frames)
+            self._apply(seq, item)
         else:
-            self._gap(seq, frames)
+            self._gap(seq, item)
 
-    def _gap(self, seq: int, frames: list[bytes]) -> None:
+    def _gap(self, seq: int, item: Received) -> None:
         assert self._last is not None
         self._gaps += 1
         start = self._last + 1
         if self._dealer is None:
             log.warning("%s: seq gap %d..%d and no replay endpoint: lost", self._name(), start, seq - 1)
             self._lose(seq - start)
-            self._apply(seq, frames)
+            self._apply(seq, item)
             return
         log.info("%s: seq gap %d..%d, asking for a replay", self._name(), start, seq - 1)
         deadline = asyncio.get_running_loop().time() + self.replay_timeout_s
-        self._replay = _Replay(start, deadline, deque([(seq, frames)]), last_live=seq, lost_before=self._lost)
+        self._replay = _Replay(start, deadline, deque([(seq, item)]), last_live=seq, lost_before=self._lost)
         self._dealer.send_multipart(encode_replay_request(start))
+        self._wake.set()  # the serve loop now has a deadline to keep
 
     def _on_reply(self, frames: list[bytes]) -> None:
         try:
@@ -563,19 +521,19 @@ class EngineStream:
         assert replay is not None and self._last is not None
         buffered = replay.buffered
         while buffered:
-            seq, frames = buffered[0]
+            seq, item = buffered[0]
             if seq <= self._last:
                 self._duplicates += 1
             elif seq == self._last + 1:
-                self._apply(seq, frames)
+                self._apply(seq, item)
             elif final:
                 self._lose(seq - self._last - 1)
-                self._apply(seq, frames)
+                self._apply(seq, item)
             else:
                 return
             buffered.popleft()
 
-    def _restart(self, last_live: int, seq: int, frames: list[bytes]) -> None:
+    def _restart(self, last_live: int, seq: int, item: Received) -> None:
         log.warning("%s: seq went back from %d to %d: engine restart", self._name(), last_live, seq)
         self._restarts += 1
         self._gapped = False
@@ -583,10 +541,10 @@ class EngineStream:
         self._decoder.then(self._clear_seen)  # once the old incarnation's batches are all delivered
         if seq == 0:
             self._last = None
-            self._apply(seq, frames)
+            self._apply(seq, item)
         else:  # the new engine's seqs 0..seq-1 left before we reconnected: a gap like any other
             self._last = -1
-            self._gap(seq, frames)
+            self._gap(seq, item)
 
     def _clear_seen(self) -> None:
         keys = sorted(self._keys_seen) or [self.worker]
@@ -600,9 +558,14 @@ class EngineStream:
 
     # -- applying -----------------------------------------------------------------------------
 
-    def _apply(self, seq: int, frames: list[bytes]) -> None:
+    def _apply(self, seq: int, item: Received) -> None:
         """Take live `seq` as applied and deliver its events; an undecodable message is counted and skipped."""
-        try:  # _live_seq has checked the frame count and the seq
+        if not isinstance(item, list):  # decoded already: delivered once everything submitted before it is
+            self._last = seq
+            self._decoder.then(partial(self._decoded, seq, item))
+            return
+        frames = item
+        try:  # live_seq has checked the frame count and the seq
             decode_topic(frames[0])
         except DecodeError as exc:
             self._last = seq
@@ -653,14 +616,3 @@ def _current_task() -> asyncio.Task[Any] | None:
         return asyncio.current_task()
     except RuntimeError:  # no running loop
         return None
-
-
-def _live_seq(frames: Sequence[bytes]) -> int | None:
-    """The seq of a live `[topic, seq, payload]` message, or None when there is no seq to read.
-
-    A message with a seq consumes it even when the rest is bad (counted when applied), so a
-    malformed payload does not look like a gap and trigger a pointless replay.
-    """
-    if len(frames) != 3 or len(frames[1]) != 8:
-        return None
-    return int.from_bytes(frames[1], "big")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.core.events import EngineBatch, ErrorKind
+from kvctl.core.events import EngineBatch, ErrorKind, live_seq
 from kvctl.server import decoder as decoder_module
-from kvctl.server.decode_wire import answer, read_answer, split_answers
+from kvctl.server.decode_wire import Live, answer, live_answer, read_answer, split_answers
 from kvctl.server.decoder import InlineDecoder, ProcessDecoder, decode_now, make_decoder
 from tests.fixtures_path import FIXTURES
 
@@ -44,6 +44,33 @@ def test_the_pipe_codec_round_trips_every_fixture_and_junk() -> None:
         (got,) = split_answers(wire)
         assert not wire
         assert _same(got, decode_now(payload, 16)), payload
+
+
+def test_live_messages_cross_the_pipe_as_the_router_would_read_them() -> None:
+    """What the decode process receives for a stream comes back as the stream would have read it itself:
+    the seq, the decoded batch or the error kind, and the raw payload when asked to sample it."""
+    seq = (7).to_bytes(8, "big")
+    cases = [[b"", seq, p] for p in PAYLOADS + JUNK] + [
+        [b"\xff\xfe", seq, PAYLOADS[0]],  # a topic that is not UTF-8: the seq still counts
+        [b"", b"\x01", PAYLOADS[0]],  # a seq that is not 8 bytes
+        [b"", seq],  # two frames
+    ]
+    wire = bytearray()
+    for i, frames in enumerate(cases):
+        wire += live_answer(3, frames, 16, sample=i % 2 == 0)
+        if i == 5:
+            wire += answer(PAYLOADS[1], 16)  # a request's answer in between keeps its place
+    got = split_answers(wire)
+    assert not wire and len(got) == len(cases) + 1
+    assert _same(got.pop(6), decode_now(PAYLOADS[1], 16))
+    for i, (frames, live) in enumerate(zip(cases, got, strict=True)):
+        assert isinstance(live, Live) and live.key == 3
+        assert live.seq == live_seq(frames) == (None if i >= len(cases) - 2 else 7)
+        if live.seq is None or frames[0] == b"\xff\xfe":
+            assert live.result is ErrorKind.bad_batch
+        else:
+            assert _same(live.result, decode_now(frames[2], 16)), frames
+        assert live.sample == (frames[2] if i % 2 == 0 and live.seq is not None else None)
 
 
 def test_a_partial_answer_waits_for_the_rest() -> None:

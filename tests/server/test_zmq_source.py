@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -436,20 +438,51 @@ async def test_real_bad_event_of_vllm_0_23_offload_is_counted(make: Any) -> None
     assert h.stream.stats.decode_errors == {"bad_block_size": 1}
 
 
+@pytest.mark.parametrize("decoder", ["process"], indirect=True)
+async def test_a_killed_decode_process_hands_the_stream_back_and_the_gap_is_replayed(
+    make: Any, decoder: ProcessDecoder
+) -> None:
+    """What the decode process had received and not sent dies with it: the stream opens its own socket,
+    and the first message there shows the gap, which the engine's replay fills."""
+    a, b, c, d, e = load("vllm-0.33")[:5]
+    h = await make()
+    await h.start(0, a.payload)
+    await h.engine.publish(1, b.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 1)
+    assert h.stream._sub is None and decoder.status()["receiving"] == 1
+    h.engine.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # pass on the stream's subscription, a duplicate of the child's
+    os.kill(decoder.status()["pid"], signal.SIGKILL)
+    await h.wait(lambda: h.stream._sub is not None)
+    while (await asyncio.wait_for(h.engine.pub.recv(), 3))[:1] != b"\x01":
+        pass  # the dead child's unsubscription, if it comes first
+    await h.engine.publish(2, c.payload, live=False)  # as if it had died holding this one
+    await h.engine.publish(3, d.payload)
+    await h.engine.publish(4, e.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 4 and not h.stream.stats.replaying)
+
+    assert h.shapes() == _events_of([a, b, c, d, e])
+    stats = h.stream.stats
+    assert (stats.gaps, stats.replays_ok, stats.lost_batches, stats.gapped) == (1, 1, 0, False)
+    assert decoder.status()["receiving"] == 0 and decoder.status()["failed"]
+
+
 # -- lifecycle ----------------------------------------------------------------------------------
 
 
-async def test_close_is_prompt_and_closes_the_sockets(make: Any) -> None:
+async def test_close_is_prompt_and_closes_the_sockets(make: Any, decoder: Decoder) -> None:
     h = await make()
     await h.start(0, load("vllm-0.33")[0].payload)
-    sub = h.stream._sub
-    assert sub is not None and not sub.closed
+    sub = h.stream._sub  # the stream's own, or none while the decode process receives for it
+    assert (sub is None) == isinstance(decoder, ProcessDecoder)
+    assert sub is None or not sub.closed
+    assert decoder.status().get("receiving", 0) == (1 if sub is None else 0)
     began = time.monotonic()
     h.stream.close()  # synchronous: the daemon calls it from its shutdown path
     await asyncio.wait_for(h.task, 0.5)
     assert time.monotonic() - began < 0.5
     assert h.task.exception() is None  # run() ended normally, not cancelled
-    assert sub.closed and h.stream._sub is None and h.stream._dealer is None
+    assert (sub is None or sub.closed) and h.stream._sub is None and h.stream._dealer is None
+    assert decoder.status().get("receiving", 0) == 0
     h.stream.close()  # idempotent
     await h.stream.aclose()
 

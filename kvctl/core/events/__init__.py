@@ -18,6 +18,7 @@ from kvctl.core.events.engine import (
     decode_replay_reply,
     decode_topic,
     encode_replay_request,
+    live_seq,
     normalize_hash,
     tier_from_medium,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "encode_replay_request",
     "encode_router_event_json",
     "encode_router_event_msgpack",
+    "live_seq",
     "normalize_hash",
     "tier_from_medium",
 ]

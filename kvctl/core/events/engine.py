@@ -187,6 +187,17 @@ def decode_topic(frame: bytes) -> str:
         raise DecodeError(ErrorKind.bad_batch, "topic", "topic frame is not UTF-8") from None
 
 
+def live_seq(frames: Sequence[bytes]) -> int | None:
+    """The seq of a live `[topic, seq, payload]` message, or None when there is none to read (a bad_batch).
+
+    A message with a readable seq consumes it even when its topic or payload is bad, so that a
+    malformed message is counted once where it stands and does not look like a gap to replay.
+    """
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    return int.from_bytes(frames[1], "big")
+
+
 def _decode_seq(frame: bytes) -> int:
     if len(frame) != 8:
         raise DecodeError(ErrorKind.bad_batch, "seq", f"expected 8 bytes, got {len(frame)}")
