@@ -24,7 +24,6 @@ Answers (child -> router): u32 LE body length, u8 origin, body.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -54,14 +53,9 @@ _DECODE = msgspec.msgpack.Decoder().decode
 _CLEARED = Cleared()
 
 
-@dataclass(frozen=True, slots=True)
-class Live:
-    """A live message the child received on stream `key`, decoded (see the module docstring)."""
-
-    key: int
-    seq: int | None
-    sample: bytes | None
-    result: EngineBatch | ErrorKind
+Live = tuple[int, int | None, bytes | None, EngineBatch | ErrorKind]
+"""A live message the child received: (key, seq, sample, decoded batch or error kind), as on the wire.
+A plain tuple, told from a request's answer by its type: one is built per engine message."""
 
 
 def control(command: list[Any]) -> bytes:
@@ -144,7 +138,7 @@ def split_answers(buf: bytearray) -> list[EngineBatch | ErrorKind | Live]:
             body = _DECODE(view[start:end])
             if origin == LIVE:
                 key, seq, sample, inner = body
-                out.append(Live(key, seq, sample, read_answer(inner)))
+                out.append((key, seq, sample, read_answer(inner)))
             else:
                 out.append(read_answer(body))
             at = end

@@ -25,6 +25,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,10 @@ MAX_PENDING = 4096
 
 _READ = 256 * 1024  # per wake-up: answers are applied in the loop, a slice at a time
 _PIPE_BYTES = 1 << 20  # a pipe of 1 MiB: a millisecond's payloads fit in one write
+QUIET_S = 0.1
+"""What the decode process received for the streams is invisible until it is read: this long with nothing
+read from it, and nothing submitted unanswered, is how the router knows that no burst is going on."""
+
 _FLUSH_S = 0.001
 _FLUSH_BYTES = 256 * 1024
 """Payloads are written to the child in runs: a write per millisecond (or per 256 KiB) rather than one
@@ -86,6 +91,7 @@ class Decoder(Backpressure, Protocol):
 
     def receive(self, subscription: Subscription) -> int | None: ...
     def stop_receiving(self, key: int) -> None: ...
+    def idle(self) -> bool: ...
     def submit(self, payload: bytes, block_size: int, done: Decoded) -> None: ...
     def then(self, callback: Callable[[], None]) -> None: ...
     async def drained(self) -> None: ...
@@ -111,6 +117,9 @@ class InlineDecoder:
 
     def stop_receiving(self, key: int) -> None:
         return
+
+    def idle(self) -> bool:
+        return True
 
     def submit(self, payload: bytes, block_size: int, done: Decoded) -> None:
         done(decode_now(payload, block_size))
@@ -165,6 +174,7 @@ class ProcessDecoder:
         self._holds: list[Backpressure] = []  # the distinct holds of the subscriptions
         self._next_key = 0
         self._resuming: asyncio.Task[None] | None = None  # while answers wait for a hold to have room
+        self._read_at = float("-inf")  # monotonic time of the last read from the child
 
     # -- the Decoder protocol ------------------------------------------------------------------
 
@@ -193,6 +203,10 @@ class ProcessDecoder:
         if self._failure is None:
             self._outbox += control(["close", key])
             self._send_soon()
+
+    def idle(self) -> bool:
+        """Nothing submitted is unanswered, and nothing came from the child for `QUIET_S`."""
+        return not self.in_flight and not self._answers and time.monotonic() - self._read_at >= QUIET_S
 
     def submit(self, payload: bytes, block_size: int, done: Decoded) -> None:
         if self._failure is not None:
@@ -273,6 +287,7 @@ class ProcessDecoder:
         if not chunk:
             self._fail("the decode process exited")
             return
+        self._read_at = time.monotonic()
         self._inbox += chunk
         self._answers.extend(split_answers(self._inbox))
         self._dispatch(hold=True)
@@ -292,10 +307,11 @@ class ProcessDecoder:
                         self._resuming = self._loop.create_task(self._read_again(held))
                     break
             answer = answers.popleft()
-            if type(answer) is Live:
-                subscription = subscriptions.get(answer.key)
+            if type(answer) is tuple:  # a Live message
+                key, seq, sample, result = answer
+                subscription = subscriptions.get(key)
                 if subscription is not None:  # else unsubscribed since
-                    subscription.on_live(answer.seq, answer.result, answer.sample)
+                    subscription.on_live(seq, result, sample)
                 continue
             payload_done = self._pending.popleft()
             assert isinstance(payload_done, tuple)

@@ -204,8 +204,8 @@ class Streams:
                 await writer.task
 
     def idle(self) -> bool:
-        """Nothing received is waiting to be decoded or applied."""
-        return not self.decoder.in_flight and all(w.queue.empty() for w in self.writers.values())
+        """Nothing received is waiting to be decoded or applied, and the decode process has been quiet."""
+        return self.decoder.idle() and all(w.queue.empty() for w in self.writers.values())
 
     def queues(self) -> list[dict[str, Any]]:
         return [w.status() for _, w in sorted(self.writers.items())]

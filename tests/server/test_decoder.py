@@ -14,7 +14,7 @@ import pytest
 
 from kvctl.core.events import EngineBatch, ErrorKind, live_seq
 from kvctl.server import decoder as decoder_module
-from kvctl.server.decode_wire import Live, answer, live_answer, read_answer, split_answers
+from kvctl.server.decode_wire import answer, live_answer, read_answer, split_answers
 from kvctl.server.decoder import InlineDecoder, ProcessDecoder, decode_now, make_decoder
 from tests.fixtures_path import FIXTURES
 
@@ -64,13 +64,15 @@ def test_live_messages_cross_the_pipe_as_the_router_would_read_them() -> None:
     assert not wire and len(got) == len(cases) + 1
     assert _same(got.pop(6), decode_now(PAYLOADS[1], 16))
     for i, (frames, live) in enumerate(zip(cases, got, strict=True)):
-        assert isinstance(live, Live) and live.key == 3
-        assert live.seq == live_seq(frames) == (None if i >= len(cases) - 2 else 7)
-        if live.seq is None or frames[0] == b"\xff\xfe":
-            assert live.result is ErrorKind.bad_batch
+        assert isinstance(live, tuple)
+        key, seq, sample, result = live
+        assert key == 3
+        assert seq == live_seq(frames) == (None if i >= len(cases) - 2 else 7)
+        if seq is None or frames[0] == b"\xff\xfe":
+            assert result is ErrorKind.bad_batch
         else:
-            assert _same(live.result, decode_now(frames[2], 16)), frames
-        assert live.sample == (frames[2] if i % 2 == 0 and live.seq is not None else None)
+            assert _same(result, decode_now(frames[2], 16)), frames
+        assert sample == (frames[2] if i % 2 == 0 and seq is not None else None)
 
 
 def test_a_partial_answer_waits_for_the_rest() -> None:
@@ -126,6 +128,18 @@ async def test_a_killed_decode_process_loses_nothing(process: ProcessDecoder) ->
     assert got == list(range(90))
     assert all(_same(r, decode_now(PAYLOADS[i % len(PAYLOADS)], 16)) for i, r in enumerate(results))
     assert "exited" in process.status()["failed"] or "cannot" in process.status()["failed"]
+
+
+async def test_the_decode_process_is_idle_once_quiet(process: ProcessDecoder) -> None:
+    """Messages received for the streams are invisible until read, so idle means a quiet pipe too."""
+    assert process.idle()
+    got: list[EngineBatch | ErrorKind] = []
+    process.submit(PAYLOADS[0], 16, got.append)
+    assert not process.idle()  # an answer to wait for
+    await asyncio.wait_for(process.drained(), 10)
+    assert got and not process.idle()  # just read: a burst may be going on
+    await asyncio.sleep(decoder_module.QUIET_S)
+    assert process.idle()
 
 
 async def test_inline_decoder_is_immediate() -> None:
