@@ -35,8 +35,8 @@ from typing import Any, Protocol
 from kvctl.core.events import DecodeError, EngineBatch, ErrorKind, decode_engine_batch
 from kvctl.server.decode_wire import HEADER, Live, control, split_answers
 
-__all__ = ["Backpressure", "Decoded", "Decoder", "DECODER_MODES", "InlineDecoder", "OnLive", "ProcessDecoder",
-           "Subscription", "make_decoder", "usable_cpus"]
+__all__ = ["Backpressure", "Decoded", "Decoder", "DECODER_MODES", "InlineDecoder", "NeverFull", "OnLive",
+           "ProcessDecoder", "Subscription", "make_decoder", "usable_cpus"]
 
 log = logging.getLogger("kvctl.serve")
 
@@ -68,6 +68,15 @@ class Backpressure(Protocol):
     @property
     def full(self) -> bool: ...
     async def room(self) -> None: ...
+
+
+class NeverFull:
+    """Backpressure that never holds: for what has no bound of its own."""
+
+    full = False
+
+    async def room(self) -> None:
+        return
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +115,9 @@ def decode_now(payload: bytes, block_size: int) -> EngineBatch | ErrorKind:
         return exc.kind
 
 
-class InlineDecoder:
+class InlineDecoder(NeverFull):
     """Decode on the spot, in the caller's loop."""
 
-    full = False
     in_flight = 0
 
     def receive(self, subscription: Subscription) -> int | None:
@@ -126,9 +134,6 @@ class InlineDecoder:
 
     def then(self, callback: Callable[[], None]) -> None:
         callback()
-
-    async def room(self) -> None:
-        return
 
     async def drained(self) -> None:
         return

@@ -49,7 +49,7 @@ from kvctl.core.events import (
     live_seq,
 )
 from kvctl.server.budget import SLICE_S
-from kvctl.server.decoder import Backpressure, Decoder, InlineDecoder, Subscription
+from kvctl.server.decoder import Backpressure, Decoder, InlineDecoder, NeverFull, Subscription
 from kvctl.server.schema_seen import Schema, SchemaSeen, sampled
 
 __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
@@ -171,7 +171,7 @@ class EngineStream:
         self._rcvhwm = rcvhwm
         self._decoder: Decoder = InlineDecoder() if decoder is None else decoder
         self._holds: tuple[Backpressure, ...] = (self._decoder,) if downstream is None else (self._decoder, downstream)
-        self._queue: Backpressure = InlineDecoder() if queue is None else queue  # (never full)
+        self._queue: Backpressure = NeverFull() if queue is None else queue
 
         self._sub: zmq.asyncio.Socket | None = None
         self._sub_sync: zmq.Socket[bytes] | None = None  # the same socket, read without a future per message
