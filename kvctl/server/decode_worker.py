@@ -30,7 +30,7 @@ _READ = 1 << 20
 _BURST = 64
 """Live messages taken from one socket before the others get a turn."""
 _IDLE_MS = 50
-"""After a burst, this long with nothing to read is the end of it."""
+"""While a trim is due but was too recent to repeat, how often to try again."""
 
 
 @dataclass(slots=True)
@@ -95,10 +95,12 @@ def serve(fd_in: int, fd_out: int) -> None:
     pending = bytearray()
     try:
         while True:
-            ready = receiver.poller.poll(_IDLE_MS if trimmer.due else None)
-            if not ready:
+            ready = receiver.poller.poll(0)
+            if not ready:  # caught up: give a burst's memory back (at most once a second), then wait
                 trimmer.idle()
-                continue
+                ready = receiver.poller.poll(_IDLE_MS if trimmer.due else None)
+                if not ready:
+                    continue
             for item, _ in ready:
                 out: list[bytes] = []
                 if item == fd_in:
