@@ -19,11 +19,14 @@ Answers (child -> router): u32 LE body length, u8 origin, body.
   - origin 1 (`LIVE`): a message received on stream `key`: msgpack `[key, seq, sample, answer]`,
     `seq` nil when the frames carry none (then `answer` is `[kind]`), `sample` the raw payload when
     the stream's schema samples this message (`kvctl.server.schema_seen.sampled`), else nil.
+  - origin 2 (`REFUSED`): the child could not subscribe for stream `key`: msgpack `[key, why]`; the
+    stream reads its own socket, where the same error shows as it would have without a child.
 """
 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -45,7 +48,7 @@ from kvctl.core.events import (
 HEADER = struct.Struct("<II")
 ANSWER = struct.Struct("<IB")
 CONTROL = 0
-REQUEST, LIVE = 0, 1
+REQUEST, LIVE, REFUSED = 0, 1, 2
 
 _TIERS = {t.value: t for t in Tier}
 _ENCODE = msgspec.msgpack.Encoder().encode
@@ -56,6 +59,14 @@ _CLEARED = Cleared()
 Live = tuple[int, int | None, bytes | None, EngineBatch | ErrorKind]
 """A live message the child received: (key, seq, sample, decoded batch or error kind), as on the wire.
 A plain tuple, told from a request's answer by its type: one is built per engine message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The child could not subscribe for stream `key` (see the module docstring)."""
+
+    key: int
+    why: str
 
 
 def control(command: list[Any]) -> bytes:
@@ -107,6 +118,11 @@ def live_answer(key: int, frames: list[bytes], block_size: int, sample: bool) ->
     return ANSWER.pack(len(body), LIVE) + body
 
 
+def refused(key: int, why: str) -> bytes:
+    body = _ENCODE([key, why])
+    return ANSWER.pack(len(body), REFUSED) + body
+
+
 def _decoded(payload: bytes, block_size: int) -> list[Any]:
     try:
         batch = decode_engine_batch(payload, default_block_size=block_size)
@@ -123,9 +139,12 @@ def _event(event: EventData) -> list[Any]:
     return [2]
 
 
-def split_answers(buf: bytearray) -> list[EngineBatch | ErrorKind | Live]:
+Answer = EngineBatch | ErrorKind | Live | Refused
+
+
+def split_answers(buf: bytearray) -> list[Answer]:
     """Complete answers at the head of `buf`, in order; consumed bytes are removed."""
-    out: list[EngineBatch | ErrorKind | Live] = []
+    out: list[Answer] = []
     at = 0
     size = len(buf)
     with memoryview(buf) as view:
@@ -139,6 +158,8 @@ def split_answers(buf: bytearray) -> list[EngineBatch | ErrorKind | Live]:
             if origin == LIVE:
                 key, seq, sample, inner = body
                 out.append((key, seq, sample, read_answer(inner)))
+            elif origin == REFUSED:
+                out.append(Refused(*body))
             else:
                 out.append(read_answer(body))
             at = end

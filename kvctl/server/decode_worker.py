@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvctl.gc_tuning import tune_gc
-from kvctl.server.decode_wire import CONTROL, answer, live_answer, read_control, split_requests
+from kvctl.server.decode_wire import CONTROL, answer, live_answer, read_control, refused, split_requests
 from kvctl.server.memory import BurstTrimmer
 from kvctl.server.schema_seen import sampled
 
@@ -49,7 +49,7 @@ class _Receiver:
         self.subs: dict[zmq.Socket[bytes], _Sub] = {}
         self.by_key: dict[int, zmq.Socket[bytes]] = {}
 
-    def command(self, command: list[object]) -> None:
+    def command(self, command: list[object], out: list[bytes]) -> None:
         verb, key = command[0], command[1]
         assert isinstance(key, int)
         if verb == "open":
@@ -57,10 +57,15 @@ class _Receiver:
             assert isinstance(endpoint, str) and isinstance(topic, str)
             assert isinstance(rcvhwm, int) and isinstance(block_size, int)
             sub = self.context.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, rcvhwm)
-            sub.setsockopt_string(zmq.SUBSCRIBE, topic)
-            sub.connect(endpoint)
+            try:
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.RCVHWM, rcvhwm)
+                sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+                sub.connect(endpoint)
+            except zmq.ZMQError as exc:  # one stream's bad endpoint must not take the others down with us
+                sub.close(linger=0)
+                out.append(refused(key, f"cannot subscribe to {endpoint}: {exc}"))
+                return
             self.subs[sub] = _Sub(key, block_size)
             self.by_key[key] = sub
             self.poller.register(sub, zmq.POLLIN)
@@ -110,7 +115,7 @@ def serve(fd_in: int, fd_out: int) -> None:
                     pending += chunk
                     for payload, block_size in split_requests(pending):
                         if block_size == CONTROL:
-                            receiver.command(read_control(payload))
+                            receiver.command(read_control(payload), out)
                         else:
                             out.append(answer(payload, block_size))
                 else:

@@ -1,7 +1,7 @@
 """Where engine payloads are received and decoded: in the router's own loop, or in a child process beside it.
 
-Receiving a batch from ZMQ and decoding it (msgpack, then one XXH3 per block of token ids) costs about
-three times what applying it does, and the router is one Python thread. With a spare core,
+Receiving a batch from ZMQ and decoding it (msgpack, then one XXH3 per block of token ids) costs more
+than applying it does, and the router is one Python thread. With a spare core,
 `ProcessDecoder` runs `python -m kvctl.server.decode_worker`, which subscribes to the engines the
 streams hand it (`receive`) and sends their messages back decoded, many per read, and decodes the
 payloads the router submits (replayed batches) in the same order they were submitted. Ingest runs on
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvctl.core.events import DecodeError, EngineBatch, ErrorKind, decode_engine_batch
-from kvctl.server.decode_wire import HEADER, Live, control, split_answers
+from kvctl.server.decode_wire import HEADER, Answer, Refused, control, split_answers
 
 __all__ = ["Backpressure", "Decoded", "Decoder", "DECODER_MODES", "InlineDecoder", "NeverFull", "OnLive",
            "ProcessDecoder", "Subscription", "make_decoder", "usable_cpus"]
@@ -83,15 +83,16 @@ class NeverFull:
 class Subscription:
     """What a stream asks the decode process to receive for it (see `Decoder.receive`).
 
-    `on_lost` is called when the decode process is gone and the stream must read its own socket;
-    `hold` is where the stream's batches go, which answers wait on while it is full."""
+    `on_lost(why)` is called when the decode process is gone, or could not subscribe, and the stream
+    must read its own socket; `hold` is where the stream's batches go, which answers wait on while it is
+    full."""
 
     endpoint: str
     topic: str
     rcvhwm: int
     block_size: int
     on_live: OnLive
-    on_lost: Callable[[], None]
+    on_lost: Callable[[str], None]
     hold: Backpressure
 
 
@@ -166,7 +167,7 @@ class ProcessDecoder:
         self.in_flight = 0
         self._outbox = bytearray()
         self._inbox = bytearray()
-        self._answers: deque[EngineBatch | ErrorKind | Live] = deque()  # read, not yet delivered
+        self._answers: deque[Answer] = deque()  # read, not yet delivered
         self._flush_soon = False
         self._waiting_to_write = False
         self._room = asyncio.Event()
@@ -188,13 +189,14 @@ class ProcessDecoder:
         return self.in_flight >= self._max_pending
 
     def receive(self, subscription: Subscription) -> int | None:
-        """Have the child subscribe for a stream; returns the key of its answers, None when the child is gone."""
-        if self._failure is not None:
+        """Have the child subscribe for a stream; returns the key of its answers, None when the stream must
+        read its own socket: the child is gone, or the endpoint is `inproc://` (the router's own context)."""
+        if self._failure is not None or subscription.endpoint.startswith("inproc://"):
             return None
         self._next_key += 1
         key = self._next_key
         self._subscriptions[key] = subscription
-        self._holds = list({id(s.hold): s.hold for s in self._subscriptions.values()}.values())
+        self._gather_holds()
         self._outbox += control(["open", key, subscription.endpoint, subscription.topic, subscription.rcvhwm,
                                  subscription.block_size])
         self._send_soon()
@@ -204,10 +206,13 @@ class ProcessDecoder:
         """Unsubscribe; answers of `key` still on their way are dropped."""
         if self._subscriptions.pop(key, None) is None:
             return
-        self._holds = list({id(s.hold): s.hold for s in self._subscriptions.values()}.values())
+        self._gather_holds()
         if self._failure is None:
             self._outbox += control(["close", key])
             self._send_soon()
+
+    def _gather_holds(self) -> None:
+        self._holds = list({id(s.hold): s.hold for s in self._subscriptions.values()}.values())
 
     def idle(self) -> bool:
         """Nothing submitted is unanswered, and nothing came from the child for `QUIET_S`."""
@@ -318,6 +323,13 @@ class ProcessDecoder:
                 if subscription is not None:  # else unsubscribed since
                     subscription.on_live(seq, result, sample)
                 continue
+            if type(answer) is Refused:
+                subscription = subscriptions.pop(answer.key, None)
+                if subscription is not None:
+                    self._gather_holds()
+                    holds = self._holds
+                    subscription.on_lost(answer.why)
+                continue
             payload_done = self._pending.popleft()
             assert isinstance(payload_done, tuple)
             self.in_flight -= 1
@@ -367,7 +379,7 @@ class ProcessDecoder:
         subscriptions, self._subscriptions = self._subscriptions, {}
         self._holds = []
         for subscription in subscriptions.values():
-            subscription.on_lost()
+            subscription.on_lost("the decode process is gone")
 
     def _stop_child(self) -> None:
         proc, self._proc = self._proc, None

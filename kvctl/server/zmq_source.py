@@ -280,8 +280,6 @@ class EngineStream:
         self._poller = zmq.asyncio.Poller()
         self._key = self._decoder.receive(Subscription(self.endpoint, self.topic, self._rcvhwm, self.block_size,
                                                        self._on_received, self._on_receiver_lost, self._queue))
-        if self._key is None:
-            self._open_sub()
         if self.replay_endpoint is not None:
             self._open_dealer()
 
@@ -296,13 +294,13 @@ class EngineStream:
         self._poller.register(sub, zmq.POLLIN)
         sub.connect(self.endpoint)
 
-    def _on_receiver_lost(self) -> None:
-        """The decode process is gone, and what it had received with it: read our own socket from now on."""
+    def _on_receiver_lost(self, why: str) -> None:
+        """The decode process does not receive for us (any more): read our own socket from now on. What it
+        had received and not sent is lost with it: the next message shows the gap."""
         self._key = None
-        if not self._closing and self._poller is not None:
-            log.warning("%s: the decode process is gone; receiving in the router", self._name())
-            self._open_sub()
-            self._wake.set()
+        if not self._closing:
+            log.warning("%s: %s; receiving in the router", self._name(), why)
+            self._wake.set()  # the serve loop opens the socket: a failure there ends run(), as it should
 
     def _open_dealer(self) -> None:
         assert self.replay_endpoint is not None and self._poller is not None
@@ -338,6 +336,8 @@ class EngineStream:
         loop = asyncio.get_running_loop()
         while not self._closing:
             assert self._poller is not None
+            if self._key is None and self._sub is None:  # ours to read: from the start, or since the child let go
+                self._open_sub()
             timeout_ms = None
             if self._replay is not None:
                 timeout_ms = max(0, int((self._replay.deadline - loop.time()) * 1000) + 1)

@@ -15,7 +15,7 @@ import pytest
 from kvctl.core.events import EngineBatch, ErrorKind, live_seq
 from kvctl.server import decoder as decoder_module
 from kvctl.server.decode_wire import answer, live_answer, read_answer, split_answers
-from kvctl.server.decoder import InlineDecoder, ProcessDecoder, decode_now, make_decoder
+from kvctl.server.decoder import InlineDecoder, NeverFull, ProcessDecoder, Subscription, decode_now, make_decoder
 from tests.fixtures_path import FIXTURES
 
 PAYLOADS = [p.read_bytes() for folder in ("vllm-0.33", "sglang-0.5.23", "vllm-legacy/0.23.0")
@@ -128,6 +128,28 @@ async def test_a_killed_decode_process_loses_nothing(process: ProcessDecoder) ->
     assert got == list(range(90))
     assert all(_same(r, decode_now(PAYLOADS[i % len(PAYLOADS)], 16)) for i, r in enumerate(results))
     assert "exited" in process.status()["failed"] or "cannot" in process.status()["failed"]
+
+
+async def test_a_stream_the_child_cannot_subscribe_for_is_handed_back_and_the_child_carries_on(
+    process: ProcessDecoder,
+) -> None:
+    lost: list[str] = []
+
+    def subscription(endpoint: str) -> Subscription:
+        return Subscription(endpoint, "", 1000, 16, lambda *_: None, lost.append, NeverFull())
+
+    assert process.receive(subscription("inproc://engine")) is None  # the router's own context: not the child's
+    assert process.receive(subscription("tcp://no-port")) is not None
+    deadline = time.monotonic() + 10
+    while not lost:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    assert len(lost) == 1 and lost[0].startswith("cannot subscribe to tcp://no-port: Invalid argument")
+    assert process.status()["receiving"] == 0 and process.status()["failed"] is None
+    got: list[EngineBatch | ErrorKind] = []
+    process.submit(PAYLOADS[0], 16, got.append)
+    await asyncio.wait_for(process.drained(), 10)
+    assert _same(got[0], decode_now(PAYLOADS[0], 16))
 
 
 async def test_the_decode_process_is_idle_once_quiet(process: ProcessDecoder) -> None:

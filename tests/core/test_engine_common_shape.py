@@ -1,0 +1,93 @@
+"""The typed pass over the common batch shape (`engine._decode_common`) agrees with the general walk
+(`engine._decode_any`) on every payload it accepts, and accepts what real vLLM >= 0.24 engines send.
+
+The typed pass exists for speed only; the walk is the reference. Inputs: the real captures, the same
+with fields replaced by values of every msgpack type (common-shaped batches with wrong values in them),
+and hostile mutations of the captures.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvctl.core.events import DecodeError, EngineBatch, engine
+from tests.core.test_events_fuzz import ENGINE_PAYLOADS, hostile
+from tests.fixtures_path import FIXTURES
+from tests.fuzz.junk import MSGPACK_SCALARS
+
+SETTINGS = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+VLLM = sorted((FIXTURES / "vllm-0.33").glob("*.msgpack"))
+
+_u64 = st.integers(0, 2**64 - 1)
+_odd = MSGPACK_SCALARS | st.sampled_from([-1, -(2**63), 2**32, True, False, b"\x01" * 8, 0])
+_hashes = st.lists(_u64, max_size=4) | st.lists(_u64 | _odd, max_size=4) | _odd
+_tokens = st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=70) | st.lists(
+    st.integers(-5, 2**32 + 5) | _odd, max_size=70) | _odd
+_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]) | _odd,
+    "block_hashes": _hashes,
+    "parent_block_hash": st.none() | _u64 | _odd,
+    "token_ids": _tokens,
+    "block_size": st.sampled_from([None, 1, 4, 16]) | _odd,
+    "lora_name": st.none() | st.text(max_size=6) | _odd,
+    "medium": st.sampled_from([None, "GPU", "cpu", "CPU_PINNED", "disk", "TAPE"]) | _odd,
+    "extra_keys": _odd,
+}
+
+
+@st.composite
+def _event(draw: st.DrawFn) -> dict[str, Any]:
+    """A map event with some of the fields, each valid or not."""
+    names = draw(st.lists(st.sampled_from(sorted(_FIELDS)), unique=True))
+    return {name: draw(_FIELDS[name]) for name in ["type", *names]}
+
+
+_batches = st.tuples(
+    st.floats() | st.integers(-(2**63), 2**64 - 1) | _odd,
+    st.lists(_event(), max_size=3),
+    st.none() | st.integers(-1, 2**32) | _odd,
+).flatmap(lambda t: st.sampled_from([list(t), list(t[:2]), [*t, 0]]))
+
+
+def _assert_agrees(payload: bytes) -> bool:
+    """True when the typed pass accepted the payload (and then agreed with the walk)."""
+    fast = engine._decode_common(payload, 16)
+    if fast is None:
+        return False
+    slow = engine._decode_any(payload, 16)  # raising here means the typed pass accepted a broken batch
+    assert isinstance(fast, EngineBatch) and not fast.errors
+    assert not slow.errors, slow.errors
+    assert fast.ts == slow.ts or (math.isnan(fast.ts) and math.isnan(slow.ts))
+    assert (fast.dp_rank, fast.events) == (slow.dp_rank, slow.events)
+    return True
+
+
+def test_real_vllm_batches_take_the_typed_pass_unless_their_hashes_are_bytes() -> None:
+    clean = {p.name: p.read_bytes() for p in VLLM if not engine._decode_any(p.read_bytes(), 16).errors}
+    assert len(clean) >= 5
+    taken = {name for name, payload in clean.items() if _assert_agrees(payload)}
+    assert set(clean) - taken == {"g_bytes_hashes.msgpack"}  # digests as bytes: the walk turns them into ints
+
+
+@SETTINGS
+@given(_batches)
+def test_common_shaped_batches_with_any_values_decode_as_the_walk_does(batch: list[Any]) -> None:
+    payload = msgspec.msgpack.encode(batch)
+    try:
+        _assert_agrees(payload)
+    except DecodeError:
+        raise AssertionError(f"the typed pass accepted a batch the walk rejects: {batch!r}") from None
+
+
+@SETTINGS
+@given(hostile(ENGINE_PAYLOADS, msgspec.msgpack.decode, msgspec.msgpack.encode))
+def test_hostile_payloads_decode_as_the_walk_does(payload: bytes) -> None:
+    try:
+        _assert_agrees(payload)
+    except DecodeError:
+        raise AssertionError(f"the typed pass accepted a payload the walk rejects: {payload!r}") from None
