@@ -37,6 +37,7 @@ from kvctl.server.endpoint import check_endpoint
 from kvctl.server.metrics import Metrics
 from kvctl.server.nats_plane import EventPlane
 from kvctl.server.openapi_doc import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE, complete, ref, replies
+from kvctl.server.route_protocol import route_protocol
 from kvctl.server.state import DEFAULT_MODEL, Fleet, UnknownModel, UnknownWorker, WorkerInfo
 from kvctl.server.streams import Streams
 
@@ -316,6 +317,12 @@ async def _invalid(_: Request, exc: Exception) -> Response:
     default handler failed on them with a 500), or be most of a 64 MB body."""
     assert isinstance(exc, RequestValidationError)
     return _json({"detail": [{"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]}, 422)
+
+
+def http_protocol(app: ASGIApp) -> type[asyncio.Protocol]:
+    """The uvicorn HTTP protocol to serve `app` (from `create_app`) with: plain routes answered in it."""
+    assert isinstance(app, _Front)
+    return route_protocol(app.routing.reply, app.max_body_bytes)
 
 
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,

@@ -26,7 +26,7 @@ from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.gc_tuning import tune_gc
 from kvctl.server import snapshot
-from kvctl.server.api import MAX_BODY_BYTES, create_app
+from kvctl.server.api import MAX_BODY_BYTES, create_app, http_protocol
 from kvctl.server.budget import RECLAIM_ENTRIES
 from kvctl.server.decoder import make_decoder
 from kvctl.server.memory import trim_heap
@@ -141,8 +141,8 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     # log_config=None: uvicorn's own lines go through the handler `--log-format` chose (JSON stays JSON).
     # Idle keep-alive connections live longer than the pools of common clients (aiohttp 15 s, httpx 5 s) so
     # the server is never the side that closes a connection a client is about to reuse.
-    server = _Server(uvicorn.Config(app, log_config=None, log_level=options.log_level, access_log=False,
-                                    lifespan="off", proxy_headers=False, server_header=False,
+    server = _Server(uvicorn.Config(app, http=http_protocol(app), log_config=None, log_level=options.log_level,
+                                    access_log=False, lifespan="off", proxy_headers=False, server_header=False,
                                     timeout_keep_alive=KEEPALIVE_IDLE_S))
     for info in options.engines:
         fleet.register(info)

@@ -4,7 +4,8 @@ Three generations of the same events reach a router: vLLM ≤ 0.23 sends positio
 vLLM ≥ 0.24 and SGLang send tagged maps, and hashes arrive as u64, signed i64 (SGLang) or raw
 digest bytes (vLLM with int hashes off). All of them decode through one walk over the untyped
 msgpack value, so a new engine field never breaks decoding and a bad event costs only itself:
-it is reported in `EngineBatch.errors` and the rest of its batch still applies.
+it is reported in `EngineBatch.errors` and the rest of its batch still applies. The shape nearly
+every batch has is first tried with a typed pass that gives the same answer faster, or gives up.
 
 Each `Stored` gets its `tokens_hashes` from the event's own token ids (Dynamo's local hash, with
 the LoRA name folded into the seed as Dynamo does); the engine's block hash stays an opaque id.
@@ -187,9 +188,10 @@ _COMMON = msgspec.msgpack.Decoder(_CommonBatch)
 def _decode_common(payload: bytes, default_block_size: int | None) -> EngineBatch | None:
     """The shape nearly every batch has (vLLM >= 0.24: `[ts, events, dp_rank]` of map events with u64
     hashes, every event sound), decoded by one typed msgspec pass instead of a walk over untyped values:
-    a quarter less work for the decode process. None for anything else, which `_decode_any` then decodes
-    and reports; the fields the typed pass does not check go through the same helpers as there, so the
-    two agree on every payload this one accepts (a property test holds them to it)."""
+    about 15% less work for a batch of stores, 60% less for one of removals. None for anything else,
+    which `_decode_any` then decodes and reports; the fields the typed pass does not check go through the
+    same helpers as there, so the two agree on every payload this one accepts (a property test holds
+    them to it)."""
     try:
         raw = _COMMON.decode(payload)
         events: list[EventData] = []

@@ -1,0 +1,115 @@
+"""Plain routes are answered inside the HTTP protocol, before it hands the connection back to the loop, with
+the bytes the app would have answered (the Date header aside); every other request still goes through uvicorn
+and the app. Driven through uvicorn's real protocol over an in-memory transport, as uvicorn's own tests do."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import uvicorn
+from uvicorn.server import ServerState
+
+from kvctl.server.api import create_app, http_protocol
+from kvctl.server.state import Fleet, WorkerInfo
+
+TOKENS = list(range(64))
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 50000), "sockname": ("127.0.0.1", 7433)}.get(name, default)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+
+
+def _connection(max_body_bytes: int = 1 << 20) -> tuple[asyncio.Protocol, _Transport]:
+    fleet = Fleet()
+    fleet.register(WorkerInfo(1, 0, "default"))
+    app = create_app(fleet, max_body_bytes=max_body_bytes)
+    config = uvicorn.Config(app, lifespan="off", proxy_headers=False, server_header=False, log_config=None)
+    protocol = http_protocol(app)(config=config, server_state=ServerState(), app_state={})
+    transport = _Transport()
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+def _request(path: str, body: bytes, *headers: str) -> bytes:
+    head = [f"POST {path} HTTP/1.1", "host: router", *headers]
+    if not any(h.lower().startswith("transfer-encoding") for h in headers):
+        head.append(f"content-length: {len(body)}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _without_date(response: bytes) -> bytes:
+    return re.sub(rb"date: [^\r]*\r\n", b"", bytes(response))
+
+
+async def _answer(path: str, body: bytes, *headers: str) -> tuple[bytes, bool]:
+    """(the response, whether it was written before data_received returned)."""
+    protocol, transport = _connection()
+    protocol.data_received(_request(path, body, *headers))
+    at_once = bool(transport.written)
+    for _ in range(50):
+        if transport.written.endswith(b"}"):
+            break
+        await asyncio.sleep(0.01)
+    return _without_date(transport.written), at_once
+
+
+BODIES = [
+    json.dumps({"token_ids": TOKENS}).encode(),
+    json.dumps({"token_ids": TOKENS, "explain": True}).encode(),
+    b"{",
+    json.dumps({"token_ids": [1], "local_hashes": [2]}).encode(),
+    json.dumps({"token_ids": [-1]}).encode(),
+    json.dumps({"model": "nope", "token_ids": TOKENS}).encode(),
+]
+
+
+async def test_plain_routes_are_answered_in_the_protocol_as_the_app_answers_them() -> None:
+    for body in BODIES:
+        fast, at_once = await _answer("/v1/route", body)
+        slow, slow_at_once = await _answer("/v1/route?", body)  # a query string: through the app
+        assert at_once and not slow_at_once
+        assert fast == slow, body
+        assert fast.startswith(b"HTTP/1.1 ") and b"content-type: application/json\r\n" in fast
+
+
+async def test_other_routes_go_through_the_app() -> None:
+    body = json.dumps({"token_ids": TOKENS}).encode()
+    for headers in (["expect: 100-continue"], ["transfer-encoding: chunked"]):
+        wire = body if "chunked" not in headers[0] else b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        response, at_once = await _answer("/v1/route", wire, *headers)
+        assert not at_once and b'"worker_id":1' in response, headers
+    protocol, transport = _connection(max_body_bytes=100)  # over the cap: the app's 413
+    protocol.data_received(_request("/v1/route", body))
+    await asyncio.sleep(0.05)
+    assert transport.written.startswith(b"HTTP/1.1 413 ")
+
+
+async def test_keep_alive_and_close_are_kept() -> None:
+    protocol, transport = _connection()
+    body = json.dumps({"token_ids": TOKENS}).encode()
+    protocol.data_received(_request("/v1/route", body) * 2)  # two requests in one read, both answered
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 2 and not transport.closed
+    protocol.data_received(_request("/v1/route", body, "connection: close"))
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 3 and transport.closed
+    assert transport.written.endswith(b"}") and b"connection: close\r\n" in transport.written
