@@ -6,7 +6,8 @@ headers and the body written apart) was as much again. For a plain `POST /v1/rou
 a Content-Length within the body cap, no `Expect: 100-continue`, nothing else in flight on the
 connection) this protocol reads the body as the parser hands it over, answers with the same
 `_Routing.reply` as the ASGI path, and writes the response in one piece. Every other request, a route
-that is none of those included, goes through uvicorn and the app as before.
+that is none of those included (or one to a client that has stopped reading its answers), goes through
+uvicorn and the app as before.
 
 It subclasses uvicorn's httptools protocol, pinned to its minor version in pyproject.toml; the tests
 hold its answers to the ASGI path's, headers included.
@@ -49,9 +50,9 @@ def route_protocol(reply: Reply, max_body_bytes: int) -> type[HttpToolsProtocol]
 
         def _takes_route(self) -> bool:
             if (self.url != _ROUTE or self.expect_100_continue or self.parser.get_method() != b"POST"
-                    or self.parser.get_http_version() != "1.1"
+                    or self.parser.get_http_version() != "1.1" or self.flow.write_paused
                     or not (self.cycle is None or self.cycle.response_complete)):
-                return False
+                return False  # the app's path: it also waits for a client that does not read its answers
             length = None
             for name, value in self.headers:
                 if name == b"transfer-encoding":

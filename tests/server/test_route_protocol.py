@@ -99,6 +99,13 @@ async def test_other_routes_go_through_the_app() -> None:
         wire = body if "chunked" not in headers[0] else b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
         response, at_once = await _answer("/v1/route", wire, *headers)
         assert not at_once and b'"worker_id":1' in response, headers
+    protocol, transport = _connection()
+    protocol.pause_writing()  # a client that stopped reading: the app's path, which waits for it
+    protocol.data_received(_request("/v1/route", body))
+    assert not transport.written
+    protocol.resume_writing()
+    await asyncio.sleep(0.05)
+    assert b'"worker_id":1' in transport.written
     protocol, transport = _connection(max_body_bytes=100)  # over the cap: the app's 413
     protocol.data_received(_request("/v1/route", body))
     await asyncio.sleep(0.05)
