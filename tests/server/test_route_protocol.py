@@ -117,6 +117,8 @@ async def test_keep_alive_and_close_are_kept() -> None:
     body = json.dumps({"token_ids": TOKENS}).encode()
     protocol.data_received(_request("/v1/route", body) * 2)  # two requests in one read, both answered
     assert transport.written.count(b"HTTP/1.1 200 OK") == 2 and not transport.closed
+    idle_timers = [h for h in asyncio.get_running_loop()._scheduled if not h.cancelled()]  # type: ignore[attr-defined]
+    assert len(idle_timers) == 1  # one idle timeout armed, not one per answer
     protocol.data_received(_request("/v1/route", body, "connection: close"))
     assert transport.written.count(b"HTTP/1.1 200 OK") == 3 and transport.closed
     assert transport.written.endswith(b"}") and b"connection: close\r\n" in transport.written
