@@ -86,6 +86,31 @@ def stop(proc: subprocess.Popen[Any]) -> None:
             proc.wait(10)
 
 
+def process_tree(pid: int) -> list[int]:
+    """pid and its descendants (the router's decode process among them)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+    return found
+
+
+@contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """SIGSTOP pid and its descendants for the block, then SIGCONT them."""
+    pids = process_tree(pid)
+    for p in pids:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in pids:
+            os.kill(p, signal.SIGCONT)
+
+
 @contextmanager
 def router(state_dir: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], httpx.Client, Path]]:
     """A real `kvctl serve` on a free port; its log goes to a file (a pipe nobody reads would stall it)."""
@@ -265,15 +290,13 @@ def test_engine_sigkilled_and_restarted_on_the_same_ports(tmp_path: Path) -> Non
             flows[0].join(10)
             assert flows[0].failed is not None  # its requests were cut off: it really died mid-flow
             # The new engine (same ports, cold cache, seq from 0) serves its first requests before the
-            # router's SUB has reconnected: held still here, so that those batches surely go nowhere.
-            serve.send_signal(signal.SIGSTOP)
-            try:
+            # router's SUB has reconnected: the router and its decode process (which holds the SUB where
+            # there are two cores) are held still here, so that those batches surely go nowhere.
+            with frozen(serve.pid):
                 one.start()
                 early = [prompt(n) for n in range(1500, 1503)]
                 for tokens in early:
                     one.generate(tokens)
-            finally:
-                serve.send_signal(signal.SIGCONT)
             # Then old prompts again and new ones; the router, reconnected, sees the seq go back.
             again = early + flows[0].done[:3] + [prompt(n) for n in range(1503, 1506)]
             for tokens in again[len(early):]:
