@@ -179,6 +179,8 @@ class _Routing:
             body = _ROUTE_BODY.decode(raw)
         except msgspec.DecodeError as exc:  # ValidationError included: say which field, like a 422 from pydantic
             return _error_bytes(422, f"invalid route request: {exc}")
+        except UnicodeDecodeError as exc:  # msgspec raises it for bad UTF-8 inside a JSON string
+            return _error_bytes(400, f"invalid route request: the body is not UTF-8 ({exc.reason} at byte {exc.start})")
         if body.local_hashes and max(body.local_hashes) > 2**64 - 1:
             return _error_bytes(422, "local_hashes must be u64 (< 2^64)")
         if not all(math.isfinite(v) for v in (body.overlap_score_weight, body.temperature) if v is not None):

@@ -112,6 +112,8 @@ async def test_route_explain_and_errors(client: httpx.AsyncClient) -> None:
     assert (await client.post("/v1/route", json={"local_hashes": [2**64]})).status_code == 422
     assert (await client.post("/v1/route", json={"token_ids": [1], "tokens": [1]})).status_code == 422
     assert (await client.post("/v1/route", content=b"{")).status_code == 422
+    not_utf8 = await client.post("/v1/route", content=b'{"model": "\x80"}')
+    assert not_utf8.status_code == 400 and "not UTF-8" in not_utf8.json()["error"]
     assert (await client.post("/v1/route", json={"token_ids": [1], "temperature": -1})).status_code == 422
     assert (await client.post("/v1/route", json={"token_ids": TOKENS, "reserve": True})).status_code == 400
     r = await client.post("/v1/route", json={"model": "nope", "token_ids": TOKENS})
