@@ -102,8 +102,8 @@ class BusyBody(BaseModel):
     active_prefill_tokens_threshold_frac: float | None = None
 
 
-def _dumps(body: Any) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
+_dumps = msgspec.json.Encoder().encode
+"""Compact JSON, ten times faster than the json module's; NaN and infinities (never in a reply) would be null."""
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -173,6 +173,15 @@ class _Routing:
 
     def __init__(self, fleet: Fleet, metrics: Metrics, clock: Callable[[], float]) -> None:
         self.fleet, self.metrics, self.clock = fleet, metrics, clock
+        # Each model's histogram children, looked up once: `labels()` takes a lock and builds a key per call.
+        self._observers: dict[str, tuple[Callable[[float], None], Callable[[float], None]]] = {}
+
+    def _observe(self, model: str) -> tuple[Callable[[float], None], Callable[[float], None]]:
+        observers = self._observers.get(model)
+        if observers is None:  # only models that routed get here: an unknown one was refused before
+            observers = self._observers[model] = (self.metrics.route_seconds.labels(model).observe,
+                                                  self.metrics.predicted_hit.labels(model).observe)
+        return observers
 
     def reply(self, raw: bytes) -> tuple[int, bytes]:
         try:
@@ -183,7 +192,8 @@ class _Routing:
             return _error_bytes(400, f"invalid route request: the body is not UTF-8 ({exc.reason} at byte {exc.start})")
         if body.local_hashes and max(body.local_hashes) > 2**64 - 1:
             return _error_bytes(422, "local_hashes must be u64 (< 2^64)")
-        if not all(math.isfinite(v) for v in (body.overlap_score_weight, body.temperature) if v is not None):
+        if ((body.overlap_score_weight is not None or body.temperature is not None)
+                and not all(math.isfinite(v) for v in (body.overlap_score_weight, body.temperature) if v is not None)):
             return _error_bytes(422, "overlap_score_weight and temperature must be finite")
         if (body.token_ids is None) == (body.local_hashes is None):
             return _error_bytes(400, "give exactly one of token_ids and local_hashes")
@@ -197,10 +207,10 @@ class _Routing:
                 overlap_score_weight=body.overlap_score_weight, temperature=body.temperature)
         except (UnknownModel, AllBusy, NoCandidates) as exc:
             return _error_bytes(*_refusal(exc, self.fleet))
-        self.metrics.route_seconds.labels(body.model).observe(time.perf_counter() - started)
+        route_seconds, predicted_hit = self._observe(body.model)
+        route_seconds(time.perf_counter() - started)
         if decision.required_blocks:
-            self.metrics.predicted_hit.labels(body.model).observe(
-                min(1.0, decision.overlap_blocks / decision.required_blocks))
+            predicted_hit(min(1.0, decision.overlap_blocks / decision.required_blocks))
         out: dict[str, Any] = {
             "worker_id": decision.worker[0], "dp_rank": decision.worker[1],
             "overlap_blocks": decision.overlap_blocks, "required_blocks": decision.required_blocks,

@@ -60,6 +60,8 @@ class RouterConfig:
 
     def override(self, *, overlap_score_weight: float | None = None, temperature: float | None = None) -> RouterConfig:
         """This config with a request's own weight / temperature where given."""
+        if overlap_score_weight is None and temperature is None:
+            return self  # the common case, on every route: a frozen dataclass costs its validation to build
         return RouterConfig(
             self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight,
             self.temperature if temperature is None else temperature,
