@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import math
 import os
 import re
 import time
@@ -192,9 +191,6 @@ class _Routing:
             return _error_bytes(400, f"invalid route request: the body is not UTF-8 ({exc.reason} at byte {exc.start})")
         if body.local_hashes and max(body.local_hashes) > 2**64 - 1:
             return _error_bytes(422, "local_hashes must be u64 (< 2^64)")
-        if ((body.overlap_score_weight is not None or body.temperature is not None)
-                and not all(math.isfinite(v) for v in (body.overlap_score_weight, body.temperature) if v is not None)):
-            return _error_bytes(422, "overlap_score_weight and temperature must be finite")
         if (body.token_ids is None) == (body.local_hashes is None):
             return _error_bytes(400, "give exactly one of token_ids and local_hashes")
         if body.reserve and not body.request_id:

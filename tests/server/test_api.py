@@ -112,6 +112,10 @@ async def test_route_explain_and_errors(client: httpx.AsyncClient) -> None:
     assert (await client.post("/v1/route", json={"local_hashes": [2**64]})).status_code == 422
     assert (await client.post("/v1/route", json={"token_ids": [1], "tokens": [1]})).status_code == 422
     assert (await client.post("/v1/route", content=b"{")).status_code == 422
+    for knob in ("overlap_score_weight", "temperature"):  # never infinite or NaN: JSON has neither, 1e400 overflows
+        for value, says in ((b"1e400", knob), (b"-1e400", knob), (b"NaN", "malformed"), (b"Infinity", "malformed")):
+            bad = await client.post("/v1/route", content=b'{"token_ids": [1], "%s": %s}' % (knob.encode(), value))
+            assert bad.status_code == 422 and says in bad.json()["error"], bad.text
     not_utf8 = await client.post("/v1/route", content=b'{"model": "\x80"}')
     assert not_utf8.status_code == 400 and "not UTF-8" in not_utf8.json()["error"]
     assert (await client.post("/v1/route", json={"token_ids": [1], "temperature": -1})).status_code == 422
