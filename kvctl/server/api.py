@@ -185,10 +185,10 @@ class _Routing:
     def reply(self, raw: bytes) -> tuple[int, bytes]:
         try:
             body = _ROUTE_BODY.decode(raw)
-        except msgspec.DecodeError as exc:  # ValidationError included: say which field, like a 422 from pydantic
+        # ValidationError included: say which field, like a 422 from pydantic. Bad UTF-8 inside a JSON string
+        # raises UnicodeDecodeError instead; it is as undecodable as any malformed body, so the same 422.
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             return _error_bytes(422, f"invalid route request: {exc}")
-        except UnicodeDecodeError as exc:  # msgspec raises it for bad UTF-8 inside a JSON string
-            return _error_bytes(400, f"invalid route request: the body is not UTF-8 ({exc.reason} at byte {exc.start})")
         if body.local_hashes and max(body.local_hashes) > 2**64 - 1:
             return _error_bytes(422, "local_hashes must be u64 (< 2^64)")
         if (body.token_ids is None) == (body.local_hashes is None):

@@ -117,7 +117,7 @@ async def test_route_explain_and_errors(client: httpx.AsyncClient) -> None:
             bad = await client.post("/v1/route", content=b'{"token_ids": [1], "%s": %s}' % (knob.encode(), value))
             assert bad.status_code == 422 and says in bad.json()["error"], bad.text
     not_utf8 = await client.post("/v1/route", content=b'{"model": "\x80"}')
-    assert not_utf8.status_code == 400 and "not UTF-8" in not_utf8.json()["error"]
+    assert not_utf8.status_code == 422 and "can't decode byte 0x80" in not_utf8.json()["error"], not_utf8.text
     assert (await client.post("/v1/route", json={"token_ids": [1], "temperature": -1})).status_code == 422
     assert (await client.post("/v1/route", json={"token_ids": TOKENS, "reserve": True})).status_code == 400
     r = await client.post("/v1/route", json={"model": "nope", "token_ids": TOKENS})
