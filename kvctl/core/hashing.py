@@ -9,8 +9,9 @@ notices, so this module follows Dynamo 1.6.1's `compute_block_hash_for_seq` exac
 - multimodal blocks append their mm hashes, sorted, as u64 LE after the token bytes;
 - sequence hash: seq[0] = local[0], seq[i] = XXH3-64(le64(seq[i-1]) ‖ le64(local[i]), 1337).
 
-The tokens are packed into one buffer per request (in C, by `array`), then hashed block by block
-through a memoryview: no per-token Python work.
+The tokens are packed into one buffer per request (in C, by `array`), then every block is hashed in one C
+call (`_native.xxh3_blocks`, the xxHash release the `xxhash` package wraps): no per-token or per-block Python
+work.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from functools import lru_cache
-from itertools import repeat
 
 from xxhash import xxh3_64_intdigest
+
+from kvctl.core._native import xxh3_blocks
 
 XXH3_SEED = 1337
 U64_MASK = (1 << 64) - 1
@@ -59,11 +60,6 @@ def pack_tokens(tokens: Sequence[int] | array) -> memoryview:
     return memoryview(packed).cast("B")
 
 
-@lru_cache(maxsize=256)
-def _block_slices(n_blocks: int, stride: int) -> tuple[slice, ...]:
-    return tuple(slice(i, i + stride) for i in range(0, n_blocks * stride, stride))
-
-
 def local_block_hashes(
     tokens: Sequence[int] | array,
     block_size: int,
@@ -77,13 +73,10 @@ def local_block_hashes(
     buf = pack_tokens(tokens)
     seed = lora_seed(lora_name)
     stride = 4 * block_size
-    n_blocks = len(buf) // stride
     if not mm_hashes:
-        data = buf.tobytes()  # slicing bytes is cheaper than slicing a memoryview, block by block
-        # Cut and hash in C loops (map over cached slice objects): a third less than a comprehension.
-        return list(map(xxh3_64_intdigest, map(data.__getitem__, _block_slices(n_blocks, stride)), repeat(seed)))
+        return xxh3_blocks(buf, stride, seed)
     out = []
-    for b in range(n_blocks):
+    for b in range(len(buf) // stride):
         chunk = buf[b * stride : (b + 1) * stride]
         extra = mm_hashes.get(b)
         if extra:

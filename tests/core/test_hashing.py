@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
+from kvctl.core._native import xxh3_blocks
 from kvctl.core.hashing import local_block_hashes, lora_seed, pack_tokens, sequence_hashes
 from tests.fixtures_path import FIXTURES
 
@@ -75,3 +76,11 @@ def test_matches_a_plain_per_block_reference(tokens: list[int], block_size: int)
     ]
     assert local_block_hashes(tokens, block_size) == expected
     assert bytes(pack_tokens(tokens)) == b"".join(t.to_bytes(4, "little") for t in tokens)
+
+
+@given(st.binary(max_size=3000), st.sampled_from([1, 4, 16, 17, 64, 128, 129, 240, 241, 256, 1024]),
+       st.integers(0, 2**64 - 1))
+def test_block_hashing_in_c_equals_the_xxhash_package(data: bytes, stride: int, seed: int) -> None:
+    """Strides span every XXH3 length class (≤16, ≤128, ≤240, long), where the algorithm changes."""
+    expected = [xxh3_64_intdigest(data[i : i + stride], seed=seed) for i in range(0, len(data) - stride + 1, stride)]
+    assert xxh3_blocks(data, stride, seed) == expected
