@@ -6,8 +6,8 @@
  * the digits once and writes the u32s straight into the result. Errors say what msgspec would have said for
  * `list[int]` with bounds [0, 2^32 - 1], so a bad token id reads the same as any other invalid field.
  *
- * xxh3_blocks: XXH3-64 of each consecutive block of a buffer, the same xxHash release the `xxhash` package
- * wraps (vendor/xxhash.h), without a Python call and a bytes slice per block.
+ * xxh3_blocks and xxh3_chain: a prompt's local and sequence hashes, with the same xxHash release the
+ * `xxhash` package wraps (vendor/xxhash.h), without a Python call and a bytes object per block.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -162,7 +162,45 @@ static PyObject *xxh3_blocks(PyObject *module, PyObject *const *args, Py_ssize_t
     return out;
 }
 
+static PyObject *xxh3_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "xxh3_chain(hashes, seed) takes 2 arguments");
+        return NULL;
+    }
+    const unsigned long long seed = PyLong_AsUnsignedLongLong(args[1]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "xxh3_chain needs a sequence of u64 hashes");
+    if (seq == NULL) return NULL;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(n);
+    uint64_t pair[2] = {0, 0}; /* the previous sequence hash and this block's local hash, as u64 LE */
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        const unsigned long long local = PyLong_AsUnsignedLongLong(items[i]);
+        if (local == (unsigned long long)-1 && PyErr_Occurred()) { Py_CLEAR(out); break; }
+        if (i == 0) {
+            pair[0] = local; /* the first block's sequence hash is its local hash, not rehashed */
+        } else {
+            pair[1] = local;
+            unsigned char bytes[16];
+            for (int k = 0; k < 8; k++) {
+                bytes[k] = (unsigned char)(pair[0] >> (8 * k));
+                bytes[8 + k] = (unsigned char)(pair[1] >> (8 * k));
+            }
+            pair[0] = XXH3_64bits_withSeed(bytes, sizeof bytes, seed);
+        }
+        PyObject *hash = PyLong_FromUnsignedLongLong(pair[0]);
+        if (hash == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, hash);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"xxh3_chain", (PyCFunction)(void (*)(void))xxh3_chain, METH_FASTCALL,
+     "xxh3_chain(local_hashes: Sequence[int], seed: int) -> list[int]\n\nDynamo's sequence hashes: the first "
+     "is the first local hash, then XXH3-64(le64(previous) || le64(local), seed)."},
     {"xxh3_blocks", (PyCFunction)(void (*)(void))xxh3_blocks, METH_FASTCALL,
      "xxh3_blocks(data: bytes-like, stride: int, seed: int) -> list[int]\n\nXXH3-64 (seeded) of each whole "
      "`stride`-byte block of `data`; a trailing partial block is not hashed."},

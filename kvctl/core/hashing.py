@@ -9,9 +9,9 @@ notices, so this module follows Dynamo 1.6.1's `compute_block_hash_for_seq` exac
 - multimodal blocks append their mm hashes, sorted, as u64 LE after the token bytes;
 - sequence hash: seq[0] = local[0], seq[i] = XXH3-64(le64(seq[i-1]) ‖ le64(local[i]), 1337).
 
-The tokens are packed into one buffer per request (in C, by `array`), then every block is hashed in one C
-call (`_native.xxh3_blocks`, the xxHash release the `xxhash` package wraps): no per-token or per-block Python
-work.
+The tokens are packed into one buffer per request (in C, by `array`); the blocks are hashed, and the hashes
+chained, in one C call each (`_native`, with the xxHash release the `xxhash` package wraps): no per-token or
+per-block Python work.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from xxhash import xxh3_64_intdigest
 
-from kvctl.core._native import xxh3_blocks
+from kvctl.core._native import xxh3_blocks, xxh3_chain
 
 XXH3_SEED = 1337
 U64_MASK = (1 << 64) - 1
 _U32_MAX = (1 << 32) - 1
-_PAIR = struct.Struct("<QQ")
 
 
 def lora_seed(lora_name: str | None) -> int:
@@ -87,13 +86,6 @@ def local_block_hashes(
 
 
 def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
-    """Dynamo's chained sequence hashes (the first block's is its local hash, not rehashed)."""
-    if not local_hashes:
-        return []
-    out = [local_hashes[0]]
-    prev = local_hashes[0]
-    pack = _PAIR.pack
-    for h in local_hashes[1:]:
-        prev = xxh3_64_intdigest(pack(prev, h), seed=XXH3_SEED)
-        out.append(prev)
-    return out
+    """Dynamo's chained sequence hashes (the first block's is its local hash, not rehashed); OverflowError for a
+    hash outside u64."""
+    return xxh3_chain(local_hashes, XXH3_SEED)

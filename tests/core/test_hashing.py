@@ -84,3 +84,19 @@ def test_block_hashing_in_c_equals_the_xxhash_package(data: bytes, stride: int, 
     """Strides span every XXH3 length class (≤16, ≤128, ≤240, long), where the algorithm changes."""
     expected = [xxh3_64_intdigest(data[i : i + stride], seed=seed) for i in range(0, len(data) - stride + 1, stride)]
     assert xxh3_blocks(data, stride, seed) == expected
+
+
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=40))
+def test_sequence_hashes_chain_like_the_definition(local: list[int]) -> None:
+    expected, prev = [], None
+    for h in local:
+        prev = h if prev is None else xxh3_64_intdigest(prev.to_bytes(8, "little") + h.to_bytes(8, "little"), seed=1337)
+        expected.append(prev)
+    assert sequence_hashes(local) == expected
+    assert sequence_hashes(tuple(local)) == expected
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64])
+def test_sequence_hashes_refuse_hashes_outside_u64(bad: int) -> None:
+    with pytest.raises(OverflowError):
+        sequence_hashes([1, bad])
