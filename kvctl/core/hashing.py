@@ -29,6 +29,9 @@ XXH3_SEED = 1337
 U64_MASK = (1 << 64) - 1
 _U32_MAX = (1 << 32) - 1
 
+if array("I").itemsize != 4:  # pragma: no cover - no such platform is supported by CPython today
+    raise ImportError("kvctl needs a 4-byte unsigned int array type ('I'), which this platform lacks")
+
 
 def lora_seed(lora_name: str | None) -> int:
     """The XXH3 seed for a request: Dynamo mixes the LoRA name into the seed (it does not append it)."""
@@ -39,7 +42,7 @@ def lora_seed(lora_name: str | None) -> int:
 
 def pack_tokens(tokens: Sequence[int] | array) -> memoryview:
     """Token ids as one little-endian u32 buffer; rejects ids outside [0, 2^32) with ValueError."""
-    if isinstance(tokens, array) and tokens.typecode == "I" and tokens.itemsize == 4:
+    if isinstance(tokens, array) and tokens.typecode == "I":
         packed = tokens
     else:
         try:
@@ -51,8 +54,6 @@ def pack_tokens(tokens: Sequence[int] | array) -> memoryview:
         except OverflowError as exc:
             bad = next(t for t in tokens if not 0 <= t <= _U32_MAX)
             raise ValueError(f"token id {bad} is outside the u32 range [0, 2^32)") from exc
-    if array("I").itemsize != 4:  # pragma: no cover - no such platform is supported by CPython today
-        raise RuntimeError("this platform has no 4-byte unsigned int array type")
     if sys.byteorder == "big":  # pragma: no cover - exercised only on big-endian hosts
         packed = array("I", packed)
         packed.byteswap()
