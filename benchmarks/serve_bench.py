@@ -15,7 +15,9 @@ Per system, in turn, on the same workload (fresh sockets, seq from 0):
     The sentinel is published to kvctl too, so both get the same messages;
   - route latency of 2048-token requests (a system prompt + 1024 fresh tokens), client-observed over one
     keep-alive httpx.Client, after re-populating the stores (kvctl `POST /v1/route`, Dynamo `POST /query`);
-  - RSS per (worker, block) pair: server VmRSS after the stores minus before, over pairs.
+  - RSS per (worker, block) pair: server VmRSS after the stores minus before, over pairs;
+  - CPU seconds the server (every process and thread of it) spent on each ingest phase, polls included:
+    where publishers, server and client share few cores, a rate also says how much of them the server got.
 
     python benchmarks/serve_bench.py [--workers 16,128] [--pairs 100000] [--quick] [--no-oracle]
 
@@ -44,7 +46,7 @@ import httpx
 import msgspec
 import xxhash
 import zmq
-from _procs import Proc, rss_bytes  # noqa: E402
+from _procs import Proc, cpu_seconds, rss_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("KVCTL_FIXTURES", "/work/shared/fixtures")) / "vllm-0.33"
@@ -352,6 +354,7 @@ def run_system(kind: str, wl: Workload, requests: int, threads: int | None) -> d
             removed_done = lambda: server.holders(wl.sentinel_tokens) == 0  # noqa: E731
 
         out: dict[str, Any] = {}
+        cpu0 = cpu_seconds(proc.p.pid)
         t0 = time.perf_counter()
         publish(wl.order, wl.stores, wl.sentinel_store)
         t_pub = time.perf_counter()
@@ -359,6 +362,7 @@ def run_system(kind: str, wl: Workload, requests: int, threads: int | None) -> d
         rss1 = rss_bytes(proc.p.pid)
         out["store_blocks_per_s"] = round(wl.pairs / (t1 - t0))
         out["store_s"] = round(t1 - t0, 3)
+        out["store_cpu_s"] = round(cpu_seconds(proc.p.pid) - cpu0, 3)
         out["publish_s"] = round(t_pub - t0, 3)
         out["rss_before_mib"] = round(rss0 / 2**20, 1)
         out["rss_after_mib"] = round(rss1 / 2**20, 1)
@@ -368,11 +372,13 @@ def run_system(kind: str, wl: Workload, requests: int, threads: int | None) -> d
         if held != baseline + wl.pairs + W:
             out["count_mismatch"] = f"held {held}, expected {baseline + wl.pairs + W}"
 
+        cpu0 = cpu_seconds(proc.p.pid)
         t0 = time.perf_counter()
         publish(wl.remove_order, wl.removes, wl.sentinel_remove)
         t1 = wait_until(removed_done, WAIT_S, f"{kind}: removals", proc)
         out["remove_blocks_per_s"] = round(wl.pairs / (t1 - t0))
         out["remove_s"] = round(t1 - t0, 3)
+        out["remove_cpu_s"] = round(cpu_seconds(proc.p.pid) - cpu0, 3)
         held = server.count()
         if held != baseline:
             out["count_mismatch_after_removals"] = f"held {held}, expected {baseline}"
@@ -406,7 +412,8 @@ def run_system(kind: str, wl: Workload, requests: int, threads: int | None) -> d
         tmp.cleanup()
 
 
-RATIO_KEYS = ("store_blocks_per_s", "remove_blocks_per_s", "route_p50_ms", "route_p99_ms", "rss_bytes_per_pair")
+RATIO_KEYS = ("store_blocks_per_s", "remove_blocks_per_s", "store_cpu_s", "remove_cpu_s", "route_p50_ms",
+              "route_p99_ms", "rss_bytes_per_pair")
 
 
 def main() -> None:
