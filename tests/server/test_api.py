@@ -103,9 +103,13 @@ async def test_route_explain_and_errors(client: httpx.AsyncClient) -> None:
     assert cands[2]["overlap_by_tier"] == {"device": 1, "host_pinned": 0, "disk": 0, "external": 0}
     by_hash = await client.post("/v1/route", json={"local_hashes": local_block_hashes(TOKENS, 16)})
     assert by_hash.json()["worker_id"] == 1
+    # token_ids null is token_ids absent, as it was when msgspec decoded them
+    null_ids = await client.post("/v1/route", json={"token_ids": None, "local_hashes": local_block_hashes(TOKENS, 16)})
+    assert (null_ids.status_code, null_ids.json()["worker_id"]) == (200, 1)
     routes = {w["worker_id"]: w["routes"] for w in (await client.get("/v1/workers")).json()["workers"]}
-    assert routes == {1: 2, 2: 0, 3: 0}  # each decision counted on the worker it chose
+    assert routes == {1: 3, 2: 0, 3: 0}  # each decision counted on the worker it chose
     assert (await client.post("/v1/route", json={})).status_code == 400
+    assert (await client.post("/v1/route", json={"token_ids": None})).status_code == 400
     assert (await client.post("/v1/route", json={"token_ids": [1], "local_hashes": [1]})).status_code == 400
     assert (await client.post("/v1/route", json={"token_ids": [-1]})).status_code == 422
     assert (await client.post("/v1/route", json={"token_ids": [2**32]})).status_code == 422
