@@ -39,6 +39,7 @@ import zmq
 import zmq.asyncio
 
 from kvctl.core.events import (
+    TIER_VALUES,
     DecodeError,
     EngineBatch,
     ErrorKind,
@@ -596,7 +597,7 @@ class EngineStream:
         for event in batch.events:
             tier = getattr(event, "tier", None)
             if tier is not None:
-                schema.tiers.add(tier.value)
+                schema.tiers.add(TIER_VALUES[tier])
         key = (self.worker[0], batch.dp_rank)
         self._keys_seen.add(key)
         self._events += len(batch.events)

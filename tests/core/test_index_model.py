@@ -9,6 +9,7 @@ so the matched depth of a query for a worker is simply its longest held prefix o
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 
 import pytest
@@ -45,8 +46,9 @@ def stored(worker: Worker, parent: Path | None, paths: list[Path]) -> RouterEven
     return RouterEvent(worker[0], data, worker[1])
 
 
-def removed(worker: Worker, hashes: list[int]) -> RouterEvent:
-    return RouterEvent(worker[0], Removed(hashes), worker[1])
+def removed(worker: Worker, hashes: list[int], packed: bool = False) -> RouterEvent:
+    """`packed`: the hashes as an `array('Q')`, as the router's decode process hands them over."""
+    return RouterEvent(worker[0], Removed(array("Q", hashes) if packed else hashes), worker[1])
 
 
 def chain(parent: Path, symbols: Iterable[int]) -> list[Path]:
@@ -169,8 +171,8 @@ class IndexModel(RuleBasedStateMachine):
         assert {w: n for w, n in after.workers.items() if n} == {w: n for w, n in before.workers.items() if n}
 
     @precondition(lambda self: self.holders())
-    @rule(data=st.data(), count=st.integers(1, 4), unknown=st.booleans())
-    def remove_leaves(self, data: st.DataObject, count: int, unknown: bool) -> None:
+    @rule(data=st.data(), count=st.integers(1, 4), unknown=st.booleans(), packed=st.booleans())
+    def remove_leaves(self, data: st.DataObject, count: int, unknown: bool, packed: bool) -> None:
         """Evict `count` blocks tail-first in one event (each a leaf once the previous ones are gone)."""
         worker = data.draw(st.sampled_from(self.holders()), label="worker")
         held = set(self.model[worker])
@@ -184,14 +186,14 @@ class IndexModel(RuleBasedStateMachine):
         hashes = [engine_hash(p) for p in gone]
         if unknown:  # an unknown hash in the middle is counted, the rest still applied
             hashes.insert(len(hashes) // 2, engine_hash((5, 5, 5)))
-        result = self.index.apply(removed(worker, hashes))
+        result = self.index.apply(removed(worker, hashes, packed))
         assert result.status is (Status.block_not_found if unknown else Status.ok)
         assert (result.blocks, result.missing) == (len(gone), int(unknown))
         self.model[worker] = held
 
     @precondition(lambda self: self.holders())
-    @rule(data=st.data(), depth=st.integers(1, 12))
-    def evict_branch_leaf_first(self, data: st.DataObject, depth: int) -> None:
+    @rule(data=st.data(), depth=st.integers(1, 12), packed=st.booleans())
+    def evict_branch_leaf_first(self, data: st.DataObject, depth: int, packed: bool) -> None:
         """One event taking a leaf and its ancestors, deepest first, as an engine frees a request's blocks:
         runs that walk whole edges backwards, across edges, and stop at a block still needed elsewhere."""
         worker = data.draw(st.sampled_from(self.holders()), label="worker")
@@ -204,7 +206,7 @@ class IndexModel(RuleBasedStateMachine):
                 break
             held.discard(path)
             gone.append(path)
-        result = self.index.apply(removed(worker, [engine_hash(p) for p in gone]))
+        result = self.index.apply(removed(worker, [engine_hash(p) for p in gone], packed))
         assert result.status is Status.ok
         assert (result.blocks, result.missing) == (len(gone), 0)
         self.model[worker] = held

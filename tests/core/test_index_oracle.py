@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,7 +195,8 @@ def kvctl_event(op: Op, event_id: int) -> RouterEvent:
     if kind == "store":
         data: Stored | Removed | Cleared = Stored(op[3], [b for b, _ in op[4]], [t for _, t in op[4]])
     elif kind == "remove":
-        data = Removed(list(op[3]))
+        # every other removal packed, as the router's decode process hands them over
+        data = Removed(array("Q", op[3]) if event_id % 2 else list(op[3]))
     else:
         data = Cleared()
     return RouterEvent(op[1], data, op[2], event_id)

@@ -72,7 +72,7 @@ def _shape(event: EventData) -> tuple[Any, ...]:
     if isinstance(event, Stored):
         return ("Stored", event.parent_hash, event.block_hashes, event.tier)
     if isinstance(event, Removed):
-        return ("Removed", event.block_hashes, event.tier)
+        return ("Removed", list(event.block_hashes), event.tier)  # the decode process packs them
     assert isinstance(event, Cleared)
     return ("Cleared",)
 

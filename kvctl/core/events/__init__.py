@@ -23,10 +23,11 @@ from kvctl.core.events.engine import (
     tier_from_medium,
 )
 from kvctl.core.events.errors import DecodeError, ErrorKind
-from kvctl.core.events.types import Cleared, EventData, Removed, RouterEvent, Stored, Tier
+from kvctl.core.events.types import TIER_VALUES, Cleared, EventData, Removed, RouterEvent, Stored, Tier
 
 __all__ = [
     "END_SEQ",
+    "TIER_VALUES",
     "Cleared",
     "DecodeError",
     "EngineBatch",

@@ -2,11 +2,14 @@
 
 Hashes are unsigned 64-bit ints. A `Stored` keeps its blocks as two parallel lists (engine block
 hashes and local token hashes) because the index slices them into compressed edges; building one
-object per block would cost more than the index itself.
+object per block would cost more than the index itself. Codecs build lists; the router's decode process
+hands over local hashes and removed hashes as `array('Q')`, so the index gets them without an int per
+block (see `kvctl.server.decode_wire`). Anything that reads them takes either.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 
 import msgspec
@@ -21,15 +24,19 @@ class Tier(StrEnum):
     external = "external"
 
 
+TIER_VALUES: dict[Tier, str] = {t: t.value for t in Tier}
+"""Each tier's value, by dict lookup: an enum's `.value` is a Python-level property, slow once per event."""
+
+
 class Stored(msgspec.Struct, frozen=True, gc=False):
     parent_hash: int | None
     block_hashes: list[int]
-    tokens_hashes: list[int]
+    tokens_hashes: Sequence[int]
     tier: Tier = Tier.device
 
 
 class Removed(msgspec.Struct, frozen=True, gc=False):
-    block_hashes: list[int]
+    block_hashes: Sequence[int]
     tier: Tier = Tier.device
 
 
