@@ -40,6 +40,76 @@ static PyObject *invalid_json(Py_ssize_t at) {
     return NULL;
 }
 
+/* Parse the JSON array of u32s at s[i] (just past its '['), writing them to ids; the index just past its ']', or
+ * -1 with a ValueError set. ids must have room for every element (n / 2 + 1 is a bound). */
+static Py_ssize_t parse_u32_array(const unsigned char *s, const Py_ssize_t n, Py_ssize_t i, uint32_t *ids,
+                                  Py_ssize_t *count_out) {
+    Py_ssize_t count = 0;
+    while (i < n && is_ws(s[i])) i++;
+    if (i < n && s[i] == ']') { *count_out = 0; return i + 1; }
+    for (;;) {
+        while (i < n && is_ws(s[i])) i++;
+        if (i == n) { invalid_json(i); return -1; }
+        const Py_ssize_t start = i;
+        int negative = 0;
+        if (s[i] == '-') { negative = 1; i++; }
+        if (i == n || !is_digit(s[i])) {
+            const char *type = negative ? NULL : json_type(s[start]);
+            if (type == NULL) invalid_json(start);
+            else PyErr_Format(PyExc_ValueError, "Expected `int`, got `%s` - at `$.token_ids[%zd]`", type, count);
+            return -1;
+        }
+        unsigned long long value = 0;
+        int too_big = 0;
+        if (s[i] == '0') {
+            i++;
+        } else {
+            for (; i < n && is_digit(s[i]); i++) {
+                value = value * 10 + (unsigned long long)(s[i] - '0');
+                if (value > U32_MAX_VALUE) { too_big = 1; value = U32_MAX_VALUE + 1; }
+            }
+        }
+        int fractional = 0;
+        if (i < n && s[i] == '.') {
+            i++;
+            if (i == n || !is_digit(s[i])) { invalid_json(i); return -1; }
+            while (i < n && is_digit(s[i])) i++;
+            fractional = 1;
+        }
+        if (i < n && (s[i] == 'e' || s[i] == 'E')) {
+            i++;
+            if (i < n && (s[i] == '+' || s[i] == '-')) i++;
+            if (i == n || !is_digit(s[i])) { invalid_json(i); return -1; }
+            while (i < n && is_digit(s[i])) i++;
+            fractional = 1;
+        }
+        if (i < n && is_digit(s[i])) { invalid_json(i); return -1; } /* a leading zero: 01 */
+        if (fractional) {
+            PyErr_Format(PyExc_ValueError, "Expected `int`, got `float` - at `$.token_ids[%zd]`", count);
+            return -1;
+        }
+        if (negative && value != 0) {
+            PyErr_Format(PyExc_ValueError, "Expected `int` >= 0 - at `$.token_ids[%zd]`", count);
+            return -1;
+        }
+        if (too_big) {
+            PyErr_Format(PyExc_ValueError, "Expected `int` <= 4294967295 - at `$.token_ids[%zd]`", count);
+            return -1;
+        }
+        ids[count++] = (uint32_t)value;
+        while (i < n && is_ws(s[i])) i++;
+        if (i == n) { invalid_json(i); return -1; }
+        if (s[i] == ']') { *count_out = count; return i + 1; }
+        if (s[i] != ',') { invalid_json(i); return -1; }
+        i++;
+    }
+}
+
+/* A bytes object with room for the u32s of any array within n bytes of JSON. */
+static PyObject *u32_buffer(Py_ssize_t n) {
+    return PyBytes_FromStringAndSize(NULL, (n / 2 + 1) * (Py_ssize_t)sizeof(uint32_t));
+}
+
 static PyObject *u32_from_json(PyObject *module, PyObject *arg) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
@@ -57,71 +127,10 @@ static PyObject *u32_from_json(PyObject *module, PyObject *arg) {
         else PyErr_Format(PyExc_ValueError, "Expected `array`, got `%s` - at `$.token_ids`", type);
         goto done;
     }
-    i++;
-    /* Every element but the last takes at least two bytes (a digit and a comma): a bound on the count. */
-    out = PyBytes_FromStringAndSize(NULL, (n / 2 + 1) * (Py_ssize_t)sizeof(uint32_t));
+    out = u32_buffer(n);
     if (out == NULL) goto done;
-    uint32_t *ids = (uint32_t *)PyBytes_AS_STRING(out);
-
-    while (i < n && is_ws(s[i])) i++;
-    if (i < n && s[i] == ']') { i++; goto closed; }
-    for (;;) {
-        while (i < n && is_ws(s[i])) i++;
-        if (i == n) { invalid_json(i); goto fail; }
-        const Py_ssize_t start = i;
-        int negative = 0;
-        if (s[i] == '-') { negative = 1; i++; }
-        if (i == n || !is_digit(s[i])) {
-            const char *type = negative ? NULL : json_type(s[start]);
-            if (type == NULL) invalid_json(start);
-            else PyErr_Format(PyExc_ValueError, "Expected `int`, got `%s` - at `$.token_ids[%zd]`", type, count);
-            goto fail;
-        }
-        unsigned long long value = 0;
-        int too_big = 0;
-        if (s[i] == '0') {
-            i++;
-        } else {
-            for (; i < n && is_digit(s[i]); i++) {
-                value = value * 10 + (unsigned long long)(s[i] - '0');
-                if (value > U32_MAX_VALUE) { too_big = 1; value = U32_MAX_VALUE + 1; }
-            }
-        }
-        int fractional = 0;
-        if (i < n && s[i] == '.') {
-            i++;
-            if (i == n || !is_digit(s[i])) { invalid_json(i); goto fail; }
-            while (i < n && is_digit(s[i])) i++;
-            fractional = 1;
-        }
-        if (i < n && (s[i] == 'e' || s[i] == 'E')) {
-            i++;
-            if (i < n && (s[i] == '+' || s[i] == '-')) i++;
-            if (i == n || !is_digit(s[i])) { invalid_json(i); goto fail; }
-            while (i < n && is_digit(s[i])) i++;
-            fractional = 1;
-        }
-        if (i < n && is_digit(s[i])) { invalid_json(i); goto fail; } /* a leading zero: 01 */
-        if (fractional) {
-            PyErr_Format(PyExc_ValueError, "Expected `int`, got `float` - at `$.token_ids[%zd]`", count);
-            goto fail;
-        }
-        if (negative && value != 0) {
-            PyErr_Format(PyExc_ValueError, "Expected `int` >= 0 - at `$.token_ids[%zd]`", count);
-            goto fail;
-        }
-        if (too_big) {
-            PyErr_Format(PyExc_ValueError, "Expected `int` <= 4294967295 - at `$.token_ids[%zd]`", count);
-            goto fail;
-        }
-        ids[count++] = (uint32_t)value;
-        while (i < n && is_ws(s[i])) i++;
-        if (i == n) { invalid_json(i); goto fail; }
-        if (s[i] == ']') { i++; break; }
-        if (s[i] != ',') { invalid_json(i); goto fail; }
-        i++;
-    }
-closed:
+    i = parse_u32_array(s, n, i + 1, (uint32_t *)PyBytes_AS_STRING(out), &count);
+    if (i < 0) goto fail;
     while (i < n && is_ws(s[i])) i++;
     if (i != n) { invalid_json(i); goto fail; }
     if (_PyBytes_Resize(&out, count * (Py_ssize_t)sizeof(uint32_t)) < 0) out = NULL;
@@ -131,6 +140,55 @@ fail:
 done:
     PyBuffer_Release(&view);
     return out;
+}
+
+static const char TOKEN_IDS_KEY[] = "\"token_ids\"";
+
+/* A route body that opens with its token ids, read in one pass: (u32 bytes, offset of what follows), where
+ * what follows is the next member's opening quote or the closing brace; None for any other body, or one
+ * whose array is not sound (the caller's general path then reads it, and words its error). */
+static PyObject *u32_head_of_object(PyObject *module, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *s = view.buf;
+    const Py_ssize_t n = view.len;
+    const Py_ssize_t key = (Py_ssize_t)(sizeof TOKEN_IDS_KEY - 1);
+    PyObject *result = NULL, *out = NULL;
+    Py_ssize_t i = 0, count = 0;
+
+    while (i < n && is_ws(s[i])) i++;
+    if (i == n || s[i] != '{') goto other;
+    i++;
+    while (i < n && is_ws(s[i])) i++;
+    if (n - i < key || memcmp(s + i, TOKEN_IDS_KEY, (size_t)key) != 0) goto other;
+    i += key;
+    while (i < n && is_ws(s[i])) i++;
+    if (i == n || s[i] != ':') goto other;
+    i++;
+    while (i < n && is_ws(s[i])) i++;
+    if (i == n || s[i] != '[') goto other;
+    out = u32_buffer(n);
+    if (out == NULL) goto done;
+    i = parse_u32_array(s, n, i + 1, (uint32_t *)PyBytes_AS_STRING(out), &count);
+    if (i < 0) { PyErr_Clear(); goto other; }
+    while (i < n && is_ws(s[i])) i++;
+    if (i < n && s[i] == ',') {
+        i++;
+        while (i < n && is_ws(s[i])) i++;
+        if (i == n || s[i] != '"') goto other; /* a trailing comma, or worse */
+    } else if (i == n || s[i] != '}') {
+        goto other;
+    }
+    if (_PyBytes_Resize(&out, count * (Py_ssize_t)sizeof(uint32_t)) < 0) { out = NULL; goto done; }
+    result = Py_BuildValue("(Nn)", out, i);
+    out = NULL;
+    goto done;
+other:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(out);
+    PyBuffer_Release(&view);
+    return result;
 }
 
 static PyObject *xxh3_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -207,6 +265,10 @@ static PyMethodDef methods[] = {
     {"u32_from_json", u32_from_json, METH_O,
      "u32_from_json(json: bytes-like) -> bytes\n\nA JSON array of integers in [0, 2^32) as native-endian u32 bytes; "
      "ValueError, worded like msgspec's, for anything else."},
+    {"u32_head_of_object", u32_head_of_object, METH_O,
+     "u32_head_of_object(json: bytes-like) -> tuple[bytes, int] | None\n\nFor an object that opens with a "
+     "sound `\"token_ids\"` array of u32s: those (as u32_from_json gives them) and the offset of what follows the "
+     "array and its comma (the next member's quote, or the closing brace). None for anything else."},
     {NULL, NULL, 0, NULL},
 };
 

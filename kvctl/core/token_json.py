@@ -10,7 +10,7 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING
 
-from kvctl.core._native import u32_from_json
+from kvctl.core._native import u32_from_json, u32_head_of_object
 
 if TYPE_CHECKING:  # collections.abc.Buffer from Python 3.12 on
     from typing_extensions import Buffer
@@ -21,3 +21,16 @@ def token_ids_from_json(raw: Buffer) -> array:
     ids = array("I")
     ids.frombytes(u32_from_json(raw))
     return ids
+
+
+def token_ids_at_head(raw: bytes) -> tuple[array, bytes] | None:
+    """For a JSON object that opens with a sound `"token_ids"` array, as clients write a route request: those
+    ids, and the object's other members as an object of their own, to decode without reading the array twice.
+    None for any other body, to be read whole (which also words any error)."""
+    head = u32_head_of_object(raw)
+    if head is None:
+        return None
+    packed, rest = head
+    ids = array("I")
+    ids.frombytes(packed)
+    return ids, b"{" + raw[rest:]

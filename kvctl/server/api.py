@@ -12,6 +12,7 @@ import json
 import os
 import re
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -31,7 +32,7 @@ from kvctl.core.events.errors import DecodeError
 from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
 from kvctl.core.router.scoring import NoCandidates
-from kvctl.core.token_json import token_ids_from_json
+from kvctl.core.token_json import token_ids_at_head, token_ids_from_json
 from kvctl.server.budget import SLICE_S
 from kvctl.server.endpoint import check_endpoint
 from kvctl.server.metrics import Metrics
@@ -89,6 +90,32 @@ class RouteBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _ROUTE_BODY = msgspec.json.Decoder(RouteBody)
+
+
+def read_route_body(raw: bytes) -> tuple[RouteBody, array | None]:
+    """A route request and its token ids (None: not given); msgspec.DecodeError or ValueError when invalid.
+
+    A body that opens with its token ids (as clients send them) has them read in one pass, and only its
+    other members go through msgspec; any other body, or one where that reading has any doubt (an error,
+    a second `token_ids`), is read whole, so both readings agree on every body."""
+    head = token_ids_at_head(raw)
+    if head is not None:
+        token_ids, rest = head
+        try:
+            body = _ROUTE_BODY.decode(rest)
+        except ValueError:  # msgspec.DecodeError included; read whole below, which words the error
+            pass
+        else:
+            if body.token_ids is msgspec.UNSET:
+                return body, token_ids
+    return read_route_body_whole(raw)
+
+
+def read_route_body_whole(raw: bytes) -> tuple[RouteBody, array | None]:
+    """`read_route_body` for any body: msgspec keeps the token ids raw, the C reader reads them."""
+    body = _ROUTE_BODY.decode(raw)
+    raw_ids = body.token_ids
+    return body, None if raw_ids is msgspec.UNSET or raw_ids == _JSON_NULL else token_ids_from_json(raw_ids)
 
 
 class ResetBody(_Body):
@@ -178,6 +205,7 @@ class _Routing:
         self.fleet, self.metrics, self.clock = fleet, metrics, clock
         # Each model's histogram children, looked up once: `labels()` takes a lock and builds a key per call.
         self._observers: dict[str, tuple[Callable[[float], None], Callable[[float], None]]] = {}
+        self._unobserved: list[tuple[str, float, float | None]] = []  # (model, seconds, predicted hit rate)
 
     def _observe(self, model: str) -> tuple[Callable[[float], None], Callable[[float], None]]:
         observers = self._observers.get(model)
@@ -186,11 +214,20 @@ class _Routing:
                                                   self.metrics.predicted_hit.labels(model).observe)
         return observers
 
+    def observe(self) -> None:
+        """Record the routes answered since the last call in the metrics: called once their answers are
+        written, so that the client does not wait on it (two histogram updates, each taking a lock), and
+        before the metrics are read."""
+        unobserved, self._unobserved = self._unobserved, []
+        for model, seconds, hit in unobserved:
+            route_seconds, predicted_hit = self._observe(model)
+            route_seconds(seconds)
+            if hit is not None:
+                predicted_hit(hit)
+
     def reply(self, raw: bytes) -> tuple[int, bytes]:
         try:
-            body = _ROUTE_BODY.decode(raw)
-            token_ids = (None if body.token_ids is msgspec.UNSET or body.token_ids == _JSON_NULL
-                         else token_ids_from_json(body.token_ids))
+            body, token_ids = read_route_body(raw)
         # ValidationError included: say which field, like a 422 from pydantic. Bad UTF-8 inside a JSON string
         # raises UnicodeDecodeError, and a bad token id ValueError; both are as undecodable as any malformed
         # body, so the same 422.
@@ -210,10 +247,8 @@ class _Routing:
                 overlap_score_weight=body.overlap_score_weight, temperature=body.temperature)
         except (UnknownModel, AllBusy, NoCandidates) as exc:
             return _error_bytes(*_refusal(exc, self.fleet))
-        route_seconds, predicted_hit = self._observe(body.model)
-        route_seconds(time.perf_counter() - started)
-        if decision.required_blocks:
-            predicted_hit(min(1.0, decision.overlap_blocks / decision.required_blocks))
+        self._unobserved.append((body.model, time.perf_counter() - started, min(
+            1.0, decision.overlap_blocks / decision.required_blocks) if decision.required_blocks else None))
         out: dict[str, Any] = {
             "worker_id": decision.worker[0], "dp_rank": decision.worker[1],
             "overlap_blocks": decision.overlap_blocks, "required_blocks": decision.required_blocks,
@@ -260,6 +295,7 @@ class _Front:
                 await _send(send, *_error_bytes(413, str(exc)))
                 return
             await _send(send, *self.routing.reply(raw))
+            self.routing.observe()
             return
         if b"content-length" not in headers and b"transfer-encoding" in headers:
             # Read here, not by the framework: FastAPI turns any error while it reads a body for a model
@@ -337,7 +373,7 @@ async def _invalid(_: Request, exc: Exception) -> Response:
 def http_protocol(app: ASGIApp) -> type[asyncio.Protocol]:
     """The uvicorn HTTP protocol to serve `app` (from `create_app`) with: plain routes answered in it."""
     assert isinstance(app, _Front)
-    return route_protocol(app.routing.reply, app.max_body_bytes)
+    return route_protocol(app.routing.reply, app.routing.observe, app.max_body_bytes)
 
 
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
@@ -348,6 +384,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     app = FastAPI(title="kvctl router", version=__version__)
     app.state.fleet = fleet
     metrics = Metrics(fleet, streams, plane)
+    routing = _Routing(fleet, metrics, clock)
 
     async def refuse(_: Request, exc: Exception) -> Response:
         return _error(*_refusal(exc, fleet))
@@ -358,6 +395,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
 
     @app.get("/metrics", response_class=PlainTextResponse)  # documented as text/plain, as it is
     async def prometheus() -> Response:
+        routing.observe()  # normally done already, once each answer was written
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     started = clock()
@@ -490,7 +528,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         return _json(thresholds.as_dict(model))
 
     app.openapi_schema = complete(app.openapi(), RouteBody, _needs_admin)
-    return _Front(app, _Routing(fleet, metrics, clock), admin_token=admin_token, max_body_bytes=max_body_bytes)
+    return _Front(app, routing, admin_token=admin_token, max_body_bytes=max_body_bytes)
 
 
 def _worker_filter(text: str) -> Callable[[tuple[int, int]], bool] | bool:

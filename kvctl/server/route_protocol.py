@@ -30,8 +30,9 @@ _ROUTE = b"/v1/route"
 _INTERNAL = b'{"error":"internal error while routing; see the router log"}'
 
 
-def route_protocol(reply: Reply, max_body_bytes: int) -> type[HttpToolsProtocol]:
-    """uvicorn's protocol class, answering plain routes with `reply` (body bytes -> status, JSON bytes)."""
+def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: int) -> type[HttpToolsProtocol]:
+    """uvicorn's protocol class, answering plain routes with `reply` (body bytes -> status, JSON bytes) and
+    calling `answered()` once an answer is written (what can wait until the client has its answer)."""
 
     class RouteProtocol(HttpToolsProtocol):
         _route_body: list[bytes] | None = None  # while a route's body is being read
@@ -92,5 +93,6 @@ def route_protocol(reply: Reply, max_body_bytes: int) -> type[HttpToolsProtocol]
             if not keep_alive:
                 self.transport.close()
             self.on_response_complete()
+            answered()
 
     return RouteProtocol

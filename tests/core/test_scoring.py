@@ -7,6 +7,8 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvctl.core.events import RouterEvent, Stored, Tier
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
@@ -152,3 +154,28 @@ def test_approximate_mode_learns_from_its_own_decisions() -> None:
     assert router.route([A, B], token_ids=tokens, now=121.0).overlap_blocks == 0
     with pytest.raises(ValueError):
         Router(index=router.index, approx=ApproxIndexer())
+
+
+@settings(max_examples=300, deadline=None)
+@given(overlaps=st.lists(st.integers(0, 40), min_size=1, max_size=20),
+       host=st.lists(st.integers(0, 60), min_size=20, max_size=20),
+       isl=st.integers(0, 700), block_size=st.sampled_from([1, 16, 64]),
+       weight=st.floats(0, 8, allow_nan=False), credits=st.booleans(), same_new=st.booleans())
+def test_nothing_in_flight_prices_as_every_load_zero(overlaps: list[int], host: list[int], isl: int, block_size: int,
+                                                    weight: float, credits: bool, same_new: bool) -> None:
+    """With no loads the columns are built without a per-worker loop: the same numbers as pricing every
+    candidate with an explicit zero load, tier credits and a per-worker new-block count included."""
+    workers = [(i, 0) for i in range(len(overlaps))]
+    matches = IndexMatches(scores={w: d for w, d in zip(workers, overlaps, strict=True) if d},
+                           tree_sizes={w: d * 3 for w, d in zip(workers, overlaps, strict=True)},
+                           by_tier={Tier.device: dict(zip(workers, overlaps, strict=True)),
+                                    Tier.host_pinned: dict(zip(workers, host, strict=False))})
+    config = RouterConfig(overlap_score_weight=weight, tier_credits=DEFAULT_TIER_CREDITS if credits else None)
+    n_blocks = isl // block_size
+    new_blocks = n_blocks if same_new else (lambda w: w[0] % 3)
+    zero = {w: Load() for w in workers}
+    fast = score(workers, matches, {}, new_blocks, isl_tokens=isl, block_size=block_size, config=config)
+    loop = score(workers, matches, zero, new_blocks, isl_tokens=isl, block_size=block_size, config=config)
+    assert (fast.effective, fast.prefill, fast.decode, fast.logit) == (loop.effective, loop.prefill, loop.decode,
+                                                                       loop.logit)
+    assert select(fast, 0.0, random.Random(1)) == select(loop, 0.0, random.Random(1))

@@ -40,10 +40,11 @@ class _Transport(asyncio.Transport):
     def resume_reading(self) -> None: ...
 
 
-def _connection(max_body_bytes: int = 1 << 20) -> tuple[asyncio.Protocol, _Transport]:
-    fleet = Fleet()
-    fleet.register(WorkerInfo(1, 0, "default"))
-    app = create_app(fleet, max_body_bytes=max_body_bytes)
+def _connection(max_body_bytes: int = 1 << 20, app: Any = None) -> tuple[asyncio.Protocol, _Transport]:
+    if app is None:
+        fleet = Fleet()
+        fleet.register(WorkerInfo(1, 0, "default"))
+        app = create_app(fleet, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(app, lifespan="off", proxy_headers=False, server_header=False, log_config=None)
     protocol = http_protocol(app)(config=config, server_state=ServerState(), app_state={})
     transport = _Transport()
@@ -122,3 +123,18 @@ async def test_keep_alive_and_close_are_kept() -> None:
     protocol.data_received(_request("/v1/route", body, "connection: close"))
     assert transport.written.count(b"HTTP/1.1 200 OK") == 3 and transport.closed
     assert transport.written.endswith(b"}") and b"connection: close\r\n" in transport.written
+
+
+async def test_routes_answered_in_the_protocol_are_in_the_metrics_once_written() -> None:
+    """Their metrics are recorded after each answer is written (off the client's wait), not left for a scrape."""
+    fleet = Fleet()
+    fleet.register(WorkerInfo(1, 0, "default"))
+    app = create_app(fleet)
+    protocol, transport = _connection(app=app)
+    body = json.dumps({"token_ids": TOKENS}).encode()
+    for _ in range(3):
+        protocol.data_received(_request("/v1/route", body))
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 3
+    registry = app.routing.metrics.registry
+    assert registry.get_sample_value("kvctl_route_duration_seconds_count", {"model": "default"}) == 3
+    assert registry.get_sample_value("kvctl_route_predicted_hit_rate_count", {"model": "default"}) == 3

@@ -68,7 +68,7 @@ class Router:
         # Sequence hashes matter only against in-flight blocks, or to reserve: skip them otherwise.
         seq = sequence_hashes(local) if loads or reserve else local
         n_blocks = len(local)
-        new_blocks = (lambda w: sequences.new_prompt_blocks(w, seq)) if loads else (lambda w: n_blocks)
+        new_blocks = (lambda w: sequences.new_prompt_blocks(w, seq)) if loads else n_blocks
         scores = score(candidates, matches, loads, new_blocks, isl_tokens=isl, block_size=b, config=config,
                        busy=busy)
         decision = decide(scores, isl_tokens=isl, block_size=b, temperature=config.temperature, rng=self.rng)

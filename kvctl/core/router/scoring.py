@@ -152,7 +152,7 @@ def score(
     candidates: Sequence[Worker],
     matches: IndexMatches,
     loads: Mapping[Worker, LoadView],
-    new_blocks: Callable[[Worker], int],
+    new_blocks: Callable[[Worker], int] | int,
     *,
     isl_tokens: int,
     block_size: int,
@@ -160,7 +160,10 @@ def score(
     busy: Mapping[Worker, bool] | None = None,
 ) -> Scores:
     """Price every candidate, matched or not. `loads` may omit idle workers; `new_blocks(w)` is the
-    number of the prompt's blocks not already among w's in-flight blocks."""
+    number of the prompt's blocks not already among w's in-flight blocks (an int: the same for all).
+
+    This runs on every route, for every candidate: with nothing in flight anywhere (no loads), each
+    column is one comprehension instead of a loop over workers and their loads."""
     get_overlap = matches.scores.get
     overlap = [get_overlap(w, 0) for w in candidates]
     by_tier = matches.by_tier
@@ -170,18 +173,25 @@ def score(
     else:
         effective = [float(d) for d in overlap]
     weight = config.overlap_score_weight
-    idle: LoadView = Load()
-    prefill: list[float] = []
-    decode: list[int] = []
-    logits: list[float] = []
-    for w, eff in zip(candidates, effective, strict=True):
-        load = loads.get(w, idle)
-        uncached = isl_tokens - eff * block_size
-        p = (load.active_prefill_tokens + (uncached if uncached > 0 else 0.0)) / block_size
-        d = load.active_blocks + new_blocks(w)
-        prefill.append(p)
-        decode.append(d)
-        logits.append(weight * p + d)
+    if loads:
+        idle: LoadView = Load()
+        prefill: list[float] = []
+        decode: list[int] = []
+        logits: list[float] = []
+        for w, eff in zip(candidates, effective, strict=True):
+            load = loads.get(w, idle)
+            uncached = isl_tokens - eff * block_size
+            p = (load.active_prefill_tokens + (uncached if uncached > 0 else 0.0)) / block_size
+            d = load.active_blocks + (new_blocks if isinstance(new_blocks, int) else new_blocks(w))
+            prefill.append(p)
+            decode.append(d)
+            logits.append(weight * p + d)
+    else:  # the same numbers, with every load 0
+        prefill = [(isl_tokens - e * block_size) / block_size if isl_tokens > e * block_size else 0.0
+                   for e in effective]
+        decode = ([new_blocks] * len(candidates) if isinstance(new_blocks, int)
+                  else [new_blocks(w) for w in candidates])
+        logits = [weight * p + d for p, d in zip(prefill, decode, strict=True)]
     tree = matches.tree_sizes.get
     return Scores(candidates, overlap, effective, [tree(w, 0) for w in candidates], prefill, decode, logits,
                   [bool(busy.get(w)) for w in candidates] if busy else [False] * len(candidates), by_tier)
@@ -198,9 +208,9 @@ def select(scores: Scores, temperature: float, rng: random.Random) -> tuple[int,
     if temperature > 0:
         return _sample(logits, temperature, rng), Reason.sampled
     best = min(logits)
+    if logits.count(best) == 1:
+        return logits.index(best), Reason.lowest_logit
     lowest = [i for i, v in enumerate(logits) if v == best]
-    if len(lowest) == 1:
-        return lowest[0], Reason.lowest_logit
     sizes = scores.tree_size
     smallest = min(sizes[i] for i in lowest)
     fewest = [i for i in lowest if sizes[i] == smallest]
