@@ -7,17 +7,20 @@ BlockStored per request (the first request of a worker for a prompt stores from 
 the suffix under the prompt's last block), until `--pairs` (worker, block) pairs are held; then one
 BlockRemoved per request, newest request first, its blocks leaf first.
 
-Per system, in turn, on the same workload (fresh sockets, seq from 0):
+Per system, in turn, on the same workload (fresh sockets, seq from 0), the other one idle:
   - ingest: stored and removed blocks/s, from the first timed publish until the server holds exactly the
     expected pairs (kvctl: `GET /v1/tree/stats`, polled every 20 ms). Dynamo's indexer exposes no cheap
     count, so every engine ends each phase with a 1-block sentinel store (removal); the phase ends when
     `/query` of the sentinel sees all W engines (none), and a `/dump` afterwards checks the exact count.
     The sentinel is published to kvctl too, so both get the same messages;
-  - route latency of 2048-token requests (a system prompt + 1024 fresh tokens), client-observed over one
-    keep-alive httpx.Client, after re-populating the stores (kvctl `POST /v1/route`, Dynamo `POST /query`);
   - RSS per (worker, block) pair: server VmRSS after the stores minus before, over pairs;
   - CPU seconds the server (every process and thread of it) spent on each ingest phase, polls included:
     where publishers, server and client share few cores, a rate also says how much of them the server got.
+Then, both systems up and re-populated, route latency of 2048-token requests (a system prompt + 1024 fresh
+tokens), client-observed over one keep-alive httpx.Client per system (kvctl `POST /v1/route`, Dynamo
+`POST /query`), each query sent to both in turn: measured one system after the other, the machine's drift
+between the two phases moved the ratio by more than the difference it measures (0.62 to 1.26 over five runs
+on a 2-core VM, where alternating requests gives 1.00 to 1.05).
 
     python benchmarks/serve_bench.py [--workers 16,128] [--pairs 100000] [--quick] [--no-oracle]
 
@@ -313,103 +316,125 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run_system(kind: str, wl: Workload, requests: int, threads: int | None) -> dict[str, Any]:
-    pubs = Publishers(wl.workers)
-    server: Kvctl | Dynamo | None = None
-    tmp = tempfile.TemporaryDirectory(prefix="serve_bench-")
-    try:
-        server = Kvctl(pubs.endpoints(), tmp.name) if kind == "kvctl" else Dynamo(pubs.endpoints(), threads)
-        proc, W = server.proc, wl.workers
+class Running:
+    """A system under test with its engines, kept up after its ingest phases for the paired route phase."""
 
-        # slow joiner: repeat the warm-up store until every subscription has delivered
-        if isinstance(server, Kvctl):
-            ready = server.ready
-        else:
-            def ready() -> bool:
-                return server.holders(wl.warm_tokens) == W
-        deadline = time.perf_counter() + 60
-        while not ready():
-            if time.perf_counter() > deadline or proc.p.poll() is not None:
-                detail = server.not_ready() if isinstance(server, Kvctl) else ""
-                raise RuntimeError(f"{kind}: subscriptions not ready {detail}: {proc.tail()}")
-            for w in range(W):
-                pubs.send(w, wl.warm)
-            time.sleep(0.05)
-        baseline = W
-        wait_until(lambda: server.count() == baseline, 30, f"{kind}: warm-up baseline", proc)
-        time.sleep(0.2)
-        rss0 = rss_bytes(proc.p.pid)
+    def __init__(self, kind: str, wl: Workload, threads: int | None) -> None:
+        self.pubs = Publishers(wl.workers)
+        self.tmp = tempfile.TemporaryDirectory(prefix="serve_bench-")
+        self.server: Kvctl | Dynamo | None = None
+        try:
+            self.server = Kvctl(self.pubs.endpoints(), self.tmp.name) if kind == "kvctl" else Dynamo(
+                self.pubs.endpoints(), threads)
+        except BaseException:
+            self.close()
+            raise
 
-        def publish(order: list[tuple[int, int]], msgs: list[list[bytes]], sentinel: bytes) -> None:
-            for w, k in order:
-                pubs.send(w, msgs[w][k])
-            for w in range(W):
-                pubs.send(w, sentinel)
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self.pubs.close()
+        self.tmp.cleanup()
 
-        if isinstance(server, Kvctl):
-            stored_done = lambda: server.count() == baseline + wl.pairs + W  # noqa: E731
-            removed_done = lambda: server.count() == baseline  # noqa: E731
-        else:
-            stored_done = lambda: server.holders(wl.sentinel_tokens) == W  # noqa: E731
-            removed_done = lambda: server.holders(wl.sentinel_tokens) == 0  # noqa: E731
 
-        out: dict[str, Any] = {}
-        cpu0 = cpu_seconds(proc.p.pid)
-        t0 = time.perf_counter()
-        publish(wl.order, wl.stores, wl.sentinel_store)
-        t_pub = time.perf_counter()
-        t1 = wait_until(stored_done, WAIT_S, f"{kind}: stores", proc)
-        rss1 = rss_bytes(proc.p.pid)
-        out["store_blocks_per_s"] = round(wl.pairs / (t1 - t0))
-        out["store_s"] = round(t1 - t0, 3)
-        out["store_cpu_s"] = round(cpu_seconds(proc.p.pid) - cpu0, 3)
-        out["publish_s"] = round(t_pub - t0, 3)
-        out["rss_before_mib"] = round(rss0 / 2**20, 1)
-        out["rss_after_mib"] = round(rss1 / 2**20, 1)
-        out["rss_bytes_per_pair"] = round((rss1 - rss0) / wl.pairs, 1)
-        held = server.count()
-        out["held_after_stores"] = held
-        if held != baseline + wl.pairs + W:
-            out["count_mismatch"] = f"held {held}, expected {baseline + wl.pairs + W}"
+def ingest(kind: str, running: Running, wl: Workload) -> dict[str, Any]:
+    """Warm up, then the timed store and removal phases; the stores are re-published (untimed) at the end."""
+    pubs, server = running.pubs, running.server
+    assert server is not None
+    proc, W = server.proc, wl.workers
 
-        cpu0 = cpu_seconds(proc.p.pid)
-        t0 = time.perf_counter()
-        publish(wl.remove_order, wl.removes, wl.sentinel_remove)
-        t1 = wait_until(removed_done, WAIT_S, f"{kind}: removals", proc)
-        out["remove_blocks_per_s"] = round(wl.pairs / (t1 - t0))
-        out["remove_s"] = round(t1 - t0, 3)
-        out["remove_cpu_s"] = round(cpu_seconds(proc.p.pid) - cpu0, 3)
-        held = server.count()
-        if held != baseline:
-            out["count_mismatch_after_removals"] = f"held {held}, expected {baseline}"
+    # slow joiner: repeat the warm-up store until every subscription has delivered
+    if isinstance(server, Kvctl):
+        ready = server.ready
+    else:
+        def ready() -> bool:
+            return server.holders(wl.warm_tokens) == W
+    deadline = time.perf_counter() + 60
+    while not ready():
+        if time.perf_counter() > deadline or proc.p.poll() is not None:
+            detail = server.not_ready() if isinstance(server, Kvctl) else ""
+            raise RuntimeError(f"{kind}: subscriptions not ready {detail}: {proc.tail()}")
+        for w in range(W):
+            pubs.send(w, wl.warm)
+        time.sleep(0.05)
+    baseline = W
+    wait_until(lambda: server.count() == baseline, 30, f"{kind}: warm-up baseline", proc)
+    time.sleep(0.2)
+    rss0 = rss_bytes(proc.p.pid)
 
-        # re-populate (untimed), then route
-        publish(wl.order, wl.stores, wl.sentinel_store)
-        wait_until(stored_done, WAIT_S, f"{kind}: re-populate", proc)
-        for q in wl.queries[:20]:
+    def publish(order: list[tuple[int, int]], msgs: list[list[bytes]], sentinel: bytes) -> None:
+        for w, k in order:
+            pubs.send(w, msgs[w][k])
+        for w in range(W):
+            pubs.send(w, sentinel)
+
+    if isinstance(server, Kvctl):
+        stored_done = lambda: server.count() == baseline + wl.pairs + W  # noqa: E731
+        removed_done = lambda: server.count() == baseline  # noqa: E731
+    else:
+        stored_done = lambda: server.holders(wl.sentinel_tokens) == W  # noqa: E731
+        removed_done = lambda: server.holders(wl.sentinel_tokens) == 0  # noqa: E731
+
+    out: dict[str, Any] = {}
+    cpu0 = cpu_seconds(proc.p.pid)
+    t0 = time.perf_counter()
+    publish(wl.order, wl.stores, wl.sentinel_store)
+    t_pub = time.perf_counter()
+    t1 = wait_until(stored_done, WAIT_S, f"{kind}: stores", proc)
+    rss1 = rss_bytes(proc.p.pid)
+    out["store_blocks_per_s"] = round(wl.pairs / (t1 - t0))
+    out["store_s"] = round(t1 - t0, 3)
+    out["store_cpu_s"] = round(cpu_seconds(proc.p.pid) - cpu0, 3)
+    out["publish_s"] = round(t_pub - t0, 3)
+    out["rss_before_mib"] = round(rss0 / 2**20, 1)
+    out["rss_after_mib"] = round(rss1 / 2**20, 1)
+    out["rss_bytes_per_pair"] = round((rss1 - rss0) / wl.pairs, 1)
+    held = server.count()
+    out["held_after_stores"] = held
+    if held != baseline + wl.pairs + W:
+        out["count_mismatch"] = f"held {held}, expected {baseline + wl.pairs + W}"
+
+    cpu0 = cpu_seconds(proc.p.pid)
+    t0 = time.perf_counter()
+    publish(wl.remove_order, wl.removes, wl.sentinel_remove)
+    t1 = wait_until(removed_done, WAIT_S, f"{kind}: removals", proc)
+    out["remove_blocks_per_s"] = round(wl.pairs / (t1 - t0))
+    out["remove_s"] = round(t1 - t0, 3)
+    out["remove_cpu_s"] = round(cpu_seconds(proc.p.pid) - cpu0, 3)
+    held = server.count()
+    if held != baseline:
+        out["count_mismatch_after_removals"] = f"held {held}, expected {baseline}"
+
+    # re-populate (untimed) for the route phase
+    publish(wl.order, wl.stores, wl.sentinel_store)
+    wait_until(stored_done, WAIT_S, f"{kind}: re-populate", proc)
+    return out
+
+
+def route_latency(servers: list[Kvctl | Dynamo], wl: Workload, requests: int) -> list[dict[str, Any]]:
+    """Each query sent to every system in turn (the order swapped every query), so that the machine's drift
+    over the phase weighs on all of them alike; then the same alternation on a trivial GET."""
+    for q in wl.queries[:20]:
+        for server in servers:
             server.route(q)
-        lat, overlaps = [], []
-        for q in wl.queries[20:20 + requests]:
+    lat: list[list[float]] = [[] for _ in servers]
+    overlaps: list[list[int]] = [[] for _ in servers]
+    for n, q in enumerate(wl.queries[20:20 + requests]):
+        for i in (range(len(servers)) if n % 2 == 0 else reversed(range(len(servers)))):
             s = time.perf_counter()
-            overlaps.append(server.route(q))
-            lat.append(time.perf_counter() - s)
-        out["route_requests"] = len(lat)
-        out["route_p50_ms"] = round(_pct(lat, 0.5) * 1e3, 3)
-        out["route_p99_ms"] = round(_pct(lat, 0.99) * 1e3, 3)
-        out["route_overlap_mean"] = round(statistics.fmean(overlaps), 2)
-        # the same keep-alive client on a trivial GET: the HTTP/TCP floor under the route figures
-        pings = []
-        for _ in range(50):
+            overlaps[i].append(servers[i].route(q))
+            lat[i].append(time.perf_counter() - s)
+    pings: list[list[float]] = [[] for _ in servers]
+    for n in range(100):
+        for i in (range(len(servers)) if n % 2 == 0 else reversed(range(len(servers)))):
             s = time.perf_counter()
-            server.ping()
-            pings.append(time.perf_counter() - s)
-        out["health_get_p50_ms"] = round(_pct(pings, 0.5) * 1e3, 3)
-        return out
-    finally:
-        if server is not None:
-            server.stop()
-        pubs.close()
-        tmp.cleanup()
+            servers[i].ping()
+            pings[i].append(time.perf_counter() - s)
+    return [{"route_requests": len(lat[i]), "route_p50_ms": round(_pct(lat[i], 0.5) * 1e3, 3),
+             "route_p99_ms": round(_pct(lat[i], 0.99) * 1e3, 3),
+             "route_overlap_mean": round(statistics.fmean(overlaps[i]), 2),
+             # the same keep-alive client on a trivial GET: the HTTP/TCP floor under the route figures
+             "health_get_p50_ms": round(_pct(pings[i], 0.5) * 1e3, 3)} for i in range(len(servers))]
 
 
 RATIO_KEYS = ("store_blocks_per_s", "remove_blocks_per_s", "store_cpu_s", "remove_cpu_s", "route_p50_ms",
@@ -435,16 +460,27 @@ def main() -> None:
         row: dict[str, Any] = {"workers": W, "pairs": wl.pairs, "requests_per_engine": len(wl.order) / W,
                                "cpus": os.cpu_count(),
                                "poll_s": POLL_S}
-        row["kvctl"] = run_system("kvctl", wl, args.requests, None)
-        if args.no_oracle:
-            row["dynamo"] = "skipped (--no-oracle)"
-        elif oracle is None:
-            row["dynamo"] = "skipped (ai-dynamo-runtime not installed: `import dynamo` fails)"
-        else:
-            try:
-                row["dynamo"] = run_system("dynamo", wl, args.requests, args.dynamo_threads)
-            except Exception as exc:  # keep the kvctl figures
-                row["dynamo"] = f"skipped ({type(exc).__name__}: {exc})"
+        systems: dict[str, Running] = {}
+        try:
+            systems["kvctl"] = Running("kvctl", wl, None)
+            row["kvctl"] = ingest("kvctl", systems["kvctl"], wl)
+            if args.no_oracle:
+                row["dynamo"] = "skipped (--no-oracle)"
+            elif oracle is None:
+                row["dynamo"] = "skipped (ai-dynamo-runtime not installed: `import dynamo` fails)"
+            else:
+                try:
+                    systems["dynamo"] = Running("dynamo", wl, args.dynamo_threads)
+                    row["dynamo"] = ingest("dynamo", systems["dynamo"], wl)
+                except Exception as exc:  # keep the kvctl figures
+                    row["dynamo"] = f"skipped ({type(exc).__name__}: {exc})"  # closed below with the rest
+            routed = [name for name in systems if isinstance(row[name], dict)]
+            servers = [systems[name].server for name in routed]
+            for name, latency in zip(routed, route_latency(servers, wl, args.requests), strict=True):  # type: ignore[arg-type]
+                row[name].update(latency)
+        finally:
+            for running in systems.values():
+                running.close()
         if isinstance(row["dynamo"], str):
             print(f"dynamo: {row['dynamo']}", file=sys.stderr)
         else:
