@@ -39,7 +39,11 @@ def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: i
         _route_keep_alive = True
 
         def on_message_begin(self) -> None:
-            super().on_message_begin()
+            # uvicorn's own begins the request's ASGI scope, which a route answered here never uses: it
+            # is begun once the request turns out to be the app's (`_begin_scope`).
+            self.url = b""
+            self.expect_100_continue = False
+            self.headers = []
             self._route_body = None
 
         def on_headers_complete(self) -> None:
@@ -47,7 +51,15 @@ def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: i
                 self._route_body = []
                 self._route_keep_alive = self.parser.should_keep_alive()
                 return
+            self._begin_scope()
             super().on_headers_complete()
+
+        def _begin_scope(self) -> None:
+            """uvicorn's `on_message_begin`, keeping what the parser has read since (URL, headers)."""
+            url, expect, headers = self.url, self.expect_100_continue, self.headers
+            super().on_message_begin()
+            self.url, self.expect_100_continue, self.headers = url, expect, headers
+            self.scope["headers"] = headers
 
         def _takes_route(self) -> bool:
             if (self.url != _ROUTE or self.expect_100_continue or self.parser.get_method() != b"POST"
