@@ -13,31 +13,23 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.core.events import Cleared, EngineBatch, ErrorKind, EventData, Removed, Stored, live_seq
+from kvctl.core.events import Cleared, EngineBatch, ErrorKind, Removed, Stored, live_seq
 from kvctl.server import decoder as decoder_module
 from kvctl.server.decode_wire import answer, live_answer, read_answer, split_answers
 from kvctl.server.decoder import InlineDecoder, NeverFull, ProcessDecoder, Subscription, decode_now, make_decoder
 from tests.fixtures_path import FIXTURES
+from tests.plain_events import plain
 
 PAYLOADS = [p.read_bytes() for folder in ("vllm-0.33", "sglang-0.5.23", "vllm-legacy/0.23.0")
             for p in sorted((FIXTURES / folder).glob("*.msgpack"))]
 JUNK = [b"", b"\xc1", b"\x93\x01\x02", b"\x92\xcb" + b"\0" * 8 + b"\x91\xc0"]
 
 
-def _plain(event: EventData) -> tuple[object, ...]:
-    """An event with its hashes as lists: the pipe hands some of them over packed (`array('Q')`)."""
-    if isinstance(event, Stored):
-        return ("stored", event.parent_hash, list(event.block_hashes), list(event.tokens_hashes), event.tier)
-    if isinstance(event, Removed):
-        return ("removed", list(event.block_hashes), event.tier)
-    return ("cleared",)
-
-
 def _same(a: EngineBatch | ErrorKind, b: EngineBatch | ErrorKind) -> bool:
     if isinstance(a, ErrorKind) or isinstance(b, ErrorKind):
         return a == b
-    return (a.ts, a.dp_rank, list(map(_plain, a.events)), [e.kind for e in a.errors]) == (
-        b.ts, b.dp_rank, list(map(_plain, b.events)), [e.kind for e in b.errors])
+    return (a.ts, a.dp_rank, list(map(plain, a.events)), [e.kind for e in a.errors]) == (
+        b.ts, b.dp_rank, list(map(plain, b.events)), [e.kind for e in b.errors])
 
 
 @pytest.fixture
