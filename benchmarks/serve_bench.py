@@ -411,6 +411,11 @@ def ingest(kind: str, running: Running, wl: Workload) -> dict[str, Any]:
     return out
 
 
+def _turns(n: int, count: int) -> range | reversed[int]:
+    """The order the systems are asked in for the n-th request: swapped every request."""
+    return range(count) if n % 2 == 0 else reversed(range(count))
+
+
 def route_latency(servers: list[Kvctl | Dynamo], wl: Workload, requests: int) -> list[dict[str, Any]]:
     """Each query sent to every system in turn (the order swapped every query), so that the machine's drift
     over the phase weighs on all of them alike; then the same alternation on a trivial GET."""
@@ -420,13 +425,13 @@ def route_latency(servers: list[Kvctl | Dynamo], wl: Workload, requests: int) ->
     lat: list[list[float]] = [[] for _ in servers]
     overlaps: list[list[int]] = [[] for _ in servers]
     for n, q in enumerate(wl.queries[20:20 + requests]):
-        for i in (range(len(servers)) if n % 2 == 0 else reversed(range(len(servers)))):
+        for i in _turns(n, len(servers)):
             s = time.perf_counter()
             overlaps[i].append(servers[i].route(q))
             lat[i].append(time.perf_counter() - s)
     pings: list[list[float]] = [[] for _ in servers]
     for n in range(100):
-        for i in (range(len(servers)) if n % 2 == 0 else reversed(range(len(servers)))):
+        for i in _turns(n, len(servers)):
             s = time.perf_counter()
             servers[i].ping()
             pings[i].append(time.perf_counter() - s)
@@ -475,8 +480,8 @@ def main() -> None:
                 except Exception as exc:  # keep the kvctl figures
                     row["dynamo"] = f"skipped ({type(exc).__name__}: {exc})"  # closed below with the rest
             routed = [name for name in systems if isinstance(row[name], dict)]
-            servers = [systems[name].server for name in routed]
-            for name, latency in zip(routed, route_latency(servers, wl, args.requests), strict=True):  # type: ignore[arg-type]
+            servers = [server for name in routed if (server := systems[name].server) is not None]
+            for name, latency in zip(routed, route_latency(servers, wl, args.requests), strict=True):
                 row[name].update(latency)
         finally:
             for running in systems.values():
