@@ -207,7 +207,7 @@ class _Routing:
         self._observers: dict[str, tuple[Callable[[float], None], Callable[[float], None]]] = {}
         self._unobserved: list[tuple[str, float, float | None]] = []  # (model, seconds, predicted hit rate)
 
-    def _observe(self, model: str) -> tuple[Callable[[float], None], Callable[[float], None]]:
+    def _observers_of(self, model: str) -> tuple[Callable[[float], None], Callable[[float], None]]:
         observers = self._observers.get(model)
         if observers is None:  # only models that routed get here: an unknown one was refused before
             observers = self._observers[model] = (self.metrics.route_seconds.labels(model).observe,
@@ -220,7 +220,7 @@ class _Routing:
         before the metrics are read."""
         unobserved, self._unobserved = self._unobserved, []
         for model, seconds, hit in unobserved:
-            route_seconds, predicted_hit = self._observe(model)
+            route_seconds, predicted_hit = self._observers_of(model)
             route_seconds(seconds)
             if hit is not None:
                 predicted_hit(hit)

@@ -174,6 +174,7 @@ def score(
         effective = [float(d) for d in overlap]
     weight = config.overlap_score_weight
     if loads:
+        blocks_of = (lambda _: new_blocks) if isinstance(new_blocks, int) else new_blocks
         idle: LoadView = Load()
         prefill: list[float] = []
         decode: list[int] = []
@@ -182,7 +183,7 @@ def score(
             load = loads.get(w, idle)
             uncached = isl_tokens - eff * block_size
             p = (load.active_prefill_tokens + (uncached if uncached > 0 else 0.0)) / block_size
-            d = load.active_blocks + (new_blocks if isinstance(new_blocks, int) else new_blocks(w))
+            d = load.active_blocks + blocks_of(w)
             prefill.append(p)
             decode.append(d)
             logits.append(weight * p + d)
