@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import ipaddress
 import logging
 import signal
@@ -24,7 +23,7 @@ from kvctl.core.router.approx import ApproxConfig
 from kvctl.core.router.busy import Thresholds
 from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
-from kvctl.gc_tuning import tune_gc
+from kvctl.gc_tuning import survivors_frozen
 from kvctl.server import snapshot
 from kvctl.server.api import MAX_BODY_BYTES, create_app, http_protocol
 from kvctl.server.budget import RECLAIM_ENTRIES
@@ -37,8 +36,6 @@ from kvctl.server.streams import QUEUE_BATCHES, Streams
 log = logging.getLogger("kvctl.serve")
 TICK_S = 1.0
 """How often stale requests are force-freed and approximate-mode blocks expire."""
-SETTLE_LATEST_S = 10.0
-"""The longest a busy router goes without settling the GC (see `settle_gc`), which an idle one does each tick."""
 ROUTE_QUIET_S = 0.25
 """How long without a route before freed index memory is given back (see `reclaim_when_idle`)."""
 KEEPALIVE_IDLE_S = 30
@@ -108,18 +105,6 @@ def base_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def settle_gc() -> None:
-    """Freeze what survived the young generations, so that no full collection walks the whole index.
-
-    A full collection of a 1M-block index holds the loop for ~80 ms, and one comes each time the heap
-    grows by a quarter. The index's nodes are freed by reference counting (it has no cycles), frozen or
-    not; what freezing costs is that a cycle that dies after being frozen is never reclaimed, so the
-    young generations are collected first and few cycles get that far.
-    """
-    gc.collect(1)
-    gc.freeze()
-
-
 async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     fleet = Fleet(block_size=options.block_size, config=options.router, thresholds=options.thresholds,
                   approx=options.approx, request_expiry_s=options.request_expiry_s)
@@ -129,7 +114,11 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
         if spec.thresholds:
             fleet.thresholds.set(spec.name, **spec.thresholds)
     _load_state(fleet, options)
-    tune_gc()
+    with survivors_frozen():
+        await _serve(fleet, options, announce)
+
+
+async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], None]) -> None:
     streams = Streams(fleet, queue_batches=options.queue_batches, decoder=make_decoder(options.decoder))
     plane = EventPlane(fleet, streams, options.nats) if options.nats is not None else None
     app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane,
@@ -200,16 +189,11 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> None:
 
 
 async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None:
-    settled = time.monotonic()
     while True:
         await asyncio.sleep(interval_s)
         now = time.monotonic()
         fleet.tick(now)
         streams.sample(now)
-        # Collecting what a burst allocated takes tens of milliseconds: after the burst, unless it never ends.
-        if streams.idle() or now - settled >= SETTLE_LATEST_S:
-            settle_gc()
-            settled = now
 
 
 async def _reclaim_every(fleet: Fleet, streams: Streams, interval_s: float) -> None:
