@@ -49,6 +49,27 @@ static Py_ssize_t parse_u32_array(const unsigned char *s, const Py_ssize_t n, Py
     if (i < n && s[i] == ']') { *count_out = 0; return i + 1; }
     for (;;) {
         while (i < n && is_ws(s[i])) i++;
+#if PY_LITTLE_ENDIAN
+        /* The usual element, 1 to 7 digits and then ',' or ']', read from 8 bytes at once: no branch per digit,
+         * whose exit the CPU mispredicts at every id (token ids have 1 to 6 digits, at random). Anything else,
+         * and the last few bytes, go the general way below. */
+        if (n - i >= 8) {
+            uint64_t x;
+            memcpy(&x, s + i, 8);
+            const uint64_t d = x - 0x3030303030303030ULL; /* borrows run only past the first non-digit */
+            const uint64_t nondigit = (d | (d + 0x7676767676767676ULL)) & 0x8080808080808080ULL;
+            const int len = nondigit ? __builtin_ctzll(nondigit) >> 3 : 8;
+            if (len > 0 && len < 8 && (len == 1 || s[i] != '0') && (s[i + len] == ',' || s[i + len] == ']')) {
+                uint64_t v = d << (64 - 8 * len); /* the digits, right-aligned behind leading zeros */
+                v = (v * 2561) >> 8 & 0x00FF00FF00FF00FFULL;
+                v = (v * 6553601) >> 16 & 0x0000FFFF0000FFFFULL;
+                ids[count++] = (uint32_t)((v * 42949672960001ULL) >> 32);
+                i += len;
+                if (s[i++] == ']') { *count_out = count; return i; }
+                continue;
+            }
+        }
+#endif
         if (i == n) { invalid_json(i); return -1; }
         const Py_ssize_t start = i;
         int negative = 0;
