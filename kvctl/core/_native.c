@@ -230,12 +230,11 @@ static PyObject *xxh3_blocks(PyObject *module, PyObject *const *args, Py_ssize_t
     if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
     const Py_ssize_t blocks = view.len / stride;
-    PyObject *out = PyList_New(blocks);
-    for (Py_ssize_t b = 0; out != NULL && b < blocks; b++) {
-        const char *block = (const char *)view.buf + b * stride;
-        PyObject *hash = PyLong_FromUnsignedLongLong(XXH3_64bits_withSeed(block, (size_t)stride, seed));
-        if (hash == NULL) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, b, hash);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, blocks * (Py_ssize_t)sizeof(uint64_t));
+    if (out != NULL) {
+        uint64_t *hashes = (uint64_t *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t b = 0; b < blocks; b++)
+            hashes[b] = XXH3_64bits_withSeed((const char *)view.buf + b * stride, (size_t)stride, seed);
     }
     PyBuffer_Release(&view);
     return out;
@@ -281,8 +280,8 @@ static PyMethodDef methods[] = {
      "xxh3_chain(local_hashes: Sequence[int], seed: int) -> list[int]\n\nDynamo's sequence hashes: the first "
      "is the first local hash, then XXH3-64(le64(previous) || le64(local), seed)."},
     {"xxh3_blocks", (PyCFunction)(void (*)(void))xxh3_blocks, METH_FASTCALL,
-     "xxh3_blocks(data: bytes-like, stride: int, seed: int) -> list[int]\n\nXXH3-64 (seeded) of each whole "
-     "`stride`-byte block of `data`; a trailing partial block is not hashed."},
+     "xxh3_blocks(data: bytes-like, stride: int, seed: int) -> bytes\n\nXXH3-64 (seeded) of each whole "
+     "`stride`-byte block of `data`, as native-endian u64s; a trailing partial block is not hashed."},
     {"u32_from_json", u32_from_json, METH_O,
      "u32_from_json(json: bytes-like) -> bytes\n\nA JSON array of integers in [0, 2^32) as native-endian u32 bytes; "
      "ValueError, worded like msgspec's, for anything else."},

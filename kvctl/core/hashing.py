@@ -68,13 +68,13 @@ def local_block_hashes(
     mm_hashes: Mapping[int, Iterable[int]] | None = None,
 ) -> list[int]:
     """Local hashes of every full block; `mm_hashes` maps a block index to that block's mm hashes."""
+    if not mm_hashes:
+        return packed_block_hashes(tokens, block_size, lora_name=lora_name).tolist()
     if block_size <= 0:
         return []
     buf = pack_tokens(tokens)
     seed = lora_seed(lora_name)
     stride = 4 * block_size
-    if not mm_hashes:
-        return xxh3_blocks(buf, stride, seed)
     out = []
     for b in range(len(buf) // stride):
         chunk = buf[b * stride : (b + 1) * stride]
@@ -84,6 +84,15 @@ def local_block_hashes(
             chunk = bytes(chunk) + struct.pack(f"<{len(ordered)}Q", *ordered)
         out.append(xxh3_64_intdigest(chunk, seed=seed))
     return out
+
+
+def packed_block_hashes(tokens: Sequence[int] | array, block_size: int, *, lora_name: str | None = None) -> array:
+    """`local_block_hashes` (no multimodal hashes) as an array('Q'): what a route matches against the index's
+    packed edges without an int object per block."""
+    hashes = array("Q")
+    if block_size > 0:
+        hashes.frombytes(xxh3_blocks(pack_tokens(tokens), 4 * block_size, lora_seed(lora_name)))
+    return hashes
 
 
 def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from array import array
 
 import pytest
 from hypothesis import given
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
 from kvctl.core._native import xxh3_blocks
-from kvctl.core.hashing import local_block_hashes, lora_seed, pack_tokens, sequence_hashes
+from kvctl.core.hashing import local_block_hashes, lora_seed, pack_tokens, packed_block_hashes, sequence_hashes
 from tests.fixtures_path import FIXTURES
 
 VECTORS = json.loads((FIXTURES / "hashes" / "dynamo-1.6.1.json").read_text())
@@ -83,7 +84,14 @@ def test_matches_a_plain_per_block_reference(tokens: list[int], block_size: int)
 def test_block_hashing_in_c_equals_the_xxhash_package(data: bytes, stride: int, seed: int) -> None:
     """Strides span every XXH3 length class (≤16, ≤128, ≤240, long), where the algorithm changes."""
     expected = [xxh3_64_intdigest(data[i : i + stride], seed=seed) for i in range(0, len(data) - stride + 1, stride)]
-    assert xxh3_blocks(data, stride, seed) == expected
+    assert array("Q", xxh3_blocks(data, stride, seed)) == array("Q", expected)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200), st.integers(1, 40), st.sampled_from([None, "", "adapter-7"]))
+def test_packed_block_hashes_are_the_local_hashes(tokens: list[int], block_size: int, lora: str | None) -> None:
+    packed = packed_block_hashes(tokens, block_size, lora_name=lora)
+    assert packed.typecode == "Q"
+    assert packed.tolist() == local_block_hashes(tokens, block_size, lora_name=lora)
 
 
 @given(st.lists(st.integers(0, 2**64 - 1), max_size=40))

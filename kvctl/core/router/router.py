@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 
-from kvctl.core.hashing import local_block_hashes, sequence_hashes
+from kvctl.core.hashing import packed_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
 from kvctl.core.router.approx import ApproxIndexer
 from kvctl.core.router.scoring import Decision, RouterConfig, decide, score
@@ -54,7 +54,7 @@ class Router:
         """
         b = self.block_size
         if token_ids is not None:
-            local = local_block_hashes(token_ids, b, lora_name=lora_name)
+            local: Sequence[int] = packed_block_hashes(token_ids, b, lora_name=lora_name)
             isl = len(token_ids)
         elif local_hashes is not None:
             local = list(local_hashes)
