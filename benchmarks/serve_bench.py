@@ -15,7 +15,10 @@ Per system, in turn, on the same workload (fresh sockets, seq from 0), the other
     The sentinel is published to kvctl too, so both get the same messages;
   - RSS per (worker, block) pair: server VmRSS after the stores minus before, over pairs;
   - CPU seconds the server (every process and thread of it) spent on each ingest phase, polls included:
-    where publishers, server and client share few cores, a rate also says how much of them the server got.
+    where publishers, server and client share few cores, a rate also says how much of them the server got;
+  - kvctl only: its event loop's lag over each phase (`kvctl_event_loop_lag_seconds`, a probe every 10 ms):
+    probes over 5 and 25 ms late, and the bucket that holds the latest. A stall there is what a route or
+    health check arriving during a burst would wait.
 Then, both systems up and re-populated, route latency of 2048-token requests (a system prompt + 1024 fresh
 tokens), client-observed over one keep-alive httpx.Client per system (kvctl `POST /v1/route`, Dynamo
 `POST /query`), each query sent to both in turn: measured one system after the other, the machine's drift
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import random
 import socket
@@ -50,6 +54,7 @@ import msgspec
 import xxhash
 import zmq
 from _procs import Proc, cpu_seconds, rss_bytes  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("KVCTL_FIXTURES", "/work/shared/fixtures")) / "vllm-0.33"
@@ -249,9 +254,26 @@ class Kvctl:
     def ping(self) -> None:
         self.http.get("/healthz").raise_for_status()
 
+    def loop_lag(self) -> dict[float, float]:
+        """kvctl_event_loop_lag_seconds so far: upper bound (s) -> probes at most that late (+inf: all)."""
+        for family in text_string_to_metric_families(self.http.get("/metrics").text):
+            if family.name == "kvctl_event_loop_lag_seconds":
+                return {float(s.labels["le"]): s.value for s in family.samples if s.name.endswith("_bucket")}
+        raise RuntimeError("kvctl serve exports no kvctl_event_loop_lag_seconds")
+
     def stop(self) -> None:
         self.http.close()
         self.proc.stop()
+
+
+def lag_between(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
+    """The loop-lag probes of a phase: how many, how many came over 5 and 25 ms late, and the bucket bound
+    that holds the latest of them."""
+    probes = {le: after[le] - before.get(le, 0.0) for le in after}
+    total = probes[math.inf]
+    worst = min(le for le, n in probes.items() if n == total)
+    return {"probes": int(total), "over_5ms": int(total - probes[0.005]), "over_25ms": int(total - probes[0.025]),
+            "worst_within_ms": None if worst == math.inf else worst * 1e3}
 
 
 class Dynamo:
@@ -376,6 +398,8 @@ def ingest(kind: str, running: Running, wl: Workload) -> dict[str, Any]:
         removed_done = lambda: server.holders(wl.sentinel_tokens) == 0  # noqa: E731
 
     out: dict[str, Any] = {}
+    lag = server.loop_lag if isinstance(server, Kvctl) else None
+    lag0 = lag() if lag else {}
     cpu0 = cpu_seconds(proc.p.pid)
     t0 = time.perf_counter()
     publish(wl.order, wl.stores, wl.sentinel_store)
@@ -391,6 +415,9 @@ def ingest(kind: str, running: Running, wl: Workload) -> dict[str, Any]:
     out["rss_bytes_per_pair"] = round((rss1 - rss0) / wl.pairs, 1)
     held = server.count()
     out["held_after_stores"] = held
+    if lag:
+        lag1 = lag()
+        out["store_loop_lag"] = lag_between(lag0, lag1)
     if held != baseline + wl.pairs + W:
         out["count_mismatch"] = f"held {held}, expected {baseline + wl.pairs + W}"
 
@@ -401,6 +428,8 @@ def ingest(kind: str, running: Running, wl: Workload) -> dict[str, Any]:
     out["remove_blocks_per_s"] = round(wl.pairs / (t1 - t0))
     out["remove_s"] = round(t1 - t0, 3)
     out["remove_cpu_s"] = round(cpu_seconds(proc.p.pid) - cpu0, 3)
+    if lag:
+        out["remove_loop_lag"] = lag_between(lag1, lag())
     held = server.count()
     if held != baseline:
         out["count_mismatch_after_removals"] = f"held {held}, expected {baseline}"

@@ -376,6 +376,12 @@ def http_protocol(app: ASGIApp) -> type[asyncio.Protocol]:
     return route_protocol(app.routing.reply, app.routing.observe, app.max_body_bytes)
 
 
+def loop_lag_observer(app: ASGIApp) -> Callable[[float], None]:
+    """Where the daemon's loop probe (`daemon.watch_loop`) records how late it woke."""
+    assert isinstance(app, _Front)
+    return app.routing.metrics.loop_lag.observe
+
+
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, streams: Streams | None = None,
                plane: EventPlane | None = None) -> ASGIApp:

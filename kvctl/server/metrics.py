@@ -101,6 +101,10 @@ class FleetCollector(Collector):
         yield from (*counters.values(), errors, gapped, dropped)
 
 
+LOOP_LAG_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+"""From 2.5 ms: below that is the loop's own timer granularity (libuv's clock is in milliseconds)."""
+
+
 class Metrics:
     """One registry per app (never the process-global one): tests and embedders run several routers."""
 
@@ -110,6 +114,10 @@ class Metrics:
         self.route_seconds = Histogram(
             "kvctl_route_duration_seconds", "time to decide a route (hash, match, score, pick)", ["model"],
             buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2), registry=self.registry)
+        self.loop_lag = Histogram(
+            "kvctl_event_loop_lag_seconds", "how late the event loop woke a probe due every 10 ms: what any "
+            "request or event waited, then, behind whatever held the loop", buckets=LOOP_LAG_BUCKETS,
+            registry=self.registry)
         self.predicted_hit = Histogram(
             "kvctl_route_predicted_hit_rate", "cached fraction of the prompt on the chosen worker", ["model"],
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=self.registry)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from kvctl.cli import app
@@ -180,4 +181,13 @@ def test_keep_alive_requests_do_not_wait_on_nagle(tmp_path: Path) -> None:
         for _ in range(20):
             client.get("/healthz")
         assert (time.perf_counter() - started) / 20 < 0.02
+        _stop(proc)
+
+
+def test_the_loop_is_probed_for_lag(tmp_path: Path) -> None:
+    with serving(tmp_path) as (proc, client):
+        time.sleep(0.2)
+        families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+        samples = {s.name: s.value for s in families["kvctl_event_loop_lag_seconds"].samples if not s.labels}
+        assert samples["kvctl_event_loop_lag_seconds_count"] >= 5  # a probe every 10 ms
         _stop(proc)
