@@ -1,9 +1,10 @@
 """The cyclic garbage collector kept off the hot paths of kvctl's long-running processes.
 
-The router applies batches that allocate thousands of objects each; `kvctl top` rebuilds a frame of
-hundreds of rows every second. With CPython's default thresholds the young generations are collected
-every 700 allocations (~30% of the router's apply time), and a full collection walks every live object
-(the index, Textual's widgets), holding the event loop for tens of milliseconds.
+The router keeps millions of objects (its index) and allocates thousands per batch of events; `kvctl top`
+rebuilds a frame of hundreds of rows every second. CPython walks each survivor again in every older
+generation, and a full collection walks every live object (the index, Textual's widgets), holding the
+event loop for tens of milliseconds. Both freeze what is alive at start; the router also freezes each
+young collection's survivors (`survivors_frozen`), `kvctl top` collects less often (`tuned_gc`).
 """
 
 from __future__ import annotations
