@@ -82,7 +82,7 @@ class _Receiver:
             return
         for _ in range(_BURST):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = _recv_message(sock)
             except zmq.Again:
                 return
             stream.messages += 1
@@ -92,6 +92,18 @@ class _Receiver:
         for sock in self.subs:
             sock.close(linger=0)
         self.context.term()
+
+
+def _recv_message(sock: zmq.Socket[bytes]) -> list[bytes]:
+    """`sock.recv_multipart(zmq.NOBLOCK)`, a third cheaper: each frame says whether another follows, where
+    pyzmq asks the socket (RCVMORE) and builds an option enum to do it, ~1.5 us a message. ZMQ delivers a
+    multipart message whole, so the frames after the first are there already."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame.bytes]
+    while frame.more:
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frames.append(frame.bytes)
+    return frames
 
 
 def serve(fd_in: int, fd_out: int) -> None:
