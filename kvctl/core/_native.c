@@ -212,6 +212,75 @@ done:
     return result;
 }
 
+/* Big-endian unsigned integer of `size` bytes at s. */
+static uint64_t be_uint(const unsigned char *s, int size) {
+    uint64_t v = 0;
+    for (int k = 0; k < size; k++) v = v << 8 | s[k];
+    return v;
+}
+
+/* A stored event's token ids, as the engine's msgpack array of ints, straight into little-endian u32s (what
+ * the block hashes are taken over): the typed decoding pass hands them over raw, where msgspec would build an
+ * int per token, and packing them took as long again. Any element that is not an int in [0, 2^32) raises
+ * ValueError without detail: the caller then decodes the batch the general way, which words the error. */
+static PyObject *u32le_from_msgpack(PyObject *module, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *s = view.buf;
+    const Py_ssize_t n = view.len;
+    PyObject *out = NULL;
+    Py_ssize_t i, count;
+    if (n >= 1 && (s[0] & 0xf0) == 0x90) {
+        count = s[0] & 0x0f;
+        i = 1;
+    } else if (n >= 3 && s[0] == 0xdc) {
+        count = (Py_ssize_t)be_uint(s + 1, 2);
+        i = 3;
+    } else if (n >= 5 && s[0] == 0xdd) {
+        count = (Py_ssize_t)be_uint(s + 1, 4);
+        i = 5;
+    } else {
+        goto bad;
+    }
+    if (count > n - i) goto bad; /* every element takes at least a byte */
+    out = PyBytes_FromStringAndSize(NULL, count * 4);
+    if (out == NULL) goto done;
+    unsigned char *ids = (unsigned char *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t k = 0; k < count; k++) {
+        const unsigned char c = s[i];
+        uint64_t v;
+        int size;
+        if (c <= 0x7f) { /* positive fixint */
+            v = c;
+            size = 0;
+        } else if (c >= 0xcc && c <= 0xcf) { /* uint 8, 16, 32, 64 */
+            size = 1 << (c - 0xcc);
+            if (n - i - 1 < size) goto bad;
+            v = be_uint(s + i + 1, size);
+        } else if (c >= 0xd0 && c <= 0xd3) { /* int 8, 16, 32, 64: fine when the value is not negative */
+            size = 1 << (c - 0xd0);
+            if (n - i - 1 < size || s[i + 1] & 0x80) goto bad;
+            v = be_uint(s + i + 1, size);
+        } else {
+            goto bad;
+        }
+        if (v > U32_MAX_VALUE) goto bad;
+        ids[4 * k] = (unsigned char)v;
+        ids[4 * k + 1] = (unsigned char)(v >> 8);
+        ids[4 * k + 2] = (unsigned char)(v >> 16);
+        ids[4 * k + 3] = (unsigned char)(v >> 24);
+        i += 1 + size;
+    }
+    if (i != n) goto bad;
+    goto done;
+bad:
+    Py_CLEAR(out);
+    PyErr_SetString(PyExc_ValueError, "not a msgpack array of u32 ints");
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyObject *xxh3_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer view;
     Py_ssize_t stride;
@@ -282,6 +351,9 @@ static PyMethodDef methods[] = {
     {"xxh3_blocks", (PyCFunction)(void (*)(void))xxh3_blocks, METH_FASTCALL,
      "xxh3_blocks(data: bytes-like, stride: int, seed: int) -> bytes\n\nXXH3-64 (seeded) of each whole "
      "`stride`-byte block of `data`, as native-endian u64s; a trailing partial block is not hashed."},
+    {"u32le_from_msgpack", u32le_from_msgpack, METH_O,
+     "u32le_from_msgpack(msgpack: bytes-like) -> bytes\n\nA msgpack array of ints in [0, 2^32) as little-endian u32 "
+     "bytes; ValueError for anything else."},
     {"u32_from_json", u32_from_json, METH_O,
      "u32_from_json(json: bytes-like) -> bytes\n\nA JSON array of integers in [0, 2^32) as native-endian u32 bytes; "
      "ValueError, worded like msgspec's, for anything else."},

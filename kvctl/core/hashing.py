@@ -20,10 +20,14 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from xxhash import xxh3_64_intdigest
 
 from kvctl.core._native import xxh3_blocks, xxh3_chain
+
+if TYPE_CHECKING:  # collections.abc.Buffer from Python 3.12 on
+    from typing_extensions import Buffer
 
 XXH3_SEED = 1337
 U64_MASK = (1 << 64) - 1
@@ -89,9 +93,14 @@ def local_block_hashes(
 def packed_block_hashes(tokens: Sequence[int] | array, block_size: int, *, lora_name: str | None = None) -> array:
     """`local_block_hashes` (no multimodal hashes) as an array('Q'): what a route matches against the index's
     packed edges without an int object per block."""
+    return block_hashes_of_packed(pack_tokens(tokens), block_size, lora_name=lora_name)
+
+
+def block_hashes_of_packed(packed: Buffer, block_size: int, *, lora_name: str | None = None) -> array:
+    """`packed_block_hashes` of token ids already packed as little-endian u32s (`pack_tokens`' layout)."""
     hashes = array("Q")
     if block_size > 0:
-        hashes.frombytes(xxh3_blocks(pack_tokens(tokens), 4 * block_size, lora_seed(lora_name)))
+        hashes.frombytes(xxh3_blocks(packed, 4 * block_size, lora_seed(lora_name)))
     return hashes
 
 

@@ -21,9 +21,10 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvctl.core._native import u32le_from_msgpack
 from kvctl.core.events.errors import DecodeError, ErrorKind, describe, parse_msgpack, require
 from kvctl.core.events.types import Cleared, EventData, Removed, Stored, Tier
-from kvctl.core.hashing import U64_MASK, local_block_hashes
+from kvctl.core.hashing import U64_MASK, block_hashes_of_packed, local_block_hashes
 
 END_SEQ = U64_MASK
 """The seq of the replay end marker (vLLM's END_SEQ = -1 as 8 unsigned big-endian bytes)."""
@@ -151,7 +152,7 @@ def decode_engine_batch(payload: bytes, *, default_block_size: int | None = None
 # even valid msgpack), so an event with an unknown field goes to the walk. Fields kvctl ignores are Any.
 class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unknown_fields=True):
     block_hashes: list[Annotated[int, msgspec.Meta(ge=0)]]
-    token_ids: list[int]
+    token_ids: msgspec.Raw  # read by `_packed_local_hashes`, without an int per token
     parent_block_hash: Annotated[int, msgspec.Meta(ge=0)] | None = None
     block_size: Any = None
     lora_name: Any = None
@@ -202,9 +203,9 @@ def _decode_common(payload: bytes, default_block_size: int | None) -> EngineBatc
             elif kind is _StoredMap:
                 hashes = event.block_hashes
                 events.append(Stored(event.parent_block_hash, hashes,
-                                     _local_hashes(event.token_ids, len(hashes),
-                                                   _block_size(event.block_size, default_block_size),
-                                                   event.lora_name),
+                                     _packed_local_hashes(event.token_ids, len(hashes),
+                                                          _block_size(event.block_size, default_block_size),
+                                                          event.lora_name),
                                      tier_from_medium(event.medium)))
             else:
                 events.append(Cleared())
@@ -390,6 +391,21 @@ def _local_hashes(tokens: Any, n_blocks: int, block_size: int, lora_name: Any) -
                                   lora_name=lora_name)
     except (ValueError, TypeError) as exc:  # an id outside u32, or not an int at all
         raise DecodeError(ErrorKind.bad_tokens, "token_ids", str(exc)) from None
+
+
+def _packed_local_hashes(raw: msgspec.Raw, n_blocks: int, block_size: int, lora_name: Any) -> list[int]:
+    """`_local_hashes` of the typed pass, from the token ids' msgpack as it is. Anything `_local_hashes` would
+    refuse (and a bool it would take as an int) raises a DecodeError without detail: the typed pass then
+    gives the batch up, and the general walk decodes it and words the error."""
+    try:
+        packed = u32le_from_msgpack(raw)
+    except ValueError:
+        raise DecodeError(ErrorKind.bad_tokens, "token_ids", "") from None
+    needed = 4 * n_blocks * block_size
+    if len(packed) < needed or (lora_name is not None and not isinstance(lora_name, str)):
+        raise DecodeError(ErrorKind.bad_tokens, "token_ids", "")
+    with memoryview(packed) as view:
+        return block_hashes_of_packed(view[:needed], block_size, lora_name=lora_name).tolist()
 
 
 def _block_size(value: Any, default_block_size: int | None) -> int:
