@@ -219,15 +219,18 @@ static uint64_t be_uint(const unsigned char *s, int size) {
     return v;
 }
 
-/* A stored event's token ids, as the engine's msgpack array of ints, straight into little-endian u32s (what
- * the block hashes are taken over): the typed decoding pass hands them over raw, where msgspec would build an
- * int per token, and packing them took as long again. Any element that is not an int in [0, 2^32) raises
- * ValueError without detail: the caller then decodes the batch the general way, which words the error. */
-static PyObject *u32le_from_msgpack(PyObject *module, PyObject *arg) {
+/* A msgpack array of ints straight into packed unsigned ints: `width` 4 (little-endian u32s, in [0, 2^32): a
+ * stored event's token ids, which the block hashes are taken over) or 8 (native u64s: a removal's block
+ * hashes). The typed decoding pass hands these over raw, where msgspec would build an int per element, and
+ * packing them took as long again. Anything else (a negative, a bool, a float, too large, not an array)
+ * raises ValueError without detail: the caller then decodes the batch the general way, which words the
+ * error. */
+static PyObject *uints_from_msgpack(PyObject *arg, const int width) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     const unsigned char *s = view.buf;
     const Py_ssize_t n = view.len;
+    const uint64_t max = width == 4 ? U32_MAX_VALUE : UINT64_MAX;
     PyObject *out = NULL;
     Py_ssize_t i, count;
     if (n >= 1 && (s[0] & 0xf0) == 0x90) {
@@ -243,9 +246,9 @@ static PyObject *u32le_from_msgpack(PyObject *module, PyObject *arg) {
         goto bad;
     }
     if (count > n - i) goto bad; /* every element takes at least a byte */
-    out = PyBytes_FromStringAndSize(NULL, count * 4);
+    out = PyBytes_FromStringAndSize(NULL, count * width);
     if (out == NULL) goto done;
-    unsigned char *ids = (unsigned char *)PyBytes_AS_STRING(out);
+    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
     for (Py_ssize_t k = 0; k < count; k++) {
         const unsigned char c = s[i];
         uint64_t v;
@@ -264,22 +267,27 @@ static PyObject *u32le_from_msgpack(PyObject *module, PyObject *arg) {
         } else {
             goto bad;
         }
-        if (v > U32_MAX_VALUE) goto bad;
-        ids[4 * k] = (unsigned char)v;
-        ids[4 * k + 1] = (unsigned char)(v >> 8);
-        ids[4 * k + 2] = (unsigned char)(v >> 16);
-        ids[4 * k + 3] = (unsigned char)(v >> 24);
+        if (v > max) goto bad;
+        if (width == 8) {
+            memcpy(dst + 8 * k, &v, 8);
+        } else {
+            for (int b = 0; b < 4; b++) dst[4 * k + b] = (unsigned char)(v >> (8 * b));
+        }
         i += 1 + size;
     }
     if (i != n) goto bad;
     goto done;
 bad:
     Py_CLEAR(out);
-    PyErr_SetString(PyExc_ValueError, "not a msgpack array of u32 ints");
+    PyErr_SetString(PyExc_ValueError, "not a msgpack array of unsigned ints in range");
 done:
     PyBuffer_Release(&view);
     return out;
 }
+
+static PyObject *u32le_from_msgpack(PyObject *module, PyObject *arg) { return uints_from_msgpack(arg, 4); }
+
+static PyObject *u64_from_msgpack(PyObject *module, PyObject *arg) { return uints_from_msgpack(arg, 8); }
 
 static PyObject *xxh3_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer view;
@@ -353,6 +361,9 @@ static PyMethodDef methods[] = {
      "`stride`-byte block of `data`, as native-endian u64s; a trailing partial block is not hashed."},
     {"u32le_from_msgpack", u32le_from_msgpack, METH_O,
      "u32le_from_msgpack(msgpack: bytes-like) -> bytes\n\nA msgpack array of ints in [0, 2^32) as little-endian u32 "
+     "bytes; ValueError for anything else."},
+    {"u64_from_msgpack", u64_from_msgpack, METH_O,
+     "u64_from_msgpack(msgpack: bytes-like) -> bytes\n\nA msgpack array of ints in [0, 2^64) as native-endian u64 "
      "bytes; ValueError for anything else."},
     {"u32_from_json", u32_from_json, METH_O,
      "u32_from_json(json: bytes-like) -> bytes\n\nA JSON array of integers in [0, 2^32) as native-endian u32 bytes; "

@@ -131,7 +131,7 @@ def refused(key: int, why: str) -> bytes:
 
 def _decoded(payload: bytes, block_size: int) -> list[Any]:
     try:
-        batch = decode_engine_batch(payload, default_block_size=block_size)
+        batch = decode_engine_batch(payload, default_block_size=block_size, packed_removals=True)
     except DecodeError as exc:
         return [exc.kind.value]
     return [batch.ts, batch.dp_rank, [_event(e) for e in batch.events], [e.kind.value for e in batch.errors]]

@@ -112,7 +112,7 @@ class Decoder(Backpressure, Protocol):
 
 def decode_now(payload: bytes, block_size: int) -> EngineBatch | ErrorKind:
     try:
-        return decode_engine_batch(payload, default_block_size=block_size)
+        return decode_engine_batch(payload, default_block_size=block_size, packed_removals=True)
     except DecodeError as exc:
         return exc.kind
 

@@ -1,18 +1,20 @@
-"""The C reader of a stored event's token ids (`u32le_from_msgpack`) against msgspec as the reference, over
-every msgpack int encoding (engines' encoders differ in which they pick) and over arbitrary bytes."""
+"""The C readers of a stored event's token ids (`u32le_from_msgpack`) and a removal's hashes
+(`u64_from_msgpack`) against msgspec as the reference, over every msgpack int encoding (engines' encoders
+differ in which they pick) and over arbitrary bytes."""
 
 from __future__ import annotations
 
 import struct
 import sys
 from array import array
+from collections.abc import Callable
 
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvctl.core._native import u32le_from_msgpack
+from kvctl.core._native import u32le_from_msgpack, u64_from_msgpack
 
 _INTS = {  # name: (marker, struct format, min, max)
     "u8": (0xCC, ">B", 0, 2**8 - 1), "u16": (0xCD, ">H", 0, 2**16 - 1), "u32": (0xCE, ">I", 0, 2**32 - 1),
@@ -43,12 +45,25 @@ def _array(items: list[bytes], header: str) -> bytes:
     return head + b"".join(items)
 
 
-def _read(raw: bytes) -> list[int]:
-    ids = array("I")
-    ids.frombytes(u32le_from_msgpack(raw))
-    if sys.byteorder == "big":  # pragma: no cover - the bytes are little-endian
-        ids.byteswap()
-    return ids.tolist()
+# (reader, array typecode of its output, values it takes: below this bound)
+READERS = [(u32le_from_msgpack, "I", 2**32), (u64_from_msgpack, "Q", 2**64)]
+
+
+def _read(reader: Callable[[bytes], bytes], typecode: str, raw: bytes) -> list[int]:
+    out = array(typecode)
+    out.frombytes(reader(raw))
+    if typecode == "I" and sys.byteorder == "big":  # pragma: no cover - the u32s are little-endian
+        out.byteswap()
+    return out.tolist()
+
+
+def _agrees(raw: bytes, expected: object) -> None:
+    for reader, typecode, bound in READERS:
+        if isinstance(expected, list) and all(type(v) is int and 0 <= v < bound for v in expected):
+            assert _read(reader, typecode, raw) == expected
+        else:
+            with pytest.raises(ValueError):
+                reader(raw)
 
 
 @given(st.lists(st.tuples(st.integers(-(2**63), 2**64 - 1) | st.integers(0, 70_000),
@@ -56,12 +71,7 @@ def _read(raw: bytes) -> list[int]:
        st.sampled_from(["fix", "a16", "a32"]))
 def test_every_int_encoding_reads_as_msgspec_decodes_it(items: list[tuple[int, str]], header: str) -> None:
     raw = _array([_int(v, e) for v, e in items], header)
-    expected = msgspec.msgpack.decode(raw)
-    if all(type(v) is int and 0 <= v < 2**32 for v in expected):
-        assert _read(raw) == expected
-    else:
-        with pytest.raises(ValueError):
-            u32le_from_msgpack(raw)
+    _agrees(raw, msgspec.msgpack.decode(raw))
 
 
 @given(st.binary(max_size=60) | st.builds(lambda head, rest: head + rest, st.sampled_from(
@@ -71,8 +81,4 @@ def test_any_bytes_read_as_msgspec_decodes_them_or_are_refused(raw: bytes) -> No
         expected = msgspec.msgpack.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError):  # not msgpack at all
         expected = None
-    if isinstance(expected, list) and all(type(v) is int and 0 <= v < 2**32 for v in expected):
-        assert _read(raw) == expected
-    else:
-        with pytest.raises(ValueError):
-            u32le_from_msgpack(raw)
+    _agrees(raw, expected)
