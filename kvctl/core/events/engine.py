@@ -191,8 +191,9 @@ _COMMON = msgspec.msgpack.Decoder(_CommonBatch)
 
 def _decode_common(payload: bytes, default_block_size: int | None, packed_removals: bool = False) -> EngineBatch | None:
     """The shape nearly every batch has (vLLM >= 0.24: `[ts, events, dp_rank]` of map events with u64
-    hashes, every event sound), decoded by one typed msgspec pass instead of a walk over untyped values:
-    about 15% less work for a batch of stores, 60% less for one of removals. None for anything else,
+    hashes, every event sound), decoded by one typed msgspec pass instead of a walk over untyped values,
+    token ids and removed hashes read by C straight from their msgpack (a 1024-token store: 17 us here,
+    42 us when msgspec made an int of each id). None for anything else,
     which `_decode_any` then decodes and reports; the fields the typed pass does not check go through the
     same helpers as there, so the two agree on every payload this one accepts (a property test holds
     them to it)."""
@@ -398,8 +399,9 @@ def _local_hashes(tokens: Any, n_blocks: int, block_size: int, lora_name: Any) -
 
 
 def _removed_hashes(raw: msgspec.Raw, packed: bool) -> Sequence[int]:
-    """A removal's block hashes from their msgpack as it is; any value the walk would not take as a u64 (or
-    would word an error for) gives the batch up to the walk, as `_packed_local_hashes` does."""
+    """A removal's block hashes from their msgpack as it is. Anything but ints in [0, 2^64) (the walk also
+    takes negative ints, bit-cast, and bytes digests) gives the batch up to the walk, as `_packed_local_hashes`
+    does."""
     hashes = array("Q")
     try:
         hashes.frombytes(u64_from_msgpack(raw))
