@@ -93,6 +93,8 @@ def local_block_hashes(
 def packed_block_hashes(tokens: Sequence[int] | array, block_size: int, *, lora_name: str | None = None) -> array:
     """`local_block_hashes` (no multimodal hashes) as an array('Q'): what a route matches against the index's
     packed edges without an int object per block."""
+    if block_size <= 0:
+        return array("Q")
     return block_hashes_of_packed(pack_tokens(tokens), block_size, lora_name=lora_name)
 
 
