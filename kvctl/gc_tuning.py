@@ -57,7 +57,7 @@ def survivors_frozen() -> Iterator[None]:
     What it costs: a reference cycle that becomes garbage after surviving one collection is never
     collected. The index has none (its nodes are unlinked when freed and go by reference counting),
     and the router's request paths leave none that live that long (measured with `gc.DEBUG_SAVEALL`
-    over mixed API traffic: the same count after 1 and 5 rounds).
+    over mixed API traffic: the same count after 1 and 4 rounds).
     """
     before = gc.get_threshold()
     gc.collect()

@@ -1,10 +1,13 @@
-/* The two loops of a routing decision that Python cannot make cheap: reading a prompt's token ids out of its
- * JSON, and hashing its blocks.
+/* The loops Python cannot make cheap: reading a prompt's token ids out of its JSON, reading an engine event's
+ * ids and hashes out of its msgpack, and hashing blocks.
  *
  * u32_from_json: POST /v1/route carries ~2k token ids per request. Decoding them into a list of Python ints,
  * checking each against the u32 range and packing them again took half the route's server time; this reads
  * the digits once and writes the u32s straight into the result. Errors say what msgspec would have said for
  * `list[int]` with bounds [0, 2^32 - 1], so a bad token id reads the same as any other invalid field.
+ *
+ * u32le_from_msgpack and u64_from_msgpack: a stored event's token ids and a removal's block hashes, packed
+ * without an int object per element (see uints_from_msgpack).
  *
  * xxh3_blocks and xxh3_chain: a prompt's local and sequence hashes, with the same xxHash release the
  * `xxhash` package wraps (vendor/xxhash.h), without a Python call and a bytes object per block.

@@ -129,11 +129,18 @@ def refused(key: int, why: str) -> bytes:
     return ANSWER.pack(len(body), REFUSED) + body
 
 
-def _decoded(payload: bytes, block_size: int) -> list[Any]:
+def decode_now(payload: bytes, block_size: int) -> EngineBatch | ErrorKind:
+    """A payload decoded as the router takes it, here or in the decode process: removed hashes packed."""
     try:
-        batch = decode_engine_batch(payload, default_block_size=block_size, packed_removals=True)
+        return decode_engine_batch(payload, default_block_size=block_size, packed_removals=True)
     except DecodeError as exc:
-        return [exc.kind.value]
+        return exc.kind
+
+
+def _decoded(payload: bytes, block_size: int) -> list[Any]:
+    batch = decode_now(payload, block_size)
+    if isinstance(batch, ErrorKind):
+        return [batch.value]
     return [batch.ts, batch.dp_rank, [_event(e) for e in batch.events], [e.kind.value for e in batch.errors]]
 
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvctl.core.events import DecodeError, EngineBatch, ErrorKind, decode_engine_batch
-from kvctl.server.decode_wire import HEADER, Answer, Refused, control, split_answers
+from kvctl.core.events import EngineBatch, ErrorKind
+from kvctl.server.decode_wire import HEADER, Answer, Refused, control, decode_now, split_answers
 
 __all__ = ["Backpressure", "Decoded", "Decoder", "DECODER_MODES", "InlineDecoder", "NeverFull", "OnLive",
            "ProcessDecoder", "Subscription", "make_decoder", "usable_cpus"]
@@ -108,13 +108,6 @@ class Decoder(Backpressure, Protocol):
     async def drained(self) -> None: ...
     async def close(self) -> None: ...
     def status(self) -> dict[str, Any]: ...
-
-
-def decode_now(payload: bytes, block_size: int) -> EngineBatch | ErrorKind:
-    try:
-        return decode_engine_batch(payload, default_block_size=block_size, packed_removals=True)
-    except DecodeError as exc:
-        return exc.kind
 
 
 class InlineDecoder(NeverFull):
