@@ -1,0 +1,50 @@
+"""The interop tier: a real Dynamo 1.6.1 fleet (tests/interop/fleet.py), started once for this package's tests
+and stopped after its last one (not at the end of the session: the rest of the suite runs without it).
+
+Every test here is marked `interop`. Without Dynamo's venv the tests skip, saying why; with
+KVCTL_REQUIRE_INTEROP=1 (CI) they fail instead, so CI cannot pass with the tier skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.interop.fleet import Fleet, dynamo_python, start_fleet
+from tests.nats_server import NatsServer
+
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.interop)
+
+
+@pytest.fixture(scope="session")
+def dynamo() -> Path:
+    """The Dynamo venv's python (skips, or fails under KVCTL_REQUIRE_INTEROP=1, when there is none)."""
+    return dynamo_python()
+
+
+@pytest.fixture(scope="package")
+def nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """A real nats-server with JetStream: the fleet's event plane."""
+    server = NatsServer(tmp_path_factory.mktemp("interop-nats"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="package")
+def fleet(dynamo: Path, nats: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Three mockers on the NATS event plane (namespace dynamo, component backend, endpoint generate, model
+    `tiny`, block size 16, 128 KV blocks each), Dynamo's frontend with its KV router, Dynamo's indexer
+    (`--threads 1`) and `kvctl serve` both on the mockers' ZMQ streams, joined before any request was made:
+    whenever the fleet is quiet, the indexer and kvctl must hold the same index. Process logs are in
+    `fleet.workdir`. Tests may add load (`shared_prefix_load`) but must not stop its processes."""
+    started = start_fleet(tmp_path_factory.mktemp("interop-fleet"), dynamo, mockers=3, nats_url=nats.url)
+    yield started
+    started.stop()
