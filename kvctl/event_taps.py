@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvctl.core.events import RouterEvent
-from kvctl.core.events.dynamo import decode_envelope, decode_router_event_json, decode_router_event_msgpack
+from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch, decode_router_event_json
 from kvctl.core.events.engine import decode_engine_message
 from kvctl.core.events.errors import DecodeError
-from kvctl.core.events.plane import PlaneNames
+from kvctl.core.events.plane import KV_EVENTS, PlaneScope
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
 
@@ -93,10 +93,11 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
         sub.close(0)
 
 
-async def tap_nats(conn: NatsConnection, names: PlaneNames, *, stop: Callable[[], bool], stats: TapStats,
+async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[], bool], stats: TapStats,
                    jetstream: bool = False, listening: Callable[[str], None] = _unheard) -> AsyncIterator[Tapped]:
-    """A Dynamo event plane: envelopes on NATS Core, or the JetStream stream's JSON (new messages only,
-    through an ephemeral consumer: tailing never moves a router's place).
+    """A Dynamo event plane: `kv-events` envelopes on NATS Core in the scope's components and endpoints, or
+    kvctl's JetStream stream's JSON (new messages only, through an ephemeral consumer: tailing never moves
+    a router's place).
 
     `listening` is told once the server has the subscription: nothing published after that is missed."""
     import nats
@@ -105,20 +106,23 @@ async def tap_nats(conn: NatsConnection, names: PlaneNames, *, stop: Callable[[]
     queue: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def on(msg: nats.aio.msg.Msg) -> None:
-        queue.put_nowait(msg.data)
+        where = scope.match(msg.subject)
+        if jetstream or (where is not None and where[2] == KV_EVENTS):
+            queue.put_nowait(msg.data)
 
     last: dict[tuple[int, int], int] = {}
     try:
         if jetstream:
             from nats.js.api import DeliverPolicy
 
+            names = scope.names()
             await nc.jetstream().subscribe(names.stream_subject, cb=on, ordered_consumer=True,
                                            deliver_policy=DeliverPolicy.NEW)
             listening(f"listening on stream {names.stream} ({names.stream_subject}) at {conn.shown_url}")
         else:
-            await nc.subscribe(names.kv_events, cb=on)
+            await nc.subscribe(scope.subscription, cb=on)
             await barrier(nc)
-            listening(f"listening on {names.kv_events} at {conn.shown_url}")
+            listening(f"listening on {scope.pattern(KV_EVENTS)} at {conn.shown_url}")
         while not stop():
             try:
                 data = await asyncio.wait_for(queue.get(), POLL_MS / 1000)
@@ -126,19 +130,22 @@ async def tap_nats(conn: NatsConnection, names: PlaneNames, *, stop: Callable[[]
                 continue
             stats.messages += 1
             try:
-                event = (decode_router_event_json(data) if jetstream
-                         else decode_router_event_msgpack(decode_envelope(data).payload))
+                events, errors = (([decode_router_event_json(data)], []) if jetstream
+                                  else decode_router_event_batch(decode_envelope(data).payload))
             except DecodeError as exc:
                 stats.decode_errors[exc.kind.value] += 1
                 continue
-            key = (event.worker_id, event.dp_rank)
-            previous = last.get(key)
-            if previous is not None and event.event_id > previous + 1:
-                stats.gaps += 1
-                stats.missing += event.event_id - previous - 1
-                yield Tapped(_now_ms(), event.event_id, None, (previous + 1, event.event_id - 1))
-            last[key] = event.event_id
-            stats.events += 1
-            yield Tapped(_now_ms(), event.event_id, event)
+            for error in errors:
+                stats.decode_errors[error.kind.value] += 1
+            for event in events:
+                key = (event.worker_id, event.dp_rank)
+                previous = last.get(key)
+                if previous is not None and event.event_id > previous + 1:
+                    stats.gaps += 1
+                    stats.missing += event.event_id - previous - 1
+                    yield Tapped(_now_ms(), event.event_id, None, (previous + 1, event.event_id - 1))
+                last[key] = event.event_id
+                stats.events += 1
+                yield Tapped(_now_ms(), event.event_id, event)
     finally:
         await nc.close()

@@ -1,6 +1,7 @@
 """Publishing RouterEvents onto a Dynamo event plane, as its workers do (`kvctl events publish`).
 
-NATS Core: each event in the msgpack envelope, sequence numbers from 1, on `…kv-events`. JetStream:
+NATS Core: each event as a one-event `kv-events` array in the msgpack envelope, sequence numbers from 0,
+on `namespace.{ns}.component.{comp}.endpoint.{ep}.kv-events`, as Dynamo 1.6.1 does. JetStream:
 RouterEvent JSON on `{stream}.kv-events`, each acknowledged by the server (a stream that is not there
 is created with Dynamo's settings first, as a worker would).
 """
@@ -15,13 +16,8 @@ import nats.js.errors
 from nats.js.api import StreamConfig
 
 from kvctl.core.events import RouterEvent
-from kvctl.core.events.dynamo import (
-    EventEnvelope,
-    encode_envelope,
-    encode_router_event_json,
-    encode_router_event_msgpack,
-)
-from kvctl.core.events.plane import PlaneNames
+from kvctl.core.events.dynamo import EnvelopeWriter, encode_router_event_batch, encode_router_event_json
+from kvctl.core.events.plane import KV_EVENTS, PlaneNames
 from kvctl.errors import KvctlError, Unreachable
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
@@ -47,10 +43,9 @@ async def _publish(conn: NatsConnection, names: PlaneNames, events: list[RouterE
         if jetstream:
             await _publish_jetstream(nc, names, events)
         else:
-            now_ms = int(time.time() * 1000)
-            for n, ev in enumerate(events, 1):
-                envelope = EventEnvelope(publisher_id, n, now_ms, "kv-events", encode_router_event_msgpack(ev))
-                await nc.publish(names.kv_events, encode_envelope(envelope))
+            writer = EnvelopeWriter(publisher_id, KV_EVENTS)
+            for ev in events:
+                await nc.publish(names.kv_events, writer.wrap(encode_router_event_batch([ev]), int(time.time() * 1000)))
             await barrier(nc)
     finally:
         await nc.close()

@@ -19,6 +19,14 @@ NamespaceOpt = Annotated[str, typer.Option("--namespace", envvar="KVCTL_NAMESPAC
                                            help="Dynamo namespace.")]
 ComponentOpt = Annotated[str, typer.Option("--component", envvar="KVCTL_COMPONENT", rich_help_panel=PANEL,
                                            help="The workers' Dynamo component.")]
+EndpointOpt = Annotated[str, typer.Option("--endpoint", envvar="KVCTL_ENDPOINT", rich_help_panel=PANEL,
+                                          help="The workers' Dynamo endpoint.")]
+ComponentScopeOpt = Annotated[str | None, typer.Option(
+    "--component", envvar="KVCTL_COMPONENT", show_default=False, rich_help_panel=PANEL,
+    help="Follow only this Dynamo component (default: every component of the namespace).")]
+EndpointScopeOpt = Annotated[str | None, typer.Option(
+    "--endpoint", envvar="KVCTL_ENDPOINT", show_default=False, rich_help_panel=PANEL,
+    help="Follow only this Dynamo endpoint (default: every endpoint).")]
 UserOpt = Annotated[str | None, typer.Option("--nats-user", envvar="KVCTL_NATS_USER", show_default=False,
                                              rich_help_panel=PANEL)]
 PasswordOpt = Annotated[str | None, typer.Option("--nats-password", envvar="KVCTL_NATS_PASSWORD",

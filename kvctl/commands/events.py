@@ -16,6 +16,9 @@ import typer
 
 from kvctl.commands._nats import (
     ComponentOpt,
+    ComponentScopeOpt,
+    EndpointOpt,
+    EndpointScopeOpt,
     NamespaceOpt,
     NatsAuth,
     with_nats_credentials,
@@ -51,6 +54,7 @@ def publish_command(
     nats_url: Annotated[str, typer.Option("--nats", envvar="KVCTL_NATS", help="nats://HOST:PORT")],
     namespace: NamespaceOpt = "dynamo",
     component: ComponentOpt = "backend",
+    endpoint: EndpointOpt = "generate",
     jetstream: Annotated[bool, typer.Option("--jetstream", help="Onto the JetStream stream (RouterEvent JSON; "
                                             "the stream is created, as a worker would, when missing).")] = False,
     publisher_id: Annotated[int, typer.Option("--publisher-id", help="The envelope's publisher_id (NATS Core).")]
@@ -77,7 +81,7 @@ def publish_command(
         events = read_router_events(text)
     except DumpFileError as exc:
         raise UsageError(f"{source}: {exc}") from None
-    names = PlaneNames(namespace, component)
+    names = PlaneNames(namespace, component, endpoint)
     subject = names.stream_subject if jetstream else names.kv_events
     summary = {"published": 0, "events": len(events), "subject": subject, "mode": "jetstream" if jetstream else "core",
                "dry_run": dry_run}
@@ -132,7 +136,7 @@ class _Until:
                 or (self.deadline is not None and time.monotonic() >= self.deadline))
 
 
-def _taps(zmq_endpoint: str | None, nats_url: str | None, nats_auth: NatsAuth | None, names: Any, jetstream: bool,
+def _taps(zmq_endpoint: str | None, nats_url: str | None, nats_auth: NatsAuth | None, scope: Any, jetstream: bool,
           worker_id: int, topic: str, block_size: int | None, until: _Until, stats: TapStats,
           listening: Callable[[str], None]) -> Iterator[Tapped]:
     """The events of whichever source was named (exactly one); `listening` hears when the tap is live."""
@@ -152,7 +156,7 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, nats_auth: NatsAuth | 
     assert nats_auth is not None
     conn = nats_auth(nats_url)
     loop = asyncio.new_event_loop()
-    agen = tap_nats(conn, names, stop=until, stats=stats, jetstream=jetstream, listening=listening)
+    agen = tap_nats(conn, scope, stop=until, stats=stats, jetstream=jetstream, listening=listening)
     try:
         while True:
             try:
@@ -182,18 +186,20 @@ DurationOpt = Annotated[float | None, typer.Option("--duration", show_default=Fa
 @with_nats_credentials
 def tail_command(
     ctx: typer.Context, zmq_endpoint: SourceZmq = None, nats_url: SourceNats = None,
-    namespace: NamespaceOpt = "dynamo", component: ComponentOpt = "backend", jetstream: JetStreamOpt = False,
+    namespace: NamespaceOpt = "dynamo", component: ComponentScopeOpt = None, endpoint: EndpointScopeOpt = None,
+    jetstream: JetStreamOpt = False,
     worker_id: WorkerIdOpt = 0, topic: TopicOpt = "", block_size: BlockSizeOpt = None, count: CountOpt = None,
     duration: DurationOpt = None, nats_auth: NatsAuth | None = None,
     output: OutputOpt = None, as_json: JsonOpt = False,
 ) -> None:
-    from kvctl.core.events.plane import PlaneNames
+    from kvctl.core.events.plane import PlaneScope
     from kvctl.event_taps import TapStats
 
     out = output_for(ctx, output, as_json)
     until, stats = _Until(count, duration), TapStats()
-    for tapped in _taps(zmq_endpoint, nats_url, nats_auth, PlaneNames(namespace, component), jetstream, worker_id,
-                        topic, block_size, until, stats, out.note):
+    scope = PlaneScope(namespace, component, endpoint)
+    for tapped in _taps(zmq_endpoint, nats_url, nats_auth, scope, jetstream, worker_id, topic, block_size, until,
+                        stats, out.note):
         if out.format is OutputFormat.json:
             out.line(json.dumps({"timestamp": tapped.received_ms, "seq": tapped.seq, "missing": tapped.missing,
                                  "event": None if tapped.event is None else _event_obj(tapped.event)}))
@@ -211,12 +217,13 @@ def record_command(
     ctx: typer.Context,
     file: Annotated[Path, typer.Option("--file", "-f", help="Where to write (appended to).")],
     zmq_endpoint: SourceZmq = None, nats_url: SourceNats = None,
-    namespace: NamespaceOpt = "dynamo", component: ComponentOpt = "backend", jetstream: JetStreamOpt = False,
+    namespace: NamespaceOpt = "dynamo", component: ComponentScopeOpt = None, endpoint: EndpointScopeOpt = None,
+    jetstream: JetStreamOpt = False,
     worker_id: WorkerIdOpt = 0, topic: TopicOpt = "", block_size: BlockSizeOpt = None, count: CountOpt = None,
     duration: DurationOpt = None, nats_auth: NatsAuth | None = None,
     output: OutputOpt = None, as_json: JsonOpt = False,
 ) -> None:
-    from kvctl.core.events.plane import PlaneNames
+    from kvctl.core.events.plane import PlaneScope
     from kvctl.event_taps import TapStats
 
     out = output_for(ctx, output, as_json)
@@ -226,7 +233,7 @@ def record_command(
     except OSError as exc:
         raise UsageError(f"cannot write {file}: {exc.strerror}") from None
     with sink:
-        for tapped in _taps(zmq_endpoint, nats_url, nats_auth, PlaneNames(namespace, component), jetstream,
+        for tapped in _taps(zmq_endpoint, nats_url, nats_auth, PlaneScope(namespace, component, endpoint), jetstream,
                             worker_id, topic, block_size, until, stats, out.note):
             if tapped.event is not None:
                 sink.write(json.dumps({"timestamp": tapped.received_ms, "event": _event_obj(tapped.event)}) + "\n")

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvctl.commands._nats import ComponentOpt, NamespaceOpt
+from kvctl.commands._nats import ComponentOpt, EndpointOpt, NamespaceOpt
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
 from kvctl.errors import UsageError
 from kvctl.output import Column, View
@@ -58,6 +58,7 @@ def mock_command(
                                                  help="dynamo-nats: the NATS server (nats://HOST:4222).")] = None,
     namespace: NamespaceOpt = "dynamo",
     component: ComponentOpt = "backend",
+    endpoint: EndpointOpt = "generate",
     tiers: Annotated[bool, typer.Option("--tiers", help="Add host (2x) and disk (8x) tiers, with KVBM metrics.")]
     = False,
     host: Annotated[str, typer.Option("--host", help="Address every socket binds to.")] = "127.0.0.1",
@@ -99,7 +100,8 @@ def mock_command(
                     nondeterministic_hash=nondeterministic_hash, silent=silent, slow=slow)
     base = EngineConfig(worker_id=1, block_size=block_size, capacity=capacity, format=wire_format, host=host,
                         host_capacity=2 * capacity if tiers else 0, disk_capacity=8 * capacity if tiers else 0,
-                        seed=seed, nats_url=nats_url, namespace=namespace, component=component)
+                        seed=seed, nats_url=nats_url, namespace=namespace, component=component,
+                        endpoint=endpoint)
     try:
         configs = fleet_configs(engines, base, base_port=base_port, faults=faults,
                                 fault_engines=set(fault_engine) if fault_engine else None)

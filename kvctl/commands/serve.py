@@ -11,7 +11,8 @@ import typer
 
 from kvctl.commands._nats import (
     PANEL,
-    ComponentOpt,
+    ComponentScopeOpt,
+    EndpointScopeOpt,
     NamespaceOpt,
     NatsAuth,
     with_nats_credentials,
@@ -168,7 +169,8 @@ def serve_command(
         "--nats", envvar="KVCTL_NATS", show_default=False, rich_help_panel=PANEL,
         help="Follow a Dynamo event plane on this NATS server (nats://HOST:PORT).")] = None,
     namespace: NamespaceOpt = "dynamo",
-    component: ComponentOpt = "backend",
+    component: ComponentScopeOpt = None,
+    endpoint: EndpointScopeOpt = None,
     nats_model: Annotated[str, typer.Option("--nats-model", envvar="KVCTL_NATS_MODEL", rich_help_panel=PANEL,
                                             help="The model the event plane's workers serve.")] = "default",
     router_id: Annotated[int | None, typer.Option(
@@ -242,11 +244,11 @@ def serve_command(
             raise UsageError(f"--snapshot-threshold must be positive, got {snapshot_threshold}")
         assert nats_auth is not None
         conn = nats_auth(nats_url)
-        nats = NatsOptions(conn, namespace, component, nats_model,
+        nats = NatsOptions(conn, namespace, component, endpoint, nats_model,
                            router_id if router_id is not None else stable_router_id(state_dir), shadow, jetstream,
                            snapshot_threshold, reset_states, replica_sync)
-    elif shadow or jetstream or replica_sync:
-        raise UsageError("--shadow, --jetstream and --replica-sync need --nats URL")
+    elif shadow or jetstream or replica_sync or component or endpoint:
+        raise UsageError("--shadow, --jetstream, --replica-sync, --component and --endpoint need --nats URL")
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
                            request_expiry, models, nats, queue_batches, max_body_bytes=max_body_bytes,

@@ -42,7 +42,7 @@ from kvctl.core.events.plane import PlaneNames
 from kvctl.mock.cache import Allocation, CacheEvent, CacheStored, PrefixCache
 from kvctl.mock.hashing import BlockHasher, HashStyle
 from kvctl.mock.metrics import EngineMetrics
-from kvctl.mock.nats_publisher import NatsEventPublisher
+from kvctl.mock.nats_publisher import EngineGauges, NatsEventPublisher
 from kvctl.mock.publisher import Publisher
 
 MOCK_FORMATS = ("vllm", "vllm-legacy", "sglang", "dynamo-nats")
@@ -94,9 +94,10 @@ class EngineConfig:
     seed: int | None = None
     """Makes a nondeterministic hash seed reproducible (per worker id)."""
     faults: Faults = field(default_factory=Faults)
-    nats_url: str | None = None  # dynamo-nats: the event plane's server, namespace and worker component
-    namespace: str = "dynamo"
+    nats_url: str | None = None  # dynamo-nats: the event plane's server, and the worker's namespace,
+    namespace: str = "dynamo"  # component and endpoint
     component: str = "backend"
+    endpoint: str = "generate"
 
     def __post_init__(self) -> None:
         if self.format not in MOCK_FORMATS:
@@ -181,8 +182,9 @@ class MockEngine:
         self.publisher.start()
         if c.format == DYNAMO_NATS:
             assert c.nats_url is not None
-            self.nats = NatsEventPublisher(c.nats_url, PlaneNames(c.namespace, c.component), c.worker_id, c.dp_rank,
-                                           self.block_size)
+            gauges = EngineGauges(lambda: self.cache.used_blocks, lambda: self.running, lambda: self.waiting)
+            self.nats = NatsEventPublisher(c.nats_url, PlaneNames(c.namespace, c.component, c.endpoint), c.worker_id,
+                                           c.dp_rank, self.block_size, gauges)
             await self.nats.start()
         self._socket = socket.create_server((c.host, c.http_port))
         self._url = f"http://{c.host}:{self._socket.getsockname()[1]}"

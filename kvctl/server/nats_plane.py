@@ -1,23 +1,29 @@
-"""`kvctl serve --nats`: following a Dynamo fleet's event plane (DESIGN §3.2, §3.4).
+"""`kvctl serve --nats`: following a Dynamo fleet's NATS event plane (DESIGN §3.2, §3.4).
 
-Three subscriptions, one connection:
-  - KV events: NATS Core `…kv-events` (msgpack envelope around a RouterEvent), or with `--jetstream` a
-    pull consumer on the stream `{stream}.kv-events` (RouterEvent JSON), acknowledged once applied;
-  - load reports on `namespace.{ns}.kv_metrics` (ActiveLoad): shown per worker and fed to busy checks;
-  - with `--replica-sync`, peers' add / prefill-complete / free on `…active_sequences_events`, and this
-    router's own published there (its own echoes, recognised by router id, are ignored).
+One subscription to the whole namespace (`namespace.{ns}.>`), dispatched by subject: Dynamo 1.6.1 publishes
+`namespace.{ns}.component.{comp}.endpoint.{ep}.{topic}`, every topic in the same envelope, and
+`--component` / `--endpoint` narrow what is followed (default: every one). Subjects outside that shape or
+scope are only counted, so `doctor` can name what the namespace carries when nothing we follow arrives.
+  - `kv-events`: an array of RouterEvents, applied by the model's one writer like engine ZMQ batches (with
+    `--jetstream`, events come instead from kvctl's own stream as RouterEvent JSON, acked once applied);
+  - `kv_metrics` (ActiveLoad): shown per worker and fed to busy checks;
+  - `forward-pass-metrics`: each worker's scheduled and queued requests, shown per worker;
+  - with `--replica-sync`, peers' add / prefill-complete / free on `active_sequences_events`, and this
+    router's own published there, under the endpoint of the worker chosen (its own echoes, recognised
+    by router id, are ignored).
 
-Events are decoded here and applied by the model's one writer, like engine ZMQ batches. Event ids are
-tracked per (worker, dp_rank): a jump is counted as lost events, a repeat is dropped, and ids starting
-over (a restarted publisher) clear that worker first, as an engine restart does on ZMQ.
+Order is judged per publisher by the envelope's sequence (core/events/publishers.py): a jump is lost
+messages, a smaller sequence a restarted publisher. Event ids per (worker, dp_rank) count lost events;
+ids going back with a restarted or new publisher clear that worker first, as an engine restart does on
+ZMQ. Nothing is dropped for its event id alone: one absurd id must not freeze a worker.
 
 JetStream durability: on start the object-store snapshot is loaded (read until two reads agree) and
 this router's durable consumer is recreated to deliver the whole stream after it, so snapshot + stream
 always rebuild everything; when the stream outgrows `--snapshot-threshold`, the index is uploaded as
 the snapshot (kvctl's documented serialisation: RouterEvent JSON lines) and the stream purged below the
 lowest ack floor of all consumers. Durable consumers idle for 5 minutes (routers that are gone) are
-removed by the server (`inactive_threshold`, as Dynamo sets it). A `--shadow` router reads with an
-ephemeral consumer, never purges, uploads or publishes: it cannot change the fleet it watches.
+removed by the server (`inactive_threshold`). A `--shadow` router reads with an ephemeral consumer,
+never purges, uploads or publishes: it cannot change the fleet it watches.
 """
 
 from __future__ import annotations
@@ -40,21 +46,29 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
 from kvctl.core.events import Cleared, EventData, RouterEvent
 from kvctl.core.events.dynamo import (
+    EnvelopeWriter,
     decode_envelope,
+    decode_router_event_batch,
     decode_router_event_json,
-    decode_router_event_msgpack,
     encode_router_event_json,
 )
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import (
+    ACTIVE_SEQUENCES,
+    FORWARD_PASS,
+    KV_EVENTS,
+    KV_METRICS,
     RADIX_STATE_OBJECT,
+    TOPICS,
     ActiveSequenceEvent,
     AddRequest,
-    PlaneNames,
+    PlaneScope,
     decode_active_load,
+    decode_forward_pass,
     decode_sequence_event,
     encode_sequence_event,
 )
+from kvctl.core.events.publishers import Order, Publisher, PublisherBook
 from kvctl.core.index.kv_index import events_of
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.nats_barrier import barrier
@@ -71,13 +85,16 @@ FETCH_BATCH = 512
 SNAPSHOT_CHECK_S = 1.0
 SNAPSHOT_READS = 10
 LOGGED_ERRORS_MAX = 16  # distinct connection errors logged between good connections (status shows them all)
+SUBJECTS_SEEN_MAX = 256  # distinct subjects counted; the rest are summed under "(others)"
+EVENT_ID_JUMP_MAX = 1 << 32  # a forward jump in event ids beyond this is an anomaly, not lost events
 
 
 @dataclass(frozen=True, slots=True)
 class NatsOptions:
     connection: NatsConnection
     namespace: str = "dynamo"
-    component: str = "backend"
+    component: str | None = None  # None: every component of the namespace
+    endpoint: str | None = None  # None: every endpoint
     model: str = "default"
     router_id: int = 0
     shadow: bool = False
@@ -104,7 +121,7 @@ def _backoff(servers: list[Server], _info: dict[str, Any]) -> tuple[Server, floa
 
 
 class _Cursor:
-    """Event ids of one (worker, dp_rank): what arrived in order, what was lost, what came twice."""
+    """Event ids of one (worker, dp_rank), and the publisher that sent the last one."""
 
     __slots__ = ("last", "publisher_id")
 
@@ -117,7 +134,8 @@ class EventPlane:
     def __init__(self, fleet: Fleet, streams: Streams, options: NatsOptions) -> None:
         self.fleet = fleet
         self.options = options
-        self.names = PlaneNames(options.namespace, options.component)
+        self.scope = PlaneScope(options.namespace, options.component, options.endpoint)
+        self.names = self.scope.names()  # kvctl's JetStream stream and bucket (per component)
         self.writer: ModelWriter = streams.writer(options.model)
         self.nc: nats.NATS | None = None
         self.state = "connecting"
@@ -128,6 +146,14 @@ class EventPlane:
         self.counts: Counter[str] = Counter()  # messages, events, lost_events, stale_events, restarts, ...
         self.errors: Counter[str] = Counter()  # decode errors by kind
         self.cursors: dict[Worker, _Cursor] = {}
+        self.publishers = PublisherBook()
+        self.subjects_seen: Counter[str] = Counter()
+        self.topics: Counter[str] = Counter()  # messages followed, by topic
+        self.endpoints: dict[Worker, tuple[str, str]] = {}  # (component, endpoint) each worker publishes under
+        self._sequence_writer = EnvelopeWriter(options.router_id, ACTIVE_SEQUENCES)
+        self._handlers = {KV_EVENTS: self._on_kv_events, KV_METRICS: self._on_load,
+                          ACTIVE_SEQUENCES: self._on_sequence, FORWARD_PASS: self._on_forward_pass}
+        self.ready_at: float | None = None
         self.snapshot: dict[str, Any] = {"loaded_events": None, "bad_lines": 0, "uploads": 0, "purged_below": None}
         self._tasks: list[asyncio.Task[None]] = []
         self._publishes: set[asyncio.Task[None]] = set()
@@ -174,19 +200,16 @@ class EventPlane:
     async def _run(self) -> None:
         self.nc = await self._connect()
         nc = self.nc
-        await nc.subscribe(self.names.kv_metrics, cb=self._on_load)
-        if self.options.replica_sync:
-            await nc.subscribe(self.names.active_sequences, cb=self._on_sequence)
-            if not self.options.shadow:
-                self.fleet.sequence_listener = self._publish_sequence
+        await nc.subscribe(self.scope.subscription, cb=self._on_message)
+        if self.options.replica_sync and not self.options.shadow:
+            self.fleet.sequence_listener = self._publish_sequence
         if self.options.jetstream:
             await self._start_jetstream()
-        else:
-            await nc.subscribe(self.names.kv_events, cb=self._on_core_event)
         await barrier(nc)  # the server has every subscription: from here on nothing published is missed
+        self.ready_at = time.monotonic()
         self._started.set()
-        log.info("event plane: following %s on %s%s", self.names.kv_events, self.options.url,
-                 " (JetStream)" if self.options.jetstream else "")
+        log.info("event plane: following %s on %s%s", self.scope.pattern("*"), self.options.url,
+                 f" (KV events from JetStream stream {self.names.stream})" if self.options.jetstream else "")
 
     async def _connect(self) -> nats.NATS:
         delay = 0.1
@@ -237,34 +260,99 @@ class EventPlane:
 
     # ----- KV events ----------------------------------------------------------------------------------
 
-    async def _on_core_event(self, msg: Msg) -> None:
-        self.counts["messages"] += 1
+    async def _on_message(self, msg: Msg) -> None:
+        """Every message of the namespace: counted by subject, then decoded by its topic if in scope."""
+        subject = msg.subject
+        if subject in self.subjects_seen or len(self.subjects_seen) < SUBJECTS_SEEN_MAX:
+            self.subjects_seen[subject] += 1
+        else:
+            self.subjects_seen["(others)"] += 1
+        where = self.scope.match(subject)
+        if where is None:
+            return
+        component, endpoint, topic = where
+        handler = self._handlers.get(topic)
+        if handler is None:
+            return
+        self.topics[topic] += 1
+        if topic == KV_EVENTS and not self.options.jetstream:
+            self.counts["messages"] += 1
         try:
             envelope = decode_envelope(msg.data)
-            event = decode_router_event_msgpack(envelope.payload)
         except DecodeError as exc:
             self.errors[exc.kind.value] += 1
             return
-        events = self._take(event, envelope.publisher_id)
-        if events:
+        now = time.monotonic()
+        order, publisher = self.publishers.observe(envelope.publisher_id, envelope.sequence, now, topic, component,
+                                                   endpoint)
+        if order is Order.repeat:
+            return
+        if order is Order.restart:
+            log.warning("event plane: publisher %d of %s on %s.%s started over (sequence %d)",
+                        publisher.publisher_id, topic, component, endpoint, envelope.sequence)
+        await handler(envelope.payload, order, publisher, now)
+
+    def _spoke_for(self, publisher: Publisher, worker: Worker) -> None:
+        publisher.workers.add(worker)
+        self.endpoints[worker] = (publisher.component, publisher.endpoint)
+
+    async def _on_kv_events(self, payload: bytes, order: Order, publisher: Publisher, now: float) -> None:
+        if self.options.jetstream:  # KV events come from the stream; a core copy would apply twice
+            self.counts["core_kv_events_ignored"] += 1
+            return
+        try:
+            events, errors = decode_router_event_batch(payload)
+        except DecodeError as exc:
+            self.errors[exc.kind.value] += 1
+            return
+        for error in errors:
+            self.errors[error.kind.value] += 1
+        for event in events:
+            worker = (event.worker_id, event.dp_rank)
+            self._spoke_for(publisher, worker)
             # Wait for room rather than drop: the backlog then waits in nats-py's pending buffer, and what
             # overflows that is a slow-consumer drop the server and client both report (and we count).
-            await self.writer.put_wait((event.worker_id, event.dp_rank), events)
+            await self.writer.put_wait(worker, self._in_order(event, order, publisher.publisher_id))
 
-    def _take(self, event: RouterEvent, publisher_id: int | None) -> list[EventData]:
-        """Sequence one event by its id: what to apply for it (nothing when it came before)."""
+    def _in_order(self, event: RouterEvent, order: Order, publisher_id: int) -> list[EventData]:
+        """What to apply for one event: its data, after a clear when its worker's publisher started over."""
         worker = (event.worker_id, event.dp_rank)
         cursor = self.cursors.get(worker)
         if cursor is None:
             cursor = self.cursors[worker] = _Cursor()
-        cursor.publisher_id = publisher_id
         last, got = cursor.last, event.event_id
-        if last is not None and 1 < got <= last:  # came before: a duplicate or a late copy
+        new_publisher = cursor.publisher_id not in (None, publisher_id)
+        cursor.last, cursor.publisher_id = got, publisher_id
+        self.counts["events"] += 1
+        if last is None:
+            return [event.data]
+        if got <= last and (order is Order.restart or new_publisher):
+            self.counts["restarts"] += 1
+            log.warning("event plane: worker %s:%s restarted (event id %d after %d): clearing it", *worker, got, last)
+            return [Cleared(), event.data]
+        if got <= last:
+            self.counts["event_id_regressions"] += 1  # applied all the same: order is the envelope's to judge
+        elif got - last - 1 > EVENT_ID_JUMP_MAX:
+            self.counts["event_id_jumps"] += 1
+        elif got > last + 1:
+            self.counts["gaps"] += 1
+            self.counts["lost_events"] += got - last - 1
+        return [event.data]
+
+    def _take_durable(self, event: RouterEvent) -> list[EventData]:
+        """A JetStream event, sequenced by its id alone (the stream has no envelope): a redelivered copy of
+        one already applied is dropped, ids starting over (1 or 0) are a restarted publisher."""
+        worker = (event.worker_id, event.dp_rank)
+        cursor = self.cursors.get(worker)
+        if cursor is None:
+            cursor = self.cursors[worker] = _Cursor()
+        last, got = cursor.last, event.event_id
+        if last is not None and 1 < got <= last:
             self.counts["stale_events"] += 1
             return []
         cursor.last = got
         self.counts["events"] += 1
-        if last is not None and got <= last:  # ids start over (got is 0 or 1): a restarted publisher
+        if last is not None and got <= last:
             self.counts["restarts"] += 1
             log.warning("event plane: worker %s:%s restarted (event id %d after %d): clearing it", *worker, got, last)
             return [Cleared(), event.data]
@@ -323,7 +411,7 @@ class EventPlane:
                 except DecodeError as exc:
                     self.errors[exc.kind.value] += 1
                     continue
-                events = self._take(event, None)
+                events = self._take_durable(event)
                 if events:  # a durable source waits for room rather than drop: what is unacked stays stored
                     await self.writer.put_wait((event.worker_id, event.dp_rank), events)
             await self.writer.applied()  # everything fetched is in the index: ack it (AckAll: the last one)
@@ -400,18 +488,31 @@ class EventPlane:
 
     # ----- load reports and replica sync --------------------------------------------------------------
 
-    async def _on_load(self, msg: Msg) -> None:
+    async def _on_load(self, payload: bytes, _order: Order, publisher: Publisher, now: float) -> None:
         try:
-            load = decode_active_load(msg.data)
+            load = decode_active_load(payload)
         except DecodeError as exc:
             self.errors[exc.kind.value] += 1
             return
         self.counts["load_reports"] += 1
-        self.fleet.report_load(load, time.monotonic())
+        self._spoke_for(publisher, (load.worker_id, load.dp_rank))
+        self.fleet.report_load(load, now, self.options.model)
 
-    async def _on_sequence(self, msg: Msg) -> None:
+    async def _on_forward_pass(self, payload: bytes, _order: Order, publisher: Publisher, now: float) -> None:
         try:
-            event = decode_sequence_event(msg.data)
+            report = decode_forward_pass(payload)
+        except DecodeError as exc:
+            self.errors[exc.kind.value] += 1
+            return
+        self.counts["forward_passes"] += 1
+        self._spoke_for(publisher, (report.worker_id, report.dp_rank))
+        self.fleet.report_forward_pass(report, now, self.options.model)
+
+    async def _on_sequence(self, payload: bytes, _order: Order, _publisher: Publisher, now: float) -> None:
+        if not self.options.replica_sync:
+            return
+        try:
+            event = decode_sequence_event(payload)
         except DecodeError as exc:
             self.errors[exc.kind.value] += 1
             return
@@ -419,7 +520,7 @@ class EventPlane:
             self.counts["own_sequence_events"] += 1
             return
         self.counts["peer_sequence_events"] += 1
-        self.fleet.apply_peer(self.options.model, event, time.monotonic())
+        self.fleet.apply_peer(self.options.model, event, now)
 
     def _publish_sequence(self, model: str, action: str, request: ActiveRequest | None,
                           route: Mapping[str, Any]) -> None:
@@ -429,7 +530,10 @@ class EventPlane:
         payload = encode_sequence_event(ActiveSequenceEvent(
             request.request_id, request.worker[0], request.worker[1], data, self.options.router_id,
             route.get("lora_name")))
-        task = asyncio.get_running_loop().create_task(self.nc.publish(self.names.active_sequences, payload))
+        # under the worker's own endpoint, where Dynamo's routers of that worker listen
+        subject = self.scope.names(*self.endpoints.get(request.worker, (None, None))).active_sequences
+        body = self._sequence_writer.wrap(payload, int(time.time() * 1000))
+        task = asyncio.get_running_loop().create_task(self.nc.publish(subject, body))
         self._publishes.add(task)
         task.add_done_callback(self._publishes.discard)
         self.counts["published_sequence_events"] += 1
@@ -437,17 +541,25 @@ class EventPlane:
     # ----- views --------------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        kv_events = self.names.stream_subject if self.options.jetstream else self.scope.pattern(KV_EVENTS)
         return {
             "url": self.options.url, "state": self.state, "ready": self._started.is_set(),
+            "following_s": None if self.ready_at is None else round(now - self.ready_at, 3),
             "connects": self.connects, "reconnects": self.reconnects,
             "last_error": self.last_error, "namespace": self.options.namespace,
-            "component": self.options.component, "model": self.options.model, "router_id": self.options.router_id,
+            "component": self.options.component, "endpoint": self.options.endpoint, "model": self.options.model,
+            "router_id": self.options.router_id,
             "mode": "jetstream" if self.options.jetstream else "core", "shadow": self.options.shadow,
-            "replica_sync": self.options.replica_sync, "subjects": {
-                "kv_events": self.names.stream_subject if self.options.jetstream else self.names.kv_events,
-                "kv_metrics": self.names.kv_metrics, "active_sequences": self.names.active_sequences},
+            "replica_sync": self.options.replica_sync,
+            "subjects": {"subscription": self.scope.subscription, "kv_events": kv_events,
+                         **{topic: self.scope.pattern(topic) for topic in TOPICS if topic != KV_EVENTS}},
+            "topics": {topic: self.topics[topic] for topic in TOPICS},
+            "subjects_seen": dict(self.subjects_seen.most_common()),
             "counts": dict(self.counts), "decode_errors": dict(self.errors),
-            "publishers": [{"worker_id": w[0], "dp_rank": w[1], "publisher_id": c.publisher_id, "last_event_id": c.last}
-                           for w, c in sorted(self.cursors.items())],
+            "sequence": self.publishers.totals(),
+            "publishers": self.publishers.rows(now),
+            "workers": [{"worker_id": w[0], "dp_rank": w[1], "publisher_id": c.publisher_id, "last_event_id": c.last}
+                        for w, c in sorted(self.cursors.items())],
             "snapshot": dict(self.snapshot) if self.options.jetstream else None,
         }

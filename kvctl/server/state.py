@@ -14,7 +14,14 @@ from itertools import groupby
 from typing import Any
 
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
-from kvctl.core.events.plane import FREE, PREFILL_COMPLETED, ActiveLoad, ActiveSequenceEvent, AddRequest
+from kvctl.core.events.plane import (
+    FREE,
+    PREFILL_COMPLETED,
+    ActiveLoad,
+    ActiveSequenceEvent,
+    AddRequest,
+    ForwardPass,
+)
 from kvctl.core.index import Status
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
 from kvctl.core.router.busy import BusyThresholds, BusyTracker, RankBusy, Thresholds, WorkerLoad, check_admission
@@ -94,6 +101,7 @@ class Fleet:
         self.thresholds = BusyThresholds(thresholds or Thresholds())
         self.busy = BusyTracker()
         self.reported: dict[Worker, tuple[ActiveLoad, float]] = {}  # load reports from the event plane
+        self.forward_passes: dict[Worker, tuple[ForwardPass, float]] = {}  # the last one of each worker
         self.sequence_listener: SequenceListener | None = None  # told of local add / prefill / free
         self.last_route_at = float("-inf")  # housekeeping that can wait does so while routes come in
         self.add_model(DEFAULT_MODEL)
@@ -239,8 +247,21 @@ class Fleet:
 
     # ----- the event plane ------------------------------------------------------------------------------
 
-    def report_load(self, load: ActiveLoad, now: float) -> None:
-        self.reported[(load.worker_id, load.dp_rank)] = (load, now)
+    def report_load(self, load: ActiveLoad, now: float, model: str) -> None:
+        worker = (load.worker_id, load.dp_rank)
+        self.reported[worker] = (load, now)
+        self._heard_of(worker, model)
+
+    def report_forward_pass(self, report: ForwardPass, now: float, model: str) -> None:
+        worker = (report.worker_id, report.dp_rank)
+        self.forward_passes[worker] = (report, now)
+        self._heard_of(worker, model)
+
+    def _heard_of(self, worker: Worker, model: str) -> None:
+        """A worker the event plane speaks of is a candidate before its first KV event, as Dynamo's routers
+        know it from discovery: an idle worker that has stored nothing yet must still get requests."""
+        if worker not in self.workers:
+            self.register(WorkerInfo(worker[0], worker[1], model))
 
     def apply_peer(self, model: str, event: ActiveSequenceEvent, now: float) -> bool:
         """Another router's add / prefill complete / free, applied without telling the listener (no echo)."""
@@ -287,6 +308,7 @@ class Fleet:
             load = router.sequences.load(w)
             rank = self.busy.update(w, self._load(w, router.sequences), self.thresholds.get(info.model))
             report = self.reported.get(w)
+            passed = self.forward_passes.get(w)
             rows.append({
                 "worker_id": info.worker_id, "dp_rank": info.dp_rank, "model": info.model,
                 "endpoint": info.endpoint, "replay_endpoint": info.replay_endpoint, "topic": info.topic,
@@ -300,6 +322,7 @@ class Fleet:
                     "active_decode_blocks": report[0].active_decode_blocks,
                     "active_prefill_tokens": report[0].active_prefill_tokens,
                     "kv_used_blocks": report[0].kv_used_blocks, "age_s": round(now - report[1], 3)},
+                "forward_pass": None if passed is None else _forward_pass_row(*passed, now),
             })
         return rows
 
@@ -342,3 +365,13 @@ class Fleet:
                             "blocks": before.blocks - after.blocks})
         return {"cleared": cleared}
 
+
+def _forward_pass_row(report: ForwardPass, at: float, now: float) -> dict[str, Any]:
+    """A worker's last forward pass as `workers` shows it: what ran in it and what still waits."""
+    scheduled, queued = report.scheduled, report.queued
+    return {"scheduled_prefill_requests": scheduled.prefill_requests,
+            "scheduled_prefill_tokens": scheduled.prefill_tokens,
+            "scheduled_decode_requests": scheduled.decode_requests,
+            "queued_prefill_requests": queued.prefill_requests, "queued_prefill_tokens": queued.prefill_tokens,
+            "queued_decode_requests": queued.decode_requests, "wall_time_s": report.wall_time,
+            "counter_id": report.counter_id, "age_s": round(now - at, 3)}

@@ -110,7 +110,8 @@ def test_tail_from_a_nats_event_plane(nats_server: NatsServer) -> None:
     tail = kvctl("events", "tail", "--nats", nats_server.url, "--namespace", "tailns", "--count", "7",
                  "--duration", "20", "-o", "json")
     assert tail.stderr is not None
-    assert tail.stderr.readline().startswith("listening on namespace.tailns.component.backend.kv-events")
+    assert tail.stderr.readline().startswith(
+        "listening on namespace.tailns.component.*.endpoint.*.kv-events")
     publish = kvctl("events", "publish", str(DUMP), "--nats", nats_server.url, "--namespace", "tailns", "--yes")
     publish.communicate(timeout=20)
     assert publish.returncode == 0

@@ -27,7 +27,7 @@ import pytest
 
 from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import encode_router_event_json
-from kvctl.core.events.plane import PlaneNames
+from kvctl.core.events.plane import PlaneNames, PlaneScope
 from kvctl.nats_barrier import barrier
 from tests.nats_server import NatsServer, free_port
 from tests.server.test_nats_plane import Router, envelope, expected_blocks, options, store, until
@@ -98,7 +98,8 @@ async def test_core_nats_server_sigkill_loses_exactly_what_was_published_while_i
 
             server.start()  # same port, same store dir
             await until(lambda: pub.is_connected and router.plane.reconnects >= 1, "the reconnections", timeout=20)
-            await until(lambda: server.subscribed("kvctl-router-1", names.kv_events), "the router's subscription")
+            await until(lambda: server.subscribed("kvctl-router-1",
+                                                        PlaneScope(names.namespace).subscription), "the router's subscription")
             for n, ev in enumerate(after, len(before) + len(down) + 1):
                 await pub.publish(names.kv_events, envelope(ev, n))
                 await asyncio.sleep(0.005)

@@ -20,10 +20,18 @@ from kvctl.core.events.dynamo import (
     EventEnvelope,
     decode_kv_cache_event,
     encode_envelope,
+    encode_router_event_batch,
     encode_router_event_json,
-    encode_router_event_msgpack,
 )
-from kvctl.core.events.plane import RADIX_STATE_OBJECT, ActiveLoad, PlaneNames, encode_active_load
+from kvctl.core.events.plane import (
+    RADIX_STATE_OBJECT,
+    ActiveLoad,
+    ForwardPass,
+    PlaneNames,
+    RequestCounts,
+    encode_active_load,
+    encode_forward_pass,
+)
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
 from kvctl.nats_barrier import barrier
@@ -110,8 +118,9 @@ def store(worker_id: int, event_id: int, tokens: list[int], parent: int | None =
 
 
 def envelope(ev: RouterEvent, sequence: int, publisher_id: int = 77) -> bytes:
+    """One event as Dynamo 1.6.1 publishes it: a one-event array in the envelope."""
     return encode_envelope(EventEnvelope(publisher_id, sequence, 1_700_000_000_000, "kv-events",
-                                         encode_router_event_msgpack(ev)))
+                                         encode_router_event_batch([ev])))
 
 
 def fixture_events() -> list[RouterEvent]:
@@ -145,39 +154,88 @@ async def test_core_events_in_dynamo_encoding_reach_the_index(server: NatsServer
         assert status["state"] == "connected" and status["mode"] == "core"
 
 
-async def test_event_id_gaps_stale_events_and_restarts_are_counted(server: NatsServer, names: PlaneNames) -> None:
+async def test_order_is_judged_per_publisher_and_no_event_id_freezes_a_worker(server: NatsServer,
+                                                                              names: PlaneNames) -> None:
     tokens = list(range(64))
+    first = store(5, 1, tokens[:32])
+    sequence = [(0, first), (1, store(5, 2, tokens[32:48], first.data.block_hashes[-1])),  # type: ignore[union-attr]
+                (4, store(5, 5, tokens[48:64])),  # envelopes 2 and 3 (events 3 and 4) never came
+                (4, store(5, 5, list(range(300, 316)))),  # the same envelope again: dropped
+                (0, store(5, 1, list(range(900, 916))))]  # sequence and ids start over: the publisher restarted
+    absurd = [store(6, 1, list(range(1000, 1016))), store(6, 2**63, list(range(1100, 1116))),
+              store(6, 3, list(range(1200, 1216)))]  # one absurd id, then the publisher's next event
     async with Router(options(server, names)) as router, connected(server) as nc:
-        first = store(5, 1, tokens[:32])
-        sequence = [first, store(5, 2, tokens[32:48], first.data.block_hashes[-1]),  # type: ignore[union-attr]
-                    store(5, 5, tokens[48:64]),  # ids 3 and 4 never came
-                    store(5, 4, list(range(500, 516))),  # behind the cursor: dropped
-                    store(5, 1, list(range(900, 916)))]  # ids start over: the publisher restarted
-        for n, ev in enumerate(sequence, 1):
+        for n, ev in sequence:
             await nc.publish(names.kv_events, envelope(ev, n))
+        for n, ev in enumerate(absurd):
+            await nc.publish(names.kv_events, envelope(ev, n, publisher_id=78))
         await barrier(nc)
-        await until(lambda: router.plane.counts["restarts"] == 1, "the restart")
+        await until(lambda: router.plane.counts["events"] == 7, "every event but the repeated envelope")
         await router.streams.writer("default").applied()
-        counts = router.plane.counts
-        assert (counts["gaps"], counts["lost_events"], counts["stale_events"]) == (1, 2, 1)
-        # the restart cleared what the worker held before: only the post-restart block is left
-        assert router.blocks() == expected_blocks([sequence[-1]])
-        assert router.plane.status()["publishers"] == [
-            {"worker_id": 5, "dp_rank": 0, "publisher_id": 77, "last_event_id": 1}]
+        counts, status = router.plane.counts, router.plane.status()
+        assert (counts["gaps"], counts["lost_events"], counts["restarts"]) == (1, 2, 1)
+        assert (counts["event_id_jumps"], counts["event_id_regressions"]) == (1, 1)
+        assert status["sequence"] == {"publishers": 2, "gaps": 1, "lost": 2, "restarts": 1, "repeats": 1}
+        # the restart cleared what worker 5 held before; worker 6 took every event, the absurd one included
+        assert router.blocks() == expected_blocks([sequence[-1][1], *absurd])
+        assert status["workers"] == [
+            {"worker_id": 5, "dp_rank": 0, "publisher_id": 77, "last_event_id": 1},
+            {"worker_id": 6, "dp_rank": 0, "publisher_id": 78, "last_event_id": 3}]
+        assert [(p["publisher_id"], p["last_sequence"], p["workers"]) for p in status["publishers"]] == [
+            (77, 0, ["5:0"]), (78, 2, ["6:0"])]
+
+
+def wrapped(topic: str, payload: bytes, sequence: int = 0, publisher_id: int = 90) -> bytes:
+    return encode_envelope(EventEnvelope(publisher_id, sequence, 1_700_000_000_000, topic, payload))
 
 
 async def test_load_reports_are_shown_and_feed_the_busy_check(server: NatsServer, names: PlaneNames) -> None:
     async with Router(options(server, names)) as router, connected(server) as nc:
         router.fleet.register(WorkerInfo(3, 0, "default", total_blocks=100))
-        await nc.publish(names.kv_metrics, encode_active_load(ActiveLoad(3, 0, 4, 128, 95)))
-        await nc.publish(names.kv_metrics, b"garbage")
+        await nc.publish(names.kv_metrics, wrapped("kv_metrics", encode_active_load(ActiveLoad(3, 0, 4, 128, 95))))
+        await nc.publish(names.kv_metrics, wrapped("kv_metrics", b"garbage", 1))
+        await nc.publish(names.kv_metrics, b"not an envelope")
         await barrier(nc)
         await until(lambda: (3, 0) in router.fleet.reported, "the load report")
         row = router.fleet.worker_rows(time.monotonic())[0]
         assert row["reported"]["kv_used_blocks"] == 95 and row["reported"]["active_prefill_tokens"] == 128
         router.fleet.thresholds.set("default", active_decode_blocks_threshold=0.9)
         assert router.fleet.rank_busy("default")[(3, 0)].busy  # 95 of 100 blocks used > 0.9
-        assert sum(router.plane.errors.values()) == 1
+        await until(lambda: sum(router.plane.errors.values()) == 2, "both bad messages counted")
+
+
+async def test_forward_passes_make_a_worker_known_and_are_shown(server: NatsServer, names: PlaneNames) -> None:
+    report = ForwardPass(2**63 + 9, 1, 40, 0.002, RequestCounts(1, 67, 0.0, 0, 3, 900, 0.0),
+                         RequestCounts(prefill_requests=2, prefill_tokens=130))
+    async with Router(options(server, names)) as router, connected(server) as nc:
+        await nc.publish(names.forward_pass, wrapped("forward-pass-metrics", encode_forward_pass(report)))
+        await barrier(nc)
+        await until(lambda: router.plane.counts["forward_passes"] == 1, "the forward pass")
+        [row] = router.fleet.worker_rows(time.monotonic())
+        assert (row["worker_id"], row["dp_rank"]) == (2**63 + 9, 1)  # a routing candidate before any KV event
+        assert router.fleet.candidates("default") == [(2**63 + 9, 1)]
+        shown = row["forward_pass"]
+        assert (shown["scheduled_prefill_requests"], shown["scheduled_decode_requests"],
+                shown["queued_prefill_requests"], shown["queued_prefill_tokens"]) == (1, 3, 2, 130)
+
+
+async def test_only_the_named_component_and_endpoint_are_followed(server: NatsServer, names: PlaneNames) -> None:
+    ev = store(4, 1, list(range(16)))
+    other = PlaneNames(names.namespace, "prefill", "generate")
+    async with Router(options(server, names, endpoint="generate")) as router, connected(server) as nc:
+        await nc.publish(other.kv_events, envelope(ev, 0))  # another component: counted by subject, not applied
+        await nc.publish(PlaneNames(names.namespace, names.component, "clear").kv_events, envelope(ev, 0, 5))
+        await nc.publish(f"namespace.{names.namespace}.component.{names.component}.kv-events", envelope(ev, 0, 6))
+        await nc.publish(names.kv_events, envelope(ev, 0, 7))
+        await barrier(nc)
+        await until(lambda: router.plane.counts["events"] == 1, "the event in scope")
+        status = router.plane.status()
+        assert status["topics"]["kv-events"] == 1
+        assert set(status["subjects_seen"]) == {other.kv_events, names.kv_events,
+                                                PlaneNames(names.namespace, names.component, "clear").kv_events,
+                                                f"namespace.{names.namespace}.component.{names.component}.kv-events"}
+        assert status["subjects"]["kv_events"] == f"namespace.{names.namespace}.component.backend.endpoint.generate" \
+            ".kv-events"
 
 
 # ----- JetStream -----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ Encoding reproduces Dynamo 1.6.1's own bytes, key order included.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -26,7 +26,8 @@ RESIDENCY_DOMAIN = "worker"
 
 
 class EventEnvelope(msgspec.Struct, frozen=True):
-    """The event plane's outer message; `payload` is the msgpack of one RouterEvent."""
+    """The event plane's outer message, the same on every topic; `payload` is the topic's own msgpack
+    (for `kv-events`, an array of RouterEvents)."""
 
     publisher_id: int
     sequence: int
@@ -67,8 +68,32 @@ def encode_router_event_msgpack(ev: RouterEvent) -> bytes:
     return msgspec.msgpack.encode(_router_event_obj(ev))
 
 
+def decode_router_event_batch(data: bytes) -> tuple[list[RouterEvent], list[DecodeError]]:
+    """A `kv-events` payload: Dynamo 1.6.1 sends an array of RouterEvents (usually one). A bad event costs
+    itself, not its batch: it comes back as a DecodeError with its index. A bare map (one RouterEvent, as
+    kvctl published before 1.6.1's layout was known) is read as a batch of one."""
+    obj = parse_msgpack(data)
+    if isinstance(obj, dict):
+        return [_router_event(obj)], []
+    if not isinstance(obj, list):
+        raise DecodeError(ErrorKind.bad_batch, "kv-events", f"expected an array of RouterEvents, got {describe(obj)}")
+    events: list[RouterEvent] = []
+    errors: list[DecodeError] = []
+    for n, item in enumerate(obj):
+        try:
+            events.append(_router_event(item))
+        except DecodeError as exc:
+            errors.append(DecodeError(exc.kind, exc.field, exc.detail, n))
+    return events, errors
+
+
+def encode_router_event_batch(events: Sequence[RouterEvent]) -> bytes:
+    """A `kv-events` payload as Dynamo 1.6.1 publishes it: an array of named-field RouterEvents."""
+    return msgspec.msgpack.encode([_router_event_obj(ev) for ev in events])
+
+
 def decode_envelope(data: bytes) -> EventEnvelope:
-    """The event-plane envelope; its payload stays encoded (decode it with decode_router_event_msgpack)."""
+    """The event-plane envelope; its payload stays encoded, to be read by the topic's own decoder."""
     obj = _expect_map(parse_msgpack(data), "envelope")
     topic, payload = require(obj, "topic"), require(obj, "payload")
     if not isinstance(topic, str):
@@ -87,6 +112,29 @@ def decode_envelope(data: bytes) -> EventEnvelope:
 def encode_envelope(env: EventEnvelope) -> bytes:
     """The envelope as a named-field msgpack map with `payload` as bin."""
     return msgspec.msgpack.encode(env)
+
+
+class EnvelopeWriter:
+    """One publisher's messages on one topic, as Dynamo numbers them: its own id, `sequence` from 0, +1 each.
+
+    Dynamo gives every (process, topic) a publisher id of its own; a restarted process is a new id.
+    """
+
+    __slots__ = ("publisher_id", "sequence", "topic")
+
+    def __init__(self, publisher_id: int, topic: str) -> None:
+        self.publisher_id = publisher_id
+        self.topic = topic
+        self.sequence = 0
+
+    def wrap(self, payload: bytes, now_ms: int) -> bytes:
+        envelope = EventEnvelope(self.publisher_id, self.sequence, now_ms, self.topic, payload)
+        self.sequence += 1
+        return encode_envelope(envelope)
+
+    def restart(self) -> None:
+        """The publisher started over (kvctl's mock engines keep their id across a restart): sequence from 0."""
+        self.sequence = 0
 
 
 def _router_event(obj: Any) -> RouterEvent:

@@ -1,14 +1,16 @@
-"""Dynamo's event plane besides RouterEvent: subject and JetStream names, load reports, replica sync.
+"""Dynamo's event plane besides RouterEvent: subjects, topics, load reports, forward passes, replica sync.
 
-Names follow Dynamo 1.6.1 (DESIGN §3.2): the event-plane subjects are raw
-(`namespace.{ns}.component.{comp}.kv-events`), the JetStream stream and object-store bucket are
-slugs of them. Payloads are rmp-serde named-field msgpack: `ActiveLoad` on `namespace.{ns}.kv_metrics`
-and `ActiveSequenceEvent` (externally tagged `data`, PascalCase variants) on
-`…active_sequences_events`.
+Checked against a running Dynamo 1.6.1 fleet (DESIGN §3.2): every message is published on
+`namespace.{ns}.component.{comp}.endpoint.{ep}.{topic}` inside the same msgpack envelope, whatever the
+topic. Payloads are rmp-serde named-field msgpack: an array of RouterEvents on `kv-events`, `ActiveLoad`
+on `kv_metrics`, `ActiveSequenceEvent` (externally tagged `data`, PascalCase variants) on
+`active_sequences_events` and `ForwardPassMetrics` on `forward-pass-metrics`. The JetStream names are
+kvctl's own durable plane, laid out as Dynamo's earlier durable mode was (Dynamo 1.6.1 creates none).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,16 @@ _U64_MAX = (1 << 64) - 1
 
 RADIX_STATE_OBJECT = "radix-state"
 
+KV_EVENTS = "kv-events"
+KV_METRICS = "kv_metrics"
+ACTIVE_SEQUENCES = "active_sequences_events"
+FORWARD_PASS = "forward-pass-metrics"
+TOPICS = (KV_EVENTS, KV_METRICS, ACTIVE_SEQUENCES, FORWARD_PASS)
+
+DEFAULT_COMPONENT = "backend"
+DEFAULT_ENDPOINT = "generate"
+"""What `dynamo.mocker`, `dynamo.vllm` and `dynamo.sglang` register unless told otherwise."""
+
 
 def slugify(name: str) -> str:
     """Dynamo's `Slug::slugify(...).replace('_', '-')`: lowercase, `[a-z0-9_-]` kept, the rest `_`, then
@@ -31,26 +43,35 @@ def slugify(name: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class PlaneNames:
-    """Every subject, stream and bucket name of one (namespace, worker component)."""
+    """Every subject, stream and bucket name of one (namespace, component, endpoint): where to publish."""
 
     namespace: str
-    component: str
+    component: str = DEFAULT_COMPONENT
+    endpoint: str = DEFAULT_ENDPOINT
+
+    def subject(self, topic: str) -> str:
+        return f"namespace.{self.namespace}.component.{self.component}.endpoint.{self.endpoint}.{topic}"
 
     @property
     def kv_events(self) -> str:
-        return f"namespace.{self.namespace}.component.{self.component}.kv-events"
+        return self.subject(KV_EVENTS)
 
     @property
     def kv_metrics(self) -> str:
-        return f"namespace.{self.namespace}.kv_metrics"
+        return self.subject(KV_METRICS)
 
     @property
     def active_sequences(self) -> str:
-        return f"namespace.{self.namespace}.component.{self.component}.active_sequences_events"
+        return self.subject(ACTIVE_SEQUENCES)
+
+    @property
+    def forward_pass(self) -> str:
+        return self.subject(FORWARD_PASS)
 
     @property
     def stream(self) -> str:
-        return slugify(self.kv_events)
+        """kvctl's JetStream stream: one per component, named as Dynamo's earlier durable mode named it."""
+        return slugify(f"namespace.{self.namespace}.component.{self.component}.kv-events")
 
     @property
     def stream_subject(self) -> str:
@@ -60,6 +81,42 @@ class PlaneNames:
     @property
     def bucket(self) -> str:
         return slugify(f"namespace.{self.namespace}.component.{self.component}-radix-bucket")
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneScope:
+    """What a subscriber follows: a namespace, narrowed to one component and/or endpoint (None: every one)."""
+
+    namespace: str
+    component: str | None = None
+    endpoint: str | None = None
+
+    @property
+    def subscription(self) -> str:
+        """The one NATS subscription: the whole namespace, so that what it carries besides our topics (a
+        typo'd component, an unknown topic) is seen and can be named, not silently missed."""
+        return f"namespace.{self.namespace}.>"
+
+    def pattern(self, topic: str) -> str:
+        """The subject of a topic in this scope, `*` where every component or endpoint is followed."""
+        return (f"namespace.{self.namespace}.component.{self.component or '*'}"
+                f".endpoint.{self.endpoint or '*'}.{topic}")
+
+    def match(self, subject: str) -> tuple[str, str, str] | None:
+        """(component, endpoint, topic) of a subject this scope follows; None for any other subject."""
+        parts = subject.split(".")
+        if (len(parts) != 7 or parts[0] != "namespace" or parts[1] != self.namespace or parts[2] != "component"
+                or parts[4] != "endpoint"):
+            return None
+        component, endpoint, topic = parts[3], parts[5], parts[6]
+        if self.component not in (None, component) or self.endpoint not in (None, endpoint):
+            return None
+        return component, endpoint, topic
+
+    def names(self, component: str | None = None, endpoint: str | None = None) -> PlaneNames:
+        """Concrete names to publish under: the given ones, else this scope's, else Dynamo's defaults."""
+        return PlaneNames(self.namespace, component or self.component or DEFAULT_COMPONENT,
+                          endpoint or self.endpoint or DEFAULT_ENDPOINT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +227,91 @@ def _action(data: Any) -> SequenceAction:
                                      "prefill_load_hint.initial_effective_prefill_tokens")
     return AddRequest(tokens, track, _optional_uint(add.get("expected_output_tokens"), "expected_output_tokens",
                                                     _U32_MAX), hint_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCounts:
+    """Requests and tokens of one kind in a forward pass: scheduled into it, or still queued.
+
+    `prefill_kv_tokens` (prefix already cached) is only reported for scheduled requests."""
+
+    prefill_requests: int = 0
+    prefill_tokens: int = 0
+    prefill_length_var: float = 0.0
+    prefill_kv_tokens: int | None = None
+    decode_requests: int = 0
+    decode_kv_tokens: int = 0
+    decode_kv_tokens_var: float = 0.0
+
+
+_COUNT_KEYS = (  # (wire name, field name, is an int), in Dynamo 1.6.1's order
+    ("num_prefill_requests", "prefill_requests", True), ("sum_prefill_tokens", "prefill_tokens", True),
+    ("var_prefill_length", "prefill_length_var", False), ("sum_prefill_kv_tokens", "prefill_kv_tokens", True),
+    ("num_decode_requests", "decode_requests", True), ("sum_decode_kv_tokens", "decode_kv_tokens", True),
+    ("var_decode_kv_tokens", "decode_kv_tokens_var", False),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardPass:
+    """A worker's `forward-pass-metrics` report, sent every forward pass: what it ran and what waits.
+
+    Dynamo writes `worker_id` as a decimal string here (a u64 in every other payload)."""
+
+    worker_id: int
+    dp_rank: int
+    counter_id: int
+    wall_time: float
+    scheduled: RequestCounts
+    queued: RequestCounts
+    version: int = 1
+
+
+def decode_forward_pass(data: bytes) -> ForwardPass:
+    obj = _map(parse_msgpack(data), "ForwardPassMetrics")
+    worker_id = require(obj, "worker_id")
+    if isinstance(worker_id, str) and worker_id.isascii() and worker_id.isdecimal():
+        worker_id = int(worker_id)
+    return ForwardPass(
+        worker_id=_uint(worker_id, "worker_id"),
+        dp_rank=_uint(obj.get("dp_rank", 0), "dp_rank", _U32_MAX),
+        counter_id=_uint(obj.get("counter_id", 0), "counter_id"),
+        wall_time=_number(obj.get("wall_time", 0.0), "wall_time"),
+        scheduled=_request_counts(require(obj, "scheduled_requests"), "scheduled_requests"),
+        queued=_request_counts(require(obj, "queued_requests"), "queued_requests"),
+        version=_uint(obj.get("version", 1), "version", _U32_MAX),
+    )
+
+
+def encode_forward_pass(report: ForwardPass) -> bytes:
+    """Dynamo 1.6.1's bytes for a report, key order included."""
+
+    def counts(c: RequestCounts) -> dict[str, Any]:
+        values = {wire: getattr(c, name) for wire, name, _ in _COUNT_KEYS}
+        if c.prefill_kv_tokens is None:
+            del values["sum_prefill_kv_tokens"]
+        return values
+
+    return msgspec.msgpack.encode({
+        "version": report.version, "worker_id": str(report.worker_id), "dp_rank": report.dp_rank,
+        "counter_id": report.counter_id, "wall_time": report.wall_time,
+        "scheduled_requests": counts(report.scheduled), "queued_requests": counts(report.queued),
+    })
+
+
+def _request_counts(value: Any, field: str) -> RequestCounts:
+    obj = _map(value, field)
+    values: dict[str, Any] = {}
+    for wire, name, is_int in _COUNT_KEYS:
+        if wire in obj:
+            values[name] = _uint(obj[wire], f"{field}.{wire}") if is_int else _number(obj[wire], f"{field}.{wire}")
+    return RequestCounts(**values)
+
+
+def _number(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, float | int) or not math.isfinite(value):
+        raise DecodeError(ErrorKind.bad_type, field, f"expected a finite number, got {describe(value)}")
+    return float(value)
 
 
 def _map(value: Any, field: str) -> dict[Any, Any]:
