@@ -2,7 +2,8 @@
 healthy, and a stopped mocker named (it goes silent while the others keep serving).
 
 The test stops a mocker, so it has a fleet of its own: two mockers on Dynamo's default ZMQ event plane (no NATS),
-Dynamo's frontend, and `kvctl serve` on the mockers' vLLM ZMQ streams. The tests run in file order.
+Dynamo's frontend, and `kvctl serve` on the mockers' vLLM ZMQ streams. One test, two phases: the healthy
+verdict first is what shows the later one comes from the stop.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ CHECKS = {"workers", "silent", "streams", "block_size", "hashing", "busy", "inde
 SILENT_AFTER_S = 3
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def own_fleet(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     started = start_fleet(tmp_path_factory.mktemp("interop-doctor"), dynamo, mockers=2, indexer=False)
     yield started
@@ -34,7 +35,7 @@ def _workers_heard(fleet: Fleet) -> set[int]:
     return {w["worker_id"] for w in rows if w["last_event_age_s"] is not None}
 
 
-def test_doctor_says_ok_on_a_healthy_fleet(own_fleet: Fleet) -> None:
+def test_doctor_says_ok_on_a_healthy_fleet_then_names_a_stopped_mocker(own_fleet: Fleet) -> None:
     assert own_fleet.kvctl_url is not None
     load = shared_prefix_load(own_fleet.frontend_url, requests=48)
     assert load.failed == []
@@ -47,17 +48,13 @@ def test_doctor_says_ok_on_a_healthy_fleet(own_fleet: Fleet) -> None:
     assert {f["severity"] for f in report["findings"]} == {"OK"}
     assert findings(report, "workers")[0]["cause"] == "2 workers registered"
 
-
-def test_doctor_names_a_stopped_mocker(own_fleet: Fleet) -> None:
-    """Last in this file: the fleet is one mocker short afterwards."""
-    assert own_fleet.kvctl_url is not None
     stopped, *live = own_fleet.mockers
     assert stopped.proc.stop() is not None  # SIGTERM, by its pid
     wait_until(lambda: own_fleet.frontend.workers(own_fleet) == {m.worker_id for m in live},
                f"the frontend dropping stopped worker {stopped.worker_id}", timeout=30, procs=[own_fleet.frontend.proc])
 
-    # The live mockers keep serving (fresh prefixes each round, so that each of them gets some) while the stopped
-    # one stays silent; doctor must name it, and only it.
+    # The live mocker keeps serving (fresh prefixes each round: with several live ones, each gets some) while the
+    # stopped one stays silent; doctor must name it, and only it.
     done = threading.Event()
     failures: list[str] = []
 
