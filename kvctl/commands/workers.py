@@ -1,7 +1,8 @@
 """`kvctl workers`: every (worker, dp rank) a router knows, with its cached blocks, in-flight load and busy flag.
 
 The last event age tells a silent engine from an idle one; wide mode adds what the worker itself last
-reported on the event plane, to compare with the router's own view of its load.
+reported on the event plane (its load, and its last forward pass: requests queued and running), to compare
+with the router's own view of its load.
 """
 
 from __future__ import annotations
@@ -27,10 +28,20 @@ EXAMPLES = (
 
 def _row(worker: dict[str, Any]) -> dict[str, Any]:
     reported = worker.get("reported") or {}
+    passed = worker.get("forward_pass") or {}
     return {**worker, NAME_KEY: worker_name(worker["worker_id"], worker["dp_rank"]),
             "last_event_age": age(worker.get("last_event_age_s")),
             **{f"reported_{key}": value for key, value in reported.items()},
-            "reported_age": age(reported.get("age_s"))}
+            "reported_age": age(reported.get("age_s")),
+            "queued": _requests(passed, "queued"), "scheduled": _requests(passed, "scheduled"),
+            "forward_pass_age": age(passed.get("age_s"))}
+
+
+def _requests(passed: dict[str, Any], kind: str) -> str | None:
+    """`prefill+decode` requests of a forward pass, as the worker counted them; None without a report."""
+    if not passed:
+        return None
+    return f"{passed[f'{kind}_prefill_requests']}+{passed[f'{kind}_decode_requests']}"
 
 
 _VIEW = View(
@@ -50,6 +61,9 @@ _VIEW = View(
         Column("reported prefill tokens", "reported_active_prefill_tokens", wide_only=True, justify="right"),
         Column("reported kv used", "reported_kv_used_blocks", wide_only=True, justify="right"),
         Column("reported", "reported_age", wide_only=True, justify="right"),
+        Column("queued p+d", "queued", wide_only=True, justify="right"),
+        Column("running p+d", "scheduled", wide_only=True, justify="right"),
+        Column("forward pass", "forward_pass_age", wide_only=True, justify="right"),
         Column("replay endpoint", "replay_endpoint", wide_only=True),
     ],
     name_key=NAME_KEY,

@@ -197,12 +197,6 @@ def check_streams(status: Mapping[str, Any]) -> list[Finding]:
             "does not expect",
             {"decode_errors": errors, "schema_seen": {n: s.get("schema", {}) for n, s in broken[:SHOWN]}},
             "kvctl events tail --zmq <endpoint>  (see the raw events; compare the schema with the engine's version)"))
-    lost_events = plane.get("counts", {}).get("lost_events", 0)
-    if lost_events:
-        findings.append(Finding("streams", Severity.WARNING,
-                                f"the event plane lost {lost_events} event(s) (event ids skipped)",
-                                {"event_plane": plane.get("counts", {})},
-                                "use --jetstream for durable events; kvctl router status"))
     if not findings:
         gaps = sum(s.get("gaps", 0) for s in streams)
         repaired = f", {gaps} gap(s) repaired by replay" if gaps else ""
@@ -289,6 +283,85 @@ def check_hashing(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
             {**_named([n for n, _ in missing]), "removals_not_found": dict(missing[:SHOWN])},
             "kvctl router status  (gaps? restarts?); kvctl router reset --worker W --yes to resync")]
     return [Finding("hashing", Severity.OK, "engines agree on block hashes")]
+
+
+def check_partial(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """A worker whose stores name parents the router never saw joined mid-stream (the router started after
+    its engine, with no replay) or lost events: what hangs below those parents is missing from the index."""
+    orphans = [(_name(w), w.get("rejected_events", {}).get("parent_block_not_found", 0)) for w in workers
+               if w.get("rejected_events", {}).get("parent_block_not_found")]
+    if not orphans:
+        return []
+    names = [n for n, _ in orphans]
+    return [Finding(
+        "partial", Severity.WARNING,
+        f"{len(orphans)} worker(s) stored blocks under parents the router never saw: it joined their streams "
+        "mid-way (or lost events), so its index holds only part of what they cache and routes them too few hits",
+        {**_named(names), "rejected_for_unknown_parent": dict(orphans[:SHOWN])},
+        f"register the engine's replay endpoint (kvctl serve --worker {_first(names)}=tcp://…,replay=tcp://…), or "
+        "accept the gap until those prefixes are evicted and stored again; kvctl workers -o wide")]
+
+
+# ----- the Dynamo event plane (NATS) ----------------------------------------------------------------------
+
+def check_event_plane(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
+                      limits: Limits) -> list[Finding]:
+    """A router subscribed to a NATS event plane that delivers nothing in its scope is misconfigured, not
+    idle: Dynamo workers report forward passes and load all the time. Name the subjects it follows and
+    those the namespace does carry; then lost messages and workers whose reports stopped."""
+    plane = status.get("event_plane")
+    if not plane:
+        return []
+    findings: list[Finding] = []
+    topics = plane.get("topics") or {}
+    followed_s = plane.get("following_s")
+    subjects = plane.get("subjects") or {}
+    seen = plane.get("subjects_seen") or {}
+    # with no worker known, nothing has come at all: say why now; with some, only silence beyond the limit
+    quiet_for = limits.silent_after_s if workers else 0.0
+    if plane.get("ready") and followed_s is not None and followed_s > quiet_for and not any(topics.values()):
+        pattern = subjects.get("kv_events", "")
+        if seen:
+            cause = (f"0 messages on {pattern} in {followed_s:.0f} s; the namespace carries "
+                     f"{len(seen)} other subject(s): the component or endpoint does not match")
+            fix = "restart kvctl serve with --component/--endpoint from the subjects seen (or neither: all)"
+        else:
+            cause = (f"0 messages on {pattern} in {followed_s:.0f} s, and nothing at all in namespace "
+                     f"{plane.get('namespace')!r}")
+            fix = ("check --namespace and the NATS URL; Dynamo 1.6.1 publishes on NATS only with "
+                   "--event-plane nats (its default is the ZMQ event plane)")
+        findings.append(Finding("event_plane", Severity.CRITICAL, cause,
+                                {"subscription": subjects.get("subscription"), "following": pattern,
+                                 "subjects_seen": dict(list(seen.items())[:SHOWN])},
+                                f"{fix}; kvctl events tail --nats {plane.get('url')} --namespace "
+                                f"{plane.get('namespace')}"))
+    lost = (plane.get("sequence") or {}).get("lost", 0)
+    lost_events = (plane.get("counts") or {}).get("lost_events", 0)
+    if lost or lost_events:
+        gapped = [p for p in plane.get("publishers") or [] if p.get("lost")]
+        findings.append(Finding(
+            "event_plane", Severity.WARNING,
+            f"the event plane lost {lost} message(s) ({len(gapped)} publisher(s) with sequence gaps) and "
+            f"{lost_events} KV event(s) (event ids skipped)",
+            {"publishers": [{k: p.get(k) for k in ("publisher_id", "topic", "lost", "workers")}
+                            for p in gapped[:SHOWN]], "counts": plane.get("counts", {})},
+            "NATS Core drops what a slow or disconnected subscriber misses: kvctl router status; "
+            "kvctl router reset --worker W --yes to resync a worker whose KV events were lost"))
+    stopped = [(_name(w), w["forward_pass"]["age_s"]) for w in workers
+               if (w.get("forward_pass") or {}).get("age_s", 0) > limits.silent_after_s]
+    if stopped:
+        findings.append(Finding(
+            "event_plane", Severity.WARNING,
+            f"{len(stopped)} worker(s) stopped reporting forward passes (every Dynamo worker reports each "
+            f"pass, idle or not): stopped, hung or cut off for over {limits.silent_after_s:g} s",
+            {**_named([n for n, _ in stopped]), "last_report_s": dict(stopped[:SHOWN])},
+            "is the worker process alive? kvctl workers -o wide; once it is gone for good: "
+            f"kvctl router reset --worker {_first([n for n, _ in stopped])} --yes"))
+    if not findings:
+        findings.append(Finding("event_plane", Severity.OK,
+                                f"event plane: {sum(topics.values())} message(s) in scope, none lost",
+                                {"topics": topics}))
+    return findings
 
 
 # ----- 6. busy ----------------------------------------------------------------------------------------------
@@ -437,10 +510,11 @@ def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
     `hit_rates`: `check_hit_rates`' finding, when engines' metrics were read."""
     limits = limits or Limits()
     registration = check_registration(status, workers)
+    plane = check_event_plane(status, workers, limits)
     if worst(registration) is Severity.CRITICAL:
-        return registration
-    findings = [*registration, *check_silent(status, workers, limits), *check_streams(status),
-                *check_block_size(status, workers), *check_hashing(workers),
+        return sorted([*registration, *plane], key=lambda f: -_RANK[f.severity])  # the plane may say why
+    findings = [*registration, *check_silent(status, workers, limits), *check_streams(status), *plane,
+                *check_block_size(status, workers), *check_hashing(workers), *check_partial(workers),
                 *check_busy(workers, thresholds, limits), *check_divergence(peers, limits),
                 *check_index(status, limits), *(hit_rates or [])]
     return sorted(findings, key=lambda f: -_RANK[f.severity])

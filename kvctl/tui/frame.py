@@ -47,6 +47,7 @@ class WorkerRow:
     gaps: int | None  # None: no engine stream (events come over HTTP or NATS)
     decode_errors: int | None
     route_share: float | None  # of the routes decided since the previous poll; None: unknown
+    queued: int | None  # requests waiting at the worker, from its last forward pass (Dynamo); None: no report
     marks: tuple[Mark, ...]
     raw: dict[str, Any] = field(compare=False)  # the worker's /v1/workers row, and its stream row under "stream"
 
@@ -59,7 +60,7 @@ class WorkerRow:
                 "blocks": self.blocks, "active_decode_blocks": self.active_decode_blocks,
                 "active_prefill_tokens": self.active_prefill_tokens, "busy": self.busy,
                 "last_event_age_s": self.last_event_age_s, "gaps": self.gaps, "decode_errors": self.decode_errors,
-                "route_share": self.route_share, "marks": [m.value for m in self.marks]}
+                "route_share": self.route_share, "queued": self.queued, "marks": [m.value for m in self.marks]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,8 +165,13 @@ def _workers(before: Poll | None, after: Poll) -> tuple[WorkerRow, ...]:
             busy=bool(w["busy"]), last_event_age_s=w.get("last_event_age_s"),
             gaps=None if stream is None else stream["gaps"],
             decode_errors=None if stream is None else sum((stream.get("decode_errors") or {}).values()),
-            route_share=shares.get(key), marks=_marks(w, stream), raw={**w, "stream": stream}))
+            route_share=shares.get(key), queued=_queued(w.get("forward_pass")), marks=_marks(w, stream),
+            raw={**w, "stream": stream}))
     return tuple(rows)
+
+
+def _queued(passed: dict[str, Any] | None) -> int | None:
+    return None if not passed else passed["queued_prefill_requests"] + passed["queued_decode_requests"]
 
 
 def _health(status: dict[str, Any]) -> StreamHealth:

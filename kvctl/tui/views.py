@@ -20,6 +20,7 @@ WORKER_COLUMNS = (
     Column("gaps", "gaps", justify="right"),
     Column("decode err", "decode_errors", justify="right"),
     Column("routes", "route_share", justify="right"),
+    Column("queued", "queued", justify="right"),
     Column("marks", "marks"),
 )
 """The workers table's columns, in the dashboard and in `--once` alike."""
@@ -59,7 +60,7 @@ def worker_cells(row: WorkerRow) -> dict[str, str]:
         "active_prefill_tokens": count(row.active_prefill_tokens), "busy": "yes" if row.busy else "no",
         "last_event": age(row.last_event_age_s) or "never", "gaps": count(row.gaps),
         "decode_errors": count(row.decode_errors), "route_share": percent(row.route_share),
-        "marks": " ".join(row.marks) or "-",
+        "queued": count(row.queued), "marks": " ".join(row.marks) or "-",
     }
 
 

@@ -10,7 +10,16 @@ from typing import Any
 
 import pytest
 
-from kvctl.core.doctor import Limits, Severity, check_busy, check_hashing, check_index, diagnose
+from kvctl.core.doctor import (
+    Limits,
+    Severity,
+    check_busy,
+    check_event_plane,
+    check_hashing,
+    check_index,
+    check_partial,
+    diagnose,
+)
 from tests.commands.live_router import loaded_router
 
 Answers = tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]
@@ -70,3 +79,26 @@ def test_removals_of_unknown_blocks_without_a_hash_mismatch_point_at_lost_events
     workers[1]["rejected_events"] = {"block_not_found": 7}
     [finding] = check_hashing(workers)
     assert finding.severity is Severity.WARNING and finding.evidence["removals_not_found"] == {"2:0": 7}
+
+
+def test_stores_under_unknown_parents_name_a_worker_joined_mid_stream(answers: Answers) -> None:
+    _, workers, _ = fresh(answers)
+    assert check_partial(workers) == []
+    workers[0]["rejected_events"] = {"parent_block_not_found": 3}
+    [finding] = check_partial(workers)
+    name = f"{workers[0]['worker_id']}:0"
+    assert finding.severity is Severity.WARNING and finding.evidence["rejected_for_unknown_parent"] == {name: 3}
+    assert "replay=" in finding.next_step
+
+
+def test_a_worker_whose_forward_passes_stopped_is_named(answers: Answers) -> None:
+    status, workers, _ = fresh(answers)
+    status["event_plane"] = {"ready": True, "following_s": 300.0, "topics": {"forward-pass-metrics": 900},
+                             "subjects": {}, "sequence": {"lost": 0}, "counts": {}}
+    workers[0]["forward_pass"] = {"age_s": 1.0}
+    workers[1]["forward_pass"] = {"age_s": 61.0}
+    [finding] = check_event_plane(status, workers, Limits())
+    assert finding.severity is Severity.WARNING and finding.evidence["workers"] == ["2:0"]
+    workers[1]["forward_pass"]["age_s"] = 2.0
+    [finding] = check_event_plane(status, workers, Limits())
+    assert finding.severity is Severity.OK

@@ -172,22 +172,52 @@ async def test_events_lost_on_the_nats_event_plane_are_named(tmp_path: Path) -> 
     try:
         plane = ("--nats", nats_server.url, "--namespace", "doc")
         with serving(tmp_path / "router", "--no-restore", *plane) as (_, client):
-            for _ in range(200):
-                if (client.get("/v1/status").json()["event_plane"] or {}).get("ready"):
-                    break
-                await asyncio.sleep(0.05)
+            await _plane_ready(client)
             tokens = list(range(48))
             first = store(5, 1, tokens[:32])
             nc = await nats.connect(nats_server.url)
-            try:
-                for n, ev in enumerate([first, store(5, 4, tokens[32:48])], 1):  # ids 2 and 3 never come
-                    await nc.publish(PlaneNames("doc", "backend").kv_events, envelope(ev, n))
+            try:  # envelopes 1 and 2 (event ids 2 and 3) never come
+                for seq, ev in [(0, first), (3, store(5, 4, tokens[32:48]))]:
+                    await nc.publish(PlaneNames("doc").kv_events, envelope(ev, seq))
                 await barrier(nc)
             finally:
                 await nc.close()
-            code, report = await doctor_until(str(client.base_url).rstrip("/"), "streams",
+            code, report = await doctor_until(str(client.base_url).rstrip("/"), "event_plane",
                                               lambda f: f["severity"] == "WARNING")
     finally:
         nats_server.stop()
-    [finding] = findings(report, "streams")
-    assert code == 1 and "lost 2 event(s)" in finding["cause"] and "--jetstream" in finding["next_step"]
+    [finding] = findings(report, "event_plane")
+    assert code == 1 and "lost 2 message(s)" in finding["cause"] and "2 KV event(s)" in finding["cause"]
+    assert finding["evidence"]["publishers"] == [{"publisher_id": 77, "topic": "kv-events", "lost": 2,
+                                                  "workers": ["5:0"]}]
+
+
+async def test_a_plane_that_carries_nothing_in_scope_names_the_subjects_it_does_carry(tmp_path: Path) -> None:
+    nats_server = NatsServer(tmp_path / "nats")
+    try:
+        plane = ("--nats", nats_server.url, "--namespace", "doc", "--component", "prefill")
+        with serving(tmp_path / "router", "--no-restore", *plane) as (_, client):
+            await _plane_ready(client)
+            nc = await nats.connect(nats_server.url)
+            try:  # the fleet's workers are in component backend, not prefill
+                await nc.publish(PlaneNames("doc").kv_events, envelope(store(5, 1, list(range(32))), 0))
+                await barrier(nc)
+            finally:
+                await nc.close()
+            code, report = await doctor_until(str(client.base_url).rstrip("/"), "event_plane",
+                                              lambda f: f["severity"] == "CRITICAL")
+    finally:
+        nats_server.stop()
+    [finding] = findings(report, "event_plane")
+    assert code == 2 and finding["cause"].startswith(
+        "0 messages on namespace.doc.component.prefill.endpoint.*.kv-events in ")
+    assert finding["evidence"]["subjects_seen"] == {PlaneNames("doc").kv_events: 1}
+    assert "--component" in finding["next_step"]
+
+
+async def _plane_ready(client: Any) -> None:
+    for _ in range(200):
+        if (client.get("/v1/status").json()["event_plane"] or {}).get("ready"):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the event plane never became ready")
