@@ -44,7 +44,8 @@ def fleet(dynamo: Path, nats: NatsServer, tmp_path_factory: pytest.TempPathFacto
     `tiny`, block size 16, 128 KV blocks each), Dynamo's frontend with its KV router, Dynamo's indexer
     (`--threads 1`) and `kvctl serve` both on the mockers' ZMQ streams, joined before any request was made:
     whenever the fleet is quiet, the indexer and kvctl must hold the same index. Process logs are in
-    `fleet.workdir`. Tests may add load (`shared_prefix_load`) but must not stop its processes."""
+    `fleet.workdir`. Tests may add load (`shared_prefix_load`) but must not stop its processes. A router that
+    must see the whole history (a kvctl following the NATS plane, say) goes in `start_fleet(routers=...)` here."""
     started = start_fleet(tmp_path_factory.mktemp("interop-fleet"), dynamo, mockers=3, nats_url=nats.url)
     yield started
     started.stop()

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,6 +295,14 @@ class Frontend:
 
 
 @dataclass
+class Router:
+    """A `kvctl serve` process; `url` once it has printed it."""
+
+    proc: Proc
+    url: str = ""
+
+
+@dataclass
 class Fleet:
     """A running fleet; `start_fleet` makes one. Everything a test needs to reach it is here."""
 
@@ -308,9 +316,8 @@ class Fleet:
     indexer: Proc | None = None
     indexer_url: str | None = None
     """The reference index: `dynamo.indexer --threads 1` on the mockers' ZMQ streams (`dynamo+http://` in kvctl)."""
-    kvctl: Proc | None = None
-    kvctl_url: str | None = None
-    """`kvctl serve` following the mockers' ZMQ streams and replays."""
+    routers: dict[str, Router] = field(default_factory=dict)
+    """`kvctl serve` processes by name: `kvctl` follows the mockers' ZMQ streams and replays."""
     component: str = COMPONENT
     endpoint: str = ENDPOINT
     model: str = MODEL
@@ -331,12 +338,24 @@ class Fleet:
         return self.frontends[0].url
 
     @property
+    def kvctl(self) -> Proc | None:
+        router = self.routers.get("kvctl")
+        return None if router is None else router.proc
+
+    @property
+    def kvctl_url(self) -> str | None:
+        """`kvctl serve` following the mockers' ZMQ streams and replays (None in a fleet without it)."""
+        router = self.routers.get("kvctl")
+        return None if router is None else router.url
+
+    @property
     def worker_ids(self) -> list[int]:
         return [m.worker_id for m in self.mockers]
 
     @property
     def procs(self) -> list[Proc]:
-        started = [*(m.proc for m in self.mockers), self.indexer, self.kvctl, *(f.proc for f in self.frontends)]
+        started = [*(m.proc for m in self.mockers), self.indexer, *(r.proc for r in self.routers.values()),
+                   *(f.proc for f in self.frontends)]
         return [p for p in started if p is not None]
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -419,26 +438,40 @@ class Fleet:
         wait_until(lambda: httpx.get(f"{self.indexer_url}/dump", timeout=5).status_code == 200,
                    "the indexer answering GET /dump", timeout=START_S, procs=[self.indexer])
 
-    def start_kvctl(self, *extra: str) -> None:
-        """`kvctl serve` (the project's own, from this venv) following every mocker's ZMQ stream and replay."""
+    def start_router(self, name: str, *args: str | int | Path) -> Router:
+        """`kvctl serve` (the project's own, from this venv) with `args` (say `--nats URL`), state in the fleet's
+        workdir, log in `{name}.log`; stopped with the fleet."""
         argv = [sys.executable, "-m", "kvctl", "serve", "--listen", "127.0.0.1:0", "--state-dir",
-                self.workdir / "kvctl-state", "--reset-states", "--log-level", "info", "--block-size", self.block_size,
-                *(a for m in self.mockers for a in ("--worker", m.kvctl_worker())), *extra]
+                self.workdir / f"{name}-state", "--reset-states", "--log-level", "info",
+                "--block-size", self.block_size, *args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-        self.kvctl = Proc("kvctl", argv, self.workdir / "kvctl.log", {**env, "PYTHONUNBUFFERED": "1"},
-                          pipe_stdout=True)
+        router = Router(Proc(name, argv, self.workdir / f"{name}.log", {**env, "PYTHONUNBUFFERED": "1"},
+                             pipe_stdout=True))
+        self.routers[name] = router
+        return router
+
+    def await_router(self, router: Router) -> None:
+        """Until it has printed its URL (its first stdout line) and answers /healthz."""
+        line = router.proc.first_line(START_S)
+        if not line.startswith("http://127.0.0.1:") or line.endswith(":0"):
+            raise AssertionError(f"{router.proc.name} printed {line!r}, not its URL\n{router.proc.report()}")
+        router.url = line
+        wait_until(lambda: httpx.get(f"{line}/healthz", timeout=5).status_code == 200,
+                   f"{router.proc.name} answering /healthz", timeout=START_S, procs=[router.proc])
+
+    def start_kvctl(self) -> Router:
+        """The router `kvctl`: following every mocker's ZMQ stream and replay, by the mocker's worker id."""
+        return self.start_router("kvctl", *(a for m in self.mockers for a in ("--worker", m.kvctl_worker())))
 
     def await_kvctl(self) -> None:
-        """Its first stdout line is its URL; then until it reports a stream for every mocker."""
-        assert self.kvctl is not None
-        line = self.kvctl.first_line(START_S)
-        if not line.startswith("http://127.0.0.1:") or line.endswith(":0"):
-            raise AssertionError(f"kvctl serve printed {line!r}, not its URL\n{self.kvctl.report()}")
-        self.kvctl_url = line
+        """`await_router`, then until it reports a stream for every mocker."""
+        router = self.routers["kvctl"]
+        self.await_router(router)
         wanted = {f"{w}:0" for w in self.worker_ids}
         wait_until(lambda: {f"{s['worker']['worker_id']}:{s['worker']['dp_rank']}"
-                            for s in httpx.get(f"{line}/v1/status", timeout=5).json().get("streams") or []} >= wanted,
-                   f"kvctl serve reporting streams for {sorted(wanted)}", timeout=START_S, procs=[self.kvctl])
+                            for s in httpx.get(f"{router.url}/v1/status", timeout=5).json().get("streams") or []}
+                   >= wanted, f"kvctl serve reporting streams for {sorted(wanted)}", timeout=START_S,
+                   procs=[router.proc])
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -454,8 +487,14 @@ JOIN_S = 1.0
 
 
 def start_fleet(workdir: Path, python: Path, *, mockers: int = 3, nats_url: str | None = None,
-                namespace: str = NAMESPACE, indexer: bool = True, kvctl: bool = True) -> Fleet:
-    """Start a fleet and wait until every part of it is ready; on failure stop what started, then raise."""
+                namespace: str = NAMESPACE, indexer: bool = True, kvctl: bool = True,
+                routers: Mapping[str, Sequence[str]] | None = None) -> Fleet:
+    """Start a fleet and wait until every part of it is ready; on failure stop what started, then raise.
+
+    `routers`: more `kvctl serve` processes, by name, with their arguments (the mockers' worker ids and endpoints
+    are not known yet: say `{"nats": ["--nats", nats_url]}`), started with the fleet so that, like the indexer
+    and the `kvctl` router, they are there before any request is made (Dynamo's event planes keep no history).
+    `fleet.await_router` has waited for their URL; what else makes one ready is for its user to wait for."""
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(workdir=workdir, python=python, nats_url=nats_url, namespace=namespace,
                   model_dir=write_model_dir(workdir / "model"))
@@ -470,10 +509,14 @@ def start_fleet(workdir: Path, python: Path, *, mockers: int = 3, nats_url: str 
             fleet.start_indexer()
         if kvctl:
             fleet.start_kvctl()
+        for name, args in (routers or {}).items():
+            fleet.start_router(name, *args)
         if indexer:
             fleet.await_indexer()
         if kvctl:
             fleet.await_kvctl()
+        for name in routers or {}:
+            fleet.await_router(fleet.routers[name])
         fleet.await_frontend(frontend)
         time.sleep(JOIN_S)
     except BaseException:
