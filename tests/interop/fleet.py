@@ -459,6 +459,20 @@ class Fleet:
         wait_until(lambda: httpx.get(f"{line}/healthz", timeout=5).status_code == 200,
                    f"{router.proc.name} answering /healthz", timeout=START_S, procs=[router.proc])
 
+    def restart_router(self, name: str) -> Router:
+        """Start the router again on the same state dir, so that it restores its snapshot (same arguments, less
+        `--reset-states`), stopping it first by its pid (SIGTERM: it writes its snapshot) if it still runs;
+        `await_router` (or `await_kvctl`) it after."""
+        old = self.routers[name]
+        old.proc.stop()
+        argv = [a for a in old.proc.argv if a != "--reset-states"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+        restarts = len(list(self.workdir.glob(f"{name}.restart*.log"))) + 1
+        router = Router(Proc(name, argv, self.workdir / f"{name}.restart{restarts}.log",
+                             {**env, "PYTHONUNBUFFERED": "1"}, pipe_stdout=True))
+        self.routers[name] = router
+        return router
+
     def start_kvctl(self) -> Router:
         """The router `kvctl`: following every mocker's ZMQ stream and replay, by the mocker's worker id."""
         return self.start_router("kvctl", *(a for m in self.mockers for a in ("--worker", m.kvctl_worker())))
