@@ -266,7 +266,11 @@ class Mocker:
     zmq_port: int
     replay_port: int
     worker_id: int = 0
-    """Dynamo's instance id of this worker (its `worker_id` on Dynamo's event plane and in its router)."""
+    """Dynamo's instance id of this worker (its `worker_id` on Dynamo's event plane and in its router), which is
+    also the id the fleet's indexer and kvctl know its ZMQ stream by. A mocker restarted on its ports
+    (`Fleet.restart_mocker`) is a new worker to Dynamo (`dynamo_id`), the same stream to them."""
+    dynamo_id: int = 0
+    """Dynamo's instance id of the mocker's current process (`worker_id` until it is restarted)."""
 
     @property
     def zmq_endpoint(self) -> str:
@@ -320,6 +324,7 @@ class Fleet:
     """`kvctl serve` processes by name: `kvctl` follows the mockers' ZMQ streams and replays."""
     component: str = COMPONENT
     endpoint: str = ENDPOINT
+    _gone: set[int] = field(default_factory=set)
     model: str = MODEL
     block_size: int = BLOCK_SIZE
 
@@ -389,9 +394,21 @@ class Fleet:
 
     def await_mocker(self, mocker: Mocker) -> None:
         """Until the mocker's instance is in discovery: its worker id is that instance's id."""
-        mocker.worker_id = wait_until(lambda: self._instance_id(mocker.rpc_port),
+        mocker.dynamo_id = wait_until(lambda: self._instance_id(mocker.rpc_port),
                                       f"{mocker.proc.name} registering in discovery", timeout=START_S,
                                       procs=[mocker.proc])
+        mocker.worker_id = mocker.worker_id or mocker.dynamo_id
+
+    def restart_mocker(self, mocker: Mocker) -> None:
+        """Stop the mocker by its pid and start it again with the same arguments and ports (its event seqs start
+        again from 0; Dynamo gives it a new instance id, `dynamo_id`); `await_mocker` it after."""
+        mocker.proc.stop()
+        name = mocker.proc.name
+        restarts = len(list(self.workdir.glob(f"{name}.restart*.log"))) + 1
+        mocker.proc = Proc(name, mocker.proc.argv, self.workdir / f"{name}.restart{restarts}.log",
+                           self.env(DYN_TCP_RPC_PORT=str(mocker.rpc_port)))
+        self._gone.add(mocker.dynamo_id)  # its record, should one linger, is not the new process's
+        mocker.dynamo_id = 0
 
     def _instance_id(self, rpc_port: int) -> int | None:
         for path in (self.discovery_dir / "v1" / "instances").glob("*"):
@@ -401,7 +418,7 @@ class Fleet:
                 continue  # being written
             transport = str((record.get("transport") or {}).get("tcp", ""))
             if (record.get("namespace"), record.get("endpoint")) == (self.namespace, self.endpoint) \
-                    and transport.startswith(f"127.0.0.1:{rpc_port}/"):
+                    and transport.startswith(f"127.0.0.1:{rpc_port}/") and int(record["instance_id"]) not in self._gone:
                 return int(record["instance_id"])
         return None
 
@@ -425,9 +442,10 @@ class Fleet:
         frontend.proc.stop()
         self.frontends.remove(frontend)
 
-    def start_indexer(self) -> None:
+    def start_indexer(self, mockers: Sequence[Mocker] | None = None) -> None:
+        """The reference index on the ZMQ streams of `mockers` (all of them by default), by their worker ids."""
         port = free_port()
-        workers = ",".join(f"{m.worker_id}={m.zmq_endpoint}" for m in self.mockers)
+        workers = ",".join(f"{m.worker_id}={m.zmq_endpoint}" for m in (self.mockers if mockers is None else mockers))
         argv = [self.python, "-m", "dynamo.indexer", "--workers", workers, "--block-size", self.block_size,
                 "--threads", "1", "--port", port]
         self.indexer = Proc("indexer", argv, self.workdir / "indexer.log", self.env())
