@@ -2,8 +2,10 @@
 
 The numbers come from Prometheus (`increase()` over --window) or from engines' `/metrics` scraped twice
 --window apart; each says which metric family it came from, and families nobody exposes are listed,
-never guessed. With --warn/--crit it is a Nagios check of one tier's hit rate: one status line, and
-exit 0 OK / 1 WARNING / 2 CRITICAL / 3 UNKNOWN (no data, or the source cannot be reached).
+never guessed; instances that export no counter of a tier below the device (a Dynamo frontend, the mocker)
+are named once, in a note (`no_tier_counters` in -o json), not shown as 0.0 % per tier. With --warn/--crit
+it is a Nagios check of one tier's hit rate: one status line, and exit 0 OK / 1 WARNING / 2 CRITICAL /
+3 UNKNOWN (no data, or the source cannot be reached).
 """
 
 from __future__ import annotations
@@ -126,8 +128,11 @@ def tiers_command(
         if not tier_report.instances:
             out.warn("no instance exposes any of the metric families kvctl reads" if pattern is None
                      else f"no instance matches --instance {instance!r}")
-        elif out.format in (OutputFormat.table, OutputFormat.wide) and tier_report.missing:
-            out.note(f"not found: {', '.join(tier_report.missing)}")
+        elif out.format in (OutputFormat.table, OutputFormat.wide):
+            if tier_report.untiered_note is not None:  # once, instead of a 0.0 % row per tier
+                out.note(tier_report.untiered_note)
+            if tier_report.missing:
+                out.note(f"not found: {', '.join(tier_report.missing)}")
         return tier_report
 
     if checking:

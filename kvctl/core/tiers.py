@@ -91,12 +91,30 @@ LMCACHE_REQUESTED = _family("lmcache:num_requested_tokens", r"lmcache:num_reques
 LMCACHE_RATES = _family("lmcache:{retrieve,lookup}_hit_rate", r"lmcache:(retrieve|lookup)_hit_rate", counter=False)
 KVCTL_PREDICTED = Family("kvctl_route_predicted_hit_rate", re.compile(r"kvctl_route_predicted_hit_rate_(sum|count)"),
                          counter=True)
+# Dynamo 1.6.1. The router's predicted hit rate is a histogram (one observation per routed request): its mean
+# over the window is increase(_sum) / increase(_count). The frontend's `cached_tokens` and `input_sequence_tokens`
+# are histograms by model of what the engines reported per request (usage.prompt_tokens_details.cached_tokens)
+# and of prompt lengths: the share of prompt tokens the engines found cached is Σ cached / Σ input.
 DYNAMO_PREDICTED = Family("dynamo_component_router_kv_hit_rate",
                           re.compile(r"dynamo_component_router_kv_hit_rate_(sum|count)"), counter=True)
+DYNAMO_CACHED = Family("dynamo_frontend_cached_tokens", re.compile(r"dynamo_frontend_cached_tokens_(sum|count)"),
+                       counter=True)
+DYNAMO_INPUT = Family("dynamo_frontend_input_sequence_tokens",
+                      re.compile(r"dynamo_frontend_input_sequence_tokens_(sum|count)"), counter=True)
+# A Dynamo backend worker's own gauges (dynamo.common.utils.prometheus.LLMBackendMetrics, per dp_rank); the
+# mocker does not export them (it exports vLLM's `vllm:kv_cache_usage_perc` and `vllm:gpu_cache_usage_perc`).
+DYNAMO_USAGE = _family("dynamo_component_gpu_cache_usage_percent", r"dynamo_component_gpu_cache_usage_percent",
+                       counter=False)
+DYNAMO_WORKER_HIT = _family("dynamo_component_kv_cache_hit_rate", r"dynamo_component_kv_cache_hit_rate",
+                            counter=False)
 
 FAMILIES = (KVBM_HIT, KVBM_OFFLOAD, KVBM_ONBOARD, KVBM_MATCHED, KVBM_FAILURES, VLLM_BY_SOURCE, VLLM_QUERIES,
             VLLM_HITS, VLLM_USAGE, SGLANG_CACHED, SGLANG_HIT, SGLANG_USAGE, LMCACHE_HIT, LMCACHE_REQUESTED,
-            LMCACHE_RATES, KVCTL_PREDICTED, DYNAMO_PREDICTED)
+            LMCACHE_RATES, KVCTL_PREDICTED, DYNAMO_PREDICTED, DYNAMO_CACHED, DYNAMO_INPUT, DYNAMO_USAGE,
+            DYNAMO_WORKER_HIT)
+
+LOWER_TIERS = ("host", "disk", "object", "p2p", "external")
+"""The tiers below the device's own memory: an instance exports tier counters when it reports any of them."""
 
 # KVBM names a transfer by its direction; the tier it concerns is where an offload goes, where an onboard comes from.
 _OFFLOAD_TIER = {"d2h": "host", "h2d": "disk", "d2d": "disk", "d2o": "object"}
@@ -271,7 +289,19 @@ def _router(inst: _Instance) -> Iterator[Reading]:
             yield inst.ratio(None, "predicted_hit_rate", total, count, f"{family.doc} (mean)")
 
 
-_DERIVATIONS = (_kvbm, _vllm, _sglang, _lmcache, _router)
+def _dynamo(inst: _Instance) -> Iterator[Reading]:
+    """A Dynamo frontend's share of prompt tokens its engines reported cached (any tier the engine counts: the
+    frontend does not say which), and a Dynamo worker's own KV gauges."""
+    cached, requests = inst.get(DYNAMO_CACHED, "sum"), inst.get(DYNAMO_CACHED, "count")
+    prompt, prompts = inst.get(DYNAMO_INPUT, "sum"), inst.get(DYNAMO_INPUT, "count")
+    if cached is not None and requests is not None and prompt is not None and prompts is not None \
+            and not (prompts > 0 and requests == 0):  # requests but no cached-token report: unknown, not 0 %
+        yield inst.ratio(None, "cached_share", cached, prompt, f"{DYNAMO_CACHED.doc} / {DYNAMO_INPUT.doc} (sums)")
+    yield from inst.gauges(DYNAMO_WORKER_HIT, "hit_rate", tier="device")
+    yield from inst.gauges(DYNAMO_USAGE, "usage", tier="device")
+
+
+_DERIVATIONS = (_kvbm, _vllm, _sglang, _lmcache, _router, _dynamo)
 
 
 @dataclass(frozen=True)
@@ -281,11 +311,28 @@ class TierReport:
     totals: tuple[Reading, ...]  # instance "total": counter ratios and rates over every instance
     found: tuple[str, ...]
     missing: tuple[str, ...]
+    untiered: tuple[str, ...] = ()  # instances that export no counter or gauge of a tier below the device
+
+    @property
+    def untiered_note(self) -> str | None:
+        """One sentence for every instance without tier counters (None when each has some): said once, where a
+        0.0 % row per tier would claim a measurement nobody made."""
+        if not self.untiered:
+            return None
+        who = ", ".join(self.untiered)
+        if len(self.untiered) == len(self.instances):
+            return f"no tier counters exported by {who}: this fleet reports no host/disk/object tier hits"
+        return f"no tier counters exported by {who}: no host/disk/object tier hits from {_them(self.untiered)}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"instances": [{"instance": name, "window_s": seconds} for name, seconds in self.instances],
                 "readings": [r.to_dict() for r in self.readings], "totals": [r.to_dict() for r in self.totals],
-                "families": {"found": list(self.found), "missing": list(self.missing)}}
+                "families": {"found": list(self.found), "missing": list(self.missing)},
+                "no_tier_counters": {"instances": list(self.untiered), "note": self.untiered_note}}
+
+
+def _them(instances: tuple[str, ...]) -> str:
+    return "it" if len(instances) == 1 else "them"
 
 
 def report(windows: Iterable[Window], *, instance: re.Pattern[str] | None = None) -> TierReport:
@@ -294,12 +341,14 @@ def report(windows: Iterable[Window], *, instance: re.Pattern[str] | None = None
     instances = [_Instance.of(w) for w in chosen]
     readings = tuple(r for inst in instances for derive in _DERIVATIONS for r in derive(inst))
     found = {doc for inst in instances for doc, _ in inst.values}
+    tiered = {r.instance for r in readings if r.tier in LOWER_TIERS}
     return TierReport(
         instances=tuple((w.instance, w.seconds) for w in chosen),
         readings=readings,
         totals=tuple(_totals(readings)),
         found=tuple(f.doc for f in FAMILIES if f.doc in found),
         missing=tuple(f.doc for f in FAMILIES if f.doc not in found),
+        untiered=tuple(w.instance for w in chosen if w.instance not in tiered),
     )
 
 
@@ -362,6 +411,8 @@ def check(report: TierReport, tier: str, *, warn: float | None, crit: float | No
     if not readings:
         quiet = any(r.tier == tier and r.metric == "hit_rate" for r in report.readings)
         why = "no traffic in the window" if quiet else "no family reports it"
+        if not quiet and tier in LOWER_TIERS and report.untiered and len(report.untiered) == len(report.instances):
+            why = f"no tier counters exported by {', '.join(report.untiered)}"
         return CheckResult(Status.UNKNOWN, f"no {tier} hit rate ({why})", None, ())
     worst = readings[0]
     assert worst.value is not None

@@ -27,12 +27,13 @@ SGLANG_CACHED = {"device": 90.0, "host": 30.0, "storage": 30.0}
 LMCACHE_HIT, LMCACHE_REQUESTED = 120.0, 400.0
 ROUTES, PREDICTED_MEAN = 20.0, 0.625
 DYNAMO_ROUTES, DYNAMO_PREDICTED_MEAN = 10.0, 0.25
+DYNAMO_REQUESTS, DYNAMO_CACHED, DYNAMO_INPUT = 4.0, 96.0, 256.0  # frontend: requests, cached and prompt tokens /s
 OFFLOAD = {"d2h": 8.0, "h2d": 3.0, "d2d": 1.0, "d2o": 2.0}
 ONBOARD = {"h2d": 5.0, "d2d": 2.5, "o2d": 0.5}
 MATCHED = 140.0
 FAILURES = {"read": 0.5, "write": 0.25}
 GAUGES = {"kvbm_host": 0.35, "kvbm_disk": 0.15, "kvbm_object": 0.05, "usage": 0.42, "sglang_hit": 0.6,
-          "sglang_usage": 0.3, "lookup": 0.7, "retrieve": 0.55}
+          "sglang_usage": 0.3, "lookup": 0.7, "retrieve": 0.55, "dynamo_usage": 0.33, "dynamo_hit": 0.45}
 
 _VLLM_TIERS = {"device": "device", "host": "host", "disk": "disk", "p2p": "p2p", "external": "external_unspecified"}
 _SGLANG_TIERS = {"device": "device", "host": "host", "disk": "storage"}
@@ -55,6 +56,9 @@ EXPECTED = {
     ("external", "retrieve_hit_rate", "lmcache:"): GAUGES["retrieve"],
     (None, "predicted_hit_rate", "kvctl_"): PREDICTED_MEAN,
     (None, "predicted_hit_rate", "dynamo_"): DYNAMO_PREDICTED_MEAN,
+    (None, "cached_share", "dynamo_frontend_"): DYNAMO_CACHED / DYNAMO_INPUT,
+    ("device", "usage", "dynamo_component_gpu"): GAUGES["dynamo_usage"],
+    ("device", "hit_rate", "dynamo_component_kv"): GAUGES["dynamo_hit"],
     ("host", "hit_rate", "kvbm_"): GAUGES["kvbm_host"],
     ("disk", "hit_rate", "kvbm_"): GAUGES["kvbm_disk"],
     ("object", "hit_rate", "kvbm_"): GAUGES["kvbm_object"],
@@ -141,6 +145,17 @@ class _EngineCollector:
             count = x.counter(routes)
             yield HistogramMetricFamily(name, "test", buckets=[("1.0", count), ("+Inf", count)],
                                         sum_value=count * mean)
+        requests = x.counter(DYNAMO_REQUESTS)  # Dynamo's frontend: per-request histograms, by model
+        for name, tokens in (("dynamo_frontend_cached_tokens", DYNAMO_CACHED),
+                             ("dynamo_frontend_input_sequence_tokens", DYNAMO_INPUT)):
+            family = HistogramMetricFamily(name, "test", labels=["model"])
+            family.add_metric(model, buckets=[("+Inf", requests)], sum_value=x.counter(tokens))
+            yield family
+        for name, value in (("dynamo_component_gpu_cache_usage_percent", GAUGES["dynamo_usage"]),
+                            ("dynamo_component_kv_cache_hit_rate", GAUGES["dynamo_hit"])):
+            gauge = GaugeMetricFamily(name, "test", labels=["model", "dynamo_component", "dp_rank"])
+            gauge.add_metric([*model, "backend", "0"], value)
+            yield gauge
 
 
 def _counter(name: str, labels: list[str], values: list[tuple[list[str], float]]) -> CounterMetricFamily:
