@@ -118,7 +118,7 @@ class TopApp(App[None]):
         self.frame = frame
         self.query_one(RatesPanel).show(frame)
         self.query_one(HealthPanel).show(frame.health)
-        self.query_one(TiersPanel).show(frame.tiers, frame.tiers_error)
+        self.query_one(TiersPanel).show(frame.tiers, frame.tiers_error, frame.tiers_note)
         self._show_rows()
 
     def _show_state(self) -> None:

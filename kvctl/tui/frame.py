@@ -99,6 +99,7 @@ class Frame:
     tiers: tuple[TierRate, ...] | None
     tiers_error: str | None
     history: dict[str, tuple[float, ...]]  # events_per_s / routes_per_s / predicted_hit_rate, oldest first
+    tiers_note: str | None = None  # instances without tier counters (DESIGN §3.5), said once
 
     def to_dict(self) -> dict[str, Any]:
         """The frame as `-o json` prints it: rates and rows, not the raw answers (record those with --record)."""
@@ -116,6 +117,7 @@ class Frame:
                 {"instance": t.instance, "tier": t.tier, "hit_rate": t.hit_rate, "family": t.family}
                 for t in self.tiers],
             "tiers_error": self.tiers_error,
+            "tiers_note": self.tiers_note,
         }
 
 
@@ -225,7 +227,7 @@ class FrameBuilder:
                 self._history[name].append(value)
         self._previous = poll
         return Frame(router=self.router, header=header, workers=_workers(before, poll), health=_health(poll.status),
-                     tiers=poll.tiers, tiers_error=poll.tiers_error,
+                     tiers=poll.tiers, tiers_error=poll.tiers_error, tiers_note=poll.tiers_note,
                      history={name: tuple(values) for name, values in self._history.items()})
 
 

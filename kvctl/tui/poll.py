@@ -62,6 +62,7 @@ class Poll:
     counters: dict[str, float] = field(default_factory=dict)
     tiers: tuple[TierRate, ...] | None = None  # None: no tiers source was given
     tiers_error: str | None = None
+    tiers_note: str | None = None  # the instances that export no tier counters, said once
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -72,4 +73,4 @@ class Poll:
         tiers = raw.get("tiers")
         return cls(at=raw["at"], status=raw["status"], workers=raw["workers"], counters=raw.get("counters") or {},
                    tiers=None if tiers is None else tuple(TierRate(**t) for t in tiers),
-                   tiers_error=raw.get("tiers_error"))
+                   tiers_error=raw.get("tiers_error"), tiers_note=raw.get("tiers_note"))

@@ -44,6 +44,10 @@ class Source(Protocol):
 class TierFeed:
     """Tier hit rates for the tiers panel, by the same math as `kvctl tiers`. Blocking: call it on a thread.
 
+    Besides each tier's hit rate: a router's predicted hit rate (tier `router`: kvctl's or Dynamo's
+    `dynamo_component_router_kv_hit_rate`) and the share of prompt tokens a Dynamo frontend's engines reported
+    cached (tier `cached`); `note` names the instances that export no tier counters (None when each does).
+
     Prometheus is asked for `increase()` over `window_s`; engines' `/metrics` are scraped each refresh and the
     window is the time since the previous scrape (so the first refresh has no rates yet). Prometheus is asked
     at most every `every_s`: its window is minutes long, and a query a second would be a needless load.
@@ -62,14 +66,18 @@ class TierFeed:
         self._previous: dict[str, tuple[float, list[Sample]]] = {}
         self._rates: tuple[TierRate, ...] = ()
         self._refreshed: float | None = None
+        self.note: str | None = None
 
     def rates(self) -> tuple[TierRate, ...]:
         now = self._clock()
         if self.prometheus is not None and self._refreshed is not None and now - self._refreshed < self.every_s:
             return self._rates
         tier_report = report(self._windows(now))
-        self._rates = tuple(TierRate(r.instance, tier, r.value, r.family)
-                            for tier in CHECK_TIERS for r in hit_rates(tier_report, tier) if r.value is not None)
+        self._rates = (*(TierRate(r.instance, tier, r.value, r.family)
+                         for tier in CHECK_TIERS for r in hit_rates(tier_report, tier) if r.value is not None),
+                       *(TierRate(r.instance, _PANEL_METRICS[r.metric], r.value, r.family)
+                         for r in tier_report.readings if r.metric in _PANEL_METRICS and r.value is not None))
+        self.note = tier_report.untiered_note
         self._refreshed = now
         return self._rates
 
@@ -89,6 +97,10 @@ class TierFeed:
     def close(self) -> None:
         if self._scraper is not None:
             self._scraper.close()
+
+
+_PANEL_METRICS = {"predicted_hit_rate": "router", "cached_share": "cached"}
+"""Ratios the tiers panel shows besides tiers' hit rates, under these names in its tier column."""
 
 
 class LiveSource:
@@ -116,7 +128,7 @@ class LiveSource:
         status, workers, samples = answers
         tiers, tiers_error = await self._tier_rates()
         return Poll(at=at, status=status, workers=workers["workers"], counters=router_counters(samples),
-                    tiers=tiers, tiers_error=tiers_error)
+                    tiers=tiers, tiers_error=tiers_error, tiers_note=self.tiers.note if self.tiers else None)
 
     async def _tier_rates(self) -> tuple[tuple[TierRate, ...] | None, str | None]:
         """The tiers panel's rates; a tiers source that fails leaves the rest of the frame live."""

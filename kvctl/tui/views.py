@@ -119,3 +119,5 @@ def emit_frame(out: Output, frame: Frame) -> None:
         out.warn(f"tiers: {frame.tiers_error}")
     if frame.tiers is not None:
         out.emit(frame, _TIERS_VIEW)
+    if frame.tiers_note:
+        out.note(f"tiers: {frame.tiers_note}")

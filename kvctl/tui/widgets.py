@@ -111,15 +111,16 @@ class TiersPanel(Static):
     TiersPanel { width: 36; border: round $primary; padding: 0 1; }
     """
 
-    def show(self, tiers: Sequence[TierRate] | None, error: str | None) -> None:
+    def show(self, tiers: Sequence[TierRate] | None, error: str | None, note: str | None = None) -> None:
         self.display = tiers is not None
         if error:
             self.update(Text(error, "red"))
-        elif not tiers:
+        elif not tiers and note is None:
             self.update(Text("collecting: rates need two scrapes", "dim"))
         else:
-            self.update(Text("\n").join(Text.assemble((f"{t.tier:<7}", "bold"), f"{percent(t.hit_rate):>7}  ",
-                                                      (t.instance, "dim")) for t in tiers))
+            lines = [Text.assemble((f"{t.tier:<7}", "bold"), f"{percent(t.hit_rate):>7}  ", (t.instance, "dim"))
+                     for t in tiers or ()]
+            self.update(Text("\n").join([*lines, *([Text(note, "dim italic")] if note else [])]))
 
 
 class WorkersTable(ScrollView, can_focus=True):
