@@ -198,9 +198,13 @@ def _compare(own: RouterClient, peer: RouterClient, mine: dict[str, Any],
 
 
 def _hit_rates(ctx: typer.Context, engines: _Engines) -> list[Finding]:
-    """Engines' device prefix-cache hit rates and the router's mean predicted hit rate since it started."""
+    """Engines' device prefix-cache hit rates and the router's mean predicted hit rate since it started.
+
+    An engine without a prefix-cache family of its own (Dynamo's mocker) counts by what a Dynamo frontend among
+    the metrics says its engines reported cached (`cached_share`). The prediction is kvctl's own when it has
+    routed; else a Dynamo router's among the metrics (its kv_hit_rate histogram: Σ sum / Σ count)."""
     from kvctl.client.tier_sources import Auth, Scraper, prometheus_windows
-    from kvctl.core.tiers import hit_rates, report
+    from kvctl.core.tiers import hit_rates, ratio, report
     from kvctl.errors import KvctlError
 
     settings = settings_for(ctx)
@@ -218,6 +222,16 @@ def _hit_rates(ctx: typer.Context, engines: _Engines) -> list[Finding]:
         source = "--prometheus URL" if engines.prometheus is not None else "--metrics URL"
         return [Finding("hit_rate", Severity.UNKNOWN, f"metrics not read: {exc.message}", {},
                         f"kvctl tiers {source}  (is it reachable? are the engines' families there?)")]
-    predicted = [r.value for r in mine.readings if r.metric == "predicted_hit_rate"]
-    return check_hit_rates({r.instance: r.value for r in hit_rates(report(windows), "device") if r.value is not None},
-                           predicted[0] if predicted else None)
+    theirs = report(windows)
+    rates = {r.instance: r.value for r in hit_rates(theirs, "device") if r.value is not None}
+    for r in theirs.readings:
+        if r.metric == "cached_share" and r.value is not None:
+            rates.setdefault(r.instance, r.value)
+    predicted, by = None, None
+    for source in (mine, theirs):
+        found = [r for r in source.readings if r.metric == "predicted_hit_rate" and r.parts is not None]
+        predicted = ratio(sum(r.parts[0] for r in found if r.parts), sum(r.parts[1] for r in found if r.parts))
+        if predicted is not None:
+            by = ", ".join(sorted({r.family for r in found}))
+            break
+    return check_hit_rates(rates, predicted, predicted_by=by)

@@ -235,9 +235,12 @@ def check_block_size(status: Mapping[str, Any], workers: Sequence[Mapping[str, A
 
 
 def check_hit_rates(engines: Mapping[str, float], predicted: float | None, *,
-                    zero: float = 0.05, high: float = 0.3) -> list[Finding]:
+                    zero: float = 0.05, high: float = 0.3, predicted_by: str | None = None) -> list[Finding]:
     """Engines' own prefix-cache hit rates against the router's predicted hit rate (both since start).
 
+    An engine's hit rate is its prefix cache's (vLLM, SGLang, a Dynamo worker's gauge) or, for engines that
+    export none (Dynamo's mocker), the share of prompt tokens they reported cached to a Dynamo frontend.
+    `predicted_by` names the metric the prediction came from (kvctl's router, or Dynamo's).
     Engines that find their prefixes cached while the router predicts no overlap means the router's
     blocks never match the engines' (block size, hash seed, LoRA or salt): it routes blind."""
     if not engines:
@@ -245,7 +248,8 @@ def check_hit_rates(engines: Mapping[str, float], predicted: float | None, *,
                         {}, "kvctl tiers --metrics URL  (which families do the engines expose?)")]
     mean = round(sum(engines.values()) / len(engines), 3)
     evidence = {"engines": {k: round(v, 3) for k, v in list(engines.items())[:SHOWN]}, "engines_mean": mean,
-                "router_predicted": None if predicted is None else round(predicted, 3)}
+                "router_predicted": None if predicted is None else round(predicted, 3),
+                "router_predicted_by": predicted_by}
     if predicted is None:
         return [Finding("hit_rate", Severity.UNKNOWN, "the router has routed nothing yet: no prediction to compare",
                         evidence, "kvctl route TOKENS --explain")]
