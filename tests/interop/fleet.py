@@ -12,16 +12,19 @@ in the project's. A fleet is, in start order:
 - optionally `kvctl serve` following the same ZMQ streams and replays;
 - `python -m dynamo.frontend --router-mode kv --router-replica-sync`: requests go through Dynamo's KV router.
 
-Worker ids. A worker's id is the one Dynamo gives it: the mocker's instance id (random per process start), read
-from its `v1/instances` record in the file discovery store. The indexer and `kvctl serve` are given that same id
-for the mocker's ZMQ stream (`ID=tcp://…`), so the three views (Dynamo's event plane and router, the reference
-index, kvctl) name every worker alike and indexes can be diffed as they are. A mocker is told which request-plane
-port to take (`DYN_TCP_RPC_PORT`), which is how its record is told from the others'.
+Worker ids. A worker's id is the one Dynamo gives it: the mocker's instance id (a random u64 per process start,
+often above 2^63), read from its `v1/instances` record in the file discovery store. The indexer and `kvctl serve`
+are given that same id for the mocker's ZMQ stream (`ID=tcp://…`), so the three views (Dynamo's event plane and
+router, the reference index, kvctl) name every worker alike and indexes can be diffed as they are. A mocker is
+told which request-plane port to take (`DYN_TCP_RPC_PORT`), which is how its record is told from the others'.
 
-Loopback: the request plane (`DYN_TCP_RPC_HOST`), the frontend's HTTP (`--http-host`) and `kvctl serve` bind
-127.0.0.1. Dynamo 1.6.1 has no way to say where the mocker's ZMQ sockets and the indexer's HTTP bind: they take
-0.0.0.0 (the ports are free-picked on every interface for that reason); everything connects to them on 127.0.0.1.
-Nothing is downloaded: the model directory is written by `write_model_dir`, and the hub is switched off.
+Loopback: the request plane (`DYN_TCP_RPC_HOST`), the response streams (`DYN_TCP_RESPONSE_STREAM_HOST`), the
+frontend's HTTP (`--http-host`) and `kvctl serve` bind 127.0.0.1. Dynamo 1.6.1 has no way to say where the mocker's
+vLLM ZMQ sockets, its ZMQ event plane's sockets and the indexer's HTTP bind: they take 0.0.0.0 (the ports given
+are free-picked on every interface for that reason); everything connects to them on 127.0.0.1 (the event plane's
+advertised address is `DYN_EVENT_PLANE_HOST`). Nothing is downloaded: the model directory is written by
+`write_model_dir`, and the hub is switched off. Each Dynamo process gets the fleet's own HOME (the frontend caches
+model cards under ~/.cache/dynamo).
 """
 
 from __future__ import annotations
@@ -367,8 +370,8 @@ class Fleet:
         """A Dynamo process's environment: this fleet's discovery and NATS, a home of its own, no hub."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "NATS_", "KVCTL_", "HF_"))}
         env.update(DYN_FILE_KV=str(self.discovery_dir), HOME=str(self.workdir / "home"), HF_HUB_OFFLINE="1",
-                   TRANSFORMERS_OFFLINE="1", DYN_TCP_RPC_HOST="127.0.0.1", DYN_SELF_HOST_METADATA="0",
-                   PYTHONUNBUFFERED="1", **extra)
+                   TRANSFORMERS_OFFLINE="1", DYN_TCP_RPC_HOST="127.0.0.1", DYN_TCP_RESPONSE_STREAM_HOST="127.0.0.1",
+                   DYN_EVENT_PLANE_HOST="127.0.0.1", DYN_SELF_HOST_METADATA="0", PYTHONUNBUFFERED="1", **extra)
         if self.nats_url is not None:
             env["NATS_SERVER"] = self.nats_url
         return env
