@@ -270,8 +270,8 @@ class ForwardPass:
 def decode_forward_pass(data: bytes) -> ForwardPass:
     obj = _map(parse_msgpack(data), "ForwardPassMetrics")
     worker_id = require(obj, "worker_id")
-    if isinstance(worker_id, str) and worker_id.isascii() and worker_id.isdecimal():
-        worker_id = int(worker_id)
+    if isinstance(worker_id, str) and len(worker_id) <= 20 and worker_id.isascii() and worker_id.isdecimal():
+        worker_id = int(worker_id)  # a u64 has at most 20 digits; int() of thousands would raise ValueError
     return ForwardPass(
         worker_id=_uint(worker_id, "worker_id"),
         dp_rank=_uint(obj.get("dp_rank", 0), "dp_rank", _U32_MAX),
