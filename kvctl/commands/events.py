@@ -200,6 +200,8 @@ def tail_command(
     scope = PlaneScope(namespace, component, endpoint)
     for tapped in _taps(zmq_endpoint, nats_url, nats_auth, scope, jetstream, worker_id, topic, block_size, until,
                         stats, out.note):
+        if until():  # a message may carry several events: --count stops at an event, not a message
+            break
         if out.format is OutputFormat.json:
             out.line(json.dumps({"timestamp": tapped.received_ms, "seq": tapped.seq, "missing": tapped.missing,
                                  "event": None if tapped.event is None else _event_obj(tapped.event)}))
@@ -235,6 +237,8 @@ def record_command(
     with sink:
         for tapped in _taps(zmq_endpoint, nats_url, nats_auth, PlaneScope(namespace, component, endpoint), jetstream,
                             worker_id, topic, block_size, until, stats, out.note):
+            if until():
+                break
             if tapped.event is not None:
                 sink.write(json.dumps({"timestamp": tapped.received_ms, "event": _event_obj(tapped.event)}) + "\n")
                 sink.flush()

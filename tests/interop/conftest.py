@@ -10,12 +10,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.interop.fleet import Fleet, dynamo_python, start_fleet
+from tests.interop.fleet import Fleet, dynamo_python, start_fleet, wait_until
 from tests.nats_server import NatsServer
 
 HERE = Path(__file__).parent
+NATS_ROUTER = "nats"
+NATS_ROUTER_ID = 4242
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -43,9 +46,19 @@ def fleet(dynamo: Path, nats: NatsServer, tmp_path_factory: pytest.TempPathFacto
     """Three mockers on the NATS event plane (namespace dynamo, component backend, endpoint generate, model
     `tiny`, block size 16, 128 KV blocks each), Dynamo's frontend with its KV router, Dynamo's indexer
     (`--threads 1`) and `kvctl serve` both on the mockers' ZMQ streams, joined before any request was made:
-    whenever the fleet is quiet, the indexer and kvctl must hold the same index. Process logs are in
+    whenever the fleet is quiet, the indexer and kvctl must hold the same index. A second `kvctl serve`
+    (`fleet.routers[NATS_ROUTER]`) follows the fleet's NATS event plane with replica sync. Process logs are in
     `fleet.workdir`. Tests may add load (`shared_prefix_load`) but must not stop its processes. A router that
     must see the whole history (a kvctl following the NATS plane, say) goes in `start_fleet(routers=...)` here."""
-    started = start_fleet(tmp_path_factory.mktemp("interop-fleet"), dynamo, mockers=3, nats_url=nats.url)
+    started = start_fleet(tmp_path_factory.mktemp("interop-fleet"), dynamo, mockers=3, nats_url=nats.url,
+                          routers={NATS_ROUTER: ["--nats", nats.url, "--namespace", "dynamo", "--replica-sync",
+                                                 "--router-id", str(NATS_ROUTER_ID)]})
+    router = started.routers[NATS_ROUTER]
+    try:  # subscribed before any request: the NATS plane, like ZMQ, keeps no history
+        wait_until(lambda: httpx.get(f"{router.url}/v1/status", timeout=5).json()["event_plane"]["ready"] or None,
+                   "kvctl subscribed to the NATS event plane", timeout=30, procs=[router.proc])
+    except BaseException:
+        started.stop()
+        raise
     yield started
     started.stop()

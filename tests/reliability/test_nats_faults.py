@@ -98,8 +98,8 @@ async def test_core_nats_server_sigkill_loses_exactly_what_was_published_while_i
 
             server.start()  # same port, same store dir
             await until(lambda: pub.is_connected and router.plane.reconnects >= 1, "the reconnections", timeout=20)
-            await until(lambda: server.subscribed("kvctl-router-1",
-                                                        PlaneScope(names.namespace).subscription), "the router's subscription")
+            subscription = PlaneScope(names.namespace).subscription
+            await until(lambda: server.subscribed("kvctl-router-1", subscription), "the router's subscription")
             for n, ev in enumerate(after, len(before) + len(down) + 1):
                 await pub.publish(names.kv_events, envelope(ev, n))
                 await asyncio.sleep(0.005)
