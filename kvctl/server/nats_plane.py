@@ -4,18 +4,10 @@ One subscription to the whole namespace (`namespace.{ns}.>`), dispatched by subj
 `namespace.{ns}.component.{comp}.endpoint.{ep}.{topic}`, every topic in the same envelope, and
 `--component` / `--endpoint` narrow what is followed (default: every one). Subjects outside that shape or
 scope are only counted, so `doctor` can name what the namespace carries when nothing we follow arrives.
-  - `kv-events`: an array of RouterEvents, applied by the model's one writer like engine ZMQ batches (with
-    `--jetstream`, events come instead from kvctl's own stream as RouterEvent JSON, acked once applied);
-  - `kv_metrics` (ActiveLoad): shown per worker and fed to busy checks;
-  - `forward-pass-metrics`: each worker's scheduled and queued requests, shown per worker;
-  - with `--replica-sync`, peers' add / prefill-complete / free on `active_sequences_events`, and this
-    router's own published there, under the endpoint of the worker chosen (its own echoes, recognised
-    by router id, are ignored).
-
-Order is judged per publisher by the envelope's sequence (core/events/publishers.py): a jump is lost
-messages, a smaller sequence a restarted publisher. Event ids per (worker, dp_rank) count lost events;
-ids going back with a restarted or new publisher clear that worker first, as an engine restart does on
-ZMQ. Nothing is dropped for its event id alone: one absurd id must not freeze a worker.
+What is in scope goes to the transport-free ingest (plane_ingest.py): KV events, load reports, forward
+passes and, with `--replica-sync`, peers' in-flight requests; this router's own are published under the
+endpoint of the worker they concern. With `--jetstream`, KV events come instead from kvctl's own stream as
+RouterEvent JSON, acked once applied.
 
 JetStream durability: on start the object-store snapshot is loaded (read until two reads agree) and
 this router's durable consumer is recreated to deliver the whole stream after it, so snapshot + stream
@@ -44,36 +36,24 @@ from nats.aio.client import Server
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
-from kvctl.core.events import Cleared, EventData, RouterEvent
+from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import (
-    EnvelopeWriter,
-    decode_envelope,
-    decode_router_event_batch,
     decode_router_event_json,
     encode_router_event_json,
 )
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import (
-    ACTIVE_SEQUENCES,
-    FORWARD_PASS,
     KV_EVENTS,
-    KV_METRICS,
     RADIX_STATE_OBJECT,
     TOPICS,
-    ActiveSequenceEvent,
-    AddRequest,
     PlaneScope,
-    decode_active_load,
-    decode_forward_pass,
-    decode_sequence_event,
-    encode_sequence_event,
 )
-from kvctl.core.events.publishers import Order, Publisher, PublisherBook
 from kvctl.core.index.kv_index import events_of
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
-from kvctl.server.state import ADD, Fleet
+from kvctl.server.plane_ingest import PlaneIngest
+from kvctl.server.state import Fleet
 from kvctl.server.streams import ModelWriter, Streams
 
 log = logging.getLogger("kvctl.serve")
@@ -120,16 +100,6 @@ def _backoff(servers: list[Server], _info: dict[str, Any]) -> tuple[Server, floa
     return servers[0], min(0.1 * 2 ** servers[0].reconnects, 10.0)
 
 
-class _Cursor:
-    """Event ids of one (worker, dp_rank), and the publisher that sent the last one."""
-
-    __slots__ = ("last", "publisher_id")
-
-    def __init__(self) -> None:
-        self.last: int | None = None
-        self.publisher_id: int | None = None
-
-
 class EventPlane:
     def __init__(self, fleet: Fleet, streams: Streams, options: NatsOptions) -> None:
         self.fleet = fleet
@@ -143,16 +113,12 @@ class EventPlane:
         self.reconnects = 0
         self.last_error: str | None = None
         self._logged_errors: set[str] = set()  # said in the log since the last good connection
-        self.counts: Counter[str] = Counter()  # messages, events, lost_events, stale_events, restarts, ...
-        self.errors: Counter[str] = Counter()  # decode errors by kind
-        self.cursors: dict[Worker, _Cursor] = {}
-        self.publishers = PublisherBook()
+        self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
+                                  replica_sync=options.replica_sync, kv_events=not options.jetstream)
+        self.counts = self.ingest.counts  # the plane's counters, connection's and ingest's alike
+        self.errors = self.ingest.errors
+        self.cursors = self.ingest.cursors
         self.subjects_seen: Counter[str] = Counter()
-        self.topics: Counter[str] = Counter()  # messages followed, by topic
-        self.endpoints: dict[Worker, tuple[str, str]] = {}  # (component, endpoint) each worker publishes under
-        self._sequence_writer = EnvelopeWriter(options.router_id, ACTIVE_SEQUENCES)
-        self._handlers = {KV_EVENTS: self._on_kv_events, KV_METRICS: self._on_load,
-                          ACTIVE_SEQUENCES: self._on_sequence, FORWARD_PASS: self._on_forward_pass}
         self.ready_at: float | None = None
         self.snapshot: dict[str, Any] = {"loaded_events": None, "bad_lines": 0, "uploads": 0, "purged_below": None}
         self._tasks: list[asyncio.Task[None]] = []
@@ -258,108 +224,18 @@ class EventPlane:
             self._logged_errors.add(error)
             log.warning("event plane: %s: %s; %s", what, error, then)
 
-    # ----- KV events ----------------------------------------------------------------------------------
+    # ----- messages -----------------------------------------------------------------------------------
 
     async def _on_message(self, msg: Msg) -> None:
-        """Every message of the namespace: counted by subject, then decoded by its topic if in scope."""
+        """Every message of the namespace: counted by subject, then ingested if in scope."""
         subject = msg.subject
         if subject in self.subjects_seen or len(self.subjects_seen) < SUBJECTS_SEEN_MAX:
             self.subjects_seen[subject] += 1
         else:
             self.subjects_seen["(others)"] += 1
         where = self.scope.match(subject)
-        if where is None:
-            return
-        component, endpoint, topic = where
-        handler = self._handlers.get(topic)
-        if handler is None:
-            return
-        self.topics[topic] += 1
-        if topic == KV_EVENTS and not self.options.jetstream:
-            self.counts["messages"] += 1
-        try:
-            envelope = decode_envelope(msg.data)
-        except DecodeError as exc:
-            self.errors[exc.kind.value] += 1
-            return
-        now = time.monotonic()
-        order, publisher = self.publishers.observe(envelope.publisher_id, envelope.sequence, now, topic, component,
-                                                   endpoint)
-        if order is Order.repeat:
-            return
-        if order is Order.restart:
-            log.warning("event plane: publisher %d of %s on %s.%s started over (sequence %d)",
-                        publisher.publisher_id, topic, component, endpoint, envelope.sequence)
-        await handler(envelope.payload, order, publisher, now)
-
-    def _spoke_for(self, publisher: Publisher, worker: Worker) -> None:
-        publisher.workers.add(worker)
-        self.endpoints[worker] = (publisher.component, publisher.endpoint)
-
-    async def _on_kv_events(self, payload: bytes, order: Order, publisher: Publisher, now: float) -> None:
-        if self.options.jetstream:  # KV events come from the stream; a core copy would apply twice
-            self.counts["core_kv_events_ignored"] += 1
-            return
-        try:
-            events, errors = decode_router_event_batch(payload)
-        except DecodeError as exc:
-            self.errors[exc.kind.value] += 1
-            return
-        for error in errors:
-            self.errors[error.kind.value] += 1
-        for event in events:
-            worker = (event.worker_id, event.dp_rank)
-            self._spoke_for(publisher, worker)
-            # Wait for room rather than drop: the backlog then waits in nats-py's pending buffer, and what
-            # overflows that is a slow-consumer drop the server and client both report (and we count).
-            await self.writer.put_wait(worker, self._in_order(event, order, publisher.publisher_id))
-
-    def _in_order(self, event: RouterEvent, order: Order, publisher_id: int) -> list[EventData]:
-        """What to apply for one event: its data, after a clear when its worker's publisher started over."""
-        worker = (event.worker_id, event.dp_rank)
-        cursor = self.cursors.get(worker)
-        if cursor is None:
-            cursor = self.cursors[worker] = _Cursor()
-        last, got = cursor.last, event.event_id
-        new_publisher = cursor.publisher_id not in (None, publisher_id)
-        cursor.last, cursor.publisher_id = got, publisher_id
-        self.counts["events"] += 1
-        if last is None:
-            return [event.data]
-        if got <= last and (order is Order.restart or new_publisher):
-            self.counts["restarts"] += 1
-            log.warning("event plane: worker %s:%s restarted (event id %d after %d): clearing it", *worker, got, last)
-            return [Cleared(), event.data]
-        if got <= last:
-            self.counts["event_id_regressions"] += 1  # applied all the same: order is the envelope's to judge
-        elif got - last - 1 > EVENT_ID_JUMP_MAX:
-            self.counts["event_id_jumps"] += 1
-        elif got > last + 1:
-            self.counts["gaps"] += 1
-            self.counts["lost_events"] += got - last - 1
-        return [event.data]
-
-    def _take_durable(self, event: RouterEvent) -> list[EventData]:
-        """A JetStream event, sequenced by its id alone (the stream has no envelope): a redelivered copy of
-        one already applied is dropped, ids starting over (1 or 0) are a restarted publisher."""
-        worker = (event.worker_id, event.dp_rank)
-        cursor = self.cursors.get(worker)
-        if cursor is None:
-            cursor = self.cursors[worker] = _Cursor()
-        last, got = cursor.last, event.event_id
-        if last is not None and 1 < got <= last:
-            self.counts["stale_events"] += 1
-            return []
-        cursor.last = got
-        self.counts["events"] += 1
-        if last is not None and got <= last:
-            self.counts["restarts"] += 1
-            log.warning("event plane: worker %s:%s restarted (event id %d after %d): clearing it", *worker, got, last)
-            return [Cleared(), event.data]
-        if last is not None and got > last + 1:
-            self.counts["gaps"] += 1
-            self.counts["lost_events"] += got - last - 1
-        return [event.data]
+        if where is not None:
+            await self.ingest.receive(*where, msg.data)
 
     # ----- JetStream ----------------------------------------------------------------------------------
 
@@ -411,7 +287,7 @@ class EventPlane:
                 except DecodeError as exc:
                     self.errors[exc.kind.value] += 1
                     continue
-                events = self._take_durable(event)
+                events = self.ingest.take_durable(event)
                 if events:  # a durable source waits for room rather than drop: what is unacked stays stored
                     await self.writer.put_wait((event.worker_id, event.dp_rank), events)
             await self.writer.applied()  # everything fetched is in the index: ack it (AckAll: the last one)
@@ -486,57 +362,18 @@ class EventPlane:
         log.info("event plane: snapshot of %d events uploaded to %s; stream purged below seq %d", len(edges),
                  self.names.bucket, below)
 
-    # ----- load reports and replica sync --------------------------------------------------------------
-
-    async def _on_load(self, payload: bytes, _order: Order, publisher: Publisher, now: float) -> None:
-        try:
-            load = decode_active_load(payload)
-        except DecodeError as exc:
-            self.errors[exc.kind.value] += 1
-            return
-        self.counts["load_reports"] += 1
-        self._spoke_for(publisher, (load.worker_id, load.dp_rank))
-        self.fleet.report_load(load, now, self.options.model)
-
-    async def _on_forward_pass(self, payload: bytes, _order: Order, publisher: Publisher, now: float) -> None:
-        try:
-            report = decode_forward_pass(payload)
-        except DecodeError as exc:
-            self.errors[exc.kind.value] += 1
-            return
-        self.counts["forward_passes"] += 1
-        self._spoke_for(publisher, (report.worker_id, report.dp_rank))
-        self.fleet.report_forward_pass(report, now, self.options.model)
-
-    async def _on_sequence(self, payload: bytes, _order: Order, _publisher: Publisher, now: float) -> None:
-        if not self.options.replica_sync:
-            return
-        try:
-            event = decode_sequence_event(payload)
-        except DecodeError as exc:
-            self.errors[exc.kind.value] += 1
-            return
-        if event.router_id == self.options.router_id:
-            self.counts["own_sequence_events"] += 1
-            return
-        self.counts["peer_sequence_events"] += 1
-        self.fleet.apply_peer(self.options.model, event, now)
+    # ----- replica sync -------------------------------------------------------------------------------
 
     def _publish_sequence(self, model: str, action: str, request: ActiveRequest | None,
                           route: Mapping[str, Any]) -> None:
-        if model != self.options.model or request is None or self.nc is None:
+        message = self.ingest.sequence_message(model, action, request, route)
+        if message is None or self.nc is None:
             return
-        data = AddRequest(list(request.block_hashes), True, None, request.prefill_tokens) if action == ADD else action
-        payload = encode_sequence_event(ActiveSequenceEvent(
-            request.request_id, request.worker[0], request.worker[1], data, self.options.router_id,
-            route.get("lora_name")))
-        # under the worker's own endpoint, where Dynamo's routers of that worker listen
-        subject = self.scope.names(*self.endpoints.get(request.worker, (None, None))).active_sequences
-        body = self._sequence_writer.wrap(payload, int(time.time() * 1000))
+        where, body = message
+        subject = self.scope.names(*(where or (None, None))).active_sequences
         task = asyncio.get_running_loop().create_task(self.nc.publish(subject, body))
         self._publishes.add(task)
         task.add_done_callback(self._publishes.discard)
-        self.counts["published_sequence_events"] += 1
 
     # ----- views --------------------------------------------------------------------------------------
 
@@ -554,12 +391,7 @@ class EventPlane:
             "replica_sync": self.options.replica_sync,
             "subjects": {"subscription": self.scope.subscription, "kv_events": kv_events,
                          **{topic: self.scope.pattern(topic) for topic in TOPICS if topic != KV_EVENTS}},
-            "topics": {topic: self.topics[topic] for topic in TOPICS},
             "subjects_seen": dict(self.subjects_seen.most_common()),
-            "counts": dict(self.counts), "decode_errors": dict(self.errors),
-            "sequence": self.publishers.totals(),
-            "publishers": self.publishers.rows(now),
-            "workers": [{"worker_id": w[0], "dp_rank": w[1], "publisher_id": c.publisher_id, "last_event_id": c.last}
-                        for w, c in sorted(self.cursors.items())],
+            **self.ingest.status(),
             "snapshot": dict(self.snapshot) if self.options.jetstream else None,
         }

@@ -478,7 +478,7 @@ def _publishers(book: PublisherBook) -> dict[int, tuple[int, ...]]:
 
 def _snapshot(plane: EventPlane) -> dict[str, Counter[str]]:
     return {"counts": Counter({k: plane.counts[k] for k in MODELLED}), "errors": Counter(plane.errors),
-            "topics": Counter(plane.topics), "subjects_seen": Counter(plane.subjects_seen)}
+            "topics": Counter(plane.ingest.topics), "subjects_seen": Counter(plane.subjects_seen)}
 
 
 # The plane is shared by every example on purpose (each checks the change in its counters, and the publishers
@@ -499,7 +499,7 @@ async def test_junk_on_every_subject_is_counted_and_good_events_still_apply(
                 for subject, topic, body in [*messages, (_KV, KV_EVENTS, good_body)]]
     note(f"messages: {messages!r}")  # Hypothesis cannot show the arguments of an async test
     if rig.book_stale:  # judge this example from where the plane is (shrinking replays examples after a failure)
-        rig.book = copy.deepcopy(plane.publishers)
+        rig.book = copy.deepcopy(plane.ingest.publishers)
     rig.book_stale = True
     before = _snapshot(plane)
     expected = _expect(rig.book, ns, messages)
@@ -512,7 +512,7 @@ async def test_junk_on_every_subject_is_counted_and_good_events_still_apply(
                     "the good event")
     counted = {name: after - before[name] for name, after in _snapshot(plane).items()}
     assert counted == expected
-    assert _publishers(plane.publishers) == _publishers(rig.book)
+    assert _publishers(plane.ingest.publishers) == _publishers(rig.book)
     # The good event after the junk is applied: the plane still follows its worker's ids and fills the index.
     await rig.streams.writer("default").applied()
     held = rig.fleet.models["default"].router.index.dump()

@@ -1,0 +1,237 @@
+"""What a Dynamo event plane delivers, whatever carries it: NATS subjects (nats_plane.py) or, later, the sockets
+of Dynamo's ZMQ event plane. Both carry the same envelope and payloads (DESIGN §3.2), so one ingest decodes and
+applies them, and one way of judging order serves both.
+
+A transport hands over each message with where it came from (component, endpoint, topic); the ingest decodes
+the envelope, judges order per publisher (core/events/publishers.py), then by topic: `kv-events` to the
+model's writer, `kv_metrics` and `forward-pass-metrics` to the fleet's per-worker reports, and peers'
+`active_sequences_events` to the fleet's in-flight requests. Event ids per (worker, dp_rank) count lost
+events; ids going back with a restarted or new publisher clear that worker first. Nothing is dropped for its
+event id alone: one absurd id must not freeze a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from kvctl.core.events import Cleared, EventData, RouterEvent
+from kvctl.core.events.dynamo import EnvelopeWriter, decode_envelope, decode_router_event_batch
+from kvctl.core.events.errors import DecodeError
+from kvctl.core.events.plane import (
+    ACTIVE_SEQUENCES,
+    FORWARD_PASS,
+    KV_EVENTS,
+    KV_METRICS,
+    TOPICS,
+    ActiveSequenceEvent,
+    AddRequest,
+    decode_active_load,
+    decode_forward_pass,
+    decode_sequence_event,
+    encode_sequence_event,
+)
+from kvctl.core.events.publishers import Order, Publisher, PublisherBook
+from kvctl.core.router.sequences import ActiveRequest
+from kvctl.server.state import ADD, Fleet
+from kvctl.server.streams import ModelWriter
+
+log = logging.getLogger("kvctl.serve")
+Worker = tuple[int, int]
+
+EVENT_ID_JUMP_MAX = 1 << 32  # a forward jump in event ids beyond this is an anomaly, not lost events
+Handler = Callable[[bytes, Order, Publisher, float], Awaitable[None]]
+
+
+class _Cursor:
+    """Event ids of one (worker, dp_rank), and the publisher that sent the last one."""
+
+    __slots__ = ("last", "publisher_id")
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+        self.publisher_id: int | None = None
+
+
+class PlaneIngest:
+    def __init__(self, fleet: Fleet, writer: ModelWriter, *, model: str, router_id: int, replica_sync: bool,
+                 kv_events: bool = True) -> None:
+        """`kv_events=False`: KV events come another way (kvctl's JetStream stream); these are counted, not
+        applied, as a second copy would apply twice."""
+        self.fleet = fleet
+        self.writer = writer
+        self.model = model
+        self.router_id = router_id
+        self.replica_sync = replica_sync
+        self.kv_events = kv_events
+        self.counts: Counter[str] = Counter()  # messages, events, lost_events, restarts, load_reports, ...
+        self.errors: Counter[str] = Counter()  # decode errors by kind
+        self.topics: Counter[str] = Counter()  # messages received, by topic
+        self.cursors: dict[Worker, _Cursor] = {}
+        self.publishers = PublisherBook()
+        self.endpoints: dict[Worker, tuple[str, str]] = {}  # (component, endpoint) each worker publishes under
+        self._sequence_writer = EnvelopeWriter(router_id, ACTIVE_SEQUENCES)
+        self._handlers: dict[str, Handler] = {KV_EVENTS: self._on_kv_events, KV_METRICS: self._on_load,
+                                              ACTIVE_SEQUENCES: self._on_sequence, FORWARD_PASS: self._on_forward_pass}
+
+    async def receive(self, component: str, endpoint: str, topic: str, body: bytes) -> None:
+        """One message of a topic, as it came: the envelope, then the topic's payload inside it."""
+        handler = self._handlers.get(topic)
+        if handler is None:
+            return
+        self.topics[topic] += 1
+        if topic == KV_EVENTS and self.kv_events:
+            self.counts["messages"] += 1
+        try:
+            envelope = decode_envelope(body)
+        except DecodeError as exc:
+            self.errors[exc.kind.value] += 1
+            return
+        now = time.monotonic()
+        order, publisher = self.publishers.observe(envelope.publisher_id, envelope.sequence, now, topic, component,
+                                                   endpoint)
+        if order is Order.repeat:
+            return
+        if order is Order.restart:
+            log.warning("event plane: publisher %d of %s on %s.%s started over (sequence %d)",
+                        publisher.publisher_id, topic, component, endpoint, envelope.sequence)
+        await handler(envelope.payload, order, publisher, now)
+
+    def _spoke_for(self, publisher: Publisher, worker: Worker) -> None:
+        publisher.workers.add(worker)
+        self.endpoints[worker] = (publisher.component, publisher.endpoint)
+
+    # ----- KV events ----------------------------------------------------------------------------------
+
+    async def _on_kv_events(self, payload: bytes, order: Order, publisher: Publisher, now: float) -> None:
+        if not self.kv_events:
+            self.counts["core_kv_events_ignored"] += 1
+            return
+        try:
+            events, errors = decode_router_event_batch(payload)
+        except DecodeError as exc:
+            self.errors[exc.kind.value] += 1
+            return
+        for error in errors:
+            self.errors[error.kind.value] += 1
+        for event in events:
+            worker = (event.worker_id, event.dp_rank)
+            self._spoke_for(publisher, worker)
+            # Wait for room rather than drop: the transport's own buffer holds the backlog meanwhile.
+            await self.writer.put_wait(worker, self._in_order(event, order, publisher.publisher_id))
+
+    def _cursor(self, worker: Worker) -> _Cursor:
+        cursor = self.cursors.get(worker)
+        if cursor is None:
+            cursor = self.cursors[worker] = _Cursor()
+        return cursor
+
+    def _restarted(self, worker: Worker, event: RouterEvent, last: int) -> list[EventData]:
+        self.counts["restarts"] += 1
+        log.warning("event plane: worker %s:%s restarted (event id %d after %d): clearing it", *worker,
+                    event.event_id, last)
+        return [Cleared(), event.data]
+
+    def _in_order(self, event: RouterEvent, order: Order, publisher_id: int) -> list[EventData]:
+        """What to apply for one event: its data, after a clear when its worker's publisher started over."""
+        worker = (event.worker_id, event.dp_rank)
+        cursor = self._cursor(worker)
+        last, got = cursor.last, event.event_id
+        new_publisher = cursor.publisher_id not in (None, publisher_id)
+        cursor.last, cursor.publisher_id = got, publisher_id
+        self.counts["events"] += 1
+        if last is None:
+            return [event.data]
+        if got <= last and (order is Order.restart or new_publisher):
+            return self._restarted(worker, event, last)
+        if got <= last:
+            self.counts["event_id_regressions"] += 1  # applied all the same: order is the envelope's to judge
+        elif got - last - 1 > EVENT_ID_JUMP_MAX:
+            self.counts["event_id_jumps"] += 1
+        elif got > last + 1:
+            self.counts["gaps"] += 1
+            self.counts["lost_events"] += got - last - 1
+        return [event.data]
+
+    def take_durable(self, event: RouterEvent) -> list[EventData]:
+        """An event of kvctl's JetStream stream, sequenced by its id alone (the stream has no envelope): a
+        redelivered copy of one already applied is dropped, ids starting over (1 or 0) a restarted publisher."""
+        worker = (event.worker_id, event.dp_rank)
+        cursor = self._cursor(worker)
+        last, got = cursor.last, event.event_id
+        if last is not None and 1 < got <= last:
+            self.counts["stale_events"] += 1
+            return []
+        cursor.last = got
+        self.counts["events"] += 1
+        if last is not None and got <= last:
+            return self._restarted(worker, event, last)
+        if last is not None and got > last + 1:
+            self.counts["gaps"] += 1
+            self.counts["lost_events"] += got - last - 1
+        return [event.data]
+
+    # ----- load reports, forward passes, replica sync -------------------------------------------------
+
+    async def _on_load(self, payload: bytes, _order: Order, publisher: Publisher, now: float) -> None:
+        try:
+            load = decode_active_load(payload)
+        except DecodeError as exc:
+            self.errors[exc.kind.value] += 1
+            return
+        self.counts["load_reports"] += 1
+        self._spoke_for(publisher, (load.worker_id, load.dp_rank))
+        self.fleet.report_load(load, now, self.model)
+
+    async def _on_forward_pass(self, payload: bytes, _order: Order, publisher: Publisher, now: float) -> None:
+        try:
+            report = decode_forward_pass(payload)
+        except DecodeError as exc:
+            self.errors[exc.kind.value] += 1
+            return
+        self.counts["forward_passes"] += 1
+        self._spoke_for(publisher, (report.worker_id, report.dp_rank))
+        self.fleet.report_forward_pass(report, now, self.model)
+
+    async def _on_sequence(self, payload: bytes, _order: Order, _publisher: Publisher, now: float) -> None:
+        if not self.replica_sync:
+            return
+        try:
+            event = decode_sequence_event(payload)
+        except DecodeError as exc:
+            self.errors[exc.kind.value] += 1
+            return
+        if event.router_id == self.router_id:
+            self.counts["own_sequence_events"] += 1
+            return
+        self.counts["peer_sequence_events"] += 1
+        self.fleet.apply_peer(self.model, event, now)
+
+    def sequence_message(self, model: str, action: str, request: ActiveRequest | None,
+                         route: Mapping[str, Any]) -> tuple[tuple[str, str] | None, bytes] | None:
+        """This router's add / prefill complete / free as the envelope to publish, and the (component,
+        endpoint) of the worker it concerns (where Dynamo's routers of that worker listen; None when the
+        worker was never heard of on the plane); None when there is nothing to publish."""
+        if model != self.model or request is None:
+            return None
+        data = AddRequest(list(request.block_hashes), True, None, request.prefill_tokens) if action == ADD else action
+        payload = encode_sequence_event(ActiveSequenceEvent(
+            request.request_id, request.worker[0], request.worker[1], data, self.router_id, route.get("lora_name")))
+        self.counts["published_sequence_events"] += 1
+        return self.endpoints.get(request.worker), self._sequence_writer.wrap(payload, int(time.time() * 1000))
+
+    # ----- views --------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "topics": {topic: self.topics[topic] for topic in TOPICS},
+            "counts": dict(self.counts), "decode_errors": dict(self.errors),
+            "sequence": self.publishers.totals(),
+            "publishers": self.publishers.rows(now),
+            "workers": [{"worker_id": w[0], "dp_rank": w[1], "publisher_id": c.publisher_id, "last_event_id": c.last}
+                        for w, c in sorted(self.cursors.items())],
+        }
