@@ -31,7 +31,7 @@ from kvctl.core.events.dynamo import decode_router_event_json, encode_router_eve
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
-from kvctl.core.router.scoring import NoCandidates
+from kvctl.core.router.scoring import KNOBS, BadKnob, NoCandidates
 from kvctl.core.token_json import token_ids_at_head, token_ids_from_json
 from kvctl.server.budget import SLICE_S
 from kvctl.server.endpoint import check_endpoint
@@ -85,10 +85,20 @@ class RouteBody(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str | None = None
     reserve: bool = False
     explain: bool = False
+    # This request's own router knobs (DESIGN §3.4), by their Dynamo names; the last two are legacy aliases.
+    overlap_score_credit: _WEIGHT | None = None
+    overlap_score_credit_decay: _WEIGHT | None = None
+    prefill_load_scale: _WEIGHT | None = None
+    decode_active_request_weight: _WEIGHT | None = None
+    host_cache_hit_weight: _WEIGHT | None = None
+    disk_cache_hit_weight: _WEIGHT | None = None
+    router_temperature: _WEIGHT | None = None
+    track_prefill_tokens: bool | None = None
     overlap_score_weight: _WEIGHT | None = None
     temperature: _WEIGHT | None = None
 
 
+_OVERRIDES = (*KNOBS, "overlap_score_weight", "temperature")
 _ROUTE_BODY = msgspec.json.Decoder(RouteBody)
 
 
@@ -240,13 +250,15 @@ class _Routing:
         if body.reserve and not body.request_id:
             return _error_bytes(400, "reserve needs a request_id")
         started = time.perf_counter()
+        overrides = {name: value for name in _OVERRIDES if (value := getattr(body, name)) is not None}
         try:
             decision = self.fleet.route(
                 body.model, now=self.clock(), token_ids=token_ids, local_hashes=body.local_hashes,
-                lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve,
-                overlap_score_weight=body.overlap_score_weight, temperature=body.temperature)
+                lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve, overrides=overrides)
         except (UnknownModel, AllBusy, NoCandidates) as exc:
             return _error_bytes(*_refusal(exc, self.fleet))
+        except BadKnob as exc:  # finite and >= 0 passed msgspec; a number too large for a float did not
+            return _error_bytes(422, f"invalid route request: {exc}")
         self._unobserved.append((body.model, time.perf_counter() - started, min(
             1.0, decision.overlap_blocks / decision.required_blocks) if decision.required_blocks else None))
         out: dict[str, Any] = {
