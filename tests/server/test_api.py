@@ -162,8 +162,32 @@ async def test_busy_threshold_shapes_like_dynamo(client: httpx.AsyncClient) -> N
     assert out_of_range.status_code == 400 and "active_decode_blocks_threshold" in out_of_range.json()["error"]
     unknown = await client.post("/busy_threshold", json={"model": "x", "active_decode_blocks_threshold": 0.5})
     assert unknown.status_code == 404
+    assert unknown.json()["error"] == "Model 'x' not found. Thresholds can only be set for discovered models."
     assert (await client.post("/busy_threshold", json={"active_decode_blocks_threshold": 0.5})).status_code == 422
-    assert (await client.post("/busy_threshold", content=b"[")).status_code == 422
+
+
+@pytest.mark.parametrize(("content_type", "body", "status"), [
+    (None, b'{"model": "default"}', 415),  # axum's Json extractor: no JSON content type
+    ("text/plain", b'{"model": "default"}', 415),
+    ("application/json", b"[", 400),  # not JSON
+    ("application/json", b"", 400),
+    ("application/json", b'{"model": "default", "active_prefill_tokens_threshold": -1}', 422),
+    ("application/json", b'{"model": "default", "active_prefill_tokens_threshold": "5"}', 422),  # no coercion
+    ("application/json", b'["default"]', 422),
+    ("application/json; charset=utf-8", b'{"model": "default", "colour": "red"}', 200),  # unknown fields ignored
+    ("application/merge-patch+json", b'{"model": "default", "active_prefill_tokens_threshold": 7}', 200),
+    ("application/json", b'{"model": "default", "active_decode_blocks_threshold": -0.1}', 400),
+])
+async def test_busy_threshold_refuses_bodies_as_dynamo_does(client: httpx.AsyncClient, content_type: str | None,
+                                                            body: bytes, status: int) -> None:
+    headers = {"content-type": content_type} if content_type else {}
+    r = await client.post("/busy_threshold", content=body, headers=headers)
+    assert r.status_code == status, r.text
+
+
+async def test_busy_threshold_unset_is_kvctls_own(client: httpx.AsyncClient) -> None:
+    await client.post("/busy_threshold", json={"model": "default", "active_decode_blocks_threshold": 0.8,
+                                               "active_prefill_tokens_threshold": 5})
     cleared = await client.delete("/busy_threshold", params={"model": "default",
                                                               "field": "active_decode_blocks_threshold"})
     assert cleared.json()["active_decode_blocks_threshold"] is None
