@@ -135,6 +135,11 @@ SCENARIOS = [
                                                                    removed(P, 2, 3, "CPU")])], P),
     Scenario("tiers_cleared", {1: 1, 2: 1}, [((1, 0), [blocks(P, 4, 0, 1), blocks(P, 4, 1, 4, "CPU"),
                                                         AllBlocksCleared(), blocks(P, 4, 0, 2)])], P),
+    Scenario("tiers_cleared_one_rank", {1: 2, 2: 1}, [((1, 0), [blocks(P, 4, 0, 1), blocks(P, 4, 1, 4, "CPU")]),
+                                                      ((1, 1), [blocks(P, 4, 0, 1), blocks(P, 4, 1, 3, "CPU")]),
+                                                      ((1, 0), [AllBlocksCleared()])], P),
+    Scenario("tiers_external_uncredited", {1: 1, 2: 1}, [((1, 0), [blocks(P, 4, 0, 1), blocks(P, 4, 1, 4, "EXTERNAL")]),
+                                                         ((2, 0), [blocks(P, 4, 0, 2)])], P),
     Scenario("tiers_host_weight", {1: 1, 2: 1, 3: 1}, TIERS, P,
              knobs={"host_cache_hit_weight": 0.5, "disk_cache_hit_weight": 0.9}),
     Scenario("tiers_off", {1: 1, 2: 1, 3: 1}, TIERS, P, knobs={"host_cache_hit_weight": 0, "disk_cache_hit_weight": 0}),
@@ -254,9 +259,11 @@ class Side:
         await asyncio.sleep(0.25)  # the service's SUB sockets connect (a PUB drops what it sends before)
 
     def publish(self) -> None:
-        for seq, (worker, events) in enumerate(self.sc.events):
+        sent = dict.fromkeys(self.sockets, 0)  # each engine counts its own batches from 0
+        for worker, events in self.sc.events:
             payload = encode_batch(VLLM, 0.0, events, worker[1])
-            self.sockets[worker].send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            self.sockets[worker].send_multipart([b"", sent[worker].to_bytes(8, "big"), payload])
+            sent[worker] += 1
             batch = decode_engine_batch(payload)
             assert not batch.errors
             for data in batch.events:
