@@ -106,12 +106,16 @@ def test_nothing_in_flight_prices_as_every_load_zero(rows: list[Rank], isl: int,
                                                     config: RouterConfig) -> None:
     """Idle workers may be left out of `loads`: the same numbers as pricing each with an explicit zero load."""
     workers = [(i, 0) for i in range(len(rows))]
-    matches = IndexMatches(scores={w: r.device for w, r in zip(workers, rows, strict=True) if r.device})
+    device = {w: r.device for w, r in zip(workers, rows, strict=True) if r.device}
+    tiers = {Tier.device: device, Tier.host_pinned: {w: r.host for w, r in zip(workers, rows, strict=True) if r.host},
+             Tier.disk: {w: r.disk for w, r in zip(workers, rows, strict=True) if r.disk}}
+    matches = IndexMatches(scores=device, by_tier=tiers if any(r.host or r.disk for r in rows) else {})
     blocks = isl // bs
     empty = score(workers, matches, {}, blocks, isl_tokens=isl, block_size=bs, config=config)
     zero = score(workers, matches, {w: Load() for w in workers}, blocks, isl_tokens=isl, block_size=bs,
                  config=config)
-    assert (empty.logit, empty.decay, empty.effective) == (zero.logit, zero.decay, zero.effective)
+    assert (empty.logit, empty.decay, empty.effective, empty.prefill, empty.raw_prefill, empty.decode) == (
+        zero.logit, zero.decay, zero.effective, zero.prefill, zero.raw_prefill, zero.decode)
 
 
 # ----- by hand ------------------------------------------------------------------------------------------
@@ -123,11 +127,20 @@ def test_tier_credit_is_cumulative_and_on_by_default() -> None:
     s = _scores({A: 1, B: 2}, {}, {A: 5, B: 5, C: 5}, isl=22, bs=4, host={A: 2}, disk={A: 2})
     rows = s.rows()
     assert [r.logit for r in rows] == [7.5, 8.5, 10.5]
-    assert rows[0].credit_by_tier == {Tier.device: 1.0, Tier.host_pinned: 1.5, Tier.disk: 0.5}
+    assert rows[0].credit_by_tier == {Tier.device: 1.0, Tier.host_pinned: 1.5, Tier.disk: 0.5, Tier.external: 0.0}
     assert rows[0].effective_overlap == 3.0 and rows[0].overlap_by_tier == {Tier.device: 1, Tier.host_pinned: 2,
                                                                             Tier.disk: 2}
     assert rows[0].as_dict()["credit"] == 3.0
     assert select(s, 0.0, random.Random(0)) == (0, Reason.lowest_logit)
+
+
+def test_external_blocks_earn_the_disk_weight() -> None:
+    """Dynamo counts the external tier's continuation in its disk extension: disk weight, after the disk tier."""
+    matches = IndexMatches(scores={A: 1}, by_tier={Tier.device: {A: 1}, Tier.disk: {A: 1}, Tier.external: {A: 2}})
+    s = score([A], matches, {}, 5, isl_tokens=20, block_size=4, config=DEFAULT)
+    row = s.rows()[0]
+    assert (row.effective_overlap, row.logit) == (1 + 0.25 * 3, 5 - 1.75 + 5)
+    assert row.credit_by_tier == {Tier.device: 1.0, Tier.host_pinned: 0.0, Tier.disk: 0.25, Tier.external: 0.5}
 
 
 def test_decay_shrinks_device_credit_by_backlog_above_the_least_loaded() -> None:

@@ -100,6 +100,8 @@ class Scenario:
     draws: int = 3
 
 
+SENTINEL = tokens(64, base=900_000)
+MEDIUMS = ("GPU", "CPU", "DISK", "EXTERNAL")
 P = tokens(22)  # 5 full blocks of 4 and a partial one
 Q = tokens(40, base=5000)
 TIERS = [((1, 0), [blocks(P, 4, 0, 1), blocks(P, 4, 0, 3, "CPU"), blocks(P, 4, 0, 5, "DISK")]),
@@ -138,8 +140,11 @@ SCENARIOS = [
     Scenario("tiers_cleared_one_rank", {1: 2, 2: 1}, [((1, 0), [blocks(P, 4, 0, 1), blocks(P, 4, 1, 4, "CPU")]),
                                                       ((1, 1), [blocks(P, 4, 0, 1), blocks(P, 4, 1, 3, "CPU")]),
                                                       ((1, 0), [AllBlocksCleared()])], P),
-    Scenario("tiers_external_uncredited", {1: 1, 2: 1}, [((1, 0), [blocks(P, 4, 0, 1), blocks(P, 4, 1, 4, "EXTERNAL")]),
-                                                         ((2, 0), [blocks(P, 4, 0, 2)])], P),
+    Scenario("tiers_external_counts_as_disk", {1: 1, 2: 1, 3: 1, 4: 1}, [
+        ((1, 0), [blocks(P, 4, 0, 3, "DISK"), blocks(P, 4, 0, 3, "EXTERNAL"), removed(P, 1, 2, "EXTERNAL")]),
+        ((2, 0), [blocks(P, 4, 0, 1), blocks(P, 4, 1, 3, "EXTERNAL")]),
+        ((3, 0), [blocks(P, 4, 0, 1), blocks(P, 4, 1, 2, "DISK"), blocks(P, 4, 2, 4, "EXTERNAL")]),
+        ((4, 0), [blocks(P, 4, 0, 2, "DISK"), blocks(P, 4, 0, 4, "EXTERNAL")])], P),
     Scenario("tiers_host_weight", {1: 1, 2: 1, 3: 1}, TIERS, P,
              knobs={"host_cache_hit_weight": 0.5, "disk_cache_hit_weight": 0.9}),
     Scenario("tiers_off", {1: 1, 2: 1, 3: 1}, TIERS, P, knobs={"host_cache_hit_weight": 0, "disk_cache_hit_weight": 0}),
@@ -259,8 +264,10 @@ class Side:
         await asyncio.sleep(0.25)  # the service's SUB sockets connect (a PUB drops what it sends before)
 
     def publish(self) -> None:
+        """The scenario's batches, then a sentinel on every socket: blocks of `SENTINEL` on each tier."""
         sent = dict.fromkeys(self.sockets, 0)  # each engine counts its own batches from 0
-        for worker, events in self.sc.events:
+        sentinel = [blocks(SENTINEL, self.sc.block_size, i, i + 1, medium) for i, medium in enumerate(MEDIUMS)]
+        for worker, events in [*self.sc.events, *((w, sentinel) for w in self.sockets)]:
             payload = encode_batch(VLLM, 0.0, events, worker[1])
             self.sockets[worker].send_multipart([b"", sent[worker].to_bytes(8, "big"), payload])
             sent[worker] += 1
@@ -275,24 +282,26 @@ class Side:
             body["router_config_override"] = dict(self.sc.override)
         return body
 
-    async def overlaps(self) -> dict[Worker, tuple[int, int, int]]:
-        """Dynamo's (device, host extension, disk extension) per rank, once the events have landed."""
-        want = self.kvctl_overlaps()
+    async def overlaps(self, prompt: list[int]) -> dict[Worker, tuple[int, int, int]]:
+        """Dynamo's (device, host extension, disk extension) per rank."""
+        answer = await self.service.overlap_scores(self.request(prompt))
+        got = {(w["worker_id"], w["dp_rank"]): (w["device_blocks"], w["host_pinned_extension_blocks"],
+                                                 w["disk_extension_blocks"]) for w in answer["workers"]}
+        return {w: v for w, v in got.items() if any(v)}
+
+    async def landed(self) -> None:
+        """Every socket's sentinel is in Dynamo's index on every tier, so every batch before it is too."""
+        want = dict.fromkeys(self.candidates, (1, 1, 2))
         deadline = time.monotonic() + 3
-        while True:
-            answer = await self.service.overlap_scores(self.request(self.sc.prompt))
-            got = {(w["worker_id"], w["dp_rank"]): (w["device_blocks"], w["host_pinned_extension_blocks"],
-                                                     w["disk_extension_blocks"]) for w in answer["workers"]}
-            got = {w: v for w, v in got.items() if any(v)}
-            if got == want or time.monotonic() > deadline:
-                return got
+        while await self.overlaps(SENTINEL) != want:
+            assert time.monotonic() < deadline, "the service did not apply the events"
             await asyncio.sleep(0.01)
 
-    def kvctl_overlaps(self) -> dict[Worker, tuple[int, int, int]]:
-        local = self.local()
-        m = self.router.index.find_matches(local)
-        out = {w: (m.scores.get(w, 0), m.by_tier.get(Tier.host_pinned, {}).get(w, 0),
-                   m.by_tier.get(Tier.disk, {}).get(w, 0)) for w in self.candidates}
+    def kvctl_overlaps(self, prompt: list[int]) -> dict[Worker, tuple[int, int, int]]:
+        m = self.router.index.find_matches(local_block_hashes(prompt, self.sc.block_size))
+        tiers = [m.by_tier.get(t, {}) for t in (Tier.host_pinned, Tier.disk, Tier.external)]
+        out = {w: (m.scores.get(w, 0), tiers[0].get(w, 0), tiers[1].get(w, 0) + tiers[2].get(w, 0))
+               for w in self.candidates}
         return {w: v for w, v in out.items() if any(v)}
 
     def local(self) -> list[int]:
@@ -360,7 +369,8 @@ async def test_same_choice_and_logits(sc: Scenario, monkeypatch: pytest.MonkeyPa
         try:
             await side.start()
             side.publish()
-            assert await side.overlaps() == side.kvctl_overlaps()
+            await side.landed()
+            assert await side.overlaps(sc.prompt) == side.kvctl_overlaps(sc.prompt)
             await side.book()
             await _compare(side)
         finally:

@@ -140,7 +140,7 @@ async def test_route_knobs_per_request_and_their_explanation(client: httpx.Async
     body = {"token_ids": TOKENS, "explain": True}
     plain = {c["worker_id"]: c for c in (await client.post("/v1/route", json=body)).json()["candidates"]}
     assert (plain[1]["credit_by_tier"], plain[1]["decay"], plain[1]["credit"]) == (
-        {"device": 4.0, "host_pinned": 0.0, "disk": 0.0}, 1.0, 4.0)
+        {"device": 4.0, "host_pinned": 0.0, "disk": 0.0, "external": 0.0}, 1.0, 4.0)
     # no overlap credit: both pay the whole prompt (4 blocks) and 4 decode blocks; an exact tie
     tied = (await client.post("/v1/route", json={**body, "overlap_score_credit": 0})).json()
     assert tied["reason"] == "tie_random" and {c["logit"] for c in tied["candidates"]} == {8.0}

@@ -10,10 +10,12 @@ For each candidate (worker, dp_rank), block size B, a prompt of ISL tokens (ceil
     logit    = prefill_load_scale * max(0, raw - credit) + decode + decode_active_request_weight * requests
 
 `host_blocks` and `disk_blocks` are how far a slower tier continues the worker's match beyond the faster
-ones (`IndexMatches.by_tier`); the minimum is over the candidates. Lowest logit wins; exact ties are drawn
-uniformly. With prefill-token tracking off, the prompt adds no prefill (raw counts in-flight tokens only),
-there is no decay, and while the overlap credit is positive the logit is `max(0, decode - credit)` plus the
-request term. Above temperature 0 the choice is sampled from a softmax of the logits scaled by their range.
+ones (`IndexMatches.by_tier`); blocks on the external tier, which continues the disk one, count as disk
+blocks, as in Dynamo's `disk_extension_blocks`. The minimum is over the candidates. Lowest logit wins;
+exact ties are drawn uniformly. With prefill-token tracking off, the prompt adds no prefill (raw counts
+in-flight tokens only), there is no decay, and while the overlap credit is positive the logit is
+`max(0, decode - credit)` plus the request term. Above temperature 0 the choice is sampled from a
+softmax of the logits scaled by their range.
 The arithmetic is Dynamo's, in its order, so exact ties are the same ties. Randomness is injected
 (`random.Random`), so tests are seeded.
 """
@@ -34,8 +36,8 @@ from kvctl.core.router.sequences import Load, LoadView
 
 Worker = tuple[int, int]
 
-CREDITED_TIERS = (Tier.device, Tier.host_pinned, Tier.disk)
-"""The tiers the cost function credits (Dynamo gives the external tier no weight)."""
+CREDITED_TIERS = (Tier.device, Tier.host_pinned, Tier.disk, Tier.external)
+"""The tiers the cost function credits; external blocks earn the disk weight (Dynamo counts them as disk)."""
 
 KNOBS = ("overlap_score_credit", "overlap_score_credit_decay", "prefill_load_scale", "decode_active_request_weight",
          "host_cache_hit_weight", "disk_cache_hit_weight", "router_temperature", "track_prefill_tokens")
@@ -148,7 +150,7 @@ class Scores:
     workers: Sequence[Worker]
     overlap: list[int]
     host: list[int]
-    disk: list[int]
+    disk: list[int]  # external blocks included
     decay: list[float]
     effective: list[float]
     tree_size: list[int]
@@ -168,9 +170,11 @@ class Scores:
             dev = self.overlap[i]
             tiers = ({t: n for t, s in by_tier.items() if (n := s.get(w, 0))} if by_tier
                      else ({Tier.device: dev} if dev else {}))
+            external = tiers.get(Tier.external, 0)
             credit = {Tier.device: c.overlap_score_credit * self.decay[i] * dev,
                       Tier.host_pinned: c.host_cache_hit_weight * self.host[i],
-                      Tier.disk: c.disk_cache_hit_weight * self.disk[i]}
+                      Tier.disk: c.disk_cache_hit_weight * (self.disk[i] - external),
+                      Tier.external: c.disk_cache_hit_weight * external}
             rows.append(Candidate(w, dev, tiers, credit, self.decay[i], self.effective[i], self.tree_size[i],
                                   self.raw_prefill[i], self.prefill[i], self.decode[i], self.requests[i],
                                   self.logit[i], self.busy[i]))
@@ -217,28 +221,60 @@ def score(
     get_overlap = matches.scores.get
     overlap = [get_overlap(w, 0) for w in candidates]
     by_tier = matches.by_tier
-    host_of, disk_of = by_tier.get(Tier.host_pinned), by_tier.get(Tier.disk)
+    host_of, disk_of, external_of = by_tier.get(Tier.host_pinned), by_tier.get(Tier.disk), by_tier.get(Tier.external)
     host = [host_of.get(w, 0) for w in candidates] if host_of else [0] * n
     disk = [disk_of.get(w, 0) for w in candidates] if disk_of else [0] * n
+    if external_of:
+        disk = [d + external_of.get(w, 0) for d, w in zip(disk, candidates, strict=True)]
+    credit_k, scale = config.overlap_score_credit, config.prefill_load_scale
+    host_w, disk_w = config.host_cache_hit_weight, config.disk_cache_hit_weight
+    booked_host_w, booked_disk_w = config.booked_tier_weights or (host_w, disk_w)
+    effective = [dev + booked_host_w * h + booked_disk_w * d for dev, h, d in zip(overlap, host, disk, strict=True)] \
+        if by_tier else [float(dev) for dev in overlap]  # no slower tier: the same numbers, cheaper
+    if loads:
+        decay, raw, prefill, decode, requests, logits = _priced(
+            candidates, overlap, host, disk, loads, new_blocks, config, isl_tokens, block_size)
+    else:  # nothing in flight anywhere (every route of an idle fleet): the same numbers, a comprehension a column
+        decay, requests = [1.0] * n, [0] * n
+        decode = [new_blocks] * n if isinstance(new_blocks, int) else [new_blocks(w) for w in candidates]
+        r = (isl_tokens if config.track_prefill_tokens else 0) / block_size
+        raw = [r] * n
+        credit = [credit_k * dev + host_w * h + disk_w * d for dev, h, d in zip(overlap, host, disk, strict=True)] \
+            if by_tier else [credit_k * dev for dev in overlap]
+        if not config.track_prefill_tokens and credit_k > 0:  # the credit offsets decode, not prefill
+            prefill = [0.0] * n
+            logits = [max(dec - c, 0.0) for dec, c in zip(decode, credit, strict=True)]
+        else:
+            prefill = [max(r - c, 0.0) for c in credit]
+            logits = [scale * p + dec for p, dec in zip(prefill, decode, strict=True)]
+    tree = matches.tree_sizes.get
+    return Scores(candidates, overlap, host, disk, decay, effective, [tree(w, 0) for w in candidates], raw, prefill,
+                  decode, requests, logits,
+                  [bool(busy.get(w)) for w in candidates] if busy else [False] * n, by_tier, config)
+
+
+def _priced(candidates: Sequence[Worker], overlap: list[int], host: list[int], disk: list[int],
+            loads: Mapping[Worker, LoadView], new_blocks: Callable[[Worker], int] | int, config: RouterConfig,
+            isl_tokens: int, block_size: int) -> tuple[list[float], list[float], list[float], list[int], list[int],
+                                                       list[float]]:
+    """`score`'s columns with requests in flight: decay, raw prefill, prefill, decode, requests, logit."""
     idle: LoadView = Load()
-    load = [loads.get(w, idle) for w in candidates] if loads else [idle] * n
+    load = [loads.get(w, idle) for w in candidates]
     blocks_of = (lambda _: new_blocks) if isinstance(new_blocks, int) else new_blocks
     credit_k, decay_k, scale = config.overlap_score_credit, config.overlap_score_credit_decay, config.prefill_load_scale
     host_w, disk_w, request_w = config.host_cache_hit_weight, config.disk_cache_hit_weight, \
         config.decode_active_request_weight
     track = config.track_prefill_tokens
-    booked_host_w, booked_disk_w = config.booked_tier_weights or (host_w, disk_w)
     request_blocks = -(-isl_tokens // block_size)
     decaying = track and decay_k > 0 and request_blocks > 0
-    floor = min(x.active_prefill_tokens for x in load) if decaying and n else 0
+    floor = min(x.active_prefill_tokens for x in load) if decaying and load else 0
     prompt_tokens = isl_tokens if track else 0
-    decay, effective, raw, prefill, decode, requests, logits = [], [], [], [], [], [], []
+    decay, raw, prefill, decode, requests, logits = [], [], [], [], [], []
     for i, w in enumerate(candidates):
         x = load[i]
         d = 1.0 / (1.0 + decay_k * ((x.active_prefill_tokens - floor) / block_size / request_blocks)) \
             if decaying else 1.0
-        dev = overlap[i]
-        credit = credit_k * d * dev + host_w * host[i] + disk_w * disk[i]
+        credit = credit_k * d * overlap[i] + host_w * host[i] + disk_w * disk[i]
         dec = x.active_blocks + blocks_of(w)
         request_cost = request_w * x.requests
         r = (x.active_prefill_tokens + prompt_tokens) / block_size
@@ -249,16 +285,12 @@ def score(
             p = max(r - credit, 0.0)
             logit = scale * p + dec + request_cost
         decay.append(d)
-        effective.append(dev + booked_host_w * host[i] + booked_disk_w * disk[i])
         raw.append(r)
         prefill.append(p)
         decode.append(dec)
         requests.append(x.requests)
         logits.append(logit)
-    tree = matches.tree_sizes.get
-    return Scores(candidates, overlap, host, disk, decay, effective, [tree(w, 0) for w in candidates], raw, prefill,
-                  decode, requests, logits,
-                  [bool(busy.get(w)) for w in candidates] if busy else [False] * n, by_tier, config)
+    return decay, raw, prefill, decode, requests, logits
 
 
 def select(scores: Scores, temperature: float, rng: random.Random) -> tuple[int, Reason]:
