@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import re
 import tempfile
 import time
@@ -159,6 +160,8 @@ SCENARIOS = [
     Scenario("reserved_with_tier_credit", {1: 1, 2: 1, 3: 1}, TIERS, P,
              reserve=[("t1", P, (1, 0)), ("t3", P, (3, 0)), ("t3b", P[:9], (3, 0))]),
     Scenario("decay", {1: 1, 2: 1, 3: 1}, TIERS, P, knobs={"overlap_score_credit_decay": 2}, reserve=LOADED),
+    Scenario("decay_on_the_winner", {1: 2, 2: 1}, [((1, 0), [blocks(P, 4, 0, 5)])], P,
+             knobs={"overlap_score_credit_decay": 2}, reserve=[("small", Q[:4], (1, 0))]),
     Scenario("decay_strong_credit", {1: 1, 2: 1, 3: 1}, TIERS, P,
              knobs={"overlap_score_credit_decay": 7.5, "overlap_score_credit": 2}, reserve=LOADED),
     Scenario("active_request_weight", {1: 1, 2: 1, 3: 1}, TIERS, P, knobs={"decode_active_request_weight": 1.25},
@@ -243,7 +246,7 @@ class Side:
 
     def __init__(self, sc: Scenario, service: Any, log: StderrLog) -> None:
         self.sc, self.service, self.log = sc, service, log
-        self.router = Router(block_size=sc.block_size, config=kvctl_config(sc))
+        self.router = Router(block_size=sc.block_size, config=kvctl_config(sc), rng=random.Random(0))
         self.ctx = zmq.Context()
         self.sockets: dict[Worker, zmq.Socket] = {}
         self.candidates = sorted((w, r) for w, n in sc.workers.items() for r in range(n))
@@ -394,18 +397,20 @@ async def _compare(side: Side) -> None:
         assert abs(eff[w] - effective) <= 5e-3 + 1e-9, (w, eff[w], effective)
     groups = [[w for w in side.candidates if w[0] == wid] for wid in sorted(sc.workers)]
     for group in [*groups, side.candidates] if temperature == 0 else [side.candidates]:
-        logits, _ = side.kvctl_scores(group)
-        best = min(logits.values())
-        lowest = {w for w, v in logits.items() if v == best}
+        first = side.router.route(group, token_ids=sc.prompt, overrides=sc.override)  # kvctl's own routing path
+        logits = dict(zip(first.scores.workers, first.scores.logit, strict=True))
+        lowest = {w for w, v in logits.items() if v == min(logits.values())}
         allowed = None if group is side.candidates else [group[0][0]]
         draws = sc.draws if group is side.candidates or len(lowest) > 1 else 1
+        mine = {first.worker, *(side.router.route(group, token_ids=sc.prompt, overrides=sc.override).worker
+                                for _ in range(draws - 1))}
         seen = set()
         for _ in range(draws):
             worker, logit = await side.chosen(allowed)
             assert abs(logit - logits[worker]) <= 1e-6, (worker, logit, logits)
             seen.add(worker)
-        if temperature == 0:
-            assert seen == lowest, (seen, logits)
+        if temperature == 0:  # the same winner, or the same tied set drawn from
+            assert seen == mine == lowest, (seen, mine, logits)
 
 
 POLICY_FILES = {
