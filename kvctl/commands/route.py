@@ -1,7 +1,8 @@
 """`kvctl route`: ask a router where a request would go and, with --explain, why.
 
-The explanation is every candidate's cost as the router computed it (overlap, prefill and decode
-blocks, logit): the way to see whether a bad routing decision came from the cache view or the load.
+The explanation is every candidate's cost as the router computed it (overlap per tier, the credit each
+tier earned and the device credit's decay, prefill and decode blocks, logit): the way to see whether a
+bad routing decision came from the cache view or the load.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def _candidate_rows(answer: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**c, NAME_KEY: worker_name(c["worker_id"], c["dp_rank"]),
              "chosen": "*" if (c["worker_id"], c["dp_rank"]) == chosen else "",
              "overlap_by_tier": counts(c["overlap_by_tier"]),
-             **{key: number(c[key]) for key in ("prefill_blocks", "decode_blocks", "logit", "effective_overlap")
-                if key in c}}
+             "credit_by_tier": ", ".join(f"{tier}={number(v)}" for tier, v in c["credit_by_tier"].items() if v) or None,
+             **{key: number(c[key]) for key in ("prefill_blocks", "decode_blocks", "logit", "effective_overlap",
+                                                "decay", "raw_prefill_blocks")}}
             for c in answer["candidates"]]
 
 
@@ -60,12 +62,16 @@ _CANDIDATE_COLUMNS = [
     *WORKER_COLUMNS,
     Column("overlap blocks", "overlap_blocks", justify="right"),
     Column("overlap by tier", "overlap_by_tier"),
-    Column("tree size", "tree_size", justify="right"),
+    Column("credit by tier", "credit_by_tier"),
+    Column("decay", "decay", justify="right"),
+    Column("tree size", "tree_size", wide_only=True, justify="right"),
     Column("prefill blocks", "prefill_blocks", justify="right"),
     Column("decode blocks", "decode_blocks", justify="right"),
     Column("logit", "logit", justify="right"),
     Column("busy", "busy"),
     Column("effective overlap", "effective_overlap", wide_only=True, justify="right"),
+    Column("raw prefill blocks", "raw_prefill_blocks", wide_only=True, justify="right"),
+    Column("active requests", "active_requests", wide_only=True, justify="right"),
 ]
 
 

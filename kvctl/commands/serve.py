@@ -21,6 +21,7 @@ from kvctl.errors import UsageError
 from kvctl.output import Output
 
 if TYPE_CHECKING:
+    from kvctl.core.router.scoring import RouterConfig
     from kvctl.server.state import WorkerInfo
 
 HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. (read-write)"
@@ -67,24 +68,70 @@ def parse_engine(text: str) -> WorkerInfo:
                       replay_endpoint=opts.get("replay"), topic=opts.get("topic", ""))
 
 
-def parse_tier_credits(text: str | None) -> dict | None:  # type: ignore[type-arg]
-    """'default' or 'tier=credit,...' (tiers: host_pinned, disk, external)."""
-    from kvctl.core.events import Tier
-    from kvctl.core.router.scoring import DEFAULT_TIER_CREDITS
+def parse_tier_credits(text: str) -> dict[str, float]:
+    """The deprecated --tier-credits ('default' or 'host_pinned=W,disk=W') as Dynamo's tier weights."""
+    from kvctl.core.router.scoring import RouterConfig
 
-    if text is None:
-        return None
     if text == "default":
-        return dict(DEFAULT_TIER_CREDITS)
-    credits = {}
+        defaults = RouterConfig()
+        return {"host_cache_hit_weight": defaults.host_cache_hit_weight,
+                "disk_cache_hit_weight": defaults.disk_cache_hit_weight}
+    weights = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
+        knob = {"host_pinned": "host_cache_hit_weight", "disk": "disk_cache_hit_weight"}.get(name.strip())
         try:
-            credits[Tier(name.strip())] = float(value)
+            if knob is None:
+                raise ValueError(name)
+            weights[knob] = float(value)
         except ValueError:
-            raise UsageError(f"--tier-credits: bad item {item!r}",
+            raise UsageError(f"--tier-credits: bad item {item!r} (deprecated: use --host-cache-hit-weight and "
+                             "--disk-cache-hit-weight; Dynamo gives other tiers no credit)",
                              hint="e.g. host_pinned=0.75,disk=0.25, or 'default'") from None
-    return credits
+    return weights
+
+
+def router_config(flags: dict[str, float | bool | None], overlap_score_weight: float | None,
+                  tier_credits: str | None, policy_file: Path | None) -> RouterConfig:
+    """The router's knobs: Dynamo's defaults, then the flags, then the policy file's aggregated instance.
+
+    The file wins over the flags as in Dynamo (its parameters resolve over KvRouterConfig). UsageError
+    (exit 2) on a bad value or a file Dynamo would refuse, with its reason on one line."""
+    import logging
+
+    from kvctl.core.router.policy_config import PolicyConfigError, parse_policy_config
+    from kvctl.core.router.scoring import RouterConfig
+
+    knobs = dict(flags)
+    if tier_credits is not None:
+        for knob, weight in parse_tier_credits(tier_credits).items():
+            knobs[knob] = weight if knobs.get(knob) is None else knobs[knob]
+    try:
+        config = RouterConfig().override(overlap_score_weight=overlap_score_weight, **knobs)
+    except ValueError as exc:
+        raise UsageError(f"--{str(exc).replace('_', '-')}") from None
+    if policy_file is None:
+        return config
+    try:
+        policy = parse_policy_config(policy_file.read_text())
+    except OSError as exc:
+        raise UsageError(f"--router-policy-config: failed to read router policy config {policy_file}: "
+                         f"{exc.strerror}") from None
+    except (PolicyConfigError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--router-policy-config {policy_file}: {exc}") from None
+    log = logging.getLogger("kvctl.serve")
+    if policy.ignored:
+        log.warning("--router-policy-config: kvctl routes aggregated workers with the default cost function "
+                    "and ignores %s", ", ".join(policy.ignored))
+    if policy.shared_cache_multiplier is not None:
+        log.info("--router-policy-config: shared_cache_multiplier has no effect (kvctl indexes no shared cache)")
+    return policy.apply(config)
+
+
+def _knob(name: str, env: str, dynamo_flag: str, text: str) -> typer.models.OptionInfo:
+    """A cost-function flag, also under Dynamo's flag and DYN_ROUTER_* variable (DESIGN §3.4)."""
+    return typer.Option(f"--{name}", f"--{dynamo_flag}", show_default=False, help=text,
+                        envvar=[f"KVCTL_{name.upper().replace('-', '_')}", f"DYN_ROUTER_{env}"])
 
 
 def _loop_factory():  # type: ignore[no-untyped-def]
@@ -122,14 +169,44 @@ def serve_command(
                                            help="Log level (debug, info, warning, error).")] = "warning",
     log_format: Annotated[str, typer.Option("--log-format", envvar="KVCTL_LOG_FORMAT",
                                             help="text, or json (one object per line).")] = "text",
-    overlap_score_weight: Annotated[float, typer.Option(
-        "--overlap-score-weight", envvar="KVCTL_OVERLAP_SCORE_WEIGHT", help="Weight of prefill blocks in the cost.")]
-    = 1.0,
-    temperature: Annotated[float, typer.Option("--router-temperature", envvar="KVCTL_ROUTER_TEMPERATURE",
-                                               help="0: lowest cost wins; > 0: sample a softmax.")] = 0.0,
+    overlap_score_credit: Annotated[float | None, _knob(
+        "overlap-score-credit", "KV_OVERLAP_SCORE_CREDIT", "router-kv-overlap-score-credit",
+        "Credit per device block already cached (Dynamo default 1.0).")] = None,
+    overlap_score_credit_decay: Annotated[float | None, _knob(
+        "overlap-score-credit-decay", "KV_OVERLAP_SCORE_CREDIT_DECAY", "router-kv-overlap-score-credit-decay",
+        "Shrink a worker's device credit by its prefill backlog above the least loaded (default 0).")] = None,
+    prefill_load_scale: Annotated[float | None, _knob(
+        "prefill-load-scale", "PREFILL_LOAD_SCALE", "router-prefill-load-scale",
+        "Weight of the prefill blocks left after credit (default 1.0).")] = None,
+    decode_active_request_weight: Annotated[float | None, _knob(
+        "decode-active-request-weight", "DECODE_ACTIVE_REQUEST_WEIGHT", "router-decode-active-request-weight",
+        "Cost in blocks of each request in flight on a worker (default 0).")] = None,
+    host_cache_hit_weight: Annotated[float | None, _knob(
+        "host-cache-hit-weight", "HOST_CACHE_HIT_WEIGHT", "router-host-cache-hit-weight",
+        "Credit per block a worker holds in host memory beyond its device match (default 0.75).")] = None,
+    disk_cache_hit_weight: Annotated[float | None, _knob(
+        "disk-cache-hit-weight", "DISK_CACHE_HIT_WEIGHT", "router-disk-cache-hit-weight",
+        "Credit per block a worker holds on disk beyond its host match (default 0.25).")] = None,
+    temperature: Annotated[float | None, typer.Option(
+        "--router-temperature", envvar=["KVCTL_ROUTER_TEMPERATURE", "DYN_ROUTER_TEMPERATURE"], show_default=False,
+        help="0: lowest cost wins, ties drawn; > 0: sample a softmax (default 0).")] = None,
+    track_prefill_tokens: Annotated[bool | None, typer.Option(
+        "--track-prefill-tokens/--no-track-prefill-tokens",
+        "--router-track-prefill-tokens/--no-router-track-prefill-tokens",
+        envvar=["KVCTL_TRACK_PREFILL_TOKENS", "DYN_ROUTER_TRACK_PREFILL_TOKENS"], show_default=False,
+        help="Count prompt tokens as prefill load (default on).")] = None,
+    policy_config: Annotated[Path | None, typer.Option(
+        "--router-policy-config", envvar=["KVCTL_ROUTER_POLICY_CONFIG", "DYN_ROUTER_POLICY_CONFIG"],
+        show_default=False, help="Dynamo's policy YAML: its aggregated dynamo-default-cost-fn parameters win "
+                                 "over these flags.")] = None,
+    overlap_score_weight: Annotated[float | None, typer.Option(
+        "--overlap-score-weight", "--router-kv-overlap-score-weight",
+        envvar=["KVCTL_OVERLAP_SCORE_WEIGHT", "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT"], show_default=False,
+        help="Deprecated (Dynamo's too): --prefill-load-scale; 0 also sets the overlap credit to 0.")] = None,
     tier_credits: Annotated[str | None, typer.Option(
         "--tier-credits", envvar="KVCTL_TIER_CREDITS", show_default=False,
-        help="Credit blocks held on slower tiers, e.g. 'host_pinned=0.75,disk=0.25' (or 'default').")] = None,
+        help="Deprecated: --host-cache-hit-weight / --disk-cache-hit-weight, e.g. 'host_pinned=0.75,disk=0.25'.")]
+    = None,
     decode_threshold: Annotated[float | None, typer.Option(
         "--active-decode-blocks-threshold", envvar="KVCTL_ACTIVE_DECODE_BLOCKS_THRESHOLD", show_default=False,
         help="Busy when KV use or active decode blocks exceed this fraction of capacity.")] = None,
@@ -193,7 +270,6 @@ def serve_command(
 ) -> None:
     from kvctl.core.router.approx import ApproxConfig
     from kvctl.core.router.busy import Thresholds
-    from kvctl.core.router.scoring import RouterConfig
     from kvctl.server.daemon import ServeOptions, is_loopback, run
     from kvctl.server.decoder import DECODER_MODES
 
@@ -226,7 +302,12 @@ def serve_command(
 
     configure(log_level, log_format)
     try:
-        router = RouterConfig(overlap_score_weight, temperature, parse_tier_credits(tier_credits))
+        router = router_config({
+            "overlap_score_credit": overlap_score_credit, "overlap_score_credit_decay": overlap_score_credit_decay,
+            "prefill_load_scale": prefill_load_scale, "decode_active_request_weight": decode_active_request_weight,
+            "host_cache_hit_weight": host_cache_hit_weight, "disk_cache_hit_weight": disk_cache_hit_weight,
+            "router_temperature": temperature, "track_prefill_tokens": track_prefill_tokens},
+            overlap_score_weight, tier_credits, policy_config)
         thresholds = Thresholds(decode_threshold, prefill_threshold, prefill_frac)
         approx = ApproxConfig(router_ttl, max_tree_size, prune_target_ratio) if approximate else None
         if not request_expiry > 0:

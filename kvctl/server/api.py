@@ -31,7 +31,7 @@ from kvctl.core.events.dynamo import decode_router_event_json, encode_router_eve
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
-from kvctl.core.router.scoring import NoCandidates
+from kvctl.core.router.scoring import KNOBS, BadKnob, NoCandidates
 from kvctl.core.token_json import token_ids_at_head, token_ids_from_json
 from kvctl.server.budget import SLICE_S
 from kvctl.server.endpoint import check_endpoint
@@ -85,10 +85,20 @@ class RouteBody(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str | None = None
     reserve: bool = False
     explain: bool = False
+    # This request's own router knobs (DESIGN §3.4), by their Dynamo names; the last two are legacy aliases.
+    overlap_score_credit: _WEIGHT | None = None
+    overlap_score_credit_decay: _WEIGHT | None = None
+    prefill_load_scale: _WEIGHT | None = None
+    decode_active_request_weight: _WEIGHT | None = None
+    host_cache_hit_weight: _WEIGHT | None = None
+    disk_cache_hit_weight: _WEIGHT | None = None
+    router_temperature: _WEIGHT | None = None
+    track_prefill_tokens: bool | None = None
     overlap_score_weight: _WEIGHT | None = None
     temperature: _WEIGHT | None = None
 
 
+_OVERRIDES = (*KNOBS, "overlap_score_weight", "temperature")
 _ROUTE_BODY = msgspec.json.Decoder(RouteBody)
 
 
@@ -125,10 +135,12 @@ class ResetBody(_Body):
 
 
 class BusyBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Read as Dynamo's frontend reads it (serde): unknown fields ignored, no string-to-number coercion."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     active_decode_blocks_threshold: float | None = None
-    active_prefill_tokens_threshold: int | None = None
+    active_prefill_tokens_threshold: Annotated[int, Field(ge=0)] | None = None
     active_prefill_tokens_threshold_frac: float | None = None
 
 
@@ -147,6 +159,13 @@ def _error_bytes(status: int, message: str, extra: dict[str, Any] | None = None)
 def _error(status: int, message: str, extra: dict[str, Any] | None = None) -> Response:
     status, body = _error_bytes(status, message, extra)
     return Response(body, status_code=status, media_type="application/json")
+
+
+def _json_content_type(value: str) -> bool:
+    """application/json or application/*+json, parameters allowed: what axum's Json extractor takes."""
+    mime = value.split(";", 1)[0].strip().lower()
+    kind, _, subtype = mime.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 def _parse_events(raw: bytes, content_type: str) -> Iterator[Any]:
@@ -240,13 +259,15 @@ class _Routing:
         if body.reserve and not body.request_id:
             return _error_bytes(400, "reserve needs a request_id")
         started = time.perf_counter()
+        overrides = {name: value for name in _OVERRIDES if (value := getattr(body, name)) is not None}
         try:
             decision = self.fleet.route(
                 body.model, now=self.clock(), token_ids=token_ids, local_hashes=body.local_hashes,
-                lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve,
-                overlap_score_weight=body.overlap_score_weight, temperature=body.temperature)
+                lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve, overrides=overrides)
         except (UnknownModel, AllBusy, NoCandidates) as exc:
             return _error_bytes(*_refusal(exc, self.fleet))
+        except BadKnob as exc:  # finite and >= 0 passed msgspec; a number too large for a float did not
+            return _error_bytes(422, f"invalid route request: {exc}")
         self._unobserved.append((body.model, time.perf_counter() - started, min(
             1.0, decision.overlap_blocks / decision.required_blocks) if decision.required_blocks else None))
         out: dict[str, Any] = {
@@ -506,18 +527,27 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         models = sorted(set(fleet.models) | set(fleet.thresholds.all()))
         return _json({"thresholds": [fleet.thresholds.get(m).as_dict(m) for m in models]})
 
-    @app.post("/busy_threshold", responses=replies(400, 404, 422, ok=ref("Thresholds")),
+    @app.post("/busy_threshold", responses=replies(400, 404, 415, 422, ok=ref("Thresholds")),
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                   "schema": BusyBody.model_json_schema()}}}})
     async def post_thresholds(request: Request) -> Response:
+        """Answers as Dynamo's frontend (axum's Json extractor): 415 without a JSON content type, 400 for a
+        body that is not JSON, 422 for JSON of the wrong shape (a negative token threshold included)."""
+        if not _json_content_type(request.headers.get("content-type", "")):
+            return _error(415, "Expected request with `Content-Type: application/json`")
         try:
-            body = BusyBody.model_validate_json(await request.body())
+            data = msgspec.json.decode(await request.body())
+        except (msgspec.DecodeError, RecursionError) as exc:  # serde_json refuses deep nesting as a syntax error
+            return _error(400, f"Failed to parse the request body as JSON: {exc}")
+        try:
+            body = BusyBody.model_validate(data)
         except ValueError as exc:
-            return _error(422, f"malformed body: {exc}")
+            return _error(422, f"Failed to deserialize the JSON body into the target type: {exc}")
         fields = body.model_dump(exclude={"model"})
         setting = any(v is not None for v in fields.values())
         if setting and body.model not in fleet.models:
-            return _error(404, f"unknown model {body.model!r}", {"models": sorted(fleet.models)})
+            return _error(404, f"Model '{body.model}' not found. Thresholds can only be set for discovered models.",
+                          {"models": sorted(fleet.models)})
         try:
             thresholds = fleet.thresholds.apply_request(body.model, fields)
         except ThresholdError as exc:

@@ -3,8 +3,10 @@
     [[models]]
     name = "llama"                       # required
     block_size = 32                      # default: --block-size
-    overlap_score_weight = 1.0           # router knobs, default: the flags
-    temperature = 0.0
+    overlap_score_credit = 1.0           # router knobs by their Dynamo names (DESIGN §3.4), default: the
+    prefill_load_scale = 1.0             # flags; also overlap_score_credit_decay, decode_active_request_weight,
+    host_cache_hit_weight = 0.75         # disk_cache_hit_weight, router_temperature, track_prefill_tokens, and
+    router_temperature = 0.0             # the legacy overlap_score_weight and temperature
     active_decode_blocks_threshold = 0.9 # busy thresholds, default: the flags
     active_prefill_tokens_threshold = 20000
     active_prefill_tokens_threshold_frac = 4.0
@@ -29,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.core.router.busy import THRESHOLD_FIELDS, Thresholds
-from kvctl.core.router.scoring import RouterConfig
+from kvctl.core.router.scoring import KNOBS, RouterConfig
 from kvctl.server.endpoint import check_endpoint
 from kvctl.server.state import WorkerInfo
 
-_MODEL_KEYS = {"name", "block_size", "overlap_score_weight", "temperature", *THRESHOLD_FIELDS}
+_ROUTER_KEYS = (*KNOBS, "overlap_score_weight", "temperature")
+_MODEL_KEYS = {"name", "block_size", *_ROUTER_KEYS, *THRESHOLD_FIELDS}
 _WORKER_KEYS = {"worker_id", "dp_rank", "endpoint", "replay_endpoint", "model", "topic"}
 
 
@@ -45,8 +48,7 @@ class ConfigFileError(ValueError):
 class ModelSpec:
     name: str
     block_size: int | None = None
-    overlap_score_weight: float | None = None
-    temperature: float | None = None
+    router: dict[str, Any] = field(default_factory=dict)  # `RouterConfig.override` arguments
     thresholds: dict[str, Any] = field(default_factory=dict)
 
 
@@ -114,16 +116,18 @@ def load(path: Path) -> ServeFile:
         where = f"{path}: models[{i}]"
         m = _table(raw, where, _MODEL_KEYS, {"name"})
         _check(where, "name", m["name"], _name(m["name"]), "a non-empty string")
-        spec = ModelSpec(m["name"], m.get("block_size"), m.get("overlap_score_weight"), m.get("temperature"),
+        spec = ModelSpec(m["name"], m.get("block_size"), {k: m[k] for k in _ROUTER_KEYS if k in m},
                          {k: m[k] for k in THRESHOLD_FIELDS if k in m})
         if spec.block_size is not None and not (type(spec.block_size) is int and spec.block_size > 0):
             raise ConfigFileError(f"{where}: block_size must be a positive integer, got {_shown(spec.block_size)}")
-        for key in ("overlap_score_weight", "temperature"):
-            if key in m:
-                _check(where, key, m[key], _number(m[key]), "a number")
+        for key, value in spec.router.items():
+            if key == "track_prefill_tokens":
+                _check(where, key, value, isinstance(value, bool), "true or false")
+            else:
+                _check(where, key, value, _number(value), "a number")
         try:  # the same checks as the flags and the HTTP API
             Thresholds(**spec.thresholds)
-            RouterConfig().override(overlap_score_weight=spec.overlap_score_weight, temperature=spec.temperature)
+            RouterConfig().override(**spec.router)
         except (ValueError, TypeError) as exc:
             raise ConfigFileError(f"{where} ({spec.name}): {exc}") from None
         models.append(spec)

@@ -111,8 +111,7 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     fleet = Fleet(block_size=options.block_size, config=options.router, thresholds=options.thresholds,
                   approx=options.approx, request_expiry_s=options.request_expiry_s)
     for spec in options.models:
-        config = options.router.override(overlap_score_weight=spec.overlap_score_weight, temperature=spec.temperature)
-        fleet.add_model(spec.name, block_size=spec.block_size, config=config)
+        fleet.add_model(spec.name, block_size=spec.block_size, config=options.router.override(**spec.router))
         if spec.thresholds:
             fleet.thresholds.set(spec.name, **spec.thresholds)
     _load_state(fleet, options)

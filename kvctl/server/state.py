@@ -312,7 +312,7 @@ class Fleet:
             rows.append({
                 "worker_id": info.worker_id, "dp_rank": info.dp_rank, "model": info.model,
                 "endpoint": info.endpoint, "replay_endpoint": info.replay_endpoint, "topic": info.topic,
-                "blocks": router.index.tree(_DEVICE).size(w),
+                "blocks": router.index.device.size(w),
                 "active_decode_blocks": load.active_blocks, "active_prefill_tokens": load.active_prefill_tokens,
                 "active_requests": load.requests, "busy": rank.busy,
                 "last_event_age_s": None if info.last_event_at is None else round(now - info.last_event_at, 3),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvctl.core.events import RouterEvent, Tier
+from kvctl.core.events import RouterEvent
 from kvctl.core.index import KvIndex
 from kvctl.core.index.radix import Node, RadixTree, iter_bits
 
@@ -33,7 +33,7 @@ def shared_prefixes(events: Iterable[RouterEvent], *, width: int = WIDTH, levels
     """The device tier's top `width` prefixes at each of the first `levels` levels, most holders first."""
     index = KvIndex()
     index.load(events)
-    tree = index.tree(Tier.device)
+    tree = index.device
     return _steps(tree, tree.root, 0, width, levels)[0]
 
 

@@ -67,9 +67,12 @@ def test_route_explain_lists_every_candidate(router: httpx.Client) -> None:
     assert {n: c["overlap_blocks"] for n, c in by_name.items()} == {
         "1:0": 4, "2:1": 4, "9223372036854775815:0": 2, "2:0": 0}
     assert _name(answer) in {"1:0", "2:1"} and answer["overlap_blocks"] == answer["required_blocks"] == 4
-    assert answer["reason"] and all(c["overlap_by_tier"]["device"] == c["overlap_blocks"] for c in by_name.values())
+    assert answer["reason"] == "tie_random"  # 1:0 and 2:1 hold the whole prompt: drawn, not by tree size
+    assert all(c["overlap_by_tier"]["device"] == c["overlap_blocks"] for c in by_name.values())
+    assert all(c["credit_by_tier"]["device"] == c["overlap_blocks"] and c["decay"] == 1.0 for c in by_name.values())
     table = kvctl(router, "route", "--explain", *TOKENS)
     assert table.exit_code == 0 and answer["reason"] in table.stdout
+    assert "CREDIT BY TIER" in table.stdout and "device=4" in table.stdout and "DECAY" in table.stdout
     assert kvctl(router, "-o", "name", "route", "--explain", *TOKENS).stdout.strip() in {"1:0", "2:1"}
 
 

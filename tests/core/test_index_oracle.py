@@ -234,8 +234,7 @@ class Pair:
             kvctl_ok = True
         else:
             kvctl_ok = self.index.apply(kvctl_event(op, self.event_id)).status is Status.ok
-        for tree in self.index.trees.values():
-            assert_lookups_consistent(tree)
+        assert_lookups_consistent(self.index.device)
         return oracle_ok, kvctl_ok
 
     def scores(self, query: Sequence[int]) -> tuple[dict[Key, int] | None, dict[Key, int]]:

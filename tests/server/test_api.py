@@ -116,16 +116,39 @@ async def test_route_explain_and_errors(client: httpx.AsyncClient) -> None:
     assert (await client.post("/v1/route", json={"local_hashes": [2**64]})).status_code == 422
     assert (await client.post("/v1/route", json={"token_ids": [1], "tokens": [1]})).status_code == 422
     assert (await client.post("/v1/route", content=b"{")).status_code == 422
-    for knob in ("overlap_score_weight", "temperature"):  # never infinite or NaN: JSON has neither, 1e400 overflows
+    knobs = ("overlap_score_credit", "overlap_score_credit_decay", "prefill_load_scale", "decode_active_request_weight",
+             "host_cache_hit_weight", "disk_cache_hit_weight", "router_temperature", "overlap_score_weight",
+             "temperature")
+    for knob in knobs:  # never infinite or NaN: JSON has neither, 1e400 overflows
         for value, says in ((b"1e400", knob), (b"-1e400", knob), (b"NaN", "malformed"), (b"Infinity", "malformed")):
             bad = await client.post("/v1/route", content=b'{"token_ids": [1], "%s": %s}' % (knob.encode(), value))
             assert bad.status_code == 422 and says in bad.json()["error"], bad.text
     not_utf8 = await client.post("/v1/route", content=b'{"model": "\x80"}')
     assert not_utf8.status_code == 422 and "can't decode byte 0x80" in not_utf8.json()["error"], not_utf8.text
-    assert (await client.post("/v1/route", json={"token_ids": [1], "temperature": -1})).status_code == 422
+    for knob in knobs:
+        negative = await client.post("/v1/route", json={"token_ids": [1], knob: -1})
+        assert negative.status_code == 422 and knob in negative.json()["error"], negative.text
+    no_bool = await client.post("/v1/route", json={"token_ids": [1], "track_prefill_tokens": "yes"})
+    assert no_bool.status_code == 422 and "track_prefill_tokens" in no_bool.json()["error"]
     assert (await client.post("/v1/route", json={"token_ids": TOKENS, "reserve": True})).status_code == 400
     r = await client.post("/v1/route", json={"model": "nope", "token_ids": TOKENS})
     assert r.status_code == 404 and "nope" in r.json()["error"]
+
+
+async def test_route_knobs_per_request_and_their_explanation(client: httpx.AsyncClient) -> None:
+    await client.post("/v1/events", json=[_store_event(1, TOKENS), _store_event(2, TOKENS[:16])])
+    body = {"token_ids": TOKENS, "explain": True}
+    plain = {c["worker_id"]: c for c in (await client.post("/v1/route", json=body)).json()["candidates"]}
+    assert (plain[1]["credit_by_tier"], plain[1]["decay"], plain[1]["credit"]) == (
+        {"device": 4.0, "host_pinned": 0.0, "disk": 0.0, "external": 0.0}, 1.0, 4.0)
+    # no overlap credit: both pay the whole prompt (4 blocks) and 4 decode blocks; an exact tie
+    tied = (await client.post("/v1/route", json={**body, "overlap_score_credit": 0})).json()
+    assert tied["reason"] == "tie_random" and {c["logit"] for c in tied["candidates"]} == {8.0}
+    assert (await client.post("/v1/route", json={**body, "overlap_score_weight": 0})).json()["reason"] == "tie_random"
+    scaled = (await client.post("/v1/route", json={**body, "prefill_load_scale": 3.0})).json()
+    assert {c["worker_id"]: c["logit"] for c in scaled["candidates"]} == {1: 4.0, 2: 3 * 3.0 + 4}
+    untracked = (await client.post("/v1/route", json={**body, "track_prefill_tokens": False})).json()
+    assert {c["worker_id"]: c["logit"] for c in untracked["candidates"]} == {1: 0.0, 2: 3.0}  # max(0, 4 - credit)
 
 
 async def test_reserve_prefill_free_and_all_busy(client: httpx.AsyncClient) -> None:
@@ -162,8 +185,32 @@ async def test_busy_threshold_shapes_like_dynamo(client: httpx.AsyncClient) -> N
     assert out_of_range.status_code == 400 and "active_decode_blocks_threshold" in out_of_range.json()["error"]
     unknown = await client.post("/busy_threshold", json={"model": "x", "active_decode_blocks_threshold": 0.5})
     assert unknown.status_code == 404
+    assert unknown.json()["error"] == "Model 'x' not found. Thresholds can only be set for discovered models."
     assert (await client.post("/busy_threshold", json={"active_decode_blocks_threshold": 0.5})).status_code == 422
-    assert (await client.post("/busy_threshold", content=b"[")).status_code == 422
+
+
+@pytest.mark.parametrize(("content_type", "body", "status"), [
+    (None, b'{"model": "default"}', 415),  # axum's Json extractor: no JSON content type
+    ("text/plain", b'{"model": "default"}', 415),
+    ("application/json", b"[", 400),  # not JSON
+    ("application/json", b"", 400),
+    ("application/json", b'{"model": "default", "active_prefill_tokens_threshold": -1}', 422),
+    ("application/json", b'{"model": "default", "active_prefill_tokens_threshold": "5"}', 422),  # no coercion
+    ("application/json", b'["default"]', 422),
+    ("application/json; charset=utf-8", b'{"model": "default", "colour": "red"}', 200),  # unknown fields ignored
+    ("application/merge-patch+json", b'{"model": "default", "active_prefill_tokens_threshold": 7}', 200),
+    ("application/json", b'{"model": "default", "active_decode_blocks_threshold": -0.1}', 400),
+])
+async def test_busy_threshold_refuses_bodies_as_dynamo_does(client: httpx.AsyncClient, content_type: str | None,
+                                                            body: bytes, status: int) -> None:
+    headers = {"content-type": content_type} if content_type else {}
+    r = await client.post("/busy_threshold", content=body, headers=headers)
+    assert r.status_code == status, r.text
+
+
+async def test_busy_threshold_unset_is_kvctls_own(client: httpx.AsyncClient) -> None:
+    await client.post("/busy_threshold", json={"model": "default", "active_decode_blocks_threshold": 0.8,
+                                               "active_prefill_tokens_threshold": 5})
     cleared = await client.delete("/busy_threshold", params={"model": "default",
                                                               "field": "active_decode_blocks_threshold"})
     assert cleared.json()["active_decode_blocks_threshold"] is None

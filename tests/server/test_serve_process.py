@@ -104,6 +104,9 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--block-size", "0"], "--block-size must be positive"),
     (["serve", "--snapshot-interval", "0"], "--snapshot-interval must be > 0"),
     (["serve", "--tier-credits", "gpu=2"], "--tier-credits"),
+    (["serve", "--overlap-score-credit", "-1"], "--overlap-score-credit must be a finite number >= 0"),
+    (["serve", "--router-prefill-load-scale", "nan"], "--prefill-load-scale must be a finite number >= 0"),
+    (["serve", "--router-policy-config", "/nonexistent.yaml"], "failed to read router policy config"),
     (["serve", "--log-format", "xml"], "--log-format"),
     (["serve", "--decoder", "threads"], "--decoder must be one of auto, inline, process"),
     (["serve", "--active-decode-blocks-threshold", "1.5"], "active_decode_blocks_threshold"),
@@ -115,6 +118,33 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
 def test_bad_serve_arguments_exit_2(args: list[str], needle: str) -> None:
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and needle in result.stderr
+
+
+@pytest.mark.parametrize(("parameters", "needle"), [
+    ("{overlap_score_credit: -1}", "overlap_score_credit must be finite and non-negative"),
+    ("{bogus: 1}", "unknown field `bogus`"),
+])
+def test_a_policy_file_dynamo_refuses_exits_2_on_one_line(tmp_path: Path, parameters: str, needle: str) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text("worker_selection:\n  aggregated: a\n  instances:\n    - name: a\n      type: "
+                    f"dynamo-default-cost-fn\n      parameters: {parameters}\n")
+    result = CliRunner().invoke(app, ["serve", "--router-policy-config", str(path)])
+    assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_knobs_come_from_flags_then_the_policy_file(tmp_path: Path) -> None:
+    from kvctl.commands.serve import router_config
+
+    path = tmp_path / "policy.yaml"
+    path.write_text("worker_selection:\n  aggregated: a\n  instances:\n    - name: a\n      type: "
+                    "dynamo-default-cost-fn\n      parameters: {host_cache_hit_weight: 0.5, router_temperature: 0.2}\n")
+    flags = {"host_cache_hit_weight": 0.9, "overlap_score_credit_decay": 3.0, "track_prefill_tokens": False}
+    config = router_config(flags, 2.0, None, path)
+    assert (config.host_cache_hit_weight, config.router_temperature, config.overlap_score_credit_decay,
+            config.prefill_load_scale, config.track_prefill_tokens) == (0.5, 0.2, 3.0, 2.0, False)
+    assert config.booked_tier_weights == (0.9, 0.25)  # Dynamo books with the router-wide weights
+    legacy = router_config({}, 0.0, "host_pinned=0.5", None)
+    assert (legacy.overlap_score_credit, legacy.host_cache_hit_weight, legacy.disk_cache_hit_weight) == (0, 0.5, 0.25)
 
 
 def test_snapshot_header_is_versioned(tmp_path: Path) -> None:
@@ -159,10 +189,22 @@ def test_config_file_declares_models_and_workers(tmp_path: Path) -> None:
         _stop(proc)
 
 
+def test_config_file_sets_router_knobs_per_model(tmp_path: Path) -> None:
+    from kvctl.server.config_file import load
+
+    config = tmp_path / "serve.toml"
+    config.write_text('[[models]]\nname = "m"\nprefill_load_scale = 2\ntrack_prefill_tokens = false\n'
+                      'temperature = 0.5\n')
+    assert load(config).models[0].router == {"prefill_load_scale": 2, "track_prefill_tokens": False,
+                                              "temperature": 0.5}
+
+
 @pytest.mark.parametrize(("text", "needle"), [
     ('[[models]]\nname = "m"\nblock_sise = 3\n', "unknown key 'block_sise'"),
     ('[[models]]\nname = "m"\nactive_decode_blocks_threshold = 2.0\n', "active_decode_blocks_threshold"),
     ('[[workers]]\nworker_id = 1\n', "missing 'endpoint'"),
+    ('[[models]]\nname = "m"\noverlap_score_credit = -1\n', "overlap_score_credit must be a finite number >= 0"),
+    ('[[models]]\nname = "m"\ntrack_prefill_tokens = 1\n', "track_prefill_tokens must be true or false"),
     ("[serve]\nx = 1\n", "unknown section 'serve'"),
     ("models = [", "serve.toml"),
 ])

@@ -1,8 +1,8 @@
-"""The index of one model: one Dynamo-exact radix tree per storage tier.
+"""The index of one model: Dynamo's radix tree for the device tier, its continuation index for the others.
 
-Routing scores come from the device tier alone, as in Dynamo; the other tiers (CPU offload, disk,
-external KV stores) are indexed the same way so kvctl can say how much of a prompt a worker could
-onboard from them instead of recomputing it.
+Routing scores come from the device tier, as in Dynamo; the slower tiers (CPU offload, disk, external
+KV stores) say how far a worker's match continues beyond its device prefix, the blocks it could onboard
+instead of recomputing (`LowerTier`, DESIGN §3.4): the tier credit of the cost function.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
+from kvctl.core.index.lower_tier import Continuation, LowerTier
 from kvctl.core.index.radix import OK_EMPTY, ApplyResult, Matches, RadixTree, Worker, iter_bits
 
 
@@ -20,7 +21,13 @@ from kvctl.core.index.radix import OK_EMPTY, ApplyResult, Matches, RadixTree, Wo
 class IndexMatches:
     scores: dict[Worker, int] = field(default_factory=dict)  # device tier: Dynamo's overlap scores
     tree_sizes: dict[Worker, int] = field(default_factory=dict)
-    by_tier: dict[Tier, dict[Worker, int]] = field(default_factory=dict)  # matched depth per tier
+    # Blocks each tier adds to a worker's match (device: its depth; a slower tier: its extension beyond the
+    # faster ones). Empty when the model has no slower tier.
+    by_tier: dict[Tier, dict[Worker, int]] = field(default_factory=dict)
+
+
+LOWER_TIERS = (Tier.host_pinned, Tier.disk, Tier.external)
+"""The order a match continues in below the device (Dynamo's `lower_tier_query_order`)."""
 
 
 class DumpEdge(NamedTuple):
@@ -51,13 +58,16 @@ class TierStats:
 
 class KvIndex:
     def __init__(self) -> None:
-        self.trees: dict[Tier, RadixTree] = {Tier.device: RadixTree()}
+        self.device = RadixTree()
+        self.lower: dict[Tier, LowerTier] = {}
 
-    def tree(self, tier: Tier) -> RadixTree:
-        tree = self.trees.get(tier)
-        if tree is None:
-            tree = self.trees[tier] = RadixTree()
-        return tree
+    def _tier(self, tier: Tier) -> RadixTree | LowerTier:
+        if tier is Tier.device:
+            return self.device
+        index = self.lower.get(tier)
+        if index is None:
+            index = self.lower[tier] = LowerTier()
+        return index
 
     def apply(self, event: RouterEvent) -> ApplyResult:
         return self.apply_data((event.worker_id, event.dp_rank), event.data)
@@ -65,76 +75,90 @@ class KvIndex:
     def apply_data(self, worker: Worker, data: EventData) -> ApplyResult:
         """One event of `worker`'s, without the RouterEvent around it (engine batches come per worker)."""
         if type(data) is Stored:
-            return self.tree(data.tier).store(worker, data.parent_hash, data.block_hashes, data.tokens_hashes)
+            return self._tier(data.tier).store(worker, data.parent_hash, data.block_hashes, data.tokens_hashes)
         if type(data) is Removed:
-            return self.tree(data.tier).remove(worker, data.block_hashes)
+            return self._tier(data.tier).remove(worker, data.block_hashes)
         assert type(data) is Cleared
-        for tree in self.trees.values():
-            tree.clear(worker)
+        self.device.clear(worker)
+        for tier in self.lower.values():
+            tier.clear(worker)
         return OK_EMPTY
 
     def remove_worker(self, worker_id: int, dp_rank: int | None = None) -> int:
-        return sum(tree.remove_worker(worker_id, dp_rank) for tree in self.trees.values())
+        return self.device.remove_worker(worker_id, dp_rank) + sum(
+            tier.remove_worker(worker_id, dp_rank) for tier in self.lower.values())
 
     def find_matches(self, local_hashes: Sequence[int]) -> IndexMatches:
-        device: Matches = self.trees[Tier.device].find_matches(local_hashes)
+        device: Matches = self.device.find_matches(local_hashes)
         result = IndexMatches(scores=device.scores, tree_sizes=device.tree_sizes)
-        if len(self.trees) > 1:
-            for tier, tree in self.trees.items():
-                result.by_tier[tier] = device.scores if tier is Tier.device else tree.find_matches(
-                    local_hashes).scores
+        if self.lower and len(local_hashes):
+            result.by_tier[Tier.device] = device.scores
+            last = self.device.path_hashes(local_hashes, set(device.scores.values()))
+            at = {w: Continuation(d, last[d]) for w, d in device.scores.items()}
+            for tier in LOWER_TIERS:
+                index = self.lower.get(tier)
+                if index is None:
+                    continue
+                for w in index.root_workers(local_hashes[0]):
+                    at.setdefault(w, Continuation(0, None))
+                after = index.extend(local_hashes, at)
+                result.by_tier[tier] = {w: c.pos - at[w].pos for w, c in after.items() if c.pos > at[w].pos}
+                at = after
         return result
 
     def workers(self) -> list[Worker]:
-        seen: dict[Worker, None] = {}
-        for tree in self.trees.values():
-            seen.update(dict.fromkeys(tree.workers()))
+        seen = dict.fromkeys(self.device.workers())
+        for tier in self.lower.values():
+            seen.update(dict.fromkeys(tier.workers()))
         return list(seen)
 
     def hash_mismatches(self) -> dict[Worker, int]:
-        """Per worker, blocks stored on token paths indexed under other engine hashes (every tier)."""
-        total: dict[Worker, int] = {}
-        for tree in self.trees.values():
-            for worker, n in tree.hash_mismatches.items():
-                total[worker] = total.get(worker, 0) + n
-        return total
+        """Per worker, device blocks stored on token paths indexed under other engine hashes.
+
+        The slower tiers have none to report: their edges are keyed by engine hash, not by token path."""
+        return dict(self.device.hash_mismatches)
 
     @property
     def debt(self) -> int:
-        """Freed lookup entries not given back yet, every tier (`RadixTree.debt`)."""
-        return sum(tree.debt for tree in self.trees.values())
+        """Freed lookup entries of the device tree not given back yet (`RadixTree.debt`)."""
+        return self.device.debt
 
     def reclaim(self, budget: int) -> bool:
-        """Give back up to `budget` freed lookup entries per tier (`RadixTree.reclaim`); True while more is left."""
-        more = False
-        for tree in self.trees.values():
-            more = tree.reclaim(budget) or more
-        return more
+        """Give back up to `budget` freed lookup entries (`RadixTree.reclaim`); True while more is left."""
+        return self.device.reclaim(budget)
 
     def stats(self) -> dict[Tier, TierStats]:
-        return {tier: TierStats(tree.blocks, tree.nodes, tree.sizes()) for tier, tree in self.trees.items()}
+        """Per tier: (worker, block) pairs held, nodes (device) or continuation edges (slower tiers), per worker."""
+        out = {Tier.device: TierStats(self.device.blocks, self.device.nodes, self.device.sizes())}
+        for tier, index in self.lower.items():
+            out[tier] = TierStats(index.blocks, index.nodes, index.sizes())
+        return out
 
     def capture(self) -> list[DumpEdge]:
         """What a dump holds, taken in one step: the index may change as soon as this returns.
 
-        O(edges), not O(blocks): each edge is kept by reference with its length (edges only grow in
-        place, see `Node`), so a server can take it between two events and encode it at leisure.
-        `events_of` turns it into the dump's events.
+        O(edges), not O(blocks), for the device tree: each edge is kept by reference with its length
+        (edges only grow in place, see `Node`), so a server can take it between two events and encode it
+        at leisure. A slower tier gives one single-block edge per block held (its stores need no parent
+        to be known, so any order replays). `events_of` turns it into the dump's events.
         """
         edges: list[DumpEdge] = []
-        for tier, tree in self.trees.items():
-            inherited: dict[int, int] = {}  # id(node) -> slots that hold its whole path
-            everyone = -1
-            for node, parent_hash in tree.walk():
-                parent = node.parent
-                allowed = everyone if parent is tree.root or parent is None else inherited.get(id(parent), 0)
-                if node.children:
-                    inherited[id(node)] = allowed & node.full
-                holders = [(s, len(node.hashes)) for s in iter_bits(node.full & allowed)] if allowed else []
-                if node.cutoffs:
-                    holders.extend((s, c) for s, c in node.cutoffs.items() if allowed >> s & 1)
-                for slot, k in holders:
-                    edges.append(DumpEdge(tier, tree.worker_of(slot), parent_hash, node.hashes, node.locals, k))
+        tree = self.device
+        inherited: dict[int, int] = {}  # id(node) -> slots that hold its whole path
+        everyone = -1
+        for node, parent_hash in tree.walk():
+            parent = node.parent
+            allowed = everyone if parent is tree.root or parent is None else inherited.get(id(parent), 0)
+            if node.children:
+                inherited[id(node)] = allowed & node.full
+            holders = [(s, len(node.hashes)) for s in iter_bits(node.full & allowed)] if allowed else []
+            if node.cutoffs:
+                holders.extend((s, c) for s, c in node.cutoffs.items() if allowed >> s & 1)
+            for slot, k in holders:
+                edges.append(DumpEdge(Tier.device, tree.worker_of(slot), parent_hash, node.hashes, node.locals, k))
+        for tier, index in self.lower.items():
+            edges.extend(DumpEdge(tier, worker, parent, [block], array("Q", [local]), 1)
+                         for worker, parent, block, local in index.held_edges())
         return edges
 
     def dump(self) -> list[RouterEvent]:

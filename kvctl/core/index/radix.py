@@ -264,6 +264,27 @@ class RadixTree:
                              for s in slot_scores}
         return result
 
+    def path_hashes(self, local_hashes: Sequence[int], depths: set[int]) -> dict[int, int]:
+        """For each depth d, the engine hash the tree keeps for block d-1 of the path `local_hashes` walks.
+
+        Where a slower tier's walk starts from (Dynamo's `last_matched_hashes`); only depths the path reaches
+        (matched ones) are answered. The node's hash is the first storer's: engines that hash the same tokens
+        alike (all do, but see `hash_mismatches`) share it."""
+        wanted = sorted(d for d in depths if d > 0)
+        out: dict[int, int] = {}
+        node, depth, i = self.root, 0, 0
+        while i < len(wanted) and depth < len(local_hashes):
+            children = node.children
+            node = children.get(local_hashes[depth]) if children else None  # type: ignore[assignment]
+            if node is None:
+                break
+            end = depth + len(node.locals)
+            while i < len(wanted) and wanted[i] <= end:
+                out[wanted[i]] = node.hashes[wanted[i] - depth - 1]
+                i += 1
+            depth = end
+        return out
+
     # ----- mutation ------------------------------------------------------------------------------------
 
     def store(self, worker: Worker, parent_hash: int | None, block_hashes: Sequence[int],

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import count
 
-from kvctl.core.events import Removed, RouterEvent, Stored, Tier
+from kvctl.core.events import Removed, RouterEvent, Stored
 from kvctl.core.index import IndexMatches, KvIndex, Worker
 
 HEAP_REBUILD_FACTOR = 50
@@ -89,7 +89,7 @@ class ApproxIndexer:
     def __init__(self, config: ApproxConfig | None = None) -> None:
         self.config = config if config is not None else ApproxConfig()
         self._index = KvIndex()
-        self._tree = self._index.tree(Tier.device)
+        self._tree = self._index.device
         self._timers: dict[Worker, dict[tuple[int, int], float]] = {}  # worker -> (seq hash, position) -> expiry
         self._live = 0  # timers over all workers
         self._heap: list[_HeapItem] = []

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from kvctl.core.hashing import packed_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
 from kvctl.core.router.approx import ApproxIndexer
-from kvctl.core.router.scoring import Decision, RouterConfig, decide, score
+from kvctl.core.router.scoring import Decision, RouterConfig, booked_prefill_tokens, decide, score
 from kvctl.core.router.sequences import ActiveSequences
 
 Worker = tuple[int, int]
@@ -43,14 +43,15 @@ class Router:
         lora_name: str | None = None,
         request_id: str | None = None,
         reserve: bool = False,
-        overlap_score_weight: float | None = None,
-        temperature: float | None = None,
+        overrides: Mapping[str, float | bool | None] | None = None,
         busy: Mapping[Worker, bool] | None = None,
         now: float = 0.0,
     ) -> Decision:
         """Choose a worker for a prompt given as token ids or as Dynamo local hashes (then ISL = blocks x B).
 
-        With `reserve`, the request is tracked as in flight on the chosen worker until it is freed.
+        With `reserve`, the request is tracked as in flight on the chosen worker until it is freed. `overrides`
+        are this request's own knobs (`RouterConfig.override`: Dynamo names or the legacy aliases); BadKnob
+        when one is out of range.
         """
         b = self.block_size
         if token_ids is not None:
@@ -61,7 +62,7 @@ class Router:
             isl = len(local) * b
         else:
             raise ValueError("give token_ids or local_hashes")
-        config = self.config.override(overlap_score_weight=overlap_score_weight, temperature=temperature)
+        config = self.config.override(**overrides) if overrides else self.config
         matches = self.index.find_matches(local)  # the approx indexer's own index in approximate mode
         sequences = self.sequences
         loads = sequences.loads()
@@ -71,11 +72,11 @@ class Router:
         new_blocks = (lambda w: sequences.new_prompt_blocks(w, seq)) if loads else n_blocks
         scores = score(candidates, matches, loads, new_blocks, isl_tokens=isl, block_size=b, config=config,
                        busy=busy)
-        decision = decide(scores, isl_tokens=isl, block_size=b, temperature=config.temperature, rng=self.rng)
+        decision = decide(scores, isl_tokens=isl, block_size=b, temperature=config.router_temperature, rng=self.rng)
         if reserve:
             if request_id is None:
                 raise ValueError("reserve needs a request_id")
-            prefill = max(0, isl - decision.overlap_blocks * b)
+            prefill = booked_prefill_tokens(isl, decision.effective_overlap, b, config)
             sequences.add(request_id, decision.worker, seq, prefill, now)
             if self.approx is not None:
                 self.approx.record(decision.worker, local, seq, now)

@@ -1,19 +1,28 @@
-"""Where a request goes, and why: Dynamo's cost function with a per-candidate explanation (DESIGN §3.4).
+"""Where a request goes, and why: Dynamo 1.6.1's cost function with a per-candidate explanation (DESIGN §3.4).
 
-For each candidate (worker, dp_rank), with block size B and a prompt of ISL tokens:
+For each candidate (worker, dp_rank), block size B, a prompt of ISL tokens (ceil(ISL/B) = request blocks):
 
-    prefill_blocks = (active_prefill_tokens + max(0, ISL - overlap * B)) / B
-    decode_blocks  = active_blocks + new_prompt_blocks
-    logit          = overlap_score_weight * prefill_blocks + decode_blocks      (lowest wins)
+    credit   = overlap_score_credit * decay * device_blocks
+               + host_cache_hit_weight * host_blocks + disk_cache_hit_weight * disk_blocks
+    decay    = 1 / (1 + overlap_score_credit_decay * ((active_prefill - min active_prefill) / B) / request_blocks)
+    raw      = (active_prefill_tokens + ISL) / B
+    decode   = active_blocks + the prompt's full blocks not already in flight there
+    logit    = prefill_load_scale * max(0, raw - credit) + decode + decode_active_request_weight * requests
 
-`overlap` is the device-tier matched depth, plus optional credits for blocks a worker could onboard
-from a slower tier instead of recomputing. At temperature 0 a tie goes to the smallest tree size
-(0 when unmatched), then uniformly at random; above 0 the choice is sampled from a softmax of the
-logits scaled by their range. Randomness is injected (`random.Random`), so tests are seeded.
+`host_blocks` and `disk_blocks` are how far a slower tier continues the worker's match beyond the faster
+ones (`IndexMatches.by_tier`); blocks on the external tier, which continues the disk one, count as disk
+blocks, as in Dynamo's `disk_extension_blocks`. The minimum is over the candidates. Lowest logit wins;
+exact ties are drawn uniformly. With prefill-token tracking off, the prompt adds no prefill (raw counts
+in-flight tokens only), there is no decay, and while the overlap credit is positive the logit is
+`max(0, decode - credit)` plus the request term. Above temperature 0 the choice is sampled from a
+softmax of the logits scaled by their range.
+The arithmetic is Dynamo's, in its order, so exact ties are the same ties. Randomness is injected
+(`random.Random`), so tests are seeded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -27,15 +36,18 @@ from kvctl.core.router.sequences import Load, LoadView
 
 Worker = tuple[int, int]
 
-DEFAULT_TIER_CREDITS: Mapping[Tier, float] = {Tier.host_pinned: 0.75, Tier.disk: 0.25}
-"""Worth of a block onboarded from host memory or disk, in device blocks, when credits are enabled."""
+CREDITED_TIERS = (Tier.device, Tier.host_pinned, Tier.disk, Tier.external)
+"""The tiers the cost function credits; external blocks earn the disk weight (Dynamo counts them as disk)."""
+
+KNOBS = ("overlap_score_credit", "overlap_score_credit_decay", "prefill_load_scale", "decode_active_request_weight",
+         "host_cache_hit_weight", "disk_cache_hit_weight", "router_temperature", "track_prefill_tokens")
+"""The cost function's knobs by their Dynamo names: flags, config files, policy YAML and requests all use these."""
 
 
 class Reason(StrEnum):
     only_candidate = "only_candidate"
     lowest_logit = "lowest_logit"
-    tie_smallest_tree = "tie_smallest_tree"  # several lowest logits; the fewest cached blocks won
-    tie_random = "tie_random"  # several lowest logits and tree sizes; drawn uniformly
+    tie_random = "tie_random"  # several lowest logits: drawn uniformly among them
     sampled = "sampled"  # temperature > 0: drawn from the softmax
 
 
@@ -43,30 +55,54 @@ class NoCandidates(Exception):
     """The model has no registered worker to route to."""
 
 
+class BadKnob(ValueError):
+    """A router knob out of its range; the message names the knob (a request's 4xx says which field)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    overlap_score_weight: float = 1.0
-    temperature: float = 0.0
-    tier_credits: Mapping[Tier, float] | None = None  # None: device overlap only, as Dynamo
+    """Dynamo's defaults (KvRouterConfig 1.6.1); every number must be finite and >= 0, as Dynamo checks them."""
+
+    overlap_score_credit: float = 1.0
+    overlap_score_credit_decay: float = 0.0
+    prefill_load_scale: float = 1.0
+    decode_active_request_weight: float = 0.0
+    host_cache_hit_weight: float = 0.75
+    disk_cache_hit_weight: float = 0.25
+    router_temperature: float = 0.0
+    track_prefill_tokens: bool = True
+    booked_tier_weights: tuple[float, float] | None = None
+    """Host and disk weights of the effective overlap a reservation books, when not the two above: Dynamo
+    1.6.1 books with its router-wide weights even where a policy file's instance scores with its own."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.overlap_score_weight) and self.overlap_score_weight >= 0):
-            raise ValueError(f"overlap_score_weight must be a finite number >= 0, got {self.overlap_score_weight}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        for tier, credit in (self.tier_credits or {}).items():
-            if tier is Tier.device or not 0 <= credit <= 1:
-                raise ValueError(f"tier credit for {tier} must be in [0, 1] and not for the device tier")
+        for name in KNOBS[:-1]:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    math.isfinite(value) and value >= 0):
+                raise BadKnob(f"{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.track_prefill_tokens, bool):
+            raise BadKnob(f"track_prefill_tokens must be true or false, got {self.track_prefill_tokens!r}")
 
-    def override(self, *, overlap_score_weight: float | None = None, temperature: float | None = None) -> RouterConfig:
-        """This config with a request's own weight / temperature where given."""
-        if overlap_score_weight is None and temperature is None:
+    def override(self, *, overlap_score_weight: float | None = None, temperature: float | None = None,
+                 **knobs: float | bool | None) -> RouterConfig:
+        """This config with the knobs given (None: keep), by Dynamo name or by a legacy alias.
+
+        `overlap_score_weight` is Dynamo's deprecated name for prefill_load_scale and wins over it; 0 also
+        sets the overlap credit to 0, as in Dynamo. `temperature` is kvctl's old name for router_temperature."""
+        changes = {k: v for k, v in knobs.items() if v is not None}
+        unknown = sorted(set(changes) - set(KNOBS))
+        if unknown:
+            raise TypeError(f"unknown router knob {unknown[0]!r}")
+        if temperature is not None:
+            changes.setdefault("router_temperature", temperature)
+        if overlap_score_weight is not None:
+            changes["prefill_load_scale"] = overlap_score_weight
+            if overlap_score_weight == 0:
+                changes["overlap_score_credit"] = 0.0
+        if not changes:
             return self  # the common case, on every route: a frozen dataclass costs its validation to build
-        return RouterConfig(
-            self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight,
-            self.temperature if temperature is None else temperature,
-            self.tier_credits,
-        )
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +112,14 @@ class Candidate:
     worker: Worker
     overlap_blocks: int
     overlap_by_tier: Mapping[Tier, int]
+    credit_by_tier: Mapping[Tier, float]
+    decay: float
     effective_overlap: float
     tree_size: int
+    raw_prefill_blocks: float
     prefill_blocks: float
     decode_blocks: int
+    active_requests: int
     logit: float
     busy: bool = False
 
@@ -89,10 +129,15 @@ class Candidate:
             "dp_rank": self.worker[1],
             "overlap_blocks": self.overlap_blocks,
             "overlap_by_tier": {tier.value: self.overlap_by_tier.get(tier, 0) for tier in Tier},
+            "credit_by_tier": {tier.value: self.credit_by_tier.get(tier, 0.0) for tier in CREDITED_TIERS},
+            "credit": sum(self.credit_by_tier.values()),
+            "decay": self.decay,
             "effective_overlap": self.effective_overlap,
             "tree_size": self.tree_size,
+            "raw_prefill_blocks": self.raw_prefill_blocks,
             "prefill_blocks": self.prefill_blocks,
             "decode_blocks": self.decode_blocks,
+            "active_requests": self.active_requests,
             "logit": self.logit,
             "busy": self.busy,
         }
@@ -104,29 +149,43 @@ class Scores:
 
     workers: Sequence[Worker]
     overlap: list[int]
+    host: list[int]
+    disk: list[int]  # external blocks included
+    decay: list[float]
     effective: list[float]
     tree_size: list[int]
+    raw_prefill: list[float]
     prefill: list[float]
     decode: list[int]
+    requests: list[int]
     logit: list[float]
     busy: list[bool]
     by_tier: Mapping[Tier, Mapping[Worker, int]]
+    config: RouterConfig
 
     def rows(self) -> list[Candidate]:
-        by_tier = self.by_tier
-        return [
-            Candidate(w, dev, {t: d for t, s in by_tier.items() if (d := s.get(w, 0))} if by_tier
-                      else ({Tier.device: dev} if dev else {}), eff, tree, pre, dec, logit, busy)
-            for w, dev, eff, tree, pre, dec, logit, busy in zip(
-                self.workers, self.overlap, self.effective, self.tree_size, self.prefill, self.decode,
-                self.logit, self.busy, strict=True)
-        ]
+        by_tier, c = self.by_tier, self.config
+        rows = []
+        for i, w in enumerate(self.workers):
+            dev = self.overlap[i]
+            tiers = ({t: n for t, s in by_tier.items() if (n := s.get(w, 0))} if by_tier
+                     else ({Tier.device: dev} if dev else {}))
+            external = tiers.get(Tier.external, 0)
+            credit = {Tier.device: c.overlap_score_credit * self.decay[i] * dev,
+                      Tier.host_pinned: c.host_cache_hit_weight * self.host[i],
+                      Tier.disk: c.disk_cache_hit_weight * (self.disk[i] - external),
+                      Tier.external: c.disk_cache_hit_weight * external}
+            rows.append(Candidate(w, dev, tiers, credit, self.decay[i], self.effective[i], self.tree_size[i],
+                                  self.raw_prefill[i], self.prefill[i], self.decode[i], self.requests[i],
+                                  self.logit[i], self.busy[i]))
+        return rows
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     worker: Worker
     overlap_blocks: int
+    effective_overlap: float
     required_blocks: int
     reason: Reason
     scores: Scores
@@ -136,16 +195,13 @@ class Decision:
         return self.scores.rows()
 
 
-def effective_overlap(depth_by_tier: Mapping[Tier, int], credits: Mapping[Tier, float] | None) -> float:
-    """Device depth, plus credited blocks that extend the prefix from slower tiers, fastest tier first."""
-    reach = depth_by_tier.get(Tier.device, 0)
-    total = float(reach)
-    for tier, credit in sorted((credits or {}).items(), key=lambda tc: -tc[1]):
-        depth = depth_by_tier.get(tier, 0)
-        if depth > reach:
-            total += credit * (depth - reach)
-            reach = depth
-    return total
+def booked_prefill_tokens(isl_tokens: int, effective_overlap: float, block_size: int, config: RouterConfig) -> int:
+    """Prefill tokens a reservation books: ISL - round(effective overlap * B), tier credit included (Dynamo).
+
+    Rounded half away from zero, as Rust's f64::round; nothing when prefill tokens are not tracked."""
+    if not config.track_prefill_tokens:
+        return 0
+    return max(0, isl_tokens - math.floor(effective_overlap * block_size + 0.5))
 
 
 def score(
@@ -160,42 +216,81 @@ def score(
     busy: Mapping[Worker, bool] | None = None,
 ) -> Scores:
     """Price every candidate, matched or not. `loads` may omit idle workers; `new_blocks(w)` is the
-    number of the prompt's blocks not already among w's in-flight blocks (an int: the same for all).
-
-    This runs on every route, for every candidate: with nothing in flight anywhere (no loads), each
-    column is one comprehension instead of a loop over workers and their loads."""
+    number of the prompt's full blocks not already among w's in-flight blocks (an int: the same for all)."""
+    n = len(candidates)
     get_overlap = matches.scores.get
     overlap = [get_overlap(w, 0) for w in candidates]
     by_tier = matches.by_tier
-    if config.tier_credits and by_tier:
-        credits = config.tier_credits
-        effective = [effective_overlap({t: s.get(w, 0) for t, s in by_tier.items()}, credits) for w in candidates]
-    else:
-        effective = [float(d) for d in overlap]
-    weight = config.overlap_score_weight
+    host_of, disk_of, external_of = by_tier.get(Tier.host_pinned), by_tier.get(Tier.disk), by_tier.get(Tier.external)
+    host = [host_of.get(w, 0) for w in candidates] if host_of else [0] * n
+    disk = [disk_of.get(w, 0) for w in candidates] if disk_of else [0] * n
+    if external_of:
+        disk = [d + external_of.get(w, 0) for d, w in zip(disk, candidates, strict=True)]
+    credit_k, scale = config.overlap_score_credit, config.prefill_load_scale
+    host_w, disk_w = config.host_cache_hit_weight, config.disk_cache_hit_weight
+    booked_host_w, booked_disk_w = config.booked_tier_weights or (host_w, disk_w)
+    effective = [dev + booked_host_w * h + booked_disk_w * d for dev, h, d in zip(overlap, host, disk, strict=True)] \
+        if by_tier else [float(dev) for dev in overlap]  # no slower tier: the same numbers, cheaper
     if loads:
-        blocks_of = (lambda _: new_blocks) if isinstance(new_blocks, int) else new_blocks
-        idle: LoadView = Load()
-        prefill: list[float] = []
-        decode: list[int] = []
-        logits: list[float] = []
-        for w, eff in zip(candidates, effective, strict=True):
-            load = loads.get(w, idle)
-            uncached = isl_tokens - eff * block_size
-            p = (load.active_prefill_tokens + (uncached if uncached > 0 else 0.0)) / block_size
-            d = load.active_blocks + blocks_of(w)
-            prefill.append(p)
-            decode.append(d)
-            logits.append(weight * p + d)
-    else:  # the same numbers, with every load 0
-        prefill = [(isl_tokens - e * block_size) / block_size if isl_tokens > e * block_size else 0.0
-                   for e in effective]
-        decode = ([new_blocks] * len(candidates) if isinstance(new_blocks, int)
-                  else [new_blocks(w) for w in candidates])
-        logits = [weight * p + d for p, d in zip(prefill, decode, strict=True)]
+        decay, raw, prefill, decode, requests, logits = _priced(
+            candidates, overlap, host, disk, loads, new_blocks, config, isl_tokens, block_size)
+    else:  # nothing in flight anywhere (every route of an idle fleet): the same numbers, a comprehension a column
+        decay, requests = [1.0] * n, [0] * n
+        decode = [new_blocks] * n if isinstance(new_blocks, int) else [new_blocks(w) for w in candidates]
+        r = (isl_tokens if config.track_prefill_tokens else 0) / block_size
+        raw = [r] * n
+        credit = [credit_k * dev + host_w * h + disk_w * d for dev, h, d in zip(overlap, host, disk, strict=True)] \
+            if by_tier else [credit_k * dev for dev in overlap]
+        if not config.track_prefill_tokens and credit_k > 0:  # the credit offsets decode, not prefill
+            prefill = [0.0] * n
+            logits = [max(dec - c, 0.0) for dec, c in zip(decode, credit, strict=True)]
+        else:
+            prefill = [max(r - c, 0.0) for c in credit]
+            logits = [scale * p + dec for p, dec in zip(prefill, decode, strict=True)]
     tree = matches.tree_sizes.get
-    return Scores(candidates, overlap, effective, [tree(w, 0) for w in candidates], prefill, decode, logits,
-                  [bool(busy.get(w)) for w in candidates] if busy else [False] * len(candidates), by_tier)
+    return Scores(candidates, overlap, host, disk, decay, effective, [tree(w, 0) for w in candidates], raw, prefill,
+                  decode, requests, logits,
+                  [bool(busy.get(w)) for w in candidates] if busy else [False] * n, by_tier, config)
+
+
+def _priced(candidates: Sequence[Worker], overlap: list[int], host: list[int], disk: list[int],
+            loads: Mapping[Worker, LoadView], new_blocks: Callable[[Worker], int] | int, config: RouterConfig,
+            isl_tokens: int, block_size: int) -> tuple[list[float], list[float], list[float], list[int], list[int],
+                                                       list[float]]:
+    """`score`'s columns with requests in flight: decay, raw prefill, prefill, decode, requests, logit."""
+    idle: LoadView = Load()
+    load = [loads.get(w, idle) for w in candidates]
+    blocks_of = (lambda _: new_blocks) if isinstance(new_blocks, int) else new_blocks
+    credit_k, decay_k, scale = config.overlap_score_credit, config.overlap_score_credit_decay, config.prefill_load_scale
+    host_w, disk_w, request_w = config.host_cache_hit_weight, config.disk_cache_hit_weight, \
+        config.decode_active_request_weight
+    track = config.track_prefill_tokens
+    request_blocks = -(-isl_tokens // block_size)
+    decaying = track and decay_k > 0 and request_blocks > 0
+    floor = min(x.active_prefill_tokens for x in load) if decaying and load else 0
+    prompt_tokens = isl_tokens if track else 0
+    decay, raw, prefill, decode, requests, logits = [], [], [], [], [], []
+    for i, w in enumerate(candidates):
+        x = load[i]
+        d = 1.0 / (1.0 + decay_k * ((x.active_prefill_tokens - floor) / block_size / request_blocks)) \
+            if decaying else 1.0
+        credit = credit_k * d * overlap[i] + host_w * host[i] + disk_w * disk[i]
+        dec = x.active_blocks + blocks_of(w)
+        request_cost = request_w * x.requests
+        r = (x.active_prefill_tokens + prompt_tokens) / block_size
+        if not track and credit_k > 0:
+            p = 0.0
+            logit = max(dec - credit, 0.0) + request_cost
+        else:
+            p = max(r - credit, 0.0)
+            logit = scale * p + dec + request_cost
+        decay.append(d)
+        raw.append(r)
+        prefill.append(p)
+        decode.append(dec)
+        requests.append(x.requests)
+        logits.append(logit)
+    return decay, raw, prefill, decode, requests, logits
 
 
 def select(scores: Scores, temperature: float, rng: random.Random) -> tuple[int, Reason]:
@@ -211,26 +306,20 @@ def select(scores: Scores, temperature: float, rng: random.Random) -> tuple[int,
     best = min(logits)
     if logits.count(best) == 1:
         return logits.index(best), Reason.lowest_logit
-    lowest = [i for i, v in enumerate(logits) if v == best]
-    sizes = scores.tree_size
-    smallest = min(sizes[i] for i in lowest)
-    fewest = [i for i in lowest if sizes[i] == smallest]
-    if len(fewest) < len(lowest):
-        return (fewest[0] if len(fewest) == 1 else rng.choice(fewest)), Reason.tie_smallest_tree
-    return rng.choice(lowest), Reason.tie_random
+    return rng.choice([i for i, v in enumerate(logits) if v == best]), Reason.tie_random
 
 
 def _sample(logits: list[float], temperature: float, rng: random.Random) -> int:
-    """Softmax over -(logit / range) / T: scale-free in the logits, uniform when they are all equal."""
+    """Softmax over -(logit - min) / (range * T): scale-free in the logits, uniform when they are all equal."""
     n = len(logits)
-    spread = max(logits) - min(logits)
+    low = min(logits)
+    spread = max(logits) - low
     if spread == 0:
         return rng.randrange(n)
-    scaled = [-(v / spread) / temperature for v in logits]
-    top = max(scaled)
-    return rng.choices(range(n), weights=[math.exp(x - top) for x in scaled])[0]
+    return rng.choices(range(n), weights=[math.exp(-(v - low) / (spread * temperature)) for v in logits])[0]
 
 
 def decide(scores: Scores, *, isl_tokens: int, block_size: int, temperature: float, rng: random.Random) -> Decision:
     i, reason = select(scores, temperature, rng)
-    return Decision(scores.workers[i], scores.overlap[i], -(-isl_tokens // block_size), reason, scores)
+    return Decision(scores.workers[i], scores.overlap[i], scores.effective[i], -(-isl_tokens // block_size), reason,
+                    scores)

@@ -45,6 +45,9 @@ class LoadView(Protocol):
     @property
     def active_prefill_tokens(self) -> int: ...
 
+    @property
+    def requests(self) -> int: ...
+
 
 @dataclass(slots=True)
 class _WorkerState:

@@ -1,0 +1,203 @@
+"""Dynamo's `--router-policy-config` YAML, read as Dynamo 1.6.1 reads it, for the knobs kvctl's router has.
+
+The file (DESIGN §3.4) names worker-selection policy instances and which one each worker pool uses:
+
+    worker_selection:
+      aggregated: mine                      # or prefill / decode / encode; "default": the built-in selector
+      instances:
+        - name: mine
+          type: dynamo-default-cost-fn
+          parameters: {overlap_score_credit: 0.5, router_temperature: 0.1, ...}
+
+kvctl routes aggregated workers, so it takes the `aggregated` instance's parameters, which win over the
+flags (as Dynamo's `Parameters::resolve` does). What Dynamo rejects is rejected with its words: unknown
+keys, bad names, duplicate or missing instances, a parameter that is not a finite number >= 0, an unknown
+policy type. Like Dynamo, only the instance in use has its type and parameters checked. kvctl implements
+one policy type, Dynamo's default cost function; the other types Dynamo links are refused by name.
+The sections kvctl has no use for (queue policy classes, request classifiers, ...) are accepted and
+reported in `ignored`. Scalars are resolved as YAML 1.2 (Dynamo's serde_yaml) does: `yes` is a string,
+`1e3` a float. Pure: the caller reads the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from kvctl.core.router.scoring import KNOBS, RouterConfig
+
+TOP_LEVEL = ("router", "default_policy_family", "policy_classes", "uncached_isl_buckets", "models",
+             "worker_selection", "request_classifier")
+STAGES = ("aggregated", "prefill", "decode", "encode")
+DEFAULT_COST_FN = "dynamo-default-cost-fn"
+DYNAMO_POLICY_TYPES = (DEFAULT_COST_FN, "dynamo-two-tier-cost-fn", "thunderagent")
+"""The worker-selection policy types Dynamo 1.6.1 links (its error message lists them)."""
+PARAMETERS = (*KNOBS[:-1], "shared_cache_multiplier")
+"""The default cost function's parameters: the knobs but prefill-token tracking, plus the shared-cache weight."""
+
+_IDENTIFIER = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+class PolicyConfigError(ValueError):
+    """The file is not one Dynamo would start with; the message is one line."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    knobs: dict[str, float]
+    """The aggregated instance's parameters that kvctl's router has (by Dynamo name); empty: the flags'."""
+    shared_cache_multiplier: float | None
+    """Validated like the others; kvctl indexes no shared cache (Dynamo's HiCache), so it changes nothing."""
+    instance: str | None
+    ignored: list[str]
+    """Sections and stage selections kvctl reads but has no use for."""
+
+    def apply(self, config: RouterConfig) -> RouterConfig:
+        """`config` (the flags') with the instance's parameters over it, as Dynamo resolves them.
+
+        Dynamo scores with the instance's tier weights but books a reservation's prefill with the
+        router-wide ones, so those are kept for booking."""
+        if not self.knobs:
+            return config
+        booked = config.booked_tier_weights or (config.host_cache_hit_weight, config.disk_cache_hit_weight)
+        return dataclasses.replace(config.override(**self.knobs), booked_tier_weights=booked)
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 core-schema booleans and floats, as serde_yaml resolves them."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:bool",
+                                                                       "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def _float_1_2(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float | str:
+    text = str(loader.construct_scalar(node))
+    special = text.lower().lstrip("+-")
+    if special in (".inf", ".nan"):
+        return float(text.lower().replace(".", "", 1))  # "-.inf" -> "-inf", ".nan" -> "nan"
+    value = float(text)
+    return text if math.isinf(value) else value  # serde_yaml keeps a float it cannot hold as a string
+
+
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:float", _float_1_2)
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"boolean `{str(value).lower()}`"
+    if isinstance(value, str):
+        return f'string "{value}"'
+    if isinstance(value, list):
+        return "sequence"
+    if isinstance(value, dict):
+        return "map"
+    return f"`{value}`"
+
+
+def _fields(where: str, value: Any, allowed: tuple[str, ...], what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise PolicyConfigError(f"{where}invalid type: {_type_name(value)}, expected {what}")
+    for key in value:
+        if key not in allowed:
+            expected = ", ".join(f"`{k}`" for k in allowed)
+            raise PolicyConfigError(f"{where}unknown field `{key}`, expected one of {expected}")
+    return value
+
+
+def _identifier(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not _IDENTIFIER.fullmatch(value):
+        shown = f'"{value}"' if isinstance(value, str) else _type_name(value)
+        raise PolicyConfigError(f"invalid router policy config: worker_selection {what} {shown} must match "
+                                f"[A-Za-z0-9_.-]+")
+    return value
+
+
+def parse_policy_config(text: str) -> PolicyConfig:
+    """The router knobs a policy file sets for aggregated workers; PolicyConfigError as Dynamo would refuse it."""
+    try:
+        data = yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a safe loader, with YAML 1.2 scalars
+    except yaml.YAMLError as exc:
+        raise PolicyConfigError(f"failed to parse router policy config: {' '.join(str(exc).split())}") from None
+    top = _fields("failed to parse router policy config: ", {} if data is None else data, TOP_LEVEL,
+                  "struct RawRouterPolicyConfig")
+    if not any(top.get(key) is not None for key in TOP_LEVEL):
+        raise PolicyConfigError("invalid router policy config: router policy config must define router settings, "
+                                "a root profile, at least one model profile, worker_selection, or request_classifier")
+    ignored = [key for key in TOP_LEVEL if key != "worker_selection" and top.get(key) is not None]
+    raw = top.get("worker_selection")
+    if raw is None:
+        return PolicyConfig({}, None, None, ignored)
+    selection = _fields("failed to parse router policy config: worker_selection: ", raw, (*STAGES, "instances"),
+                        "struct RawWorkerSelectionConfig")
+    if not any(selection.get(key) for key in (*STAGES, "instances")):
+        raise PolicyConfigError("invalid router policy config: worker_selection must define an instance or an "
+                                "aggregated, prefill, decode, or encode selection")
+    instances: dict[str, tuple[str, dict[str, Any]]] = {}
+    for i, item in enumerate(selection.get("instances") or []):
+        where = f"failed to parse router policy config: worker_selection.instances[{i}]: "
+        fields = _fields(where, item, ("name", "type", "parameters"), "struct RawWorkerSelectionInstance")
+        for required in ("name", "type"):
+            if required not in fields:
+                raise PolicyConfigError(f"{where}missing field `{required}`")
+        name = _identifier(fields["name"], "instance name")
+        if name == "default":
+            raise PolicyConfigError("invalid router policy config: worker_selection instance name 'default' is "
+                                    "reserved for Dynamo's built-in selector")
+        policy_type = _identifier(fields["type"], "policy type")
+        parameters = fields.get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise PolicyConfigError(f'invalid router policy config: worker_selection instance "{name}" parameters '
+                                    f"must be a YAML mapping")
+        if name in instances:
+            raise PolicyConfigError(f'invalid router policy config: worker_selection contains duplicate instance '
+                                    f'"{name}"')
+        instances[name] = (policy_type, parameters)
+    for stage in STAGES:
+        chosen = selection.get(stage)
+        if chosen is not None and chosen != "default" and chosen not in instances:
+            raise PolicyConfigError(f'invalid router policy config: worker_selection {stage} "{chosen}" does not '
+                                    f"name a configured instance")
+    ignored += [f"worker_selection.{stage}" for stage in STAGES[1:] if selection.get(stage) is not None]
+    chosen = selection.get("aggregated")
+    if chosen is None or chosen == "default":
+        return PolicyConfig({}, None, None, ignored)
+    policy_type, parameters = instances[chosen]
+    knobs = _parameters(policy_type, parameters)
+    shared = knobs.pop("shared_cache_multiplier", None)
+    return PolicyConfig(knobs, shared, chosen, ignored)
+
+
+def _parameters(policy_type: str, parameters: dict[str, Any]) -> dict[str, float]:
+    if policy_type not in DYNAMO_POLICY_TYPES:
+        raise PolicyConfigError(f'unknown worker-selection policy type "{policy_type}"; linked policy types: '
+                                f"{', '.join(DYNAMO_POLICY_TYPES)}")
+    if policy_type != DEFAULT_COST_FN:
+        raise PolicyConfigError(f'worker-selection policy type "{policy_type}" is Dynamo\'s but kvctl implements '
+                                f"only {DEFAULT_COST_FN}")
+    where = f'invalid parameters for worker-selection policy type "{policy_type}": '
+    _fields(where, parameters, PARAMETERS, "struct Parameters")
+    knobs = {}
+    for name in PARAMETERS:  # checked in Dynamo's order: the first bad one is named
+        value = parameters.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise PolicyConfigError(f"{where}invalid type: {_type_name(value)}, expected f64")
+        if not math.isfinite(value) or value < 0:
+            raise PolicyConfigError(f"{where}{name} must be finite and non-negative")
+        knobs[name] = float(value)
+    return knobs
