@@ -70,3 +70,33 @@ def test_frontend_errors_come_back_as_kvctl_errors(frontend: Frontend) -> None:
     one_line_error(kvctl(frontend.url, "busy", "set", "-m", MODEL, "--active-decode-blocks-threshold", "1.5",
                          "--yes"), 2, "active_decode_blocks_threshold must be a number in [0.0, 1.0]")
     assert _frontends_own(frontend) == OFF
+
+
+BODIES: list[tuple[str, dict[str, str], bytes]] = [  # (what, headers, body): the cases DESIGN §3.4 lists
+    ("not JSON content", {"content-type": "text/plain"}, b'{"model": "tiny"}'),
+    ("no content type", {}, b'{"model": "tiny"}'),
+    ("malformed JSON", {"content-type": "application/json"}, b'{"model": '),
+    ("a negative token threshold", {"content-type": "application/json"},
+     b'{"model": "tiny", "active_prefill_tokens_threshold": -1}'),
+    ("a string for a number", {"content-type": "application/json"},
+     b'{"model": "tiny", "active_decode_blocks_threshold": "high"}'),
+    ("a decode fraction above 1", {"content-type": "application/json"},
+     b'{"model": "tiny", "active_decode_blocks_threshold": 1.5}'),
+    ("an unknown model", {"content-type": "application/json"},
+     b'{"model": "nope", "active_prefill_tokens_threshold": 9}'),
+    ("unknown fields, all null: a get", {"content-type": "application/json"}, b'{"model": "tiny", "color": "red"}'),
+]
+
+
+@pytest.mark.parametrize(("what", "headers", "body"), BODIES, ids=[b[0] for b in BODIES])
+def test_kvctl_answers_busy_threshold_bodies_with_the_frontends_status(fleet: Fleet, frontend: Frontend, what: str,
+                                                                      headers: dict[str, str], body: bytes) -> None:
+    """kvctl's own `/busy_threshold` against the frontend's, body for body: the same status code (and for the
+    unknown model, Dynamo's words)."""
+    router = fleet.routers["nats"].url  # its model is `default` where the frontend's is `tiny`
+    theirs = httpx.post(f"{frontend.url}/busy_threshold", content=body, headers=headers, timeout=10)
+    ours = httpx.post(f"{router}/busy_threshold", content=body.replace(b'"tiny"', b'"default"'), headers=headers,
+                      timeout=10)
+    assert ours.status_code == theirs.status_code, f"{what}: kvctl {ours.text!r}, Dynamo {theirs.text!r}"
+    if what == "an unknown model":
+        assert ours.json()["error"] == theirs.json()["error"]  # kvctl also lists the models it knows
