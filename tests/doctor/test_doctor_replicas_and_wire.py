@@ -13,6 +13,7 @@ import msgspec
 import nats
 import zmq.asyncio
 
+from kvctl.core.events import RouterEvent
 from kvctl.core.events.plane import PlaneNames
 from kvctl.nats_barrier import barrier
 from tests.commands.live_router import DUMP
@@ -167,48 +168,43 @@ def test_a_declared_model_without_workers_is_named(tmp_path: Path) -> None:
     assert code == 1 and finding["severity"] == "WARNING" and finding["evidence"]["models_without_workers"] == ["llama"]
 
 
-async def test_events_lost_on_the_nats_event_plane_are_named(tmp_path: Path) -> None:
+async def _doctor_on_a_plane(tmp_path: Path, plane: tuple[str, ...], sent: list[tuple[RouterEvent, int]],
+                             severity: str) -> tuple[int, dict[str, Any]]:
+    """A router following a NATS plane (`--nats URL` and `plane`), kv-events envelopes `sent` as (event, sequence)
+    onto the `doc` namespace's backend, then doctor until its event_plane finding has `severity`."""
     nats_server = NatsServer(tmp_path / "nats")
     try:
-        plane = ("--nats", nats_server.url, "--namespace", "doc")
-        with serving(tmp_path / "router", "--no-restore", *plane) as (_, client):
+        with serving(tmp_path / "router", "--no-restore", "--nats", nats_server.url, *plane) as (_, client):
             await _plane_ready(client)
-            tokens = list(range(48))
-            first = store(5, 1, tokens[:32])
             nc = await nats.connect(nats_server.url)
-            try:  # envelopes 1 and 2 (event ids 2 and 3) never come
-                for seq, ev in [(0, first), (3, store(5, 4, tokens[32:48]))]:
+            try:
+                for ev, seq in sent:
                     await nc.publish(PlaneNames("doc").kv_events, envelope(ev, seq))
                 await barrier(nc)
             finally:
                 await nc.close()
             code, report = await doctor_until(str(client.base_url).rstrip("/"), "event_plane",
-                                              lambda f: f["severity"] == "WARNING")
+                                              lambda f: f["severity"] == severity)
     finally:
         nats_server.stop()
     [finding] = findings(report, "event_plane")
+    return code, finding
+
+
+async def test_events_lost_on_the_nats_event_plane_are_named(tmp_path: Path) -> None:
+    tokens = list(range(48))
+    # envelopes 1 and 2 (event ids 2 and 3) never come
+    sent = [(store(5, 1, tokens[:32]), 0), (store(5, 4, tokens[32:48]), 3)]
+    code, finding = await _doctor_on_a_plane(tmp_path, ("--namespace", "doc"), sent, "WARNING")
     assert code == 1 and "lost 2 message(s)" in finding["cause"] and "2 KV event(s)" in finding["cause"]
     assert finding["evidence"]["publishers"] == [{"publisher_id": 77, "topic": "kv-events", "lost": 2,
                                                   "workers": ["5:0"]}]
 
 
 async def test_a_plane_that_carries_nothing_in_scope_names_the_subjects_it_does_carry(tmp_path: Path) -> None:
-    nats_server = NatsServer(tmp_path / "nats")
-    try:
-        plane = ("--nats", nats_server.url, "--namespace", "doc", "--component", "prefill")
-        with serving(tmp_path / "router", "--no-restore", *plane) as (_, client):
-            await _plane_ready(client)
-            nc = await nats.connect(nats_server.url)
-            try:  # the fleet's workers are in component backend, not prefill
-                await nc.publish(PlaneNames("doc").kv_events, envelope(store(5, 1, list(range(32))), 0))
-                await barrier(nc)
-            finally:
-                await nc.close()
-            code, report = await doctor_until(str(client.base_url).rstrip("/"), "event_plane",
-                                              lambda f: f["severity"] == "CRITICAL")
-    finally:
-        nats_server.stop()
-    [finding] = findings(report, "event_plane")
+    # the fleet's workers are in component backend, not prefill
+    code, finding = await _doctor_on_a_plane(tmp_path, ("--namespace", "doc", "--component", "prefill"),
+                                             [(store(5, 1, list(range(32))), 0)], "CRITICAL")
     assert code == 2 and finding["cause"].startswith(
         "0 messages on namespace.doc.component.prefill.endpoint.*.kv-events in ")
     assert finding["evidence"]["subjects_seen"] == {PlaneNames("doc").kv_events: 1}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -84,7 +84,7 @@ class TierExporter:
         self._base = BASE
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(self))
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self, _expected_header(auth)))
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), metrics_handler(self.body, _expected_header(auth)))
         self._thread = threading.Thread(target=self._server.serve_forever, name="tier-exporter", daemon=True)
         self._thread.start()
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -175,19 +175,26 @@ def _expected_header(auth: tuple[str, str] | str | None) -> str | None:
     return None if auth is None else f"Bearer {auth}"
 
 
-def _handler(exporter: TierExporter, authorization: str | None) -> type[BaseHTTPRequestHandler]:
+def metrics_handler(body: Callable[[], bytes], authorization: str | None = None,
+                    path: str | None = None) -> type[BaseHTTPRequestHandler]:
+    """An exposition endpoint answering `body()`: only at `path` when given (else 404), only to `authorization`
+    when given (else 401)."""
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if path is not None and self.path != path:
+                self.send_error(404)
+                return
             if authorization is not None and self.headers.get("Authorization") != authorization:
                 self.send_response(401)
                 self.end_headers()
                 return
-            body = exporter.body()
+            answer = body()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(answer)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(answer)
 
         def log_message(self, *args: object) -> None:
             pass

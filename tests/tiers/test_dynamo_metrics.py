@@ -12,7 +12,7 @@ import math
 import re
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
@@ -23,7 +23,7 @@ from tests.commands.live_router import loaded_router
 from tests.doctor.rig import doctor, findings
 from tests.fixtures_path import FIXTURES
 from tests.tiers.conftest import tiers, tiers_json
-from tests.tiers.exporter import TierExporter
+from tests.tiers.exporter import TierExporter, metrics_handler
 
 METRICS = FIXTURES / "dynamo-1.6.1-fleet" / "metrics"
 FRONTEND_IDLE = (METRICS / "frontend-idle.prom").read_text()
@@ -113,23 +113,8 @@ def test_mocker_kv_usage_and_no_tier_counters_said_once() -> None:
 
 def _serve(texts: list[str]) -> ThreadingHTTPServer:
     """`/metrics` answering `texts` in turn, the last one from then on."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            if self.path != "/metrics":
-                self.send_error(404)
-                return
-            body = (texts.pop(0) if len(texts) > 1 else texts[0]).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    handler = metrics_handler(lambda: (texts.pop(0) if len(texts) > 1 else texts[0]).encode(), path="/metrics")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
