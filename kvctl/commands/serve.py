@@ -128,9 +128,13 @@ def router_config(flags: dict[str, float | bool | None], overlap_score_weight: f
     return policy.apply(config)
 
 
+COST_PANEL = "Routing cost (Dynamo 1.6.1's knobs, also under its flag names)"
+
+
 def _knob(name: str, env: str, dynamo_flag: str, text: str) -> typer.models.OptionInfo:
-    """A cost-function flag, also under Dynamo's flag and DYN_ROUTER_* variable (DESIGN §3.4)."""
-    return typer.Option(f"--{name}", f"--{dynamo_flag}", show_default=False, help=text,
+    """A cost-function flag, also under Dynamo's flag and DYN_ROUTER_* variable (DESIGN §3.4). A panel of their
+    own: Dynamo's long spellings would squeeze every other option's help."""
+    return typer.Option(f"--{name}", f"--{dynamo_flag}", show_default=False, help=text, rich_help_panel=COST_PANEL,
                         envvar=[f"KVCTL_{name.upper().replace('-', '_')}", f"DYN_ROUTER_{env}"])
 
 
@@ -189,22 +193,24 @@ def serve_command(
         "Credit per block a worker holds on disk beyond its host match (default 0.25).")] = None,
     temperature: Annotated[float | None, typer.Option(
         "--router-temperature", envvar=["KVCTL_ROUTER_TEMPERATURE", "DYN_ROUTER_TEMPERATURE"], show_default=False,
+        rich_help_panel=COST_PANEL,
         help="0: lowest cost wins, ties drawn; > 0: sample a softmax (default 0).")] = None,
     track_prefill_tokens: Annotated[bool | None, typer.Option(
         "--track-prefill-tokens/--no-track-prefill-tokens",
         "--router-track-prefill-tokens/--no-router-track-prefill-tokens",
         envvar=["KVCTL_TRACK_PREFILL_TOKENS", "DYN_ROUTER_TRACK_PREFILL_TOKENS"], show_default=False,
-        help="Count prompt tokens as prefill load (default on).")] = None,
+        rich_help_panel=COST_PANEL, help="Count prompt tokens as prefill load (default on).")] = None,
     policy_config: Annotated[Path | None, typer.Option(
         "--router-policy-config", envvar=["KVCTL_ROUTER_POLICY_CONFIG", "DYN_ROUTER_POLICY_CONFIG"],
-        show_default=False, help="Dynamo's policy YAML: its aggregated dynamo-default-cost-fn parameters win "
-                                 "over these flags.")] = None,
+        show_default=False, rich_help_panel=COST_PANEL,
+        help="Dynamo's policy YAML: its aggregated dynamo-default-cost-fn parameters win over these flags.")] = None,
     overlap_score_weight: Annotated[float | None, typer.Option(
         "--overlap-score-weight", "--router-kv-overlap-score-weight",
         envvar=["KVCTL_OVERLAP_SCORE_WEIGHT", "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT"], show_default=False,
+        rich_help_panel=COST_PANEL,
         help="Deprecated (Dynamo's too): --prefill-load-scale; 0 also sets the overlap credit to 0.")] = None,
     tier_credits: Annotated[str | None, typer.Option(
-        "--tier-credits", envvar="KVCTL_TIER_CREDITS", show_default=False,
+        "--tier-credits", envvar="KVCTL_TIER_CREDITS", show_default=False, rich_help_panel=COST_PANEL,
         help="Deprecated: --host-cache-hit-weight / --disk-cache-hit-weight, e.g. 'host_pinned=0.75,disk=0.25'.")]
     = None,
     decode_threshold: Annotated[float | None, typer.Option(

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvctl.client.tier_sources import parse_metrics
 from kvctl.core.events.types import Tier
 from kvctl.core.tiers import (
+    FAMILIES,
     Sample,
     Status,
     Window,
@@ -82,7 +83,8 @@ def test_other_names_are_not_read(name: str) -> None:
 def test_absent_families_are_reported_and_checks_say_unknown() -> None:
     got = report([Window("e", 10.0, (Sample("kvbm_host_cache_hit_rate", {}, 0.4),))])
     assert got.found == ("kvbm_{host,disk,object}_cache_hit_rate",)
-    assert "vllm:prefix_cache_hits" in got.missing and len(got.missing) == 16
+    assert "vllm:prefix_cache_hits" in got.missing and "dynamo_frontend_cached_tokens" in got.missing
+    assert len(got.missing) == len(FAMILIES) - 1  # every family but the one found
     assert check(got, "disk", warn=0.5, crit=0.1).status is Status.UNKNOWN
     assert check(got, "host", warn=0.5, crit=0.1).status is Status.WARNING
 
