@@ -38,7 +38,7 @@ from kvctl.core.events.plane import KV_EVENTS, TOPICS
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.server.dynamo_discovery import Discovery, DiscoveryError, open_discovery
 from kvctl.server.plane_ingest import PlaneIngest
-from kvctl.server.state import Fleet
+from kvctl.server.state import Fleet, UnknownWorker
 from kvctl.server.streams import ModelWriter, Streams
 
 log = logging.getLogger("kvctl.serve")
@@ -83,6 +83,7 @@ class _Link:
     connects: int = 0
     disconnects: int = 0
     messages: int = 0
+    publisher_ids: set[int] = field(default_factory=set)  # what its frames said (the record's instance id)
     errors: Counter[str] = field(default_factory=Counter)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -202,9 +203,12 @@ class ZmqPlane:
                 continue
             wanted[key] = channel
         self._bad_records = {k: v for k, v in self._bad_records.items() if k in records}
-        for key in [k for k, link in self.links.items() if wanted.get(k) != link.channel]:
-            await self._drop(key)
+        gone = [k for k, link in self.links.items() if wanted.get(k) != link.channel]
+        for key in gone:
             log.info("event plane: publisher %s gone from discovery", key)
+        await self._forget_workers([self.links[k] for k in gone])
+        for key in gone:
+            await self._drop(key)
         added = []
         for key, channel in wanted.items():
             if key not in self.links:
@@ -228,6 +232,26 @@ class ZmqPlane:
     def _pattern(self, component: str | None, endpoint: str | None, topic: str) -> str:
         return (f"{CHANNELS_BUCKET}/namespace/{self.options.namespace}/component/{component or '*'}"
                 f"/endpoint/{endpoint or '*'}/topic/{topic}")
+
+    async def _forget_workers(self, going: list[_Link]) -> None:
+        """Remove the workers whose last publisher went from discovery, as Dynamo's routers do when an instance
+        goes: a stopped worker (and a restarted one, a new identity) must not keep its blocks in the index."""
+        book = self.ingest.publishers.publishers
+
+        def spoken(links: list[_Link]) -> set[tuple[int, int]]:
+            return {w for link in links for pid in link.publisher_ids if pid in book for w in book[pid].workers}
+
+        staying = [link for link in self.links.values() if link not in going]
+        orphans = sorted(w for w in spoken(going) - spoken(staying) if w in self.fleet.workers)
+        if not orphans:
+            return
+        await self.writer.applied()  # what it sent before it went is in the index: then remove it all
+        for worker_id, dp_rank in orphans:
+            with contextlib.suppress(UnknownWorker):
+                removed = self.fleet.unregister(worker_id, dp_rank)
+                self.counts["workers_removed"] += 1
+                log.warning("event plane: worker %d:%d gone from discovery: removed (%d blocks)", worker_id, dp_rank,
+                            removed["blocks"])
 
     # ----- sockets ------------------------------------------------------------------------------------
 
@@ -284,6 +308,7 @@ class ZmqPlane:
                 link.errors[exc.kind.value] += 1
                 self.errors[exc.kind.value] += 1
                 continue
+            link.publisher_ids.add(message.publisher_id)
             if message.topic != channel.topic:
                 self.counts["topic_mismatches"] += 1  # ingested by what the message says it is
             await self.ingest.receive(channel.component, channel.endpoint, message.topic, message.envelope)

@@ -169,19 +169,29 @@ async def test_every_captured_message_reaches_the_ingest_and_the_index(bench: Be
     assert dump_blocks(index.dump()) == expected_blocks(captured_kv_events(messages))
 
 
-async def test_a_publisher_is_dropped_with_its_record_and_a_new_one_followed(bench: Bench) -> None:
-    first = bench.publish_as("kv_metrics", 11)
+async def test_a_publisher_is_dropped_with_its_record_and_a_worker_with_its_last_one(bench: Bench) -> None:
+    worker = (2077671668877197043, 0)  # the captured load report's and forward pass's worker
+    load, passed = captured()[("kv_metrics", 1610214894536196)][0], captured()[("forward-pass-metrics",
+                                                                              3421307315943300)][0]
+    first, other = bench.publish_as("kv_metrics", 11), bench.publish_as("forward-pass-metrics", 13)
     await bench.start()
-    await first.joined()
+    for publisher, frames in ((first, load), (other, passed)):
+        await publisher.joined()
+        await publisher.socket.send_multipart(frames)
+    await until(lambda: bench.status()["counts"].get("forward_passes") == 1, "both reports ingested")
     first.path.unlink()  # a clean stop deletes its keys
-    await until(lambda: bench.addresses() == set(), "the gone publisher dropped")
-    second = bench.publish_as("kv_metrics", 12)
+    await until(lambda: bench.addresses() == {other.address}, "the gone publisher dropped")
+    assert set(bench.fleet.workers) == {worker}  # still spoken for by its other publisher
+    other.path.unlink()
+    await until(lambda: bench.addresses() == set(), "the last publisher dropped")
+    assert bench.fleet.workers == {} and bench.status()["counts"]["workers_removed"] == 1
+
+    second = bench.publish_as("kv_metrics", 12)  # a new identity
     await until(lambda: bench.addresses() == {second.address}, "the new publisher followed")
     await second.joined()
-    frames = captured()[("kv_metrics", 1610214894536196)][0]
-    await second.socket.send_multipart(frames)
-    await until(lambda: bench.status()["counts"].get("load_reports") == 1, "its report ingested")
-    assert [c["publisher_id"] for c in bench.status()["connections"]] == [12]
+    await second.socket.send_multipart(captured()[("kv_metrics", 2000662664498406)][0])
+    await until(lambda: bench.status()["counts"].get("load_reports") == 2, "its report ingested")
+    assert [c["publisher_id"] for c in bench.status()["connections"]] == [12] and len(bench.fleet.workers) == 1
 
 
 async def test_malformed_frames_and_records_are_counted_and_skipped(bench: Bench) -> None:

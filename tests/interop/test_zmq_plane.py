@@ -1,0 +1,85 @@
+"""`kvctl serve --dynamo-discovery file:DIR` following a Dynamo 1.6.1 fleet on Dynamo's default event plane (ZMQ,
+file discovery, no NATS anywhere): the same index as Dynamo's indexer on the mockers' vLLM ZMQ streams, through
+load that makes them evict, and every topic decoded with no error. A fleet of its own (module-scoped): two
+mockers, the frontend with replica sync, the indexer, and this router, started with the fleet."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.commands.live_router import kvctl
+from tests.interop.fleet import (
+    KV_BLOCKS,
+    Fleet,
+    indexer_blocks,
+    kvctl_blocks,
+    settled,
+    shared_prefix_load,
+    start_fleet,
+    wait_until,
+)
+
+ROUTER = "zmq"
+TOPICS = ("kv-events", "kv_metrics", "active_sequences_events", "forward-pass-metrics")
+
+
+def plane(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/v1/status", timeout=10).json()["event_plane"]
+
+
+def following(fleet: Fleet) -> bool:
+    """Every mocker's kv-events channel connected (the publishers found, their sockets joined)."""
+    status = plane(fleet.routers[ROUTER].url)
+    kv = [c for c in status["connections"] if c["topic"] == "kv-events" and c["connected"]]
+    return status["ready"] and len(kv) == len(fleet.mockers)
+
+
+@pytest.fixture(scope="module")
+def zmq_fleet(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    workdir = tmp_path_factory.mktemp("interop-zmq-fleet")
+    discovery = workdir / "discovery"  # the fleet's DYN_FILE_KV (Fleet.discovery_dir), made by its first mocker
+    started = start_fleet(workdir, dynamo, mockers=2, nats_url=None, kvctl=False,
+                          routers={ROUTER: ["--dynamo-discovery", f"file:{discovery}", "--namespace", "dynamo",
+                                            "--replica-sync"]})
+    assert started.discovery_dir == discovery
+    try:  # before any request: the ZMQ plane keeps no history
+        wait_until(lambda: following(started) or None, "kvctl following every mocker's kv-events channel",
+                   timeout=30, procs=started.procs)
+    except BaseException:
+        started.stop()
+        raise
+    yield started
+    started.stop()
+
+
+def test_the_zmq_router_holds_dynamos_index_and_decodes_every_topic(zmq_fleet: Fleet) -> None:
+    fleet = zmq_fleet
+    url = fleet.routers[ROUTER].url
+    load = shared_prefix_load(fleet.frontend_url, seed=3)
+    assert load.failed == [] and load.cached_tokens > 0
+
+    ours = settled(lambda: kvctl_blocks(url), "the ZMQ router's index", procs=fleet.procs)
+    theirs = settled(lambda: indexer_blocks(fleet), "the indexer's dump", procs=fleet.procs)
+    diff = kvctl(url, "tree", "diff", "--exit-code", "-o", "json", url, f"dynamo+{fleet.indexer_url}")
+    assert diff.exit_code == 0, f"{diff.output}\nkvctl: {ours}\nindexer: {theirs}\n{fleet.dump()}"
+    report = json.loads(diff.stdout)
+    assert {w["worker_id"] for w in report["workers"]} == set(fleet.worker_ids)
+    assert all(0 < blocks <= KV_BLOCKS for blocks in ours.values()), ours  # evictions arrived over ZMQ too
+
+    status = plane(url)
+    assert status["transport"] == "zmq" and status["decode_errors"] == {}, status
+    assert all(status["topics"][topic] > 0 for topic in TOPICS), status["topics"]
+    assert status["sequence"]["lost"] == 0 and status["counts"].get("lost_events", 0) == 0, status
+    assert status["counts"]["load_reports"] > 0 and status["counts"]["forward_passes"] > 0
+    assert status["counts"].get("peer_sequence_events", 0) > 0  # the frontend's replica-sync batches
+    assert status["discovery"]["record_errors"] == {}
+    rows = {w["worker_id"]: w for w in httpx.get(f"{url}/v1/workers", timeout=10).json()["workers"]}
+    assert set(rows) == set(fleet.worker_ids)
+    for row in rows.values():  # what each worker says of itself: its KV usage and its forward passes
+        assert row["reported"]["kv_used_blocks"] is not None and row["forward_pass"]["counter_id"] > 0, row
