@@ -83,3 +83,38 @@ def test_the_zmq_router_holds_dynamos_index_and_decodes_every_topic(zmq_fleet: F
     assert set(rows) == set(fleet.worker_ids)
     for row in rows.values():  # what each worker says of itself: its KV usage and its forward passes
         assert row["reported"]["kv_used_blocks"] is not None and row["forward_pass"]["counter_id"] > 0, row
+
+
+def test_a_restarted_mocker_is_followed_under_its_new_identity(zmq_fleet: Fleet) -> None:
+    """Runs after the test above (same fleet): a restart is a new identity, new publishers, ports and keys."""
+    fleet = zmq_fleet
+    url = fleet.routers[ROUTER].url
+    restarted, other = fleet.mockers
+    old_id = restarted.dynamo_id
+    old = {p["publisher_id"] for p in plane(url)["publishers"] if f"{old_id}:0" in p["workers"]}
+    assert len(old) >= 3, plane(url)["publishers"]  # its KV events, load reports and forward passes
+    assert old_id in kvctl_blocks(url)
+
+    fleet.restart_mocker(restarted)
+    fleet.await_mocker(restarted)
+    new_id = restarted.dynamo_id
+    assert new_id != old_id
+
+    def connections() -> list[dict[str, Any]]:
+        return plane(url)["connections"]
+
+    wait_until(lambda: not {c["publisher_id"] for c in connections()} & old or None,
+               "the old identity's sockets dropped with its records", timeout=30, procs=fleet.procs)
+    wait_until(lambda: len([c for c in connections() if c["topic"] == "kv-events" and c["connected"]]) == 2 or None,
+               "the new identity's kv-events channel followed", timeout=30, procs=fleet.procs)
+    workers = {w["worker_id"] for w in httpx.get(f"{url}/v1/workers", timeout=10).json()["workers"]}
+    assert old_id not in workers and old_id not in kvctl_blocks(url), workers  # its blocks went with it
+    wait_until(lambda: fleet.frontend.workers(fleet) == {new_id, other.worker_id} or None,
+               "the frontend routing to the restarted mocker", timeout=30, procs=fleet.procs)
+
+    assert shared_prefix_load(fleet.frontend_url, requests=24, seed=6).failed == []
+    ours = settled(lambda: kvctl_blocks(url), "the ZMQ router's index", procs=fleet.procs)
+    assert set(ours) == {new_id, other.worker_id} and 0 < ours[new_id] <= KV_BLOCKS, ours
+    status = plane(url)
+    assert status["decode_errors"] == {} and status["counts"]["workers_removed"] == 1, status
+    assert status["sequence"]["lost"] == 0 and status["counts"].get("lost_events", 0) == 0, status
