@@ -189,7 +189,7 @@ def serve_command(
     dynamo_discovery: Annotated[str | None, typer.Option(
         "--dynamo-discovery", envvar="KVCTL_DYNAMO_DISCOVERY", show_default=False, rich_help_panel=PANEL,
         help="Follow a Dynamo fleet's ZMQ event plane (its default), its publishers found in this discovery "
-             "store: file:DIR (DYN_FILE_KV).")] = None,
+             "store: file:DIR (DYN_FILE_KV) or etcd:http://HOST:2379[,...].")] = None,
     namespace: NamespaceOpt = "dynamo",
     component: ComponentScopeOpt = None,
     endpoint: EndpointScopeOpt = None,

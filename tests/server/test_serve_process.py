@@ -111,6 +111,7 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--jetstream"], "need --nats URL"),
     (["serve", "--nats", "nats://127.0.0.1:1", "--dynamo-discovery", "file:/tmp"], "give one"),
     (["serve", "--dynamo-discovery", "etc:/tmp"], "--dynamo-discovery wants"),
+    (["serve", "--dynamo-discovery", "etcd:127.0.0.1:2379"], "--dynamo-discovery wants"),
     (["serve", "--dynamo-discovery", "file:/tmp", "--shadow"], "need --nats URL"),
     (["serve", "--nats", "nats://127.0.0.1:1", "--snapshot-threshold", "0"], "--snapshot-threshold must be positive"),
     (["serve", "--nats", "nats://127.0.0.1:1", "--nats-creds", "/nonexistent.creds"], "no such file"),

@@ -2,9 +2,10 @@
 
 A "fleet" here is one XPUB socket (a PUB that also tells who subscribed, so the test publishes only once the
 router's SUB is joined) per publisher of `zmq_capture.jsonl`, each sending exactly the frames captured from
-Dynamo 1.6.1, and a file-discovery dir holding their `EventChannel` records. The records are the captured
-store's (`file-discovery/`), rewritten to this test's loopback ports (and, for the publishers whose record the
-store copy lacks, the same topic's record given their instance id): the only bytes not Dynamo's own.
+Dynamo 1.6.1, and a discovery store holding their `EventChannel` records: a file-discovery dir, or a real etcd
+(each test runs on both). The records are the captured store's (`file-discovery/`), rewritten to this test's
+loopback ports (and, for the publishers whose record the store copy lacks, the same topic's record given their
+instance id): the only bytes not Dynamo's own.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +24,17 @@ import zmq
 import zmq.asyncio
 
 from kvctl.core.events import RouterEvent
-from kvctl.core.events.discovery import ChannelKey, encode_file_name, parse_event_channel
+from kvctl.core.events.discovery import ChannelKey, encode_file_name, namespace_prefix, parse_event_channel
 from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch
 from kvctl.core.events.plane import KV_EVENTS, TOPICS
 from kvctl.core.events.zmq_wire import decode_zmq_message
+from kvctl.server.dynamo_discovery import DiscoveryError, EtcdDiscovery
 from kvctl.server.state import Fleet
 from kvctl.server.streams import Streams
 from kvctl.server.zmq_plane import ZmqOptions, ZmqPlane
+from tests.etcd_server import EtcdServer
 from tests.fixtures_path import FIXTURES
+from tests.nats_server import free_port
 from tests.server.test_nats_plane import dump_blocks, expected_blocks
 
 ZMQ = FIXTURES / "dynamo-1.6.1-fleet" / "zmq-plane"
@@ -62,7 +67,7 @@ class Publisher:
     publisher_id: int
     socket: zmq.asyncio.Socket
     address: str
-    path: Path
+    withdraw: Callable[[], None]  # its record deleted, as a clean stop does
 
     async def joined(self) -> None:
         """Until the router's SUB has subscribed (XPUB hands over the subscription)."""
@@ -72,10 +77,12 @@ class Publisher:
 class Bench:
     """Publishers on loopback and their records in a file-discovery dir, and a router following them."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, etcd: EtcdServer | None = None) -> None:
         self.root = root
+        self.etcd = etcd
         self.bucket = root / "v1" / "event_channels"
         self.bucket.mkdir(parents=True)
+        self.url = f"etcd:{etcd.url}" if etcd is not None else f"file:{root}"
         self.ctx = zmq.asyncio.Context()
         self.publishers: list[Publisher] = []
         self.fleet = Fleet(block_size=16, seed=0)
@@ -88,17 +95,23 @@ class Bench:
         port = sock.bind_to_random_port("tcp://127.0.0.1")
         address = f"tcp://127.0.0.1:{port}"
         key = ChannelKey("dynamo", component, "generate", topic, publisher_id).key
-        path = self.bucket / encode_file_name(key.removeprefix("v1/event_channels/"))
         record = json.loads(record_for(topic, publisher_id, address))
         record["scope"]["endpoint"]["component"] = component
-        path.write_bytes(json.dumps(record).encode())
-        publisher = Publisher(topic, publisher_id, sock, address, path)
+        publisher = Publisher(topic, publisher_id, sock, address, self.put(key, json.dumps(record).encode()))
         self.publishers.append(publisher)
         return publisher
 
+    def put(self, key: str, value: bytes) -> Callable[[], None]:
+        """A record in the store; what deletes it."""
+        if self.etcd is not None:
+            self.etcd.put(key, value)
+            return partial(self.etcd.delete, key)
+        path = self.bucket / encode_file_name(key.removeprefix("v1/event_channels/"))
+        path.write_bytes(value)
+        return path.unlink
+
     async def start(self, **options: Any) -> ZmqPlane:
-        self.plane = ZmqPlane(self.fleet, self.streams, ZmqOptions(f"file:{self.root}", router_id=1, poll_s=POLL_S,
-                                                                    **options))
+        self.plane = ZmqPlane(self.fleet, self.streams, ZmqOptions(self.url, router_id=1, poll_s=POLL_S, **options))
         self.plane.start()
         assert await self.plane.ready(10), self.plane.status()
         return self.plane
@@ -117,11 +130,21 @@ class Bench:
         self.ctx.destroy(linger=0)
 
 
-@pytest.fixture
-async def bench(tmp_path: Path) -> AsyncIterator[Bench]:
-    b = Bench(tmp_path / "discovery")
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["file", "etcd"])
+async def bench(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Bench]:
+    etcd = request.getfixturevalue("etcd") if request.param == "etcd" else None
+    b = Bench(tmp_path / "discovery", etcd)
     yield b
     await b.close()
+    if etcd is not None:
+        etcd.delete_prefix("v1/")  # the next test's store starts empty
 
 
 async def until(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
@@ -179,10 +202,10 @@ async def test_a_publisher_is_dropped_with_its_record_and_a_worker_with_its_last
         await publisher.joined()
         await publisher.socket.send_multipart(frames)
     await until(lambda: bench.status()["counts"].get("forward_passes") == 1, "both reports ingested")
-    first.path.unlink()  # a clean stop deletes its keys
+    first.withdraw()  # a clean stop deletes its keys
     await until(lambda: bench.addresses() == {other.address}, "the gone publisher dropped")
     assert set(bench.fleet.workers) == {worker}  # still spoken for by its other publisher
-    other.path.unlink()
+    other.withdraw()
     await until(lambda: bench.addresses() == set(), "the last publisher dropped")
     assert bench.fleet.workers == {} and bench.status()["counts"]["workers_removed"] == 1
 
@@ -196,9 +219,8 @@ async def test_a_publisher_is_dropped_with_its_record_and_a_worker_with_its_last
 
 async def test_malformed_frames_and_records_are_counted_and_skipped(bench: Bench) -> None:
     publisher = bench.publish_as("kv_metrics", 21)
-    (bench.bucket / "stray.swp").write_text("x")
-    bad_key = ChannelKey("dynamo", "backend", "generate", "kv-events", 22).key.removeprefix("v1/event_channels/")
-    (bench.bucket / encode_file_name(bad_key)).write_text("{not json")
+    (bench.bucket / "stray.swp").write_text("x")  # the file backend's stray: a name that is no key
+    bench.put(ChannelKey("dynamo", "backend", "generate", "kv-events", 22).key, b"{not json")
     elsewhere = bench.publish_as("kv-events", 23, component="prefill")
     await bench.start(component="backend")
     assert bench.addresses() == {publisher.address}  # the other component is seen, not followed
@@ -212,7 +234,8 @@ async def test_malformed_frames_and_records_are_counted_and_skipped(bench: Bench
     assert status["decode_errors"] == {"bad_batch": 3}, status
     assert status["connections"][0]["decode_errors"] == {"bad_batch": 3}
     assert status["discovery"]["record_errors"] == {"bad_json": 1}
-    assert status["discovery"]["stray"]["bad_file_name"] >= 1
+    if bench.etcd is None:
+        assert status["discovery"]["stray"]["bad_file_name"] >= 1
     assert "v1/event_channels/namespace/dynamo/component/prefill/endpoint/generate/topic/kv-events" \
         in status["subjects_seen"]
     assert status["subjects"]["kv_events"] == \
@@ -232,3 +255,35 @@ def test_the_records_written_here_are_dynamos_but_for_the_address() -> None:
     channel = parse_event_channel(original.read_bytes())
     rewritten = parse_event_channel(record_for("kv-events", channel.publisher_id, "tcp://127.0.0.1:1"))
     assert rewritten.key == channel.key and rewritten.address == "tcp://127.0.0.1:1"
+
+
+async def test_etcd_lists_the_namespace_only_and_falls_over_to_the_next_url(etcd: EtcdServer) -> None:
+    ours = ChannelKey("dynamo", "backend", "generate", "kv-events", 0xABC).key
+    etcd.put(ours, b"{}")
+    etcd.put(ours.replace("/dynamo/", "/dynamo2/"), b"{}")  # a namespace whose name extends ours
+    etcd.put("v1/instances/dynamo/backend/generate/abc", b"{}")
+    dead = f"http://127.0.0.1:{free_port()}"
+    store = EtcdDiscovery([dead, etcd.url])
+    try:
+        assert await store.list(namespace_prefix("dynamo")) == {ours: b"{}"}
+        assert await store.list(namespace_prefix("dynamo")) == {ours: b"{}"}  # the live one is asked first now
+        with pytest.raises(DiscoveryError, match="127.0.0.1"):
+            await EtcdDiscovery([dead]).list(namespace_prefix("dynamo"))
+    finally:
+        await store.close()
+        etcd.delete_prefix("v1/")
+
+
+async def test_a_store_not_there_yet_is_retried_until_it_is(tmp_path: Path) -> None:
+    root = tmp_path / "not-yet"
+    fleet = Fleet(block_size=16, seed=0)
+    streams = Streams(fleet)
+    plane = ZmqPlane(fleet, streams, ZmqOptions(f"file:{root}", poll_s=POLL_S))
+    plane.start()
+    try:
+        assert not await plane.ready(0.3) and "not a directory" in (plane.status()["last_error"] or "")
+        root.mkdir()  # Dynamo's first process makes it
+        assert await plane.ready(5) and plane.status()["connections"] == []
+    finally:
+        await plane.close()
+        await streams.close()
