@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.commands.live_router import kvctl
+from tests.doctor.rig import doctor, findings
 from tests.interop.fleet import (
     KV_BLOCKS,
     Fleet,
@@ -83,6 +84,18 @@ def test_the_zmq_router_holds_dynamos_index_and_decodes_every_topic(zmq_fleet: F
     assert set(rows) == set(fleet.worker_ids)
     for row in rows.values():  # what each worker says of itself: its KV usage and its forward passes
         assert row["reported"]["kv_used_blocks"] is not None and row["forward_pass"]["counter_id"] > 0, row
+
+
+def test_the_cli_views_read_the_zmq_plane_as_they_read_nats(zmq_fleet: Fleet) -> None:
+    url = zmq_fleet.routers[ROUTER].url
+    shown = kvctl(url, "router", "status")
+    assert shown.exit_code == 0 and "zmq" in shown.stdout and "sockets connected" in shown.stdout, shown.output
+    workers = kvctl(url, "workers", "-o", "json")
+    assert workers.exit_code == 0 and {w["worker_id"] for w in json.loads(workers.stdout)["workers"]} \
+        == set(zmq_fleet.worker_ids), workers.output
+    _, report = doctor(url)
+    (plane_check,) = findings(report, "event_plane")
+    assert plane_check["severity"] == "OK" and "none lost" in plane_check["cause"], plane_check
 
 
 def test_a_restarted_mocker_is_followed_under_its_new_identity(zmq_fleet: Fleet) -> None:
