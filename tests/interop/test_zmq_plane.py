@@ -60,9 +60,13 @@ def zmq_fleet(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def test_the_zmq_router_holds_dynamos_index_and_decodes_every_topic(zmq_fleet: Fleet) -> None:
-    fleet = zmq_fleet
+    holds_dynamos_index_and_decodes_every_topic(zmq_fleet, seed=3)
+
+
+def holds_dynamos_index_and_decodes_every_topic(fleet: Fleet, seed: int) -> None:
+    """Evicting load through the frontend; then kvctl's index is the indexer's, every topic decoded, none lost."""
     url = fleet.routers[ROUTER].url
-    load = shared_prefix_load(fleet.frontend_url, seed=3)
+    load = shared_prefix_load(fleet.frontend_url, seed=seed)
     assert load.failed == [] and load.cached_tokens > 0
 
     ours = settled(lambda: kvctl_blocks(url), "the ZMQ router's index", procs=fleet.procs)
