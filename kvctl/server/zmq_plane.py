@@ -118,6 +118,7 @@ class ZmqPlane:
         self.listed_at: float | None = None
         self.ready_at: float | None = None
         self._bad_records: dict[str, bytes] = {}  # counted once each, until they change
+        self._failing = False  # the last listing failed (status keeps the last error)
         self._ctx = zmq.asyncio.Context()
         self._tasks: list[asyncio.Task[None]] = []
         self._started = asyncio.Event()
@@ -164,11 +165,15 @@ class ZmqPlane:
             try:
                 records = await self.discovery.list(prefix)
             except DiscoveryError as exc:
-                if self.last_error != str(exc):
+                if not self._failing:  # once per outage, not once per poll
                     log.warning("event plane: discovery %s: %s; retrying", self.options.url, exc)
+                self._failing = True
                 self.last_error = str(exc)
                 await asyncio.sleep(self.options.poll_s)
                 continue
+            if self._failing:
+                log.info("event plane: discovery %s answers again", self.options.url)
+            self._failing = False
             self.listings += 1
             self.listed_at = time.monotonic()
             added = await self._follow(records)
@@ -206,7 +211,7 @@ class ZmqPlane:
         gone = [k for k, link in self.links.items() if wanted.get(k) != link.channel]
         for key in gone:
             log.info("event plane: publisher %s gone from discovery", key)
-        await self._forget_workers([self.links[k] for k in gone])
+        await self._forget_workers([self.links[k] for k in gone if k not in wanted])  # not those that moved
         for key in gone:
             await self._drop(key)
         added = []

@@ -292,7 +292,9 @@ async def test_a_store_not_there_yet_is_retried_until_it_is(tmp_path: Path) -> N
 async def test_a_record_rewritten_in_place_moves_the_socket(bench: Bench) -> None:
     publisher = bench.publish_as("kv_metrics", 41)
     await bench.start()
-    await until(lambda: bench.addresses() == {publisher.address}, "the first address followed")
+    await publisher.joined()
+    await publisher.socket.send_multipart(captured()[("kv_metrics", 1610214894536196)][0])
+    await until(lambda: len(bench.fleet.workers) == 1, "the worker known from its report")
     moved = bench.ctx.socket(zmq.XPUB)
     moved.setsockopt(zmq.LINGER, 0)
     address = f"tcp://127.0.0.1:{moved.bind_to_random_port('tcp://127.0.0.1')}"
@@ -301,5 +303,6 @@ async def test_a_record_rewritten_in_place_moves_the_socket(bench: Bench) -> Non
         bench.put(key, record_for("kv_metrics", 41, address))  # the same key, another size: re-read
         await until(lambda: bench.addresses() == {address}, "the socket moved to the record's new address")
         assert await asyncio.wait_for(moved.recv(), 10) == b"\x01"  # and subscribed there
+        assert len(bench.fleet.workers) == 1  # a publisher that moved is not a worker that left
     finally:
         moved.close()
