@@ -6,12 +6,15 @@ publisher whose messages were captured from it. Malformed shapes are DecodeError
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvctl.core.events import DecodeError, ErrorKind
 from kvctl.core.events.discovery import (
@@ -228,3 +231,28 @@ def test_malformed_records_are_decode_errors_of_a_stable_kind(record: bytes, kin
 def test_keys_of_another_layout_are_refused(key: str) -> None:
     with pytest.raises(DecodeError):
         parse_channel_key(key)
+
+
+@given(st.lists(st.binary(max_size=64), max_size=6))
+def test_any_frames_decode_or_raise_a_decode_error(shape: list[bytes]) -> None:
+    try:
+        message = decode_zmq_message(shape)
+    except DecodeError:
+        return
+    assert encode_zmq_message(message) == shape
+
+
+@given(st.one_of(st.binary(max_size=200), st.text(max_size=200)))
+def test_any_record_or_file_name_parses_or_raises_a_decode_error(data: bytes | str) -> None:
+    with contextlib.suppress(DecodeError):
+        parse_event_channel(data)
+    if isinstance(data, str):
+        with contextlib.suppress(DecodeError):
+            assert encode_file_name(decode_file_name(data)) == data
+        with contextlib.suppress(DecodeError):
+            parse_channel_key(data)
+
+
+@given(st.text(max_size=60))
+def test_every_key_round_trips_through_its_file_name(key: str) -> None:
+    assert decode_file_name(encode_file_name(key)) == key
