@@ -79,14 +79,18 @@ _STREAMS_VIEW = View(
 def _plane_rows(plane: dict[str, Any]) -> list[dict[str, Any]]:
     """The event plane's block as field/value rows: one connection, so a vertical table reads best."""
     snapshot = plane.get("snapshot")
+    links = plane.get("connections")
     values = {
-        "url": plane.get("url"), "mode": plane.get("mode"), "state": plane.get("state"), "ready": plane.get("ready"),
+        "transport": plane.get("transport", "nats"), "url": plane.get("url"), "mode": plane.get("mode"),
+        "state": plane.get("state"), "ready": plane.get("ready"),
         "connects": plane.get("connects"), "reconnects": plane.get("reconnects"),
         "last error": plane.get("last_error"), "kv events subject": (plane.get("subjects") or {}).get("kv_events"),
         "counts": counts(plane.get("counts")), "decode errors": counts(plane.get("decode_errors")),
         "publishers": len(plane.get("publishers") or []),
         "snapshot": counts(snapshot) if isinstance(snapshot, dict) else snapshot,
     }
+    if isinstance(links, list):  # Dynamo's ZMQ plane: a socket per publisher and topic
+        values["sockets connected"] = f"{sum(1 for link in links if link.get('connected'))}/{len(links)}"
     return [{"field": k, "value": v} for k, v in values.items()]
 
 

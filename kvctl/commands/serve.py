@@ -23,6 +23,7 @@ from kvctl.output import Output
 if TYPE_CHECKING:
     from kvctl.core.router.scoring import RouterConfig
     from kvctl.server.state import WorkerInfo
+    from kvctl.server.zmq_plane import ZmqOptions
 
 HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. (read-write)"
 EXAMPLES = (
@@ -147,6 +148,23 @@ def _loop_factory():  # type: ignore[no-untyped-def]
     return uvloop.new_event_loop
 
 
+def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint: str | None, model: str,
+                 router_id: int | None, state_dir: Path, replica_sync: bool, nats_only: bool) -> ZmqOptions:
+    """`--dynamo-discovery`'s plane; --shadow and --jetstream are NATS's alone (this plane never publishes)."""
+    from kvctl.server.dynamo_discovery import open_discovery
+    from kvctl.server.router_id import stable_router_id
+    from kvctl.server.zmq_plane import ZmqOptions
+
+    if nats_only:
+        raise UsageError("--shadow and --jetstream need --nats URL (the ZMQ event plane is only read)")
+    try:
+        open_discovery(discovery)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return ZmqOptions(discovery, namespace, component, endpoint, model,
+                      router_id if router_id is not None else stable_router_id(state_dir), replica_sync)
+
+
 @with_nats_credentials
 def serve_command(
     ctx: typer.Context,
@@ -251,6 +269,10 @@ def serve_command(
     nats_url: Annotated[str | None, typer.Option(
         "--nats", envvar="KVCTL_NATS", show_default=False, rich_help_panel=PANEL,
         help="Follow a Dynamo event plane on this NATS server (nats://HOST:PORT).")] = None,
+    dynamo_discovery: Annotated[str | None, typer.Option(
+        "--dynamo-discovery", envvar="KVCTL_DYNAMO_DISCOVERY", show_default=False, rich_help_panel=PANEL,
+        help="Follow a Dynamo fleet's ZMQ event plane (its default), its publishers found in this discovery "
+             "store: file:DIR (DYN_FILE_KV) or etcd:http://HOST:2379[,...].")] = None,
     namespace: NamespaceOpt = "dynamo",
     component: ComponentScopeOpt = None,
     endpoint: EndpointScopeOpt = None,
@@ -320,13 +342,15 @@ def serve_command(
             raise ValueError(f"--request-expiry must be > 0 seconds, got {request_expiry}")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    nats = None
+    if nats_url is not None and dynamo_discovery is not None:
+        raise UsageError("--nats and --dynamo-discovery name two event planes: give one")
+    if router_id is not None and not 0 <= router_id < 2**64:
+        raise UsageError(f"--router-id must be a u64, got {router_id}")
+    nats = zmq_plane = None
     if nats_url is not None:
         from kvctl.server.nats_plane import NatsOptions
         from kvctl.server.router_id import stable_router_id
 
-        if router_id is not None and not 0 <= router_id < 2**64:
-            raise UsageError(f"--router-id must be a u64, got {router_id}")
         if snapshot_threshold <= 0:
             raise UsageError(f"--snapshot-threshold must be positive, got {snapshot_threshold}")
         assert nats_auth is not None
@@ -334,11 +358,14 @@ def serve_command(
         nats = NatsOptions(conn, namespace, component, endpoint, nats_model,
                            router_id if router_id is not None else stable_router_id(state_dir), shadow, jetstream,
                            snapshot_threshold, reset_states, replica_sync)
+    elif dynamo_discovery is not None:
+        zmq_plane = _zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
+                                 replica_sync, shadow or jetstream)
     elif shadow or jetstream or replica_sync or component or endpoint:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component and --endpoint need --nats URL")
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
-                           request_expiry, models, nats, queue_batches, max_body_bytes=max_body_bytes,
+                           request_expiry, models, nats, zmq_plane, queue_batches, max_body_bytes=max_body_bytes,
                            decoder=decoder)
     import asyncio
 

@@ -35,8 +35,7 @@ from kvctl.core.router.scoring import KNOBS, BadKnob, NoCandidates
 from kvctl.core.token_json import token_ids_at_head, token_ids_from_json
 from kvctl.server.budget import SLICE_S
 from kvctl.server.endpoint import check_endpoint
-from kvctl.server.metrics import Metrics
-from kvctl.server.nats_plane import EventPlane
+from kvctl.server.metrics import Metrics, Plane
 from kvctl.server.openapi_doc import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE, complete, ref, replies
 from kvctl.server.route_protocol import route_protocol
 from kvctl.server.state import DEFAULT_MODEL, Fleet, UnknownModel, UnknownWorker, WorkerInfo
@@ -405,7 +404,7 @@ def loop_lag_observer(app: ASGIApp) -> Callable[[float], None]:
 
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, streams: Streams | None = None,
-               plane: EventPlane | None = None) -> ASGIApp:
+               plane: Plane | None = None) -> ASGIApp:
     """The router's ASGI app. `streams`: engine subscriptions to start and stop with worker registration
     (None: HTTP events only)."""
     app = FastAPI(title="kvctl router", version=__version__)

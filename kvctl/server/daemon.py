@@ -32,6 +32,7 @@ from kvctl.server.memory import trim_heap
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.streams import QUEUE_BATCHES, Streams
+from kvctl.server.zmq_plane import ZmqOptions, ZmqPlane
 
 log = logging.getLogger("kvctl.serve")
 TICK_S = 1.0
@@ -76,6 +77,7 @@ class ServeOptions:
     request_expiry_s: float = EXPIRY_S
     models: list[Any] = field(default_factory=list)  # config_file.ModelSpec, declared before anything else
     nats: NatsOptions | None = None  # follow a Dynamo event plane
+    zmq_plane: ZmqOptions | None = None  # follow Dynamo's ZMQ event plane (its default) instead
     queue_batches: int = QUEUE_BATCHES  # decoded batches a model's writer holds before dropping (counted)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies are refused (413)
     decoder: str = "auto"  # where engine payloads are decoded: auto, inline or process (see decoder.py)
@@ -121,7 +123,11 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
 
 async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], None]) -> None:
     streams = Streams(fleet, queue_batches=options.queue_batches, decoder=make_decoder(options.decoder))
-    plane = EventPlane(fleet, streams, options.nats) if options.nats is not None else None
+    plane: EventPlane | ZmqPlane | None = None
+    if options.nats is not None:
+        plane = EventPlane(fleet, streams, options.nats)
+    elif options.zmq_plane is not None:
+        plane = ZmqPlane(fleet, streams, options.zmq_plane)
     app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane,
                      max_body_bytes=options.max_body_bytes)
     sock = bind(options.host, options.port)

@@ -15,10 +15,14 @@ from prometheus_client.registry import Collector
 from kvctl.server.nats_plane import EventPlane
 from kvctl.server.state import Fleet
 from kvctl.server.streams import Streams
+from kvctl.server.zmq_plane import ZmqPlane
+
+Plane = EventPlane | ZmqPlane
+"""A Dynamo event plane's transport: NATS, or Dynamo's ZMQ plane."""
 
 
 class FleetCollector(Collector):
-    def __init__(self, fleet: Fleet, streams: Streams | None = None, plane: EventPlane | None = None) -> None:
+    def __init__(self, fleet: Fleet, streams: Streams | None = None, plane: Plane | None = None) -> None:
         self.fleet = fleet
         self.streams = streams
         self.plane = plane
@@ -54,7 +58,7 @@ class FleetCollector(Collector):
             yield from self._plane(self.plane)
 
     @staticmethod
-    def _plane(plane: EventPlane) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def _plane(plane: Plane) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         status = plane.status()
         connected = GaugeMetricFamily("kvctl_nats_connected", "1 while connected to the NATS server", labels=["url"])
         connected.add_metric([plane.options.url], 1 if plane.state == "connected" else 0)
@@ -108,7 +112,7 @@ LOOP_LAG_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 class Metrics:
     """One registry per app (never the process-global one): tests and embedders run several routers."""
 
-    def __init__(self, fleet: Fleet, streams: Streams | None = None, plane: EventPlane | None = None) -> None:
+    def __init__(self, fleet: Fleet, streams: Streams | None = None, plane: Plane | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(FleetCollector(fleet, streams, plane))
         self.route_seconds = Histogram(

@@ -31,7 +31,7 @@ from kvctl.core.events.plane import (
     AddRequest,
     decode_active_load,
     decode_forward_pass,
-    decode_sequence_event,
+    decode_sequence_events,
     encode_sequence_event,
 )
 from kvctl.core.events.publishers import Order, Publisher, PublisherBook
@@ -200,15 +200,18 @@ class PlaneIngest:
         if not self.replica_sync:
             return
         try:
-            event = decode_sequence_event(payload)
+            events, errors = decode_sequence_events(payload)
         except DecodeError as exc:
             self.errors[exc.kind.value] += 1
             return
-        if event.router_id == self.router_id:
-            self.counts["own_sequence_events"] += 1
-            return
-        self.counts["peer_sequence_events"] += 1
-        self.fleet.apply_peer(self.model, event, now)
+        for error in errors:
+            self.errors[error.kind.value] += 1
+        for event in events:
+            if event.router_id == self.router_id:
+                self.counts["own_sequence_events"] += 1
+                continue
+            self.counts["peer_sequence_events"] += 1
+            self.fleet.apply_peer(self.model, event, now)
 
     def sequence_message(self, model: str, action: str, request: ActiveRequest | None,
                          route: Mapping[str, Any]) -> tuple[tuple[str, str] | None, bytes] | None:

@@ -152,6 +152,8 @@ class Fleet:
         self._candidates.clear()
         for w in gone:
             info = self.workers.pop(w)
+            self.reported.pop(w, None)
+            self.forward_passes.pop(w, None)
             router = self.models[info.model].router
             blocks += router.index.remove_worker(w[0], w[1])
             for request in list(router.sequences.requests(w)):

@@ -29,6 +29,7 @@ model cards under ~/.cache/dynamo).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import queue
@@ -327,6 +328,8 @@ class Fleet:
     """`kvctl serve` processes by name: `kvctl` follows the mockers' ZMQ streams and replays."""
     component: str = COMPONENT
     endpoint: str = ENDPOINT
+    etcd_url: str | None = None
+    """Discovery in this etcd (`--discovery-backend etcd`) instead of the file store in `discovery_dir`."""
     _gone: set[int] = field(default_factory=set)
     model: str = MODEL
     block_size: int = BLOCK_SIZE
@@ -374,10 +377,12 @@ class Fleet:
                    DYN_EVENT_PLANE_HOST="127.0.0.1", DYN_SELF_HOST_METADATA="0", PYTHONUNBUFFERED="1", **extra)
         if self.nats_url is not None:
             env["NATS_SERVER"] = self.nats_url
+        if self.etcd_url is not None:
+            env["ETCD_ENDPOINTS"] = self.etcd_url
         return env
 
     def planes(self) -> list[str]:
-        return ["--discovery-backend", "file", "--request-plane", "tcp",
+        return ["--discovery-backend", "file" if self.etcd_url is None else "etcd", "--request-plane", "tcp",
                 "--event-plane", "nats" if self.nats_url is not None else "zmq"]
 
     def dump(self, lines: int = 25) -> str:
@@ -413,12 +418,24 @@ class Fleet:
         self._gone.add(mocker.dynamo_id)  # its record, should one linger, is not the new process's
         mocker.dynamo_id = 0
 
-    def _instance_id(self, rpc_port: int) -> int | None:
+    def instance_records(self) -> list[dict[str, Any]]:
+        """The `v1/instances` records of this fleet's discovery store (file or etcd)."""
+        if self.etcd_url is not None:
+            prefix = base64.b64encode(b"v1/instances/").decode()
+            end = base64.b64encode(b"v1/instances0").decode()
+            kvs = httpx.post(f"{self.etcd_url}/v3/kv/range", json={"key": prefix, "range_end": end},
+                             timeout=5).json().get("kvs") or []
+            return [json.loads(base64.b64decode(kv["value"])) for kv in kvs]
+        records = []
         for path in (self.discovery_dir / "v1" / "instances").glob("*"):
             try:
-                record = json.loads(path.read_text())
+                records.append(json.loads(path.read_text()))
             except (OSError, ValueError):
                 continue  # being written
+        return records
+
+    def _instance_id(self, rpc_port: int) -> int | None:
+        for record in self.instance_records():
             transport = str((record.get("transport") or {}).get("tcp", ""))
             if (record.get("namespace"), record.get("endpoint")) == (self.namespace, self.endpoint) \
                     and transport.startswith(f"127.0.0.1:{rpc_port}/") and int(record["instance_id"]) not in self._gone:
@@ -523,16 +540,17 @@ JOIN_S = 1.0
 
 def start_fleet(workdir: Path, python: Path, *, mockers: int = 3, nats_url: str | None = None,
                 namespace: str = NAMESPACE, indexer: bool = True, kvctl: bool = True,
-                routers: Mapping[str, Sequence[str]] | None = None) -> Fleet:
+                routers: Mapping[str, Sequence[str]] | None = None, etcd_url: str | None = None) -> Fleet:
     """Start a fleet and wait until every part of it is ready; on failure stop what started, then raise.
 
     `routers`: more `kvctl serve` processes, by name, with their arguments (the mockers' worker ids and endpoints
     are not known yet: say `{"nats": ["--nats", nats_url]}`), started with the fleet so that, like the indexer
     and the `kvctl` router, they are there before any request is made (Dynamo's event planes keep no history).
-    `fleet.await_router` has waited for their URL; what else makes one ready is for its user to wait for."""
+    `fleet.await_router` has waited for their URL; what else makes one ready is for its user to wait for.
+    `etcd_url`: Dynamo's discovery in that etcd (`--discovery-backend etcd`, `ETCD_ENDPOINTS`), not files."""
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(workdir=workdir, python=python, nats_url=nats_url, namespace=namespace,
-                  model_dir=write_model_dir(workdir / "model"))
+                  model_dir=write_model_dir(workdir / "model"), etcd_url=etcd_url)
     (workdir / "home").mkdir(exist_ok=True)
     try:
         for _ in range(mockers):

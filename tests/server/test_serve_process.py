@@ -112,12 +112,17 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--active-decode-blocks-threshold", "1.5"], "active_decode_blocks_threshold"),
     (["serve", "--approximate", "--router-ttl", "0"], "ttl_s"),
     (["serve", "--jetstream"], "need --nats URL"),
+    (["serve", "--nats", "nats://127.0.0.1:1", "--dynamo-discovery", "file:/tmp"], "give one"),
+    (["serve", "--dynamo-discovery", "etc:/tmp"], "--dynamo-discovery wants"),
+    (["serve", "--dynamo-discovery", "etcd:127.0.0.1:2379"], "--dynamo-discovery wants"),
+    (["serve", "--dynamo-discovery", "file:/tmp", "--shadow"], "need --nats URL"),
     (["serve", "--nats", "nats://127.0.0.1:1", "--snapshot-threshold", "0"], "--snapshot-threshold must be positive"),
     (["serve", "--nats", "nats://127.0.0.1:1", "--nats-creds", "/nonexistent.creds"], "no such file"),
 ])
 def test_bad_serve_arguments_exit_2(args: list[str], needle: str) -> None:
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and needle in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # the error, and at most a hint
 
 
 @pytest.mark.parametrize(("parameters", "needle"), [

@@ -172,7 +172,37 @@ class ActiveSequenceEvent:
 
 
 def decode_sequence_event(data: bytes) -> ActiveSequenceEvent:
-    obj = _map(parse_msgpack(data), "ActiveSequenceEvent")
+    """One bare event: what Dynamo 1.6.1 publishes on its NATS plane."""
+    return _sequence_event(parse_msgpack(data))
+
+
+def decode_sequence_events(data: bytes) -> tuple[list[ActiveSequenceEvent], list[DecodeError]]:
+    """An `active_sequences_events` payload of either plane: a batch `{"events": [...]}` (Dynamo 1.6.1's ZMQ
+    plane) or one bare event (its NATS plane). A bad event costs itself, not its batch: it comes back as a
+    DecodeError with its index; a batch that is not an array is bad_batch."""
+    obj = parse_msgpack(data)
+    if not (isinstance(obj, dict) and "events" in obj and "request_id" not in obj):
+        return [_sequence_event(obj)], []
+    items = obj["events"]
+    if not isinstance(items, list):
+        raise DecodeError(ErrorKind.bad_batch, "events", f"expected an array of events, got {describe(items)}")
+    events: list[ActiveSequenceEvent] = []
+    errors: list[DecodeError] = []
+    for n, item in enumerate(items):
+        try:
+            events.append(_sequence_event(item))
+        except DecodeError as exc:
+            errors.append(DecodeError(exc.kind, exc.field, exc.detail, n))
+    return events, errors
+
+
+def encode_sequence_events(events: list[ActiveSequenceEvent]) -> bytes:
+    """The ZMQ plane's batch `{"events": [...]}`, each event as `encode_sequence_event` writes it."""
+    return msgspec.msgpack.encode({"events": [msgspec.Raw(encode_sequence_event(e)) for e in events]})
+
+
+def _sequence_event(value: Any) -> ActiveSequenceEvent:
+    obj = _map(value, "ActiveSequenceEvent")
     request_id = require(obj, "request_id")
     if not isinstance(request_id, str):
         raise DecodeError(ErrorKind.bad_type, "request_id", f"expected a string, got {describe(request_id)}")

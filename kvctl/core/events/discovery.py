@@ -1,0 +1,133 @@
+"""Dynamo 1.6.1's discovery records of its ZMQ event plane (DESIGN §3.2): where each publisher listens.
+
+Every publisher registers one `EventChannel` record per topic under
+`v1/event_channels/namespace/{ns}/component/{comp}/endpoint/{ep}/topic/{topic}/{publisher_id hex}` (etcd: that
+key; file discovery: the file `v1/event_channels/<the rest, percent-encoded>` under `DYN_FILE_KV`). A
+subscriber lists and watches these, and connects a SUB socket to each record's `tcp://HOST:PORT`. Parsing only:
+the listing and watching are the server's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvctl.core.events.errors import DecodeError, ErrorKind, describe, parse_json, require
+
+CHANNELS_BUCKET = "v1/event_channels"
+_U64_MAX = (1 << 64) - 1
+_KEY = re.compile(r"^namespace/([^/]+)/component/([^/]+)/endpoint/([^/]+)/topic/([^/]+)/([0-9a-f]{1,16})$")
+_ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelKey:
+    """Where a record is filed: its scope, topic and publisher (the key's last part, in lowercase hex)."""
+
+    namespace: str
+    component: str
+    endpoint: str
+    topic: str
+    publisher_id: int
+
+    @property
+    def key(self) -> str:
+        """The key as etcd holds it (no leading slash)."""
+        return (f"{CHANNELS_BUCKET}/namespace/{self.namespace}/component/{self.component}/endpoint/{self.endpoint}"
+                f"/topic/{self.topic}/{self.publisher_id:x}")
+
+
+@dataclass(frozen=True, slots=True)
+class EventChannel:
+    """One publisher of one topic: its scope, and the ZMQ endpoint its PUB socket advertises."""
+
+    namespace: str
+    component: str
+    endpoint: str
+    topic: str
+    publisher_id: int  # the record's `instance_id`: the envelopes' publisher_id
+    address: str  # tcp://HOST:PORT
+
+    @property
+    def key(self) -> ChannelKey:
+        return ChannelKey(self.namespace, self.component, self.endpoint, self.topic, self.publisher_id)
+
+
+def namespace_prefix(namespace: str) -> str:
+    """The key prefix of every channel of a namespace (what a subscriber lists and watches)."""
+    return f"{CHANNELS_BUCKET}/namespace/{namespace}/"
+
+
+def parse_channel_key(key: str) -> ChannelKey:
+    """A key (`v1/event_channels/...`, or the part after the bucket) read into its parts; a key of another
+    layout is a bad_type DecodeError."""
+    rest = key.removeprefix(CHANNELS_BUCKET + "/")
+    m = _KEY.match(rest)
+    if m is None:
+        raise DecodeError(ErrorKind.bad_type, "key", f"not an event-channel key: {describe(key)}")
+    ns, comp, ep, topic, hex_id = m.groups()
+    return ChannelKey(ns, comp, ep, topic, int(hex_id, 16))
+
+
+def parse_event_channel(data: bytes | str) -> EventChannel:
+    """An `EventChannel` record (JSON). A record of another type or transport is unknown_type; a missing or
+    mistyped field missing_field / bad_type."""
+    obj = _map(parse_json(data), "record")
+    kind = require(obj, "type")
+    if kind != "EventChannel":
+        raise DecodeError(ErrorKind.unknown_type, "type", f"expected EventChannel, got {describe(kind)}")
+    scope = _map(require(obj, "scope"), "scope")
+    if scope.get("kind") != "endpoint":
+        raise DecodeError(ErrorKind.unknown_type, "scope.kind", f"expected endpoint, got {describe(scope.get('kind'))}")
+    where = _map(require(scope, "endpoint", "scope.endpoint"), "scope.endpoint")
+    transport = _map(require(obj, "transport"), "transport")
+    if transport.get("kind") != "Zmq":
+        raise DecodeError(ErrorKind.unknown_type, "transport.kind",
+                          f"expected Zmq, got {describe(transport.get('kind'))}")
+    address = _str(require(_map(require(transport, "config", "transport.config"), "transport.config"), "endpoint",
+                           "transport.config.endpoint"), "transport.config.endpoint")
+    if not re.fullmatch(r"tcp://[^\s/]+:\d{1,5}", address):
+        raise DecodeError(ErrorKind.bad_type, "transport.config.endpoint", f"expected tcp://HOST:PORT, got "
+                                                                          f"{describe(address)}")
+    instance_id = require(obj, "instance_id")
+    if type(instance_id) is not int or not 0 <= instance_id <= _U64_MAX:
+        raise DecodeError(ErrorKind.bad_type, "instance_id", f"expected a u64, got {describe(instance_id)}")
+    return EventChannel(
+        namespace=_str(require(where, "namespace", "scope.endpoint.namespace"), "scope.endpoint.namespace"),
+        component=_str(require(where, "component", "scope.endpoint.component"), "scope.endpoint.component"),
+        endpoint=_str(require(where, "name", "scope.endpoint.name"), "scope.endpoint.name"),
+        topic=_str(require(obj, "topic"), "topic"),
+        publisher_id=instance_id,
+        address=address,
+    )
+
+
+def encode_file_name(key: str) -> str:
+    """Dynamo's file backend's name for a key (the part below its bucket): every character but ASCII
+    letters and digits percent-encoded, UTF-8 bytes in uppercase hex."""
+    return "".join(c if c.isascii() and c.isalnum() else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
+
+
+def decode_file_name(name: str) -> str:
+    """The key a file-backend file name stands for; a name that is not its encoding is a bad_type DecodeError
+    (a stray file: an editor's swap file, a half-written temporary)."""
+    try:
+        key = _ESCAPE.sub(lambda m: chr(int(m[1], 16)), name).encode("latin-1").decode()
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        key = None
+    if key is None or encode_file_name(key) != name:
+        raise DecodeError(ErrorKind.bad_type, "file name", f"not a percent-encoded key: {describe(name)}")
+    return key
+
+
+def _map(value: Any, field: str) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise DecodeError(ErrorKind.bad_type, field, f"expected a map, got {describe(value)}")
+    return value
+
+
+def _str(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise DecodeError(ErrorKind.bad_type, field, f"expected a non-empty string, got {describe(value)}")
+    return value

@@ -1,0 +1,343 @@
+"""`kvctl serve --dynamo-discovery`: following a Dynamo fleet's ZMQ event plane, its default (DESIGN §3.2).
+
+There is no broker: each publisher binds a PUB socket per topic and files an `EventChannel` record in Dynamo's
+discovery store. This plane polls the store for the records of its namespace (narrowed by `--component` /
+`--endpoint`), keeps one SUB socket connected to each record's endpoint, and drops it when its record goes (a
+clean stop deletes the keys; a dead process's vanish within ~12 s). Every message is four frames
+(core/events/zmq_wire.py) around the same envelope as on NATS, so it goes to the same transport-free ingest
+(plane_ingest.py) as the NATS plane's, under the component and endpoint of the record it came from; the status
+keeps the NATS plane's shape, plus the connections. Nothing is published: with `--replica-sync` peers'
+in-flight requests are taken, this router's own are not yet shared on this plane. No history: a publisher
+found late is followed from its next message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvctl.core.events.discovery import (
+    CHANNELS_BUCKET,
+    EventChannel,
+    namespace_prefix,
+    parse_channel_key,
+    parse_event_channel,
+)
+from kvctl.core.events.errors import DecodeError, ErrorKind
+from kvctl.core.events.plane import KV_EVENTS, TOPICS
+from kvctl.core.events.zmq_wire import decode_zmq_message
+from kvctl.server.dynamo_discovery import Discovery, DiscoveryError, open_discovery
+from kvctl.server.plane_ingest import PlaneIngest
+from kvctl.server.state import Fleet, UnknownWorker
+from kvctl.server.streams import ModelWriter, Streams
+
+log = logging.getLogger("kvctl.serve")
+
+POLL_S = 0.5
+"""How often discovery is listed: a new publisher is followed within this (its records come before its first
+message is worth much: Dynamo registers a channel as it binds)."""
+CONNECT_WAIT_S = 5.0
+"""How long readiness waits for the first listing's sockets to connect (a stale record's never does)."""
+RCVHWM = 100_000
+"""Messages a SUB socket holds while the loop is busy; beyond, ZMQ drops them (seen as sequence gaps)."""
+_WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqOptions:
+    discovery: str  # file:DIR
+    namespace: str = "dynamo"
+    component: str | None = None  # None: every component of the namespace
+    endpoint: str | None = None  # None: every endpoint
+    model: str = "default"
+    router_id: int = 0
+    replica_sync: bool = False  # take peers' in-flight requests (this router's own are not published here)
+    poll_s: float = POLL_S
+
+    @property
+    def url(self) -> str:
+        """The discovery store, as status, logs and metrics name the plane."""
+        return self.discovery
+
+
+@dataclass(eq=False)
+class _Link:
+    """One SUB socket, connected to one publisher's endpoint for one record."""
+
+    key: str
+    channel: EventChannel
+    socket: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket
+    since: float
+    connected: asyncio.Event = field(default_factory=asyncio.Event)
+    connects: int = 0
+    disconnects: int = 0
+    messages: int = 0
+    publisher_ids: set[int] = field(default_factory=set)  # what its frames said (the record's instance id)
+    errors: Counter[str] = field(default_factory=Counter)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def row(self, now: float) -> dict[str, Any]:
+        c = self.channel
+        return {"address": c.address, "channel": self.key, "topic": c.topic, "publisher_id": c.publisher_id,
+                "component": c.component, "endpoint": c.endpoint, "connected": self.connected.is_set(),
+                "connects": self.connects, "disconnects": self.disconnects, "messages": self.messages,
+                "decode_errors": dict(self.errors), "age_s": round(now - self.since, 3)}
+
+
+class ZmqPlane:
+    """The ZMQ event plane's transport: discovery in, SUB sockets out, messages to a PlaneIngest."""
+
+    def __init__(self, fleet: Fleet, streams: Streams, options: ZmqOptions,
+                 discovery: Discovery | None = None) -> None:
+        self.fleet = fleet
+        self.options = options
+        self.discovery = discovery if discovery is not None else open_discovery(options.discovery)
+        self.writer: ModelWriter = streams.writer(options.model)
+        self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
+                                  replica_sync=options.replica_sync)
+        self.counts = self.ingest.counts
+        self.errors = self.ingest.errors
+        self.state = "listing"
+        self.reconnects = 0  # sockets that connected again after losing their publisher
+        self.last_error: str | None = None
+        self.links: dict[str, _Link] = {}
+        self.seen: Counter[str] = Counter()  # channels of the namespace by scope and topic: publishers listed
+        self.record_errors: Counter[str] = Counter()  # records that do not parse, by kind
+        self.listings = 0
+        self.listed_at: float | None = None
+        self.ready_at: float | None = None
+        self._bad_records: dict[str, bytes] = {}  # counted once each, until they change
+        self._failing = False  # the last listing failed (status keeps the last error)
+        self._ctx = zmq.asyncio.Context()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._started = asyncio.Event()
+
+    # ----- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._spawn(self._run(), self._tasks)
+
+    def _spawn(self, work: Coroutine[Any, Any, None], into: list[asyncio.Task[None]]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        task.add_done_callback(self._died)
+        into.append(task)
+
+    def _died(self, task: asyncio.Task[None]) -> None:
+        """A loop that ends other than by being cancelled is a bug; say so in status, not only at exit."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        self.state = "failed"
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        log.error("event plane: %s stopped", task.get_coro().__qualname__, exc_info=exc)
+
+    async def ready(self, timeout: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._started.wait(), timeout)
+        return self._started.is_set()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for key in list(self.links):
+            await self._drop(key)
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.discovery.close()
+        self._ctx.destroy(linger=0)
+        self.state = "closed"
+
+    async def _run(self) -> None:
+        prefix = namespace_prefix(self.options.namespace)
+        while True:
+            try:
+                records = await self.discovery.list(prefix)
+            except DiscoveryError as exc:
+                if not self._failing:  # once per outage, not once per poll
+                    log.warning("event plane: discovery %s: %s; retrying", self.options.url, exc)
+                self._failing = True
+                self.last_error = str(exc)
+                await asyncio.sleep(self.options.poll_s)
+                continue
+            if self._failing:
+                log.info("event plane: discovery %s answers again", self.options.url)
+            self._failing = False
+            self.listings += 1
+            self.listed_at = time.monotonic()
+            added = await self._follow(records)
+            if not self._started.is_set():
+                await self._first_connections(added)
+            await asyncio.sleep(self.options.poll_s)
+
+    async def _first_connections(self, links: list[_Link]) -> None:
+        """Ready once the first listing's sockets are connected (or CONNECT_WAIT_S has passed: a stale record
+        never connects, and must not keep the router unready)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(link.connected.wait() for link in links)), CONNECT_WAIT_S)
+        self.state = "connected"
+        self.ready_at = time.monotonic()
+        self._started.set()
+        log.info("event plane: following %d publisher(s) of namespace %r from %s", len(self.links),
+                 self.options.namespace, self.options.url)
+
+    # ----- discovery ----------------------------------------------------------------------------------
+
+    async def _follow(self, records: dict[str, bytes]) -> list[_Link]:
+        """Connect to each record's publisher not followed yet, drop those whose record went; the new links."""
+        wanted: dict[str, EventChannel] = {}
+        self.seen.clear()
+        for key, value in records.items():
+            channel = self._channel(key, value)
+            if channel is None:
+                continue
+            self.seen[self._pattern(channel.component, channel.endpoint, channel.topic)] += 1
+            if self.options.component not in (None, channel.component) or \
+                    self.options.endpoint not in (None, channel.endpoint):
+                continue
+            wanted[key] = channel
+        self._bad_records = {k: v for k, v in self._bad_records.items() if k in records}
+        gone = [k for k, link in self.links.items() if wanted.get(k) != link.channel]
+        for key in gone:
+            log.info("event plane: publisher %s gone from discovery", key)
+        await self._forget_workers([self.links[k] for k in gone if k not in wanted])  # not those that moved
+        for key in gone:
+            await self._drop(key)
+        added = []
+        for key, channel in wanted.items():
+            if key not in self.links:
+                added.append(self._connect(key, channel))
+        return added
+
+    def _channel(self, key: str, value: bytes) -> EventChannel | None:
+        """The record's channel; None (counted once per version of the record) when key or value are bad."""
+        try:
+            channel = parse_event_channel(value)
+            if parse_channel_key(key) != channel.key:
+                raise DecodeError(ErrorKind.bad_type, "key", "the key does not name the record's channel")
+        except DecodeError as exc:
+            if self._bad_records.get(key) != value:
+                self._bad_records[key] = value
+                self.record_errors[exc.kind.value] += 1
+                log.warning("event plane: discovery record %s skipped: %s", key, exc)
+            return None
+        return channel
+
+    def _pattern(self, component: str | None, endpoint: str | None, topic: str) -> str:
+        return (f"{CHANNELS_BUCKET}/namespace/{self.options.namespace}/component/{component or '*'}"
+                f"/endpoint/{endpoint or '*'}/topic/{topic}")
+
+    async def _forget_workers(self, going: list[_Link]) -> None:
+        """Remove the workers whose last publisher went from discovery, as Dynamo's routers do when an instance
+        goes: a stopped worker (and a restarted one, a new identity) must not keep its blocks in the index."""
+        book = self.ingest.publishers.publishers
+
+        def spoken(links: list[_Link]) -> set[tuple[int, int]]:
+            return {w for link in links for pid in link.publisher_ids if pid in book for w in book[pid].workers}
+
+        staying = [link for link in self.links.values() if link not in going]
+        orphans = sorted(w for w in spoken(going) - spoken(staying) if w in self.fleet.workers)
+        if not orphans:
+            return
+        await self.writer.applied()  # what it sent before it went is in the index: then remove it all
+        for worker_id, dp_rank in orphans:
+            with contextlib.suppress(UnknownWorker):
+                removed = self.fleet.unregister(worker_id, dp_rank)
+                self.counts["workers_removed"] += 1
+                log.warning("event plane: worker %d:%d gone from discovery: removed (%d blocks)", worker_id, dp_rank,
+                            removed["blocks"])
+
+    # ----- sockets ------------------------------------------------------------------------------------
+
+    def _connect(self, key: str, channel: EventChannel) -> _Link:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = sock.get_monitor_socket(_WATCHED)
+        sock.connect(channel.address)
+        link = _Link(key, channel, sock, monitor, time.monotonic())
+        self.links[key] = link
+        self._spawn(self._watch(link), link.tasks)
+        self._spawn(self._receive(link), link.tasks)
+        log.info("event plane: following %s (%s of publisher %d) at %s", key, channel.topic, channel.publisher_id,
+                 channel.address)
+        return link
+
+    async def _drop(self, key: str) -> None:
+        link = self.links.pop(key, None)
+        if link is None:
+            return
+        for task in link.tasks:
+            task.cancel()
+        for task in link.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(zmq.ZMQError):
+            link.socket.disable_monitor()
+        link.monitor.close(linger=0)
+        link.socket.close(linger=0)
+
+    async def _watch(self, link: _Link) -> None:
+        """The socket's connects and disconnects: status says which publishers are reachable right now."""
+        while True:
+            event = parse_monitor_message(await link.monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.connects += 1
+                if link.connects > 1:
+                    self.reconnects += 1
+                link.connected.set()
+            elif event == zmq.EVENT_DISCONNECTED:
+                link.disconnects += 1
+                link.connected.clear()
+
+    async def _receive(self, link: _Link) -> None:
+        channel = link.channel
+        while True:
+            frames = await link.socket.recv_multipart()
+            link.messages += 1
+            try:
+                message = decode_zmq_message(frames)
+            except DecodeError as exc:
+                link.errors[exc.kind.value] += 1
+                self.errors[exc.kind.value] += 1
+                continue
+            link.publisher_ids.add(message.publisher_id)
+            if message.topic != channel.topic:
+                self.counts["topic_mismatches"] += 1  # ingested by what the message says it is
+            await self.ingest.receive(channel.component, channel.endpoint, message.topic, message.envelope)
+
+    # ----- views --------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        o = self.options
+        scope = (o.component, o.endpoint)
+        return {
+            "transport": "zmq", "url": o.url, "state": self.state, "ready": self._started.is_set(),
+            "following_s": None if self.ready_at is None else round(now - self.ready_at, 3),
+            "connects": sum(link.connects for link in self.links.values()), "reconnects": self.reconnects,
+            "last_error": self.last_error, "namespace": o.namespace, "component": o.component,
+            "endpoint": o.endpoint, "model": o.model, "router_id": o.router_id, "mode": "core", "shadow": True,
+            "replica_sync": o.replica_sync,
+            "subjects": {"subscription": namespace_prefix(o.namespace), "kv_events": self._pattern(*scope, KV_EVENTS),
+                         **{topic: self._pattern(*scope, topic) for topic in TOPICS if topic != KV_EVENTS}},
+            "subjects_seen": dict(self.seen.most_common()),
+            **self.ingest.status(),
+            "snapshot": None,
+            "discovery": {"url": o.url, "listings": self.listings, "poll_s": o.poll_s,
+                          "listed_age_s": None if self.listed_at is None else round(now - self.listed_at, 3),
+                          "record_errors": dict(self.record_errors), "stray": dict(self.discovery.stray)},
+            "connections": [link.row(now) for _, link in sorted(self.links.items())],
+        }

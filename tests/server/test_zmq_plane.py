@@ -1,0 +1,308 @@
+"""Dynamo's ZMQ event plane against real pyzmq sockets: captured frames in, the index and status out.
+
+A "fleet" here is one XPUB socket (a PUB that also tells who subscribed, so the test publishes only once the
+router's SUB is joined) per publisher of `zmq_capture.jsonl`, each sending exactly the frames captured from
+Dynamo 1.6.1, and a discovery store holding their `EventChannel` records: a file-discovery dir, or a real etcd
+(each test runs on both). The records are the captured store's (`file-discovery/`), rewritten to this test's
+loopback ports (and, for the publishers whose record the store copy lacks, the same topic's record given their
+instance id): the only bytes not Dynamo's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvctl.core.events import RouterEvent
+from kvctl.core.events.discovery import ChannelKey, encode_file_name, namespace_prefix, parse_event_channel
+from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch
+from kvctl.core.events.plane import KV_EVENTS, TOPICS
+from kvctl.core.events.zmq_wire import decode_zmq_message
+from kvctl.server.dynamo_discovery import DiscoveryError, EtcdDiscovery
+from kvctl.server.state import Fleet
+from kvctl.server.streams import Streams
+from kvctl.server.zmq_plane import ZmqOptions, ZmqPlane
+from tests.etcd_server import EtcdServer
+from tests.fixtures_path import FIXTURES
+from tests.nats_server import free_port
+from tests.server.test_nats_plane import dump_blocks, expected_blocks
+
+ZMQ = FIXTURES / "dynamo-1.6.1-fleet" / "zmq-plane"
+STORE = ZMQ / "file-discovery" / "v1" / "event_channels"
+POLL_S = 0.05
+
+
+def captured() -> dict[tuple[str, int], list[list[bytes]]]:
+    """Every captured message's frames, by (topic, publisher id), in capture order."""
+    out: dict[tuple[str, int], list[list[bytes]]] = {}
+    for line in (ZMQ / "zmq_capture.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.setdefault((row["discovery_topic"], row["discovery_instance_id"]), []).append(
+            [bytes.fromhex(f) for f in row["frames_hex"]])
+    return out
+
+
+def record_for(topic: str, publisher_id: int, address: str) -> bytes:
+    """The captured store's record of this publisher (any of its topic's when the copy lacks it), at `address`."""
+    records = [json.loads(p.read_text()) for p in STORE.iterdir()]
+    same = [r for r in records if r["instance_id"] == publisher_id] or [r for r in records if r["topic"] == topic]
+    record = dict(same[0], instance_id=publisher_id)
+    record["transport"] = {"kind": "Zmq", "config": {"endpoint": address}}
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
+@dataclass
+class Publisher:
+    topic: str
+    publisher_id: int
+    socket: zmq.asyncio.Socket
+    address: str
+    withdraw: Callable[[], None]  # its record deleted, as a clean stop does
+
+    async def joined(self) -> None:
+        """Until the router's SUB has subscribed (XPUB hands over the subscription)."""
+        assert await asyncio.wait_for(self.socket.recv(), 10) == b"\x01"
+
+
+class Bench:
+    """Publishers on loopback and their records in a file-discovery dir, and a router following them."""
+
+    def __init__(self, root: Path, etcd: EtcdServer | None = None) -> None:
+        self.root = root
+        self.etcd = etcd
+        self.bucket = root / "v1" / "event_channels"
+        self.bucket.mkdir(parents=True)
+        self.url = f"etcd:{etcd.url}" if etcd is not None else f"file:{root}"
+        self.ctx = zmq.asyncio.Context()
+        self.publishers: list[Publisher] = []
+        self.fleet = Fleet(block_size=16, seed=0)
+        self.streams = Streams(self.fleet)
+        self.plane: ZmqPlane | None = None
+
+    def publish_as(self, topic: str, publisher_id: int, component: str = "backend") -> Publisher:
+        sock = self.ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        address = f"tcp://127.0.0.1:{port}"
+        key = ChannelKey("dynamo", component, "generate", topic, publisher_id).key
+        record = json.loads(record_for(topic, publisher_id, address))
+        record["scope"]["endpoint"]["component"] = component
+        publisher = Publisher(topic, publisher_id, sock, address, self.put(key, json.dumps(record).encode()))
+        self.publishers.append(publisher)
+        return publisher
+
+    def put(self, key: str, value: bytes) -> Callable[[], None]:
+        """A record in the store; what deletes it."""
+        if self.etcd is not None:
+            self.etcd.put(key, value)
+            return partial(self.etcd.delete, key)
+        path = self.bucket / encode_file_name(key.removeprefix("v1/event_channels/"))
+        path.write_bytes(value)
+        return path.unlink
+
+    async def start(self, **options: Any) -> ZmqPlane:
+        self.plane = ZmqPlane(self.fleet, self.streams, ZmqOptions(self.url, router_id=1, poll_s=POLL_S, **options))
+        self.plane.start()
+        assert await self.plane.ready(10), self.plane.status()
+        return self.plane
+
+    def status(self) -> dict[str, Any]:
+        assert self.plane is not None
+        return self.plane.status()
+
+    def addresses(self) -> set[str]:
+        return {c["address"] for c in self.status()["connections"]}
+
+    async def close(self) -> None:
+        if self.plane is not None:
+            await self.plane.close()
+        await self.streams.close()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["file", "etcd"])
+async def bench(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Bench]:
+    etcd = request.getfixturevalue("etcd") if request.param == "etcd" else None
+    b = Bench(tmp_path / "discovery", etcd)
+    yield b
+    await b.close()
+    if etcd is not None:
+        etcd.delete_prefix("v1/")  # the next test's store starts empty
+
+
+async def until(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def captured_kv_events(messages: dict[tuple[str, int], list[list[bytes]]]) -> list[RouterEvent]:
+    events: list[RouterEvent] = []
+    for (topic, _), frames in messages.items():
+        if topic == KV_EVENTS:
+            for message in frames:
+                events += decode_router_event_batch(decode_envelope(decode_zmq_message(message).envelope).payload)[0]
+    return events
+
+
+async def test_every_captured_message_reaches_the_ingest_and_the_index(bench: Bench) -> None:
+    messages = captured()
+    publishers = {key: bench.publish_as(*key) for key in messages}
+    plane = await bench.start(replica_sync=True)
+    assert bench.addresses() == {p.address for p in publishers.values()}
+    for key, publisher in publishers.items():
+        await publisher.joined()
+        for frames in messages[key]:
+            await publisher.socket.send_multipart(frames)
+    topics = Counter(topic for topic, _ in messages for _ in messages[(topic, _)])
+    await until(lambda: bench.status()["topics"] == {t: topics[t] for t in TOPICS}, "every message ingested")
+    await bench.streams.writer("default").applied()
+
+    status = bench.status()
+    assert status["decode_errors"] == {} and status["sequence"]["lost"] == 0, status
+    assert status["transport"] == "zmq" and status["ready"] and status["state"] == "connected"
+    assert status["counts"]["load_reports"] == topics["kv_metrics"]
+    assert status["counts"]["forward_passes"] == topics["forward-pass-metrics"]
+    assert status["counts"]["peer_sequence_events"] > topics["active_sequences_events"]  # batches of several
+    rows = {(c["topic"], c["publisher_id"]): c for c in status["connections"]}
+    assert {k: r["messages"] for k, r in rows.items()} == {k: len(v) for k, v in messages.items()}
+    assert all(r["connected"] and r["channel"].startswith("v1/event_channels/namespace/dynamo/") for r in rows.values())
+    assert status["subjects_seen"] == {f"v1/event_channels/namespace/dynamo/component/backend/endpoint/generate/"
+                                       f"topic/{t}": 2 for t in TOPICS}
+    index = plane.fleet.models["default"].router.index
+    assert dump_blocks(index.dump()) == expected_blocks(captured_kv_events(messages))
+
+
+async def test_a_publisher_is_dropped_with_its_record_and_a_worker_with_its_last_one(bench: Bench) -> None:
+    worker = (2077671668877197043, 0)  # the captured load report's and forward pass's worker
+    load, passed = captured()[("kv_metrics", 1610214894536196)][0], captured()[("forward-pass-metrics",
+                                                                              3421307315943300)][0]
+    first, other = bench.publish_as("kv_metrics", 11), bench.publish_as("forward-pass-metrics", 13)
+    await bench.start()
+    for publisher, frames in ((first, load), (other, passed)):
+        await publisher.joined()
+        await publisher.socket.send_multipart(frames)
+    await until(lambda: bench.status()["counts"].get("forward_passes") == 1, "both reports ingested")
+    first.withdraw()  # a clean stop deletes its keys
+    await until(lambda: bench.addresses() == {other.address}, "the gone publisher dropped")
+    assert set(bench.fleet.workers) == {worker}  # still spoken for by its other publisher
+    other.withdraw()
+    await until(lambda: bench.addresses() == set(), "the last publisher dropped")
+    assert bench.fleet.workers == {} and bench.status()["counts"]["workers_removed"] == 1
+
+    second = bench.publish_as("kv_metrics", 12)  # a new identity
+    await until(lambda: bench.addresses() == {second.address}, "the new publisher followed")
+    await second.joined()
+    await second.socket.send_multipart(captured()[("kv_metrics", 2000662664498406)][0])
+    await until(lambda: bench.status()["counts"].get("load_reports") == 2, "its report ingested")
+    assert [c["publisher_id"] for c in bench.status()["connections"]] == [12] and len(bench.fleet.workers) == 1
+
+
+async def test_malformed_frames_and_records_are_counted_and_skipped(bench: Bench) -> None:
+    publisher = bench.publish_as("kv_metrics", 21)
+    (bench.bucket / "stray.swp").write_text("x")  # the file backend's stray: a name that is no key
+    bench.put(ChannelKey("dynamo", "backend", "generate", "kv-events", 22).key, b"{not json")
+    elsewhere = bench.publish_as("kv-events", 23, component="prefill")
+    await bench.start(component="backend")
+    assert bench.addresses() == {publisher.address}  # the other component is seen, not followed
+    assert elsewhere.address not in bench.addresses()
+    await publisher.joined()
+    good = captured()[("kv_metrics", 1610214894536196)][0]
+    for frames in ([b"kv_metrics"], [*good[:3], good[3][:-1]], [good[0], b"\0", *good[2:]], good):
+        await publisher.socket.send_multipart(frames)
+    await until(lambda: bench.status()["counts"].get("load_reports") == 1, "the good message after the bad ones")
+    status = bench.status()
+    assert status["decode_errors"] == {"bad_batch": 3}, status
+    assert status["connections"][0]["decode_errors"] == {"bad_batch": 3}
+    assert status["discovery"]["record_errors"] == {"bad_json": 1}
+    if bench.etcd is None:
+        assert status["discovery"]["stray"]["bad_file_name"] >= 1
+    assert "v1/event_channels/namespace/dynamo/component/prefill/endpoint/generate/topic/kv-events" \
+        in status["subjects_seen"]
+    assert status["subjects"]["kv_events"] == \
+        "v1/event_channels/namespace/dynamo/component/backend/endpoint/*/topic/kv-events"
+
+
+async def test_ready_with_an_empty_store_then_follows_what_registers(bench: Bench) -> None:
+    await bench.start()
+    assert bench.status()["connections"] == [] and bench.status()["ready"]
+    publisher = bench.publish_as("forward-pass-metrics", 31)
+    await until(lambda: bench.addresses() == {publisher.address}, "a publisher registered later")
+    await until(lambda: bench.status()["connections"][0]["connected"], "its socket connected")
+
+
+def test_the_records_written_here_are_dynamos_but_for_the_address() -> None:
+    original = next(p for p in STORE.iterdir() if "kv%2Devents" in p.name)
+    channel = parse_event_channel(original.read_bytes())
+    rewritten = parse_event_channel(record_for("kv-events", channel.publisher_id, "tcp://127.0.0.1:1"))
+    assert rewritten.key == channel.key and rewritten.address == "tcp://127.0.0.1:1"
+
+
+async def test_etcd_lists_the_namespace_only_and_falls_over_to_the_next_url(etcd: EtcdServer) -> None:
+    ours = ChannelKey("dynamo", "backend", "generate", "kv-events", 0xABC).key
+    etcd.put(ours, b"{}")
+    etcd.put(ours.replace("/dynamo/", "/dynamo2/"), b"{}")  # a namespace whose name extends ours
+    etcd.put("v1/instances/dynamo/backend/generate/abc", b"{}")
+    dead = f"http://127.0.0.1:{free_port()}"
+    store = EtcdDiscovery([dead, etcd.url])
+    try:
+        assert await store.list(namespace_prefix("dynamo")) == {ours: b"{}"}
+        assert await store.list(namespace_prefix("dynamo")) == {ours: b"{}"}  # the live one is asked first now
+        with pytest.raises(DiscoveryError, match="127.0.0.1"):
+            await EtcdDiscovery([dead]).list(namespace_prefix("dynamo"))
+    finally:
+        await store.close()
+        etcd.delete_prefix("v1/")
+
+
+async def test_a_store_not_there_yet_is_retried_until_it_is(tmp_path: Path) -> None:
+    root = tmp_path / "not-yet"
+    fleet = Fleet(block_size=16, seed=0)
+    streams = Streams(fleet)
+    plane = ZmqPlane(fleet, streams, ZmqOptions(f"file:{root}", poll_s=POLL_S))
+    plane.start()
+    try:
+        assert not await plane.ready(0.3) and "not a directory" in (plane.status()["last_error"] or "")
+        root.mkdir()  # Dynamo's first process makes it
+        assert await plane.ready(5) and plane.status()["connections"] == []
+    finally:
+        await plane.close()
+        await streams.close()
+
+
+async def test_a_record_rewritten_in_place_moves_the_socket(bench: Bench) -> None:
+    publisher = bench.publish_as("kv_metrics", 41)
+    await bench.start()
+    await publisher.joined()
+    await publisher.socket.send_multipart(captured()[("kv_metrics", 1610214894536196)][0])
+    await until(lambda: len(bench.fleet.workers) == 1, "the worker known from its report")
+    moved = bench.ctx.socket(zmq.XPUB)
+    moved.setsockopt(zmq.LINGER, 0)
+    address = f"tcp://127.0.0.1:{moved.bind_to_random_port('tcp://127.0.0.1')}"
+    key = ChannelKey("dynamo", "backend", "generate", "kv_metrics", 41).key
+    try:
+        bench.put(key, record_for("kv_metrics", 41, address))  # the same key, another size: re-read
+        await until(lambda: bench.addresses() == {address}, "the socket moved to the record's new address")
+        assert await asyncio.wait_for(moved.recv(), 10) == b"\x01"  # and subscribed there
+        assert len(bench.fleet.workers) == 1  # a publisher that moved is not a worker that left
+    finally:
+        moved.close()
