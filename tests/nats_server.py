@@ -22,6 +22,17 @@ def nats_server_binary() -> str:
     return found
 
 
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM by its pid, then SIGKILL if it has not exited within 10 s; waited for either way."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,13 +66,8 @@ class NatsServer:
                 time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
         self.proc = None
 
     def restart(self) -> None:

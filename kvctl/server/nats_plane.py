@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ from kvctl.core.router.sequences import ActiveRequest
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
 from kvctl.server.plane_ingest import PlaneIngest
+from kvctl.server.plane_tasks import PlaneTasks, error_text
 from kvctl.server.state import Fleet
 from kvctl.server.streams import ModelWriter, Streams
 
@@ -90,28 +91,22 @@ class NatsOptions:
         return self.connection.shown_url
 
 
-def _error_text(exc: BaseException) -> str:
-    """How an error shows in status and logs: its type and message (nats-py's messages alone can be empty)."""
-    return f"{type(exc).__name__}: {exc}"
-
-
 def _backoff(servers: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
     """nats-py's reconnect hook: the (only) server again, after 0.1 s doubling up to 10 s per failed try."""
     return servers[0], min(0.1 * 2 ** servers[0].reconnects, 10.0)
 
 
-class EventPlane:
+class EventPlane(PlaneTasks):
     def __init__(self, fleet: Fleet, streams: Streams, options: NatsOptions) -> None:
+        super().__init__("connecting")
         self.fleet = fleet
         self.options = options
         self.scope = PlaneScope(options.namespace, options.component, options.endpoint)
         self.names = self.scope.names()  # kvctl's JetStream stream and bucket (per component)
         self.writer: ModelWriter = streams.writer(options.model)
         self.nc: nats.NATS | None = None
-        self.state = "connecting"
         self.connects = 0
         self.reconnects = 0
-        self.last_error: str | None = None
         self._logged_errors: set[str] = set()  # said in the log since the last good connection
         self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
                                   replica_sync=options.replica_sync, kv_events=not options.jetstream)
@@ -121,9 +116,7 @@ class EventPlane:
         self.subjects_seen: Counter[str] = Counter()
         self.ready_at: float | None = None
         self.snapshot: dict[str, Any] = {"loaded_events": None, "bad_lines": 0, "uploads": 0, "purged_below": None}
-        self._tasks: list[asyncio.Task[None]] = []
         self._publishes: set[asyncio.Task[None]] = set()
-        self._started = asyncio.Event()
 
     # ----- lifecycle ----------------------------------------------------------------------------------
 
@@ -131,31 +124,8 @@ class EventPlane:
         """Connect in the background (retrying with backoff), so the HTTP API is up even while NATS is not."""
         self._spawn(self._run())
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        task.add_done_callback(self._died)
-        self._tasks.append(task)
-
-    def _died(self, task: asyncio.Task[None]) -> None:
-        """A loop of the plane that ends other than by close() is a bug; say so in status, not only at exit."""
-        if task.cancelled() or task.exception() is None:
-            return
-        exc = task.exception()
-        self.state = "failed"
-        self.last_error = _error_text(exc)
-        log.error("event plane: %s stopped", task.get_coro().__qualname__, exc_info=exc)
-
-    async def ready(self, timeout: float) -> bool:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._started.wait(), timeout)
-        return self._started.is_set()
-
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._stop_tasks()
         if self.nc is not None and not self.nc.is_closed:
             # close, not drain: a cancelled pull fetch keeps drain waiting for its whole timeout; what is
             # unacked is redelivered to the durable consumer, and our own publishes are flushed by close
@@ -212,14 +182,14 @@ class EventPlane:
     async def _error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):
             self.counts["slow_consumer_drops"] += 1  # a message nats-py dropped: we could not keep up
-            self.last_error = _error_text(exc)
+            self.last_error = error_text(exc)
             return
         self._report(exc, f"NATS at {self.options.url} reports", "retrying")
 
     def _report(self, exc: BaseException, what: str, then: str) -> None:
         """Status always shows the last error; the log says each different one once (a wrong password is
         refused on every retry: one line, not one a second), and again after a successful connection."""
-        self.last_error = error = _error_text(exc)
+        self.last_error = error = error_text(exc)
         if error not in self._logged_errors and len(self._logged_errors) < LOGGED_ERRORS_MAX:
             self._logged_errors.add(error)
             log.warning("event plane: %s: %s; %s", what, error, then)
@@ -275,7 +245,7 @@ class EventPlane:
             except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except (nats.errors.ConnectionClosedError, nats.errors.Error) as exc:
-                self.last_error = _error_text(exc)
+                self.last_error = error_text(exc)
                 await asyncio.sleep(0.5)  # reconnecting: the durable consumer keeps our place
                 continue
             if not msgs:  # nats-py 2.16 answers a status on its long poll (404, 408, 409) with an empty batch
@@ -339,7 +309,7 @@ class EventPlane:
                 if info.state.messages > self.options.snapshot_threshold:
                     await self._snapshot_and_purge(js)
             except nats.errors.Error as exc:  # NATS away: the next check retries
-                self.last_error = _error_text(exc)
+                self.last_error = error_text(exc)
 
     async def _snapshot_and_purge(self, js: Any) -> None:
         """Purge below the lowest ack floor, then upload the index: it holds everything purged (this router

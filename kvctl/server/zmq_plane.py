@@ -18,7 +18,6 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +37,7 @@ from kvctl.core.events.plane import KV_EVENTS, TOPICS
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.server.dynamo_discovery import Discovery, DiscoveryError, open_discovery
 from kvctl.server.plane_ingest import PlaneIngest
+from kvctl.server.plane_tasks import PlaneTasks
 from kvctl.server.state import Fleet, UnknownWorker
 from kvctl.server.streams import ModelWriter, Streams
 
@@ -95,11 +95,12 @@ class _Link:
                 "decode_errors": dict(self.errors), "age_s": round(now - self.since, 3)}
 
 
-class ZmqPlane:
+class ZmqPlane(PlaneTasks):
     """The ZMQ event plane's transport: discovery in, SUB sockets out, messages to a PlaneIngest."""
 
     def __init__(self, fleet: Fleet, streams: Streams, options: ZmqOptions,
                  discovery: Discovery | None = None) -> None:
+        super().__init__("listing")
         self.fleet = fleet
         self.options = options
         self.discovery = discovery if discovery is not None else open_discovery(options.discovery)
@@ -108,9 +109,7 @@ class ZmqPlane:
                                   replica_sync=options.replica_sync)
         self.counts = self.ingest.counts
         self.errors = self.ingest.errors
-        self.state = "listing"
         self.reconnects = 0  # sockets that connected again after losing their publisher
-        self.last_error: str | None = None
         self.links: dict[str, _Link] = {}
         self.seen: Counter[str] = Counter()  # channels of the namespace by scope and topic: publishers listed
         self.record_errors: Counter[str] = Counter()  # records that do not parse, by kind
@@ -120,41 +119,16 @@ class ZmqPlane:
         self._bad_records: dict[str, bytes] = {}  # counted once each, until they change
         self._failing = False  # the last listing failed (status keeps the last error)
         self._ctx = zmq.asyncio.Context()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._started = asyncio.Event()
 
     # ----- lifecycle ----------------------------------------------------------------------------------
 
     def start(self) -> None:
         self._spawn(self._run(), self._tasks)
 
-    def _spawn(self, work: Coroutine[Any, Any, None], into: list[asyncio.Task[None]]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        task.add_done_callback(self._died)
-        into.append(task)
-
-    def _died(self, task: asyncio.Task[None]) -> None:
-        """A loop that ends other than by being cancelled is a bug; say so in status, not only at exit."""
-        if task.cancelled() or task.exception() is None:
-            return
-        exc = task.exception()
-        self.state = "failed"
-        self.last_error = f"{type(exc).__name__}: {exc}"
-        log.error("event plane: %s stopped", task.get_coro().__qualname__, exc_info=exc)
-
-    async def ready(self, timeout: float) -> bool:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._started.wait(), timeout)
-        return self._started.is_set()
-
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        await self._stop_tasks()
         for key in list(self.links):
             await self._drop(key)
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         await self.discovery.close()
         self._ctx.destroy(linger=0)
         self.state = "closed"
@@ -279,11 +253,7 @@ class ZmqPlane:
         link = self.links.pop(key, None)
         if link is None:
             return
-        for task in link.tasks:
-            task.cancel()
-        for task in link.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._stop_tasks(link.tasks)
         with contextlib.suppress(zmq.ZMQError):
             link.socket.disable_monitor()
         link.monitor.close(linger=0)

@@ -1,0 +1,55 @@
+"""The background loops of an event plane (NATS or ZMQ), watched: one that ends other than by being cancelled
+is a bug, and it shows in `/v1/status` as the plane `failed` with its error, not only in the log at exit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+log = logging.getLogger("kvctl.serve")
+
+
+def error_text(exc: BaseException) -> str:
+    """How an error shows in status and logs: its type and message (nats-py's messages alone can be empty)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+class PlaneTasks:
+    """Base of a plane: `state`, `last_error`, its loops (`_spawn`), and readiness (`_started`, set by it)."""
+
+    def __init__(self, state: str) -> None:
+        self.state = state
+        self.last_error: str | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._started = asyncio.Event()
+
+    def _spawn(self, work: Coroutine[Any, Any, None], into: list[asyncio.Task[None]] | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        task.add_done_callback(self._died)
+        (self._tasks if into is None else into).append(task)
+
+    def _died(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        assert exc is not None
+        self.state = "failed"
+        self.last_error = error_text(exc)
+        log.error("event plane: %s stopped", task.get_coro().__qualname__, exc_info=exc)
+
+    async def ready(self, timeout: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._started.wait(), timeout)
+        return self._started.is_set()
+
+    async def _stop_tasks(self, tasks: list[asyncio.Task[None]] | None = None) -> None:
+        """Cancel the loops (the plane's own, or `tasks`) and wait until each has ended."""
+        tasks = self._tasks if tasks is None else tasks
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
