@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-DUMP = Path(os.environ.get("KVCTL_FIXTURES", ROOT.parent / "shared" / "fixtures")) / "dynamo-1.6.1" / "dump.jsonl"
+DUMP = Path(os.environ.get("KVCTL_FIXTURES", ROOT / "tests" / "fixtures")) / "dynamo-1.6.1" / "dump.jsonl"
 KVCTL = [str(Path(sys.executable).parent / "kvctl")]
 
 

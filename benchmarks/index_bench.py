@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvctl.core.events import Removed, RouterEvent, Stored  # noqa: E402
 from kvctl.core.index import KvIndex  # noqa: E402
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "traces"
 MASK = (1 << 64) - 1
 PROMPT_BLOCKS, SUFFIX_BLOCKS, DOC_BLOCKS = 64, 64, 1024
 

@@ -15,7 +15,15 @@ from typing import Any
 
 import msgspec
 
-from kvctl.core.events.errors import DecodeError, ErrorKind, describe, parse_json, parse_msgpack, require
+from kvctl.core.events.errors import (
+    DecodeError,
+    ErrorKind,
+    decode_each,
+    describe,
+    parse_json,
+    parse_msgpack,
+    require,
+)
 from kvctl.core.events.types import Cleared, EventData, Removed, RouterEvent, Stored, Tier
 
 _U32_MAX = (1 << 32) - 1
@@ -77,14 +85,7 @@ def decode_router_event_batch(data: bytes) -> tuple[list[RouterEvent], list[Deco
         return [_router_event(obj)], []
     if not isinstance(obj, list):
         raise DecodeError(ErrorKind.bad_batch, "kv-events", f"expected an array of RouterEvents, got {describe(obj)}")
-    events: list[RouterEvent] = []
-    errors: list[DecodeError] = []
-    for n, item in enumerate(obj):
-        try:
-            events.append(_router_event(item))
-        except DecodeError as exc:
-            errors.append(DecodeError(exc.kind, exc.field, exc.detail, n))
-    return events, errors
+    return decode_each(obj, _router_event)
 
 
 def encode_router_event_batch(events: Sequence[RouterEvent]) -> bytes:

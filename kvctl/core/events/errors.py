@@ -10,11 +10,13 @@ nesting deep enough to raise RecursionError) into the same error.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
+
+T = TypeVar("T")
 
 
 class ErrorKind(StrEnum):
@@ -60,6 +62,19 @@ def require(fields: Mapping[Any, Any], key: str, field: str | None = None) -> An
     if value is _MISSING:
         raise DecodeError(ErrorKind.missing_field, field or key, "required field is absent")
     return value
+
+
+def decode_each(items: list[Any], decode: Callable[[Any], T]) -> tuple[list[T], list[DecodeError]]:
+    """Decode every item of a batch: a bad one costs itself, not the batch, and comes back as a DecodeError
+    carrying its index."""
+    decoded: list[T] = []
+    errors: list[DecodeError] = []
+    for n, item in enumerate(items):
+        try:
+            decoded.append(decode(item))
+        except DecodeError as exc:
+            errors.append(DecodeError(exc.kind, exc.field, exc.detail, n))
+    return decoded, errors
 
 
 def describe(value: object) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from kvctl.core.events.errors import DecodeError, ErrorKind, describe, parse_msgpack, require
+from kvctl.core.events.errors import DecodeError, ErrorKind, decode_each, describe, parse_msgpack, require
 
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
@@ -186,14 +186,7 @@ def decode_sequence_events(data: bytes) -> tuple[list[ActiveSequenceEvent], list
     items = obj["events"]
     if not isinstance(items, list):
         raise DecodeError(ErrorKind.bad_batch, "events", f"expected an array of events, got {describe(items)}")
-    events: list[ActiveSequenceEvent] = []
-    errors: list[DecodeError] = []
-    for n, item in enumerate(items):
-        try:
-            events.append(_sequence_event(item))
-        except DecodeError as exc:
-            errors.append(DecodeError(exc.kind, exc.field, exc.detail, n))
-    return events, errors
+    return decode_each(items, _sequence_event)
 
 
 def encode_sequence_events(events: list[ActiveSequenceEvent]) -> bytes:
