@@ -33,6 +33,7 @@ import base64
 import json
 import os
 import queue
+import random
 import re
 import signal
 import socket
@@ -94,11 +95,23 @@ def dynamo_python() -> Path:
 
 # ----- ports, waits, processes -------------------------------------------------------------------------------
 
+PORTS = (20000, 32767)
+"""Where the fleet's ports are picked: below the kernel's ephemeral range (32768 and up on Linux), so that no
+socket Dynamo binds to port 0 itself (its event-plane PUBs) can take one between our pick and its use; and
+below 2**15, all Dynamo 1.6.1 accepts for a system port."""
+
+
 def free_port() -> int:
-    """A TCP port free on every interface (Dynamo binds some sockets to 0.0.0.0 whatever it is told)."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port in `PORTS` free now on every interface (Dynamo binds some sockets to 0.0.0.0 whatever it is
+    told)."""
+    while True:
+        port = random.randint(*PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
 
 
 class Proc:

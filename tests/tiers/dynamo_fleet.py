@@ -12,27 +12,10 @@ parses the port as an i16: a port above 32767 is refused at start (`invalid valu
 
 from __future__ import annotations
 
-import random
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.interop.fleet import NAMESPACE, START_S, Fleet, Mocker, wait_until, write_model_dir
-
-SYSTEM_PORTS = (20000, 32767)
-"""Where a mocker's system port is picked: below 2**15, which is all Dynamo 1.6.1 accepts."""
-
-
-def system_port() -> int:
-    """A loopback TCP port free now, in `SYSTEM_PORTS`."""
-    while True:
-        port = random.randint(*SYSTEM_PORTS)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+from tests.interop.fleet import NAMESPACE, START_S, Fleet, Mocker, free_port, wait_until, write_model_dir
 
 
 @dataclass
@@ -43,7 +26,7 @@ class StatusFleet(Fleet):
 
     def env(self, **extra: str) -> dict[str, str]:
         if "DYN_TCP_RPC_PORT" in extra:  # a mocker's environment: its request-plane port names it
-            port = self.system_ports.setdefault(int(extra["DYN_TCP_RPC_PORT"]), system_port())
+            port = self.system_ports.setdefault(int(extra["DYN_TCP_RPC_PORT"]), free_port())
             extra = {**extra, "DYN_SYSTEM_PORT": str(port), "DYN_SYSTEM_HOST": "127.0.0.1"}
         return super().env(**extra)
 
