@@ -149,20 +149,22 @@ def _loop_factory():  # type: ignore[no-untyped-def]
 
 
 def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint: str | None, model: str,
-                 router_id: int | None, state_dir: Path, replica_sync: bool, nats_only: bool) -> ZmqOptions:
-    """`--dynamo-discovery`'s plane; --shadow and --jetstream are NATS's alone (this plane never publishes)."""
+                 router_id: int | None, state_dir: Path, replica_sync: bool, shadow: bool, jetstream: bool,
+                 advertise_host: str | None) -> ZmqOptions:
+    """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
     from kvctl.server.dynamo_discovery import open_discovery
     from kvctl.server.router_id import stable_router_id
     from kvctl.server.zmq_plane import ZmqOptions
 
-    if nats_only:
-        raise UsageError("--shadow and --jetstream need --nats URL (the ZMQ event plane is only read)")
+    if jetstream:
+        raise UsageError("--jetstream needs --nats URL (Dynamo's ZMQ event plane keeps no stream)")
     try:
         open_discovery(discovery)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return ZmqOptions(discovery, namespace, component, endpoint, model,
-                      router_id if router_id is not None else stable_router_id(state_dir), replica_sync)
+                      router_id if router_id is not None else stable_router_id(state_dir), replica_sync, shadow,
+                      advertise_host)
 
 
 @with_nats_credentials
@@ -283,8 +285,14 @@ def serve_command(
         help="This router's id (u64): its JetStream consumer and replica-sync identity. Default: an id kept "
              "in the state dir.")] = None,
     shadow: Annotated[bool, typer.Option("--shadow", envvar="KVCTL_SHADOW", rich_help_panel=PANEL,
-                                         help="Read-only: never publish, purge or create anything on NATS.")]
+                                         help="Read-only: never publish, purge, register or create anything on "
+                                              "the event plane.")]
     = False,
+    advertise_host: Annotated[str | None, typer.Option(
+        "--advertise-host", envvar=["KVCTL_ADVERTISE_HOST", "DYN_EVENT_PLANE_HOST"], show_default=False,
+        rich_help_panel=PANEL,
+        help="--dynamo-discovery with --replica-sync: the host Dynamo's routers reach this router's replica-sync "
+             "socket at, as DYN_EVENT_PLANE_HOST is for Dynamo's processes. Default: this host's address.")] = None,
     jetstream: Annotated[bool, typer.Option("--jetstream", envvar="KVCTL_JETSTREAM", rich_help_panel=PANEL,
                                             help="Durable mode: consume the JetStream stream, snapshot to the "
                                                  "object store.")] = False,
@@ -360,9 +368,10 @@ def serve_command(
                            snapshot_threshold, reset_states, replica_sync)
     elif dynamo_discovery is not None:
         zmq_plane = _zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
-                                 replica_sync, shadow or jetstream)
-    elif shadow or jetstream or replica_sync or component or endpoint:
-        raise UsageError("--shadow, --jetstream, --replica-sync, --component and --endpoint need --nats URL")
+                                 replica_sync, shadow, jetstream, advertise_host)
+    elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
+        raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
+                         "an event plane: --nats URL or --dynamo-discovery STORE")
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
                            request_expiry, models, nats, zmq_plane, queue_batches, max_body_bytes=max_body_bytes,

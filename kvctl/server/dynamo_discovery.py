@@ -1,25 +1,31 @@
-"""Reading Dynamo's discovery store (DESIGN §3.2): `--dynamo-discovery file:DIR` or `etcd:URL[,URL...]`.
+"""Dynamo's discovery store (DESIGN §3.2): `--dynamo-discovery file:DIR` or `etcd:URL[,URL...]`.
 
-A store answers one question, polled: every key under a prefix, with its value. Dynamo's file backend
-(`DYN_FILE_KV`) keeps a key as the file `DIR/{bucket}/{rest, percent-encoded}`; owners refresh the mtimes and
-a clean stop deletes the files. Files are re-read only when their mtime or size changed, so a poll of a quiet
-fleet is a directory listing. Names that are not the encoding of a key (a stray file) are counted, not fatal.
-etcd holds the same keys (no leading slash) and values, bound to their owner's lease; they are read with one
-range request through etcd's JSON gateway (`/v3/kv/range`, v3.4 and later), trying each URL in turn.
+A store answers one question, polled: every key under a prefix, with its value. It also keeps this router's
+own records (its replica-sync channels) alive for as long as it runs, as Dynamo's processes keep theirs.
+Dynamo's file backend (`DYN_FILE_KV`) keeps a key as the file `DIR/{bucket}/{rest, percent-encoded}`, written
+as a `.tmp_` file then renamed; owners touch their files every few seconds, a file untouched for KEY_TTL_S is
+dead (Dynamo's processes delete it; this reader ignores it) and a clean stop deletes them. Files are re-read
+only when their mtime or size changed, so a poll of a quiet fleet is a directory listing. Names that are not
+the encoding of a key (a stray file) are counted, not fatal. etcd holds the same keys (no leading slash) and
+values, bound to their owner's lease; they are read with one range request through etcd's JSON gateway
+(`/v3/kv/range`, v3.4 and later), trying each URL in turn, and written under a lease of this router's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
+import secrets
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
-from kvctl.core.events.discovery import CHANNELS_BUCKET, decode_file_name
+from kvctl.core.events.discovery import CHANNELS_BUCKET, decode_file_name, encode_file_name
 from kvctl.core.events.errors import DecodeError
 
 
@@ -27,15 +33,35 @@ class DiscoveryError(Exception):
     """The store cannot be read now (gone, unreachable, refused); the next poll tries again."""
 
 
+KEY_TTL_S = 10.0
+"""Dynamo's: a record whose owner has not refreshed it (touched the file, renewed the lease) for this long is
+gone."""
+KEEP_ALIVE_S = KEY_TTL_S / 3
+"""How often this router refreshes its own records (Dynamo refreshes at a third of the TTL)."""
+TEMP_PREFIX = ".tmp_"
+"""Dynamo's file backend's half-written records: never read, never counted."""
+
+
 class Discovery(Protocol):
     url: str
     stray: Counter[str]  # entries that are not records, by why
+    expired: int  # records the last listing ignored: their owners stopped refreshing them
 
     async def list(self, prefix: str) -> dict[str, bytes]:
-        """Every key under `prefix` (no leading slash) and its value."""
+        """Every live key under `prefix` (no leading slash) and its value."""
         ...
 
-    async def close(self) -> None: ...
+    async def register(self, key: str, value: bytes) -> None:
+        """File this router's own record; it lives until close() (refreshed by keep_alive())."""
+        ...
+
+    async def keep_alive(self) -> None:
+        """Refresh this router's records (call every KEEP_ALIVE_S); a record lost meanwhile is filed again."""
+        ...
+
+    async def close(self) -> None:
+        """Delete this router's records and let go of the store."""
+        ...
 
 
 class FileDiscovery:
@@ -45,7 +71,9 @@ class FileDiscovery:
         self.root = root
         self.url = f"file:{root}"
         self.stray: Counter[str] = Counter()
+        self.expired = 0
         self._cache: dict[str, tuple[int, int, bytes]] = {}  # file name -> (mtime_ns, size, contents)
+        self._owned: dict[Path, bytes] = {}  # this router's records: path -> value
 
     async def list(self, prefix: str) -> dict[str, bytes]:
         return await asyncio.to_thread(self._list, prefix)
@@ -65,7 +93,10 @@ class FileDiscovery:
             raise DiscoveryError(f"cannot list {directory}: {exc.strerror}") from None
         found: dict[str, bytes] = {}
         cache: dict[str, tuple[int, int, bytes]] = {}
+        self.expired = 0
         for entry in entries:
+            if entry.name.startswith(TEMP_PREFIX):
+                continue
             try:
                 key = f"{bucket}/{decode_file_name(entry.name)}"
             except DecodeError:
@@ -81,9 +112,13 @@ class FileDiscovery:
         return found
 
     def _read(self, entry: os.DirEntry[str]) -> bytes | None:
-        """The file's contents, from the cache while its mtime and size stay; None when it went meanwhile."""
+        """The file's contents, from the cache while its mtime and size stay; None when it went meanwhile or
+        its owner stopped touching it."""
         try:
             st = entry.stat()
+            if st.st_mtime < time.time() - KEY_TTL_S:
+                self.expired += 1
+                return None
             cached = self._cache.get(entry.name)
             if cached is not None and cached[:2] == (st.st_mtime_ns, st.st_size):
                 return cached[2]
@@ -97,34 +132,68 @@ class FileDiscovery:
         self._cache[entry.name] = (st.st_mtime_ns, st.st_size, contents)
         return contents
 
+    async def register(self, key: str, value: bytes) -> None:
+        if not key.startswith(CHANNELS_BUCKET + "/"):
+            raise ValueError(f"only {CHANNELS_BUCKET}/ records are filed, not {key!r}")
+        path = self.root / CHANNELS_BUCKET / encode_file_name(key.removeprefix(CHANNELS_BUCKET + "/"))
+        self._owned[path] = value
+        await asyncio.to_thread(self._write, path, value)
+
+    @staticmethod
+    def _write(path: Path, value: bytes) -> None:
+        """Whole or not at all, as Dynamo writes: a temporary its readers skip, renamed into place."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.parent / f"{TEMP_PREFIX}{secrets.token_hex(8)}"
+        temp.write_bytes(value)
+        os.replace(temp, path)
+
+    async def keep_alive(self) -> None:
+        await asyncio.to_thread(self._touch)
+
+    def _touch(self) -> None:
+        for path, value in self._owned.items():
+            try:
+                os.utime(path)
+            except FileNotFoundError:  # deleted as expired while this process was stalled: file it again
+                self._write(path, value)
+
     async def close(self) -> None:
-        pass
+        owned, self._owned = self._owned, {}
+        for path in owned:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
 
 ETCD_TIMEOUT_S = 2.0
 
 
 class EtcdDiscovery:
-    """Dynamo's etcd backend, through etcd's JSON gateway: a prefix is a range from it to its successor."""
+    """Dynamo's etcd backend, through etcd's JSON gateway: a prefix is a range from it to its successor; this
+    router's own records live under one lease of its own, renewed by keep_alive() and revoked by close()."""
 
     def __init__(self, endpoints: list[str]) -> None:
         self.endpoints = endpoints
         self.url = "etcd:" + ",".join(endpoints)
         self.stray: Counter[str] = Counter()
+        self.expired = 0  # etcd deletes a dead owner's keys with its lease
         self._client: httpx.AsyncClient | None = None  # made in the loop that lists
         self._next = 0  # the endpoint to try first: the last one that answered
+        self._lease: str | None = None
+        self._owned: dict[str, bytes] = {}
 
-    async def list(self, prefix: str) -> dict[str, bytes]:
-        body = {"key": _b64(prefix.encode()), "range_end": _b64(_successor(prefix.encode()))}
+    async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One gateway call, on the first endpoint that answers; DiscoveryError naming each failure if none."""
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=ETCD_TIMEOUT_S)
         errors = []
         for n in range(len(self.endpoints)):
             i = (self._next + n) % len(self.endpoints)
             try:
-                answer = await self._client.post(f"{self.endpoints[i]}/v3/kv/range", json=body)
+                answer = await self._client.post(f"{self.endpoints[i]}{path}", json=body)
                 answer.raise_for_status()
-                found = self._records(answer.json())
+                found = answer.json()
+                if not isinstance(found, dict):
+                    raise ValueError(f"not an etcd answer: {found!r:.80}")
             except (httpx.HTTPError, ValueError) as exc:
                 errors.append(f"{self.endpoints[i]}: {type(exc).__name__}: {exc}")
                 continue
@@ -132,9 +201,11 @@ class EtcdDiscovery:
             return found
         raise DiscoveryError("; ".join(errors))
 
-    def _records(self, answer: Any) -> dict[str, bytes]:
-        if not isinstance(answer, dict) or not isinstance(answer.get("kvs", []), list):
-            raise ValueError("not an etcd range response")
+    async def list(self, prefix: str) -> dict[str, bytes]:
+        answer = await self._call("/v3/kv/range", {"key": _b64(prefix.encode()),
+                                                   "range_end": _b64(_successor(prefix.encode()))})
+        if not isinstance(answer.get("kvs", []), list):
+            raise DiscoveryError(f"{self.url}: not an etcd range response")
         found: dict[str, bytes] = {}
         for kv in answer.get("kvs", []):
             try:
@@ -143,7 +214,40 @@ class EtcdDiscovery:
                 self.stray["bad_etcd_key"] += 1
         return found
 
+    async def register(self, key: str, value: bytes) -> None:
+        self._owned[key] = value
+        if self._lease is None:
+            await self._grant()
+        else:
+            await self._put(key, value)
+
+    async def _grant(self) -> None:
+        """A new lease, and every record of this router filed under it (after an old lease ran out too)."""
+        answer = await self._call("/v3/lease/grant", {"TTL": int(KEY_TTL_S)})
+        if not answer.get("ID"):
+            raise DiscoveryError(f"{self.url}: no lease granted: {answer.get('error') or answer}")
+        self._lease = str(answer["ID"])
+        for key, value in self._owned.items():
+            await self._put(key, value)
+
+    async def _put(self, key: str, value: bytes) -> None:
+        await self._call("/v3/kv/put", {"key": _b64(key.encode()), "value": _b64(value), "lease": self._lease})
+
+    async def keep_alive(self) -> None:
+        if self._lease is None:
+            if self._owned:
+                await self._grant()
+            return
+        answer = await self._call("/v3/lease/keepalive", {"ID": self._lease})
+        if int((answer.get("result") or {}).get("TTL") or 0) <= 0:  # it ran out: its keys are gone
+            await self._grant()
+
     async def close(self) -> None:
+        if self._lease is not None:
+            with contextlib.suppress(DiscoveryError):  # unrevoked, the keys go with the lease's TTL
+                await self._call("/v3/lease/revoke", {"ID": self._lease})
+            self._lease = None
+        self._owned = {}
         if self._client is not None:
             await self._client.aclose()
 

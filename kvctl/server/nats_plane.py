@@ -37,16 +37,15 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
 from kvctl.core.events import RouterEvent
-from kvctl.core.events.dynamo import (
-    decode_router_event_json,
-    encode_router_event_json,
-)
+from kvctl.core.events.dynamo import EnvelopeWriter, decode_router_event_json, encode_router_event_json
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import (
+    ACTIVE_SEQUENCES,
     KV_EVENTS,
     RADIX_STATE_OBJECT,
     TOPICS,
     PlaneScope,
+    encode_sequence_event,
 )
 from kvctl.core.index.kv_index import events_of
 from kvctl.core.router.sequences import ActiveRequest
@@ -113,6 +112,7 @@ class EventPlane(PlaneTasks):
         self.counts = self.ingest.counts  # the plane's counters, connection's and ingest's alike
         self.errors = self.ingest.errors
         self.cursors = self.ingest.cursors
+        self._sequence_writer = EnvelopeWriter(options.router_id, ACTIVE_SEQUENCES)
         self.subjects_seen: Counter[str] = Counter()
         self.ready_at: float | None = None
         self.snapshot: dict[str, Any] = {"loaded_events": None, "bad_lines": 0, "uploads": 0, "purged_below": None}
@@ -336,11 +336,12 @@ class EventPlane(PlaneTasks):
 
     def _publish_sequence(self, model: str, action: str, request: ActiveRequest | None,
                           route: Mapping[str, Any]) -> None:
-        message = self.ingest.sequence_message(model, action, request, route)
-        if message is None or self.nc is None:
+        found = self.ingest.sequence_event(model, action, request, route)
+        if found is None or self.nc is None:
             return
-        where, body = message
+        where, event = found
         subject = self.scope.names(*(where or (None, None))).active_sequences
+        body = self._sequence_writer.wrap(encode_sequence_event(event), int(time.time() * 1000))
         task = asyncio.get_running_loop().create_task(self.nc.publish(subject, body))
         self._publishes.add(task)
         task.add_done_callback(self._publishes.discard)

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from kvctl.core.events import Cleared, EventData, RouterEvent
-from kvctl.core.events.dynamo import EnvelopeWriter, decode_envelope, decode_router_event_batch
+from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import (
     ACTIVE_SEQUENCES,
@@ -32,7 +32,6 @@ from kvctl.core.events.plane import (
     decode_active_load,
     decode_forward_pass,
     decode_sequence_events,
-    encode_sequence_event,
 )
 from kvctl.core.events.publishers import Order, Publisher, PublisherBook
 from kvctl.core.router.sequences import ActiveRequest
@@ -73,7 +72,6 @@ class PlaneIngest:
         self.cursors: dict[Worker, _Cursor] = {}
         self.publishers = PublisherBook()
         self.endpoints: dict[Worker, tuple[str, str]] = {}  # (component, endpoint) each worker publishes under
-        self._sequence_writer = EnvelopeWriter(router_id, ACTIVE_SEQUENCES)
         self._handlers: dict[str, Handler] = {KV_EVENTS: self._on_kv_events, KV_METRICS: self._on_load,
                                               ACTIVE_SEQUENCES: self._on_sequence, FORWARD_PASS: self._on_forward_pass}
 
@@ -213,18 +211,18 @@ class PlaneIngest:
             self.counts["peer_sequence_events"] += 1
             self.fleet.apply_peer(self.model, event, now)
 
-    def sequence_message(self, model: str, action: str, request: ActiveRequest | None,
-                         route: Mapping[str, Any]) -> tuple[tuple[str, str] | None, bytes] | None:
-        """This router's add / prefill complete / free as the envelope to publish, and the (component,
-        endpoint) of the worker it concerns (where Dynamo's routers of that worker listen; None when the
-        worker was never heard of on the plane); None when there is nothing to publish."""
+    def sequence_event(self, model: str, action: str, request: ActiveRequest | None,
+                       route: Mapping[str, Any]) -> tuple[tuple[str, str] | None, ActiveSequenceEvent] | None:
+        """This router's add / prefill complete / free as the event to publish, and the (component, endpoint)
+        of the worker it concerns (where Dynamo's routers of that worker listen; None when the worker was never
+        heard of on the plane); None when there is nothing to publish. Each plane frames it its own way."""
         if model != self.model or request is None:
             return None
         data = AddRequest(list(request.block_hashes), True, None, request.prefill_tokens) if action == ADD else action
-        payload = encode_sequence_event(ActiveSequenceEvent(
-            request.request_id, request.worker[0], request.worker[1], data, self.router_id, route.get("lora_name")))
+        event = ActiveSequenceEvent(request.request_id, request.worker[0], request.worker[1], data, self.router_id,
+                                    route.get("lora_name"))
         self.counts["published_sequence_events"] += 1
-        return self.endpoints.get(request.worker), self._sequence_writer.wrap(payload, int(time.time() * 1000))
+        return self.endpoints.get(request.worker), event
 
     # ----- views --------------------------------------------------------------------------------------
 

@@ -6,9 +6,9 @@ discovery store. This plane polls the store for the records of its namespace (na
 clean stop deletes the keys; a dead process's vanish within ~12 s). Every message is four frames
 (core/events/zmq_wire.py) around the same envelope as on NATS, so it goes to the same transport-free ingest
 (plane_ingest.py) as the NATS plane's, under the component and endpoint of the record it came from; the status
-keeps the NATS plane's shape, plus the connections. Nothing is published: with `--replica-sync` peers'
-in-flight requests are taken, this router's own are not yet shared on this plane. No history: a publisher
-found late is followed from its next message.
+keeps the NATS plane's shape, plus the connections. With `--replica-sync` peers' in-flight requests are taken
+and, unless `--shadow`, this router's own are shared as a Dynamo router shares them (zmq_sequences.py). No
+history: a publisher found late is followed from its next message.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,13 +34,15 @@ from kvctl.core.events.discovery import (
     parse_event_channel,
 )
 from kvctl.core.events.errors import DecodeError, ErrorKind
-from kvctl.core.events.plane import KV_EVENTS, TOPICS
+from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, TOPICS
 from kvctl.core.events.zmq_wire import decode_zmq_message
-from kvctl.server.dynamo_discovery import Discovery, DiscoveryError, open_discovery
+from kvctl.core.router.sequences import ActiveRequest
+from kvctl.server.dynamo_discovery import KEEP_ALIVE_S, Discovery, DiscoveryError, open_discovery
 from kvctl.server.plane_ingest import PlaneIngest
 from kvctl.server.plane_tasks import PlaneTasks
 from kvctl.server.state import Fleet, UnknownWorker
 from kvctl.server.streams import ModelWriter, Streams
+from kvctl.server.zmq_sequences import SequenceChannels, default_advertise_host
 
 log = logging.getLogger("kvctl.serve")
 
@@ -61,7 +64,9 @@ class ZmqOptions:
     endpoint: str | None = None  # None: every endpoint
     model: str = "default"
     router_id: int = 0
-    replica_sync: bool = False  # take peers' in-flight requests (this router's own are not published here)
+    replica_sync: bool = False  # take peers' in-flight requests and, unless shadow, share this router's own
+    shadow: bool = False  # only read: register and publish nothing
+    advertise_host: str | None = None  # the host in this router's records (None: the host's own address)
     poll_s: float = POLL_S
 
     @property
@@ -119,17 +124,27 @@ class ZmqPlane(PlaneTasks):
         self._bad_records: dict[str, bytes] = {}  # counted once each, until they change
         self._failing = False  # the last listing failed (status keeps the last error)
         self._ctx = zmq.asyncio.Context()
+        self.channels: SequenceChannels | None = None
+        if options.replica_sync and not options.shadow:
+            self.channels = SequenceChannels(self.discovery, options.namespace, options.router_id,
+                                             options.advertise_host or default_advertise_host())
 
     # ----- lifecycle ----------------------------------------------------------------------------------
 
     def start(self) -> None:
         self._spawn(self._run(), self._tasks)
+        if self.channels is not None:
+            self.fleet.sequence_listener = self._publish_sequence
+            self._spawn(self._keep_alive(), self._tasks)
 
     async def close(self) -> None:
         await self._stop_tasks()
         for key in list(self.links):
             await self._drop(key)
-        await self.discovery.close()
+        if self.channels is not None:
+            self.fleet.sequence_listener = None
+            self.channels.close()
+        await self.discovery.close()  # this router's records go with it
         self._ctx.destroy(linger=0)
         self.state = "closed"
 
@@ -151,9 +166,38 @@ class ZmqPlane(PlaneTasks):
             self.listings += 1
             self.listed_at = time.monotonic()
             added = await self._follow(records)
+            if self.channels is not None:
+                await self._share()
             if not self._started.is_set():
                 await self._first_connections(added)
             await asyncio.sleep(self.options.poll_s)
+
+    async def _share(self) -> None:
+        """A replica-sync channel of this router's in each scope whose workers it follows."""
+        assert self.channels is not None
+        scopes = {(link.channel.component, link.channel.endpoint) for link in self.links.values()
+                  if link.channel.topic != ACTIVE_SEQUENCES}
+        try:
+            await self.channels.open(scopes)
+        except DiscoveryError as exc:  # the next listing tries again
+            self.last_error = f"cannot file this router's replica-sync channel: {exc}"
+            log.warning("event plane: %s", self.last_error)
+
+    async def _keep_alive(self) -> None:
+        """Refresh this router's records, as Dynamo's processes refresh theirs (their readers drop stale ones)."""
+        while True:
+            await asyncio.sleep(KEEP_ALIVE_S)
+            try:
+                await self.discovery.keep_alive()
+            except DiscoveryError as exc:
+                self.last_error = f"cannot refresh this router's discovery records: {exc}"
+                log.warning("event plane: %s", self.last_error)
+
+    def _publish_sequence(self, model: str, action: str, request: ActiveRequest | None,
+                          route: Mapping[str, Any]) -> None:
+        found = self.ingest.sequence_event(model, action, request, route)
+        if found is not None and self.channels is not None:
+            self.channels.publish(*found)
 
     async def _first_connections(self, links: list[_Link]) -> None:
         """Ready once the first listing's sockets are connected (or CONNECT_WAIT_S has passed: a stale record
@@ -299,8 +343,10 @@ class ZmqPlane(PlaneTasks):
             "following_s": None if self.ready_at is None else round(now - self.ready_at, 3),
             "connects": sum(link.connects for link in self.links.values()), "reconnects": self.reconnects,
             "last_error": self.last_error, "namespace": o.namespace, "component": o.component,
-            "endpoint": o.endpoint, "model": o.model, "router_id": o.router_id, "mode": "core", "shadow": True,
-            "replica_sync": o.replica_sync,
+            "endpoint": o.endpoint, "model": o.model, "router_id": o.router_id, "mode": "core",
+            "shadow": self.channels is None, "replica_sync": o.replica_sync,
+            "sharing": None if self.channels is None else {"channels": self.channels.rows(),
+                                                           "unplaced": self.channels.unplaced},
             "subjects": {"subscription": namespace_prefix(o.namespace), "kv_events": self._pattern(*scope, KV_EVENTS),
                          **{topic: self._pattern(*scope, topic) for topic in TOPICS if topic != KV_EVENTS}},
             "subjects_seen": dict(self.seen.most_common()),
@@ -308,6 +354,7 @@ class ZmqPlane(PlaneTasks):
             "snapshot": None,
             "discovery": {"url": o.url, "listings": self.listings, "poll_s": o.poll_s,
                           "listed_age_s": None if self.listed_at is None else round(now - self.listed_at, 3),
-                          "record_errors": dict(self.record_errors), "stray": dict(self.discovery.stray)},
+                          "record_errors": dict(self.record_errors), "stray": dict(self.discovery.stray),
+                          "expired": self.discovery.expired},
             "connections": [link.row(now) for _, link in sorted(self.links.items())],
         }

@@ -11,7 +11,10 @@ instance id): the only bytes not Dynamo's own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import zmq
 import zmq.asyncio
@@ -26,9 +30,9 @@ import zmq.asyncio
 from kvctl.core.events import RouterEvent
 from kvctl.core.events.discovery import ChannelKey, encode_file_name, namespace_prefix, parse_event_channel
 from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch
-from kvctl.core.events.plane import KV_EVENTS, TOPICS
+from kvctl.core.events.plane import KV_EVENTS, TOPICS, AddRequest, decode_sequence_events
 from kvctl.core.events.zmq_wire import decode_zmq_message
-from kvctl.server.dynamo_discovery import DiscoveryError, EtcdDiscovery
+from kvctl.server.dynamo_discovery import KEY_TTL_S, DiscoveryError, EtcdDiscovery, FileDiscovery, open_discovery
 from kvctl.server.state import Fleet
 from kvctl.server.streams import Streams
 from kvctl.server.zmq_plane import ZmqOptions, ZmqPlane
@@ -88,6 +92,7 @@ class Bench:
         self.fleet = Fleet(block_size=16, seed=0)
         self.streams = Streams(self.fleet)
         self.plane: ZmqPlane | None = None
+        self._refresher: asyncio.Task[None] | None = None
 
     def publish_as(self, topic: str, publisher_id: int, component: str = "backend") -> Publisher:
         sock = self.ctx.socket(zmq.XPUB)
@@ -110,7 +115,17 @@ class Bench:
         path.write_bytes(value)
         return path.unlink
 
+    async def _refresh(self) -> None:
+        """Touch the file records every second, as their Dynamo owners would (untouched for 10 s, they are dead)."""
+        while True:
+            for path in self.bucket.iterdir():
+                with contextlib.suppress(FileNotFoundError):
+                    os.utime(path)
+            await asyncio.sleep(1)
+
     async def start(self, **options: Any) -> ZmqPlane:
+        if self.etcd is None:
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh())
         self.plane = ZmqPlane(self.fleet, self.streams, ZmqOptions(self.url, router_id=1, poll_s=POLL_S, **options))
         self.plane.start()
         assert await self.plane.ready(10), self.plane.status()
@@ -124,6 +139,8 @@ class Bench:
         return {c["address"] for c in self.status()["connections"]}
 
     async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
         if self.plane is not None:
             await self.plane.close()
         await self.streams.close()
@@ -167,7 +184,7 @@ def captured_kv_events(messages: dict[tuple[str, int], list[list[bytes]]]) -> li
 async def test_every_captured_message_reaches_the_ingest_and_the_index(bench: Bench) -> None:
     messages = captured()
     publishers = {key: bench.publish_as(*key) for key in messages}
-    plane = await bench.start(replica_sync=True)
+    plane = await bench.start(replica_sync=True, shadow=True)  # peers' requests taken, none shared
     assert bench.addresses() == {p.address for p in publishers.values()}
     for key, publisher in publishers.items():
         await publisher.joined()
@@ -306,3 +323,113 @@ async def test_a_record_rewritten_in_place_moves_the_socket(bench: Bench) -> Non
         assert len(bench.fleet.workers) == 1  # a publisher that moved is not a worker that left
     finally:
         moved.close()
+
+
+async def listed(url: str) -> dict[str, bytes]:
+    """The namespace's records, as another reader of the store sees them."""
+    store = open_discovery(url)
+    try:
+        return await store.list(namespace_prefix("dynamo"))
+    finally:
+        await store.close()
+
+
+async def test_replica_sync_files_a_channel_per_scope_and_shares_this_routers_requests(bench: Bench) -> None:
+    """As a Dynamo router does: a PUB socket and an `active_sequences_events` record under the workers' scope,
+    each add / free sent there as a one-event batch; followed by this router too (its own, ignored by id);
+    the record gone when the router stops."""
+    publisher = bench.publish_as("kv_metrics", 41)
+    plane = await bench.start(replica_sync=True, advertise_host="127.0.0.1")
+    await publisher.joined()
+    await publisher.socket.send_multipart(captured()[("kv_metrics", 1610214894536196)][0])  # worker 2077...:0
+    await until(lambda: len(bench.status()["sharing"]["channels"]) == 1, "this router's channel filed")
+    await until(lambda: bench.status()["counts"].get("load_reports") == 1, "the worker heard of")
+    (shared,) = bench.status()["sharing"]["channels"]
+    records = await plane.discovery.list(namespace_prefix("dynamo"))
+    channel = parse_event_channel(records[shared["channel"]])
+    assert (channel.component, channel.endpoint, channel.topic) == ("backend", "generate", "active_sequences_events")
+    assert channel.address == shared["address"] and channel.address.startswith("tcp://127.0.0.1:")
+    assert channel.publisher_id == shared["publisher_id"]
+
+    sub = bench.ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(channel.address)
+    try:  # a SUB joins asynchronously: book requests until one arrives
+        got: list[bytes] = []
+        for n in range(200):
+            bench.fleet.route("default", now=asyncio.get_running_loop().time(), token_ids=list(range(64)),
+                              request_id=f"r{n}", reserve=True)
+            with contextlib.suppress(TimeoutError):
+                got = await asyncio.wait_for(sub.recv_multipart(), 0.05)
+                break
+        assert got, "no request of this router's reached a subscriber of its channel"
+        first = decode_zmq_message(got)
+        assert bench.fleet.free("default", f"r{n}")
+        freed = decode_zmq_message(await asyncio.wait_for(sub.recv_multipart(), 5))
+    finally:
+        sub.close(linger=0)
+    assert first.topic == freed.topic == "active_sequences_events"
+    assert first.publisher_id == freed.publisher_id == channel.publisher_id and freed.sequence == first.sequence + 1
+    (add,), errors = decode_sequence_events(decode_envelope(first.envelope).payload)
+    (free,), _ = decode_sequence_events(decode_envelope(freed.envelope).payload)
+    assert errors == [] and (add.request_id, add.worker_id, add.router_id) == (f"r{n}", 2077671668877197043, 1)
+    assert isinstance(add.action, AddRequest) and (free.request_id, free.action) == (f"r{n}", "Free")
+    for n in range(200):  # its own channel followed too (its SUB joins asynchronously), its events its own
+        bench.fleet.route("default", now=asyncio.get_running_loop().time(), token_ids=list(range(64)),
+                          request_id=f"own{n}", reserve=True)
+        if bench.status()["counts"].get("own_sequence_events", 0) > 0:
+            break
+        await asyncio.sleep(0.05)
+    assert bench.status()["counts"].get("own_sequence_events", 0) > 0 and "peer_sequence_events" not in \
+        bench.status()["counts"]
+
+    await plane.close()
+    bench.plane = None
+    remaining = await listed(bench.url)
+    assert shared["channel"] not in remaining and len(remaining) == 1  # the publisher's record stays
+
+
+async def test_a_shadow_router_files_nothing(bench: Bench) -> None:
+    publisher = bench.publish_as("kv_metrics", 51)
+    await bench.start(replica_sync=True, shadow=True)
+    await publisher.joined()
+    await publisher.socket.send_multipart(captured()[("kv_metrics", 1610214894536196)][0])
+    await until(lambda: bench.status()["counts"].get("load_reports") == 1, "the report ingested")
+    assert bench.status()["sharing"] is None and bench.status()["shadow"] and bench.fleet.sequence_listener is None
+    assert len(await listed(bench.url)) == 1
+
+
+async def test_file_records_left_untouched_are_dead_and_own_records_are_kept_alive(tmp_path: Path) -> None:
+    """Dynamo's file backend: owners touch their files; one untouched for 10 s is a dead process's. A
+    half-written `.tmp_` file is neither a record nor a stray."""
+    store = FileDiscovery(tmp_path)
+    key = ChannelKey("dynamo", "backend", "generate", "active_sequences_events", 0xABC).key
+    await store.register(key, b"{}")
+    path = tmp_path / "v1" / "event_channels" / encode_file_name(key.removeprefix("v1/event_channels/"))
+    (path.parent / ".tmp_0123456789abcdef").write_bytes(b"{")
+    stale = time.time() - KEY_TTL_S - 1
+    os.utime(path, (stale, stale))
+    assert await store.list(namespace_prefix("dynamo")) == {} and store.expired == 1 and not store.stray
+    await store.keep_alive()
+    assert await store.list(namespace_prefix("dynamo")) == {key: b"{}"}
+    path.unlink()  # deleted as expired by a Dynamo process while this one stalled: filed again
+    await store.keep_alive()
+    assert await store.list(namespace_prefix("dynamo")) == {key: b"{}"}
+    await store.close()
+    assert not path.exists()
+
+
+async def test_etcd_records_live_under_a_lease_filed_again_if_it_runs_out(etcd: EtcdServer) -> None:
+    store = EtcdDiscovery([etcd.url])
+    key = ChannelKey("dynamo", "backend", "generate", "active_sequences_events", 0xDEF).key
+    try:
+        await store.register(key, b"{}")
+        assert await listed(f"etcd:{etcd.url}") == {key: b"{}"}
+        assert store._lease is not None
+        httpx.post(f"{etcd.url}/v3/lease/revoke", json={"ID": store._lease}, timeout=5).raise_for_status()
+        assert await listed(f"etcd:{etcd.url}") == {}  # the lease ran out: its keys went with it
+        await store.keep_alive()
+        assert await listed(f"etcd:{etcd.url}") == {key: b"{}"}
+    finally:
+        await store.close()
+    assert await listed(f"etcd:{etcd.url}") == {}  # revoked on close
