@@ -5,7 +5,6 @@ Dynamo's indexer on the mockers' ZMQ streams, every topic decoded, and replica s
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from typing import Any
@@ -14,7 +13,15 @@ import httpx
 
 from tests.commands.live_router import kvctl
 from tests.interop.conftest import NATS_ROUTER
-from tests.interop.fleet import KV_BLOCKS, Fleet, indexer_blocks, kvctl_blocks, settled, shared_prefix_load, wait_until
+from tests.interop.fleet import (
+    KV_BLOCKS,
+    Fleet,
+    indexer_blocks,
+    kvctl_blocks,
+    replica_sync_both_ways,
+    settled,
+    shared_prefix_load,
+)
 
 TOPICS = ("kv-events", "kv_metrics", "active_sequences_events", "forward-pass-metrics")
 
@@ -48,36 +55,7 @@ def test_the_nats_router_holds_dynamos_index_and_decodes_every_topic(fleet: Flee
 
 
 def test_replica_sync_both_ways_with_dynamos_frontend(fleet: Fleet) -> None:
-    url = fleet.routers[NATS_ROUTER].url
-    peers_before = plane(url)["counts"].get("peer_sequence_events", 0)
-    assert shared_prefix_load(fleet.frontend_url, requests=8, seed=4).failed == []
-    # Dynamo -> kvctl: the frontend's add / prefill complete / free for each request, all freed in the end
-    wait_until(lambda: plane(url)["counts"].get("peer_sequence_events", 0) >= peers_before + 3 * 8,
-               "the frontend's request lifecycles on the NATS router", timeout=15, procs=fleet.procs)
-    wait_until(lambda: all(w["active_requests"] == 0 for w in httpx.get(f"{url}/v1/workers").json()["workers"]),
-               "every request the frontend freed freed on the NATS router too", timeout=15, procs=fleet.procs)
-
-    # kvctl -> Dynamo: a request kvctl books shows in the frontend's own per-worker load, and goes when freed
-    tokens = list(range(5000, 5000 + 20 * 16))
-    decision = httpx.post(f"{url}/v1/route", json={"token_ids": tokens, "reserve": True, "request_id": "kvctl-1"},
-                          timeout=10).json()
-    worker = str(decision["worker_id"])
-    wait_until(lambda: _frontend_load(fleet, worker)["prefill_tokens"] >= len(tokens) or None,
-               "the frontend counting kvctl's booked prefill", timeout=15, procs=fleet.procs)
-    assert _frontend_load(fleet, worker)["decode_blocks"] >= 20
-    assert httpx.delete(f"{url}/v1/requests/kvctl-1", timeout=10).status_code == 200
-    wait_until(lambda: _frontend_load(fleet, worker) == {"prefill_tokens": 0, "decode_blocks": 0},
-               "the frontend dropping kvctl's freed request", timeout=15, procs=fleet.procs)
-
-
-_LOAD = re.compile(r'^dynamo_frontend_worker_active_(prefill_tokens|decode_blocks)\{[^}]*worker_id="(\d+)"[^}]*\} '
-                   r"(\S+)$", re.M)
-
-
-def _frontend_load(fleet: Fleet, worker: str) -> dict[str, float]:
-    """The frontend's own view of a worker's in-flight load (its /metrics gauges)."""
-    text = httpx.get(f"{fleet.frontend_url}/metrics", timeout=10).text
-    return {kind: float(value) for kind, wid, value in _LOAD.findall(text) if wid == worker}
+    replica_sync_both_ways(fleet, fleet.routers[NATS_ROUTER].url, plane)
 
 
 def test_events_tail_decodes_the_fleets_nats_plane(fleet: Fleet) -> None:

@@ -20,6 +20,7 @@ from tests.interop.fleet import (
     Fleet,
     indexer_blocks,
     kvctl_blocks,
+    replica_sync_both_ways,
     settled,
     shared_prefix_load,
     start_fleet,
@@ -27,6 +28,7 @@ from tests.interop.fleet import (
 )
 
 ROUTER = "zmq"
+SHARING = ("--replica-sync", "--advertise-host", "127.0.0.1")  # what a Dynamo router with replica sync does
 TOPICS = ("kv-events", "kv_metrics", "active_sequences_events", "forward-pass-metrics")
 
 
@@ -47,7 +49,7 @@ def zmq_fleet(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     discovery = workdir / "discovery"  # the fleet's DYN_FILE_KV (Fleet.discovery_dir), made by its first mocker
     started = start_fleet(workdir, dynamo, mockers=2, nats_url=None, kvctl=False,
                           routers={ROUTER: ["--dynamo-discovery", f"file:{discovery}", "--namespace", "dynamo",
-                                            "--replica-sync"]})
+                                            *SHARING]})
     assert started.discovery_dir == discovery
     try:  # before any request: the ZMQ plane keeps no history
         wait_until(lambda: following(started) or None, "kvctl following every mocker's kv-events channel",
@@ -100,6 +102,20 @@ def test_the_cli_views_read_the_zmq_plane_as_they_read_nats(zmq_fleet: Fleet) ->
     _, report = doctor(url)
     (plane_check,) = findings(report, "event_plane")
     assert plane_check["severity"] == "OK" and "none lost" in plane_check["cause"], plane_check
+
+
+def test_replica_sync_both_ways_over_the_zmq_plane(zmq_fleet: Fleet) -> None:
+    replica_sync_both_ways_over_zmq(zmq_fleet)
+
+
+def replica_sync_both_ways_over_zmq(fleet: Fleet) -> None:
+    """The frontend's requests on kvctl, and kvctl's on the frontend, through each one's own channel record."""
+    url = fleet.routers[ROUTER].url
+    replica_sync_both_ways(fleet, url, plane)
+    (shared,) = plane(url)["sharing"]["channels"]
+    assert shared["sent"] >= 2 and shared["address"].startswith("tcp://127.0.0.1:"), shared
+    assert shared["channel"].startswith("v1/event_channels/namespace/dynamo/component/backend/endpoint/generate/"
+                                        "topic/active_sequences_events/")
 
 
 def test_a_restarted_mocker_is_followed_under_its_new_identity(zmq_fleet: Fleet) -> None:

@@ -11,7 +11,13 @@ import pytest
 
 from tests.etcd_server import EtcdServer
 from tests.interop.fleet import Fleet, start_fleet, wait_until
-from tests.interop.test_zmq_plane import ROUTER, following, holds_dynamos_index_and_decodes_every_topic
+from tests.interop.test_zmq_plane import (
+    ROUTER,
+    SHARING,
+    following,
+    holds_dynamos_index_and_decodes_every_topic,
+    replica_sync_both_ways_over_zmq,
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +27,7 @@ def etcd_fleet(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         started = start_fleet(tmp_path_factory.mktemp("interop-zmq-etcd-fleet"), dynamo, mockers=2, nats_url=None,
                               kvctl=False, etcd_url=etcd.url,
                               routers={ROUTER: ["--dynamo-discovery", f"etcd:{etcd.url}", "--namespace", "dynamo",
-                                                "--replica-sync"]})
+                                                *SHARING]})
         try:
             wait_until(lambda: following(started) or None, "kvctl following every mocker's kv-events channel",
                        timeout=30, procs=started.procs)
@@ -35,3 +41,7 @@ def etcd_fleet(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def test_the_router_finds_the_publishers_in_etcd_and_holds_dynamos_index(etcd_fleet: Fleet) -> None:
     assert not etcd_fleet.discovery_dir.exists()  # nothing in files: every record is in etcd
     holds_dynamos_index_and_decodes_every_topic(etcd_fleet, seed=7)
+
+
+def test_replica_sync_both_ways_with_the_records_in_etcd(etcd_fleet: Fleet) -> None:
+    replica_sync_both_ways_over_zmq(etcd_fleet)
