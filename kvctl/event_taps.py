@@ -1,4 +1,5 @@
-"""Listening to KV events without a router: an engine's ZMQ PUB socket, or a Dynamo NATS event plane.
+"""Listening to KV events without a router: an engine's ZMQ PUB socket, or a Dynamo event plane (NATS, or its
+default ZMQ plane found through its discovery store).
 
 What `kvctl events tail` and `events record` read. Each message is decoded as the router would; what
 arrives is yielded as `Tapped` (a decoded event, or a gap in the sequence), and `TapStats` keeps the
@@ -8,9 +9,10 @@ counts the command prints on exit: the answer to "are events arriving at all, an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import zmq
@@ -20,6 +22,7 @@ from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch,
 from kvctl.core.events.engine import decode_engine_message
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import KV_EVENTS, PlaneScope
+from kvctl.errors import Unreachable
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
 
@@ -94,7 +97,8 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
 
 
 async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[], bool], stats: TapStats,
-                   jetstream: bool = False, listening: Callable[[str], None] = _unheard) -> AsyncIterator[Tapped]:
+                   jetstream: bool = False,
+                   listening: Callable[[str], None] = _unheard) -> AsyncGenerator[Tapped, None]:
     """A Dynamo event plane: `kv-events` envelopes on NATS Core in the scope's components and endpoints, or
     kvctl's JetStream stream's JSON (new messages only, through an ephemeral consumer: tailing never moves
     a router's place).
@@ -137,15 +141,88 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
                 continue
             for error in errors:
                 stats.decode_errors[error.kind.value] += 1
-            for event in events:
-                key = (event.worker_id, event.dp_rank)
-                previous = last.get(key)
-                if previous is not None and event.event_id > previous + 1:
-                    stats.gaps += 1
-                    stats.missing += event.event_id - previous - 1
-                    yield Tapped(_now_ms(), event.event_id, None, (previous + 1, event.event_id - 1))
-                last[key] = event.event_id
-                stats.events += 1
-                yield Tapped(_now_ms(), event.event_id, event)
+            for tapped in _by_event_id(events, last, stats):
+                yield tapped
     finally:
         await nc.close()
+
+
+def _by_event_id(events: list[RouterEvent], last: dict[tuple[int, int], int], stats: TapStats) -> Iterator[Tapped]:
+    """A plane's events, each preceded by the gap in its worker's event ids it follows, if any."""
+    for event in events:
+        key = (event.worker_id, event.dp_rank)
+        previous = last.get(key)
+        if previous is not None and event.event_id > previous + 1:
+            stats.gaps += 1
+            stats.missing += event.event_id - previous - 1
+            yield Tapped(_now_ms(), event.event_id, None, (previous + 1, event.event_id - 1))
+        last[key] = event.event_id
+        stats.events += 1
+        yield Tapped(_now_ms(), event.event_id, event)
+
+
+RELIST_S = 1.0
+"""How often the ZMQ tap lists discovery again, to follow publishers that came since."""
+
+
+async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callable[[], bool], stats: TapStats,
+                         listening: Callable[[str], None] = _unheard) -> AsyncGenerator[Tapped, None]:
+    """A default Dynamo fleet's `kv-events`: every publisher in the scope's records in the discovery store,
+    through one SUB socket connected to each (and to those that register later). Raises Unreachable when the
+    store cannot be read at the start."""
+    import zmq.asyncio
+
+    from kvctl.core.events.discovery import namespace_prefix, parse_channel_key, parse_event_channel
+    from kvctl.core.events.zmq_wire import decode_zmq_message
+    from kvctl.server.dynamo_discovery import DiscoveryError, open_discovery
+
+    store = open_discovery(discovery_url)
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, KV_EVENTS.encode())
+    followed: set[str] = set()
+
+    async def follow() -> None:
+        for key, value in (await store.list(namespace_prefix(scope.namespace))).items():
+            try:
+                channel = parse_event_channel(value)
+                if parse_channel_key(key) != channel.key:
+                    continue
+            except DecodeError:
+                continue
+            if channel.topic == KV_EVENTS and scope.component in (None, channel.component) \
+                    and scope.endpoint in (None, channel.endpoint) and channel.address not in followed:
+                sock.connect(channel.address)
+                followed.add(channel.address)
+
+    last: dict[tuple[int, int], int] = {}
+    try:
+        try:
+            await follow()
+        except DiscoveryError as exc:
+            raise Unreachable(f"cannot read discovery {discovery_url}: {exc}") from None
+        listening(f"listening on {scope.pattern(KV_EVENTS)} through {discovery_url} ({len(followed)} publisher(s))")
+        relisted = time.monotonic()
+        while not stop():
+            if time.monotonic() - relisted >= RELIST_S:
+                with contextlib.suppress(DiscoveryError):  # a store briefly away: the sockets keep receiving
+                    await follow()
+                relisted = time.monotonic()
+            if not await sock.poll(POLL_MS):
+                continue
+            stats.messages += 1
+            try:
+                message = decode_zmq_message(await sock.recv_multipart())
+                events, errors = decode_router_event_batch(decode_envelope(message.envelope).payload)
+            except DecodeError as exc:
+                stats.decode_errors[exc.kind.value] += 1
+                continue
+            for error in errors:
+                stats.decode_errors[error.kind.value] += 1
+            for tapped in _by_event_id(events, last, stats):
+                yield tapped
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        await store.close()

@@ -8,7 +8,7 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -136,35 +136,52 @@ class _Until:
                 or (self.deadline is not None and time.monotonic() >= self.deadline))
 
 
-def _taps(zmq_endpoint: str | None, nats_url: str | None, nats_auth: NatsAuth | None, scope: Any, jetstream: bool,
-          worker_id: int, topic: str, block_size: int | None, until: _Until, stats: TapStats,
-          listening: Callable[[str], None]) -> Iterator[Tapped]:
+def _taps(zmq_endpoint: str | None, nats_url: str | None, discovery: str | None, nats_auth: NatsAuth | None,
+          scope: Any, jetstream: bool, worker_id: int, topic: str, block_size: int | None, until: _Until,
+          stats: TapStats, listening: Callable[[str], None]) -> Iterator[Tapped]:
     """The events of whichever source was named (exactly one); `listening` hears when the tap is live."""
-    import asyncio
+    from kvctl.event_taps import tap_dynamo_zmq, tap_nats, tap_zmq
+    from kvctl.server.dynamo_discovery import open_discovery
 
-    from kvctl.event_taps import tap_nats, tap_zmq
-
-    if (zmq_endpoint is None) == (nats_url is None):
-        raise UsageError("give exactly one source: --zmq tcp://HOST:PORT or --nats nats://HOST:PORT")
+    if [zmq_endpoint, nats_url, discovery].count(None) != 2:
+        raise UsageError("give exactly one source: --zmq tcp://HOST:PORT, --nats nats://HOST:PORT or "
+                         "--dynamo-discovery file:DIR|etcd:URL")
     if zmq_endpoint is not None:
         if not zmq_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise UsageError(f"--zmq wants an endpoint like tcp://HOST:5557, got {zmq_endpoint!r}")
         yield from tap_zmq(zmq_endpoint, stop=until, stats=stats, topic=topic, worker_id=worker_id,
                            block_size=block_size, listening=listening)
         return
+    if discovery is not None:
+        if jetstream:
+            raise UsageError("--jetstream needs --nats URL (Dynamo's ZMQ event plane keeps no stream)")
+        try:
+            open_discovery(discovery)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        yield from _run_async(tap_dynamo_zmq(discovery, scope, stop=until, stats=stats, listening=listening))
+        return
     assert nats_url is not None
     assert nats_auth is not None
     conn = nats_auth(nats_url)
+    try:
+        yield from _run_async(tap_nats(conn, scope, stop=until, stats=stats, jetstream=jetstream,
+                                       listening=listening))
+    except OSError as exc:
+        raise Unreachable(f"cannot reach NATS at {conn.shown_url}: {exc}") from None
+
+
+def _run_async(agen: AsyncGenerator[Tapped, None]) -> Iterator[Tapped]:
+    """An asynchronous tap's events, for the synchronous commands: each one as it comes."""
+    import asyncio
+
     loop = asyncio.new_event_loop()
-    agen = tap_nats(conn, scope, stop=until, stats=stats, jetstream=jetstream, listening=listening)
     try:
         while True:
             try:
                 yield loop.run_until_complete(agen.__anext__())
             except StopAsyncIteration:
                 return
-    except OSError as exc:
-        raise Unreachable(f"cannot reach NATS at {conn.shown_url}: {exc}") from None
     finally:
         loop.run_until_complete(agen.aclose())
         loop.close()
@@ -172,6 +189,9 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, nats_auth: NatsAuth | 
 
 SourceZmq = Annotated[str | None, typer.Option("--zmq", show_default=False, help="An engine's PUB endpoint.")]
 SourceNats = Annotated[str | None, typer.Option("--nats", show_default=False, help="A Dynamo event plane.")]
+SourceDiscovery = Annotated[str | None, typer.Option(
+    "--dynamo-discovery", show_default=False,
+    help="A default Dynamo fleet's ZMQ event plane, found in its discovery store: file:DIR or etcd:URL.")]
 JetStreamOpt = Annotated[bool, typer.Option("--jetstream", help="NATS: the JetStream stream's JSON instead.")]
 WorkerIdOpt = Annotated[int, typer.Option("--worker-id", help="ZMQ: the worker id to give the events.")]
 TopicOpt = Annotated[str, typer.Option("--topic", help="ZMQ topic filter.")]
@@ -181,11 +201,13 @@ CountOpt = Annotated[int | None, typer.Option("--count", "-n", show_default=Fals
 DurationOpt = Annotated[float | None, typer.Option("--duration", show_default=False, help="Stop after S seconds.")]
 
 
-@app.command("tail", help="Decode KV events live from an engine (--zmq) or an event plane (--nats): one line "
-                          "per event, gaps shown, counters on exit. No router needed. (read-only)")
+@app.command("tail", help="Decode KV events live from an engine (--zmq) or an event plane (--nats, or "
+                          "--dynamo-discovery for Dynamo's default ZMQ plane): one line per event, gaps shown, "
+                          "counters on exit. No router needed. (read-only)")
 @with_nats_credentials
 def tail_command(
     ctx: typer.Context, zmq_endpoint: SourceZmq = None, nats_url: SourceNats = None,
+    discovery: SourceDiscovery = None,
     namespace: NamespaceOpt = "dynamo", component: ComponentScopeOpt = None, endpoint: EndpointScopeOpt = None,
     jetstream: JetStreamOpt = False,
     worker_id: WorkerIdOpt = 0, topic: TopicOpt = "", block_size: BlockSizeOpt = None, count: CountOpt = None,
@@ -198,8 +220,8 @@ def tail_command(
     out = output_for(ctx, output, as_json)
     until, stats = _Until(count, duration), TapStats()
     scope = PlaneScope(namespace, component, endpoint)
-    for tapped in _taps(zmq_endpoint, nats_url, nats_auth, scope, jetstream, worker_id, topic, block_size, until,
-                        stats, out.note):
+    for tapped in _taps(zmq_endpoint, nats_url, discovery, nats_auth, scope, jetstream, worker_id, topic, block_size,
+                        until, stats, out.note):
         if until():  # a message may carry several events: --count stops at an event, not a message
             break
         if out.format is OutputFormat.json:
@@ -218,7 +240,7 @@ def tail_command(
 def record_command(
     ctx: typer.Context,
     file: Annotated[Path, typer.Option("--file", "-f", help="Where to write (appended to).")],
-    zmq_endpoint: SourceZmq = None, nats_url: SourceNats = None,
+    zmq_endpoint: SourceZmq = None, nats_url: SourceNats = None, discovery: SourceDiscovery = None,
     namespace: NamespaceOpt = "dynamo", component: ComponentScopeOpt = None, endpoint: EndpointScopeOpt = None,
     jetstream: JetStreamOpt = False,
     worker_id: WorkerIdOpt = 0, topic: TopicOpt = "", block_size: BlockSizeOpt = None, count: CountOpt = None,
@@ -235,8 +257,8 @@ def record_command(
     except OSError as exc:
         raise UsageError(f"cannot write {file}: {exc.strerror}") from None
     with sink:
-        for tapped in _taps(zmq_endpoint, nats_url, nats_auth, PlaneScope(namespace, component, endpoint), jetstream,
-                            worker_id, topic, block_size, until, stats, out.note):
+        for tapped in _taps(zmq_endpoint, nats_url, discovery, nats_auth, PlaneScope(namespace, component, endpoint),
+                            jetstream, worker_id, topic, block_size, until, stats, out.note):
             if until():
                 break
             if tapped.event is not None:

@@ -17,7 +17,7 @@ import zmq
 from kvctl.core.events.dump_file import read_timed_events
 from kvctl.core.events.engine import decode_engine_batch
 from tests.fixtures_path import FIXTURES
-from tests.nats_server import NatsServer
+from tests.nats_server import NatsServer, free_port
 
 VLLM = FIXTURES / "vllm-0.33"
 PAYLOADS = [(VLLM / m["file"]).read_bytes() for m in json.loads((VLLM / "manifest.json").read_text())["messages"]]
@@ -93,10 +93,18 @@ def test_replay_without_a_terminal_or_yes_refuses(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "--yes" in err
 
 
-def test_tail_needs_exactly_one_source() -> None:
-    proc = kvctl("events", "tail")
+@pytest.mark.parametrize("args", [(), ("--zmq", "tcp://127.0.0.1:1", "--dynamo-discovery", "file:/tmp")])
+def test_tail_needs_exactly_one_source(args: tuple[str, ...]) -> None:
+    proc = kvctl("events", "tail", *args)
     _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 2 and "exactly one source" in err
+    assert proc.returncode == 2 and "exactly one source" in err and "--dynamo-discovery" in err
+
+
+def test_tail_of_a_discovery_store_not_there_is_one_line_and_exit_3() -> None:
+    proc = kvctl("events", "tail", "--dynamo-discovery", f"etcd:http://127.0.0.1:{free_port()}", "--duration", "5")
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 3 and err.startswith("error: cannot read discovery etcd:http://127.0.0.1:"), err
+    assert len(err.strip().splitlines()) <= 2, err  # the error, and at most a hint
 
 
 @pytest.fixture

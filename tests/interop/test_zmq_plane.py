@@ -6,6 +6,8 @@ mockers, the frontend with replica sync, the indexer, and this router, started w
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,6 +118,28 @@ def replica_sync_both_ways_over_zmq(fleet: Fleet) -> None:
     assert shared["sent"] >= 2 and shared["address"].startswith("tcp://127.0.0.1:"), shared
     assert shared["channel"].startswith("v1/event_channels/namespace/dynamo/component/backend/endpoint/generate/"
                                         "topic/active_sequences_events/")
+
+
+def test_events_tail_follows_the_zmq_plane_through_discovery(zmq_fleet: Fleet) -> None:
+    """`kvctl events tail --dynamo-discovery`: no router, the publishers found in the store as a router finds
+    them, each KV event decoded."""
+    tail = subprocess.Popen([sys.executable, "-m", "kvctl", "events", "tail", "--dynamo-discovery",
+                             f"file:{zmq_fleet.discovery_dir}", "--namespace", "dynamo", "--count", "5",
+                             "--duration", "30", "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert tail.stderr is not None
+        listening = tail.stderr.readline()
+        assert listening.startswith("listening on") and "(2 publisher(s))" in listening, listening
+        assert shared_prefix_load(zmq_fleet.frontend_url, requests=6, seed=8).failed == []
+        out, err = tail.communicate(timeout=40)
+    finally:
+        tail.kill()
+    assert tail.returncode == 0, err
+    events = [json.loads(line)["event"] for line in out.splitlines()]
+    assert len(events) == 5 and {e["worker_id"] for e in events} <= set(zmq_fleet.worker_ids), events
+    assert all("stored" in e["event"]["data"] or "removed" in e["event"]["data"] for e in events)
+    assert "decode errors none" in err
 
 
 def test_a_restarted_mocker_is_followed_under_its_new_identity(zmq_fleet: Fleet) -> None:
