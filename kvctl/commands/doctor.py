@@ -74,6 +74,9 @@ def doctor_command(
         "--silent-after", min=0, help="Seconds without events before a worker counts as silent.")] = 60.0,
     divergence: Annotated[float, typer.Option(
         "--divergence", min=0, max=1, help="Share of blocks replicas may differ by (events in flight).")] = 0.01,
+    unreachable_after: Annotated[float, typer.Option(
+        "--unreachable-after", min=0, help="Dynamo's ZMQ event plane: seconds a publisher found in discovery may "
+                                           "stay unconnected before it counts as unreachable.")] = 10.0,
     metrics: Annotated[list[str] | None, typer.Option(
         "--metrics", show_default=False,
         help="An engine's /metrics (repeatable): compare its prefix-cache hit rate with the router's "
@@ -94,7 +97,7 @@ def doctor_command(
     out = output_for(ctx, output, as_json)
     window_s = metrics_window(metrics, prometheus, window)
     url = settings_for(ctx).server
-    limits = Limits(silent_after_s=silent_after, divergence_share=divergence)
+    limits = Limits(silent_after_s=silent_after, divergence_share=divergence, unreachable_after_s=unreachable_after)
     gathered = _gather(ctx, model)
     if isinstance(gathered, Finding):
         findings = [gathered]

@@ -8,6 +8,7 @@ nothing wrong says so with an OK finding, so the report always shows what was lo
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -51,6 +52,7 @@ class Limits:
     nodes_per_block: float = 0.75  # nodes are compressed runs of blocks: near one per block, nothing is shared
     min_blocks_for_shape: int = 10_000  # below this, the node/block ratio says nothing
     near_cap: float = 0.9  # approximate mode: blocks as a share of --max-tree-size
+    unreachable_after_s: float = 10.0  # a discovered publisher not connected by then is not reachable from here
 
 
 @dataclass(frozen=True)
@@ -310,35 +312,24 @@ def check_partial(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
 
 def check_event_plane(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
                       limits: Limits) -> list[Finding]:
-    """A router subscribed to a NATS event plane that delivers nothing in its scope is misconfigured, not
-    idle: Dynamo workers report forward passes and load all the time. Name the subjects it follows and
-    those the namespace does carry; then lost messages and workers whose reports stopped."""
+    """A router following an event plane (NATS, or Dynamo's ZMQ plane through discovery) that delivers
+    nothing in its scope is misconfigured, not idle: Dynamo workers report forward passes and load all the
+    time. Name what it follows and what the namespace does carry; on the ZMQ plane, publishers it cannot
+    reach; then lost messages and workers whose reports stopped."""
     plane = status.get("event_plane")
     if not plane:
         return []
     findings: list[Finding] = []
     topics = plane.get("topics") or {}
     followed_s = plane.get("following_s")
-    subjects = plane.get("subjects") or {}
-    seen = plane.get("subjects_seen") or {}
     # with no worker known, nothing has come at all: say why now; with some, only silence beyond the limit
     quiet_for = limits.silent_after_s if workers else 0.0
-    if plane.get("ready") and followed_s is not None and followed_s > quiet_for and not any(topics.values()):
-        pattern = subjects.get("kv_events", "")
-        if seen:
-            cause = (f"0 messages on {pattern} in {followed_s:.0f} s; the namespace carries "
-                     f"{len(seen)} other subject(s): the component or endpoint does not match")
-            fix = "restart kvctl serve with --component/--endpoint from the subjects seen (or neither: all)"
-        else:
-            cause = (f"0 messages on {pattern} in {followed_s:.0f} s, and nothing at all in namespace "
-                     f"{plane.get('namespace')!r}")
-            fix = ("check --namespace and the NATS URL; Dynamo 1.6.1 publishes on NATS only with "
-                   "--event-plane nats (its default is the ZMQ event plane)")
-        findings.append(Finding("event_plane", Severity.CRITICAL, cause,
-                                {"subscription": subjects.get("subscription"), "following": pattern,
-                                 "subjects_seen": dict(list(seen.items())[:SHOWN])},
-                                f"{fix}; kvctl events tail --nats {plane.get('url')} --namespace "
-                                f"{plane.get('namespace')}"))
+    zmq = plane.get("transport") == "zmq"
+    if zmq:
+        findings += _unreachable_publishers(plane, limits)
+    quiet = plane.get("ready") and followed_s is not None and followed_s > quiet_for and not any(topics.values())
+    if quiet and not (zmq and plane.get("connections")):  # publishers followed: reached or not, said above
+        findings.append(_nothing_in_scope(plane, followed_s))
     lost = (plane.get("sequence") or {}).get("lost", 0)
     lost_events = (plane.get("counts") or {}).get("lost_events", 0)
     if lost or lost_events:
@@ -349,7 +340,8 @@ def check_event_plane(status: Mapping[str, Any], workers: Sequence[Mapping[str, 
             f"{lost_events} KV event(s) (event ids skipped)",
             {"publishers": [{k: p.get(k) for k in ("publisher_id", "topic", "lost", "workers")}
                             for p in gapped[:SHOWN]], "counts": plane.get("counts", {})},
-            "NATS Core drops what a slow or disconnected subscriber misses: kvctl router status; "
+            "the plane (NATS Core, or ZMQ PUB sockets) drops what a slow or disconnected subscriber misses: "
+            "kvctl router status; "
             "kvctl router reset --worker W --yes to resync a worker whose KV events were lost"))
     stopped = [(_name(w), w["forward_pass"]["age_s"]) for w in workers
                if (w.get("forward_pass") or {}).get("age_s", 0) > limits.silent_after_s]
@@ -366,6 +358,72 @@ def check_event_plane(status: Mapping[str, Any], workers: Sequence[Mapping[str, 
                                 f"event plane: {sum(topics.values())} message(s) in scope, none lost",
                                 {"topics": topics}))
     return findings
+
+
+def _nothing_in_scope(plane: Mapping[str, Any], followed_s: float) -> Finding:
+    """Nothing at all in the scope: what is followed, what the namespace carries instead, and where to look."""
+    subjects = plane.get("subjects") or {}
+    seen = plane.get("subjects_seen") or {}
+    pattern = subjects.get("kv_events", "")
+    ns = plane.get("namespace")
+    zmq = plane.get("transport") == "zmq"
+    tail = (f"kvctl events tail --dynamo-discovery {plane.get('url')} --namespace {ns}" if zmq
+            else f"kvctl events tail --nats {plane.get('url')} --namespace {ns}")
+    if seen:
+        cause = (f"0 messages on {pattern} in {followed_s:.0f} s; the namespace carries {len(seen)} other "
+                 f"{'channel' if zmq else 'subject'}(s): the component or endpoint does not match")
+        fix = (f"restart kvctl serve with --component/--endpoint from the {'channels' if zmq else 'subjects'} "
+               "seen (or neither: all)")
+    elif zmq:
+        listings = (plane.get("discovery") or {}).get("listings", 0)
+        cause = (f"no event-channel record of namespace {ns!r} in {plane.get('url')} ({listings} listings in "
+                 f"{followed_s:.0f} s): no publisher to follow")
+        fix = ("check --namespace and that this is the fleet's store (its DYN_FILE_KV or ETCD_ENDPOINTS); a fleet "
+               "whose workers publish through a ZMQ broker (DYN_ZMQ_BROKER_URL) files no records, and one run "
+               "with --event-plane nats publishes on NATS (kvctl serve --nats URL)")
+    else:
+        cause = f"0 messages on {pattern} in {followed_s:.0f} s, and nothing at all in namespace {ns!r}"
+        fix = ("check --namespace and the NATS URL; Dynamo 1.6.1 publishes on NATS only with --event-plane nats "
+               "(its default is the ZMQ event plane: kvctl serve --dynamo-discovery STORE)")
+    return Finding("event_plane", Severity.CRITICAL, cause,
+                   {"subscription": subjects.get("subscription"), "following": pattern,
+                    "subjects_seen": dict(list(seen.items())[:SHOWN])}, f"{fix}; {tail}")
+
+
+def _unreachable_publishers(plane: Mapping[str, Any], limits: Limits) -> list[Finding]:
+    """Records whose advertised endpoint this router never reached: a loopback or unspecified address is a
+    worker that did not set DYN_EVENT_PLANE_HOST; any other, a port closed, filtered or long gone."""
+    never = [c for c in plane.get("connections") or []
+             if not c.get("connected") and not c.get("connects") and c.get("age_s", 0) > limits.unreachable_after_s]
+    if not never:
+        return []
+    local = [c for c in never if not _routable(c.get("address", ""))]
+    kv = sum(c.get("topic") == "kv-events" for c in never)
+    cause = (f"{len(never)} publisher(s) in discovery never reached for over {limits.unreachable_after_s:g} s "
+             f"({kv} of them KV events: those workers' blocks never reach the index)")
+    if local:
+        cause += f"; {len(local)} advertise an address only their own host can reach ({local[0].get('address')})"
+        fix = ("set DYN_EVENT_PLANE_HOST on those workers to an address this router can reach, or run kvctl on "
+               "their host")
+    else:
+        fix = ("check the port is open from this host (firewall, network policy) and the process is alive; a dead "
+               "process's records vanish within 10 s")
+    return [Finding("event_plane", Severity.CRITICAL if kv else Severity.WARNING, cause,
+                    {"publishers": [{k: c.get(k) for k in ("address", "topic", "publisher_id", "channel")}
+                                    for c in never[:SHOWN]], "count": len(never)},
+                    f"{fix}; kvctl router status")]
+
+
+def _routable(address: str) -> bool:
+    """Whether a `tcp://HOST:PORT` can be reached from another host: not loopback, unspecified or link-local."""
+    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return True  # a name: routable as far as this can tell
+    return not (ip.is_loopback or ip.is_unspecified or ip.is_link_local)
 
 
 # ----- 6. busy ----------------------------------------------------------------------------------------------
