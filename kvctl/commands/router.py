@@ -96,6 +96,17 @@ def _plane_rows(plane: dict[str, Any]) -> list[dict[str, Any]]:
 
 _PLANE_VIEW = View(rows=_plane_rows, columns=[Column("field", "field"), Column("value", "value")],
                    name_key="field", title="event plane")
+_PUBLISHERS_VIEW = View(
+    rows=lambda plane: [{**p, "publisher": str(p["publisher_id"]), "scope": f"{p['component']}/{p['endpoint']}",
+                         "workers": ", ".join(p.get("workers") or []) or None,
+                         "last_seen": age(p.get("last_seen_age_s"))} for p in plane.get("publishers") or []],
+    columns=[Column("publisher", "publisher"), Column("topic", "topic"), Column("scope", "scope"),
+             Column("workers", "workers"), Column("last seq", "last_sequence", justify="right"),
+             Column("gaps", "gaps", justify="right"), Column("lost", "lost", justify="right"),
+             Column("restarts", "restarts", justify="right"), Column("last seen", "last_seen", justify="right"),
+             Column("address", "address", wide_only=True), Column("messages", "messages", wide_only=True,
+                                                                      justify="right")],
+    name_key="publisher", title="event plane publishers")
 
 
 def parse_worker(text: str) -> tuple[int, int | None]:
@@ -178,3 +189,5 @@ def _render_status(out: Output, status: dict[str, Any]) -> None:
     out.emit(status, _STREAMS_VIEW)
     if status.get("event_plane") and out.format in (OutputFormat.table, OutputFormat.wide):
         out.emit(status["event_plane"], _PLANE_VIEW)
+        if status["event_plane"].get("publishers"):
+            out.emit(status["event_plane"], _PUBLISHERS_VIEW)

@@ -338,6 +338,8 @@ class ZmqPlane(PlaneTasks):
         now = time.monotonic()
         o = self.options
         scope = (o.component, o.endpoint)
+        ingest = self.ingest.status()
+        addresses = {link.channel.publisher_id: link.channel.address for link in self.links.values()}
         return {
             "transport": "zmq", "url": o.url, "state": self.state, "ready": self._started.is_set(),
             "following_s": None if self.ready_at is None else round(now - self.ready_at, 3),
@@ -350,7 +352,8 @@ class ZmqPlane(PlaneTasks):
             "subjects": {"subscription": namespace_prefix(o.namespace), "kv_events": self._pattern(*scope, KV_EVENTS),
                          **{topic: self._pattern(*scope, topic) for topic in TOPICS if topic != KV_EVENTS}},
             "subjects_seen": dict(self.seen.most_common()),
-            **self.ingest.status(),
+            **ingest,
+            "publishers": [{**row, "address": addresses.get(row["publisher_id"])} for row in ingest["publishers"]],
             "snapshot": None,
             "discovery": {"url": o.url, "listings": self.listings, "poll_s": o.poll_s,
                           "listed_age_s": None if self.listed_at is None else round(now - self.listed_at, 3),

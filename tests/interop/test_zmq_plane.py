@@ -96,8 +96,12 @@ def holds_dynamos_index_and_decodes_every_topic(fleet: Fleet, seed: int) -> None
 
 def test_the_cli_views_read_the_zmq_plane_as_they_read_nats(zmq_fleet: Fleet) -> None:
     url = zmq_fleet.routers[ROUTER].url
-    shown = kvctl(url, "router", "status")
+    shown = kvctl(url, "router", "status", "-o", "wide")
     assert shown.exit_code == 0 and "zmq" in shown.stdout and "sockets connected" in shown.stdout, shown.output
+    assert "event plane publishers" in shown.stdout  # each publisher: its scope, sequence, gaps and address
+    heard = plane(url)["publishers"]
+    assert heard and all(p["address"] in shown.stdout and str(p["publisher_id"]) in shown.stdout for p in heard), \
+        shown.stdout
     workers = kvctl(url, "workers", "-o", "json")
     assert workers.exit_code == 0 and {w["worker_id"] for w in json.loads(workers.stdout)["workers"]} \
         == set(zmq_fleet.worker_ids), workers.output

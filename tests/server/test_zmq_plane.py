@@ -201,6 +201,9 @@ async def test_every_captured_message_reaches_the_ingest_and_the_index(bench: Be
     assert status["counts"]["forward_passes"] == topics["forward-pass-metrics"]
     assert status["counts"]["peer_sequence_events"] > topics["active_sequences_events"]  # batches of several
     rows = {(c["topic"], c["publisher_id"]): c for c in status["connections"]}
+    assert {(p["topic"], p["publisher_id"]): p["address"] for p in status["publishers"]} == \
+        {k: r["address"] for k, r in rows.items() if k in {(p["topic"], p["publisher_id"]) for p in
+                                                           status["publishers"]}}
     assert {k: r["messages"] for k, r in rows.items()} == {k: len(v) for k, v in messages.items()}
     assert all(r["connected"] and r["channel"].startswith("v1/event_channels/namespace/dynamo/") for r in rows.values())
     assert status["subjects_seen"] == {f"v1/event_channels/namespace/dynamo/component/backend/endpoint/generate/"
