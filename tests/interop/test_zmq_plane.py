@@ -147,8 +147,12 @@ def test_events_tail_follows_the_zmq_plane_through_discovery(zmq_fleet: Fleet) -
 
 
 def test_a_restarted_mocker_is_followed_under_its_new_identity(zmq_fleet: Fleet) -> None:
-    """Runs after the test above (same fleet): a restart is a new identity, new publishers, ports and keys."""
-    fleet = zmq_fleet
+    """Runs after the tests above (same fleet): a restart is a new identity, new publishers, ports and keys."""
+    restarted_mocker_is_followed(zmq_fleet)
+
+
+def restarted_mocker_is_followed(fleet: Fleet) -> None:
+    """The old identity's sockets and blocks dropped with its records, the new one followed, nothing lost."""
     url = fleet.routers[ROUTER].url
     restarted, other = fleet.mockers
     old_id = restarted.dynamo_id

@@ -17,6 +17,7 @@ from tests.interop.test_zmq_plane import (
     following,
     holds_dynamos_index_and_decodes_every_topic,
     replica_sync_both_ways_over_zmq,
+    restarted_mocker_is_followed,
 )
 
 
@@ -45,3 +46,8 @@ def test_the_router_finds_the_publishers_in_etcd_and_holds_dynamos_index(etcd_fl
 
 def test_replica_sync_both_ways_with_the_records_in_etcd(etcd_fleet: Fleet) -> None:
     replica_sync_both_ways_over_zmq(etcd_fleet)
+
+
+def test_a_restarted_mocker_is_followed_in_etcd(etcd_fleet: Fleet) -> None:
+    """Its old identity's keys go with its lease (revoked on a clean stop), the new identity's are found."""
+    restarted_mocker_is_followed(etcd_fleet)
