@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
 import secrets
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,9 +48,15 @@ class Discovery(Protocol):
     url: str
     stray: Counter[str]  # entries that are not records, by why
     expired: int  # records the last listing ignored: their owners stopped refreshing them
+    follows: str  # how changes are seen: "watch" or "poll"
 
     async def list(self, prefix: str) -> dict[str, bytes]:
         """Every live key under `prefix` (no leading slash) and its value."""
+        ...
+
+    def changes(self, prefix: str, poll_s: float) -> AsyncIterator[dict[str, bytes]]:
+        """The records under `prefix`: all of them first, then again whenever they may have changed (a watch
+        where the store has one, else each `poll_s`). Raises DiscoveryError when the store is lost."""
         ...
 
     async def register(self, key: str, value: bytes) -> None:
@@ -64,19 +72,31 @@ class Discovery(Protocol):
         ...
 
 
+async def polled(store: Discovery, prefix: str, poll_s: float) -> AsyncIterator[dict[str, bytes]]:
+    """A store's changes where it has no watch: a listing every `poll_s` (a quiet poll is cheap)."""
+    while True:
+        yield await store.list(prefix)
+        await asyncio.sleep(poll_s)
+
+
 class FileDiscovery:
-    """Dynamo's file backend: a directory per bucket, a file per key."""
+    """Dynamo's file backend: a directory per bucket, a file per key. Polled: a file's mtime, which says
+    whether its owner lives, changes without an event a watch would see."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.url = f"file:{root}"
         self.stray: Counter[str] = Counter()
         self.expired = 0
+        self.follows = "poll"
         self._cache: dict[str, tuple[int, int, bytes]] = {}  # file name -> (mtime_ns, size, contents)
         self._owned: dict[Path, bytes] = {}  # this router's records: path -> value
 
     async def list(self, prefix: str) -> dict[str, bytes]:
         return await asyncio.to_thread(self._list, prefix)
+
+    def changes(self, prefix: str, poll_s: float) -> AsyncIterator[dict[str, bytes]]:
+        return polled(self, prefix, poll_s)
 
     def _list(self, prefix: str) -> dict[str, bytes]:
         bucket = CHANNELS_BUCKET
@@ -165,6 +185,8 @@ class FileDiscovery:
 
 
 ETCD_TIMEOUT_S = 2.0
+WATCH_RENEW_S = 30.0
+"""A watch is started afresh (after a new range) at least this often: a stream that died silently costs no more."""
 
 
 class EtcdDiscovery:
@@ -176,6 +198,7 @@ class EtcdDiscovery:
         self.url = "etcd:" + ",".join(endpoints)
         self.stray: Counter[str] = Counter()
         self.expired = 0  # etcd deletes a dead owner's keys with its lease
+        self.follows = "watch"
         self._client: httpx.AsyncClient | None = None  # made in the loop that lists
         self._next = 0  # the endpoint to try first: the last one that answered
         self._lease: str | None = None
@@ -202,18 +225,66 @@ class EtcdDiscovery:
         raise DiscoveryError("; ".join(errors))
 
     async def list(self, prefix: str) -> dict[str, bytes]:
-        answer = await self._call("/v3/kv/range", {"key": _b64(prefix.encode()),
-                                                   "range_end": _b64(_successor(prefix.encode()))})
+        return (await self._range(prefix))[0]
+
+    async def _range(self, prefix: str) -> tuple[dict[str, bytes], int]:
+        """The keys under `prefix` and the store's revision they are as of."""
+        answer = await self._call("/v3/kv/range", _span(prefix))
         if not isinstance(answer.get("kvs", []), list):
             raise DiscoveryError(f"{self.url}: not an etcd range response")
         found: dict[str, bytes] = {}
         for kv in answer.get("kvs", []):
-            try:
-                found[base64.b64decode(kv["key"], validate=True).decode()] = base64.b64decode(kv.get("value", ""))
-            except (KeyError, TypeError, ValueError):  # binascii.Error and UnicodeDecodeError are ValueErrors
-                self.stray["bad_etcd_key"] += 1
-        return found
+            key = self._key(kv)
+            if key is not None:
+                found[key] = base64.b64decode(kv.get("value", ""))
+        return found, int((answer.get("header") or {}).get("revision", 0))
 
+    def _key(self, kv: Any) -> str | None:
+        try:
+            return base64.b64decode(kv["key"], validate=True).decode()
+        except (KeyError, TypeError, ValueError):  # binascii.Error and UnicodeDecodeError are ValueErrors
+            self.stray["bad_etcd_key"] += 1
+            return None
+
+    async def changes(self, prefix: str, poll_s: float) -> AsyncIterator[dict[str, bytes]]:
+        """A range, then etcd's watch from the revision after it: each batch of puts and deletes is one change.
+        The watch is started again (after a new range) every WATCH_RENEW_S, and whenever its stream breaks, so a
+        connection lost without a word costs at most that long."""
+        while True:
+            records, revision = await self._range(prefix)
+            yield records
+            async for changed in self._watch(prefix, revision + 1, records):
+                yield changed
+
+    async def _watch(self, prefix: str, start: int, records: dict[str, bytes]) -> AsyncIterator[dict[str, bytes]]:
+        body = {"create_request": {**_span(prefix), "start_revision": str(start)}}
+        url = self.endpoints[self._next]
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=ETCD_TIMEOUT_S)
+        deadline = time.monotonic() + WATCH_RENEW_S
+        try:
+            async with self._client.stream("POST", f"{url}/v3/watch", json=body,
+                                           timeout=httpx.Timeout(ETCD_TIMEOUT_S, read=WATCH_RENEW_S)) as answer:
+                answer.raise_for_status()
+                async for line in answer.aiter_lines():
+                    result = json.loads(line).get("result") or {}
+                    if result.get("canceled") or result.get("compact_revision"):
+                        return  # compacted past our revision, or refused: range again
+                    events = result.get("events") or []
+                    for event in events:
+                        key = self._key(event.get("kv") or {})
+                        if key is None:
+                            continue
+                        if event.get("type") == "DELETE":  # PUT, the default, is left out of the JSON
+                            records.pop(key, None)
+                        else:
+                            records[key] = base64.b64decode(event["kv"].get("value", ""))
+                    if events:
+                        yield records
+                    if time.monotonic() > deadline:
+                        return
+        except (httpx.HTTPError, ValueError):
+            return  # a broken watch: range again (a store that is gone raises there)
     async def register(self, key: str, value: bytes) -> None:
         self._owned[key] = value
         if self._lease is None:
@@ -254,6 +325,11 @@ class EtcdDiscovery:
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+def _span(prefix: str) -> dict[str, str]:
+    """etcd's JSON for every key under `prefix`."""
+    return {"key": _b64(prefix.encode()), "range_end": _b64(_successor(prefix.encode()))}
 
 
 def _successor(prefix: bytes) -> bytes:

@@ -1,14 +1,14 @@
 """`kvctl serve --dynamo-discovery`: following a Dynamo fleet's ZMQ event plane, its default (DESIGN §3.2).
 
 There is no broker: each publisher binds a PUB socket per topic and files an `EventChannel` record in Dynamo's
-discovery store. This plane polls the store for the records of its namespace (narrowed by `--component` /
-`--endpoint`), keeps one SUB socket connected to each record's endpoint, and drops it when its record goes (a
-clean stop deletes the keys; a dead process's vanish within ~12 s). Every message is four frames
-(core/events/zmq_wire.py) around the same envelope as on NATS, so it goes to the same transport-free ingest
-(plane_ingest.py) as the NATS plane's, under the component and endpoint of the record it came from; the status
-keeps the NATS plane's shape, plus the connections. With `--replica-sync` peers' in-flight requests are taken
-and, unless `--shadow`, this router's own are shared as a Dynamo router shares them (zmq_sequences.py). No
-history: a publisher found late is followed from its next message.
+discovery store. This plane lists the records of its namespace (narrowed by `--component` / `--endpoint`) and
+follows their changes (etcd: a watch; files: a poll), keeps one SUB socket connected to each record's endpoint,
+and drops it when its record goes (a clean stop deletes the keys; a dead process's vanish within ~12 s). Every
+message is four frames (core/events/zmq_wire.py) around the same envelope as on NATS, so it goes to the same
+transport-free ingest (plane_ingest.py) as the NATS plane's, under the component and endpoint of the record it
+came from; the status keeps the NATS plane's shape, plus the connections. With `--replica-sync` peers'
+in-flight requests are taken and, unless `--shadow`, this router's own are shared as a Dynamo router shares
+them (zmq_sequences.py). No history: a publisher found late is followed from its next message.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from kvctl.server.zmq_sequences import SequenceChannels, default_advertise_host
 log = logging.getLogger("kvctl.serve")
 
 POLL_S = 0.5
-"""How often discovery is listed: a new publisher is followed within this (its records come before its first
-message is worth much: Dynamo registers a channel as it binds)."""
+"""How often a store without a watch (files) is listed, and the pause before trying a lost store again: a new
+publisher is followed within this (Dynamo registers a channel as it binds, before its messages matter)."""
 CONNECT_WAIT_S = 5.0
 """How long readiness waits for the first listing's sockets to connect (a stale record's never does)."""
 RCVHWM = 100_000
@@ -152,25 +152,27 @@ class ZmqPlane(PlaneTasks):
         prefix = namespace_prefix(self.options.namespace)
         while True:
             try:
-                records = await self.discovery.list(prefix)
+                async for records in self.discovery.changes(prefix, self.options.poll_s):
+                    if self._failing:
+                        log.info("event plane: discovery %s answers again", self.options.url)
+                    self._failing = False
+                    await self._listed(records)
             except DiscoveryError as exc:
                 if not self._failing:  # once per outage, not once per poll
                     log.warning("event plane: discovery %s: %s; retrying", self.options.url, exc)
                 self._failing = True
                 self.last_error = str(exc)
-                await asyncio.sleep(self.options.poll_s)
-                continue
-            if self._failing:
-                log.info("event plane: discovery %s answers again", self.options.url)
-            self._failing = False
-            self.listings += 1
-            self.listed_at = time.monotonic()
-            added = await self._follow(records)
-            if self.channels is not None:
-                await self._share()
-            if not self._started.is_set():
-                await self._first_connections(added)
             await asyncio.sleep(self.options.poll_s)
+
+    async def _listed(self, records: dict[str, bytes]) -> None:
+        """The store's records now: follow them, share in their scopes, and be ready after the first time."""
+        self.listings += 1
+        self.listed_at = time.monotonic()
+        added = await self._follow(records)
+        if self.channels is not None:
+            await self._share()
+        if not self._started.is_set():
+            await self._first_connections(added)
 
     async def _share(self) -> None:
         """A replica-sync channel of this router's in each scope whose workers it follows."""
@@ -356,6 +358,7 @@ class ZmqPlane(PlaneTasks):
             "publishers": [{**row, "address": addresses.get(row["publisher_id"])} for row in ingest["publishers"]],
             "snapshot": None,
             "discovery": {"url": o.url, "listings": self.listings, "poll_s": o.poll_s,
+                          "follows": self.discovery.follows,
                           "listed_age_s": None if self.listed_at is None else round(now - self.listed_at, 3),
                           "record_errors": dict(self.record_errors), "stray": dict(self.discovery.stray),
                           "expired": self.discovery.expired},

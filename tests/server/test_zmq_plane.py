@@ -126,7 +126,8 @@ class Bench:
     async def start(self, **options: Any) -> ZmqPlane:
         if self.etcd is None:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh())
-        self.plane = ZmqPlane(self.fleet, self.streams, ZmqOptions(self.url, router_id=1, poll_s=POLL_S, **options))
+        self.plane = ZmqPlane(self.fleet, self.streams, ZmqOptions(self.url, router_id=1, **{"poll_s": POLL_S,
+                                                                                             **options}))
         self.plane.start()
         assert await self.plane.ready(10), self.plane.status()
         return self.plane
@@ -436,3 +437,19 @@ async def test_etcd_records_live_under_a_lease_filed_again_if_it_runs_out(etcd: 
     finally:
         await store.close()
     assert await listed(f"etcd:{etcd.url}") == {}  # revoked on close
+
+
+async def test_etcd_records_are_watched_not_polled(etcd: EtcdServer, tmp_path: Path) -> None:
+    """With a poll a minute apart, a record filed or deleted is still followed at once: etcd's watch says so."""
+    bench = Bench(tmp_path / "discovery", etcd)
+    try:
+        await bench.start(poll_s=60.0)
+        assert bench.status()["discovery"]["follows"] == "watch"
+        publisher = bench.publish_as("kv_metrics", 61)
+        await until(lambda: bench.addresses() == {publisher.address}, "a record filed after the range", timeout=5)
+        publisher.withdraw()
+        await until(lambda: bench.addresses() == set(), "a record deleted", timeout=5)
+        assert bench.status()["discovery"]["listings"] == 3  # the range, then one change each
+    finally:
+        await bench.close()
+        etcd.delete_prefix("v1/")
