@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 from typer.exceptions import Abort, Exit
 
 from kvctl import __version__
@@ -88,7 +88,7 @@ class KvctlGroup(TyperGroup):
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
-        argv = list(sys.argv[1:] if args is None else args)
+        argv = hoist_global_options(self, list(sys.argv[1:] if args is None else args))
         try:
             rv = super().main(argv, prog_name or "kvctl", complete_var, standalone_mode=False, **extra)
         except typer.BadParameter as exc:
@@ -104,6 +104,53 @@ class KvctlGroup(TyperGroup):
         except Abort:
             _fail("aborted", None, ExitCode.ERROR)
         sys.exit(rv if isinstance(rv, int) else ExitCode.OK)
+
+
+GLOBAL_FLAGS = frozenset({"--no-color", "--debug"})
+GLOBAL_VALUED = frozenset({"--server", "-s", "--token", "--timeout", "--context"})
+_ROOT_VALUED = GLOBAL_VALUED | {"--output", "-o"}
+
+
+def hoist_global_options(group: TyperGroup, argv: list[str]) -> list[str]:
+    """Global options written after the sub-command, moved before it: runbooks write `kvctl doctor --server URL`
+    as kubectl and nats allow. A sub-command's own option of the same name stays its own (`config set
+    --context`, `mock load --server`); nothing after `--` moves."""
+    at = _command_start(argv)
+    if at is None:
+        return argv
+    command: TyperCommand | TyperGroup | None = group
+    path_end = at
+    while isinstance(command, TyperGroup) and path_end < len(argv) and not argv[path_end].startswith("-"):
+        command = command.commands.get(argv[path_end]) if argv[path_end] in command.commands else None
+        path_end += 1
+    if command is None or isinstance(command, TyperGroup):
+        return argv
+    own = {opt: not (p.is_flag or p.count) for p in command.params if not isinstance(p, TyperArgument)
+           for opt in (*p.opts, *p.secondary_opts)}
+    kept, hoisted = argv[:path_end], []
+    i = path_end
+    while i < len(argv):
+        token = argv[i]
+        name = token.split("=", 1)[0]
+        if token == "--":
+            kept += argv[i:]
+            break
+        takes_value = "=" not in token and (own.get(name) if name in own else name in GLOBAL_VALUED)
+        into = hoisted if name not in own and name in GLOBAL_VALUED | GLOBAL_FLAGS else kept
+        into += argv[i:i + 2] if takes_value else [token]
+        i += 2 if takes_value else 1
+    return argv[:at] + hoisted + kept[at:]
+
+
+def _command_start(argv: list[str]) -> int | None:
+    """Where the sub-command's name is, past the root's own options; None when there is none."""
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("-"):
+            return i
+        i += 2 if token in _ROOT_VALUED else 1
+    return None
 
 
 def _help_hint(exc: Any) -> str:
