@@ -149,8 +149,9 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
     background = [asyncio.create_task(watch_loop(loop_lag_observer(app), LOOP_PROBE_S)),
                   asyncio.create_task(_tick_every(fleet, streams, TICK_S)),
                   asyncio.create_task(_reclaim_every(fleet, streams, ROUTE_QUIET_S))]
-    if options.state_dir is not None:
-        background.append(asyncio.create_task(_snapshot_every(fleet, options.state_dir, options.snapshot_interval_s)))
+    snapshots = snapshot.Writer(options.state_dir) if options.state_dir is not None else None
+    if snapshots is not None:
+        background.append(asyncio.create_task(_snapshot_every(fleet, snapshots, options.snapshot_interval_s)))
     announce(base_url(sock))
     try:
         await server.serve(sockets=[sock])
@@ -163,9 +164,9 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         sock.close()
-        if options.state_dir is not None:
-            try:
-                path = snapshot.write(snapshot.capture(fleet, time.time()), options.state_dir)
+        if snapshots is not None:
+            try:  # after a periodic write still in flight (cancelling its task does not stop its thread)
+                path = snapshots.write(snapshots.capture(fleet, time.time()))
                 log.info("snapshot written to %s", path)
             except OSError as exc:  # the previous snapshot is still there: a restart loses what came since
                 log.error("final snapshot to %s failed: %s", options.state_dir, exc)
@@ -239,10 +240,10 @@ async def reclaim_when_idle(fleet: Fleet, streams: Streams) -> None:
         await asyncio.sleep(2 * (time.perf_counter() - start))
 
 
-async def _snapshot_every(fleet: Fleet, state_dir: Path, interval_s: float) -> None:
+async def _snapshot_every(fleet: Fleet, snapshots: snapshot.Writer, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         try:  # encoded and written off the loop: only the capture holds it
-            await asyncio.to_thread(snapshot.write, snapshot.capture(fleet, time.time()), state_dir)
+            await asyncio.to_thread(snapshots.write, snapshots.capture(fleet, time.time()))
         except OSError as exc:  # a full or read-only disk must not stop the router; the next interval retries
-            log.error("snapshot to %s failed: %s", state_dir, exc)
+            log.error("snapshot to %s failed: %s", snapshots.state_dir, exc)

@@ -13,8 +13,10 @@ anything of it is applied; one that fails is moved aside as `.damaged` and the o
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +51,10 @@ class Capture:
 
     header: dict[str, Any]
     models: list[tuple[str, list[DumpEdge]]]
+    number: int = 0  # the order captures were taken in (`Writer`)
 
 
-def capture(fleet: Fleet, taken_at: float) -> Capture:
+def capture(fleet: Fleet, taken_at: float, number: int = 0) -> Capture:
     header = {
         "schema": SCHEMA,
         "taken_at": taken_at,
@@ -59,7 +62,36 @@ def capture(fleet: Fleet, taken_at: float) -> Capture:
         "workers": [{"worker_id": i.worker_id, "dp_rank": i.dp_rank, "model": i.model, "endpoint": i.endpoint,
                      "replay_endpoint": i.replay_endpoint, "topic": i.topic} for i in fleet.workers.values()],
     }
-    return Capture(header, [(name, state.router.index.capture()) for name, state in sorted(fleet.models.items())])
+    return Capture(header, [(name, state.router.index.capture()) for name, state in sorted(fleet.models.items())],
+                   number)
+
+
+class Writer:
+    """The one writer of a state dir's snapshots, shared by the periodic task and the final snapshot.
+
+    Writes share one temporary file, and cancelling a task does not stop its thread, so they are taken
+    one at a time: the final snapshot waits for a periodic write in flight, and a capture older than
+    one already written is dropped rather than put back over it.
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self._lock = threading.Lock()
+        self._numbers = itertools.count(1)
+        self._written = 0
+
+    def capture(self, fleet: Fleet, taken_at: float) -> Capture:
+        """On the event loop: the fleet in one step, numbered."""
+        return capture(fleet, taken_at, next(self._numbers))
+
+    def write(self, taken: Capture) -> Path | None:
+        """Write `taken` (any thread); None when a newer capture is already on disk."""
+        with self._lock:
+            if taken.number <= self._written:
+                return None
+            path = write(taken, self.state_dir)
+            self._written = taken.number
+            return path
 
 
 def _lines(taken: Capture) -> Iterator[bytes]:
