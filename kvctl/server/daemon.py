@@ -92,14 +92,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class CannotListen(Exception):
+    """The listening socket could not be had (address in use, not ours, bad host): a usage error, unlike
+    any other OSError of the router's life."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for TCP-typed listeners;
     # without it each keep-alive response waits ~40 ms on the client's delayed ACK (Nagle).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise CannotListen(exc.strerror or str(exc)) from exc
     sock.set_inheritable(True)
     return sock
 

@@ -159,10 +159,18 @@ def restore(fleet: Fleet, state_dir: Path, now: float) -> tuple[Restored | None,
             header, body_lines = _verify(path)
             return _apply(fleet, header, path, body_lines, now), problems
         except SnapshotError as exc:
-            aside = path.with_name(f"{path.name}.damaged")
-            os.replace(path, aside)
-            problems.append(f"{exc} (moved to {aside.name})")
+            problems.append(f"{exc} ({_move_aside(path)})")
     return None, problems
+
+
+def _move_aside(path: Path) -> str:
+    """Keep a damaged file for a post-mortem, out of the next start's way; a start never fails on it."""
+    aside = path.with_name(f"{path.name}.damaged")
+    try:
+        os.replace(path, aside)
+    except OSError as exc:
+        return f"could not move it aside to {aside.name}: {exc.strerror or exc}"
+    return f"moved to {aside.name}"
 
 
 def _verify(path: Path) -> tuple[dict[str, Any], int]:
