@@ -129,12 +129,13 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
         fleet.add_model(spec.name, block_size=spec.block_size, config=options.router.override(**spec.router))
         if spec.thresholds:
             fleet.thresholds.set(spec.name, **spec.thresholds)
-    _load_state(fleet, options)
+    restored = _load_state(fleet, options)
     with survivors_frozen():
-        await _serve(fleet, options, announce)
+        await _serve(fleet, options, announce, restored)
 
 
-async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], None]) -> None:
+async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], None],
+                 restored: dict[str, Any] | None) -> None:
     streams = Streams(fleet, queue_batches=options.queue_batches, decoder=make_decoder(options.decoder))
     plane: EventPlane | ZmqPlane | None = None
     if options.nats is not None:
@@ -142,7 +143,7 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
     elif options.zmq_plane is not None:
         plane = ZmqPlane(fleet, streams, options.zmq_plane)
     app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane,
-                     max_body_bytes=options.max_body_bytes)
+                     max_body_bytes=options.max_body_bytes, restored=restored)
     sock = bind(options.host, options.port)
     if not options.admin_token and not is_loopback(options.host):
         log.warning("serving on %s without an admin token (--insecure): anyone who can reach it can change "
@@ -185,19 +186,20 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
                 log.error("final snapshot to %s failed: %s", options.state_dir, exc)
 
 
-def _load_state(fleet: Fleet, options: ServeOptions) -> None:
+def _load_state(fleet: Fleet, options: ServeOptions) -> dict[str, Any] | None:
+    """Restore the snapshot; returns what `/v1/status` shows of it (None: no restore was tried)."""
     if options.state_dir is None:
-        return
+        return None
     if options.reset_states:
         if snapshot.delete(options.state_dir):
             log.warning("--reset-states: deleted the snapshot in %s", options.state_dir)
-        return
+        return None
     if not options.restore:
-        return
+        return None
     if options.nats is not None and options.nats.jetstream:
         log.info("JetStream mode: the object-store snapshot and the stream rebuild the index, not %s",
                  options.state_dir)
-        return
+        return None
     restored, problems = snapshot.restore(fleet, options.state_dir, time.monotonic())
     for problem in problems:
         log.error("damaged snapshot: %s", problem)
@@ -208,6 +210,8 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> None:
                     restored.events, restored.path.name, age, restored.rejected)
     elif problems:
         log.error("no sound snapshot in %s: starting with an empty index", options.state_dir)
+    return {"file": restored.path.name if restored is not None else None,
+            "events": restored.events if restored is not None else 0, "problems": problems}
 
 
 async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None:
