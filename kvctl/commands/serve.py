@@ -181,7 +181,8 @@ def serve_command(
                                                     help="Bearer token required by mutating endpoints.")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback address without a token.")]
     = False,
-    state_dir: Annotated[Path, typer.Option("--state-dir", envvar="KVCTL_STATE_DIR", help="Where snapshots go.")]
+    state_dir: Annotated[Path, typer.Option("--state-dir", envvar="KVCTL_STATE_DIR",
+                                            help="Where snapshots go: writable, one router per state dir.")]
     = DEFAULT_STATE_DIR,
     snapshot_interval: Annotated[float, typer.Option("--snapshot-interval", envvar="KVCTL_SNAPSHOT_INTERVAL",
                                                      help="Seconds between snapshots.")] = 60.0,
