@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -17,7 +19,7 @@ from kvctl.commands._nats import (
     NatsAuth,
     with_nats_credentials,
 )
-from kvctl.errors import UsageError
+from kvctl.errors import KvctlError, UsageError
 from kvctl.output import Output
 
 if TYPE_CHECKING:
@@ -153,7 +155,6 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
                  advertise_host: str | None) -> ZmqOptions:
     """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
     from kvctl.server.dynamo_discovery import open_discovery
-    from kvctl.server.router_id import stable_router_id
     from kvctl.server.zmq_plane import ZmqOptions
 
     if jetstream:
@@ -163,8 +164,7 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return ZmqOptions(discovery, namespace, component, endpoint, model,
-                      router_id if router_id is not None else stable_router_id(state_dir), replica_sync, shadow,
-                      advertise_host)
+                      _router_id(router_id, state_dir), replica_sync, shadow, advertise_host)
 
 
 @with_nats_credentials
@@ -182,7 +182,8 @@ def serve_command(
                                                     help="Bearer token required by mutating endpoints.")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback address without a token.")]
     = False,
-    state_dir: Annotated[Path, typer.Option("--state-dir", envvar="KVCTL_STATE_DIR", help="Where snapshots go.")]
+    state_dir: Annotated[Path, typer.Option("--state-dir", envvar="KVCTL_STATE_DIR",
+                                            help="Where snapshots go: writable, one router per state dir.")]
     = DEFAULT_STATE_DIR,
     snapshot_interval: Annotated[float, typer.Option("--snapshot-interval", envvar="KVCTL_SNAPSHOT_INTERVAL",
                                                      help="Seconds between snapshots.")] = 60.0,
@@ -357,14 +358,13 @@ def serve_command(
     nats = zmq_plane = None
     if nats_url is not None:
         from kvctl.server.nats_plane import NatsOptions
-        from kvctl.server.router_id import stable_router_id
 
         if snapshot_threshold <= 0:
             raise UsageError(f"--snapshot-threshold must be positive, got {snapshot_threshold}")
         assert nats_auth is not None
         conn = nats_auth(nats_url)
         nats = NatsOptions(conn, namespace, component, endpoint, nats_model,
-                           router_id if router_id is not None else stable_router_id(state_dir), shadow, jetstream,
+                           _router_id(router_id, state_dir), shadow, jetstream,
                            snapshot_threshold, reset_states, replica_sync)
     elif dynamo_discovery is not None:
         zmq_plane = _zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
@@ -378,10 +378,43 @@ def serve_command(
                            decoder=decoder)
     import asyncio
 
+    from kvctl.server.daemon import CannotListen
+    from kvctl.server.state_dir import claim
+
+    with _state_dir_usage():
+        held = claim(state_dir, listen)  # before anything reads or writes the state dir, held until exit
+
+    def announce(url: str) -> None:
+        held.record(url)  # for the line a second router on this state dir exits with
+        out.line(url)
+
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(run(options, out.line))
-    except OSError as exc:
-        raise UsageError(f"cannot listen on {listen}: {exc.strerror}", hint="pick another --listen port") from None
+        with held, asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(run(options, announce))
+    except CannotListen as exc:
+        raise UsageError(f"cannot listen on {listen}: {exc.reason}", hint="pick another --listen port") from None
+    except OSError as exc:  # not the operator's choice of port: a failure of the router itself
+        raise KvctlError(f"kvctl serve stopped: {exc}") from exc
     except KeyboardInterrupt:
         pass
+
+
+def _router_id(given: int | None, state_dir: Path) -> int:
+    """--router-id, or the id kept in the state dir (made on first use)."""
+    from kvctl.server.router_id import stable_router_id
+
+    if given is not None:
+        return given
+    with _state_dir_usage():
+        return stable_router_id(state_dir)
+
+
+@contextlib.contextmanager
+def _state_dir_usage() -> Iterator[None]:
+    """A state dir that cannot be used is the operator's to fix: exit 2, one line naming --state-dir."""
+    from kvctl.server.state_dir import StateDirError
+
+    try:
+        yield
+    except StateDirError as exc:
+        raise UsageError(exc.message, hint=exc.hint) from None

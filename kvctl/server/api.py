@@ -404,9 +404,9 @@ def loop_lag_observer(app: ASGIApp) -> Callable[[float], None]:
 
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, streams: Streams | None = None,
-               plane: Plane | None = None) -> ASGIApp:
+               plane: Plane | None = None, restored: dict[str, Any] | None = None) -> ASGIApp:
     """The router's ASGI app. `streams`: engine subscriptions to start and stop with worker registration
-    (None: HTTP events only)."""
+    (None: HTTP events only). `restored`: which snapshot the start restored and why (shown in status)."""
     app = FastAPI(title="kvctl router", version=__version__)
     app.state.fleet = fleet
     metrics = Metrics(fleet, streams, plane)
@@ -433,7 +433,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                       "streams": streams.status() if streams is not None else [],
                       "queues": streams.queues() if streams is not None else [],
                       "decoder": streams.decoder.status() if streams is not None else None,
-                      "event_plane": plane.status() if plane is not None else None})
+                      "event_plane": plane.status() if plane is not None else None, "restore": restored})
 
     @app.get("/healthz", responses=replies(ok={"type": "object", "required": ["status", "version"]}))
     async def healthz() -> Response:

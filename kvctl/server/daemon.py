@@ -92,14 +92,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class CannotListen(Exception):
+    """The listening socket could not be had (address in use, not ours, bad host): a usage error, unlike
+    any other OSError of the router's life."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for TCP-typed listeners;
     # without it each keep-alive response waits ~40 ms on the client's delayed ACK (Nagle).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise CannotListen(exc.strerror or str(exc)) from exc
     sock.set_inheritable(True)
     return sock
 
@@ -116,12 +129,13 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
         fleet.add_model(spec.name, block_size=spec.block_size, config=options.router.override(**spec.router))
         if spec.thresholds:
             fleet.thresholds.set(spec.name, **spec.thresholds)
-    _load_state(fleet, options)
+    restored = _load_state(fleet, options)
     with survivors_frozen():
-        await _serve(fleet, options, announce)
+        await _serve(fleet, options, announce, restored)
 
 
-async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], None]) -> None:
+async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], None],
+                 restored: dict[str, Any] | None) -> None:
     streams = Streams(fleet, queue_batches=options.queue_batches, decoder=make_decoder(options.decoder))
     plane: EventPlane | ZmqPlane | None = None
     if options.nats is not None:
@@ -129,7 +143,7 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
     elif options.zmq_plane is not None:
         plane = ZmqPlane(fleet, streams, options.zmq_plane)
     app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane,
-                     max_body_bytes=options.max_body_bytes)
+                     max_body_bytes=options.max_body_bytes, restored=restored)
     sock = bind(options.host, options.port)
     if not options.admin_token and not is_loopback(options.host):
         log.warning("serving on %s without an admin token (--insecure): anyone who can reach it can change "
@@ -149,8 +163,9 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
     background = [asyncio.create_task(watch_loop(loop_lag_observer(app), LOOP_PROBE_S)),
                   asyncio.create_task(_tick_every(fleet, streams, TICK_S)),
                   asyncio.create_task(_reclaim_every(fleet, streams, ROUTE_QUIET_S))]
-    if options.state_dir is not None:
-        background.append(asyncio.create_task(_snapshot_every(fleet, options.state_dir, options.snapshot_interval_s)))
+    snapshots = snapshot.Writer(options.state_dir) if options.state_dir is not None else None
+    if snapshots is not None:
+        background.append(asyncio.create_task(_snapshot_every(fleet, snapshots, options.snapshot_interval_s)))
     announce(base_url(sock))
     try:
         await server.serve(sockets=[sock])
@@ -163,27 +178,28 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         sock.close()
-        if options.state_dir is not None:
-            try:
-                path = snapshot.write(snapshot.capture(fleet, time.time()), options.state_dir)
+        if snapshots is not None:
+            try:  # after a periodic write still in flight (cancelling its task does not stop its thread)
+                path = snapshots.write(snapshots.capture(fleet, time.time()))
                 log.info("snapshot written to %s", path)
             except OSError as exc:  # the previous snapshot is still there: a restart loses what came since
                 log.error("final snapshot to %s failed: %s", options.state_dir, exc)
 
 
-def _load_state(fleet: Fleet, options: ServeOptions) -> None:
+def _load_state(fleet: Fleet, options: ServeOptions) -> dict[str, Any] | None:
+    """Restore the snapshot; returns what `/v1/status` shows of it (None: no restore was tried)."""
     if options.state_dir is None:
-        return
+        return None
     if options.reset_states:
         if snapshot.delete(options.state_dir):
             log.warning("--reset-states: deleted the snapshot in %s", options.state_dir)
-        return
+        return None
     if not options.restore:
-        return
+        return None
     if options.nats is not None and options.nats.jetstream:
         log.info("JetStream mode: the object-store snapshot and the stream rebuild the index, not %s",
                  options.state_dir)
-        return
+        return None
     restored, problems = snapshot.restore(fleet, options.state_dir, time.monotonic())
     for problem in problems:
         log.error("damaged snapshot: %s", problem)
@@ -194,6 +210,8 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> None:
                     restored.events, restored.path.name, age, restored.rejected)
     elif problems:
         log.error("no sound snapshot in %s: starting with an empty index", options.state_dir)
+    return {"file": restored.path.name if restored is not None else None,
+            "events": restored.events if restored is not None else 0, "problems": problems}
 
 
 async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None:
@@ -239,10 +257,10 @@ async def reclaim_when_idle(fleet: Fleet, streams: Streams) -> None:
         await asyncio.sleep(2 * (time.perf_counter() - start))
 
 
-async def _snapshot_every(fleet: Fleet, state_dir: Path, interval_s: float) -> None:
+async def _snapshot_every(fleet: Fleet, snapshots: snapshot.Writer, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         try:  # encoded and written off the loop: only the capture holds it
-            await asyncio.to_thread(snapshot.write, snapshot.capture(fleet, time.time()), state_dir)
+            await asyncio.to_thread(snapshots.write, snapshots.capture(fleet, time.time()))
         except OSError as exc:  # a full or read-only disk must not stop the router; the next interval retries
-            log.error("snapshot to %s failed: %s", state_dir, exc)
+            log.error("snapshot to %s failed: %s", snapshots.state_dir, exc)

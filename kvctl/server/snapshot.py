@@ -6,23 +6,32 @@ so a snapshot is also readable by `jq` and by anything that reads Dynamo's Route
 trailer `{"end": {"lines": N, "sha256": hex}}` over every line before it. v1 files (no trailer) load.
 
 A crash can interrupt a write anywhere, and a disk can rot, so the state dir keeps two snapshots: the
-newest and the one before (`snapshot.jsonl.prev`). A file's trailer and checksum are checked before
-anything of it is applied; one that fails is moved aside as `.damaged` and the other one is used.
+newest and the one before (`snapshot.jsonl.prev`). A file's trailer and checksum are checked, then every
+line of it decoded into typed records and validated, before anything of it is applied; one that fails
+either check is moved aside as `.damaged` and the other one is used, or none: never a mix of the two.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
+
+from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.index.kv_index import DumpEdge, events_of
+from kvctl.server.endpoint import check_endpoint
 from kvctl.server.state import Fleet, WorkerInfo
 
 SCHEMA = "kvctl.snapshot/v2"
@@ -49,9 +58,10 @@ class Capture:
 
     header: dict[str, Any]
     models: list[tuple[str, list[DumpEdge]]]
+    number: int = 0  # the order captures were taken in (`Writer`)
 
 
-def capture(fleet: Fleet, taken_at: float) -> Capture:
+def capture(fleet: Fleet, taken_at: float, number: int = 0) -> Capture:
     header = {
         "schema": SCHEMA,
         "taken_at": taken_at,
@@ -59,7 +69,36 @@ def capture(fleet: Fleet, taken_at: float) -> Capture:
         "workers": [{"worker_id": i.worker_id, "dp_rank": i.dp_rank, "model": i.model, "endpoint": i.endpoint,
                      "replay_endpoint": i.replay_endpoint, "topic": i.topic} for i in fleet.workers.values()],
     }
-    return Capture(header, [(name, state.router.index.capture()) for name, state in sorted(fleet.models.items())])
+    return Capture(header, [(name, state.router.index.capture()) for name, state in sorted(fleet.models.items())],
+                   number)
+
+
+class Writer:
+    """The one writer of a state dir's snapshots, shared by the periodic task and the final snapshot.
+
+    Writes share one temporary file, and cancelling a task does not stop its thread, so they are taken
+    one at a time: the final snapshot waits for a periodic write in flight, and a capture older than
+    one already written is dropped rather than put back over it.
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self._lock = threading.Lock()
+        self._numbers = itertools.count(1)
+        self._written = 0
+
+    def capture(self, fleet: Fleet, taken_at: float) -> Capture:
+        """On the event loop: the fleet in one step, numbered."""
+        return capture(fleet, taken_at, next(self._numbers))
+
+    def write(self, taken: Capture) -> Path | None:
+        """Write `taken` (any thread); None when a newer capture is already on disk."""
+        with self._lock:
+            if taken.number <= self._written:
+                return None
+            path = write(taken, self.state_dir)
+            self._written = taken.number
+            return path
 
 
 def _lines(taken: Capture) -> Iterator[bytes]:
@@ -118,19 +157,31 @@ def _fsync_dir(directory: Path) -> None:
 
 def restore(fleet: Fleet, state_dir: Path, now: float) -> tuple[Restored | None, list[str]]:
     """Load the newest sound snapshot into an empty fleet. Returns it (None when there is none) and the
-    problems found on the way: each damaged file is named and moved aside."""
+    problems found on the way: each damaged file is named and moved aside.
+
+    A file is checked whole (trailer, checksum, then every line decoded and validated) before any of it
+    is applied, so one bad line anywhere means the previous file or an empty start, never a mix."""
     problems: list[str] = []
     for path in (state_dir / FILENAME, state_dir / PREVIOUS):
         if not path.exists():
             continue
         try:
-            header, body_lines = _verify(path)
-            return _apply(fleet, header, path, body_lines, now), problems
+            contents = _read(path)
         except SnapshotError as exc:
-            aside = path.with_name(f"{path.name}.damaged")
-            os.replace(path, aside)
-            problems.append(f"{exc} (moved to {aside.name})")
+            problems.append(f"{exc} ({_move_aside(path)})")
+            continue
+        return _apply(fleet, contents, now), problems
     return None, problems
+
+
+def _move_aside(path: Path) -> str:
+    """Keep a damaged file for a post-mortem, out of the next start's way; a start never fails on it."""
+    aside = path.with_name(f"{path.name}.damaged")
+    try:
+        os.replace(path, aside)
+    except OSError as exc:
+        return f"could not move it aside to {aside.name}: {exc.strerror or exc}"
+    return f"moved to {aside.name}"
 
 
 def _verify(path: Path) -> tuple[dict[str, Any], int]:
@@ -167,25 +218,82 @@ def _verify(path: Path) -> tuple[dict[str, Any], int]:
     return header, hashed - 1
 
 
-def _apply(fleet: Fleet, header: dict[str, Any], path: Path, body_lines: int, now: float) -> Restored:
-    for name, block_size in header["models"].items():
-        fleet.add_model(name, block_size=block_size)
-    for w in header["workers"]:
-        fleet.register(WorkerInfo(w["worker_id"], w["dp_rank"], w["model"], w["endpoint"],
-                                  w["replay_endpoint"], w["topic"]))
-    events = rejected = 0
+U32 = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+Name = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class _Worker(msgspec.Struct):
+    worker_id: Annotated[int, msgspec.Meta(ge=0)]  # and < 2**64: msgspec bounds stop at int64
+    dp_rank: U32
+    model: Name
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+class _Header(msgspec.Struct):
+    """What a header must hold for the fleet to take it: the types `capture` writes, in their ranges."""
+
+    schema: str
+    taken_at: Annotated[float, msgspec.Meta(ge=0, lt=1e11)]  # epoch seconds: NaN and inf are refused
+    models: dict[Name, Annotated[int, msgspec.Meta(ge=1, lt=2**32)]]
+    workers: list[_Worker]
+
+
+class _Line(msgspec.Struct):
+    model: Name
+    event: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Contents:
+    path: Path
+    header: _Header
+    events: list[tuple[str, RouterEvent]]
+
+
+def _read(path: Path) -> _Contents:
+    """The whole file, checked and decoded into typed records; SnapshotError naming the first problem."""
+    raw, body_lines = _verify(path)
+    try:
+        header = msgspec.convert(raw, _Header)
+        for w in header.workers:
+            if w.worker_id >= 2**64:
+                raise ValueError(f"worker_id {w.worker_id} is not a u64")
+            if w.model not in header.models:
+                raise ValueError(f"worker {w.worker_id}'s model {w.model!r} is not among the models")
+            for endpoint in (w.endpoint, w.replay_endpoint):
+                if endpoint is not None:
+                    check_endpoint(endpoint)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise SnapshotError(f"{path}:1: bad header: {exc}") from None
+    events: list[tuple[str, RouterEvent]] = []
     with path.open("rb") as f:
         f.readline()
         for n, line in zip(range(2, body_lines + 2), f, strict=False):
             try:
-                item = json.loads(line)
-                event = decode_router_event_json(item["event"])
-            except (ValueError, KeyError, TypeError, DecodeError) as exc:
+                item = msgspec.json.decode(line, type=_Line)
+                if item.model not in header.models:
+                    raise ValueError(f"model {item.model!r} is not among the header's models")
+                events.append((item.model, decode_router_event_json(item.event)))
+            except (msgspec.DecodeError, ValueError, DecodeError) as exc:
                 raise SnapshotError(f"{path}:{n}: {exc}") from None
-            applied, bad = fleet.apply(item["model"], [event], now)
-            events += applied
-            rejected += sum(bad.values())
-    return Restored(header["taken_at"], events, rejected, path)
+    return _Contents(path, header, events)
+
+
+def _apply(fleet: Fleet, contents: _Contents, now: float) -> Restored:
+    """Every record of a file `_read` accepted: nothing here can fail half way."""
+    header = contents.header
+    for name, block_size in header.models.items():
+        fleet.add_model(name, block_size=block_size)
+    for w in header.workers:
+        fleet.register(WorkerInfo(w.worker_id, w.dp_rank, w.model, w.endpoint, w.replay_endpoint, w.topic))
+    events = rejected = 0
+    for model, run in groupby(contents.events, key=itemgetter(0)):
+        applied, bad = fleet.apply(model, (event for _, event in run), now)
+        events += applied
+        rejected += sum(bad.values())
+    return Restored(header.taken_at, events, rejected, contents.path)
 
 
 def delete(state_dir: Path) -> bool:

@@ -25,10 +25,12 @@ from tests.server.test_nats_plane import Router, dump_blocks, expected_blocks, j
 @contextmanager
 def serve(nats: NatsServer, names: PlaneNames, state_dir: Path,
           router_id: int) -> Iterator[tuple[subprocess.Popen[str], httpx.Client]]:
+    state_dir = state_dir / f"router-{router_id}"  # one router per state dir: each holds its own
+    state_dir.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "kvctl", "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
            "--nats", nats.url, "--namespace", names.namespace, "--jetstream", "--router-id", str(router_id),
            "--log-level", "info"]
-    with (state_dir / f"serve-{router_id}.log").open("a") as log, \
+    with (state_dir / "serve.log").open("a") as log, \
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
         try:

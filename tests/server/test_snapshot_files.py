@@ -5,16 +5,23 @@ from __future__ import annotations
 import contextlib
 import json
 import resource
+import shutil
 import signal
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvctl.core.events.dump_file import read_router_events
 from kvctl.server import snapshot
-from kvctl.server.state import Fleet
+from kvctl.server.state import Fleet, WorkerInfo
 from tests.fixtures_path import FIXTURES
+from tests.fuzz.junk import JSON_JUNK, mutated, replaced
+from tests.server.test_serve_process import _stop, serving
 
 DUMP = read_router_events((FIXTURES / "dynamo-1.6.1" / "dump.jsonl").read_text())
 
@@ -97,3 +104,117 @@ def file_size_limit(limit: int) -> Iterator[None]:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, handler)
+
+
+# ----- content that passes the checksum but not the fleet (issue 22, item 6) ----------------------------
+
+WORKER = WorkerInfo(77, 1, "llama", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "kv")
+
+
+def newer_fleet() -> Fleet:
+    """Unlike `fleet_with`: another model, a worker with endpoints, so a mix of two files shows."""
+    fleet = Fleet(block_size=16)
+    fleet.add_model("llama", block_size=32)
+    fleet.register(WORKER)
+    fleet.apply("llama", DUMP[:7], 0.0)
+    return fleet
+
+
+def fingerprint(fleet: Fleet) -> bytes:
+    """Everything a snapshot of the fleet holds: two fleets with equal fingerprints restore alike."""
+    return b"".join(snapshot._lines(snapshot.capture(fleet, 0.0)))
+
+
+def two_snapshots(state_dir: Path) -> list[Any]:
+    """The previous snapshot from `fleet_with(3)`, the newest from `newer_fleet()`; the newest's lines parsed."""
+    write(fleet_with(3), state_dir, 1.0)
+    write(newer_fleet(), state_dir, 2.0)
+    return [json.loads(line) for line in (state_dir / snapshot.FILENAME).read_text().splitlines()[:-1]]
+
+
+def rewrite(state_dir: Path, lines: list[Any]) -> None:
+    """The newest snapshot holding `lines`, with a trailer that matches them: only the content is wrong."""
+    encoded = (json.dumps(line).encode() + b"\n" for line in lines)
+    (state_dir / snapshot.FILENAME).write_bytes(b"".join(snapshot._with_trailer(encoded)))
+
+
+def falls_back_cleanly(state_dir: Path) -> str:
+    """Restores the previous snapshot, exactly, and nothing of the newest; returns the problem found."""
+    restored, problems = snapshot.restore(fresh := Fleet(block_size=16), state_dir, 0.0)
+    is_the_previous_exactly(restored, problems, fresh)
+    assert (state_dir / f"{snapshot.FILENAME}.damaged").exists()
+    return problems[0]
+
+
+def is_the_previous_exactly(restored: snapshot.Restored | None, problems: list[str], fresh: Fleet) -> None:
+    assert restored is not None and restored.path.name == snapshot.PREVIOUS and len(problems) == 1
+    assert fingerprint(fresh) == fingerprint(fleet_with(3))
+
+
+@pytest.mark.parametrize(("where", "bad", "needle"), [
+    (("models",), [], "models"),
+    (("models", "llama"), "32", "$.models[...]"),
+    (("workers", 0, "worker_id"), "abc", "worker_id"),
+    (("workers", 0, "dp_rank"), 2**40, "dp_rank"),
+    (("workers", 0, "endpoint"), "nowhere", "not an engine endpoint"),
+    (("workers", 0, "model"), "gpt", "not among the models"),
+    (("taken_at",), float("nan"), "taken_at"),
+])
+def test_a_header_the_fleet_cannot_take_falls_back(tmp_path: Path, where: tuple[Any, ...], bad: Any,
+                                                   needle: str) -> None:
+    lines = two_snapshots(tmp_path)
+    rewrite(tmp_path, [replaced(lines[0], where, bad), *lines[1:]])
+    problem = falls_back_cleanly(tmp_path)
+    assert f"{snapshot.FILENAME}:1: bad header" in problem and needle in problem
+
+
+@pytest.mark.parametrize(("where", "bad"), [(("model",), 5), (("model",), "gpt"), (("event", "worker_id"), "abc"),
+                                            (("event", "event", "data"), {"stored": {}})])
+def test_a_bad_line_after_good_ones_falls_back_without_a_merge(tmp_path: Path, where: tuple[Any, ...],
+                                                               bad: Any) -> None:
+    lines = two_snapshots(tmp_path)
+    assert len(lines) > 3
+    rewrite(tmp_path, [*lines[:-1], replaced(lines[-1], where, bad)])  # every line before it is good
+    assert f"{snapshot.FILENAME}:{len(lines)}:" in falls_back_cleanly(tmp_path)
+
+
+def test_no_sound_snapshot_at_all_starts_empty(tmp_path: Path) -> None:
+    lines = two_snapshots(tmp_path)
+    rewrite(tmp_path, [replaced(lines[0], ("models",), [])])
+    previous = tmp_path / snapshot.PREVIOUS
+    previous.write_bytes(previous.read_bytes()[:-40])
+    restored, problems = snapshot.restore(fresh := Fleet(block_size=16), tmp_path, 0.0)
+    assert restored is None and len(problems) == 2 and fingerprint(fresh) == fingerprint(Fleet(block_size=16))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_mutation_restores_exactly_or_falls_back_cleanly(data: st.DataObject) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        state_dir, alone = Path(tmp, "state"), Path(tmp, "alone")
+        lines = two_snapshots(state_dir)
+        n = data.draw(st.integers(0, len(lines) - 1), label="line")
+        lines[n] = data.draw(mutated(lines[n], JSON_JUNK), label="mutated")
+        rewrite(state_dir, lines)
+        alone.mkdir()
+        shutil.copy(state_dir / snapshot.FILENAME, alone / snapshot.FILENAME)
+        restored, problems = snapshot.restore(fresh := Fleet(block_size=16), state_dir, 0.0)
+        if restored is not None and restored.path.name == snapshot.FILENAME:
+            assert problems == []  # taken as it is: the same as from that file alone, nothing of the previous
+            snapshot.restore(by_itself := Fleet(block_size=16), alone, 0.0)
+            assert fingerprint(fresh) == fingerprint(by_itself)
+        else:
+            is_the_previous_exactly(restored, problems, fresh)
+
+
+def test_a_router_started_on_bad_content_serves_the_previous_snapshot_and_says_why(tmp_path: Path) -> None:
+    lines = two_snapshots(tmp_path)
+    rewrite(tmp_path, [replaced(lines[0], ("workers", 0, "worker_id"), "abc"), *lines[1:]])
+    with serving(tmp_path, "--snapshot-interval", "3600") as (proc, client):
+        restore = client.get("/v1/status").json()["restore"]
+        assert restore["file"] == snapshot.PREVIOUS and restore["events"] == 3
+        assert len(restore["problems"]) == 1 and "worker_id" in restore["problems"][0]
+        assert client.get("/v1/workers").status_code == 200
+        assert client.get("/v1/tree/stats").json()["models"]["default"]["blocks"] == blocks(fleet_with(3))
+        log = _stop(proc)
+    assert "damaged snapshot" in log and "restored 3 events from snapshot.jsonl.prev" in log
