@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from kvctl.core.events.discovery import CHANNELS_BUCKET, decode_file_name
+from kvctl.core.events.discovery import decode_file_name
 from kvctl.core.events.errors import DecodeError
 
 
@@ -45,15 +45,15 @@ class FileDiscovery:
         self.root = root
         self.url = f"file:{root}"
         self.stray: Counter[str] = Counter()
-        self._cache: dict[str, tuple[int, int, bytes]] = {}  # file name -> (mtime_ns, size, contents)
+        self._cache: dict[str, tuple[int, int, bytes]] = {}  # bucket/file name -> (mtime_ns, size, contents)
 
     async def list(self, prefix: str) -> dict[str, bytes]:
         return await asyncio.to_thread(self._list, prefix)
 
     def _list(self, prefix: str) -> dict[str, bytes]:
-        bucket = CHANNELS_BUCKET
-        if not prefix.startswith(bucket + "/"):
-            raise ValueError(f"only {bucket}/ is listed, not {prefix!r}")
+        bucket = "/".join(prefix.split("/")[:2])  # v1/event_channels, v1/event_sources: a directory each
+        if not bucket.startswith("v1/") or not prefix.startswith(bucket + "/"):
+            raise ValueError(f"only a bucket's keys (v1/BUCKET/...) are listed, not {prefix!r}")
         directory = self.root / bucket
         if not self.root.is_dir():
             raise DiscoveryError(f"{self.root} is not a directory")
@@ -64,7 +64,7 @@ class FileDiscovery:
         except OSError as exc:
             raise DiscoveryError(f"cannot list {directory}: {exc.strerror}") from None
         found: dict[str, bytes] = {}
-        cache: dict[str, tuple[int, int, bytes]] = {}
+        cache = {name: cached for name, cached in self._cache.items() if not name.startswith(bucket + "/")}
         for entry in entries:
             try:
                 key = f"{bucket}/{decode_file_name(entry.name)}"
@@ -73,18 +73,18 @@ class FileDiscovery:
                 continue
             if not key.startswith(prefix):
                 continue
-            contents = self._read(entry)
+            contents = self._read(f"{bucket}/{entry.name}", entry)
             if contents is not None:
                 found[key] = contents
-                cache[entry.name] = self._cache[entry.name]
+                cache[f"{bucket}/{entry.name}"] = self._cache[f"{bucket}/{entry.name}"]
         self._cache = cache
         return found
 
-    def _read(self, entry: os.DirEntry[str]) -> bytes | None:
+    def _read(self, name: str, entry: os.DirEntry[str]) -> bytes | None:
         """The file's contents, from the cache while its mtime and size stay; None when it went meanwhile."""
         try:
             st = entry.stat()
-            cached = self._cache.get(entry.name)
+            cached = self._cache.get(name)
             if cached is not None and cached[:2] == (st.st_mtime_ns, st.st_size):
                 return cached[2]
             with open(entry.path, "rb") as f:
@@ -94,7 +94,7 @@ class FileDiscovery:
         except OSError:
             self.stray["unreadable"] += 1
             return None
-        self._cache[entry.name] = (st.st_mtime_ns, st.st_size, contents)
+        self._cache[name] = (st.st_mtime_ns, st.st_size, contents)
         return contents
 
     async def close(self) -> None:

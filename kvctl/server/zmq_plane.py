@@ -34,10 +34,12 @@ from kvctl.core.events.discovery import (
 )
 from kvctl.core.events.errors import DecodeError, ErrorKind
 from kvctl.core.events.plane import KV_EVENTS, TOPICS
+from kvctl.core.events.request_plane import namespace_sources_prefix
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.server.dynamo_discovery import Discovery, DiscoveryError, open_discovery
 from kvctl.server.plane_ingest import PlaneIngest
 from kvctl.server.plane_tasks import PlaneTasks
+from kvctl.server.recovery import Recovery
 from kvctl.server.state import Fleet, UnknownWorker
 from kvctl.server.streams import ModelWriter, Streams
 
@@ -107,6 +109,7 @@ class ZmqPlane(PlaneTasks):
         self.writer: ModelWriter = streams.writer(options.model)
         self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
                                   replica_sync=options.replica_sync)
+        self.recovery = self.ingest.recovery = Recovery(self.ingest.apply_recovered)
         self.counts = self.ingest.counts
         self.errors = self.ingest.errors
         self.reconnects = 0  # sockets that connected again after losing their publisher
@@ -129,6 +132,7 @@ class ZmqPlane(PlaneTasks):
         await self._stop_tasks()
         for key in list(self.links):
             await self._drop(key)
+        await self.recovery.close()
         await self.discovery.close()
         self._ctx.destroy(linger=0)
         self.state = "closed"
@@ -138,6 +142,7 @@ class ZmqPlane(PlaneTasks):
         while True:
             try:
                 records = await self.discovery.list(prefix)
+                sources = await self.discovery.list(namespace_sources_prefix(self.options.namespace))
             except DiscoveryError as exc:
                 if not self._failing:  # once per outage, not once per poll
                     log.warning("event plane: discovery %s: %s; retrying", self.options.url, exc)
@@ -151,6 +156,7 @@ class ZmqPlane(PlaneTasks):
             self.listings += 1
             self.listed_at = time.monotonic()
             added = await self._follow(records)
+            self.recovery.follow(sources)  # after the sockets: what the recovery misses, they hold
             if not self._started.is_set():
                 await self._first_connections(added)
             await asyncio.sleep(self.options.poll_s)
@@ -228,6 +234,7 @@ class ZmqPlane(PlaneTasks):
         for worker_id, dp_rank in orphans:
             with contextlib.suppress(UnknownWorker):
                 removed = self.fleet.unregister(worker_id, dp_rank)
+                self.recovery.forget((worker_id, dp_rank))
                 self.counts["workers_removed"] += 1
                 log.warning("event plane: worker %d:%d gone from discovery: removed (%d blocks)", worker_id, dp_rank,
                             removed["blocks"])
@@ -310,4 +317,5 @@ class ZmqPlane(PlaneTasks):
                           "listed_age_s": None if self.listed_at is None else round(now - self.listed_at, 3),
                           "record_errors": dict(self.record_errors), "stray": dict(self.discovery.stray)},
             "connections": [link.row(now) for _, link in sorted(self.links.items())],
+            "recovery": self.recovery.status(),
         }

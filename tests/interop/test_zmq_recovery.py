@@ -1,0 +1,69 @@
+"""A `kvctl serve --dynamo-discovery file:DIR` started after a Dynamo 1.6.1 fleet (ZMQ event plane, no NATS) has
+served requests: the plane keeps no history, so kvctl asks each worker for its index over Dynamo's request plane,
+as Dynamo's routers do, and then holds the same index as Dynamo's indexer (`tree diff --exit-code`), before and
+after more evicting load. A fleet of its own (module-scoped): two mockers, the frontend, the indexer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.commands.live_router import kvctl
+from tests.interop.fleet import (
+    Fleet,
+    Router,
+    indexer_blocks,
+    kvctl_blocks,
+    settled,
+    shared_prefix_load,
+    start_fleet,
+    wait_until,
+)
+
+
+@pytest.fixture(scope="module")
+def served_fleet(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """The fleet, after load that made its mockers store (and evict) blocks no late router saw published."""
+    started = start_fleet(tmp_path_factory.mktemp("interop-zmq-recovery"), dynamo, mockers=2, nats_url=None,
+                          kvctl=False)
+    try:
+        load = shared_prefix_load(started.frontend_url, seed=11)
+        assert load.failed == [] and load.cached_tokens > 0
+        yield started
+    finally:
+        started.stop()
+
+
+def recovery(url: str) -> dict[int, dict[str, Any]]:
+    """Each worker's recovery row in the router's status."""
+    workers = httpx.get(f"{url}/v1/status", timeout=10).json()["event_plane"]["workers"]
+    return {w["worker_id"]: w.get("recovery") or {} for w in workers}
+
+
+def same_index(fleet: Fleet, url: str) -> None:
+    ours = settled(lambda: kvctl_blocks(url), "the late router's index", procs=fleet.procs)
+    theirs = settled(lambda: indexer_blocks(fleet), "the indexer's dump", procs=fleet.procs)
+    diff = kvctl(url, "tree", "diff", "--exit-code", "-o", "json", url, f"dynamo+{fleet.indexer_url}")
+    assert diff.exit_code == 0, f"{diff.output}\nkvctl: {ours}\nindexer: {theirs}\n{fleet.dump()}"
+
+
+def test_a_late_router_recovers_every_workers_index_over_the_request_plane(served_fleet: Fleet) -> None:
+    fleet = served_fleet
+    assert all(indexer_blocks(fleet).get(w) for w in fleet.worker_ids)  # blocks stored before the router exists
+    late: Router = fleet.start_router("late", "--dynamo-discovery", f"file:{fleet.discovery_dir}",
+                                      "--namespace", "dynamo")
+    fleet.await_router(late)
+    rows = wait_until(lambda: (r := recovery(late.url)) and all(r.get(w, {}).get("state") == "recovered"
+                                                                for w in fleet.worker_ids) and r,
+                      "the late router recovering both workers", timeout=30, procs=fleet.procs)
+    assert all(rows[w]["events"] > 0 for w in fleet.worker_ids), rows
+    same_index(fleet, late.url)
+
+    assert shared_prefix_load(fleet.frontend_url, requests=24, seed=12).failed == []  # live events, evictions
+    same_index(fleet, late.url)
+    status = httpx.get(f"{late.url}/v1/status", timeout=10).json()["event_plane"]
+    assert status["decode_errors"] == {} and status["recovery"]["counts"].get("failed", 0) == 0, status["recovery"]

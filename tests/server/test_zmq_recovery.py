@@ -1,0 +1,186 @@
+"""The ZMQ plane's recovery of a worker's index over Dynamo's request plane, against real sockets: a worker's
+request-plane endpoint is a loopback TCP server that answers kvctl's request frame with the bytes a Dynamo 1.6.1
+mocker answered a Dynamo router with (tests/fixtures/dynamo-1.6.1-fleet/request-plane/recovery_capture.jsonl),
+connecting back to the address kvctl's request names. Only the answer's subject (a UUID, same length) is
+kvctl's, so that it names kvctl's request; the worker's `EventSource` record is Dynamo's, at this test's port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from kvctl.core.events import Removed, RouterEvent, Stored
+from kvctl.core.events.discovery import encode_file_name
+from kvctl.core.events.publishers import Order
+from kvctl.core.events.request_plane import (
+    Recovered,
+    ResponseStream,
+    TwoPartReader,
+    decode_recovery_response,
+    decode_request_frame,
+    handshake_subject,
+    parse_event_source,
+)
+from kvctl.server.recovery import RecoveryClient
+from tests.core.test_request_plane_capture import exchanges
+from tests.server.test_nats_plane import dump_blocks, expected_blocks
+from tests.server.test_zmq_plane import Bench, until
+
+CAPTURE = exchanges("recovery_capture.jsonl")[0]
+
+
+class Worker:
+    """A worker's request-plane endpoint answering every request with the captured answer."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.release = asyncio.Event()  # answer only once set (a test holds live events meanwhile)
+        self.release.set()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readexactly(2)
+        path = await reader.readexactly(int.from_bytes(head))
+        headers_len = await reader.readexactly(2)
+        headers = await reader.readexactly(int.from_bytes(headers_len))
+        payload_len = await reader.readexactly(4)
+        payload = await reader.readexactly(int.from_bytes(payload_len))
+        frame = head + path + headers_len + headers + payload_len + payload
+        request = decode_request_frame(frame)
+        self.requests.append(request.query)
+        writer.write(bytes.fromhex(CAPTURE["ack"]))
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+        await self.release.wait()
+        stream = bytes.fromhex(CAPTURE["response_stream"])
+        theirs = handshake_subject(TwoPartReader().feed(stream)[0][0])
+        host, port = request.reply["address"].rsplit(":", 1)
+        _, back = await asyncio.open_connection(host, int(port))
+        back.write(stream.replace(theirs.encode(), request.reply["subject"].encode()))
+        await back.drain()
+        back.close()
+        await back.wait_closed()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+def source_record(port: int) -> bytes:
+    record = json.loads(json.dumps(CAPTURE["event_source"]))
+    target = record["metadata"]["recovery_target"]
+    _, path = target["transport"]["tcp"].split("/", 1)
+    target["transport"]["tcp"] = f"127.0.0.1:{port}/{path}"
+    return json.dumps(record).encode()
+
+
+def put_source(bench: Bench, port: int) -> None:
+    key = "namespace/dynamo/component/backend/endpoint/generate/topic/kv-events/" \
+          f"{CAPTURE['event_source']['publisher_id']:x}"
+    directory = bench.root / "v1" / "event_sources"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / encode_file_name(key)).write_bytes(source_record(port))
+
+
+def dumped() -> Recovered:
+    messages = TwoPartReader().feed(bytes.fromhex(CAPTURE["response_stream"]))
+    stream = ResponseStream()
+    for control, data in messages[1:]:
+        stream.take(control, data)
+    return decode_recovery_response(stream)
+
+
+WORKER = (CAPTURE["event_source"]["metadata"]["worker"]["worker_id"], 0)
+
+
+@pytest.fixture
+async def bench(tmp_path: Any) -> AsyncIterator[Bench]:
+    b = Bench(tmp_path / "discovery")
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+async def worker() -> AsyncIterator[Worker]:
+    w = Worker()
+    yield w
+    await w.close()
+
+
+def row(bench: Bench) -> dict[str, Any]:
+    rows = {(w["worker_id"], w["dp_rank"]): w for w in bench.status()["workers"]}
+    return rows.get(WORKER, {}).get("recovery") or {}
+
+
+async def test_a_worker_found_in_discovery_is_recovered_from_its_tree_dump(bench: Bench, worker: Worker) -> None:
+    put_source(bench, await worker.start())
+    plane = await bench.start()
+    await until(lambda: row(bench).get("state") == "recovered", "the worker recovered")
+    await bench.streams.writer("default").applied()
+    assert worker.requests == [{"worker_id": WORKER[0], "dp_rank": 0, "start_event_id": None, "end_event_id": None,
+                                "supports_tree_dump_failed": True, "kind": "recovery"}]
+    index = plane.fleet.models["default"].router.index
+    assert dump_blocks(index.dump()) == expected_blocks(dumped().events)
+    assert row(bench) | {"target": None} == {"state": "recovered", "reason": None, "target": None, "queries": 1,
+                                             "events": 4, "last_event_id": 4,
+                                             "publisher_id": CAPTURE["event_source"]["publisher_id"]}
+    assert bench.status()["recovery"]["counts"] == {"queries": 1, "recovered": 1, "events": 4, "decode_errors": 0}
+
+
+async def test_an_unreachable_worker_is_followed_live_and_marked_partial_with_why(bench: Bench,
+                                                                                    worker: Worker) -> None:
+    port = await worker.start()
+    await worker.close()  # nothing listens there any more
+    put_source(bench, port)
+    await bench.start()
+    await until(lambda: row(bench).get("state") == "partial", "the worker marked partial")
+    assert f"127.0.0.1:{port}" in row(bench)["reason"] and "failed" in row(bench)["reason"]
+    assert bench.status()["recovery"]["counts"]["failed"] == 1
+
+
+async def test_live_events_held_while_recovering_apply_after_the_dump_once(bench: Bench, worker: Worker) -> None:
+    """Held: a copy of an event the dump holds (id 3, dropped) and one newer (id 5, applied after the dump)."""
+    worker.release.clear()
+    put_source(bench, await worker.start())
+    plane = await bench.start()
+    await until(lambda: bool(worker.requests), "the worker asked")
+    ingest, dump = plane.ingest, dumped().events
+    first = dump[0].data
+    assert isinstance(first, Stored)
+    stale = RouterEvent(WORKER[0], Stored(None, [999], [999]), 0, 3)  # would add block 999 if applied
+    newer = RouterEvent(WORKER[0], Removed([first.block_hashes[-1]]), 0, 5)
+    publisher = CAPTURE["event_source"]["publisher_id"]
+    assert ingest.recovery is not None
+    assert all(ingest.recovery.hold(e, Order.next, publisher, None) for e in (stale, newer))
+    worker.release.set()
+    await until(lambda: row(bench).get("state") == "recovered", "the worker recovered")
+    await bench.streams.writer("default").applied()
+    index = plane.fleet.models["default"].router.index
+    assert dump_blocks(index.dump()) == expected_blocks([*dump, newer])
+    assert ingest.counts["recovered_duplicates"] == 1 and ingest.cursors[WORKER].last == 5
+
+
+async def test_a_query_nobody_answers_times_out() -> None:
+    accepted: list[asyncio.StreamWriter] = []
+    silent = await asyncio.start_server(lambda _, w: accepted.append(w), "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    client = RecoveryClient(timeout_s=0.3)
+    target = parse_event_source(source_record(port))
+    assert target is not None
+    with pytest.raises(TimeoutError):
+        await client.query(target)
+    await client.close()
+    for writer in accepted:
+        writer.close()
+    silent.close()
+    await silent.wait_closed()
