@@ -149,7 +149,8 @@ def _loop_factory():  # type: ignore[no-untyped-def]
 
 
 def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint: str | None, model: str,
-                 router_id: int | None, state_dir: Path, replica_sync: bool, nats_only: bool) -> ZmqOptions:
+                 router_id: int | None, state_dir: Path, replica_sync: bool, nats_only: bool,
+                 recovery_timeout: float) -> ZmqOptions:
     """`--dynamo-discovery`'s plane; --shadow and --jetstream are NATS's alone (this plane never publishes)."""
     from kvctl.server.dynamo_discovery import open_discovery
     from kvctl.server.router_id import stable_router_id
@@ -161,8 +162,11 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
         open_discovery(discovery)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if not recovery_timeout > 0:
+        raise UsageError(f"--recovery-timeout must be > 0 seconds, got {recovery_timeout}")
     return ZmqOptions(discovery, namespace, component, endpoint, model,
-                      router_id if router_id is not None else stable_router_id(state_dir), replica_sync)
+                      router_id if router_id is not None else stable_router_id(state_dir), replica_sync,
+                      recovery_timeout_s=recovery_timeout)
 
 
 @with_nats_credentials
@@ -294,6 +298,10 @@ def serve_command(
     replica_sync: Annotated[bool, typer.Option(
         "--replica-sync", envvar="KVCTL_REPLICA_SYNC", rich_help_panel=PANEL,
         help="Share in-flight requests with the other routers (and take theirs).")] = False,
+    recovery_timeout: Annotated[float, typer.Option(
+        "--recovery-timeout", envvar="KVCTL_RECOVERY_TIMEOUT", rich_help_panel=PANEL,
+        help="--dynamo-discovery: seconds one worker's index recovery over Dynamo's request plane may take "
+             "(a late-found worker, a gap in its events); past it the worker is marked partial.")] = 30.0,
     nats_auth: NatsAuth | None = None,
 ) -> None:
     from kvctl.core.router.approx import ApproxConfig
@@ -360,7 +368,7 @@ def serve_command(
                            snapshot_threshold, reset_states, replica_sync)
     elif dynamo_discovery is not None:
         zmq_plane = _zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
-                                 replica_sync, shadow or jetstream)
+                                 replica_sync, shadow or jetstream, recovery_timeout)
     elif shadow or jetstream or replica_sync or component or endpoint:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component and --endpoint need --nats URL")
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,

@@ -145,11 +145,12 @@ class RecoveryClient:
 class Recovery:
     """Which workers were recovered, which are being, which could not be; and the held live events."""
 
-    def __init__(self, apply: Apply, client: RecoveryClient | None = None) -> None:
-        self.client = client if client is not None else RecoveryClient()
+    def __init__(self, apply: Apply, counts: Counter[str], client: RecoveryClient) -> None:
+        """`counts`: the plane's (status and /metrics show them), counted under `recovery_*` names."""
+        self.client = client
         self._apply = apply
         self.workers: dict[Worker, _Worker] = {}
-        self.counts: Counter[str] = Counter()
+        self.counts = counts
         self.record_errors: Counter[str] = Counter()
         self._seen: dict[str, bytes] = {}
 
@@ -182,7 +183,7 @@ class Recovery:
         if known is None:
             return False
         if known.state != "recovering" and last is not None and event.event_id > last + 1:
-            self.counts["gaps"] += 1
+            self.counts["recovery_gaps"] += 1
             self._start(known.target, last + 1)
         if self.workers[worker].state == "recovering":
             self.workers[worker].held.append((event, order, publisher_id))
@@ -210,7 +211,7 @@ class Recovery:
     async def _recover(self, entry: _Worker, start_event_id: int | None) -> None:
         target = entry.target
         entry.queries += 1
-        self.counts["queries"] += 1
+        self.counts["recovery_queries"] += 1
         recovered = Recovered([], [], 0, reset=False)
         started = time.monotonic()
         try:
@@ -218,13 +219,12 @@ class Recovery:
         except (OSError, TimeoutError, DecodeError, RecoveryRefused) as exc:
             why = "timed out" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
             entry.state, entry.reason = "partial", f"recovery from {target.address} failed: {why}"
-            self.counts["failed"] += 1
+            self.counts["recovery_failures"] += 1
             log.warning("recovery: worker %d:%d: %s; following its live events only", *target.worker, entry.reason)
         else:
             entry.state, entry.events, entry.last_event_id = "recovered", len(recovered.events), recovered.last_event_id
-            self.counts["recovered"] += 1
-            self.counts["events"] += len(recovered.events)
-            self.counts["decode_errors"] += len(recovered.errors)
+            self.counts["recovered_workers"] += 1
+            self.counts["recovery_decode_errors"] += len(recovered.errors)
             log.info("recovery: worker %d:%d: %d event(s) up to event id %d from %s in %.3f s", *target.worker,
                      len(recovered.events), recovered.last_event_id, target.address, time.monotonic() - started)
         held, entry.held = entry.held, []
@@ -236,5 +236,5 @@ class Recovery:
 
     def status(self) -> dict[str, Any]:
         states = Counter(w.state for w in self.workers.values())
-        return {"workers": dict(states), "counts": dict(self.counts), "record_errors": dict(self.record_errors),
+        return {"workers": dict(states), "record_errors": dict(self.record_errors),
                 "stray_streams": self.client.stray_streams, "timeout_s": self.client.timeout_s}

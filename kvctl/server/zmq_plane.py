@@ -39,7 +39,7 @@ from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.server.dynamo_discovery import Discovery, DiscoveryError, open_discovery
 from kvctl.server.plane_ingest import PlaneIngest
 from kvctl.server.plane_tasks import PlaneTasks
-from kvctl.server.recovery import Recovery
+from kvctl.server.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
 from kvctl.server.state import Fleet, UnknownWorker
 from kvctl.server.streams import ModelWriter, Streams
 
@@ -65,6 +65,7 @@ class ZmqOptions:
     router_id: int = 0
     replica_sync: bool = False  # take peers' in-flight requests (this router's own are not published here)
     poll_s: float = POLL_S
+    recovery_timeout_s: float = RECOVERY_TIMEOUT_S  # one worker's index recovery over the request plane
 
     @property
     def url(self) -> str:
@@ -109,8 +110,9 @@ class ZmqPlane(PlaneTasks):
         self.writer: ModelWriter = streams.writer(options.model)
         self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
                                   replica_sync=options.replica_sync)
-        self.recovery = self.ingest.recovery = Recovery(self.ingest.apply_recovered)
         self.counts = self.ingest.counts
+        self.recovery = self.ingest.recovery = Recovery(self.ingest.apply_recovered, self.counts,
+                                                        RecoveryClient(options.recovery_timeout_s))
         self.errors = self.ingest.errors
         self.reconnects = 0  # sockets that connected again after losing their publisher
         self.links: dict[str, _Link] = {}

@@ -66,4 +66,5 @@ def test_a_late_router_recovers_every_workers_index_over_the_request_plane(serve
     assert shared_prefix_load(fleet.frontend_url, requests=24, seed=12).failed == []  # live events, evictions
     same_index(fleet, late.url)
     status = httpx.get(f"{late.url}/v1/status", timeout=10).json()["event_plane"]
-    assert status["decode_errors"] == {} and status["recovery"]["counts"].get("failed", 0) == 0, status["recovery"]
+    assert status["decode_errors"] == {} and status["counts"].get("recovery_failures", 0) == 0, status["counts"]
+    assert status["counts"]["recovered_workers"] == 2 and status["recovery"]["workers"] == {"recovered": 2}
