@@ -25,6 +25,8 @@ from typing import Any
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.request_plane import (
     ACK_HEADER,
+    FRAME_MAX,
+    HANDSHAKE_MAX,
     Recovered,
     RecoveryRefused,
     RecoveryTarget,
@@ -73,13 +75,13 @@ class RecoveryClient:
     def __init__(self, timeout_s: float = RECOVERY_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
         self._server: asyncio.Server | None = None
-        self._port = 0
+        self.port = 0
         self._pending: dict[str, tuple[ResponseStream, asyncio.Future[ResponseStream]]] = {}
         self.stray_streams = 0  # connections that named no query of ours
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._on_stream, "0.0.0.0", 0)  # IPv4: Dynamo advertises IPv4
-        self._port = self._server.sockets[0].getsockname()[1]
+        self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
         if self._server is not None:
@@ -100,7 +102,7 @@ class RecoveryClient:
                 reader, writer = await asyncio.open_connection(target.host, target.port)
                 try:
                     here = writer.get_extra_info("sockname")[0]  # where the worker reached us from: it can reach it
-                    writer.write(encode_recovery_request(target, request_id, subject, f"{here}:{self._port}",
+                    writer.write(encode_recovery_request(target, request_id, subject, f"{here}:{self.port}",
                                                          start_event_id))
                     await writer.drain()
                     refusal = await reader.readexactly(ack_length(await reader.readexactly(ACK_HEADER)))
@@ -116,7 +118,7 @@ class RecoveryClient:
         return decode_recovery_response(stream)
 
     async def _on_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        frames = TwoPartReader()
+        frames = TwoPartReader(HANDSHAKE_MAX)
         waiting: tuple[ResponseStream, asyncio.Future[ResponseStream]] | None = None
         try:
             while waiting is None or not waiting[0].done:
@@ -129,10 +131,13 @@ class RecoveryClient:
                         if waiting is None:
                             self.stray_streams += 1
                             return
+                        frames.limit = FRAME_MAX
                     else:
                         waiting[0].take(control, data)
         except (DecodeError, OSError) as exc:
-            if waiting is not None and not waiting[1].done():
+            if waiting is None:
+                self.stray_streams += 1
+            elif not waiting[1].done():
                 waiting[1].set_exception(exc)
         finally:
             if waiting is not None and not waiting[1].done():

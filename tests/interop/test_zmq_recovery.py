@@ -57,9 +57,12 @@ def test_a_late_router_recovers_every_workers_index_over_the_request_plane(serve
     late: Router = fleet.start_router("late", "--dynamo-discovery", f"file:{fleet.discovery_dir}",
                                       "--namespace", "dynamo")
     fleet.await_router(late)
-    rows = wait_until(lambda: (r := recovery(late.url)) and all(r.get(w, {}).get("state") == "recovered"
-                                                                for w in fleet.worker_ids) and r,
-                      "the late router recovering both workers", timeout=30, procs=fleet.procs)
+
+    def recovered() -> dict[int, dict[str, Any]] | None:
+        rows = recovery(late.url)
+        return rows if all(rows.get(w, {}).get("state") == "recovered" for w in fleet.worker_ids) else None
+
+    rows = wait_until(recovered, "the late router recovering both workers", timeout=30, procs=fleet.procs)
     assert all(rows[w]["events"] > 0 for w in fleet.worker_ids), rows
     same_index(fleet, late.url)
 

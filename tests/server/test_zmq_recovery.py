@@ -186,3 +186,20 @@ async def test_a_query_nobody_answers_times_out() -> None:
         writer.close()
     silent.close()
     await silent.wait_closed()
+
+
+async def test_a_stranger_on_the_answer_listener_is_counted_and_cut_off_early() -> None:
+    """A connection that announces a huge first message, or names no query of ours, is dropped without
+    buffering it; the listener goes on taking answers."""
+    client = RecoveryClient()
+    await client.start()
+    for first in [(100 << 20).to_bytes(8, "big") + bytes(16),  # a 100 MiB handshake announced
+                  bytes.fromhex(CAPTURE["response_stream"])]:  # a real answer, to a query nobody made
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+        writer.write(first)
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by kvctl
+        writer.close()
+        await writer.wait_closed()
+    assert client.stray_streams == 2
+    await client.close()

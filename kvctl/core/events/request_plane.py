@@ -38,6 +38,8 @@ ACK_HEADER = _ACK.size
 """The worker's acknowledgement of a request: a u32 BE length, then that much text (none: taken)."""
 FRAME_MAX = 256 << 20
 """A two-part message longer than this is not one (a tree dump of a large worker is a few MiB)."""
+HANDSHAKE_MAX = 4096
+"""A response connection's first message (`{"subject", "stream_type"}`: ~75 bytes from Dynamo 1.6.1)."""
 SENTINEL = b'"sentinel"'
 
 
@@ -175,18 +177,21 @@ def ack_length(header: bytes) -> int:
 class TwoPartReader:
     """Two-part messages out of a byte stream, as the bytes arrive."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = FRAME_MAX) -> None:
+        """`limit`: the longest message taken (a response connection's handshake is short: it is read with
+        HANDSHAKE_MAX, so that a stranger's connection cannot make kvctl buffer a frame's worth)."""
+        self.limit = limit
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
-        """The (control, data) of each message completed by `data`; a length beyond FRAME_MAX is a DecodeError."""
+        """The (control, data) of each message completed by `data`; a length beyond `limit` is a DecodeError."""
         self._buffer += data
         messages = []
         while len(self._buffer) >= _TWO_PART.size:
             control_len, data_len, _checksum = _TWO_PART.unpack_from(self._buffer)
-            if control_len + data_len > FRAME_MAX:
+            if control_len + data_len > self.limit:
                 raise DecodeError(ErrorKind.bad_batch, "two-part message",
-                                  f"{control_len + data_len} bytes announced, more than {FRAME_MAX}")
+                                  f"{control_len + data_len} bytes announced, more than {self.limit}")
             end = _TWO_PART.size + control_len + data_len
             if len(self._buffer) < end:
                 break
