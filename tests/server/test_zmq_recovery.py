@@ -33,8 +33,12 @@ from tests.server.test_zmq_plane import Bench, until
 CAPTURE = exchanges("recovery_capture.jsonl")[0]
 
 
+TOO_NEW = exchanges("ranged_capture.jsonl")[1]  # the same worker's answer to a range past its newest event
+
+
 class Worker:
-    """A worker's request-plane endpoint answering every request with the captured answer."""
+    """A worker's request-plane endpoint answering a tree-dump request with the captured dump, a ranged one
+    with the captured TooNew."""
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -56,12 +60,13 @@ class Worker:
         frame = head + path + headers_len + headers + payload_len + payload
         request = decode_request_frame(frame)
         self.requests.append(request.query)
-        writer.write(bytes.fromhex(CAPTURE["ack"]))
+        capture = CAPTURE if request.query["start_event_id"] is None else TOO_NEW
+        writer.write(bytes.fromhex(capture["ack"]))
         await writer.drain()
         writer.close()
         await writer.wait_closed()
         await self.release.wait()
-        stream = bytes.fromhex(CAPTURE["response_stream"])
+        stream = bytes.fromhex(capture["response_stream"])
         theirs = handshake_subject(TwoPartReader().feed(stream)[0][0])
         host, port = request.reply["address"].rsplit(":", 1)
         _, back = await asyncio.open_connection(host, int(port))
@@ -170,6 +175,26 @@ async def test_live_events_held_while_recovering_apply_after_the_dump_once(bench
     index = plane.fleet.models["default"].router.index
     assert dump_blocks(index.dump()) == expected_blocks([*dump, newer])
     assert ingest.counts["recovered_duplicates"] == 1 and ingest.cursors[WORKER].last == 5
+
+
+async def test_a_gap_in_live_event_ids_asks_the_worker_from_the_first_missing(bench: Bench, worker: Worker) -> None:
+    """The worker (its captured answer) has nothing past its event 4: the gap stays, the worker is partial."""
+    put_source(bench, await worker.start())
+    plane = await bench.start()
+    await until(lambda: row(bench).get("state") == "recovered", "the worker recovered")
+    ingest = plane.ingest
+    assert ingest.recovery is not None and ingest.cursors[WORKER].last == 4
+    first = dumped().events[0].data
+    assert isinstance(first, Stored)
+    after_gap = RouterEvent(WORKER[0], Removed([first.block_hashes[-1]]), 0, 6)
+    assert ingest.recovery.hold(after_gap, Order.next, CAPTURE["event_source"]["publisher_id"], 4)
+    await until(lambda: row(bench).get("state") == "partial", "the gap's query answered")
+    assert worker.requests[-1]["start_event_id"] == 5 and "TooNew" in row(bench)["reason"]
+    await bench.streams.writer("default").applied()
+    counts = bench.status()["counts"]
+    assert counts["recovery_gaps"] == 1 and counts["lost_events"] == 1 and ingest.cursors[WORKER].last == 6
+    index = plane.fleet.models["default"].router.index
+    assert dump_blocks(index.dump()) == expected_blocks([*dumped().events, after_gap])
 
 
 async def test_a_query_nobody_answers_times_out() -> None:
