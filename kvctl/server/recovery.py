@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvctl.core.events.errors import DecodeError
+from kvctl.core.events.publishers import Order
 from kvctl.core.events.request_plane import (
     ACK_HEADER,
     FRAME_MAX,
@@ -42,7 +43,7 @@ from kvctl.core.events.types import RouterEvent
 
 log = logging.getLogger("kvctl.serve")
 Worker = tuple[int, int]
-Held = tuple[RouterEvent, Any, int]  # a live event, its order, its publisher id
+Held = tuple[RouterEvent, Order, int]  # a live event, its order, its publisher id
 Apply = Callable[[Worker, Recovered, list[Held]], Awaitable[None]]
 
 RECOVERY_TIMEOUT_S = 30.0
@@ -180,7 +181,7 @@ class Recovery:
         for key in [k for k in self._seen if k not in records]:
             del self._seen[key]
 
-    def hold(self, event: RouterEvent, order: Any, publisher_id: int, last: int | None) -> bool:
+    def hold(self, event: RouterEvent, order: Order, publisher_id: int, last: int | None) -> bool:
         """Whether the live event is held for a recovery (one under way, or one its gap starts: `last` is the
         worker's last event id applied); held events are applied once the answer is."""
         worker = (event.worker_id, event.dp_rank)
@@ -207,7 +208,7 @@ class Recovery:
 
     def _start(self, target: RecoveryTarget, start_event_id: int | None) -> None:
         old = self.workers.get(target.worker)
-        entry = _Worker(target, held=[] if old is None or old.target != target else old.held)
+        entry = _Worker(target, held=[] if old is None else old.held)  # a new target's too: the worker's events
         if old is not None and old.task is not None:
             old.task.cancel()
         self.workers[target.worker] = entry

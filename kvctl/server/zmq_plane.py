@@ -7,8 +7,8 @@ clean stop deletes the keys; a dead process's vanish within ~12 s). Every messag
 (core/events/zmq_wire.py) around the same envelope as on NATS, so it goes to the same transport-free ingest
 (plane_ingest.py) as the NATS plane's, under the component and endpoint of the record it came from; the status
 keeps the NATS plane's shape, plus the connections. Nothing is published: with `--replica-sync` peers'
-in-flight requests are taken, this router's own are not yet shared on this plane. No history: a publisher
-found late is followed from its next message.
+in-flight requests are taken, this router's own are not yet shared on this plane. No history: a worker found
+late has its index recovered over Dynamo's request plane (recovery.py), from its `v1/event_sources` record.
 """
 
 from __future__ import annotations

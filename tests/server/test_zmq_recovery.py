@@ -177,6 +177,30 @@ async def test_live_events_held_while_recovering_apply_after_the_dump_once(bench
     assert ingest.counts["recovered_duplicates"] == 1 and ingest.cursors[WORKER].last == 5
 
 
+async def test_events_held_for_a_worker_whose_record_moves_are_kept_for_its_new_target(bench: Bench,
+                                                                                        worker: Worker) -> None:
+    """The first target never answers; the record moves to another (a re-registered endpoint): the events held
+    meanwhile are applied after the new target's dump."""
+    worker.release.clear()
+    put_source(bench, await worker.start())
+    plane = await bench.start()
+    await until(lambda: bool(worker.requests), "the first target asked")
+    first = dumped().events[0].data
+    assert isinstance(first, Stored) and plane.ingest.recovery is not None
+    newer = RouterEvent(WORKER[0], Removed([first.block_hashes[-1]]), 0, 5)
+    assert plane.ingest.recovery.hold(newer, Order.next, CAPTURE["event_source"]["publisher_id"], None)
+    moved = Worker()
+    try:
+        put_source(bench, await moved.start())
+        await until(lambda: row(bench).get("state") == "recovered", "the worker recovered from its new target")
+        await bench.streams.writer("default").applied()
+        index = plane.fleet.models["default"].router.index
+        assert dump_blocks(index.dump()) == expected_blocks([*dumped().events, newer])
+    finally:
+        worker.release.set()
+        await moved.close()
+
+
 async def test_a_gap_in_live_event_ids_asks_the_worker_from_the_first_missing(bench: Bench, worker: Worker) -> None:
     """The worker (its captured answer) has nothing past its event 4: the gap stays, the worker is partial."""
     put_source(bench, await worker.start())
