@@ -81,6 +81,7 @@ class RecoveryClient:
         self.stray_streams = 0  # connections that named no query of ours
 
     async def start(self) -> None:
+        """Listen for answers (once, before any query: concurrent queries share the one listener)."""
         self._server = await asyncio.start_server(self._on_stream, "0.0.0.0", 0)  # IPv4: Dynamo advertises IPv4
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -93,7 +94,7 @@ class RecoveryClient:
         """The worker's events from `start_event_id` (None: its whole index); raises OSError, TimeoutError,
         DecodeError or RecoveryRefused."""
         if self._server is None:
-            await self.start()
+            raise OSError("the answers' listener is not started")
         subject, request_id = str(uuid.uuid4()), str(uuid.uuid4())
         stream = ResponseStream()
         answered: asyncio.Future[ResponseStream] = asyncio.get_running_loop().create_future()
@@ -126,7 +127,9 @@ class RecoveryClient:
                 chunk = await reader.read(_READ)
                 if not chunk:
                     break
-                for control, data in frames.feed(chunk):
+                frames.push(chunk)
+                while (message := frames.take()) is not None:
+                    control, data = message
                     if waiting is None:
                         waiting = self._pending.get(handshake_subject(control))
                         if waiting is None:

@@ -141,6 +141,7 @@ class ZmqPlane(PlaneTasks):
 
     async def _run(self) -> None:
         prefix = namespace_prefix(self.options.namespace)
+        await self.recovery.client.start()
         while True:
             try:
                 records = await self.discovery.list(prefix)

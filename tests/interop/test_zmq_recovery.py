@@ -1,7 +1,8 @@
-"""A `kvctl serve --dynamo-discovery file:DIR` started after a Dynamo 1.6.1 fleet (ZMQ event plane, no NATS) has
-served requests: the plane keeps no history, so kvctl asks each worker for its index over Dynamo's request plane,
-as Dynamo's routers do, and then holds the same index as Dynamo's indexer (`tree diff --exit-code`), before and
-after more evicting load. A fleet of its own (module-scoped): two mockers, the frontend, the indexer."""
+"""A `kvctl serve --dynamo-discovery file:DIR|etcd:URL` started after a Dynamo 1.6.1 fleet (ZMQ event plane, no
+NATS) has served requests: the plane keeps no history, so kvctl asks each worker for its index over Dynamo's
+request plane, as Dynamo's routers do, and then holds the same index as Dynamo's indexer (`tree diff
+--exit-code`), before and after more evicting load. A fleet of its own per discovery backend: two mockers, the
+frontend, the indexer."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from tests.commands.live_router import kvctl
+from tests.etcd_server import EtcdServer
 from tests.interop.fleet import (
     Fleet,
     Router,
@@ -25,17 +27,28 @@ from tests.interop.fleet import (
 )
 
 
-@pytest.fixture(scope="module")
-def served_fleet(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """The fleet, after load that made its mockers store (and evict) blocks no late router saw published."""
-    started = start_fleet(tmp_path_factory.mktemp("interop-zmq-recovery"), dynamo, mockers=2, nats_url=None,
-                          kvctl=False)
+@pytest.fixture(scope="module", params=["file", "etcd"])
+def served_fleet(request: pytest.FixtureRequest, dynamo: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[Fleet]:
+    """The fleet (its discovery in files, or in a real etcd), after load that made its mockers store (and
+    evict) blocks no late router saw published."""
+    etcd = EtcdServer(tmp_path_factory.mktemp("interop-etcd")) if request.param == "etcd" else None
     try:
-        load = shared_prefix_load(started.frontend_url, seed=11)
-        assert load.failed == [] and load.cached_tokens > 0
-        yield started
+        started = start_fleet(tmp_path_factory.mktemp(f"interop-zmq-recovery-{request.param}"), dynamo, mockers=2,
+                              nats_url=None, kvctl=False, etcd_url=None if etcd is None else etcd.url)
+        try:
+            load = shared_prefix_load(started.frontend_url, seed=11)
+            assert load.failed == [] and load.cached_tokens > 0
+            yield started
+        finally:
+            started.stop()
     finally:
-        started.stop()
+        if etcd is not None:
+            etcd.stop()
+
+
+def discovery_of(fleet: Fleet) -> str:
+    return f"file:{fleet.discovery_dir}" if fleet.etcd_url is None else f"etcd:{fleet.etcd_url}"
 
 
 def recovery(url: str) -> dict[int, dict[str, Any]]:
@@ -54,8 +67,7 @@ def same_index(fleet: Fleet, url: str) -> None:
 def test_a_late_router_recovers_every_workers_index_over_the_request_plane(served_fleet: Fleet) -> None:
     fleet = served_fleet
     assert all(indexer_blocks(fleet).get(w) for w in fleet.worker_ids)  # blocks stored before the router exists
-    late: Router = fleet.start_router("late", "--dynamo-discovery", f"file:{fleet.discovery_dir}",
-                                      "--namespace", "dynamo")
+    late: Router = fleet.start_router("late", "--dynamo-discovery", discovery_of(fleet), "--namespace", "dynamo")
     fleet.await_router(late)
 
     def recovered() -> dict[int, dict[str, Any]] | None:

@@ -40,7 +40,8 @@ class Worker:
     """A worker's request-plane endpoint answering a tree-dump request with the captured dump, a ranged one
     with the captured TooNew."""
 
-    def __init__(self) -> None:
+    def __init__(self, dump: dict[str, Any] = CAPTURE) -> None:
+        self.dump = dump
         self.requests: list[dict[str, Any]] = []
         self.release = asyncio.Event()  # answer only once set (a test holds live events meanwhile)
         self.release.set()
@@ -60,7 +61,7 @@ class Worker:
         frame = head + path + headers_len + headers + payload_len + payload
         request = decode_request_frame(frame)
         self.requests.append(request.query)
-        capture = CAPTURE if request.query["start_event_id"] is None else TOO_NEW
+        capture = self.dump if request.query["start_event_id"] is None else TOO_NEW
         writer.write(bytes.fromhex(capture["ack"]))
         await writer.drain()
         writer.close()
@@ -81,24 +82,24 @@ class Worker:
             await self.server.wait_closed()
 
 
-def source_record(port: int) -> bytes:
-    record = json.loads(json.dumps(CAPTURE["event_source"]))
+def source_record(port: int, capture: dict[str, Any] = CAPTURE) -> bytes:
+    record = json.loads(json.dumps(capture["event_source"]))
     target = record["metadata"]["recovery_target"]
     _, path = target["transport"]["tcp"].split("/", 1)
     target["transport"]["tcp"] = f"127.0.0.1:{port}/{path}"
     return json.dumps(record).encode()
 
 
-def put_source(bench: Bench, port: int) -> None:
+def put_source(bench: Bench, port: int, capture: dict[str, Any] = CAPTURE) -> None:
     key = "namespace/dynamo/component/backend/endpoint/generate/topic/kv-events/" \
-          f"{CAPTURE['event_source']['publisher_id']:x}"
+          f"{capture['event_source']['publisher_id']:x}"
     directory = bench.root / "v1" / "event_sources"
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / encode_file_name(key)).write_bytes(source_record(port))
+    (directory / encode_file_name(key)).write_bytes(source_record(port, capture))
 
 
-def dumped() -> Recovered:
-    messages = TwoPartReader().feed(bytes.fromhex(CAPTURE["response_stream"]))
+def dumped(capture: dict[str, Any] = CAPTURE) -> Recovered:
+    messages = TwoPartReader().feed(bytes.fromhex(capture["response_stream"]))
     stream = ResponseStream()
     for control, data in messages[1:]:
         stream.take(control, data)
@@ -142,6 +143,25 @@ async def test_a_worker_found_in_discovery_is_recovered_from_its_tree_dump(bench
     counts = bench.status()["counts"]
     assert {k: v for k, v in counts.items() if "recover" in k} == {"recovery_queries": 1, "recovered_workers": 1,
                                                                    "recovered_events": 4, "recovery_decode_errors": 0}
+
+
+async def test_a_large_dump_arriving_in_one_read_is_taken_whole(bench: Bench) -> None:
+    """A dump of 84 events (a 30 KB message) sent at once with its handshake: the handshake's size limit is
+    not applied to the messages behind it."""
+    large = exchanges("large_dump_capture.jsonl")[0]
+    worker = Worker(large)
+    try:
+        put_source(bench, await worker.start(), large)
+        plane = await bench.start()
+        worker_id = large["event_source"]["metadata"]["worker"]["worker_id"]
+        await until(lambda: bench.status()["counts"].get("recovered_workers") == 1, "the worker recovered")
+        await bench.streams.writer("default").applied()
+        assert len(dumped(large).events) == 84
+        index = plane.fleet.models["default"].router.index
+        assert dump_blocks(index.dump()) == expected_blocks(dumped(large).events) != {}
+        assert bench.status()["recovery"]["stray_streams"] == 0 and worker_id in {w for w, _ in plane.ingest.cursors}
+    finally:
+        await worker.close()
 
 
 async def test_an_unreachable_worker_is_followed_live_and_marked_partial_with_why(bench: Bench,
@@ -226,6 +246,7 @@ async def test_a_query_nobody_answers_times_out() -> None:
     silent = await asyncio.start_server(lambda _, w: accepted.append(w), "127.0.0.1", 0)
     port = silent.sockets[0].getsockname()[1]
     client = RecoveryClient(timeout_s=0.3)
+    await client.start()
     target = parse_event_source(source_record(port))
     assert target is not None
     with pytest.raises(TimeoutError):

@@ -185,20 +185,30 @@ class TwoPartReader:
 
     def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
         """The (control, data) of each message completed by `data`; a length beyond `limit` is a DecodeError."""
-        self._buffer += data
+        self.push(data)
         messages = []
-        while len(self._buffer) >= _TWO_PART.size:
-            control_len, data_len, _checksum = _TWO_PART.unpack_from(self._buffer)
-            if control_len + data_len > self.limit:
-                raise DecodeError(ErrorKind.bad_batch, "two-part message",
-                                  f"{control_len + data_len} bytes announced, more than {self.limit}")
-            end = _TWO_PART.size + control_len + data_len
-            if len(self._buffer) < end:
-                break
-            control = bytes(self._buffer[_TWO_PART.size:_TWO_PART.size + control_len])
-            messages.append((control, bytes(self._buffer[_TWO_PART.size + control_len:end])))
-            del self._buffer[:end]
+        while (message := self.take()) is not None:
+            messages.append(message)
         return messages
+
+    def push(self, data: bytes) -> None:
+        self._buffer += data
+
+    def take(self) -> tuple[bytes, bytes] | None:
+        """The next complete message, None until one is (one at a time: `limit` may change between them)."""
+        if len(self._buffer) < _TWO_PART.size:
+            return None
+        control_len, data_len, _checksum = _TWO_PART.unpack_from(self._buffer)
+        if control_len + data_len > self.limit:
+            raise DecodeError(ErrorKind.bad_batch, "two-part message",
+                              f"{control_len + data_len} bytes announced, more than {self.limit}")
+        end = _TWO_PART.size + control_len + data_len
+        if len(self._buffer) < end:
+            return None
+        control = bytes(self._buffer[_TWO_PART.size:_TWO_PART.size + control_len])
+        data = bytes(self._buffer[_TWO_PART.size + control_len:end])
+        del self._buffer[:end]
+        return control, data
 
 
 def handshake_subject(control: bytes) -> str:
