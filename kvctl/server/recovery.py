@@ -224,10 +224,14 @@ class Recovery:
         recovered = Recovered([], [], 0, reset=False)
         started = time.monotonic()
         try:
+            if target.transport != "tcp":
+                raise RecoveryRefused(f"its recovery target is on Dynamo's {target.transport} request plane; "
+                                      "kvctl speaks the tcp one only")
             recovered = await self.client.query(target, start_event_id)
         except (OSError, TimeoutError, DecodeError, RecoveryRefused) as exc:
             why = "timed out" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
-            entry.state, entry.reason = "partial", f"recovery from {target.address} failed: {why}"
+            where = target.address if target.transport == "tcp" else target.transport
+            entry.state, entry.reason = "partial", f"recovery from {where} failed: {why}"
             self.counts["recovery_failures"] += 1
             log.warning("recovery: worker %d:%d: %s; following its live events only", *target.worker, entry.reason)
         else:

@@ -87,10 +87,15 @@ def test_buffered_events_keep_their_ids_and_a_range_too_new_is_refused() -> None
 def test_sources_of_other_topics_have_nothing_to_recover_and_bad_records_are_decode_errors() -> None:
     record = exchanges("recovery_capture.jsonl")[0]["event_source"]
     assert parse_event_source(json.dumps({**record, "topic": "kv_metrics"})) is None
+    on_nats = {**record, "metadata": {**record["metadata"], "recovery_target": {
+        **record["metadata"]["recovery_target"], "transport": {"nats": "namespace.dynamo.component.backend"}}}}
+    target = parse_event_source(json.dumps(on_nats))
+    assert target is not None and target.transport == "nats" and target.worker_id == record["metadata"]["worker"][
+        "worker_id"]
     for bad, kind in [({**record, "type": "EventChannel"}, ErrorKind.unknown_type),
                       ({**record, "metadata": {}}, ErrorKind.missing_field),
                       ({**record, "metadata": {**record["metadata"], "recovery_target": {
-                          **record["metadata"]["recovery_target"], "transport": {"nats": "x"}}}},
+                          **record["metadata"]["recovery_target"], "transport": {"tcp": "no port"}}}},
                        ErrorKind.unknown_type),
                       ({**record, "publisher_id": -1}, ErrorKind.bad_type)]:
         with pytest.raises(DecodeError) as caught:

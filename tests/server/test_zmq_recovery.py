@@ -145,6 +145,19 @@ async def test_a_worker_found_in_discovery_is_recovered_from_its_tree_dump(bench
                                                                    "recovered_events": 4, "recovery_decode_errors": 0}
 
 
+async def test_a_worker_whose_request_plane_is_nats_is_marked_partial_at_once(bench: Bench) -> None:
+    """(Its record's transport rewritten to `{"nats": ...}`, as `--request-plane nats` files it.)"""
+    record = json.loads(source_record(1))
+    record["metadata"]["recovery_target"]["transport"] = {"nats": "namespace.dynamo.component.backend"}
+    directory = bench.root / "v1" / "event_sources"
+    directory.mkdir(parents=True)
+    key = f"namespace/dynamo/component/backend/endpoint/generate/topic/kv-events/{record['publisher_id']:x}"
+    (directory / encode_file_name(key)).write_text(json.dumps(record))
+    await bench.start()
+    await until(lambda: row(bench).get("state") == "partial", "the worker marked partial")
+    assert "nats request plane" in row(bench)["reason"] and bench.status()["recovery"]["record_errors"] == {}
+
+
 async def test_a_large_dump_arriving_in_one_read_is_taken_whole(bench: Bench) -> None:
     """A dump of 84 events (a 30 KB message) sent at once with its handshake: the handshake's size limit is
     not applied to the messages behind it."""

@@ -53,6 +53,7 @@ class RecoveryTarget:
     host: str
     port: int
     path: str  # `{instance hex}/{namespace}/{component}/{endpoint}`: the frame's first field
+    transport: str = "tcp"  # another (nats): a request plane kvctl does not speak; host, port and path empty
 
     @property
     def worker(self) -> tuple[int, int]:
@@ -99,16 +100,18 @@ def parse_event_source(data: bytes | str) -> RecoveryTarget | None:
                           f"expected msgpack, got {describe(codec)}")
     transport = _map(require(target, "transport", "metadata.recovery_target.transport"),
                      "metadata.recovery_target.transport")
+    ids = (_uint(require(worker, "worker_id"), "metadata.worker.worker_id"),
+           _uint(worker.get("dp_rank", 0), "metadata.worker.dp_rank"),
+           _uint(require(obj, "publisher_id"), "publisher_id"))
+    if len(transport) == 1 and "tcp" not in transport:
+        return RecoveryTarget(*ids, host="", port=0, path="", transport=str(next(iter(transport))))
     tcp = transport.get("tcp")
     match = _TCP.match(tcp) if isinstance(tcp, str) else None
     if match is None:
         raise DecodeError(ErrorKind.unknown_type, "metadata.recovery_target.transport",
                           f"expected {{\"tcp\": \"HOST:PORT/PATH\"}}, got {describe(transport)}")
     host, port, path = match.groups()
-    return RecoveryTarget(worker_id=_uint(require(worker, "worker_id"), "metadata.worker.worker_id"),
-                          dp_rank=_uint(worker.get("dp_rank", 0), "metadata.worker.dp_rank"),
-                          publisher_id=_uint(require(obj, "publisher_id"), "publisher_id"),
-                          host=host.strip("[]"), port=int(port), path=path)
+    return RecoveryTarget(*ids, host=host.strip("[]"), port=int(port), path=path)
 
 
 # ----- the request ------------------------------------------------------------------------------------------
