@@ -152,7 +152,7 @@ def _loop_factory():  # type: ignore[no-untyped-def]
 
 def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint: str | None, model: str,
                  router_id: int | None, state_dir: Path, replica_sync: bool, shadow: bool, jetstream: bool,
-                 advertise_host: str | None) -> ZmqOptions:
+                 advertise_host: str | None, recovery_timeout: float) -> ZmqOptions:
     """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
     from kvctl.server.dynamo_discovery import open_discovery
     from kvctl.server.zmq_plane import ZmqOptions
@@ -163,8 +163,11 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
         open_discovery(discovery)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if not recovery_timeout > 0:
+        raise UsageError(f"--recovery-timeout must be > 0 seconds, got {recovery_timeout}")
     return ZmqOptions(discovery, namespace, component, endpoint, model,
-                      _router_id(router_id, state_dir), replica_sync, shadow, advertise_host)
+                      _router_id(router_id, state_dir), replica_sync, shadow, advertise_host,
+                      recovery_timeout_s=recovery_timeout)
 
 
 @with_nats_credentials
@@ -303,6 +306,10 @@ def serve_command(
     replica_sync: Annotated[bool, typer.Option(
         "--replica-sync", envvar="KVCTL_REPLICA_SYNC", rich_help_panel=PANEL,
         help="Share in-flight requests with the other routers (and take theirs).")] = False,
+    recovery_timeout: Annotated[float, typer.Option(
+        "--recovery-timeout", envvar="KVCTL_RECOVERY_TIMEOUT", rich_help_panel=PANEL,
+        help="--dynamo-discovery: seconds one worker's index recovery over Dynamo's request plane may take "
+             "(a late-found worker, a gap in its events); past it the worker is marked partial.")] = 30.0,
     nats_auth: NatsAuth | None = None,
 ) -> None:
     from kvctl.core.router.approx import ApproxConfig
@@ -368,7 +375,7 @@ def serve_command(
                            snapshot_threshold, reset_states, replica_sync)
     elif dynamo_discovery is not None:
         zmq_plane = _zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
-                                 replica_sync, shadow, jetstream, advertise_host)
+                                 replica_sync, shadow, jetstream, advertise_host, recovery_timeout)
     elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
                          "an event plane: --nats URL or --dynamo-discovery STORE")

@@ -308,6 +308,24 @@ def check_partial(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
         "accept the gap until those prefixes are evicted and stored again; kvctl workers -o wide")]
 
 
+def check_recovery(status: Mapping[str, Any]) -> list[Finding]:
+    """A worker found late on the ZMQ plane (no history) whose index could not be recovered over Dynamo's
+    request plane is followed from its live events only: what it stored before is missing from the index."""
+    rows = (status.get("event_plane") or {}).get("workers") or []
+    failed = [(_name(r), r["recovery"].get("reason")) for r in rows
+              if (r.get("recovery") or {}).get("state") == "partial"]
+    if not failed:
+        return []
+    names = [n for n, _ in failed]
+    return [Finding(
+        "partial", Severity.WARNING,
+        f"{len(failed)} worker(s) could not be recovered over Dynamo's request plane: the router follows their "
+        "live events only, so its index lacks what they stored before it found them",
+        {**_named(names), "reasons": dict(failed[:SHOWN])},
+        "make each worker's recovery_target (v1/event_sources) reachable from kvctl, and kvctl's listener from "
+        "the worker, then restart kvctl serve; or accept the gap until those prefixes are stored again")]
+
+
 # ----- the Dynamo event plane (NATS) ----------------------------------------------------------------------
 
 def check_event_plane(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
@@ -577,6 +595,7 @@ def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
         return sorted([*registration, *plane], key=lambda f: -_RANK[f.severity])  # the plane may say why
     findings = [*registration, *check_silent(status, workers, limits), *check_streams(status), *plane,
                 *check_block_size(status, workers), *check_hashing(workers), *check_partial(workers),
+                *check_recovery(status),
                 *check_busy(workers, thresholds, limits), *check_divergence(peers, limits),
                 *check_index(status, limits), *(hit_rates or [])]
     return sorted(findings, key=lambda f: -_RANK[f.severity])

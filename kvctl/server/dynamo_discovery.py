@@ -87,10 +87,15 @@ class FileDiscovery:
         self.root = root
         self.url = f"file:{root}"
         self.stray: Counter[str] = Counter()
-        self.expired = 0
         self.follows = "poll"
-        self._cache: dict[str, tuple[int, int, bytes]] = {}  # file name -> (mtime_ns, size, contents)
+        self._expired: Counter[str] = Counter()  # by bucket, in its last listing
+        self._cache: dict[str, tuple[int, int, bytes]] = {}  # bucket/file name -> (mtime_ns, size, contents)
         self._owned: dict[Path, bytes] = {}  # this router's records: path -> value
+
+    @property
+    def expired(self) -> int:
+        """Event-channel records the last listing ignored: their owners stopped touching them."""
+        return self._expired[CHANNELS_BUCKET]
 
     async def list(self, prefix: str) -> dict[str, bytes]:
         return await asyncio.to_thread(self._list, prefix)
@@ -99,9 +104,9 @@ class FileDiscovery:
         return polled(self, prefix, poll_s)
 
     def _list(self, prefix: str) -> dict[str, bytes]:
-        bucket = CHANNELS_BUCKET
-        if not prefix.startswith(bucket + "/"):
-            raise ValueError(f"only {bucket}/ is listed, not {prefix!r}")
+        bucket = "/".join(prefix.split("/")[:2])  # v1/event_channels, v1/event_sources: a directory each
+        if not bucket.startswith("v1/") or not prefix.startswith(bucket + "/"):
+            raise ValueError(f"only a bucket's keys (v1/BUCKET/...) are listed, not {prefix!r}")
         directory = self.root / bucket
         if not self.root.is_dir():
             raise DiscoveryError(f"{self.root} is not a directory")
@@ -112,8 +117,8 @@ class FileDiscovery:
         except OSError as exc:
             raise DiscoveryError(f"cannot list {directory}: {exc.strerror}") from None
         found: dict[str, bytes] = {}
-        cache: dict[str, tuple[int, int, bytes]] = {}
-        self.expired = 0
+        cache = {name: cached for name, cached in self._cache.items() if not name.startswith(bucket + "/")}
+        self._expired[bucket] = 0
         for entry in entries:
             if entry.name.startswith(TEMP_PREFIX):
                 continue
@@ -124,22 +129,22 @@ class FileDiscovery:
                 continue
             if not key.startswith(prefix):
                 continue
-            contents = self._read(entry)
+            contents = self._read(f"{bucket}/{entry.name}", entry)
             if contents is not None:
                 found[key] = contents
-                cache[entry.name] = self._cache[entry.name]
+                cache[f"{bucket}/{entry.name}"] = self._cache[f"{bucket}/{entry.name}"]
         self._cache = cache
         return found
 
-    def _read(self, entry: os.DirEntry[str]) -> bytes | None:
-        """The file's contents, from the cache while its mtime and size stay; None when it went meanwhile or
-        its owner stopped touching it."""
+    def _read(self, name: str, entry: os.DirEntry[str]) -> bytes | None:
+        """The file's contents (`name`: bucket/file), from the cache while its mtime and size stay; None when it
+        went meanwhile or its owner stopped touching it."""
         try:
             st = entry.stat()
             if st.st_mtime < time.time() - KEY_TTL_S:
-                self.expired += 1
+                self._expired[name.rsplit("/", 1)[0]] += 1
                 return None
-            cached = self._cache.get(entry.name)
+            cached = self._cache.get(name)
             if cached is not None and cached[:2] == (st.st_mtime_ns, st.st_size):
                 return cached[2]
             with open(entry.path, "rb") as f:
@@ -149,7 +154,7 @@ class FileDiscovery:
         except OSError:
             self.stray["unreadable"] += 1
             return None
-        self._cache[entry.name] = (st.st_mtime_ns, st.st_size, contents)
+        self._cache[name] = (st.st_mtime_ns, st.st_size, contents)
         return contents
 
     async def register(self, key: str, value: bytes) -> None:

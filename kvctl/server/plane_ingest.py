@@ -34,7 +34,9 @@ from kvctl.core.events.plane import (
     decode_sequence_events,
 )
 from kvctl.core.events.publishers import Order, Publisher, PublisherBook
+from kvctl.core.events.request_plane import Recovered
 from kvctl.core.router.sequences import ActiveRequest
+from kvctl.server.recovery import Recovery
 from kvctl.server.state import ADD, Fleet
 from kvctl.server.streams import ModelWriter
 
@@ -72,6 +74,7 @@ class PlaneIngest:
         self.cursors: dict[Worker, _Cursor] = {}
         self.publishers = PublisherBook()
         self.endpoints: dict[Worker, tuple[str, str]] = {}  # (component, endpoint) each worker publishes under
+        self.recovery: Recovery | None = None  # the ZMQ plane's: holds a worker's live events while it is recovered
         self._handlers: dict[str, Handler] = {KV_EVENTS: self._on_kv_events, KV_METRICS: self._on_load,
                                               ACTIVE_SEQUENCES: self._on_sequence, FORWARD_PASS: self._on_forward_pass}
 
@@ -118,6 +121,9 @@ class PlaneIngest:
         for event in events:
             worker = (event.worker_id, event.dp_rank)
             self._spoke_for(publisher, worker)
+            if self.recovery is not None and self.recovery.hold(event, order, publisher.publisher_id,
+                                                                self._cursor(worker).last):
+                continue
             # Wait for room rather than drop: the transport's own buffer holds the backlog meanwhile.
             await self.writer.put_wait(worker, self._in_order(event, order, publisher.publisher_id))
 
@@ -153,6 +159,27 @@ class PlaneIngest:
             self.counts["gaps"] += 1
             self.counts["lost_events"] += got - last - 1
         return [event.data]
+
+    async def apply_recovered(self, worker: Worker, recovered: Recovered, held: list[tuple[RouterEvent, Order, int]]
+                              ) -> None:
+        """A worker's recovered events, then the live ones held meanwhile: a tree dump replaces the worker's
+        index; events (a gap's) are applied past its last event id; held events the answer already holds (ids
+        up to its `last_event_id`) are dropped."""
+        cursor = self._cursor(worker)
+        if recovered.reset:
+            datas: list[EventData] = [Cleared(), *(e.data for e in recovered.events)]
+        else:
+            datas = [e.data for e in recovered.events if cursor.last is None or e.event_id > cursor.last]
+        if recovered.reset or recovered.events:
+            cursor.last = recovered.last_event_id if recovered.reset else max(cursor.last or 0, recovered.last_event_id)
+        self.counts["recovered_events"] += len(datas) - recovered.reset
+        await self.writer.put_wait(worker, datas)
+        for event, order, publisher_id in held:
+            same_publisher = cursor.publisher_id in (None, publisher_id)
+            if cursor.last is not None and event.event_id <= cursor.last and same_publisher:
+                self.counts["recovered_duplicates"] += 1
+                continue
+            await self.writer.put_wait(worker, self._in_order(event, order, publisher_id))
 
     def take_durable(self, event: RouterEvent) -> list[EventData]:
         """An event of kvctl's JetStream stream, sequenced by its id alone (the stream has no envelope): a
@@ -233,6 +260,7 @@ class PlaneIngest:
             "counts": dict(self.counts), "decode_errors": dict(self.errors),
             "sequence": self.publishers.totals(),
             "publishers": self.publishers.rows(now),
-            "workers": [{"worker_id": w[0], "dp_rank": w[1], "publisher_id": c.publisher_id, "last_event_id": c.last}
+            "workers": [{"worker_id": w[0], "dp_rank": w[1], "publisher_id": c.publisher_id, "last_event_id": c.last,
+                         **({} if self.recovery is None else {"recovery": self.recovery.state(w)})}
                         for w, c in sorted(self.cursors.items())],
         }

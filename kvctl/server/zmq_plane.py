@@ -8,7 +8,8 @@ message is four frames (core/events/zmq_wire.py) around the same envelope as on 
 transport-free ingest (plane_ingest.py) as the NATS plane's, under the component and endpoint of the record it
 came from; the status keeps the NATS plane's shape, plus the connections. With `--replica-sync` peers'
 in-flight requests are taken and, unless `--shadow`, this router's own are shared as a Dynamo router shares
-them (zmq_sequences.py). No history: a publisher found late is followed from its next message.
+them (zmq_sequences.py). No history: a worker found late has its index recovered over Dynamo's request plane
+(recovery.py), from its `v1/event_sources` record.
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ from kvctl.core.events.discovery import (
 )
 from kvctl.core.events.errors import DecodeError, ErrorKind
 from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, TOPICS
+from kvctl.core.events.request_plane import namespace_sources_prefix
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.server.dynamo_discovery import KEEP_ALIVE_S, Discovery, DiscoveryError, open_discovery
 from kvctl.server.plane_ingest import PlaneIngest
 from kvctl.server.plane_tasks import PlaneTasks
+from kvctl.server.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
 from kvctl.server.state import Fleet, UnknownWorker
 from kvctl.server.streams import ModelWriter, Streams
 from kvctl.server.zmq_sequences import SequenceChannels, default_advertise_host
@@ -68,6 +71,7 @@ class ZmqOptions:
     shadow: bool = False  # only read: register and publish nothing
     advertise_host: str | None = None  # the host in this router's records (None: the host's own address)
     poll_s: float = POLL_S
+    recovery_timeout_s: float = RECOVERY_TIMEOUT_S  # one worker's index recovery over the request plane
 
     @property
     def url(self) -> str:
@@ -113,6 +117,8 @@ class ZmqPlane(PlaneTasks):
         self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
                                   replica_sync=options.replica_sync)
         self.counts = self.ingest.counts
+        self.recovery = self.ingest.recovery = Recovery(self.ingest.apply_recovered, self.counts,
+                                                        RecoveryClient(options.recovery_timeout_s))
         self.errors = self.ingest.errors
         self.reconnects = 0  # sockets that connected again after losing their publisher
         self.links: dict[str, _Link] = {}
@@ -144,12 +150,14 @@ class ZmqPlane(PlaneTasks):
         if self.channels is not None:
             self.fleet.sequence_listener = None
             self.channels.close()
+        await self.recovery.close()
         await self.discovery.close()  # this router's records go with it
         self._ctx.destroy(linger=0)
         self.state = "closed"
 
     async def _run(self) -> None:
         prefix = namespace_prefix(self.options.namespace)
+        await self.recovery.client.start()
         while True:
             try:
                 async for records in self.discovery.changes(prefix, self.options.poll_s):
@@ -165,10 +173,13 @@ class ZmqPlane(PlaneTasks):
             await asyncio.sleep(self.options.poll_s)
 
     async def _listed(self, records: dict[str, bytes]) -> None:
-        """The store's records now: follow them, share in their scopes, and be ready after the first time."""
+        """The store's channel records now: follow them, recover the workers new among them, share in their
+        scopes, and be ready after the first time."""
         self.listings += 1
         self.listed_at = time.monotonic()
         added = await self._follow(records)
+        sources = await self.discovery.list(namespace_sources_prefix(self.options.namespace))
+        self.recovery.follow(sources)  # after the sockets: what the recovery misses, they hold
         if self.channels is not None:
             await self._share()
         if not self._started.is_set():
@@ -274,6 +285,7 @@ class ZmqPlane(PlaneTasks):
         for worker_id, dp_rank in orphans:
             with contextlib.suppress(UnknownWorker):
                 removed = self.fleet.unregister(worker_id, dp_rank)
+                self.recovery.forget((worker_id, dp_rank))
                 self.counts["workers_removed"] += 1
                 log.warning("event plane: worker %d:%d gone from discovery: removed (%d blocks)", worker_id, dp_rank,
                             removed["blocks"])
@@ -363,4 +375,5 @@ class ZmqPlane(PlaneTasks):
                           "record_errors": dict(self.record_errors), "stray": dict(self.discovery.stray),
                           "expired": self.discovery.expired},
             "connections": [link.row(now) for _, link in sorted(self.links.items())],
+            "recovery": self.recovery.status(),
         }

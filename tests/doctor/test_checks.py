@@ -18,6 +18,7 @@ from kvctl.core.doctor import (
     check_hashing,
     check_index,
     check_partial,
+    check_recovery,
     diagnose,
 )
 from tests.commands.live_router import loaded_router
@@ -89,6 +90,18 @@ def test_stores_under_unknown_parents_name_a_worker_joined_mid_stream(answers: A
     name = f"{workers[0]['worker_id']}:0"
     assert finding.severity is Severity.WARNING and finding.evidence["rejected_for_unknown_parent"] == {name: 3}
     assert "replay=" in finding.next_step
+
+
+def test_a_worker_the_zmq_plane_could_not_recover_is_named_partial_with_why(answers: Answers) -> None:
+    status, _, _ = fresh(answers)
+    assert check_recovery(status) == []
+    why = "recovery from 10.0.0.7:4001 failed: timed out"
+    status["event_plane"] = {"workers": [
+        {"worker_id": 7, "dp_rank": 0, "recovery": {"state": "recovered", "reason": None}},
+        {"worker_id": 8, "dp_rank": 0, "recovery": {"state": "partial", "reason": why}}]}
+    [finding] = check_recovery(status)
+    assert finding.check == "partial" and finding.severity is Severity.WARNING
+    assert finding.evidence["workers"] == ["8:0"] and finding.evidence["reasons"] == {"8:0": why}
 
 
 def test_a_worker_whose_forward_passes_stopped_is_named(answers: Answers) -> None:

@@ -85,7 +85,12 @@ def decode_router_event_batch(data: bytes) -> tuple[list[RouterEvent], list[Deco
         return [_router_event(obj)], []
     if not isinstance(obj, list):
         raise DecodeError(ErrorKind.bad_batch, "kv-events", f"expected an array of RouterEvents, got {describe(obj)}")
-    return decode_each(obj, _router_event)
+    return decode_router_events(obj)
+
+
+def decode_router_events(items: list[Any]) -> tuple[list[RouterEvent], list[DecodeError]]:
+    """Decoded RouterEvents (a kv-events batch, a recovery answer's events); a bad one costs itself only."""
+    return decode_each(items, _router_event)
 
 
 def encode_router_event_batch(events: Sequence[RouterEvent]) -> bytes:
