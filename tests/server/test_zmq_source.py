@@ -438,6 +438,25 @@ async def test_real_bad_event_of_vllm_0_23_offload_is_counted(make: Any) -> None
     assert h.stream.stats.decode_errors == {"bad_block_size": 1}
 
 
+async def test_a_block_size_past_u32_costs_one_event_and_never_the_stream(make: Any, decoder: Decoder) -> None:
+    """A store with no blocks and a block size of 2^62 (map and positional forms) once raised OverflowError
+    in the hashing: the decode process died with the good event beside it, the inline stream stopped."""
+    a, b, c = load("vllm-0.33")[:3]
+    good_store = msgspec.msgpack.decode(b.payload)[1][0]
+    absurd = [{"type": "BlockStored", "block_hashes": [], "parent_block_hash": None, "token_ids": [],
+               "block_size": 2**62}, ["BlockStored", [], None, [], 2**62]]
+    h = await make()
+    await h.start(0, a.payload)
+    await h.engine.publish(1, msgspec.msgpack.encode([1.0, [absurd[0], good_store], 0]))
+    await h.engine.publish(2, msgspec.msgpack.encode([1.0, [absurd[1]], 0]))
+    await h.engine.publish(3, c.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 3)
+
+    assert h.shapes() == [*_events_of([a]), _expected(good_store), *_events_of([c])]
+    assert h.stream.stats.decode_errors == {"bad_block_size": 2}
+    assert decoder.status().get("failed") is None
+
+
 @pytest.mark.parametrize("decoder", ["process"], indirect=True)
 async def test_a_killed_decode_process_hands_the_stream_back_and_the_gap_is_replayed(
     make: Any, decoder: ProcessDecoder
