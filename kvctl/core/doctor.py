@@ -158,7 +158,7 @@ def _serving_while_silent(status: Mapping[str, Any], silent: Sequence[Mapping[st
 
 def check_streams(status: Mapping[str, Any]) -> list[Finding]:
     streams = status.get("streams") or []
-    findings: list[Finding] = []
+    findings: list[Finding] = _failed_streams(streams)
     lost = [(_stream_name(s), s) for s in streams
             if s.get("lost_batches") or s.get("replays_failed") or s.get("gapped")]
     if lost:
@@ -203,6 +203,23 @@ def check_streams(status: Mapping[str, Any]) -> list[Finding]:
         findings.append(Finding("streams", Severity.OK, f"{len(streams)} engine stream(s) whole{repaired}",
                                 {"gaps": gaps}))
     return findings
+
+
+def _failed_streams(streams: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """Streams that died of an error: CRITICAL while one is down (its worker's events are not read), WARNING
+    once every one runs again (what went by meanwhile was replayed or counted lost)."""
+    failed = [(_stream_name(s), s) for s in streams if s.get("failures")]
+    if not failed:
+        return []
+    down = [n for n, s in failed if s.get("state") == "failed"]
+    names = down or [n for n, _ in failed]
+    cause = (f"{len(down)} engine stream(s) failed and are not reading their engine's events (retried with "
+             "backoff)" if down else f"{len(failed)} engine stream(s) failed and ran again")
+    return [Finding(
+        "streams", Severity.CRITICAL if down else Severity.WARNING, cause,
+        {**_named(names), "last_error": {n: s.get("last_error") for n, s in failed[:SHOWN]},
+         "failures": {n: s.get("failures") for n, s in failed[:SHOWN]}},
+        "see the router's log for the error (out of file descriptors? raise ulimit -n, or lower --max-engines)")]
 
 
 def _stream_name(stream: Mapping[str, Any]) -> str:

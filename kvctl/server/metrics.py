@@ -86,6 +86,8 @@ class FleetCollector(Collector):
                                                   "back incomplete", labels=labels),
             "restarts": CounterMetricFamily("kvctl_stream_engine_restarts", "engine restarts (seq went back)",
                                             labels=labels),
+            "failures": CounterMetricFamily("kvctl_stream_failures", "times the stream died of an error (and was "
+                                            "run again after a backoff)", labels=labels),
         }
         errors = CounterMetricFamily("kvctl_stream_decode_errors", "events or messages skipped, by kind",
                                      labels=[*labels, "kind"])

@@ -18,7 +18,8 @@ codec and hands the events to a sink, keeping them in the engine's seq order:
   a gap from 0, replayed (or counted lost) like any other.
 
 Everything malformed is counted in `decode_errors` by `ErrorKind` and skipped; the stream never
-stops on bad input. Only the sink or `on_restart` raising ends `run()` (a server bug, not input).
+stops on bad input. Only an error of its own (a socket it cannot open) or the sink or `on_restart` raising
+ends `run()`; `kvctl.server.streams` then shows it failed and runs it again.
 
 This module and the decode process (`kvctl.server.decode_worker`, which may hold the SUB socket) are
 the router's only ZMQ speakers; the decoding is `kvctl.core.events.engine`, which does no I/O.
@@ -181,6 +182,7 @@ class EngineStream:
         self._key: int | None = None  # while the decode process receives for this stream
         self._wake = asyncio.Event()  # a replay to time, or a socket to open: see _wait_for_replies
         self._run_task: asyncio.Task[None] | None = None
+        self._serving = False
         self._closing = False
 
         self._last: int | None = None  # last seq applied (live or replayed)
@@ -231,14 +233,22 @@ class EngineStream:
         )
 
     async def run(self) -> None:
-        """Connect and serve until `close()`; sockets are closed (linger 0) however it ends."""
-        if self._run_task is not None:
-            raise RuntimeError("EngineStream.run() is already running or has run")
+        """Connect and serve until `close()`; sockets are closed (linger 0) however it ends.
+
+        After a run that raised, `run()` may be called again (by the same task or another): the counters
+        and the seq position carry on, so what went by meanwhile shows as a gap, replayed or counted lost;
+        a replay that was in flight is given up."""
+        if self._serving:
+            raise RuntimeError("EngineStream.run() is already running")
         task = asyncio.current_task()
         assert task is not None
         self._run_task = task
         if self._closing:
             return
+        self._serving = True
+        if self._replay is not None:
+            self._replay = None
+            self._replays_failed += 1
         try:
             self._open()
             await self._serve()
@@ -247,6 +257,7 @@ class EngineStream:
                 raise
             task.uncancel()  # our own close(): a clean end, not a cancellation of the caller
         finally:
+            self._serving = False
             self._close_sockets()
 
     def close(self) -> None:
