@@ -1,8 +1,9 @@
 """Listening to KV events without a router: an engine's ZMQ PUB socket, or a Dynamo NATS event plane.
 
-What `kvctl events tail` and `events record` read. Each message is decoded as the router would; what
-arrives is yielded as `Tapped` (a decoded event, or a gap in the sequence), and `TapStats` keeps the
-counts the command prints on exit: the answer to "are events arriving at all, and whole?".
+What `kvctl events tail` and `events record` read. Each message is decoded as the router would, and its
+seq (ZMQ) or event id (NATS, per worker) judged by the router's own rules (`Sequence`): what arrives is
+yielded as `Tapped` (a decoded event, or a gap in the sequence), and `TapStats` keeps the counts the
+command prints on exit: the answer to "are events arriving at all, and whole?".
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch,
 from kvctl.core.events.engine import decode_engine_message
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import KV_EVENTS, PlaneScope
+from kvctl.core.events.publishers import Order, Sequence
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
 
@@ -40,11 +42,32 @@ class TapStats:
     events: int = 0
     gaps: int = 0
     missing: int = 0
+    restarts: int = 0  # the seq went back: the publisher started over
+    repeats: int = 0  # the same seq again: skipped
+    jumps: int = 0  # a seq implausibly far ahead: shown, not counted as missing
     decode_errors: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, object]:
         return {"messages": self.messages, "events": self.events, "gaps": self.gaps, "missing": self.missing,
+                "restarts": self.restarts, "repeats": self.repeats, "jumps": self.jumps,
                 "decode_errors": dict(self.decode_errors)}
+
+    def judge(self, sequence: Sequence, seq: int) -> tuple[Order, Tapped | None]:
+        """Count where `seq` stands in `sequence`; with the marker of the gap before it when messages were lost."""
+        last = sequence.last
+        order = sequence.observe(seq)
+        if order is Order.gap:
+            assert last is not None
+            self.gaps += 1
+            self.missing += seq - last - 1
+            return order, Tapped(_now_ms(), seq, None, (last + 1, seq - 1))
+        if order is Order.restart:
+            self.restarts += 1
+        elif order is Order.repeat:
+            self.repeats += 1
+        elif order is Order.jump:
+            self.jumps += 1
+        return order, None
 
 
 def _now_ms() -> int:
@@ -67,7 +90,7 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
     sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
     sub.connect(endpoint)
     listening(f"subscribed to {endpoint}" + (f" (topic {topic!r})" if topic else ""))
-    last: int | None = None
+    sequence = Sequence()
     try:
         while not stop():
             if not sub.poll(POLL_MS):
@@ -79,11 +102,11 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
             except DecodeError as exc:
                 stats.decode_errors[exc.kind.value] += 1
                 continue
-            if last is not None and message.seq > last + 1:
-                stats.gaps += 1
-                stats.missing += message.seq - last - 1
-                yield Tapped(_now_ms(), message.seq, None, (last + 1, message.seq - 1))
-            last = message.seq
+            order, gap = stats.judge(sequence, message.seq)
+            if gap is not None:
+                yield gap
+            if order is Order.repeat:
+                continue
             for error in message.batch.errors:
                 stats.decode_errors[error.kind.value] += 1
             for n, data in enumerate(message.batch.events):
@@ -110,7 +133,7 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
         if jetstream or (where is not None and where[2] == KV_EVENTS):
             queue.put_nowait(msg.data)
 
-    last: dict[tuple[int, int], int] = {}
+    sequences: dict[tuple[int, int], Sequence] = {}
     try:
         if jetstream:
             from nats.js.api import DeliverPolicy
@@ -138,13 +161,10 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
             for error in errors:
                 stats.decode_errors[error.kind.value] += 1
             for event in events:
-                key = (event.worker_id, event.dp_rank)
-                previous = last.get(key)
-                if previous is not None and event.event_id > previous + 1:
-                    stats.gaps += 1
-                    stats.missing += event.event_id - previous - 1
-                    yield Tapped(_now_ms(), event.event_id, None, (previous + 1, event.event_id - 1))
-                last[key] = event.event_id
+                sequence = sequences.setdefault((event.worker_id, event.dp_rank), Sequence())
+                _, gap = stats.judge(sequence, event.event_id)  # shown even when repeated: order is the envelope's
+                if gap is not None:
+                    yield gap
                 stats.events += 1
                 yield Tapped(_now_ms(), event.event_id, event)
     finally:

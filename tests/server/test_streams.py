@@ -124,3 +124,22 @@ async def test_a_stream_that_dies_shows_failed_and_runs_again_once_it_can() -> N
             await engine.close()
         ours.term()
         theirs.term()
+
+
+async def test_metrics_clamp_a_counter_past_u64() -> None:
+    """Python's ints have no ceiling and Prometheus clients read u64: lost_batches once read
+    27670116110564327476 (a seq jump to 2^64 - 1 counted as lost batches, now a jump)."""
+    from prometheus_client import generate_latest
+
+    from kvctl.server.metrics import Metrics
+    from kvctl.server.state import WorkerInfo
+    from kvctl.server.streams import Streams
+
+    fleet = Fleet()
+    streams = Streams(fleet)
+    assert streams.start(WorkerInfo(1, 0, "default", endpoint="tcp://127.0.0.1:9"))
+    streams._running[(1, 0)].stream._lost = 27670116110564327476  # type: ignore[attr-defined]
+    text = generate_latest(Metrics(fleet, streams).registry).decode()
+    [line] = [x for x in text.splitlines() if x.startswith("kvctl_stream_lost_batches_total")]
+    assert float(line.rsplit(" ", 1)[1]) == float(2**64 - 1)
+    await streams.close()

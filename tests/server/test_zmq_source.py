@@ -386,16 +386,36 @@ async def test_restart_clears_every_dp_rank_the_stream_fed(make: Any) -> None:
     assert h.engine.requests == []
 
 
-async def test_the_same_live_seq_again_is_a_restart(make: Any) -> None:
-    """A PUB never sends a seq twice: seq 0 again, even right after the first batch, is a restarted engine."""
-    a, b, *_ = load("sglang-0.5.23")
+async def test_the_same_live_seq_again_is_a_repeat_skipped_and_counted(make: Any) -> None:
+    """A PUB never sends a seq twice, so the same seq again is a repeat of the transport's, not a restarted
+    engine (which counts from 0 again: a seq lower than the last). It once cleared the worker."""
+    a, b, c, *_ = load("sglang-0.5.23")
     h = await make()
     await h.start(0, a.payload)
     await h.engine.send_raw([b"", (0).to_bytes(8, "big"), b.payload])
-    await h.wait(lambda: h.stream.stats.restarts == 1 and h.stream.stats.events == len(_events_of([a, b])))
-    assert h.restarts == [(WORKER_ID, 0)]
-    assert h.shapes() == _events_of([a, b])
-    assert h.stream.stats.duplicates == 0 and h.stream.stats.gaps == 0
+    await h.engine.publish(1, c.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 1)
+    assert h.restarts == [] and h.shapes() == _events_of([a, c])
+    stats = h.stream.stats
+    assert (stats.duplicates, stats.restarts, stats.gaps) == (1, 0, 0)
+
+
+@pytest.mark.parametrize("absurd", [2**64 - 1, 2**33])
+async def test_a_seq_jump_past_2_32_is_counted_and_the_stream_keeps_its_place(make: Any, absurd: int) -> None:
+    """A jump to 2^64 - 1 once counted 2^64 lost batches (lost_batches read 27670116110564327476 after
+    a few) and asked for a replay of them; now it is a jump: applied, and the next seq is in order."""
+    a, b, c, d = load("vllm-0.33")[:4]
+    h = await make()
+    await h.start(0, a.payload)
+    await h.engine.publish(absurd, b.payload)
+    await h.engine.publish(1, c.payload)
+    await h.engine.publish(absurd, d.payload)
+    await h.engine.publish(2, a.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 2)
+    assert h.shapes() == _events_of([a, b, c, d, a])
+    stats = h.stream.stats
+    assert (stats.jumps, stats.lost_batches, stats.gaps, stats.restarts, stats.gapped) == (2, 0, 0, 0, False)
+    assert h.engine.requests == [] and h.restarts == []
 
 
 async def test_malformed_messages_are_counted_and_skipped(make: Any) -> None:
