@@ -106,7 +106,11 @@ class FleetCollector(Collector):
                                       labels=["model"])
         for queue in streams.queues():
             dropped.add_metric([queue["model"]], queue["dropped_batches"])
-        yield from (*counters.values(), errors, gapped, dropped)
+        engines = streams.engines()
+        refused = CounterMetricFamily("kvctl_engines_refused", "engine endpoints refused: the router followed "
+                                      "--max-engines already", value=engines["refused"])
+        running = GaugeMetricFamily("kvctl_engines", "engine endpoints followed", value=engines["running"])
+        yield from (*counters.values(), errors, gapped, dropped, refused, running)
 
 
 U64_MAX = (1 << 64) - 1

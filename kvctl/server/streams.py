@@ -162,11 +162,15 @@ class _Source:
 
 class Streams:
     """`decoder` is shared by every stream, so batches reach the writers in the order they came in; `context`
-    is the ZMQ context their sockets are made in (the process-wide one by default)."""
+    is the ZMQ context their sockets are made in (the process-wide one by default). At most `max_engines`
+    streams run at once: past it an engine is refused (`has_room`), and counted, never accepted and dropped."""
 
     def __init__(self, fleet: Fleet, *, queue_batches: int = QUEUE_BATCHES, decoder: Decoder | None = None,
-                 context: zmq.asyncio.Context | None = None, restart_min_s: float = RESTART_MIN_S) -> None:
+                 context: zmq.asyncio.Context | None = None, restart_min_s: float = RESTART_MIN_S,
+                 max_engines: int | None = None) -> None:
         self.fleet = fleet
+        self.max_engines = max_engines
+        self.refused = 0  # engines refused for want of room
         self.queue_batches = queue_batches
         self.decoder: Decoder = InlineDecoder() if decoder is None else decoder
         self.context = context
@@ -182,9 +186,23 @@ class Streams:
             writer = self.writers[model] = ModelWriter(self.fleet, model, self.queue_batches, self.decoder)
         return writer
 
+    def has_room(self, info: WorkerInfo) -> bool:
+        """Whether `start(info)` would not go past `max_engines` (a worker already followed, or without an
+        endpoint, takes no more room); a refusal is counted."""
+        if (not info.endpoint or info.key in self._running or self.max_engines is None
+                or len(self._running) < self.max_engines):
+            return True
+        self.refused += 1
+        return False
+
     def start(self, info: WorkerInfo) -> bool:
-        """Subscribe to a worker's engine; False when it has no endpoint or is already subscribed."""
+        """Subscribe to a worker's engine; False when it has no endpoint, is already subscribed, or there is no
+        room left (see `has_room`: logged and counted)."""
         if not info.endpoint or info.key in self._running:
+            return False
+        if not self.has_room(info):
+            log.error("engine %s:%s at %s not followed: %d engines already (--max-engines)", *info.key,
+                      info.endpoint, self.max_engines)
             return False
         model = info.model
         writer = self.writer(model)
@@ -249,6 +267,10 @@ class Streams:
     def idle(self) -> bool:
         """Nothing received is waiting to be decoded or applied, and the decode process has been quiet."""
         return self.decoder.idle() and all(w.queue.empty() for w in self.writers.values())
+
+    def engines(self) -> dict[str, Any]:
+        """How many engines are followed, the most that may be, and how many were refused."""
+        return {"running": len(self._running), "max": self.max_engines, "refused": self.refused}
 
     def queues(self) -> list[dict[str, Any]]:
         return [w.status() for _, w in sorted(self.writers.items())]

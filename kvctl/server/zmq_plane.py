@@ -36,6 +36,7 @@ from kvctl.core.events.errors import DecodeError, ErrorKind
 from kvctl.core.events.plane import KV_EVENTS, TOPICS
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.server.dynamo_discovery import Discovery, DiscoveryError, open_discovery
+from kvctl.server.fd_limits import sized
 from kvctl.server.plane_ingest import PlaneIngest
 from kvctl.server.plane_tasks import PlaneTasks
 from kvctl.server.state import Fleet, UnknownWorker
@@ -118,7 +119,7 @@ class ZmqPlane(PlaneTasks):
         self.ready_at: float | None = None
         self._bad_records: dict[str, bytes] = {}  # counted once each, until they change
         self._failing = False  # the last listing failed (status keeps the last error)
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = sized(zmq.asyncio.Context())  # a fleet of over 500 publishers needs more than ZMQ's 1023
 
     # ----- lifecycle ----------------------------------------------------------------------------------
 
