@@ -158,7 +158,7 @@ def _serving_while_silent(status: Mapping[str, Any], silent: Sequence[Mapping[st
 
 def check_streams(status: Mapping[str, Any]) -> list[Finding]:
     streams = status.get("streams") or []
-    findings: list[Finding] = _failed_streams(streams)
+    findings: list[Finding] = [*_failed_streams(streams), *_decoder_died(status.get("decoder") or {})]
     lost = [(_stream_name(s), s) for s in streams
             if s.get("lost_batches") or s.get("replays_failed") or s.get("gapped")]
     if lost:
@@ -220,6 +220,16 @@ def _failed_streams(streams: Sequence[Mapping[str, Any]]) -> list[Finding]:
         {**_named(names), "last_error": {n: s.get("last_error") for n, s in failed[:SHOWN]},
          "failures": {n: s.get("failures") for n, s in failed[:SHOWN]}},
         "see the router's log for the error (out of file descriptors? raise ulimit -n, or lower --max-engines)")]
+
+
+def _decoder_died(decoder: Mapping[str, Any]) -> list[Finding]:
+    """The decode process died: its streams read in the router's loop since, which routes then share."""
+    if not decoder.get("restarts") and not decoder.get("failed"):
+        return []
+    state = ("it is down: the router decodes in its own loop until a new one starts" if decoder.get("failed")
+             else f"it was started again {decoder['restarts']} time(s)")
+    return [Finding("decoder", Severity.WARNING, f"the decode process died ({decoder.get('last_error')}); {state}",
+                    {"decoder": dict(decoder)}, "see the router's log for why it exited (out of memory? killed?)")]
 
 
 def _stream_name(stream: Mapping[str, Any]) -> str:

@@ -74,6 +74,14 @@ def test_a_failed_stream_is_critical_while_down_and_a_warning_once_running_again
     assert finding.severity is Severity.WARNING and "ran again" in finding.cause
 
 
+def test_a_decode_process_that_died_is_a_warning(answers: Answers) -> None:
+    status, _, _ = fresh(answers)
+    status["decoder"] = {"mode": "process", "failed": None, "restarts": 2,
+                         "last_error": "the decode process exited (exit status -9)"}
+    [finding] = [f for f in check_streams(status) if f.check == "decoder"]
+    assert finding.severity is Severity.WARNING and "exit status -9" in finding.cause and "2 time" in finding.cause
+
+
 def test_most_workers_busy_warns_and_a_full_cache_without_thresholds_warns(answers: Answers) -> None:
     _, workers, thresholds = fresh(answers)
     for w in workers[:3]:

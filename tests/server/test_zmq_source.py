@@ -502,7 +502,7 @@ async def test_a_killed_decode_process_hands_the_stream_back_and_the_gap_is_repl
     assert h.shapes() == _events_of([a, b, c, d, e])
     stats = h.stream.stats
     assert (stats.gaps, stats.replays_ok, stats.lost_batches, stats.gapped) == (1, 1, 0, False)
-    assert decoder.status()["receiving"] == 0 and decoder.status()["failed"]
+    assert decoder.status()["receiving"] == 0 and decoder.status()["last_error"]
 
 
 # -- lifecycle ----------------------------------------------------------------------------------
