@@ -449,7 +449,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     async def register_worker(body: WorkerBody) -> Response:
         info = WorkerInfo(body.worker_id, body.dp_rank, body.model, body.endpoint, body.replay_endpoint, body.topic,
                           total_blocks=body.total_blocks)
-        if streams is not None and not streams.has_room(info):  # refused now, rather than accepted and not followed
+        if streams is not None and not streams.admit(info):  # refused now, rather than accepted and not followed
             return _error(409, f"this router follows {streams.max_engines} engine endpoints already, its most "
                                "(serve --max-engines, whose default the file limit sets: ulimit -n); remove "
                                "one (DELETE /v1/workers/ID) or raise the limit")

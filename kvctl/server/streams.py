@@ -163,7 +163,7 @@ class _Source:
 class Streams:
     """`decoder` is shared by every stream, so batches reach the writers in the order they came in; `context`
     is the ZMQ context their sockets are made in (the process-wide one by default). At most `max_engines`
-    streams run at once: past it an engine is refused (`has_room`), and counted, never accepted and dropped."""
+    streams run at once: past it an engine is refused (`admit`), and counted, never accepted and dropped."""
 
     def __init__(self, fleet: Fleet, *, queue_batches: int = QUEUE_BATCHES, decoder: Decoder | None = None,
                  context: zmq.asyncio.Context | None = None, restart_min_s: float = RESTART_MIN_S,
@@ -186,7 +186,7 @@ class Streams:
             writer = self.writers[model] = ModelWriter(self.fleet, model, self.queue_batches, self.decoder)
         return writer
 
-    def has_room(self, info: WorkerInfo) -> bool:
+    def admit(self, info: WorkerInfo) -> bool:
         """Whether `start(info)` would not go past `max_engines` (a worker already followed, or without an
         endpoint, takes no more room); a refusal is counted."""
         if (not info.endpoint or info.key in self._running or self.max_engines is None
@@ -197,10 +197,10 @@ class Streams:
 
     def start(self, info: WorkerInfo) -> bool:
         """Subscribe to a worker's engine; False when it has no endpoint, is already subscribed, or there is no
-        room left (see `has_room`: logged and counted)."""
+        room left (see `admit`: logged and counted)."""
         if not info.endpoint or info.key in self._running:
             return False
-        if not self.has_room(info):
+        if not self.admit(info):
             log.error("engine %s:%s at %s not followed: %d engines already (--max-engines)", *info.key,
                       info.endpoint, self.max_engines)
             return False

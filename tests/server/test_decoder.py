@@ -130,7 +130,7 @@ async def test_a_killed_decode_process_loses_nothing(process: ProcessDecoder) ->
         process.submit(PAYLOADS[i % len(PAYLOADS)], 16, keep(i))
         await asyncio.sleep(0)
     deadline = time.monotonic() + 10
-    while process.status()["failed"] is None:
+    while process.status()["last_error"] is None:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
     await asyncio.wait_for(process.drained(), 10)
