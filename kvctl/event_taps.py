@@ -90,7 +90,7 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
     sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
     sub.connect(endpoint)
     listening(f"subscribed to {endpoint}" + (f" (topic {topic!r})" if topic else ""))
-    sequence = Sequence()
+    sequence = Sequence(once=True)
     try:
         while not stop():
             if not sub.poll(POLL_MS):
@@ -102,11 +102,9 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
             except DecodeError as exc:
                 stats.decode_errors[exc.kind.value] += 1
                 continue
-            order, gap = stats.judge(sequence, message.seq)
+            _, gap = stats.judge(sequence, message.seq)
             if gap is not None:
                 yield gap
-            if order is Order.repeat:
-                continue
             for error in message.batch.errors:
                 stats.decode_errors[error.kind.value] += 1
             for n, data in enumerate(message.batch.events):

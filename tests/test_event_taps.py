@@ -13,9 +13,9 @@ from tests.fixtures_path import FIXTURES
 PAYLOAD = (FIXTURES / "vllm-0.33" / "a_block_stored_4x16.msgpack").read_bytes()
 
 
-def test_the_zmq_tap_skips_a_repeat_counts_a_jump_and_a_restart_and_shows_a_gap() -> None:
-    """Before, a seq of 2^64 - 1 became the tap's place: the next seq was no gap, a repeat printed twice,
-    and a restart went unnoticed."""
+def test_the_zmq_tap_counts_a_jump_and_restarts_and_shows_a_gap() -> None:
+    """Before, a seq of 2^64 - 1 became the tap's place, and a restart (the same seq again, or a lower one)
+    went unnoticed."""
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
@@ -41,7 +41,6 @@ def test_the_zmq_tap_skips_a_repeat_counts_a_jump_and_a_restart_and_shows_a_gap(
         pub.close(0)
     gaps = [t.missing for t in tapped if t.event is None]
     assert gaps == [(3, 4)]
-    assert [t.seq for t in tapped if t.event is not None][::per_batch] == [
-        0, 1, 2**64 - 1, 2, 5, 0]
-    assert stats.as_dict() == {"messages": 7, "events": 6 * per_batch, "gaps": 1, "missing": 2, "restarts": 1,
-                               "repeats": 1, "jumps": 1, "decode_errors": {}}
+    assert [t.seq for t in tapped if t.event is not None][::per_batch] == seqs
+    assert stats.as_dict() == {"messages": 7, "events": 7 * per_batch, "gaps": 1, "missing": 2, "restarts": 2,
+                               "repeats": 0, "jumps": 1, "decode_errors": {}}

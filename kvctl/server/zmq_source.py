@@ -8,15 +8,16 @@ Live seqs are judged by the one set of sequence rules every source shares (`Sequ
 kvctl/core/events/publishers.py):
 
 - The first message sets the expected seq; history from before we connected is not asked for.
-- `seq == last + 1` applies. A repeat (`seq` equal to the last live seq) is skipped and counted in
-  `duplicates`, as is a seq already applied via a replay.
+- `seq == last + 1` applies. A seq already applied via a replay is skipped and counted in `duplicates`.
 - `seq > last + 1` is a gap. With a replay endpoint, the missing range is asked for on a DEALER
   (`[b"", start]`); until the replay ends, live messages are buffered so that a replayed store can
   never land after a newer live remove. Replayed batches apply strictly in seq order, then the
   buffer. Without a replay endpoint, on a timeout, or when the engine no longer holds the range,
   the missing batches are counted as lost, the stream is marked `gapped`, and it carries on.
-- `seq` lower than the last live seq is an engine restart: `on_restart` is called (the server
-  clears that worker) and the stream continues from the new seq. vLLM's publisher counts from 0 per
+- `seq` lower than the last live seq, or equal to it, is an engine restart: `on_restart` is called (the
+  server clears that worker) and the stream continues from the new seq. The same seq again is no repeat
+  here: a PUB numbers each batch once per process and ZMQ delivers each once (replays come on the
+  DEALER), so it can only be an engine restarted after one batch. vLLM's publisher counts from 0 per
   process, so a first seq above 0 means its first batches went out before our SUB had reconnected:
   they are a gap from 0, replayed (or counted lost) like any other.
 - A jump of more than `JUMP_MAX` seqs ahead is no plausible loss: it is counted in `jumps` and its
@@ -81,8 +82,7 @@ class StreamStats:
     - `gaps`: gaps detected on the live stream; `lost_batches`: seqs that could not be replayed.
     - `replays_ok` / `replays_failed`: replays that repaired their gap / that timed out or came back
       incomplete (the engine no longer held the range).
-    - `duplicates`: live or replayed messages skipped because their seq was already applied (or was the
-      last live seq again).
+    - `duplicates`: live or replayed messages skipped because their seq was already applied.
     - `jumps`: live seqs implausibly far ahead (`JUMP_MAX`), applied without moving the stream's place.
     - `gapped`: some batch was lost since the stream started (or since the last engine restart,
       which clears the worker and so makes the index whole again).
@@ -194,7 +194,7 @@ class EngineStream:
         self._closing = False
 
         self._last: int | None = None  # last seq applied (live or replayed)
-        self._live = Sequence()  # the seqs received live: where each stands
+        self._live = Sequence(once=True)  # the seqs received live: where each stands
         self._last_delivered: int | None = None  # last seq whose batch reached the sink (or failed to decode)
         self._replay: _Replay | None = None
         self._keys_seen: set[WorkerKey] = set()
@@ -455,9 +455,7 @@ class EngineStream:
     def _sequence(self, seq: int, item: Received) -> None:
         previous = self._live.last
         order = self._live.observe(seq)
-        if order is Order.repeat:
-            self._duplicates += 1
-        elif order is Order.jump:
+        if order is Order.jump:
             log.warning("%s: seq jumped from %s to %d: applied, the stream keeps its place", self._name(),
                         previous, seq)
             last = self._last

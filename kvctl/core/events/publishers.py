@@ -8,8 +8,10 @@ number stands:
 - the first one heard is in order whatever it is: a subscriber that joins a running fleet starts mid-stream;
 - the last + 1 is next; further on is a gap (the messages in between were lost);
 - the same one again is a repeat, skipped and counted (a publisher never sends a number twice; a
-  transport may deliver one twice);
-- a smaller one is a restart: the publisher started over (a restarted engine counts from 0 again);
+  transport may deliver one twice), but where the transport delivers each message once (a ZMQ PUB to
+  its SUB: `once`), where it can only be a new incarnation, as below;
+- a smaller one is a restart: the publisher started over (a restarted engine counts from 0 again: seq 0
+  again after its first batch is one);
 - a jump of more than `JUMP_MAX` ahead is no plausible loss but an anomaly (a corrupt or hostile number):
   counted, the message taken, and the position kept. Taking it as the new position would drop everything
   after it as old (one event id of 2^63 once froze a worker) or count 2^64 lost messages.
@@ -46,7 +48,7 @@ class Order(StrEnum):
     first = "first"  # never heard from before (or forgotten)
     next = "next"  # sequence = last + 1
     gap = "gap"  # last + 1 < sequence <= last + 1 + JUMP_MAX: messages lost in between
-    restart = "restart"  # sequence < last: the publisher started over
+    restart = "restart"  # sequence < last (or = last, delivered once): the publisher started over
     repeat = "repeat"  # sequence = last (or, redelivered, a little below it): skipped
     jump = "jump"  # sequence > last + 1 + JUMP_MAX: an anomaly, taken without moving the position
 
@@ -56,9 +58,11 @@ class Sequence:
     """One publisher's numbering: where it stands, and what `observe` found so far.
 
     `redelivered`: the transport may deliver a message again after later ones (JetStream), so a small step
-    back is a repeat rather than a restart."""
+    back is a repeat rather than a restart. `once`: it never delivers a message twice (a ZMQ PUB to its SUB),
+    so the same number again is a restart rather than a repeat."""
 
     redelivered: bool = False
+    once: bool = False
     last: int | None = None
     messages: int = 0
     gaps: int = 0
@@ -74,15 +78,15 @@ class Sequence:
         if last is None:
             self.last = sequence
             return Order.first
-        if sequence == last or (self.redelivered and ORIGIN < sequence < last
-                                and last - sequence <= REDELIVERY_MAX):
+        if (sequence == last and not self.once) or (self.redelivered and ORIGIN < sequence < last
+                                                     and last - sequence <= REDELIVERY_MAX):
             self.repeats += 1
             return Order.repeat
         if sequence - last - 1 > JUMP_MAX:
             self.jumps += 1
             return Order.jump
         self.last = sequence
-        if sequence < last:
+        if sequence <= last:
             self.restarts += 1
             return Order.restart
         if sequence > last + 1:
