@@ -1,9 +1,10 @@
 """Listening to KV events without a router: an engine's ZMQ PUB socket, or a Dynamo event plane (NATS, or its
 default ZMQ plane found through its discovery store).
 
-What `kvctl events tail` and `events record` read. Each message is decoded as the router would; what
-arrives is yielded as `Tapped` (a decoded event, or a gap in the sequence), and `TapStats` keeps the
-counts the command prints on exit: the answer to "are events arriving at all, and whole?".
+What `kvctl events tail` and `events record` read. Each message is decoded as the router would, and its
+seq (ZMQ) or event id (NATS, per worker) judged by the router's own rules (`Sequence`): what arrives is
+yielded as `Tapped` (a decoded event, or a gap in the sequence), and `TapStats` keeps the counts the
+command prints on exit: the answer to "are events arriving at all, and whole?".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch,
 from kvctl.core.events.engine import decode_engine_message
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import KV_EVENTS, PlaneScope
+from kvctl.core.events.publishers import Order, Sequence
 from kvctl.errors import Unreachable
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
@@ -43,11 +45,32 @@ class TapStats:
     events: int = 0
     gaps: int = 0
     missing: int = 0
+    restarts: int = 0  # the seq went back: the publisher started over
+    repeats: int = 0  # the same seq again: skipped
+    jumps: int = 0  # a seq implausibly far ahead: shown, not counted as missing
     decode_errors: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, object]:
         return {"messages": self.messages, "events": self.events, "gaps": self.gaps, "missing": self.missing,
+                "restarts": self.restarts, "repeats": self.repeats, "jumps": self.jumps,
                 "decode_errors": dict(self.decode_errors)}
+
+    def judge(self, sequence: Sequence, seq: int) -> tuple[Order, Tapped | None]:
+        """Count where `seq` stands in `sequence`; with the marker of the gap before it when messages were lost."""
+        last = sequence.last
+        order = sequence.observe(seq)
+        if order is Order.gap:
+            assert last is not None
+            self.gaps += 1
+            self.missing += seq - last - 1
+            return order, Tapped(_now_ms(), seq, None, (last + 1, seq - 1))
+        if order is Order.restart:
+            self.restarts += 1
+        elif order is Order.repeat:
+            self.repeats += 1
+        elif order is Order.jump:
+            self.jumps += 1
+        return order, None
 
 
 def _now_ms() -> int:
@@ -70,7 +93,7 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
     sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
     sub.connect(endpoint)
     listening(f"subscribed to {endpoint}" + (f" (topic {topic!r})" if topic else ""))
-    last: int | None = None
+    sequence = Sequence(once=True)
     try:
         while not stop():
             if not sub.poll(POLL_MS):
@@ -82,11 +105,9 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
             except DecodeError as exc:
                 stats.decode_errors[exc.kind.value] += 1
                 continue
-            if last is not None and message.seq > last + 1:
-                stats.gaps += 1
-                stats.missing += message.seq - last - 1
-                yield Tapped(_now_ms(), message.seq, None, (last + 1, message.seq - 1))
-            last = message.seq
+            _, gap = stats.judge(sequence, message.seq)
+            if gap is not None:
+                yield gap
             for error in message.batch.errors:
                 stats.decode_errors[error.kind.value] += 1
             for n, data in enumerate(message.batch.events):
@@ -114,7 +135,7 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
         if jetstream or (where is not None and where[2] == KV_EVENTS):
             queue.put_nowait(msg.data)
 
-    last: dict[tuple[int, int], int] = {}
+    sequences: dict[tuple[int, int], Sequence] = {}
     try:
         if jetstream:
             from nats.js.api import DeliverPolicy
@@ -141,22 +162,20 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
                 continue
             for error in errors:
                 stats.decode_errors[error.kind.value] += 1
-            for tapped in _by_event_id(events, last, stats):
+            for tapped in _by_event_id(events, sequences, stats):
                 yield tapped
     finally:
         await nc.close()
 
 
-def _by_event_id(events: list[RouterEvent], last: dict[tuple[int, int], int], stats: TapStats) -> Iterator[Tapped]:
+def _by_event_id(events: list[RouterEvent], sequences: dict[tuple[int, int], Sequence],
+                 stats: TapStats) -> Iterator[Tapped]:
     """A plane's events, each preceded by the gap in its worker's event ids it follows, if any."""
     for event in events:
-        key = (event.worker_id, event.dp_rank)
-        previous = last.get(key)
-        if previous is not None and event.event_id > previous + 1:
-            stats.gaps += 1
-            stats.missing += event.event_id - previous - 1
-            yield Tapped(_now_ms(), event.event_id, None, (previous + 1, event.event_id - 1))
-        last[key] = event.event_id
+        sequence = sequences.setdefault((event.worker_id, event.dp_rank), Sequence())
+        _, gap = stats.judge(sequence, event.event_id)  # shown even when repeated: order is the envelope's
+        if gap is not None:
+            yield gap
         stats.events += 1
         yield Tapped(_now_ms(), event.event_id, event)
 
@@ -196,7 +215,7 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
                 sock.connect(channel.address)
                 followed.add(channel.address)
 
-    last: dict[tuple[int, int], int] = {}
+    sequences: dict[tuple[int, int], Sequence] = {}
     try:
         try:
             await follow()
@@ -220,7 +239,7 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
                 continue
             for error in errors:
                 stats.decode_errors[error.kind.value] += 1
-            for tapped in _by_event_id(events, last, stats):
+            for tapped in _by_event_id(events, sequences, stats):
                 yield tapped
     finally:
         sock.close(linger=0)

@@ -272,6 +272,11 @@ def serve_command(
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", envvar="KVCTL_MAX_BODY_BYTES", min=1,
         help="Largest request body accepted; larger ones are refused with 413.")] = 64 * 1024 * 1024,
+    max_engines: Annotated[int | None, typer.Option(
+        "--max-engines", envvar="KVCTL_MAX_ENGINES", min=1, show_default=False,
+        help="Engine endpoints followed at most; registering one more is refused with 409 (counted in "
+             "kvctl_engines_refused). Default: what the file limit allows, raised to its hard limit at start "
+             "(4 descriptors an engine, 512 or a quarter kept for the rest): 192 at ulimit -n 1024.")] = None,
     nats_url: Annotated[str | None, typer.Option(
         "--nats", envvar="KVCTL_NATS", show_default=False, rich_help_panel=PANEL,
         help="Follow a Dynamo event plane on this NATS server (nats://HOST:PORT).")] = None,
@@ -333,6 +338,10 @@ def serve_command(
         except ConfigFileError as exc:
             raise UsageError(str(exc)) from None
         models, engines = declared.models, declared.workers + engines
+    followed = len({e.key for e in engines if e.endpoint})
+    if max_engines is not None and followed > max_engines:
+        raise UsageError(f"{followed} engine endpoints given, past --max-engines {max_engines}",
+                         hint="raise --max-engines, or give fewer --worker")
     out = Output(color=ctx.find_root().obj.color)
     if not snapshot_interval > 0:
         raise UsageError(f"--snapshot-interval must be > 0 seconds, got {snapshot_interval}")
@@ -382,7 +391,7 @@ def serve_command(
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
                            request_expiry, models, nats, zmq_plane, queue_batches, max_body_bytes=max_body_bytes,
-                           decoder=decoder)
+                           decoder=decoder, max_engines=max_engines)
     import asyncio
 
     from kvctl.server.daemon import CannotListen

@@ -160,7 +160,7 @@ def _serving_while_silent(status: Mapping[str, Any], silent: Sequence[Mapping[st
 
 def check_streams(status: Mapping[str, Any]) -> list[Finding]:
     streams = status.get("streams") or []
-    findings: list[Finding] = []
+    findings: list[Finding] = [*_failed_streams(streams), *_decoder_died(status.get("decoder") or {})]
     lost = [(_stream_name(s), s) for s in streams
             if s.get("lost_batches") or s.get("replays_failed") or s.get("gapped")]
     if lost:
@@ -205,6 +205,33 @@ def check_streams(status: Mapping[str, Any]) -> list[Finding]:
         findings.append(Finding("streams", Severity.OK, f"{len(streams)} engine stream(s) whole{repaired}",
                                 {"gaps": gaps}))
     return findings
+
+
+def _failed_streams(streams: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """Streams that died of an error: CRITICAL while one is down (its worker's events are not read), WARNING
+    once every one runs again (what went by meanwhile was replayed or counted lost)."""
+    failed = [(_stream_name(s), s) for s in streams if s.get("failures")]
+    if not failed:
+        return []
+    down = [n for n, s in failed if s.get("state") == "failed"]
+    names = down or [n for n, _ in failed]
+    cause = (f"{len(down)} engine stream(s) failed and are not reading their engine's events (retried with "
+             "backoff)" if down else f"{len(failed)} engine stream(s) failed and ran again")
+    return [Finding(
+        "streams", Severity.CRITICAL if down else Severity.WARNING, cause,
+        {**_named(names), "last_error": {n: s.get("last_error") for n, s in failed[:SHOWN]},
+         "failures": {n: s.get("failures") for n, s in failed[:SHOWN]}},
+        "see the router's log for the error (out of file descriptors? raise ulimit -n, or lower --max-engines)")]
+
+
+def _decoder_died(decoder: Mapping[str, Any]) -> list[Finding]:
+    """The decode process died: its streams read in the router's loop since, which routes then share."""
+    if not decoder.get("restarts") and not decoder.get("failed"):
+        return []
+    state = ("it is down: the router decodes in its own loop until a new one starts" if decoder.get("failed")
+             else f"it was started again {decoder['restarts']} time(s)")
+    return [Finding("decoder", Severity.WARNING, f"the decode process died ({decoder.get('last_error')}); {state}",
+                    {"decoder": dict(decoder)}, "see the router's log for why it exited (out of memory? killed?)")]
 
 
 def _stream_name(stream: Mapping[str, Any]) -> str:

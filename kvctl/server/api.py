@@ -432,6 +432,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                       "models": fleet.stats()["models"],
                       "streams": streams.status() if streams is not None else [],
                       "queues": streams.queues() if streams is not None else [],
+                      "engines": streams.engines() if streams is not None else None,
                       "decoder": streams.decoder.status() if streams is not None else None,
                       "event_plane": plane.status() if plane is not None else None, "restore": restored})
 
@@ -444,10 +445,15 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     async def list_workers() -> Response:
         return _json({"workers": fleet.worker_rows(clock())})
 
-    @app.post("/v1/workers", status_code=201, responses=replies(400, 422, ok=ref("Worker"), status=201))
+    @app.post("/v1/workers", status_code=201, responses=replies(400, 409, 422, ok=ref("Worker"), status=201))
     async def register_worker(body: WorkerBody) -> Response:
-        info = fleet.register(WorkerInfo(body.worker_id, body.dp_rank, body.model, body.endpoint,
-                                         body.replay_endpoint, body.topic, total_blocks=body.total_blocks))
+        info = WorkerInfo(body.worker_id, body.dp_rank, body.model, body.endpoint, body.replay_endpoint, body.topic,
+                          total_blocks=body.total_blocks)
+        if streams is not None and not streams.admit(info):  # refused now, rather than accepted and not followed
+            return _error(409, f"this router follows {streams.max_engines} engine endpoints already, its most "
+                               "(serve --max-engines, whose default the file limit sets: ulimit -n); remove "
+                               "one (DELETE /v1/workers/ID) or raise the limit")
+        info = fleet.register(info)
         if streams is not None:
             streams.start(info)
         row = next(r for r in fleet.worker_rows(clock()) if (r["worker_id"], r["dp_rank"]) == info.key)

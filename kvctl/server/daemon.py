@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+import zmq
+import zmq.asyncio
 
 from kvctl.core.router.approx import ApproxConfig
 from kvctl.core.router.busy import Thresholds
@@ -28,6 +30,7 @@ from kvctl.server import snapshot
 from kvctl.server.api import MAX_BODY_BYTES, create_app, http_protocol, loop_lag_observer
 from kvctl.server.budget import RECLAIM_ENTRIES
 from kvctl.server.decoder import make_decoder
+from kvctl.server.fd_limits import default_max_engines, raise_file_limit, sized
 from kvctl.server.memory import trim_heap
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet, WorkerInfo
@@ -81,6 +84,7 @@ class ServeOptions:
     queue_batches: int = QUEUE_BATCHES  # decoded batches a model's writer holds before dropping (counted)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies are refused (413)
     decoder: str = "auto"  # where engine payloads are decoded: auto, inline or process (see decoder.py)
+    max_engines: int | None = None  # engine endpoints followed at most; None: as the file limit allows
 
 
 def is_loopback(host: str) -> bool:
@@ -136,7 +140,12 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
 
 async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], None],
                  restored: dict[str, Any] | None) -> None:
-    streams = Streams(fleet, queue_batches=options.queue_batches, decoder=make_decoder(options.decoder))
+    files = raise_file_limit()  # before the decode process starts: it inherits the limit
+    context = sized(zmq.asyncio.Context())
+    max_engines = options.max_engines or default_max_engines(files, context.get(zmq.MAX_SOCKETS))
+    log.info("following at most %d engine endpoints (file limit %d)", max_engines, files)
+    streams = Streams(fleet, queue_batches=options.queue_batches, decoder=make_decoder(options.decoder),
+                      context=context, max_engines=max_engines)
     plane: EventPlane | ZmqPlane | None = None
     if options.nats is not None:
         plane = EventPlane(fleet, streams, options.nats)
@@ -173,6 +182,7 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
         if plane is not None:
             await plane.close()
         await streams.close()
+        context.destroy(linger=0)
         for task in background:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -23,6 +23,7 @@ import zmq
 
 from kvctl.gc_tuning import tune_gc
 from kvctl.server.decode_wire import CONTROL, answer, live_answer, read_control, refused, split_requests
+from kvctl.server.fd_limits import sized
 from kvctl.server.memory import BurstTrimmer
 from kvctl.server.schema_seen import sampled
 
@@ -43,7 +44,7 @@ class _Sub:
 class _Receiver:
     def __init__(self, fd_in: int) -> None:
         self.fd_in = fd_in
-        self.context = zmq.Context()
+        self.context = sized(zmq.Context())
         self.poller = zmq.Poller()
         self.poller.register(fd_in, zmq.POLLIN)
         self.subs: dict[zmq.Socket[bytes], _Sub] = {}
@@ -56,14 +57,16 @@ class _Receiver:
             _, _, endpoint, topic, rcvhwm, block_size = command
             assert isinstance(endpoint, str) and isinstance(topic, str)
             assert isinstance(rcvhwm, int) and isinstance(block_size, int)
-            sub = self.context.socket(zmq.SUB)
+            sub: zmq.Socket[bytes] | None = None
             try:
+                sub = self.context.socket(zmq.SUB)
                 sub.setsockopt(zmq.LINGER, 0)
                 sub.setsockopt(zmq.RCVHWM, rcvhwm)
                 sub.setsockopt_string(zmq.SUBSCRIBE, topic)
                 sub.connect(endpoint)
-            except zmq.ZMQError as exc:  # one stream's bad endpoint must not take the others down with us
-                sub.close(linger=0)
+            except zmq.ZMQError as exc:  # one stream's bad endpoint (or no socket left) must not take the others
+                if sub is not None:
+                    sub.close(linger=0)
                 out.append(refused(key, f"cannot subscribe to {endpoint}: {exc}"))
                 return
             self.subs[sub] = _Sub(key, block_size)

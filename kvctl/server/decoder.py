@@ -7,9 +7,11 @@ streams hand it (`receive`) and sends their messages back decoded, many per read
 payloads the router submits (replayed batches) in the same order they were submitted. Ingest runs on
 two cores, and the loop that answers routes is freed of most of the ingest work. Everything else
 (seq tracking, replays, counters, the index) stays in the router; the child holds no state but its
-sockets. If it dies, the router logs it and works alone from then on: it decodes the payloads the
+sockets. If it dies, the router logs it and works alone meanwhile: it decodes the payloads the
 child had not answered, in order, and each stream the child received for opens its own socket; what
 the child had received and not sent is a gap the stream replays like any other (or counts as lost).
+A new child is started after a backoff (`RESPAWN_MIN_S`, doubling while children keep dying young), for
+what is submitted and subscribed from then on; status shows the failure meanwhile, and the last error.
 
 Both decoders keep submission order across everything submitted, streams included, and `then()`
 runs a callback once everything submitted before it has been delivered: an engine restart clears
@@ -56,6 +58,11 @@ _PIPE_BYTES = 1 << 20  # a pipe of 1 MiB: a millisecond's payloads fit in one wr
 QUIET_S = 0.1
 """What the decode process received for the streams is invisible until it is read: this long with nothing
 read from it, and nothing submitted unanswered, is how the router knows that no burst is going on."""
+
+RESPAWN_MIN_S = 0.5
+RESPAWN_MAX_S = 30.0
+"""Backoff before a new decode process: doubling from the first to the second while each dies within
+`RESPAWN_MAX_S` of its start."""
 
 _FLUSH_S = 0.001
 _FLUSH_BYTES = 256 * 1024
@@ -143,19 +150,18 @@ class InlineDecoder(NeverFull):
 class ProcessDecoder:
     """Decode in a child process; answers are delivered in submission order by the event loop."""
 
-    def __init__(self, *, max_pending: int = MAX_PENDING) -> None:
+    def __init__(self, *, max_pending: int = MAX_PENDING, respawn_min_s: float = RESPAWN_MIN_S) -> None:
         self._loop = asyncio.get_running_loop()
-        self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [sys.executable, "-m", "kvctl.server.decode_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._to_child = self._proc.stdin.fileno()
-        self._from_child = self._proc.stdout.fileno()
-        for fd in (self._to_child, self._from_child):
-            os.set_blocking(fd, False)
-            with contextlib.suppress(OSError, AttributeError):  # Linux only; the default 64 KiB still works
-                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        self._loop.add_reader(self._from_child, self._on_readable)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._to_child = self._from_child = -1
+        self._spawn()
         self._max_pending = max_pending
+        self._respawn_min_s = respawn_min_s
+        self._respawn_delay = respawn_min_s
+        self._respawning: asyncio.Task[None] | None = None
+        self._closed = False
+        self.restarts = 0  # children started after one died
+        self.last_error: str | None = None
         # in submission order: (payload, block size, done) awaiting an answer, or a callback for then()
         self._pending: deque[tuple[bytes, int, Decoded] | Callable[[], None]] = deque()
         self.in_flight = 0
@@ -175,6 +181,41 @@ class ProcessDecoder:
         self._next_key = 0
         self._resuming: asyncio.Task[None] | None = None  # while answers wait for a hold to have room
         self._read_at = float("-inf")  # monotonic time of the last read from the child
+
+    def _spawn(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "kvctl.server.decode_worker"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._to_child = self._proc.stdin.fileno()
+        self._from_child = self._proc.stdout.fileno()
+        for fd in (self._to_child, self._from_child):
+            os.set_blocking(fd, False)
+            with contextlib.suppress(OSError, AttributeError):  # Linux only; the default 64 KiB still works
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        self._loop.add_reader(self._from_child, self._on_readable)
+        self._spawned_at = time.monotonic()
+
+    async def _respawn(self, delay: float) -> None:
+        """A new child after `delay`, for what is submitted and subscribed from then on."""
+        await asyncio.sleep(delay)
+        try:
+            self._spawn()
+        except OSError as exc:  # out of descriptors or processes: stay in-process, try again later
+            self._schedule_respawn(f"cannot start the decode process: {exc}")
+            return
+        self._failure = None
+        self._flush_soon = False  # a flush that found no child left this set
+        self.restarts += 1
+        log.warning("decode process started again (pid %d)", self._proc.pid if self._proc is not None else -1)
+
+    def _schedule_respawn(self, why: str) -> None:
+        self.last_error = why
+        if self._closed:
+            return
+        young = time.monotonic() - self._spawned_at < RESPAWN_MAX_S
+        delay = self._respawn_delay
+        self._respawn_delay = min(delay * 2, RESPAWN_MAX_S) if young else self._respawn_min_s
+        self._respawning = self._loop.create_task(self._respawn(delay))
 
     # -- the Decoder protocol ------------------------------------------------------------------
 
@@ -240,6 +281,9 @@ class ProcessDecoder:
 
     async def close(self) -> None:
         """Stop the child once it has answered everything submitted (callers drain sources first)."""
+        self._closed = True
+        if self._respawning is not None:
+            self._respawning.cancel()
         await self.drained()
         self._stop_child()
         self._failure = "stopped"
@@ -247,7 +291,8 @@ class ProcessDecoder:
     def status(self) -> dict[str, Any]:
         proc = self._proc
         return {"mode": "process", "pid": None if proc is None else proc.pid, "in_flight": self.in_flight,
-                "decoded": self._decoded, "receiving": len(self._subscriptions), "failed": self._failure}
+                "decoded": self._decoded, "receiving": len(self._subscriptions), "failed": self._failure,
+                "restarts": self.restarts, "last_error": self.last_error}
 
     # -- the pipe ------------------------------------------------------------------------------
 
@@ -354,8 +399,8 @@ class ProcessDecoder:
         """The child is gone: decode what it had not answered here, in order, and everything after."""
         proc = self._proc
         code = None if proc is None else proc.poll()
-        self._failure = why if code is None else f"{why} (exit status {code})"
-        log.error("%s; decoding in the router's own process from now on (%d batches taken back)",
+        self._failure = failure = why if code is None else f"{why} (exit status {code})"
+        log.error("%s; decoding in the router's own process until a new one starts (%d batches taken back)",
                   self._failure, self.in_flight)
         self._stop_child()
         self._dispatch(hold=False)  # what was read is good: delivered first, in order
@@ -374,6 +419,7 @@ class ProcessDecoder:
         self._holds = []
         for subscription in subscriptions.values():
             subscription.on_lost("the decode process is gone")
+        self._schedule_respawn(failure)
 
     def _stop_child(self) -> None:
         proc, self._proc = self._proc, None

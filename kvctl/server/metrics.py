@@ -67,7 +67,7 @@ class FleetCollector(Collector):
         counts = CounterMetricFamily("kvctl_nats_messages", "event-plane messages and events, by what became of "
                                      "them (events, lost_events, stale_events, restarts, ...)", labels=["kind"])
         for kind, n in sorted(status["counts"].items()):
-            counts.add_metric([kind], n)
+            counts.add_metric([kind], _u64(n))
         errors = CounterMetricFamily("kvctl_nats_decode_errors", "event-plane messages skipped, by kind",
                                      labels=["kind"])
         for kind, n in sorted(status["decode_errors"].items()):
@@ -86,6 +86,10 @@ class FleetCollector(Collector):
                                                   "back incomplete", labels=labels),
             "restarts": CounterMetricFamily("kvctl_stream_engine_restarts", "engine restarts (seq went back)",
                                             labels=labels),
+            "jumps": CounterMetricFamily("kvctl_stream_seq_jumps", "seqs implausibly far ahead (over 2^32): "
+                                         "applied, not counted as lost", labels=labels),
+            "failures": CounterMetricFamily("kvctl_stream_failures", "times the stream died of an error (and was "
+                                            "run again after a backoff)", labels=labels),
         }
         errors = CounterMetricFamily("kvctl_stream_decode_errors", "events or messages skipped, by kind",
                                      labels=[*labels, "kind"])
@@ -94,15 +98,27 @@ class FleetCollector(Collector):
         for row in streams.status():
             key = [str(row["worker"]["worker_id"]), str(row["worker"]["dp_rank"]), row["endpoint"]]
             for name, family in counters.items():
-                family.add_metric(key, row[name])
+                family.add_metric(key, _u64(row[name]))
             for kind, n in sorted(row["decode_errors"].items()):
-                errors.add_metric([*key, kind], n)
+                errors.add_metric([*key, kind], _u64(n))
             gapped.add_metric(key, 1 if row["gapped"] else 0)
         dropped = CounterMetricFamily("kvctl_queue_dropped_batches", "decoded batches dropped: writer behind",
                                       labels=["model"])
         for queue in streams.queues():
             dropped.add_metric([queue["model"]], queue["dropped_batches"])
-        yield from (*counters.values(), errors, gapped, dropped)
+        engines = streams.engines()
+        refused = CounterMetricFamily("kvctl_engines_refused", "engine endpoints refused: the router followed "
+                                      "--max-engines already", value=engines["refused"])
+        running = GaugeMetricFamily("kvctl_engines", "engine endpoints followed", value=engines["running"])
+        yield from (*counters.values(), errors, gapped, dropped, refused, running)
+
+
+U64_MAX = (1 << 64) - 1
+
+
+def _u64(n: int) -> int:
+    """A counter as Prometheus clients read it: a u64 at most (Python's ints have no ceiling)."""
+    return min(n, U64_MAX)
 
 
 LOOP_LAG_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)

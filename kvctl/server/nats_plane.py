@@ -66,7 +66,6 @@ SNAPSHOT_CHECK_S = 1.0
 SNAPSHOT_READS = 10
 LOGGED_ERRORS_MAX = 16  # distinct connection errors logged between good connections (status shows them all)
 SUBJECTS_SEEN_MAX = 256  # distinct subjects counted; the rest are summed under "(others)"
-EVENT_ID_JUMP_MAX = 1 << 32  # a forward jump in event ids beyond this is an anomaly, not lost events
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,10 @@ applies them, and one way of judging order serves both.
 A transport hands over each message with where it came from (component, endpoint, topic); the ingest decodes
 the envelope, judges order per publisher (core/events/publishers.py), then by topic: `kv-events` to the
 model's writer, `kv_metrics` and `forward-pass-metrics` to the fleet's per-worker reports, and peers'
-`active_sequences_events` to the fleet's in-flight requests. Event ids per (worker, dp_rank) count lost
-events; ids going back with a restarted or new publisher clear that worker first. Nothing is dropped for its
-event id alone: one absurd id must not freeze a worker.
+`active_sequences_events` to the fleet's in-flight requests. Event ids per (worker, dp_rank), judged by the
+same rules, count lost events; ids going back with a restarted or new publisher clear that worker first.
+Nothing is dropped for its event id alone (but a JetStream redelivery): one absurd id is a jump, counted,
+and must not freeze a worker.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kvctl.core.events.plane import (
     decode_forward_pass,
     decode_sequence_events,
 )
-from kvctl.core.events.publishers import Order, Publisher, PublisherBook
+from kvctl.core.events.publishers import Order, Publisher, PublisherBook, Sequence
 from kvctl.core.events.request_plane import Recovered
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.server.recovery import Recovery
@@ -43,17 +44,17 @@ from kvctl.server.streams import ModelWriter
 log = logging.getLogger("kvctl.serve")
 Worker = tuple[int, int]
 
-EVENT_ID_JUMP_MAX = 1 << 32  # a forward jump in event ids beyond this is an anomaly, not lost events
 Handler = Callable[[bytes, Order, Publisher, float], Awaitable[None]]
 
 
 class _Cursor:
-    """Event ids of one (worker, dp_rank), and the publisher that sent the last one."""
+    """Event ids of one (worker, dp_rank), judged by the one set of sequence rules, and the publisher that sent
+    the last one."""
 
-    __slots__ = ("last", "publisher_id")
+    __slots__ = ("ids", "publisher_id")
 
-    def __init__(self) -> None:
-        self.last: int | None = None
+    def __init__(self, redelivered: bool) -> None:
+        self.ids = Sequence(redelivered=redelivered)
         self.publisher_id: int | None = None
 
 
@@ -122,42 +123,46 @@ class PlaneIngest:
             worker = (event.worker_id, event.dp_rank)
             self._spoke_for(publisher, worker)
             if self.recovery is not None and self.recovery.hold(event, order, publisher.publisher_id,
-                                                                self._cursor(worker).last):
+                                                                self._cursor(worker).ids.last):
                 continue
             # Wait for room rather than drop: the transport's own buffer holds the backlog meanwhile.
             await self.writer.put_wait(worker, self._in_order(event, order, publisher.publisher_id))
 
-    def _cursor(self, worker: Worker) -> _Cursor:
+    def _cursor(self, worker: Worker, *, redelivered: bool = False) -> _Cursor:
         cursor = self.cursors.get(worker)
         if cursor is None:
-            cursor = self.cursors[worker] = _Cursor()
+            cursor = self.cursors[worker] = _Cursor(redelivered)
         return cursor
 
-    def _restarted(self, worker: Worker, event: RouterEvent, last: int) -> list[EventData]:
+    def _restarted(self, worker: Worker, event: RouterEvent, last: int | None) -> list[EventData]:
         self.counts["restarts"] += 1
-        log.warning("event plane: worker %s:%s restarted (event id %d after %d): clearing it", *worker,
+        log.warning("event plane: worker %s:%s restarted (event id %d after %s): clearing it", *worker,
                     event.event_id, last)
         return [Cleared(), event.data]
+
+    def _count(self, ids: Order, last: int | None, got: int) -> None:
+        """What an event id tells beyond the envelope's order: events lost, or an absurd id."""
+        if ids is Order.gap:
+            assert last is not None
+            self.counts["gaps"] += 1
+            self.counts["lost_events"] += got - last - 1
+        elif ids is Order.jump:
+            self.counts["event_id_jumps"] += 1
 
     def _in_order(self, event: RouterEvent, order: Order, publisher_id: int) -> list[EventData]:
         """What to apply for one event: its data, after a clear when its worker's publisher started over."""
         worker = (event.worker_id, event.dp_rank)
         cursor = self._cursor(worker)
-        last, got = cursor.last, event.event_id
+        last, got = cursor.ids.last, event.event_id
         new_publisher = cursor.publisher_id not in (None, publisher_id)
-        cursor.last, cursor.publisher_id = got, publisher_id
+        cursor.publisher_id = publisher_id
+        ids = cursor.ids.observe(got)
         self.counts["events"] += 1
-        if last is None:
-            return [event.data]
-        if got <= last and (order is Order.restart or new_publisher):
-            return self._restarted(worker, event, last)
-        if got <= last:
+        if ids in (Order.restart, Order.repeat):
+            if order is Order.restart or new_publisher:
+                return self._restarted(worker, event, last)
             self.counts["event_id_regressions"] += 1  # applied all the same: order is the envelope's to judge
-        elif got - last - 1 > EVENT_ID_JUMP_MAX:
-            self.counts["event_id_jumps"] += 1
-        elif got > last + 1:
-            self.counts["gaps"] += 1
-            self.counts["lost_events"] += got - last - 1
+        self._count(ids, last, got)
         return [event.data]
 
     async def apply_recovered(self, worker: Worker, recovered: Recovered, held: list[tuple[RouterEvent, Order, int]]
@@ -169,14 +174,15 @@ class PlaneIngest:
         if recovered.reset:
             datas: list[EventData] = [Cleared(), *(e.data for e in recovered.events)]
         else:
-            datas = [e.data for e in recovered.events if cursor.last is None or e.event_id > cursor.last]
-        if recovered.reset or recovered.events:
-            cursor.last = recovered.last_event_id if recovered.reset else max(cursor.last or 0, recovered.last_event_id)
+            datas = [e.data for e in recovered.events if cursor.ids.last is None or e.event_id > cursor.ids.last]
+        if recovered.reset or recovered.events:  # the position the answer leaves the worker at
+            cursor.ids.last = (recovered.last_event_id if recovered.reset
+                               else max(cursor.ids.last or 0, recovered.last_event_id))
         self.counts["recovered_events"] += len(datas) - recovered.reset
         await self.writer.put_wait(worker, datas)
         for event, order, publisher_id in held:
             same_publisher = cursor.publisher_id in (None, publisher_id)
-            if cursor.last is not None and event.event_id <= cursor.last and same_publisher:
+            if cursor.ids.last is not None and event.event_id <= cursor.ids.last and same_publisher:
                 self.counts["recovered_duplicates"] += 1
                 continue
             await self.writer.put_wait(worker, self._in_order(event, order, publisher_id))
@@ -185,18 +191,16 @@ class PlaneIngest:
         """An event of kvctl's JetStream stream, sequenced by its id alone (the stream has no envelope): a
         redelivered copy of one already applied is dropped, ids starting over (1 or 0) a restarted publisher."""
         worker = (event.worker_id, event.dp_rank)
-        cursor = self._cursor(worker)
-        last, got = cursor.last, event.event_id
-        if last is not None and 1 < got <= last:
+        cursor = self._cursor(worker, redelivered=True)
+        last, got = cursor.ids.last, event.event_id
+        ids = cursor.ids.observe(got)
+        if ids is Order.repeat:
             self.counts["stale_events"] += 1
             return []
-        cursor.last = got
         self.counts["events"] += 1
-        if last is not None and got <= last:
+        if ids is Order.restart:
             return self._restarted(worker, event, last)
-        if last is not None and got > last + 1:
-            self.counts["gaps"] += 1
-            self.counts["lost_events"] += got - last - 1
+        self._count(ids, last, got)
         return [event.data]
 
     # ----- load reports, forward passes, replica sync -------------------------------------------------
@@ -260,7 +264,8 @@ class PlaneIngest:
             "counts": dict(self.counts), "decode_errors": dict(self.errors),
             "sequence": self.publishers.totals(),
             "publishers": self.publishers.rows(now),
-            "workers": [{"worker_id": w[0], "dp_rank": w[1], "publisher_id": c.publisher_id, "last_event_id": c.last,
+            "workers": [{"worker_id": w[0], "dp_rank": w[1], "publisher_id": c.publisher_id,
+                         "last_event_id": c.ids.last,
                          **({} if self.recovery is None else {"recovery": self.recovery.state(w)})}
                         for w, c in sorted(self.cursors.items())],
         }

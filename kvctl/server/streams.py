@@ -1,5 +1,9 @@
 """The running engine streams of a router: started when a worker with an endpoint is registered (flag or
-`POST /v1/workers`), stopped when it is removed, reported by `GET /v1/status`."""
+`POST /v1/workers`), stopped when it is removed, reported by `GET /v1/status`.
+
+A stream that dies of an exception (a socket it cannot open: out of file descriptors, say) is not left
+stopped behind a normal-looking status: it shows as `failed` with its error while it waits, and is run
+again after a backoff that doubles from `RESTART_MIN_S` to `RESTART_MAX_S`."""
 
 from __future__ import annotations
 
@@ -11,10 +15,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import zmq.asyncio
+
 from kvctl.core.events import Cleared, EventData
 from kvctl.server.budget import SLICE_S
 from kvctl.server.decoder import Decoder, InlineDecoder
 from kvctl.server.memory import BurstTrimmer
+from kvctl.server.plane_tasks import error_text
 from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.zmq_source import EngineStream
 
@@ -22,6 +29,10 @@ log = logging.getLogger("kvctl.serve")
 Worker = tuple[int, int]
 _NOBODY: Worker = (0, 0)  # the worker of an empty batch (a marker): applying it touches nothing
 
+
+RESTART_MIN_S = 0.5
+RESTART_MAX_S = 30.0
+"""Backoff between the runs of a stream that died: doubling from the first to the second."""
 
 QUEUE_BATCHES = 10_000
 """Decoded batches a model's writer may fall behind by before sources start dropping (and counting)."""
@@ -134,14 +145,37 @@ class _QueueAlone:
         await self._writer.room_below(self._writer.queue.qsize)
 
 
-class Streams:
-    """`decoder` is shared by every stream, so batches reach the writers in the order they came in."""
+@dataclasses.dataclass(slots=True)
+class _Source:
+    """A stream and the task that runs it (again, after a failure), with how it failed."""
 
-    def __init__(self, fleet: Fleet, *, queue_batches: int = QUEUE_BATCHES, decoder: Decoder | None = None) -> None:
+    stream: EngineStream
+    task: asyncio.Task[None] | None = None
+    failures: int = 0
+    last_error: str | None = None
+    failed: bool = False  # died, waiting for its next run
+
+    def row(self) -> dict[str, Any]:
+        return {"state": "failed" if self.failed else "running", "failures": self.failures,
+                "last_error": self.last_error}
+
+
+class Streams:
+    """`decoder` is shared by every stream, so batches reach the writers in the order they came in; `context`
+    is the ZMQ context their sockets are made in (the process-wide one by default). At most `max_engines`
+    streams run at once: past it an engine is refused (`admit`), and counted, never accepted and dropped."""
+
+    def __init__(self, fleet: Fleet, *, queue_batches: int = QUEUE_BATCHES, decoder: Decoder | None = None,
+                 context: zmq.asyncio.Context | None = None, restart_min_s: float = RESTART_MIN_S,
+                 max_engines: int | None = None) -> None:
         self.fleet = fleet
+        self.max_engines = max_engines
+        self.refused = 0  # engines refused for want of room
         self.queue_batches = queue_batches
         self.decoder: Decoder = InlineDecoder() if decoder is None else decoder
-        self._running: dict[Worker, tuple[EngineStream, asyncio.Task[None]]] = {}
+        self.context = context
+        self.restart_min_s = restart_min_s
+        self._running: dict[Worker, _Source] = {}
         self.writers: dict[str, ModelWriter] = {}
         self._rates: dict[Worker, float] = {}  # events/s over the last sampling interval
         self._last_sample: dict[Worker, tuple[float, int]] = {}
@@ -152,9 +186,23 @@ class Streams:
             writer = self.writers[model] = ModelWriter(self.fleet, model, self.queue_batches, self.decoder)
         return writer
 
+    def admit(self, info: WorkerInfo) -> bool:
+        """Whether `start(info)` would not go past `max_engines` (a worker already followed, or without an
+        endpoint, takes no more room); a refusal is counted."""
+        if (not info.endpoint or info.key in self._running or self.max_engines is None
+                or len(self._running) < self.max_engines):
+            return True
+        self.refused += 1
+        return False
+
     def start(self, info: WorkerInfo) -> bool:
-        """Subscribe to a worker's engine; False when it has no endpoint or is already subscribed."""
+        """Subscribe to a worker's engine; False when it has no endpoint, is already subscribed, or there is no
+        room left (see `admit`: logged and counted)."""
         if not info.endpoint or info.key in self._running:
+            return False
+        if not self.admit(info):
+            log.error("engine %s:%s at %s not followed: %d engines already (--max-engines)", *info.key,
+                      info.endpoint, self.max_engines)
             return False
         model = info.model
         writer = self.writer(model)
@@ -165,26 +213,39 @@ class Streams:
 
         stream = EngineStream(worker=info.key, endpoint=info.endpoint, replay_endpoint=info.replay_endpoint,
                               topic=info.topic, block_size=self.fleet.model(model).block_size, sink=writer.put,
-                              on_restart=on_restart, decoder=self.decoder, downstream=writer, queue=writer.queued)
-        self._running[info.key] = (stream, asyncio.get_running_loop().create_task(self._run(stream)))
+                              on_restart=on_restart, decoder=self.decoder, downstream=writer, queue=writer.queued,
+                              context=self.context)
+        source = self._running[info.key] = _Source(stream)
+        source.task = asyncio.get_running_loop().create_task(self._run(source))
         return True
 
-    async def _run(self, stream: EngineStream) -> None:
-        try:
-            await stream.run()
-        except Exception:  # a stream must never take the daemon down; it is reported and stays stopped
-            log.exception("engine stream %s stopped", stream.stats.endpoint)
+    async def _run(self, source: _Source) -> None:
+        """Run the stream until it is closed; one that dies is shown failed and run again after a backoff."""
+        stream, delay = source.stream, self.restart_min_s
+        while True:
+            try:
+                await stream.run()
+                return  # closed
+            except Exception as exc:  # a stream must never take the daemon down, nor stop unseen
+                source.failures += 1
+                source.last_error = error_text(exc)
+                source.failed = True
+                log.exception("engine stream %s failed; running it again in %.1fs", stream.endpoint, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RESTART_MAX_S)
+            source.failed = False
 
     async def stop(self, worker_id: int, dp_rank: int | None = None) -> int:
         """Stop a worker's streams; returns once what they had received is in the index."""
         keys = [k for k in self._running if k[0] == worker_id and (dp_rank is None or k[1] == dp_rank)]
         for key in keys:
-            stream, task = self._running.pop(key)
+            source = self._running.pop(key)
             self._rates.pop(key, None)
             self._last_sample.pop(key, None)
-            stream.close()
+            source.stream.close()  # cancels its task, in a run or in a backoff
+            assert source.task is not None
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                await source.task
         if keys:
             await self.decoder.drained()
             for writer in self.writers.values():
@@ -207,13 +268,17 @@ class Streams:
         """Nothing received is waiting to be decoded or applied, and the decode process has been quiet."""
         return self.decoder.idle() and all(w.queue.empty() for w in self.writers.values())
 
+    def engines(self) -> dict[str, Any]:
+        """How many engines are followed, the most that may be, and how many were refused."""
+        return {"running": len(self._running), "max": self.max_engines, "refused": self.refused}
+
     def queues(self) -> list[dict[str, Any]]:
         return [w.status() for _, w in sorted(self.writers.items())]
 
     def sample(self, now: float) -> None:
         """Turn each stream's event counter into a rate over the time since the previous sample."""
-        for key, (stream, _) in self._running.items():
-            events = stream.stats.events
+        for key, source in self._running.items():
+            events = source.stream.stats.events
             previous = self._last_sample.get(key)
             if previous is not None and now > previous[0]:
                 self._rates[key] = (events - previous[1]) / (now - previous[0])
@@ -221,8 +286,8 @@ class Streams:
 
     def status(self) -> list[dict[str, Any]]:
         out = []
-        for (worker_id, dp_rank), (stream, _) in sorted(self._running.items()):
-            stats = dataclasses.asdict(stream.stats)
+        for (worker_id, dp_rank), source in sorted(self._running.items()):
+            stats = dataclasses.asdict(source.stream.stats) | source.row()
             stats["worker"] = {"worker_id": worker_id, "dp_rank": dp_rank}
             stats["schema"] = {k: sorted(v) for k, v in stats["schema"].items()}
             stats["last_event_age_s"] = None if stats["last_event_at"] is None else round(

@@ -40,6 +40,7 @@ from kvctl.core.events.request_plane import namespace_sources_prefix
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.server.dynamo_discovery import KEEP_ALIVE_S, Discovery, DiscoveryError, open_discovery
+from kvctl.server.fd_limits import sized
 from kvctl.server.plane_ingest import PlaneIngest
 from kvctl.server.plane_tasks import PlaneTasks
 from kvctl.server.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
@@ -129,7 +130,7 @@ class ZmqPlane(PlaneTasks):
         self.ready_at: float | None = None
         self._bad_records: dict[str, bytes] = {}  # counted once each, until they change
         self._failing = False  # the last listing failed (status keeps the last error)
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = sized(zmq.asyncio.Context())  # a fleet of over 500 publishers needs more than ZMQ's 1023
         self.channels: SequenceChannels | None = None
         if options.replica_sync and not options.shadow:
             self.channels = SequenceChannels(self.discovery, options.namespace, options.router_id,

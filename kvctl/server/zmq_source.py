@@ -4,21 +4,28 @@ An engine (vLLM, SGLang) publishes `[topic, seq (u64 BE), payload]` on a PUB soc
 replay buffer behind a ROUTER socket. `EngineStream` subscribes, decodes each payload with the core
 codec and hands the events to a sink, keeping them in the engine's seq order:
 
+Live seqs are judged by the one set of sequence rules every source shares (`Sequence`,
+kvctl/core/events/publishers.py):
+
 - The first message sets the expected seq; history from before we connected is not asked for.
-- `seq == last + 1` applies. A duplicate (`seq` equal to the last live seq, or already applied via
-  a replay) is skipped.
+- `seq == last + 1` applies. A seq already applied via a replay is skipped and counted in `duplicates`.
 - `seq > last + 1` is a gap. With a replay endpoint, the missing range is asked for on a DEALER
   (`[b"", start]`); until the replay ends, live messages are buffered so that a replayed store can
   never land after a newer live remove. Replayed batches apply strictly in seq order, then the
   buffer. Without a replay endpoint, on a timeout, or when the engine no longer holds the range,
   the missing batches are counted as lost, the stream is marked `gapped`, and it carries on.
-- `seq` lower than the last live seq is an engine restart: `on_restart` is called (the server
-  clears that worker) and the stream continues from the new seq. A restarted engine counts from 0,
-  so a first seq above 0 means its first batches went out before our SUB had reconnected: they are
-  a gap from 0, replayed (or counted lost) like any other.
+- `seq` lower than the last live seq, or equal to it, is an engine restart: `on_restart` is called (the
+  server clears that worker) and the stream continues from the new seq. The same seq again is no repeat
+  here: a PUB numbers each batch once per process and ZMQ delivers each once (replays come on the
+  DEALER), so it can only be an engine restarted after one batch. vLLM's publisher counts from 0 per
+  process, so a first seq above 0 means its first batches went out before our SUB had reconnected:
+  they are a gap from 0, replayed (or counted lost) like any other.
+- A jump of more than `JUMP_MAX` seqs ahead is no plausible loss: it is counted in `jumps` and its
+  batch applied, the stream keeping its place (no replay of 2^64 batches, no 2^64 lost batches).
 
 Everything malformed is counted in `decode_errors` by `ErrorKind` and skipped; the stream never
-stops on bad input. Only the sink or `on_restart` raising ends `run()` (a server bug, not input).
+stops on bad input. Only an error of its own (a socket it cannot open) or the sink or `on_restart` raising
+ends `run()`; `kvctl.server.streams` then shows it failed and runs it again.
 
 This module and the decode process (`kvctl.server.decode_worker`, which may hold the SUB socket) are
 the router's only ZMQ speakers; the decoding is `kvctl.core.events.engine`, which does no I/O.
@@ -49,6 +56,7 @@ from kvctl.core.events import (
     encode_replay_request,
     live_seq,
 )
+from kvctl.core.events.publishers import Order, Sequence
 from kvctl.server.budget import SLICE_S
 from kvctl.server.decoder import Backpressure, Decoder, InlineDecoder, NeverFull, Subscription
 from kvctl.server.schema_seen import Schema, SchemaSeen, sampled
@@ -75,6 +83,7 @@ class StreamStats:
     - `replays_ok` / `replays_failed`: replays that repaired their gap / that timed out or came back
       incomplete (the engine no longer held the range).
     - `duplicates`: live or replayed messages skipped because their seq was already applied.
+    - `jumps`: live seqs implausibly far ahead (`JUMP_MAX`), applied without moving the stream's place.
     - `gapped`: some batch was lost since the stream started (or since the last engine restart,
       which clears the worker and so makes the index whole again).
     - `last_event_at` / `last_message_at`: the injected clock at the last delivered event / at the
@@ -94,6 +103,7 @@ class StreamStats:
     lost_batches: int
     restarts: int
     duplicates: int
+    jumps: int
     decode_errors: dict[str, int]
     last_event_at: float | None
     last_message_at: float | None
@@ -109,7 +119,6 @@ class _Replay:
     start: int
     deadline: float
     buffered: deque[tuple[int, Received]] = field(default_factory=deque)
-    last_live: int = 0  # highest live seq buffered
     lost_before: int = 0  # the stream's lost_batches when the replay began
 
 
@@ -181,10 +190,11 @@ class EngineStream:
         self._key: int | None = None  # while the decode process receives for this stream
         self._wake = asyncio.Event()  # a replay to time, or a socket to open: see _wait_for_replies
         self._run_task: asyncio.Task[None] | None = None
+        self._serving = False
         self._closing = False
 
         self._last: int | None = None  # last seq applied (live or replayed)
-        self._last_live: int | None = None  # last seq received live (restart detection)
+        self._live = Sequence(once=True)  # the seqs received live: where each stands
         self._last_delivered: int | None = None  # last seq whose batch reached the sink (or failed to decode)
         self._replay: _Replay | None = None
         self._keys_seen: set[WorkerKey] = set()
@@ -196,7 +206,6 @@ class EngineStream:
         self._replays_ok = 0
         self._replays_failed = 0
         self._lost = 0
-        self._restarts = 0
         self._duplicates = 0
         self._decode_errors: dict[str, int] = {}
         self._last_event_at: float | None = None
@@ -220,8 +229,9 @@ class EngineStream:
             replays_ok=self._replays_ok,
             replays_failed=self._replays_failed,
             lost_batches=self._lost,
-            restarts=self._restarts,
+            restarts=self._live.restarts,
             duplicates=self._duplicates,
+            jumps=self._live.jumps,
             decode_errors=dict(self._decode_errors),
             last_event_at=self._last_event_at,
             last_message_at=self._last_message_at,
@@ -231,14 +241,22 @@ class EngineStream:
         )
 
     async def run(self) -> None:
-        """Connect and serve until `close()`; sockets are closed (linger 0) however it ends."""
-        if self._run_task is not None:
-            raise RuntimeError("EngineStream.run() is already running or has run")
+        """Connect and serve until `close()`; sockets are closed (linger 0) however it ends.
+
+        After a run that raised, `run()` may be called again (by the same task or another): the counters
+        and the seq position carry on, so what went by meanwhile shows as a gap, replayed or counted lost;
+        a replay that was in flight is given up."""
+        if self._serving:
+            raise RuntimeError("EngineStream.run() is already running")
         task = asyncio.current_task()
         assert task is not None
         self._run_task = task
         if self._closing:
             return
+        self._serving = True
+        if self._replay is not None:
+            self._replay = None
+            self._replays_failed += 1
         try:
             self._open()
             await self._serve()
@@ -247,6 +265,7 @@ class EngineStream:
                 raise
             task.uncancel()  # our own close(): a clean end, not a cancellation of the caller
         finally:
+            self._serving = False
             self._close_sockets()
 
     def close(self) -> None:
@@ -434,29 +453,27 @@ class EngineStream:
         self._sequence(seq, result)
 
     def _sequence(self, seq: int, item: Received) -> None:
-        replay = self._replay
-        if replay is not None:
-            if seq < replay.last_live:
-                self._abandon_replay()  # the engine restarted mid-replay; fall through to the restart
-            elif seq == replay.last_live:
-                self._duplicates += 1
-                return
-            else:
-                replay.last_live = seq
-                self._last_live = seq
-                replay.buffered.append((seq, item))
-                self._drain_buffer(final=False)
-                return
-
-        last, last_live = self._last, self._last_live
-        self._last_live = seq
-        if last is None or last_live is None:
+        previous = self._live.last
+        order = self._live.observe(seq)
+        if order is Order.jump:
+            log.warning("%s: seq jumped from %s to %d: applied, the stream keeps its place", self._name(),
+                        previous, seq)
+            last = self._last
             self._apply(seq, item)
-        elif seq <= last_live:  # a PUB never sends a seq twice: the same one again is a restart
-            self._restart(last_live, seq, item)
-        elif seq <= last:
-            self._duplicates += 1
-        elif seq == last + 1:
+            self._last = last
+        elif order is Order.restart:
+            assert previous is not None
+            if self._replay is not None:
+                self._abandon_replay()  # the old incarnation's replay and buffer no longer matter
+            self._restart(previous, seq, item)
+        elif self._replay is not None:
+            self._replay.buffered.append((seq, item))
+            self._drain_buffer(final=False)
+        elif self._last is None:
+            self._apply(seq, item)
+        elif seq <= self._last:
+            self._duplicates += 1  # applied already, by a replay
+        elif seq == self._last + 1:
             self._apply(seq, item)
         else:
             self._gap(seq, item)
@@ -472,7 +489,7 @@ class EngineStream:
             return
         log.info("%s: seq gap %d..%d, asking for a replay", self._name(), start, seq - 1)
         deadline = asyncio.get_running_loop().time() + self.replay_timeout_s
-        self._replay = _Replay(start, deadline, deque([(seq, item)]), last_live=seq, lost_before=self._lost)
+        self._replay = _Replay(start, deadline, deque([(seq, item)]), lost_before=self._lost)
         self._dealer.send_multipart(encode_replay_request(start))
         self._wake.set()  # the serve loop now has a deadline to keep
 
@@ -512,7 +529,6 @@ class EngineStream:
             self._replays_ok += 1
 
     def _abandon_replay(self) -> None:
-        """The engine restarted: the old incarnation's replay and buffer no longer matter."""
         self._replay = None
         self._reset_dealer()
 
@@ -536,9 +552,7 @@ class EngineStream:
 
     def _restart(self, last_live: int, seq: int, item: Received) -> None:
         log.warning("%s: seq went back from %d to %d: engine restart", self._name(), last_live, seq)
-        self._restarts += 1
         self._gapped = False
-        self._last_live = seq
         self._decoder.then(self._clear_seen)  # once the old incarnation's batches are all delivered
         if seq == 0:
             self._last = None

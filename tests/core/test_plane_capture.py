@@ -36,7 +36,7 @@ from kvctl.core.events.plane import (
     encode_forward_pass,
     encode_sequence_event,
 )
-from kvctl.core.events.publishers import Order, PublisherBook
+from kvctl.core.events.publishers import JUMP_MAX, REDELIVERY_MAX, Order, PublisherBook, Sequence
 from tests.fixtures_path import FIXTURES
 
 CAPTURE_FILE = FIXTURES / "dynamo-1.6.1-fleet" / "nats_capture.jsonl"
@@ -128,8 +128,58 @@ def test_publisher_order_follows_the_rule(messages: list[tuple[int, int]]) -> No
             assert before is not None
             lost[pid] += seq - before - 1
         last[pid] = seq
-        assert pub.last_sequence == seq and pub.lost == lost[pid] and pub.last_seen == float(n)
+        assert pub.sequence.last == seq and pub.sequence.lost == lost[pid] and pub.last_seen == float(n)
     assert book.totals()["publishers"] == len(last)
+
+
+_NUMBERS = st.one_of(st.integers(0, 12), st.integers(JUMP_MAX - 2, JUMP_MAX + 14),
+                     st.integers(REDELIVERY_MAX - 2, REDELIVERY_MAX + 14), st.integers(2**63 - 2, 2**64 - 1))
+
+
+@given(st.lists(_NUMBERS, max_size=40), st.sampled_from([(False, False), (True, False), (False, True)]))
+def test_every_number_has_one_place_and_none_freezes_the_sequence(numbers: list[int],
+                                                                  transport: tuple[bool, bool]) -> None:
+    """The rules against a model that states them as ranges around the position: a jump (an anomaly) keeps the
+    position, so a number right after the position is always next, whatever came before it."""
+    redelivered, once = transport
+    sequence = Sequence(redelivered=redelivered, once=once)
+    at: int | None = None
+    counted: Counter[Order] = Counter()
+    lost = 0
+    for number in numbers:
+        order = sequence.observe(number)
+        if at is None:
+            expected, moves = Order.first, True
+        else:
+            back = at - number
+            if (back == 0 and not once) or (redelivered and number > 1 and 0 < back <= REDELIVERY_MAX):
+                expected, moves = Order.repeat, False
+            elif back >= 0:
+                expected, moves = Order.restart, True
+            elif -back == 1:
+                expected, moves = Order.next, True
+            elif -back - 1 <= JUMP_MAX:
+                expected, moves, lost = Order.gap, True, lost - back - 1
+            else:
+                expected, moves = Order.jump, False
+        assert order is expected, (at, number)
+        counted[order] += 1
+        at = number if moves else at
+        assert sequence.last == at
+    assert sequence.counts() == {"gaps": counted[Order.gap], "lost": lost, "restarts": counted[Order.restart],
+                                 "repeats": counted[Order.repeat], "jumps": counted[Order.jump]}
+    assert sequence.lost <= JUMP_MAX * sequence.gaps  # never 2^64 messages lost in one gap
+    if at is not None:
+        assert sequence.observe(at + 1) is Order.next
+
+
+def test_an_absurd_number_is_a_jump_and_the_next_one_is_in_order() -> None:
+    """Once, an event id of 2^63 moved the position there and every later event was dropped as old; a seq of
+    2^64 - 1 counted 2^64 lost batches."""
+    sequence = Sequence(redelivered=True)
+    assert [sequence.observe(n) for n in (1, 2, 2**63, 3, 2**64 - 1, 4, 1)] == [
+        Order.first, Order.next, Order.jump, Order.next, Order.jump, Order.next, Order.restart]
+    assert (sequence.jumps, sequence.lost, sequence.last) == (2, 0, 1)
 
 
 def test_the_book_forgets_the_publisher_heard_from_longest_ago() -> None:

@@ -19,6 +19,7 @@ from kvctl.core.doctor import (
     check_index,
     check_partial,
     check_recovery,
+    check_streams,
     diagnose,
 )
 from tests.commands.live_router import loaded_router
@@ -59,6 +60,27 @@ def test_a_queue_that_dropped_batches_is_critical(answers: Answers) -> None:
     assert finding.severity is Severity.CRITICAL and finding.evidence["queues"][0]["dropped_batches"] == 3
     status["queues"][0].update(dropped_batches=0, dropped_events=0)
     assert not [f for f in check_index(status, Limits()) if f.check == "queues"]
+
+
+def test_a_failed_stream_is_critical_while_down_and_a_warning_once_running_again(answers: Answers) -> None:
+    status, _, _ = fresh(answers)
+    row = {"worker": {"worker_id": 2, "dp_rank": 0}, "state": "failed", "failures": 3,
+           "last_error": "ZMQError: Too many open files"}
+    status["streams"] = [row, {"worker": {"worker_id": 1, "dp_rank": 0}, "state": "running", "failures": 0}]
+    [finding] = check_streams(status)
+    assert finding.severity is Severity.CRITICAL and finding.evidence["workers"] == ["2:0"]
+    assert finding.evidence["last_error"] == {"2:0": "ZMQError: Too many open files"}
+    row["state"] = "running"
+    [finding] = check_streams(status)
+    assert finding.severity is Severity.WARNING and "ran again" in finding.cause
+
+
+def test_a_decode_process_that_died_is_a_warning(answers: Answers) -> None:
+    status, _, _ = fresh(answers)
+    status["decoder"] = {"mode": "process", "failed": None, "restarts": 2,
+                         "last_error": "the decode process exited (exit status -9)"}
+    [finding] = [f for f in check_streams(status) if f.check == "decoder"]
+    assert finding.severity is Severity.WARNING and "exit status -9" in finding.cause and "2 time" in finding.cause
 
 
 def test_most_workers_busy_warns_and_a_full_cache_without_thresholds_warns(answers: Answers) -> None:

@@ -59,7 +59,7 @@ from kvctl.core.events.plane import (
     encode_forward_pass,
     encode_sequence_event,
 )
-from kvctl.core.events.publishers import Order, PublisherBook
+from kvctl.core.events.publishers import Order, PublisherBook, Sequence
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
@@ -472,7 +472,7 @@ def _expect(book: PublisherBook, namespace: str, messages: list[Message]) -> dic
 
 
 def _publishers(book: PublisherBook) -> dict[int, tuple[int, ...]]:
-    return {p.publisher_id: (p.last_sequence, p.messages, p.gaps, p.lost, p.restarts, p.repeats)
+    return {p.publisher_id: (p.sequence.last, p.sequence.messages, *p.sequence.counts().values())
             for p in book.publishers.values()}
 
 
@@ -508,7 +508,7 @@ async def test_junk_on_every_subject_is_counted_and_good_events_still_apply(
         await rig.nc.publish(subject, body)
     await barrier(rig.nc)
     # One subscription handles its messages in order: once the good event (the last one) is in, all are.
-    await rig.until(lambda: getattr(plane.cursors.get((GOOD_WORKER, 0)), "last", None) == good.event_id,
+    await rig.until(lambda: getattr(plane.cursors.get((GOOD_WORKER, 0)), "ids", Sequence()).last == good.event_id,
                     "the good event")
     counted = {name: after - before[name] for name, after in _snapshot(plane).items()}
     assert counted == expected
@@ -546,7 +546,7 @@ async def test_junk_on_the_jetstream_subject_is_counted_and_good_events_still_ap
     await rig.until(lambda: (plane.counts - counts_before)["messages"] == len(lines) + 1
                     and plane.errors - errors_before == expected_errors, "every message")
     await rig.streams.writer("default").applied()
-    assert plane.cursors[(GOOD_WORKER, 0)].last == good.event_id
+    assert plane.cursors[(GOOD_WORKER, 0)].ids.last == good.event_id
     held = rig.fleet.models["default"].router.index.dump()
     assert any(ev.worker_id == GOOD_WORKER and isinstance(ev.data, Stored)
                and good.data.block_hashes[0] in ev.data.block_hashes for ev in held)  # type: ignore[union-attr]

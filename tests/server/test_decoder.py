@@ -130,7 +130,7 @@ async def test_a_killed_decode_process_loses_nothing(process: ProcessDecoder) ->
         process.submit(PAYLOADS[i % len(PAYLOADS)], 16, keep(i))
         await asyncio.sleep(0)
     deadline = time.monotonic() + 10
-    while process.status()["failed"] is None:
+    while process.status()["last_error"] is None:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
     await asyncio.wait_for(process.drained(), 10)
@@ -138,7 +138,28 @@ async def test_a_killed_decode_process_loses_nothing(process: ProcessDecoder) ->
         process.submit(PAYLOADS[i % len(PAYLOADS)], 16, keep(i))
     assert got == list(range(90))
     assert all(_same(r, decode_now(PAYLOADS[i % len(PAYLOADS)], 16)) for i, r in enumerate(results))
-    assert "exited" in process.status()["failed"] or "cannot" in process.status()["failed"]
+    assert "exited" in process.status()["last_error"] or "cannot" in process.status()["last_error"]
+
+
+async def test_a_dead_decode_process_is_started_again_after_a_backoff() -> None:
+    """It once stayed gone for the router's lifetime, everything decoded in the router's loop from then on."""
+    process = ProcessDecoder(respawn_min_s=0.05)
+    try:
+        first = process.status()["pid"]
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while process.status()["restarts"] == 0:
+            assert time.monotonic() < deadline, process.status()
+            await asyncio.sleep(0.01)
+        status = process.status()
+        assert status["failed"] is None and status["pid"] not in (None, first) and "exited" in status["last_error"]
+        got: list[EngineBatch | ErrorKind] = []
+        decoded = status["decoded"]
+        process.submit(PAYLOADS[0], 16, got.append)
+        await asyncio.wait_for(process.drained(), 10)
+        assert _same(got[0], decode_now(PAYLOADS[0], 16)) and process.status()["decoded"] == decoded + 1
+    finally:
+        await process.close()
 
 
 async def test_a_stream_the_child_cannot_subscribe_for_is_handed_back_and_the_child_carries_on(

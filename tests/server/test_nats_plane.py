@@ -173,9 +173,11 @@ async def test_order_is_judged_per_publisher_and_no_event_id_freezes_a_worker(se
         await until(lambda: router.plane.counts["events"] == 7, "every event but the repeated envelope")
         await router.streams.writer("default").applied()
         counts, status = router.plane.counts, router.plane.status()
-        assert (counts["gaps"], counts["lost_events"], counts["restarts"]) == (1, 2, 1)
-        assert (counts["event_id_jumps"], counts["event_id_regressions"]) == (1, 1)
-        assert status["sequence"] == {"publishers": 2, "gaps": 1, "lost": 2, "restarts": 1, "repeats": 1}
+        # worker 6's id 2 never came (2^63 did instead): one more gap; the jump kept its place, so 3 follows 1
+        assert (counts["gaps"], counts["lost_events"], counts["restarts"]) == (2, 3, 1)
+        assert (counts["event_id_jumps"], counts.get("event_id_regressions")) == (1, None)
+        assert status["sequence"] == {"publishers": 2, "gaps": 1, "lost": 2, "restarts": 1, "repeats": 1,
+                                      "jumps": 0}
         # the restart cleared what worker 5 held before; worker 6 took every event, the absurd one included
         assert router.blocks() == expected_blocks([sequence[-1][1], *absurd])
         assert status["workers"] == [
@@ -183,6 +185,39 @@ async def test_order_is_judged_per_publisher_and_no_event_id_freezes_a_worker(se
             {"worker_id": 6, "dp_rank": 0, "publisher_id": 78, "last_event_id": 3}]
         assert [(p["publisher_id"], p["last_sequence"], p["workers"]) for p in status["publishers"]] == [
             (77, 0, ["5:0"]), (78, 2, ["6:0"])]
+
+
+async def test_a_new_publisher_whose_ids_start_above_1_restarts_its_worker(server: NatsServer,
+                                                                          names: PlaneNames) -> None:
+    """A worker that came back under a new publisher id, its first event id 3 (below the old 5): once dropped
+    as stale; now the old blocks are cleared and the new ones applied."""
+    old = [store(5, n, list(range(100 * n, 100 * n + 16))) for n in range(1, 6)]
+    new = [store(5, n, list(range(900 + 100 * n, 916 + 100 * n))) for n in (3, 4)]
+    async with Router(options(server, names)) as router, connected(server) as nc:
+        for n, ev in enumerate(old):
+            await nc.publish(names.kv_events, envelope(ev, n, publisher_id=77))
+        for n, ev in enumerate(new, 5):  # its sequence carries on: only the publisher id tells
+            await nc.publish(names.kv_events, envelope(ev, n, publisher_id=79))
+        await barrier(nc)
+        await until(lambda: router.plane.counts["events"] == 7, "every event")
+        await router.streams.writer("default").applied()
+        assert router.plane.counts["restarts"] == 1
+        assert router.blocks() == expected_blocks(new)
+
+
+async def test_an_absurd_event_id_on_jetstream_freezes_no_worker(server: NatsServer, names: PlaneNames) -> None:
+    """An event id of 2^63 once became the worker's place: every later event was dropped as stale, and acked
+    away. Now it is a jump, counted and applied, and the events after it apply too; a redelivered copy of an
+    applied one is still dropped."""
+    events = [store(6, 1, list(range(1000, 1016))), store(6, 2**63, list(range(1100, 1116))),
+              store(6, 2, list(range(1200, 1216))), store(6, 3, list(range(1300, 1316)))]
+    async with Router(options(server, names, jetstream=True)) as router:
+        await js_publish(server, names, [*events, events[2]])
+        await until(lambda: router.plane.counts["messages"] == 5, "every message")
+        await router.streams.writer("default").applied()
+        counts = router.plane.counts
+        assert (counts["events"], counts["event_id_jumps"], counts["stale_events"]) == (4, 1, 1)
+        assert router.blocks() == expected_blocks(events)
 
 
 def wrapped(topic: str, payload: bytes, sequence: int = 0, publisher_id: int = 90) -> bytes:

@@ -109,6 +109,8 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--router-policy-config", "/nonexistent.yaml"], "failed to read router policy config"),
     (["serve", "--log-format", "xml"], "--log-format"),
     (["serve", "--decoder", "threads"], "--decoder must be one of auto, inline, process"),
+    (["serve", "--max-engines", "1", "--worker", "1=tcp://127.0.0.1:1", "--worker", "2=tcp://127.0.0.1:2"],
+     "2 engine endpoints given, past --max-engines 1"),
     (["serve", "--active-decode-blocks-threshold", "1.5"], "active_decode_blocks_threshold"),
     (["serve", "--approximate", "--router-ttl", "0"], "ttl_s"),
     (["serve", "--jetstream"], "need an event plane"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 import pytest
 import zmq.asyncio
@@ -37,7 +38,7 @@ async def test_events_per_second_comes_from_successive_samples() -> None:
 
     streams = Streams(Fleet())
     assert streams.start(WorkerInfo(1, 0, "default", endpoint="tcp://127.0.0.1:9"))
-    stream, _ = streams._running[(1, 0)]
+    stream = streams._running[(1, 0)].stream
     streams.sample(10.0)
     stream._events = 50  # type: ignore[attr-defined]
     streams.sample(12.0)
@@ -80,3 +81,65 @@ async def test_a_burst_far_larger_than_the_writer_queue_waits_in_zmq_and_loses_n
         await streams.close()
         await engine.close()
         ctx.term()
+
+
+async def test_a_stream_that_dies_shows_failed_and_runs_again_once_it_can() -> None:
+    """A stream whose socket cannot be made (the context is out of sockets, as a router out of file descriptors
+    is) once stopped for good behind a normal status row; now it shows `failed` with the error, and runs
+    again, with its events, once a socket is free."""
+    from kvctl.core.events.engine_encode import BlockStored, encode_batch
+    from kvctl.server.state import WorkerInfo
+    from kvctl.server.streams import Streams
+    from tests.server.zmq_engine import Engine
+
+    ours, theirs = zmq.asyncio.Context(), zmq.asyncio.Context()
+    ours.set(zmq.MAX_SOCKETS, 1)
+    engines = [Engine(theirs), Engine(theirs)]
+    fleet = Fleet()
+    streams = Streams(fleet, context=ours, restart_min_s=0.05)
+
+    async def until(condition: Callable[[], bool]) -> None:
+        deadline = asyncio.get_running_loop().time() + 5
+        while not condition():
+            assert asyncio.get_running_loop().time() < deadline, streams.status()
+            await asyncio.sleep(0.01)
+
+    try:
+        for worker_id, engine in enumerate(engines, 1):
+            streams.start(WorkerInfo(worker_id, 0, "default", endpoint=engine.endpoint))
+        await until(lambda: streams.status()[1]["failures"] >= 1)
+        first, second = streams.status()
+        assert (first["state"], first["failures"], first["last_error"]) == ("running", 0, None)
+        assert second["state"] == "failed" and second["last_error"] == "ZMQError: Too many open files"
+
+        await streams.stop(1)  # its socket is free: the failed stream's next run takes it
+        await until(lambda: streams.status()[0]["state"] == "running")
+        await engines[1].subscribed()
+        await engines[1].publish(0, encode_batch(FORMATS["vllm"], 0.0, [BlockStored([5], None, list(range(16)), 16)]))
+        await until(lambda: streams.status()[0]["events"] == 1)
+        assert streams.status()[0]["failures"] >= 1
+    finally:
+        await streams.close()
+        for engine in engines:
+            await engine.close()
+        ours.term()
+        theirs.term()
+
+
+async def test_metrics_clamp_a_counter_past_u64() -> None:
+    """Python's ints have no ceiling and Prometheus clients read u64: lost_batches once read
+    27670116110564327476 (a seq jump to 2^64 - 1 counted as lost batches, now a jump)."""
+    from prometheus_client import generate_latest
+
+    from kvctl.server.metrics import Metrics
+    from kvctl.server.state import WorkerInfo
+    from kvctl.server.streams import Streams
+
+    fleet = Fleet()
+    streams = Streams(fleet)
+    assert streams.start(WorkerInfo(1, 0, "default", endpoint="tcp://127.0.0.1:9"))
+    streams._running[(1, 0)].stream._lost = 27670116110564327476  # type: ignore[attr-defined]
+    text = generate_latest(Metrics(fleet, streams).registry).decode()
+    [line] = [x for x in text.splitlines() if x.startswith("kvctl_stream_lost_batches_total")]
+    assert float(line.rsplit(" ", 1)[1]) == float(2**64 - 1)
+    await streams.close()

@@ -387,7 +387,8 @@ async def test_restart_clears_every_dp_rank_the_stream_fed(make: Any) -> None:
 
 
 async def test_the_same_live_seq_again_is_a_restart(make: Any) -> None:
-    """A PUB never sends a seq twice: seq 0 again, even right after the first batch, is a restarted engine."""
+    """A PUB never sends a seq twice and ZMQ delivers each once: seq 0 again, even right after the first batch,
+    is a restarted engine (the one set of sequence rules, told the transport delivers once)."""
     a, b, *_ = load("sglang-0.5.23")
     h = await make()
     await h.start(0, a.payload)
@@ -396,6 +397,24 @@ async def test_the_same_live_seq_again_is_a_restart(make: Any) -> None:
     assert h.restarts == [(WORKER_ID, 0)]
     assert h.shapes() == _events_of([a, b])
     assert h.stream.stats.duplicates == 0 and h.stream.stats.gaps == 0
+
+
+@pytest.mark.parametrize("absurd", [2**64 - 1, 2**33])
+async def test_a_seq_jump_past_2_32_is_counted_and_the_stream_keeps_its_place(make: Any, absurd: int) -> None:
+    """A jump to 2^64 - 1 once counted 2^64 lost batches (lost_batches read 27670116110564327476 after
+    a few) and asked for a replay of them; now it is a jump: applied, and the next seq is in order."""
+    a, b, c, d = load("vllm-0.33")[:4]
+    h = await make()
+    await h.start(0, a.payload)
+    await h.engine.publish(absurd, b.payload)
+    await h.engine.publish(1, c.payload)
+    await h.engine.publish(absurd, d.payload)
+    await h.engine.publish(2, a.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 2)
+    assert h.shapes() == _events_of([a, b, c, d, a])
+    stats = h.stream.stats
+    assert (stats.jumps, stats.lost_batches, stats.gaps, stats.restarts, stats.gapped) == (2, 0, 0, 0, False)
+    assert h.engine.requests == [] and h.restarts == []
 
 
 async def test_malformed_messages_are_counted_and_skipped(make: Any) -> None:
@@ -438,6 +457,25 @@ async def test_real_bad_event_of_vllm_0_23_offload_is_counted(make: Any) -> None
     assert h.stream.stats.decode_errors == {"bad_block_size": 1}
 
 
+async def test_a_block_size_past_u32_costs_one_event_and_never_the_stream(make: Any, decoder: Decoder) -> None:
+    """A store with no blocks and a block size of 2^62 (map and positional forms) once raised OverflowError
+    in the hashing: the decode process died with the good event beside it, the inline stream stopped."""
+    a, b, c = load("vllm-0.33")[:3]
+    good_store = msgspec.msgpack.decode(b.payload)[1][0]
+    absurd = [{"type": "BlockStored", "block_hashes": [], "parent_block_hash": None, "token_ids": [],
+               "block_size": 2**62}, ["BlockStored", [], None, [], 2**62]]
+    h = await make()
+    await h.start(0, a.payload)
+    await h.engine.publish(1, msgspec.msgpack.encode([1.0, [absurd[0], good_store], 0]))
+    await h.engine.publish(2, msgspec.msgpack.encode([1.0, [absurd[1]], 0]))
+    await h.engine.publish(3, c.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 3)
+
+    assert h.shapes() == [*_events_of([a]), _expected(good_store), *_events_of([c])]
+    assert h.stream.stats.decode_errors == {"bad_block_size": 2}
+    assert decoder.status().get("failed") is None
+
+
 @pytest.mark.parametrize("decoder", ["process"], indirect=True)
 async def test_a_killed_decode_process_hands_the_stream_back_and_the_gap_is_replayed(
     make: Any, decoder: ProcessDecoder
@@ -463,7 +501,7 @@ async def test_a_killed_decode_process_hands_the_stream_back_and_the_gap_is_repl
     assert h.shapes() == _events_of([a, b, c, d, e])
     stats = h.stream.stats
     assert (stats.gaps, stats.replays_ok, stats.lost_batches, stats.gapped) == (1, 1, 0, False)
-    assert decoder.status()["receiving"] == 0 and decoder.status()["failed"]
+    assert decoder.status()["receiving"] == 0 and decoder.status()["last_error"]
 
 
 # -- lifecycle ----------------------------------------------------------------------------------

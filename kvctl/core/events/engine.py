@@ -432,6 +432,6 @@ def _block_size(value: Any, default_block_size: int | None) -> int:
             raise DecodeError(
                 ErrorKind.missing_field, "block_size", "absent, and no default block size given"
             )
-    if type(value) is not int or value <= 0:
-        raise DecodeError(ErrorKind.bad_block_size, "block_size", f"not a positive int: {describe(value)}")
+    if type(value) is not int or not 0 < value < _U32_LIMIT:  # Dynamo's block sizes are u32
+        raise DecodeError(ErrorKind.bad_block_size, "block_size", f"not a positive u32: {describe(value)}")
     return value

@@ -30,7 +30,7 @@ class ErrorKind(StrEnum):
     bad_type = "bad_type"  # a field of the wrong type or out of its range
     bad_hash = "bad_hash"  # a block hash that is not a 64-bit int (or bytes, from engines)
     bad_tokens = "bad_tokens"  # token ids not u32 ints, or too few for the event's blocks
-    bad_block_size = "bad_block_size"  # a block size that is not a positive int
+    bad_block_size = "bad_block_size"  # a block size that is not a positive u32 int
     bad_tier = "bad_tier"  # a medium / storage tier kvctl cannot map to a Tier
 
 

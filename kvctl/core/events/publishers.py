@@ -1,10 +1,24 @@
-"""Who publishes on a Dynamo event plane, and whether their messages arrive whole and in order.
+"""Who publishes KV events, and whether their messages arrive whole and in order: the one set of sequence
+rules for every source (engine ZMQ streams, event taps, the Dynamo event plane).
 
-Every envelope carries its publisher's id and a sequence that counts from 0 per publisher (DESIGN §3.2),
-so order is judged per publisher, never per worker: a jump is lost messages, a smaller sequence a
-restarted publisher, the same one again a duplicate. The first message of a publisher is in order
-whatever its sequence: a subscriber that joins a running fleet starts mid-stream. No I/O, no clock:
-time is passed in.
+A publisher numbers its messages from 0 (vLLM's ZMQ publisher per process, a Dynamo envelope per publisher
+id: DESIGN §3.2), so order is judged per publisher, never per worker. `Sequence.observe` says where each
+number stands:
+
+- the first one heard is in order whatever it is: a subscriber that joins a running fleet starts mid-stream;
+- the last + 1 is next; further on is a gap (the messages in between were lost);
+- the same one again is a repeat, skipped and counted (a publisher never sends a number twice; a
+  transport may deliver one twice), but where the transport delivers each message once (a ZMQ PUB to
+  its SUB: `once`), where it can only be a new incarnation, as below;
+- a smaller one is a restart: the publisher started over (a restarted engine counts from 0 again: seq 0
+  again after its first batch is one);
+- a jump of more than `JUMP_MAX` ahead is no plausible loss but an anomaly (a corrupt or hostile number):
+  counted, the message taken, and the position kept. Taking it as the new position would drop everything
+  after it as old (one event id of 2^63 once froze a worker) or count 2^64 lost messages.
+
+On a transport that redelivers (JetStream), a step back is a redelivery, a repeat, unless it goes back
+to the start of a count (`ORIGIN`) or by more than a redelivery could (`REDELIVERY_MAX`): then it is a
+restart. No I/O, no clock: time is passed in.
 """
 
 from __future__ import annotations
@@ -17,13 +31,73 @@ MAX_PUBLISHERS = 4096
 """Publishers remembered at once; past it the one heard from longest ago is forgotten (a fleet's restarts
 are new identities, so ids accumulate)."""
 
+JUMP_MAX = 1 << 32
+"""The most messages a gap may have lost: 4 billion is a year of 100 batches a second; anything further is a
+jump (an anomaly)."""
+
+ORIGIN = 1
+"""Where a count starts over (Dynamo's event ids count from 0 or 1): on a redelivering transport, a step
+back to it or below is a restart."""
+
+REDELIVERY_MAX = 1 << 16
+"""How far back a redelivery may step, on a transport that redelivers: far more than JetStream can have
+unacknowledged (a fetch is 512, a consumer's default max_ack_pending 1000)."""
+
 
 class Order(StrEnum):
     first = "first"  # never heard from before (or forgotten)
     next = "next"  # sequence = last + 1
-    gap = "gap"  # sequence > last + 1: messages lost in between
-    restart = "restart"  # sequence < last: the publisher started over
-    repeat = "repeat"  # sequence = last: the same message again, dropped
+    gap = "gap"  # last + 1 < sequence <= last + 1 + JUMP_MAX: messages lost in between
+    restart = "restart"  # sequence < last (or = last, delivered once): the publisher started over
+    repeat = "repeat"  # sequence = last (or, redelivered, a little below it): skipped
+    jump = "jump"  # sequence > last + 1 + JUMP_MAX: an anomaly, taken without moving the position
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One publisher's numbering: where it stands, and what `observe` found so far.
+
+    `redelivered`: the transport may deliver a message again after later ones (JetStream), so a small step
+    back is a repeat rather than a restart. `once`: it never delivers a message twice (a ZMQ PUB to its SUB),
+    so the same number again is a restart rather than a repeat."""
+
+    redelivered: bool = False
+    once: bool = False
+    last: int | None = None
+    messages: int = 0
+    gaps: int = 0
+    lost: int = 0  # messages missing in the gaps
+    restarts: int = 0
+    repeats: int = 0
+    jumps: int = 0
+
+    def observe(self, sequence: int) -> Order:
+        """Judge one message's place, and move the position past it (but for a repeat or a jump)."""
+        self.messages += 1
+        last = self.last
+        if last is None:
+            self.last = sequence
+            return Order.first
+        if (sequence == last and not self.once) or (self.redelivered and ORIGIN < sequence < last
+                                                     and last - sequence <= REDELIVERY_MAX):
+            self.repeats += 1
+            return Order.repeat
+        if sequence - last - 1 > JUMP_MAX:
+            self.jumps += 1
+            return Order.jump
+        self.last = sequence
+        if sequence <= last:
+            self.restarts += 1
+            return Order.restart
+        if sequence > last + 1:
+            self.gaps += 1
+            self.lost += sequence - last - 1
+            return Order.gap
+        return Order.next
+
+    def counts(self) -> dict[str, int]:
+        return {"gaps": self.gaps, "lost": self.lost, "restarts": self.restarts, "repeats": self.repeats,
+                "jumps": self.jumps}
 
 
 @dataclass(slots=True)
@@ -34,20 +108,14 @@ class Publisher:
     endpoint: str
     first_seen: float
     last_seen: float
-    last_sequence: int
-    messages: int = 1
-    gaps: int = 0
-    lost: int = 0  # messages missing in the gaps
-    restarts: int = 0
-    repeats: int = 0
+    sequence: Sequence = field(default_factory=Sequence)
     workers: set[tuple[int, int]] = field(default_factory=set)  # (worker_id, dp_rank) its messages spoke for
 
     def as_dict(self, now: float) -> dict[str, Any]:
         return {
             "publisher_id": self.publisher_id, "topic": self.topic, "component": self.component,
-            "endpoint": self.endpoint, "last_sequence": self.last_sequence, "messages": self.messages,
-            "gaps": self.gaps, "lost": self.lost, "restarts": self.restarts, "repeats": self.repeats,
-            "last_seen_age_s": round(now - self.last_seen, 3),
+            "endpoint": self.endpoint, "last_sequence": self.sequence.last, "messages": self.sequence.messages,
+            **self.sequence.counts(), "last_seen_age_s": round(now - self.last_seen, 3),
             "workers": [f"{w}:{d}" for w, d in sorted(self.workers)],
         }
 
@@ -67,30 +135,16 @@ class PublisherBook:
             if len(self.publishers) >= self.limit:
                 oldest = min(self.publishers.values(), key=lambda p: p.last_seen)
                 del self.publishers[oldest.publisher_id]
-            pub = self.publishers[publisher_id] = Publisher(publisher_id, topic, component, endpoint, now, now,
-                                                            sequence)
-            return Order.first, pub
-        last = pub.last_sequence
+            pub = self.publishers[publisher_id] = Publisher(publisher_id, topic, component, endpoint, now, now)
         pub.last_seen = now
-        pub.messages += 1
-        if sequence == last:
-            pub.repeats += 1
-            return Order.repeat, pub
-        pub.last_sequence = sequence
-        if sequence < last:
-            pub.restarts += 1
-            return Order.restart, pub
-        if sequence > last + 1:
-            pub.gaps += 1
-            pub.lost += sequence - last - 1
-            return Order.gap, pub
-        return Order.next, pub
+        return pub.sequence.observe(sequence), pub
 
     def rows(self, now: float) -> list[dict[str, Any]]:
         return [p.as_dict(now) for p in sorted(self.publishers.values(), key=lambda p: (p.topic, p.publisher_id))]
 
     def totals(self) -> dict[str, int]:
-        pubs = self.publishers.values()
-        return {"publishers": len(self.publishers), "gaps": sum(p.gaps for p in pubs),
-                "lost": sum(p.lost for p in pubs), "restarts": sum(p.restarts for p in pubs),
-                "repeats": sum(p.repeats for p in pubs)}
+        totals = {"publishers": len(self.publishers), "gaps": 0, "lost": 0, "restarts": 0, "repeats": 0, "jumps": 0}
+        for pub in self.publishers.values():
+            for name, n in pub.sequence.counts().items():
+                totals[name] += n
+        return totals
