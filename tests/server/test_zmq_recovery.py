@@ -207,7 +207,7 @@ async def test_live_events_held_while_recovering_apply_after_the_dump_once(bench
     await bench.streams.writer("default").applied()
     index = plane.fleet.models["default"].router.index
     assert dump_blocks(index.dump()) == expected_blocks([*dump, newer])
-    assert ingest.counts["recovered_duplicates"] == 1 and ingest.cursors[WORKER].last == 5
+    assert ingest.counts["recovered_duplicates"] == 1 and ingest.cursors[WORKER].ids.last == 5
 
 
 async def test_events_held_for_a_worker_whose_record_moves_are_kept_for_its_new_target(bench: Bench,
@@ -240,7 +240,7 @@ async def test_a_gap_in_live_event_ids_asks_the_worker_from_the_first_missing(be
     plane = await bench.start()
     await until(lambda: row(bench).get("state") == "recovered", "the worker recovered")
     ingest = plane.ingest
-    assert ingest.recovery is not None and ingest.cursors[WORKER].last == 4
+    assert ingest.recovery is not None and ingest.cursors[WORKER].ids.last == 4
     first = dumped().events[0].data
     assert isinstance(first, Stored)
     after_gap = RouterEvent(WORKER[0], Removed([first.block_hashes[-1]]), 0, 6)
@@ -249,7 +249,7 @@ async def test_a_gap_in_live_event_ids_asks_the_worker_from_the_first_missing(be
     assert worker.requests[-1]["start_event_id"] == 5 and "TooNew" in row(bench)["reason"]
     await bench.streams.writer("default").applied()
     counts = bench.status()["counts"]
-    assert counts["recovery_gaps"] == 1 and counts["lost_events"] == 1 and ingest.cursors[WORKER].last == 6
+    assert counts["recovery_gaps"] == 1 and counts["lost_events"] == 1 and ingest.cursors[WORKER].ids.last == 6
     index = plane.fleet.models["default"].router.index
     assert dump_blocks(index.dump()) == expected_blocks([*dumped().events, after_gap])
 
