@@ -239,7 +239,7 @@ def serve_command(
         help="Busy above this many prompt tokens in flight.")] = None,
     prefill_frac: Annotated[float | None, typer.Option(
         "--active-prefill-tokens-threshold-frac", envvar="KVCTL_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",
-        show_default=False, help="Busy above this multiple of max batched tokens in flight.")] = None,
+        show_default=False, help="Busy above this multiple (0 to 1e6) of max batched tokens in flight.")] = None,
     approximate: Annotated[bool, typer.Option("--approximate", envvar="KVCTL_APPROXIMATE",
                                               help="No KV events: index the router's own decisions.")] = False,
     router_ttl: Annotated[float, typer.Option("--router-ttl", envvar="KVCTL_ROUTER_TTL",

@@ -189,6 +189,17 @@ async def test_busy_threshold_shapes_like_dynamo(client: httpx.AsyncClient) -> N
     assert (await client.post("/busy_threshold", json={"active_decode_blocks_threshold": 0.5})).status_code == 422
 
 
+@pytest.mark.parametrize("frac", [1e308, 1e6 * 1.000001])
+async def test_an_out_of_range_frac_is_refused_and_routing_goes_on(client: httpx.AsyncClient, frac: float) -> None:
+    """1e308 was stored, and then route, workers and /metrics all answered 500 (int(inf))."""
+    await client.post("/v1/workers", json={"worker_id": 1})
+    r = await client.post("/busy_threshold", json={"model": "default", "active_prefill_tokens_threshold_frac": frac})
+    assert r.status_code == 400 and "active_prefill_tokens_threshold_frac must be a number in [0.0, 1e+06]" in r.text
+    assert (await client.post("/v1/route", json={"token_ids": TOKENS})).status_code == 200
+    assert (await client.get("/v1/workers")).status_code == 200
+    assert (await client.get("/metrics")).status_code == 200
+
+
 @pytest.mark.parametrize(("content_type", "body", "status"), [
     (None, b'{"model": "default"}', 415),  # axum's Json extractor: no JSON content type
     ("text/plain", b'{"model": "default"}', 415),
