@@ -165,6 +165,20 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
                       router_id if router_id is not None else stable_router_id(state_dir), replica_sync)
 
 
+def _fd_capped(max_connections: int) -> int:
+    """--max-connections, lowered to half the open-file limit (with a warning) so that client connections
+    can never take the descriptors that engines' sockets, snapshots and logs need."""
+    import logging
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or max_connections <= soft // 2:
+        return max_connections
+    logging.getLogger("kvctl.serve").warning(
+        "--max-connections %d lowered to %d: half the open-file limit (ulimit -n %d)", max_connections, soft // 2, soft)
+    return soft // 2
+
+
 @with_nats_credentials
 def serve_command(
     ctx: typer.Context,
@@ -266,6 +280,19 @@ def serve_command(
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", envvar="KVCTL_MAX_BODY_BYTES", min=1,
         help="Largest request body accepted; larger ones are refused with 413.")] = 64 * 1024 * 1024,
+    idle_timeout: Annotated[float, typer.Option(
+        "--idle-timeout", envvar="KVCTL_IDLE_TIMEOUT",
+        help="Seconds a client connection may keep the router waiting: idle between requests, sending one "
+             "request (head and body), or not reading its answer; then it is closed (counted in /metrics).")]
+    = 30.0,
+    max_connections: Annotated[int, typer.Option(
+        "--max-connections", envvar="KVCTL_MAX_CONNECTIONS", min=1,
+        help="Client connections open at most; a new one past it is answered 503 and closed (counted). "
+             "At most half the open-file limit: the rest is for engines, snapshots and logs.")] = 4096,
+    shutdown_timeout: Annotated[float, typer.Option(
+        "--shutdown-timeout", envvar="KVCTL_SHUTDOWN_TIMEOUT",
+        help="On SIGTERM/SIGINT, seconds requests in flight get to finish before they are dropped; a second "
+             "signal drops them at once (exit 1). The final snapshot is written either way.")] = 10.0,
     nats_url: Annotated[str | None, typer.Option(
         "--nats", envvar="KVCTL_NATS", show_default=False, rich_help_panel=PANEL,
         help="Follow a Dynamo event plane on this NATS server (nats://HOST:PORT).")] = None,
@@ -320,6 +347,9 @@ def serve_command(
     out = Output(color=ctx.find_root().obj.color)
     if not snapshot_interval > 0:
         raise UsageError(f"--snapshot-interval must be > 0 seconds, got {snapshot_interval}")
+    for flag, seconds in (("--idle-timeout", idle_timeout), ("--shutdown-timeout", shutdown_timeout)):
+        if not 0 < seconds < float("inf"):
+            raise UsageError(f"{flag} must be a finite number of seconds > 0, got {seconds}")
     if decoder not in DECODER_MODES:
         raise UsageError(f"--decoder must be one of {', '.join(DECODER_MODES)}, got {decoder!r}")
     if log_format not in ("text", "json"):
@@ -366,7 +396,8 @@ def serve_command(
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
                            request_expiry, models, nats, zmq_plane, queue_batches, max_body_bytes=max_body_bytes,
-                           decoder=decoder)
+                           decoder=decoder, idle_timeout_s=idle_timeout, max_connections=_fd_capped(max_connections),
+                           shutdown_timeout_s=shutdown_timeout)
     import asyncio
 
     try:

@@ -7,6 +7,7 @@ and answers are written with `json.dumps`, never through floats.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import os
@@ -37,7 +38,7 @@ from kvctl.server.budget import SLICE_S
 from kvctl.server.endpoint import check_endpoint
 from kvctl.server.metrics import Metrics, Plane
 from kvctl.server.openapi_doc import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE, complete, ref, replies
-from kvctl.server.route_protocol import route_protocol
+from kvctl.server.route_protocol import Connections, route_protocol
 from kvctl.server.state import DEFAULT_MODEL, Fleet, UnknownModel, UnknownWorker, WorkerInfo
 from kvctl.server.streams import Streams
 
@@ -393,7 +394,8 @@ async def _invalid(_: Request, exc: Exception) -> Response:
 def http_protocol(app: ASGIApp) -> type[asyncio.Protocol]:
     """The uvicorn HTTP protocol to serve `app` (from `create_app`) with: plain routes answered in it."""
     assert isinstance(app, _Front)
-    return route_protocol(app.routing.reply, app.routing.observe, app.max_body_bytes)
+    metrics = app.routing.metrics
+    return route_protocol(app.routing.reply, app.routing.observe, app.max_body_bytes, metrics.connections)
 
 
 def loop_lag_observer(app: ASGIApp) -> Callable[[float], None]:
@@ -404,12 +406,12 @@ def loop_lag_observer(app: ASGIApp) -> Callable[[float], None]:
 
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, streams: Streams | None = None,
-               plane: Plane | None = None) -> ASGIApp:
+               plane: Plane | None = None, connections: Connections | None = None) -> ASGIApp:
     """The router's ASGI app. `streams`: engine subscriptions to start and stop with worker registration
-    (None: HTTP events only)."""
+    (None: HTTP events only); `connections`: the limits its `http_protocol` keeps."""
     app = FastAPI(title="kvctl router", version=__version__)
     app.state.fleet = fleet
-    metrics = Metrics(fleet, streams, plane)
+    metrics = Metrics(fleet, streams, plane, connections)
     routing = _Routing(fleet, metrics, clock)
 
     async def refuse(_: Request, exc: Exception) -> Response:
@@ -433,7 +435,8 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                       "streams": streams.status() if streams is not None else [],
                       "queues": streams.queues() if streams is not None else [],
                       "decoder": streams.decoder.status() if streams is not None else None,
-                      "event_plane": plane.status() if plane is not None else None})
+                      "event_plane": plane.status() if plane is not None else None,
+                      "connections": dataclasses.asdict(metrics.connections)})
 
     @app.get("/healthz", responses=replies(ok={"type": "object", "required": ["status", "version"]}))
     async def healthz() -> Response:

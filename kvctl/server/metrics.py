@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvctl.server.nats_plane import EventPlane
+from kvctl.server.route_protocol import Connections
 from kvctl.server.state import Fleet
 from kvctl.server.streams import Streams
 from kvctl.server.zmq_plane import ZmqPlane
@@ -105,6 +106,23 @@ class FleetCollector(Collector):
         yield from (*counters.values(), errors, gapped, dropped)
 
 
+class ConnectionsCollector(Collector):
+    """The client connections and what their limits (`--idle-timeout`, `--max-connections`) closed."""
+
+    def __init__(self, connections: Connections) -> None:
+        self.connections = connections
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        c = self.connections
+        yield GaugeMetricFamily("kvctl_http_connections", "client connections open", value=c.open)
+        yield GaugeMetricFamily("kvctl_http_connections_max", "--max-connections", value=c.max)
+        yield CounterMetricFamily("kvctl_http_connections_refused", "connections answered 503 and closed at "
+                                  "accept: --max-connections were open", value=c.refused)
+        yield CounterMetricFamily("kvctl_http_connections_timed_out", "connections closed after --idle-timeout "
+                                  "waiting on the client: idle, a half-sent request, or an answer not read",
+                                  value=c.timed_out)
+
+
 LOOP_LAG_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 """From 2.5 ms: below that is the loop's own timer granularity (libuv's clock is in milliseconds)."""
 
@@ -112,9 +130,12 @@ LOOP_LAG_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 class Metrics:
     """One registry per app (never the process-global one): tests and embedders run several routers."""
 
-    def __init__(self, fleet: Fleet, streams: Streams | None = None, plane: Plane | None = None) -> None:
+    def __init__(self, fleet: Fleet, streams: Streams | None = None, plane: Plane | None = None,
+                 connections: Connections | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(FleetCollector(fleet, streams, plane))
+        self.connections = connections or Connections()
+        self.registry.register(ConnectionsCollector(self.connections))
         self.route_seconds = Histogram(
             "kvctl_route_duration_seconds", "time to decide a route (hash, match, score, pick)", ["model"],
             buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2), registry=self.registry)
