@@ -165,6 +165,20 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
                       router_id if router_id is not None else stable_router_id(state_dir), replica_sync)
 
 
+def _warn_of_secrets_in_argv() -> None:
+    """Blanked from `ps` at start (`kvctl.argv_secrets`), a secret on the command line was still visible
+    before, and stays in shell history: say so once, and what does not show it."""
+    import logging
+    import sys
+
+    from kvctl.argv_secrets import secret_spans
+
+    if secret_spans([os.fsencode(arg) for arg in sys.argv]):
+        logging.getLogger("kvctl.serve").warning(
+            "a secret was given on the command line: blanked from ps now, but shown until kvctl started and "
+            "kept in shell history; set KVCTL_ADMIN_TOKEN, KVCTL_NATS_TOKEN or KVCTL_NATS_PASSWORD instead")
+
+
 def _fd_capped(max_connections: int) -> int:
     """--max-connections, lowered to half the open-file limit (with a warning) so that client connections
     can never take the descriptors that engines' sockets, snapshots and logs need."""
@@ -359,6 +373,7 @@ def serve_command(
     from kvctl.server.logs import configure
 
     configure(log_level, log_format)
+    _warn_of_secrets_in_argv()
     try:
         router = router_config({
             "overlap_score_credit": overlap_score_credit, "overlap_score_credit_decay": overlap_score_credit_decay,
