@@ -303,6 +303,17 @@ def serve_command(
         "--max-connections", envvar="KVCTL_MAX_CONNECTIONS", min=1,
         help="Client connections open at most; a new one past it is answered 503 and closed (counted). "
              "At most half the open-file limit: the rest is for engines, snapshots and logs.")] = 4096,
+    max_request_tokens: Annotated[int, typer.Option(
+        "--max-request-tokens", envvar="KVCTL_MAX_REQUEST_TOKENS", min=1,
+        help="Prompt tokens of one route request at most; more is refused with 429 (counted).")] = 1 << 20,
+    max_reservations: Annotated[int, typer.Option(
+        "--max-reservations", envvar="KVCTL_MAX_RESERVATIONS", min=0,
+        help="Reserved requests in flight per model at most; a route with reserve past it gets 429 (counted).")]
+    = 100_000,
+    max_reserved_tokens: Annotated[int, typer.Option(
+        "--max-reserved-tokens", envvar="KVCTL_MAX_RESERVED_TOKENS", min=0,
+        help="Prompt tokens of the reserved requests in flight per model at most (about 6 bytes of memory "
+             "each); a reservation past it gets 429 (counted).")] = 1 << 25,
     shutdown_timeout: Annotated[float, typer.Option(
         "--shutdown-timeout", envvar="KVCTL_SHUTDOWN_TIMEOUT",
         help="On SIGTERM/SIGINT, seconds requests in flight get to finish before they are dropped; a second "
@@ -341,6 +352,7 @@ def serve_command(
     from kvctl.core.router.busy import Thresholds
     from kvctl.server.daemon import ServeOptions, is_loopback, run
     from kvctl.server.decoder import DECODER_MODES
+    from kvctl.server.state import RouteLimits
 
     host, port = parse_listen(listen)
     if block_size <= 0:
@@ -412,7 +424,8 @@ def serve_command(
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
                            request_expiry, models, nats, zmq_plane, queue_batches, max_body_bytes=max_body_bytes,
                            decoder=decoder, idle_timeout_s=idle_timeout, max_connections=_fd_capped(max_connections),
-                           shutdown_timeout_s=shutdown_timeout)
+                           shutdown_timeout_s=shutdown_timeout,
+                           limits=RouteLimits(max_request_tokens, max_reservations, max_reserved_tokens))
     import asyncio
 
     try:

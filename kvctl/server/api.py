@@ -39,7 +39,7 @@ from kvctl.server.endpoint import check_endpoint
 from kvctl.server.metrics import Metrics, Plane
 from kvctl.server.openapi_doc import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE, complete, ref, replies
 from kvctl.server.route_protocol import Connections, route_protocol
-from kvctl.server.state import DEFAULT_MODEL, Fleet, UnknownModel, UnknownWorker, WorkerInfo
+from kvctl.server.state import DEFAULT_MODEL, Fleet, OverLimit, UnknownModel, UnknownWorker, WorkerInfo
 from kvctl.server.streams import Streams
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -208,7 +208,10 @@ def _refusal(exc: Exception, fleet: Fleet) -> tuple[int, str, dict[str, Any]]:
     if isinstance(exc, _BodyTooLarge):
         return 413, str(exc), {}
     if isinstance(exc, UnknownModel):
-        return 404, f"unknown model {exc.model!r}", {"models": sorted(fleet.models)}
+        return 404, (f"unknown model {exc.model!r}: a model is declared in `kvctl serve --config` ([[models]]) "
+                     "or made by registering a worker for it (POST /v1/workers)"), {"models": sorted(fleet.models)}
+    if isinstance(exc, OverLimit):
+        return 429, str(exc), {"limit": exc.limit, "flag": exc.flag}
     if isinstance(exc, AllBusy):
         tripped = {f"{w[0]}:{w[1]}": [str(r) for r in reasons] for w, reasons in sorted(exc.tripped.items())}
         return 503, str(exc), {"thresholds": exc.thresholds.as_dict(exc.model), "tripped": tripped}
@@ -264,7 +267,7 @@ class _Routing:
             decision = self.fleet.route(
                 body.model, now=self.clock(), token_ids=token_ids, local_hashes=body.local_hashes,
                 lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve, overrides=overrides)
-        except (UnknownModel, AllBusy, NoCandidates) as exc:
+        except (UnknownModel, OverLimit, AllBusy, NoCandidates) as exc:
             return _error_bytes(*_refusal(exc, self.fleet))
         except BadKnob as exc:  # finite and >= 0 passed msgspec; a number too large for a float did not
             return _error_bytes(422, f"invalid route request: {exc}")
@@ -417,7 +420,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     async def refuse(_: Request, exc: Exception) -> Response:
         return _error(*_refusal(exc, fleet))
 
-    for exc_type in (_BodyTooLarge, UnknownModel, AllBusy, NoCandidates):
+    for exc_type in (_BodyTooLarge, UnknownModel, OverLimit, AllBusy, NoCandidates):
         app.add_exception_handler(exc_type, refuse)
     app.add_exception_handler(RequestValidationError, _invalid)
 
@@ -436,7 +439,8 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                       "queues": streams.queues() if streams is not None else [],
                       "decoder": streams.decoder.status() if streams is not None else None,
                       "event_plane": plane.status() if plane is not None else None,
-                      "connections": dataclasses.asdict(metrics.connections)})
+                      "connections": dataclasses.asdict(metrics.connections),
+                      "limits": {**dataclasses.asdict(fleet.limits), "refused": dict(fleet.over_limit)}})
 
     @app.get("/healthz", responses=replies(ok={"type": "object", "required": ["status", "version"]}))
     async def healthz() -> Response:
@@ -468,12 +472,13 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         except UnknownWorker:
             return _error(404, f"unknown worker {worker_id}" + ("" if dp_rank is None else f":{dp_rank}"))
 
-    @app.post("/v1/events", responses=replies(400, 409, 422, ok=EVENTS_APPLIED),
+    @app.post("/v1/events", responses=replies(400, 404, 409, 422, ok=EVENTS_APPLIED),
               openapi_extra={"requestBody": EVENTS_BODY})
     async def post_events(request: Request, model: str = DEFAULT_MODEL) -> Response:
         if fleet.approx is not None:
             return _error(409, "this router runs in approximate mode: it indexes its own routing decisions, "
                                "not KV events (restart without --approximate to accept them)")
+        fleet.model(model)  # models come from the configuration or a worker's registration, never from events
         raw = await request.body()
         events: list[RouterEvent] = []
         rejected: dict[str, int] = {}

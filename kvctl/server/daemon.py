@@ -35,7 +35,7 @@ from kvctl.server.decoder import make_decoder
 from kvctl.server.memory import trim_heap
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Connections
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
 from kvctl.server.streams import QUEUE_BATCHES, Streams
 from kvctl.server.zmq_plane import ZmqOptions, ZmqPlane
 
@@ -102,6 +102,7 @@ class ServeOptions:
     idle_timeout_s: float = IDLE_TIMEOUT_S  # see route_protocol.Connections
     max_connections: int = MAX_CONNECTIONS
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S  # what connections in flight get to finish on SIGTERM
+    limits: RouteLimits = field(default_factory=RouteLimits)  # what a route may make the router hold (429)
     decoder: str = "auto"  # where engine payloads are decoded: auto, inline or process (see decoder.py)
 
 
@@ -133,7 +134,7 @@ def base_url(sock: socket.socket) -> str:
 
 async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     fleet = Fleet(block_size=options.block_size, config=options.router, thresholds=options.thresholds,
-                  approx=options.approx, request_expiry_s=options.request_expiry_s)
+                  approx=options.approx, request_expiry_s=options.request_expiry_s, limits=options.limits)
     for spec in options.models:
         fleet.add_model(spec.name, block_size=spec.block_size, config=options.router.override(**spec.router))
         if spec.thresholds:

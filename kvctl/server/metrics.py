@@ -6,6 +6,7 @@ else is a view of `Fleet` when Prometheus asks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -52,7 +53,12 @@ class FleetCollector(Collector):
             worker_blocks.add_metric(labels, row["blocks"])
             decode.add_metric(labels, row["active_decode_blocks"])
             prefill.add_metric(labels, row["active_prefill_tokens"])
-        yield from (applied, blocks, nodes, worker_blocks, decode, prefill)
+        over_limit = CounterMetricFamily("kvctl_route_over_limit", "routes refused (429) by a cap: "
+                                         "--max-request-tokens, --max-reservations, --max-reserved-tokens",
+                                         labels=["limit"])
+        for limit in dataclasses.asdict(fleet.limits):
+            over_limit.add_metric([limit], fleet.over_limit[limit])
+        yield from (applied, blocks, nodes, worker_blocks, decode, prefill, over_limit)
         if self.streams is not None:
             yield from self._streams(self.streams)
         if self.plane is not None:

@@ -146,3 +146,12 @@ def test_a_second_sigterm_forces_the_exit_and_the_snapshot_is_still_written(tmp_
             assert time.monotonic() - started < 5
         assert "a second SIGTERM forced the exit" in proc.stderr.read()  # type: ignore[union-attr]
     assert (tmp_path / "snapshot.jsonl").exists()
+
+
+def test_reservations_past_the_cap_get_429_on_the_fast_route_path(tmp_path: Path) -> None:
+    with serving(tmp_path, "--max-reservations", "1") as (_, client):
+        assert client.post("/v1/workers", json={"worker_id": 1}).status_code == 201
+        answers = [client.post("/v1/route", json={"token_ids": list(range(64)), "reserve": True, "request_id": rid})
+                   for rid in ("a", "b")]
+        assert [a.status_code for a in answers] == [200, 429]
+        assert answers[1].json()["flag"] == "--max-reservations"
