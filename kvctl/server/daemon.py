@@ -159,10 +159,9 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
         log.warning("serving on %s without an admin token (--insecure): anyone who can reach it can change "
                     "the index, workers and thresholds", options.host)
     # log_config=None: uvicorn's own lines go through the handler `--log-format` chose (JSON stays JSON).
-    # The protocol keeps the idle timeout (uvicorn's keep-alive one is the same, for idle connections only).
+    # The idle timeout is the protocol's own (route_protocol.Connections), not uvicorn's keep-alive one.
     server = _Server(uvicorn.Config(app, http=http_protocol(app), log_config=None, log_level=options.log_level,
                                     access_log=False, lifespan="off", proxy_headers=False, server_header=False,
-                                    timeout_keep_alive=options.idle_timeout_s,
                                     timeout_graceful_shutdown=options.shutdown_timeout_s))
     for info in options.engines:
         fleet.register(info)
@@ -193,12 +192,8 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
                 log.info("snapshot written to %s", path)
             except OSError as exc:  # the previous snapshot is still there: a restart loses what came since
                 log.error("final snapshot to %s failed: %s", options.state_dir, exc)
-    if server.forced_by is not None:
-        raise ForcedExit(f"a second {server.forced_by} forced the exit: connections in flight were dropped")
-
-
-class ForcedExit(KvctlError):
-    """The exit a second signal forced (exit 1): the router stopped, but not cleanly."""
+    if server.forced_by is not None:  # stopped, but not cleanly: exit 1
+        raise KvctlError(f"a second {server.forced_by} forced the exit: connections in flight were dropped")
 
 
 def _load_state(fleet: Fleet, options: ServeOptions) -> None:
