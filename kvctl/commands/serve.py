@@ -165,6 +165,20 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
                       router_id if router_id is not None else stable_router_id(state_dir), replica_sync)
 
 
+def _token_from(path: Path, given: str | None) -> str:
+    """The admin token in `path` (a trailing newline is not part of it), for --admin-token-file."""
+    if given is not None:
+        raise UsageError("--admin-token and --admin-token-file both give the admin token: give one")
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--admin-token-file: cannot read {str(path)!r}: {getattr(exc, 'strerror', None) or exc}"
+                         ) from None
+    if not token:
+        raise UsageError(f"--admin-token-file: {str(path)!r} is empty")
+    return token
+
+
 def _warn_of_secrets_in_argv() -> None:
     """Blanked from `ps` at start (`kvctl.argv_secrets`), a secret on the command line was still visible
     before, and stays in shell history: say so once, and what does not show it."""
@@ -176,7 +190,8 @@ def _warn_of_secrets_in_argv() -> None:
     if secret_spans([os.fsencode(arg) for arg in sys.argv]):
         logging.getLogger("kvctl.serve").warning(
             "a secret was given on the command line: blanked from ps now, but shown until kvctl started and "
-            "kept in shell history; set KVCTL_ADMIN_TOKEN, KVCTL_NATS_TOKEN or KVCTL_NATS_PASSWORD instead")
+            "kept in shell history; set KVCTL_ADMIN_TOKEN, KVCTL_NATS_TOKEN or KVCTL_NATS_PASSWORD, or use "
+            "--admin-token-file, instead")
 
 
 def _fd_capped(max_connections: int) -> int:
@@ -206,6 +221,10 @@ def serve_command(
                                                      "(repeatable).")] = None,
     admin_token: Annotated[str | None, typer.Option("--admin-token", envvar="KVCTL_ADMIN_TOKEN", show_default=False,
                                                     help="Bearer token required by mutating endpoints.")] = None,
+    admin_token_file: Annotated[Path | None, typer.Option(
+        "--admin-token-file", envvar="KVCTL_ADMIN_TOKEN_FILE", show_default=False,
+        help="A file holding the admin token (a mounted secret): unlike --admin-token, never on the command "
+             "line.")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback address without a token.")]
     = False,
     state_dir: Annotated[Path, typer.Option("--state-dir", envvar="KVCTL_STATE_DIR", help="Where snapshots go.")]
@@ -355,6 +374,8 @@ def serve_command(
     from kvctl.server.state import RouteLimits
 
     host, port = parse_listen(listen)
+    if admin_token_file is not None:
+        admin_token = _token_from(admin_token_file, admin_token)
     if block_size <= 0:
         raise UsageError(f"--block-size must be positive, got {block_size}")
     if not is_loopback(host) and not admin_token and not insecure:

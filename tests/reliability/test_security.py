@@ -437,3 +437,19 @@ def test_secrets_on_the_command_line_are_blanked_from_ps(tmp_path: Path) -> None
                            headers={"authorization": f"Bearer {TOKEN}"}).status_code == 201  # still the token
         log = served.stop()
     assert "KVCTL_ADMIN_TOKEN" in log
+
+
+def test_the_admin_token_can_come_from_a_file(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    with serve(tmp_path, "127.0.0.1:0", "--admin-token-file", str(token_file)) as served, served.client() as client:
+        assert client.post("/v1/workers", json={"worker_id": 1}).status_code == 401
+        assert client.post("/v1/workers", json={"worker_id": 1},
+                           headers={"authorization": f"Bearer {TOKEN}"}).status_code == 201
+        assert "KVCTL_ADMIN_TOKEN" not in served.stop()  # nothing secret on the command line: no warning
+    (tmp_path / "empty").write_text("\n")
+    for args, needle in ((["--admin-token", TOKEN, "--admin-token-file", str(token_file)], "give one"),
+                         (["--admin-token-file", str(tmp_path / "none")], "cannot read"),
+                         (["--admin-token-file", str(tmp_path / "empty")], "is empty")):
+        code, _, err = refused(*args)
+        assert code == 2 and needle in err and err.count("\n") == 1, err
