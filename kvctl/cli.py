@@ -14,6 +14,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 from typer.exceptions import Abort, Exit
 
 from kvctl import __version__
+from kvctl.argv_secrets import scrub_process_argv
 from kvctl.commands._options import JsonOpt, OutputOpt
 from kvctl.errors import KvctlError
 from kvctl.exit_codes import ExitCode
@@ -89,6 +90,8 @@ class KvctlGroup(TyperGroup):
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
         argv = hoist_global_options(self, list(sys.argv[1:] if args is None else args))
+        if args is None:
+            scrub_process_argv()
         try:
             rv = super().main(argv, prog_name or "kvctl", complete_var, standalone_mode=False, **extra)
         except typer.BadParameter as exc:

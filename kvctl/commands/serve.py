@@ -170,6 +170,49 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
                       recovery_timeout_s=recovery_timeout)
 
 
+def _token_from(path: Path, given: str | None) -> str:
+    """The admin token in `path` (a trailing newline is not part of it), for --admin-token-file."""
+    if given is not None:
+        raise UsageError("--admin-token and --admin-token-file both give the admin token: give one")
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--admin-token-file: cannot read {str(path)!r}: {getattr(exc, 'strerror', None) or exc}"
+                         ) from None
+    if not token:
+        raise UsageError(f"--admin-token-file: {str(path)!r} is empty")
+    return token
+
+
+def _warn_of_secrets_in_argv() -> None:
+    """Blanked from `ps` at start (`kvctl.argv_secrets`), a secret on the command line was still visible
+    before, and stays in shell history: say so once, and what does not show it."""
+    import logging
+    import sys
+
+    from kvctl.argv_secrets import secret_spans
+
+    if secret_spans([os.fsencode(arg) for arg in sys.argv]):
+        logging.getLogger("kvctl.serve").warning(
+            "a secret was given on the command line: blanked from ps now, but shown until kvctl started and "
+            "kept in shell history; set KVCTL_ADMIN_TOKEN, KVCTL_NATS_TOKEN or KVCTL_NATS_PASSWORD, or use "
+            "--admin-token-file, instead")
+
+
+def _fd_capped(max_connections: int) -> int:
+    """--max-connections, lowered to half the open-file limit (with a warning) so that client connections
+    can never take the descriptors that engines' sockets, snapshots and logs need."""
+    import logging
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or max_connections <= soft // 2:
+        return max_connections
+    logging.getLogger("kvctl.serve").warning(
+        "--max-connections %d lowered to %d: half the open-file limit (ulimit -n %d)", max_connections, soft // 2, soft)
+    return soft // 2
+
+
 @with_nats_credentials
 def serve_command(
     ctx: typer.Context,
@@ -183,6 +226,10 @@ def serve_command(
                                                      "(repeatable).")] = None,
     admin_token: Annotated[str | None, typer.Option("--admin-token", envvar="KVCTL_ADMIN_TOKEN", show_default=False,
                                                     help="Bearer token required by mutating endpoints.")] = None,
+    admin_token_file: Annotated[Path | None, typer.Option(
+        "--admin-token-file", envvar="KVCTL_ADMIN_TOKEN_FILE", show_default=False,
+        help="A file holding the admin token (a mounted secret): unlike --admin-token, never on the command "
+             "line.")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback address without a token.")]
     = False,
     state_dir: Annotated[Path, typer.Option("--state-dir", envvar="KVCTL_STATE_DIR",
@@ -245,7 +292,7 @@ def serve_command(
         help="Busy above this many prompt tokens in flight.")] = None,
     prefill_frac: Annotated[float | None, typer.Option(
         "--active-prefill-tokens-threshold-frac", envvar="KVCTL_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",
-        show_default=False, help="Busy above this multiple of max batched tokens in flight.")] = None,
+        show_default=False, help="Busy above this multiple (0 to 1e6) of max batched tokens in flight.")] = None,
     approximate: Annotated[bool, typer.Option("--approximate", envvar="KVCTL_APPROXIMATE",
                                               help="No KV events: index the router's own decisions.")] = False,
     router_ttl: Annotated[float, typer.Option("--router-ttl", envvar="KVCTL_ROUTER_TTL",
@@ -277,6 +324,30 @@ def serve_command(
         help="Engine endpoints followed at most; registering one more is refused with 409 (counted in "
              "kvctl_engines_refused). Default: what the file limit allows, raised to its hard limit at start "
              "(4 descriptors an engine, 512 or a quarter kept for the rest): 192 at ulimit -n 1024.")] = None,
+    idle_timeout: Annotated[float, typer.Option(
+        "--idle-timeout", envvar="KVCTL_IDLE_TIMEOUT",
+        help="Seconds a client connection may keep the router waiting: idle between requests, sending one "
+             "request (head and body), or not reading its answer; then it is closed (counted in /metrics).")]
+    = 30.0,
+    max_connections: Annotated[int, typer.Option(
+        "--max-connections", envvar="KVCTL_MAX_CONNECTIONS", min=1,
+        help="Client connections open at most; a new one past it is answered 503 and closed (counted). "
+             "At most half the open-file limit: the rest is for engines, snapshots and logs.")] = 4096,
+    max_request_tokens: Annotated[int, typer.Option(
+        "--max-request-tokens", envvar="KVCTL_MAX_REQUEST_TOKENS", min=1,
+        help="Prompt tokens of one route request at most; more is refused with 429 (counted).")] = 1 << 20,
+    max_reservations: Annotated[int, typer.Option(
+        "--max-reservations", envvar="KVCTL_MAX_RESERVATIONS", min=0,
+        help="Reserved requests in flight per model at most; a route with reserve past it gets 429 (counted).")]
+    = 100_000,
+    max_reserved_tokens: Annotated[int, typer.Option(
+        "--max-reserved-tokens", envvar="KVCTL_MAX_RESERVED_TOKENS", min=0,
+        help="Prompt tokens of the reserved requests in flight per model at most (about 6 bytes of memory "
+             "each); a reservation past it gets 429 (counted).")] = 1 << 25,
+    shutdown_timeout: Annotated[float, typer.Option(
+        "--shutdown-timeout", envvar="KVCTL_SHUTDOWN_TIMEOUT",
+        help="On SIGTERM/SIGINT, seconds requests in flight get to finish before they are dropped; a second "
+             "signal drops them at once (exit 1). The final snapshot is written either way.")] = 10.0,
     nats_url: Annotated[str | None, typer.Option(
         "--nats", envvar="KVCTL_NATS", show_default=False, rich_help_panel=PANEL,
         help="Follow a Dynamo event plane on this NATS server (nats://HOST:PORT).")] = None,
@@ -321,8 +392,11 @@ def serve_command(
     from kvctl.core.router.busy import Thresholds
     from kvctl.server.daemon import ServeOptions, is_loopback, run
     from kvctl.server.decoder import DECODER_MODES
+    from kvctl.server.state import RouteLimits
 
     host, port = parse_listen(listen)
+    if admin_token_file is not None:
+        admin_token = _token_from(admin_token_file, admin_token)
     if block_size <= 0:
         raise UsageError(f"--block-size must be positive, got {block_size}")
     if not is_loopback(host) and not admin_token and not insecure:
@@ -345,6 +419,9 @@ def serve_command(
     out = Output(color=ctx.find_root().obj.color)
     if not snapshot_interval > 0:
         raise UsageError(f"--snapshot-interval must be > 0 seconds, got {snapshot_interval}")
+    for flag, seconds in (("--idle-timeout", idle_timeout), ("--shutdown-timeout", shutdown_timeout)):
+        if not 0 < seconds < float("inf"):
+            raise UsageError(f"{flag} must be a finite number of seconds > 0, got {seconds}")
     if decoder not in DECODER_MODES:
         raise UsageError(f"--decoder must be one of {', '.join(DECODER_MODES)}, got {decoder!r}")
     if log_format not in ("text", "json"):
@@ -354,6 +431,7 @@ def serve_command(
     from kvctl.server.logs import configure
 
     configure(log_level, log_format)
+    _warn_of_secrets_in_argv()
     try:
         router = router_config({
             "overlap_score_credit": overlap_score_credit, "overlap_score_credit_decay": overlap_score_credit_decay,
@@ -391,7 +469,9 @@ def serve_command(
     options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
                            snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
                            request_expiry, models, nats, zmq_plane, queue_batches, max_body_bytes=max_body_bytes,
-                           decoder=decoder, max_engines=max_engines)
+                           decoder=decoder, max_engines=max_engines, idle_timeout_s=idle_timeout,
+                           max_connections=_fd_capped(max_connections), shutdown_timeout_s=shutdown_timeout,
+                           limits=RouteLimits(max_request_tokens, max_reservations, max_reserved_tokens))
     import asyncio
 
     from kvctl.server.daemon import CannotListen

@@ -7,6 +7,7 @@ and answers are written with `json.dumps`, never through floats.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import os
@@ -37,8 +38,8 @@ from kvctl.server.budget import SLICE_S
 from kvctl.server.endpoint import check_endpoint
 from kvctl.server.metrics import Metrics, Plane
 from kvctl.server.openapi_doc import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE, complete, ref, replies
-from kvctl.server.route_protocol import route_protocol
-from kvctl.server.state import DEFAULT_MODEL, Fleet, UnknownModel, UnknownWorker, WorkerInfo
+from kvctl.server.route_protocol import Connections, route_protocol
+from kvctl.server.state import DEFAULT_MODEL, Fleet, OverLimit, UnknownModel, UnknownWorker, WorkerInfo
 from kvctl.server.streams import Streams
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -207,7 +208,10 @@ def _refusal(exc: Exception, fleet: Fleet) -> tuple[int, str, dict[str, Any]]:
     if isinstance(exc, _BodyTooLarge):
         return 413, str(exc), {}
     if isinstance(exc, UnknownModel):
-        return 404, f"unknown model {exc.model!r}", {"models": sorted(fleet.models)}
+        return 404, (f"unknown model {exc.model!r}: a model is declared in `kvctl serve --config` ([[models]]) "
+                     "or made by registering a worker for it (POST /v1/workers)"), {"models": sorted(fleet.models)}
+    if isinstance(exc, OverLimit):
+        return 429, str(exc), {"limit": exc.limit, "flag": exc.flag}
     if isinstance(exc, AllBusy):
         tripped = {f"{w[0]}:{w[1]}": [str(r) for r in reasons] for w, reasons in sorted(exc.tripped.items())}
         return 503, str(exc), {"thresholds": exc.thresholds.as_dict(exc.model), "tripped": tripped}
@@ -263,7 +267,7 @@ class _Routing:
             decision = self.fleet.route(
                 body.model, now=self.clock(), token_ids=token_ids, local_hashes=body.local_hashes,
                 lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve, overrides=overrides)
-        except (UnknownModel, AllBusy, NoCandidates) as exc:
+        except (UnknownModel, OverLimit, AllBusy, NoCandidates) as exc:
             return _error_bytes(*_refusal(exc, self.fleet))
         except BadKnob as exc:  # finite and >= 0 passed msgspec; a number too large for a float did not
             return _error_bytes(422, f"invalid route request: {exc}")
@@ -393,7 +397,8 @@ async def _invalid(_: Request, exc: Exception) -> Response:
 def http_protocol(app: ASGIApp) -> type[asyncio.Protocol]:
     """The uvicorn HTTP protocol to serve `app` (from `create_app`) with: plain routes answered in it."""
     assert isinstance(app, _Front)
-    return route_protocol(app.routing.reply, app.routing.observe, app.max_body_bytes)
+    metrics = app.routing.metrics
+    return route_protocol(app.routing.reply, app.routing.observe, app.max_body_bytes, metrics.connections)
 
 
 def loop_lag_observer(app: ASGIApp) -> Callable[[float], None]:
@@ -404,18 +409,20 @@ def loop_lag_observer(app: ASGIApp) -> Callable[[float], None]:
 
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, streams: Streams | None = None,
-               plane: Plane | None = None, restored: dict[str, Any] | None = None) -> ASGIApp:
+               plane: Plane | None = None, restored: dict[str, Any] | None = None,
+               connections: Connections | None = None) -> ASGIApp:
     """The router's ASGI app. `streams`: engine subscriptions to start and stop with worker registration
-    (None: HTTP events only). `restored`: which snapshot the start restored and why (shown in status)."""
+    (None: HTTP events only). `restored`: which snapshot the start restored and why (shown in status).
+    `connections`: the limits its `http_protocol` keeps."""
     app = FastAPI(title="kvctl router", version=__version__)
     app.state.fleet = fleet
-    metrics = Metrics(fleet, streams, plane)
+    metrics = Metrics(fleet, streams, plane, connections)
     routing = _Routing(fleet, metrics, clock)
 
     async def refuse(_: Request, exc: Exception) -> Response:
         return _error(*_refusal(exc, fleet))
 
-    for exc_type in (_BodyTooLarge, UnknownModel, AllBusy, NoCandidates):
+    for exc_type in (_BodyTooLarge, UnknownModel, OverLimit, AllBusy, NoCandidates):
         app.add_exception_handler(exc_type, refuse)
     app.add_exception_handler(RequestValidationError, _invalid)
 
@@ -434,7 +441,9 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                       "queues": streams.queues() if streams is not None else [],
                       "engines": streams.engines() if streams is not None else None,
                       "decoder": streams.decoder.status() if streams is not None else None,
-                      "event_plane": plane.status() if plane is not None else None, "restore": restored})
+                      "event_plane": plane.status() if plane is not None else None, "restore": restored,
+                      "connections": dataclasses.asdict(metrics.connections),
+                      "limits": {**dataclasses.asdict(fleet.limits), "refused": dict(fleet.over_limit)}})
 
     @app.get("/healthz", responses=replies(ok={"type": "object", "required": ["status", "version"]}))
     async def healthz() -> Response:
@@ -471,12 +480,13 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         except UnknownWorker:
             return _error(404, f"unknown worker {worker_id}" + ("" if dp_rank is None else f":{dp_rank}"))
 
-    @app.post("/v1/events", responses=replies(400, 409, 422, ok=EVENTS_APPLIED),
+    @app.post("/v1/events", responses=replies(400, 404, 409, 422, ok=EVENTS_APPLIED),
               openapi_extra={"requestBody": EVENTS_BODY})
     async def post_events(request: Request, model: str = DEFAULT_MODEL) -> Response:
         if fleet.approx is not None:
             return _error(409, "this router runs in approximate mode: it indexes its own routing decisions, "
                                "not KV events (restart without --approximate to accept them)")
+        fleet.model(model)  # models come from the configuration or a worker's registration, never from events
         raw = await request.body()
         events: list[RouterEvent] = []
         rejected: dict[str, int] = {}
@@ -511,11 +521,9 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         wanted = _worker_filter(worker) if worker is not None else None
         if wanted is False:
             return _error(400, f"worker must be ID or ID:DP, got {worker!r}")
-        edges = fleet.model(model).router.index.capture()  # the one step that holds the loop
-        if wanted is not None:
-            edges = [e for e in edges if wanted(e.worker)]
+        slices = fleet.model(model).router.index.capture_in_slices(TREE_SLICE_NODES)
         jsonl = format == "jsonl"
-        return StreamingResponse(_encode_dump(edges, jsonl),
+        return StreamingResponse(_encode_dump(slices, wanted or None, jsonl),
                                  media_type="application/x-ndjson" if jsonl else "application/json")
 
     @app.get("/v1/tree/stats", responses=replies(404, 422, ok={"type": "object", "required": ["models"]}))
@@ -581,20 +589,30 @@ def _worker_filter(text: str) -> Callable[[tuple[int, int]], bool] | bool:
     return lambda worker: worker[0] == worker_id and (dp_rank is None or worker[1] == dp_rank)
 
 
-async def _encode_dump(edges: list[DumpEdge], jsonl: bool) -> AsyncIterator[bytes]:
-    """A captured dump as a JSON list or JSONL, sent a slice of the event loop at a time."""
+TREE_SLICE_NODES = 256
+"""Index nodes a `GET /v1/tree` walks before it lets the loop go: ~1 ms (a node is 2-4 µs)."""
+
+
+async def _encode_dump(slices: Iterator[list[DumpEdge]], wanted: Callable[[tuple[int, int]], bool] | None,
+                       jsonl: bool) -> AsyncIterator[bytes]:
+    """A dump as a JSON list or JSONL, captured and sent a slice of the event loop at a time: neither the
+    walk of a large index nor its encoding holds the loop, and only a slice of it is held in memory at a
+    time (a client that stops reading is dropped by the idle timeout)."""
     parts = [] if jsonl else [b"["]
     end = time.perf_counter() + SLICE_S
-    for n, event in enumerate(events_of(edges)):
-        if jsonl:
-            parts += (encode_router_event_json(event), b"\n")
-        else:
-            parts += (b"," if n else b"", encode_router_event_json(event))
-        if time.perf_counter() > end:
-            yield b"".join(parts)
-            parts.clear()
-            await asyncio.sleep(0)
-            end = time.perf_counter() + SLICE_S
+    n = 0
+    for edges in slices:
+        for event in events_of([e for e in edges if wanted(e.worker)] if wanted is not None else edges, n):
+            encoded = encode_router_event_json(event)
+            parts += (encoded, b"\n") if jsonl else (b"," if n else b"", encoded)
+            n += 1
+            if time.perf_counter() > end:
+                yield b"".join(parts)
+                parts.clear()
+                await asyncio.sleep(0)
+                end = time.perf_counter() + SLICE_S
+        await asyncio.sleep(0)  # between two slices of the walk: events and routes go first
+        end = time.perf_counter() + SLICE_S
     if not jsonl:
         parts.append(b"]")
     yield b"".join(parts)

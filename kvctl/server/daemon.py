@@ -1,6 +1,9 @@
 """`kvctl serve` as a process: bind, announce the URL, serve HTTP, run the engine streams, shut down cleanly.
 
-uvicorn owns the signals: the first SIGINT/SIGTERM drains and stops, a second one forces the exit.
+The first SIGINT/SIGTERM drains and stops: connections in flight get `--shutdown-timeout` seconds to
+finish, then are dropped. A second one forces the exit at once. Either way the final snapshot is written
+(a third signal ends the process even then), and a forced exit is an error (exit 1), since it dropped
+whatever was in flight.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kvctl.core.router.approx import ApproxConfig
 from kvctl.core.router.busy import Thresholds
 from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
+from kvctl.errors import KvctlError
 from kvctl.gc_tuning import survivors_frozen
 from kvctl.server import snapshot
 from kvctl.server.api import MAX_BODY_BYTES, create_app, http_protocol, loop_lag_observer
@@ -33,7 +37,8 @@ from kvctl.server.decoder import make_decoder
 from kvctl.server.fd_limits import default_max_engines, raise_file_limit, sized
 from kvctl.server.memory import trim_heap
 from kvctl.server.nats_plane import EventPlane, NatsOptions
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Connections
+from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
 from kvctl.server.streams import QUEUE_BATCHES, Streams
 from kvctl.server.zmq_plane import ZmqOptions, ZmqPlane
 
@@ -42,14 +47,28 @@ TICK_S = 1.0
 """How often stale requests are force-freed and approximate-mode blocks expire."""
 ROUTE_QUIET_S = 0.25
 """How long without a route before freed index memory is given back (see `reclaim_when_idle`)."""
-KEEPALIVE_IDLE_S = 30
+SHUTDOWN_TIMEOUT_S = 10.0
 LOOP_PROBE_S = 0.01
 """How often the loop is probed for lag (see `watch_loop`): 100 wake-ups a second, ~0.1% of a core."""
 
 
 class _Server(uvicorn.Server):
     """uvicorn re-raises the stopping signal once drained (the process then dies of SIGTERM); a router
-    that drained and stopped cleanly exits 0. A second signal still forces the exit (handle_exit)."""
+    that drained and stopped cleanly exits 0. A second signal, SIGTERM as well as SIGINT (uvicorn's
+    own only takes SIGINT), forces the exit: connections are dropped without waiting."""
+
+    forced_by: str | None = None  # the signal that forced the exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit and self.forced_by is None:
+            self.forced_by = signal.Signals(sig).name
+            self.force_exit = True
+            asyncio.get_running_loop().call_soon_threadsafe(self._drop_connections)
+        super().handle_exit(sig, frame)
+
+    def _drop_connections(self) -> None:
+        for connection in list(self.server_state.connections):
+            connection.transport.abort()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -83,6 +102,10 @@ class ServeOptions:
     zmq_plane: ZmqOptions | None = None  # follow Dynamo's ZMQ event plane (its default) instead
     queue_batches: int = QUEUE_BATCHES  # decoded batches a model's writer holds before dropping (counted)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies are refused (413)
+    idle_timeout_s: float = IDLE_TIMEOUT_S  # see route_protocol.Connections
+    max_connections: int = MAX_CONNECTIONS
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S  # what connections in flight get to finish on SIGTERM
+    limits: RouteLimits = field(default_factory=RouteLimits)  # what a route may make the router hold (429)
     decoder: str = "auto"  # where engine payloads are decoded: auto, inline or process (see decoder.py)
     max_engines: int | None = None  # engine endpoints followed at most; None: as the file limit allows
 
@@ -128,7 +151,7 @@ def base_url(sock: socket.socket) -> str:
 
 async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
     fleet = Fleet(block_size=options.block_size, config=options.router, thresholds=options.thresholds,
-                  approx=options.approx, request_expiry_s=options.request_expiry_s)
+                  approx=options.approx, request_expiry_s=options.request_expiry_s, limits=options.limits)
     for spec in options.models:
         fleet.add_model(spec.name, block_size=spec.block_size, config=options.router.override(**spec.router))
         if spec.thresholds:
@@ -152,17 +175,17 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
     elif options.zmq_plane is not None:
         plane = ZmqPlane(fleet, streams, options.zmq_plane)
     app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane,
-                     max_body_bytes=options.max_body_bytes, restored=restored)
+                     max_body_bytes=options.max_body_bytes, restored=restored,
+                     connections=Connections(options.idle_timeout_s, options.max_connections))
     sock = bind(options.host, options.port)
     if not options.admin_token and not is_loopback(options.host):
         log.warning("serving on %s without an admin token (--insecure): anyone who can reach it can change "
                     "the index, workers and thresholds", options.host)
     # log_config=None: uvicorn's own lines go through the handler `--log-format` chose (JSON stays JSON).
-    # Idle keep-alive connections live longer than the pools of common clients (aiohttp 15 s, httpx 5 s) so
-    # the server is never the side that closes a connection a client is about to reuse.
+    # The idle timeout is the protocol's own (route_protocol.Connections), not uvicorn's keep-alive one.
     server = _Server(uvicorn.Config(app, http=http_protocol(app), log_config=None, log_level=options.log_level,
                                     access_log=False, lifespan="off", proxy_headers=False, server_header=False,
-                                    timeout_keep_alive=KEEPALIVE_IDLE_S))
+                                    timeout_graceful_shutdown=options.shutdown_timeout_s))
     for info in options.engines:
         fleet.register(info)
     for info in list(fleet.workers.values()):  # restored from the snapshot
@@ -194,6 +217,8 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
                 log.info("snapshot written to %s", path)
             except OSError as exc:  # the previous snapshot is still there: a restart loses what came since
                 log.error("final snapshot to %s failed: %s", options.state_dir, exc)
+    if server.forced_by is not None:  # stopped, but not cleanly: exit 1
+        raise KvctlError(f"a second {server.forced_by} forced the exit: connections in flight were dropped")
 
 
 def _load_state(fleet: Fleet, options: ServeOptions) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ else is a view of `Fleet` when Prometheus asks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -13,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvctl.server.nats_plane import EventPlane
+from kvctl.server.route_protocol import Connections
 from kvctl.server.state import Fleet
 from kvctl.server.streams import Streams
 from kvctl.server.zmq_plane import ZmqPlane
@@ -51,7 +53,12 @@ class FleetCollector(Collector):
             worker_blocks.add_metric(labels, row["blocks"])
             decode.add_metric(labels, row["active_decode_blocks"])
             prefill.add_metric(labels, row["active_prefill_tokens"])
-        yield from (applied, blocks, nodes, worker_blocks, decode, prefill)
+        over_limit = CounterMetricFamily("kvctl_route_over_limit", "routes refused (429) by a cap: "
+                                         "--max-request-tokens, --max-reservations, --max-reserved-tokens",
+                                         labels=["limit"])
+        for limit in dataclasses.asdict(fleet.limits):
+            over_limit.add_metric([limit], fleet.over_limit[limit])
+        yield from (applied, blocks, nodes, worker_blocks, decode, prefill, over_limit)
         if self.streams is not None:
             yield from self._streams(self.streams)
         if self.plane is not None:
@@ -121,6 +128,23 @@ def _u64(n: int) -> int:
     return min(n, U64_MAX)
 
 
+class ConnectionsCollector(Collector):
+    """The client connections and what their limits (`--idle-timeout`, `--max-connections`) closed."""
+
+    def __init__(self, connections: Connections) -> None:
+        self.connections = connections
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        c = self.connections
+        yield GaugeMetricFamily("kvctl_http_connections", "client connections open", value=c.open)
+        yield GaugeMetricFamily("kvctl_http_connections_max", "--max-connections", value=c.max)
+        yield CounterMetricFamily("kvctl_http_connections_refused", "connections answered 503 and closed at "
+                                  "accept: --max-connections were open", value=c.refused)
+        yield CounterMetricFamily("kvctl_http_connections_timed_out", "connections closed after --idle-timeout "
+                                  "waiting on the client: idle, a half-sent request, or an answer not read",
+                                  value=c.timed_out)
+
+
 LOOP_LAG_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 """From 2.5 ms: below that is the loop's own timer granularity (libuv's clock is in milliseconds)."""
 
@@ -128,9 +152,12 @@ LOOP_LAG_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 class Metrics:
     """One registry per app (never the process-global one): tests and embedders run several routers."""
 
-    def __init__(self, fleet: Fleet, streams: Streams | None = None, plane: Plane | None = None) -> None:
+    def __init__(self, fleet: Fleet, streams: Streams | None = None, plane: Plane | None = None,
+                 connections: Connections | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(FleetCollector(fleet, streams, plane))
+        self.connections = connections or Connections()
+        self.registry.register(ConnectionsCollector(self.connections))
         self.route_seconds = Histogram(
             "kvctl_route_duration_seconds", "time to decide a route (hash, match, score, pick)", ["model"],
             buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2), registry=self.registry)

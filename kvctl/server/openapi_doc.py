@@ -131,7 +131,7 @@ def complete(document: dict[str, Any], route: type, needs_admin: Callable[[str, 
     document["paths"]["/v1/route"] = {"post": {
         "summary": "Route", "operationId": "route",
         "requestBody": {"required": True, "content": {"application/json": {"schema": body_schema[0]}}},
-        "responses": {str(k): v for k, v in replies(400, 404, 422, 503, ok=ref("Decision")).items()},
+        "responses": {str(k): v for k, v in replies(400, 404, 422, 429, 503, ok=ref("Decision")).items()},
     }}
     for path, item in document["paths"].items():
         for method, operation in item.items():

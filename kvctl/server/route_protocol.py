@@ -9,18 +9,25 @@ connection) this protocol reads the body as the parser hands it over, answers wi
 that is none of those included (or one to a client that has stopped reading its answers), goes through
 uvicorn and the app as before.
 
+It is also where every connection's time limits are kept (`Connections`), for both paths: uvicorn
+closes a connection idle between requests, but not one that never sends a whole request (a partial
+head or body), nor one that stops reading its answer, and each of those held a file descriptor for
+ever.
+
 It subclasses uvicorn's httptools protocol, pinned to its minor version in pyproject.toml; the tests
 hold its answers to the ASGI path's, headers included.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-__all__ = ["route_protocol"]
+__all__ = ["Connections", "route_protocol"]
 
 log = logging.getLogger("kvctl.serve")
 
@@ -28,17 +35,107 @@ Reply = Callable[[bytes], tuple[int, bytes]]
 
 _ROUTE = b"/v1/route"
 _INTERNAL = b'{"error":"internal error while routing; see the router log"}'
+IDLE_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 4096
 
 
-def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: int) -> type[HttpToolsProtocol]:
+@dataclass
+class Connections:
+    """The limits on client connections (`kvctl serve --idle-timeout`, `--max-connections`) and what they did.
+
+    `idle_timeout_s` bounds the time a connection may keep the router waiting on it: idle between
+    requests, sending one request (head and body, from the end of the previous answer), or reading
+    nothing of an answer it asked for. It is longer than the pools of common clients keep an idle
+    connection (aiohttp 15 s, httpx 5 s), so the server is never the side that closes a connection a
+    client is about to reuse. Past `max` open connections a new one is answered 503 and closed at once,
+    its request unread (a client that sent one before the answer came may see a reset instead).
+    """
+
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    max: int = MAX_CONNECTIONS
+    open: int = 0
+    refused: int = 0  # over `max`
+    timed_out: int = 0  # closed by `idle_timeout_s`: idle, half-sent request, or answer not read
+
+    def refusal(self) -> bytes:
+        body = (b'{"error":"too many open connections: %d; the limit is --max-connections"}' % self.max)
+        return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+
+
+def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: int,
+                   connections: Connections) -> type[HttpToolsProtocol]:
     """uvicorn's protocol class, answering plain routes with `reply` (body bytes -> status, JSON bytes) and
-    calling `answered()` once an answer is written (what can wait until the client has its answer)."""
+    calling `answered()` once an answer is written (what can wait until the client has its answer), with
+    the limits of `connections` on every connection."""
 
     class RouteProtocol(HttpToolsProtocol):
         _route_body: list[bytes] | None = None  # while a route's body is being read
         _route_keep_alive = True
+        _counted = False  # in `connections.open` (not refused)
+        _receiving = False  # between a request's first byte and its last
+
+        # uvicorn's keep-alive timer is the one deadline: started when the router waits on the client (a
+        # connection made, an answer written, an answer the client stopped reading), stopped only when a
+        # whole request is in, never by a byte of it (uvicorn's is stopped by any data, so a request
+        # sent a byte at a time, or never finished, held the connection for ever).
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            if connections.open >= connections.max:
+                connections.refused += 1
+                transport.write(connections.refusal())
+                transport.close()
+                return
+            connections.open += 1
+            self._counted = True
+            super().connection_made(transport)
+            self.timeout_keep_alive = connections.idle_timeout_s
+            self._wait_on_client()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if not self._counted:
+                return
+            connections.open -= 1
+            self._counted = False
+            self._stop_waiting()
+            super().connection_lost(exc)
+
+        def _unset_keepalive_if_required(self) -> None:
+            """uvicorn stops the clock on any data: here only a whole request does (`_stop_waiting`)."""
+
+        def _wait_on_client(self) -> None:
+            self._stop_waiting()
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+        def _stop_waiting(self) -> None:
+            if self.timeout_keep_alive_task is not None:
+                self.timeout_keep_alive_task.cancel()
+                self.timeout_keep_alive_task = None
+
+        def timeout_keep_alive_handler(self) -> None:
+            self.timeout_keep_alive_task = None
+            working = self.cycle is not None and not self.cycle.response_complete and not self._receiving
+            if (working and not self.flow.write_paused) or self.transport.is_closing():
+                return  # the app is answering: the clock starts again when it has, or if it is not read
+            connections.timed_out += 1
+            self.transport.abort()  # nothing is owed to this client; its unread answer is dropped too
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._wait_on_client()
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if not self._receiving and self.cycle is not None and not self.cycle.response_complete:
+                self._stop_waiting()  # reading again: the app goes on answering
+
+        def on_response_complete(self) -> None:
+            self._stop_waiting()
+            super().on_response_complete()  # starts the clock again, unless a pipelined request is next
 
         def on_message_begin(self) -> None:
+            self._receiving = True
             # uvicorn's own begins the request's ASGI scope, which a route answered here never uses: it
             # is begun once the request turns out to be the app's (`_begin_scope`).
             self.url = b""
@@ -83,6 +180,9 @@ def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: i
                 self._route_body.append(body)
 
         def on_message_complete(self) -> None:
+            self._receiving = False
+            if not self.flow.write_paused:
+                self._stop_waiting()  # a whole request: now the router owes the answer
             chunks = self._route_body
             if chunks is None:
                 super().on_message_complete()

@@ -50,6 +50,29 @@ class UnknownWorker(KeyError):
     pass
 
 
+@dataclass(frozen=True)
+class RouteLimits:
+    """Caps on what a route, which needs no token, can make the router hold (`kvctl serve --max-*`).
+
+    A reserved request keeps its prompt's block hashes until it is freed or expires: ~100 bytes a
+    block, so 150 reservations of 1M tokens held 870 MB. The defaults leave room for a 1M-token prompt
+    and for a thousand requests of 32k tokens in flight per model, and hold reservations to ~200 MB.
+    """
+
+    max_request_tokens: int = 1 << 20  # prompt tokens of one route request
+    max_reservations: int = 100_000  # requests in flight, per model
+    max_reserved_tokens: int = 1 << 25  # prompt tokens of the requests in flight, per model
+
+
+class OverLimit(Exception):
+    """A route refused by a `RouteLimits` cap (HTTP 429): `limit` names it, `flag` sets it."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        self.limit = limit
+        self.flag = "--" + limit.replace("_", "-")
+        super().__init__(f"{message}; the limit is {self.flag}")
+
+
 @dataclass(slots=True)
 class WorkerInfo:
     worker_id: int
@@ -88,8 +111,10 @@ class ModelState:
 class Fleet:
     def __init__(self, *, block_size: int = 16, config: RouterConfig | None = None, seed: int | None = None,
                  thresholds: Thresholds | None = None, approx: ApproxConfig | None = None,
-                 request_expiry_s: float = EXPIRY_S) -> None:
+                 request_expiry_s: float = EXPIRY_S, limits: RouteLimits | None = None) -> None:
         """`approx`: approximate mode (no KV events): every model indexes its own routing decisions."""
+        self.limits = limits or RouteLimits()
+        self.over_limit: Counter[str] = Counter()  # routes refused, by `RouteLimits` field
         self.default_block_size = block_size
         self.default_config = config or RouterConfig()
         self.approx = approx
@@ -218,8 +243,9 @@ class Fleet:
                           total_blocks=info.total_blocks if info else None)
 
     def route(self, model: str, *, now: float, **request: Any) -> Decision:
-        """Raises UnknownModel, AllBusy (every worker busy), NoCandidates (no worker registered)."""
+        """Raises UnknownModel, OverLimit, AllBusy (every worker busy), NoCandidates (no worker registered)."""
         state = self.model(model)
+        self._check_limits(state, request)
         busy = None
         if self.thresholds.get(model) != _NO_THRESHOLDS:  # nothing can be busy without a threshold
             ranks = self.rank_busy(model)
@@ -232,6 +258,26 @@ class Fleet:
         if request.get("reserve") and self.sequence_listener is not None:
             self.sequence_listener(model, ADD, state.router.sequences.get(request["request_id"]), request)
         return decision
+
+    def _check_limits(self, state: ModelState, request: Mapping[str, Any]) -> None:
+        limits, block_size = self.limits, state.block_size
+        token_ids = request.get("token_ids")
+        tokens = len(token_ids) if token_ids is not None else len(request.get("local_hashes") or ()) * block_size
+        over = None
+        if tokens > limits.max_request_tokens:
+            over = "max_request_tokens", f"{tokens} prompt tokens, over {limits.max_request_tokens}"
+        elif request.get("reserve"):
+            sequences = state.router.sequences
+            if len(sequences) >= limits.max_reservations:
+                over = "max_reservations", (f"{len(sequences)} requests of model {state.name!r} in flight "
+                                            f"already, the most it may have")
+            elif (sequences.blocks + tokens // block_size) * block_size > limits.max_reserved_tokens:
+                over = "max_reserved_tokens", (
+                    f"{sequences.blocks * block_size} prompt tokens of model {state.name!r} in flight, and "
+                    f"{tokens} more would pass {limits.max_reserved_tokens}")
+        if over is not None:
+            self.over_limit[over[0]] += 1
+            raise OverLimit(*over)
 
     def prefill_complete(self, model: str, request_id: str) -> bool:
         return self._settle(model, request_id, PREFILL_COMPLETED)

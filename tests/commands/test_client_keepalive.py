@@ -17,7 +17,7 @@ from kvctl.client._base import KEEPALIVE_EXPIRY_S
 from kvctl.client.aio import AsyncRouterClient
 from kvctl.client.engine import EngineClient
 from kvctl.client.sync import RouterClient
-from kvctl.server.daemon import KEEPALIVE_IDLE_S
+from kvctl.server.route_protocol import IDLE_TIMEOUT_S
 
 ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
@@ -88,4 +88,4 @@ def test_the_sync_client_expires_idle_connections_and_servers_outlive_client_poo
         client.close()
     server_default = uvicorn.Config(app=None).timeout_keep_alive
     assert server_default > KEEPALIVE_EXPIRY_S  # engines on uvicorn's default never close first
-    assert KEEPALIVE_IDLE_S > 15  # kvctl serve outlives aiohttp's 15 s and httpx's 5 s pools
+    assert IDLE_TIMEOUT_S > 15  # kvctl serve outlives aiohttp's 15 s and httpx's 5 s pools

@@ -161,10 +161,18 @@ def test_prefill_frac_accepted(value: float) -> None:
     assert Thresholds(active_prefill_tokens_threshold_frac=value).active_prefill_tokens_threshold_frac == value
 
 
-@pytest.mark.parametrize("value", [-0.5, math.inf, math.nan, 10**400])
+@pytest.mark.parametrize("value", [-0.5, math.inf, math.nan, 10**400, 1e308, 1_000_001])
 def test_prefill_frac_rejected(value: float) -> None:
-    with pytest.raises(ThresholdError, match=r"^active_prefill_tokens_threshold_frac must be a finite number >= 0\.0"):
+    wanted = r"^active_prefill_tokens_threshold_frac must be a number in \[0\.0, 1e\+06\]"
+    with pytest.raises(ThresholdError, match=wanted):
         Thresholds(active_prefill_tokens_threshold_frac=value)
+
+
+def test_a_stored_frac_too_large_for_a_token_count_saturates() -> None:
+    """A frac stored past today's checks (an older version's snapshot, say) must not turn into an exception."""
+    thresholds = Thresholds(active_prefill_tokens_threshold_frac=1.0)
+    object.__setattr__(thresholds, "active_prefill_tokens_threshold_frac", 1e308)
+    assert not BusyTracker().update((7, 0), WorkerLoad(0, 2**63), thresholds).busy
 
 
 # --- prefill checks -------------------------------------------------------------------------------

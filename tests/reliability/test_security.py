@@ -422,3 +422,34 @@ def test_nats_commands_never_print_credentials_written_into_the_url(tmp_path: Pa
     assert results["unreachable"].exit_code == 3 and results["unreachable dump"].exit_code == 3
     for name, result in results.items():
         assert NATS_SECRET not in result.output, (name, result.output)
+
+
+def test_secrets_on_the_command_line_are_blanked_from_ps(tmp_path: Path) -> None:
+    """`ps` shows any local user /proc/PID/cmdline: the router's own, for as long as it runs."""
+    nats_secret = "nats-" + secrets.token_hex(8)
+    args = ["--admin-token", TOKEN, f"--nats-token={nats_secret}", "--nats", f"nats://alice:{WRONG_SECRET}@127.0.0.1:1"]
+    with serve(tmp_path, "127.0.0.1:0", *args) as served, served.client() as client:
+        cmdline = Path(f"/proc/{served.proc.pid}/cmdline").read_bytes().decode()
+        for secret in (TOKEN, nats_secret, WRONG_SECRET):
+            assert secret not in cmdline
+        assert "\0--admin-token\0" + "*" * len(TOKEN) + "\0" in cmdline and "nats://*" in cmdline
+        assert client.post("/v1/workers", json={"worker_id": 1},
+                           headers={"authorization": f"Bearer {TOKEN}"}).status_code == 201  # still the token
+        log = served.stop()
+    assert "KVCTL_ADMIN_TOKEN" in log
+
+
+def test_the_admin_token_can_come_from_a_file(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    with serve(tmp_path, "127.0.0.1:0", "--admin-token-file", str(token_file)) as served, served.client() as client:
+        assert client.post("/v1/workers", json={"worker_id": 1}).status_code == 401
+        assert client.post("/v1/workers", json={"worker_id": 1},
+                           headers={"authorization": f"Bearer {TOKEN}"}).status_code == 201
+        assert "KVCTL_ADMIN_TOKEN" not in served.stop()  # nothing secret on the command line: no warning
+    (tmp_path / "empty").write_text("\n")
+    for args, needle in ((["--admin-token", TOKEN, "--admin-token-file", str(token_file)], "give one"),
+                         (["--admin-token-file", str(tmp_path / "none")], "cannot read"),
+                         (["--admin-token-file", str(tmp_path / "empty")], "is empty")):
+        code, _, err = refused(*args)
+        assert code == 2 and needle in err and err.count("\n") == 1, err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -12,7 +13,7 @@ from kvctl.core.events.dynamo import decode_router_event_json, encode_router_eve
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
 from kvctl.server.api import create_app
-from kvctl.server.state import Fleet
+from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
 from tests.fixtures_path import FIXTURES
 
 BIG = 2**63 + 7  # worker ids and hashes beyond 2^53 must survive JSON both ways
@@ -189,6 +190,17 @@ async def test_busy_threshold_shapes_like_dynamo(client: httpx.AsyncClient) -> N
     assert (await client.post("/busy_threshold", json={"active_decode_blocks_threshold": 0.5})).status_code == 422
 
 
+@pytest.mark.parametrize("frac", [1e308, 1e6 * 1.000001])
+async def test_an_out_of_range_frac_is_refused_and_routing_goes_on(client: httpx.AsyncClient, frac: float) -> None:
+    """1e308 was stored, and then route, workers and /metrics all answered 500 (int(inf))."""
+    await client.post("/v1/workers", json={"worker_id": 1})
+    r = await client.post("/busy_threshold", json={"model": "default", "active_prefill_tokens_threshold_frac": frac})
+    assert r.status_code == 400 and "active_prefill_tokens_threshold_frac must be a number in [0.0, 1e+06]" in r.text
+    assert (await client.post("/v1/route", json={"token_ids": TOKENS})).status_code == 200
+    assert (await client.get("/v1/workers")).status_code == 200
+    assert (await client.get("/metrics")).status_code == 200
+
+
 @pytest.mark.parametrize(("content_type", "body", "status"), [
     (None, b'{"model": "default"}', 415),  # axum's Json extractor: no JSON content type
     ("text/plain", b'{"model": "default"}', 415),
@@ -289,3 +301,68 @@ async def test_metrics_reflect_the_state(client: httpx.AsyncClient) -> None:
     assert samples[("kvctl_worker_active_decode_blocks", (("dp_rank", "0"), ("model", "default"),
                                                           ("worker_id", "1")))] == 4
     assert samples[("kvctl_route_duration_seconds_count", (("model", "default"),))] == 1
+
+
+async def test_events_for_an_unknown_model_get_404_and_make_no_model(client: httpx.AsyncClient) -> None:
+    """Any ?model= made a model (20k of them, a 2 MB /metrics): only configuration or a worker makes one."""
+    event = _store_event(1, TOKENS)
+    r = await client.post("/v1/events", params={"model": "x"}, json=[event])
+    assert r.status_code == 404 and "POST /v1/workers" in r.json()["error"] and r.json()["models"] == ["default"]
+    assert list((await client.get("/v1/tree/stats")).json()["models"]) == ["default"]
+    assert (await client.post("/v1/workers", json={"worker_id": 1, "model": "x"})).status_code == 201
+    assert (await client.post("/v1/events", params={"model": "x"}, json=[event])).json()["applied"] == 1
+
+
+async def test_routes_past_a_limit_get_429_naming_it_and_its_flag() -> None:
+    fleet = Fleet(block_size=16, seed=0, limits=RouteLimits(max_request_tokens=64, max_reservations=2,
+                                                             max_reserved_tokens=80))
+    fleet.register(WorkerInfo(1, 0, "default"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(fleet)), base_url="http://k") as client:
+        async def route(tokens: list[int], request_id: str | None = None) -> httpx.Response:
+            return await client.post("/v1/route", json={"token_ids": tokens, "request_id": request_id,
+                                                        "reserve": request_id is not None})
+
+        too_long = await route([*TOKENS, 1])
+        assert too_long.status_code == 429 and too_long.json()["flag"] == "--max-request-tokens"
+        assert "65 prompt tokens, over 64" in too_long.json()["error"]
+        assert (await route(TOKENS, "a")).status_code == 200  # 64 tokens reserved
+        too_many_tokens = await route(TOKENS[:32], "b")
+        assert too_many_tokens.status_code == 429 and too_many_tokens.json()["limit"] == "max_reserved_tokens"
+        assert (await route(TOKENS[:16], "c")).status_code == 200  # 80 tokens: at the limit
+        too_many = await route(TOKENS[:1], "d")
+        assert too_many.status_code == 429 and too_many.json()["flag"] == "--max-reservations"
+        assert (await route(TOKENS)).status_code == 200  # no reservation: only the request's own size counts
+        assert (await client.delete("/v1/requests/a")).status_code == 200
+        assert (await route(TOKENS, "b")).status_code == 200  # room again once one is freed
+        limits = (await client.get("/v1/status")).json()["limits"]
+        assert limits["refused"] == {"max_request_tokens": 1, "max_reserved_tokens": 1, "max_reservations": 1}
+        assert 'kvctl_route_over_limit_total{limit="max_reservations"} 1.0' in (await client.get("/metrics")).text
+
+
+async def test_a_dump_lets_events_in_while_it_walks_the_index() -> None:
+    """The index is walked a slice at a time with the loop let go between: a worker cleared once the dump has
+    begun is missing from the rest of it (a dump captured in one step, holding the loop, had all of it)."""
+    fleet = Fleet(block_size=16, seed=0)
+    for worker in (1, 2):
+        for chain in range(400):  # 800 edges, each its own node: several slices
+            fleet.apply("default", [RouterEvent(worker, Stored(None, [worker << 32 | chain], [chain]))], 0.0)
+    app = create_app(fleet)
+    started, body = asyncio.Event(), bytearray()
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            started.set()
+        body.extend(message.get("body", b""))
+
+    async def clear_worker_2() -> None:
+        await started.wait()
+        fleet.reset("default", 2, None)
+
+    scope = {"type": "http", "method": "GET", "path": "/v1/tree", "raw_path": b"/v1/tree", "query_string": b"",
+             "headers": [], "http_version": "1.1", "scheme": "http", "server": ("k", 80), "client": ("c", 1),
+             "root_path": ""}
+    clearing = asyncio.create_task(clear_worker_2())
+    await app(scope, asyncio.Event().wait, send)
+    await clearing
+    workers = [event["worker_id"] for event in json.loads(body)]
+    assert workers.count(1) == 400 and 0 < workers.count(2) < 400

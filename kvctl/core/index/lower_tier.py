@@ -138,7 +138,10 @@ class LowerTier:
         return len(self._edges)
 
     def held_edges(self) -> Iterator[tuple[Worker, int | None, int, int]]:
-        """Every (worker, parent hash, block hash, local hash) held: what a dump replays, one block a store."""
-        for worker, held in self._held.items():
-            for block, (parent, local) in held.items():
+        """Every (worker, parent hash, block hash, local hash) held: what a dump replays, one block a store.
+
+        Each worker's blocks are copied as it is reached (in C, ~20 ns a block), so that the iteration may be
+        suspended while blocks are stored and removed (a dump taken in slices)."""
+        for worker, held in list(self._held.items()):
+            for block, (parent, local) in list(held.items()):
                 yield worker, parent, block, local

@@ -10,7 +10,6 @@ carries the signals that tripped, with their values and thresholds, so the refus
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -22,6 +21,9 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 10_000_000
 that the frac check cannot fire on realistic loads for a worker that never said its batch size."""
 
 _U64_MAX = 2**64 - 1  # Dynamo reads the absolute threshold as a u64: kvctl accepts what Dynamo accepts
+MAX_PREFILL_FRAC = 1e6
+"""The largest `active_prefill_tokens_threshold_frac`: a million batches of prompt tokens queued is already
+"never busy", and any larger multiple (Dynamo takes any f64) overflowed the token limit into a 500."""
 
 
 class ThresholdError(ValueError):
@@ -44,8 +46,8 @@ def _decode_fraction(field: str, value: object) -> float:
 
 
 def _prefill_frac(field: str, value: object) -> float:
-    # sys.float_info.max as the bound rejects inf, and ints too large to be a float.
-    return _number(field, value, sys.float_info.max, "a finite number >= 0.0 (times max_num_batched_tokens)")
+    return _number(field, value, MAX_PREFILL_FRAC,
+                   f"a number in [0.0, {MAX_PREFILL_FRAC:g}] (times max_num_batched_tokens)")
 
 
 def _prefill_tokens(field: str, value: object) -> int:
@@ -208,8 +210,9 @@ def _prefill_reasons(load: WorkerLoad, thresholds: Thresholds) -> list[BusyReaso
         max_batched = load.max_num_batched_tokens
         if max_batched is None:
             max_batched = DEFAULT_MAX_NUM_BATCHED_TOKENS
-        # Truncated to whole tokens before comparing, as Dynamo's `(frac * max_batched) as u64`.
-        limits.append((BusySignal.active_prefill_tokens_frac, int(frac * max_batched)))
+        # Truncated to whole tokens before comparing, as Dynamo's `(frac * max_batched) as u64` (which
+        # saturates: so does this, so that no stored frac or reported batch size can overflow into a 500).
+        limits.append((BusySignal.active_prefill_tokens_frac, int(min(frac * max_batched, _U64_MAX))))
     tokens = load.active_prefill_tokens
     return [BusyReason(signal, tokens, limit) for signal, limit in limits if tokens > limit]
 

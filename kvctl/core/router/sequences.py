@@ -67,6 +67,7 @@ class ActiveSequences:
         self.expiry_s = expiry_s
         self._requests: dict[str, ActiveRequest] = {}
         self._workers: dict[Worker, _WorkerState] = {}
+        self.blocks = 0  # prompt blocks of the requests in flight, shared ones counted each time: what they hold
 
     def add(self, request_id: str, worker: Worker, block_hashes: Sequence[int], prefill_tokens: int,
             now: float) -> bool:
@@ -77,6 +78,7 @@ class ActiveSequences:
             raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
         hashes = tuple(block_hashes)
         self._requests[request_id] = ActiveRequest(request_id, worker, hashes, prefill_tokens, now)
+        self.blocks += len(hashes)
         state = self._workers.get(worker)
         if state is None:
             state = self._workers[worker] = _WorkerState()
@@ -101,6 +103,7 @@ class ActiveSequences:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
+        self.blocks -= len(request.block_hashes)
         state = self._workers[request.worker]
         refs = state.refcounts
         for h in request.block_hashes:

@@ -1,0 +1,157 @@
+"""`kvctl serve`'s limits on clients, as a real process: idle and half-sent connections are closed, open
+connections are capped, a client that stops reading is dropped, and no client holds up the exit."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.test_serve_process import serving
+
+T = TypeVar("T")
+HALF_SENT = {
+    "idle": b"",
+    "partial head": b"GET /healthz HTTP/1.1\r\nhost: x",
+    "partial body (app)": b"POST /v1/events HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n[",
+    "partial body (route fast path)": b"POST /v1/route HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{",
+}
+
+
+def wait_until(check: Callable[[], T], what: str, timeout: float = 15) -> T:
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return result
+
+
+def _address(client: httpx.Client) -> tuple[str, int]:
+    return client.base_url.host, client.base_url.port  # type: ignore[return-value]
+
+
+@contextmanager
+def _connected(client: httpx.Client, first_bytes: bytes, rcvbuf: int | None = None) -> Iterator[socket.socket]:
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    with sock:
+        sock.connect(_address(client))
+        sock.sendall(first_bytes)
+        yield sock
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(0.01)
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def _metric(client: httpx.Client, name: str) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_idle_and_half_sent_connections_are_closed_after_the_idle_timeout(tmp_path: Path) -> None:
+    with serving(tmp_path, "--idle-timeout", "1") as (_, client), ExitStack() as stack:
+        socks = {name: stack.enter_context(_connected(client, data)) for name, data in HALF_SENT.items()}
+        started = time.monotonic()
+        for name, sock in socks.items():
+            wait_until(lambda sock=sock: _closed_by_server(sock), f"the server to close the {name} connection")
+        assert time.monotonic() - started < 5
+        assert _metric(client, "kvctl_http_connections_timed_out_total") == len(HALF_SENT)
+        assert client.get("/v1/status").json()["connections"]["timed_out"] == len(HALF_SENT)
+
+
+def test_connections_past_the_cap_get_503_and_are_closed(tmp_path: Path) -> None:
+    with serving(tmp_path, "--max-connections", "3") as (_, client), ExitStack() as stack:
+        assert client.get("/healthz").status_code == 200  # the client's own keep-alive connection: 1
+        for _ in range(2):
+            stack.enter_context(_connected(client, b""))
+        wait_until(lambda: client.get("/v1/status").json()["connections"]["open"] == 3, "3 connections open")
+        with _connected(client, b"") as extra:  # sent no request: the answer is not lost to a reset
+            extra.settimeout(5)
+            answer = b"".join(iter(lambda: extra.recv(65536), b""))  # read until the server closes it
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"--max-connections" in answer
+        assert client.get("/v1/status").json()["connections"]["refused"] == 1
+        assert _metric(client, "kvctl_http_connections_refused_total") == 1
+        stack.close()  # room again
+        wait_until(lambda: client.get("/v1/status").json()["connections"]["open"] == 1, "the others to close")
+        with httpx.Client(base_url=client.base_url) as other:
+            assert other.get("/healthz").status_code == 200
+
+
+def _big_index(client: httpx.Client, blocks: int = 200_000) -> None:
+    stored = ",".join(f'{{"block_hash":{n},"tokens_hash":{n}}}' for n in range(1, blocks + 1))
+    event = f'{{"worker_id":1,"event":{{"event_id":1,"data":{{"stored":{{"parent_hash":null,"blocks":[{stored}]}}}}}}}}'
+    assert client.post("/v1/workers", json={"worker_id": 1}).status_code == 201
+    assert client.post("/v1/events", content=event, timeout=60).json()["applied"] == 1
+
+
+def test_a_client_that_stops_reading_its_answer_is_dropped(tmp_path: Path) -> None:
+    with serving(tmp_path, "--idle-timeout", "1") as (_, client):
+        _big_index(client)
+        with _connected(client, b"GET /v1/tree HTTP/1.1\r\nhost: x\r\n\r\n", rcvbuf=4096) as reader:
+            wait_until(lambda: _metric(client, "kvctl_http_connections_timed_out_total") == 1,
+                       "the stalled reader to be dropped")
+            assert _closed_by_server(reader)
+        assert client.get("/healthz").status_code == 200
+
+
+def test_a_stalled_client_delays_the_exit_by_the_shutdown_timeout_at_most(tmp_path: Path) -> None:
+    with (serving(tmp_path, "--shutdown-timeout", "1") as (proc, client),
+          _connected(client, HALF_SENT["partial body (app)"])):
+        wait_until(lambda: client.get("/v1/status").json()["connections"]["open"] == 2, "the stalled client")
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - started < 5
+    assert (tmp_path / "snapshot.jsonl").exists()
+
+
+def test_a_second_sigterm_forces_the_exit_and_the_snapshot_is_still_written(tmp_path: Path) -> None:
+    with serving(tmp_path, "--shutdown-timeout", "60") as (proc, client):
+        with _connected(client, HALF_SENT["partial body (app)"]):
+            wait_until(lambda: client.get("/v1/status").json()["connections"]["open"] == 2, "the stalled client")
+            client.close()
+            proc.send_signal(signal.SIGTERM)
+
+            def refused() -> bool:  # the listener closed: the graceful stop has begun
+                try:
+                    socket.create_connection(_address(client), timeout=1).close()
+                except ConnectionRefusedError:
+                    return True
+                return False
+
+            wait_until(refused, "the router to stop listening")
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 1
+            assert time.monotonic() - started < 5
+        assert "a second SIGTERM forced the exit" in proc.stderr.read()  # type: ignore[union-attr]
+    assert (tmp_path / "snapshot.jsonl").exists()
+
+
+def test_reservations_past_the_cap_get_429_on_the_fast_route_path(tmp_path: Path) -> None:
+    with serving(tmp_path, "--max-reservations", "1") as (_, client):
+        assert client.post("/v1/workers", json={"worker_id": 1}).status_code == 201
+        answers = [client.post("/v1/route", json={"token_ids": list(range(64)), "reserve": True, "request_id": rid})
+                   for rid in ("a", "b")]
+        assert [a.status_code for a in answers] == [200, 429]
+        assert answers[1].json()["flag"] == "--max-reservations"
