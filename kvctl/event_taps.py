@@ -21,7 +21,7 @@ from kvctl.core.events.engine import decode_engine_message
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import KV_EVENTS, PlaneScope
 from kvctl.nats_barrier import barrier
-from kvctl.natsconn import NatsConnection
+from kvctl.natsconn import NatsConnection, connect
 
 POLL_MS = 200
 
@@ -102,7 +102,7 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
     `listening` is told once the server has the subscription: nothing published after that is missed."""
     import nats
 
-    nc = await nats.connect(conn.url, max_reconnect_attempts=-1, **conn.connect_kwargs())
+    nc = await connect(conn, follow=True)
     queue: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def on(msg: nats.aio.msg.Msg) -> None:

@@ -24,7 +24,7 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
-from kvctl.errors import Unreachable, UsageError
+from kvctl.errors import UsageError
 from kvctl.output import Column, OutputFormat, View
 
 if TYPE_CHECKING:
@@ -163,8 +163,6 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, nats_auth: NatsAuth | 
                 yield loop.run_until_complete(agen.__anext__())
             except StopAsyncIteration:
                 return
-    except OSError as exc:
-        raise Unreachable(f"cannot reach NATS at {conn.shown_url}: {exc}") from None
     finally:
         loop.run_until_complete(agen.aclose())
         loop.close()
