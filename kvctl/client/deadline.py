@@ -4,7 +4,7 @@ httpx's timeouts apply to each connect, read and write, so a server that trickle
 trips one. A deadline here is a monotonic instant in a context variable, set around one call (by the
 clients) or around a whole command (`within`, as `kvctl doctor` does). The blocking clients' sockets go
 through `DeadlineBackend`, whose every connect, read and write waits at most until that instant, and then
-fails as httpx's own timeouts do. The async client runs its calls under `asyncio.timeout_at(deadline())`.
+fails as httpx's own timeouts do. The async client runs its calls under `asyncio.timeout_at` that instant.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ def within(seconds: float) -> Iterator[float]:
     """Every call made inside ends `seconds` from now at the latest (sooner if an enclosing deadline says so);
     yields the deadline (a `time.monotonic()` instant, which is also asyncio's loop clock)."""
     outer = _DEADLINE.get()
-    ends = time.monotonic() + seconds
-    token = _DEADLINE.set(ends if outer is None else min(ends, outer))
+    ends = time.monotonic() + seconds if outer is None else min(time.monotonic() + seconds, outer)
+    token = _DEADLINE.set(ends)
     try:
-        yield _DEADLINE.get()  # type: ignore[misc]  # just set
+        yield ends
     finally:
         _DEADLINE.reset(token)
 
