@@ -8,10 +8,12 @@ counts the command prints on exit: the answer to "are events arriving at all, an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -20,8 +22,12 @@ from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch,
 from kvctl.core.events.engine import decode_engine_message
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import KV_EVENTS, PlaneScope
+from kvctl.errors import Unreachable
 from kvctl.nats_barrier import barrier
-from kvctl.natsconn import NatsConnection, connect
+from kvctl.natsconn import UNREACHABLE_HINT, NatsConnection, connect
+
+if TYPE_CHECKING:
+    import nats
 
 POLL_MS = 200
 
@@ -100,9 +106,8 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
     a router's place).
 
     `listening` is told once the server has the subscription: nothing published after that is missed."""
-    import nats
 
-    nc = await connect(conn, follow=True)
+    nc = await _connect_unless_stopped(conn, stop)
     queue: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def on(msg: nats.aio.msg.Msg) -> None:
@@ -149,3 +154,17 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
                 yield Tapped(_now_ms(), event.event_id, event)
     finally:
         await nc.close()
+
+
+async def _connect_unless_stopped(conn: NatsConnection, stop: Callable[[], bool]) -> nats.NATS:
+    """The tap's connection. A server that accepts but never speaks takes two connect timeouts to fail; a stop
+    meanwhile (--duration, a signal) ends the attempt, as a failure: the server was not reached."""
+    connecting = asyncio.ensure_future(connect(conn, follow=True))
+    while not (await asyncio.wait({connecting}, timeout=POLL_MS / 1000))[0]:
+        if stop():
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await connecting
+            raise Unreachable(f"cannot reach NATS at {conn.shown_url}: not connected when told to stop",
+                              hint=UNREACHABLE_HINT)
+    return connecting.result()

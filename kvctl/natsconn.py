@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 FIRST_RETRY_S = 0.1  # between the two attempts of a first connect
 RECONNECT_WAIT_S = 2.0  # between attempts to get a dropped connection back (nats-py's default)
+UNREACHABLE_HINT = "is nats-server running there, and is --nats right?"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,7 @@ async def connect(conn: NatsConnection, *, follow: bool = False) -> nats.NATS:
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         cause = failures[-1] if failures else exc  # "no servers available" says less than why
         raise Unreachable(f"cannot reach NATS at {conn.shown_url}: {cause or type(cause).__name__}",
-                          hint="is nats-server running there, and is --nats right?") from None
+                          hint=UNREACHABLE_HINT) from None
     if follow:  # nats-py reads these when the connection drops, not only when it is opened
         nc.options.update(allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=RECONNECT_WAIT_S)
     return nc

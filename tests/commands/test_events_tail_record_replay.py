@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -163,3 +164,22 @@ def test_a_tail_ends_on_duration_or_a_signal_even_with_its_server_gone(ending: A
     assert tail.returncode == 0, err
     assert err.splitlines() == ["0 messages, 0 events, 0 gaps (0 missing), decode errors none"]
     assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("ending", ["duration", signal.SIGTERM])
+def test_a_server_that_never_speaks_does_not_outlast_duration_or_a_signal(ending: Any) -> None:
+    """It accepts the connection and says nothing: each connect attempt would wait out its 5 s timeout."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)  # the kernel completes the handshake; nobody ever answers
+        mute.settimeout(20)
+        tail = kvctl("events", "tail", "--nats", f"nats://127.0.0.1:{mute.getsockname()[1]}",
+                     *(["--duration", "1"] if ending == "duration" else []))
+        started = time.monotonic()
+        with mute.accept()[0]:  # the tail is connecting: its signal handlers are in place
+            if ending != "duration":
+                tail.send_signal(ending)
+            _, err = tail.communicate(timeout=30)
+    assert tail.returncode == 3, err
+    assert err.startswith("error: cannot reach NATS at") and err.count("\n") == 1, err
+    assert time.monotonic() - started < 4
