@@ -199,7 +199,8 @@ def root(
     token: str | None = typer.Option(None, "--token", show_default=False,
                                      help="The router's admin token (KVCTL_TOKEN)."),
     timeout: float | None = typer.Option(None, "--timeout", show_default=False,
-                                         help="Seconds to wait for an answer (KVCTL_TIMEOUT; default 5)."),
+                                         help="Seconds a call to the router may take in all, however slowly it "
+                                              "answers (KVCTL_TIMEOUT; default 5). doctor: for the whole check."),
     context: str | None = typer.Option(None, "--context", show_default=False,
                                        help="A context of the config file (KVCTL_CONTEXT)."),
 ) -> None:

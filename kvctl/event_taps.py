@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -26,7 +27,10 @@ from kvctl.core.events.plane import KV_EVENTS, PlaneScope
 from kvctl.core.events.publishers import Order, Sequence
 from kvctl.errors import Unreachable
 from kvctl.nats_barrier import barrier
-from kvctl.natsconn import NatsConnection
+from kvctl.natsconn import UNREACHABLE_HINT, NatsConnection, connect
+
+if TYPE_CHECKING:
+    import nats
 
 POLL_MS = 200
 
@@ -125,9 +129,8 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
     a router's place).
 
     `listening` is told once the server has the subscription: nothing published after that is missed."""
-    import nats
 
-    nc = await nats.connect(conn.url, max_reconnect_attempts=-1, **conn.connect_kwargs())
+    nc = await _connect_unless_stopped(conn, stop)
     queue: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def on(msg: nats.aio.msg.Msg) -> None:
@@ -245,3 +248,17 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
         sock.close(linger=0)
         ctx.term()
         await store.close()
+
+
+async def _connect_unless_stopped(conn: NatsConnection, stop: Callable[[], bool]) -> nats.NATS:
+    """The tap's connection. A server that accepts but never speaks takes two connect timeouts to fail; a stop
+    meanwhile (--duration, a signal) ends the attempt, as a failure: the server was not reached."""
+    connecting = asyncio.ensure_future(connect(conn, follow=True))
+    while not (await asyncio.wait({connecting}, timeout=POLL_MS / 1000))[0]:
+        if stop():
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await connecting
+            raise Unreachable(f"cannot reach NATS at {conn.shown_url}: not connected when told to stop",
+                              hint=UNREACHABLE_HINT)
+    return connecting.result()

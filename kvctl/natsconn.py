@@ -1,15 +1,26 @@
-"""How to reach a NATS server: URL, credentials, TLS. Shared by `serve --nats` and `events publish`.
+"""How to reach a NATS server: URL, credentials, TLS. Shared by `serve --nats` and the CLI's NATS commands.
 
-Plain configuration (no I/O): `connect_kwargs` turns it into nats-py's `connect()` arguments. Secrets
-are kept out of `repr`, so a logged or printed connection never shows them.
+`NatsConnection` is plain configuration: `connect_kwargs` turns it into nats-py's `connect()` arguments.
+Secrets are kept out of `repr`, so a logged or printed connection never shows them. `connect` is how every
+command opens one (the router's event plane keeps its own, which retries for ever by design).
 """
 
 from __future__ import annotations
 
 import ssl
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvctl.errors import Unreachable
+
+if TYPE_CHECKING:
+    import nats
+
+FIRST_RETRY_S = 0.1  # between the two attempts of a first connect
+RECONNECT_WAIT_S = 2.0  # between attempts to get a dropped connection back (nats-py's default)
+UNREACHABLE_HINT = "is nats-server running there, and is --nats right?"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +64,33 @@ class NatsConnection:
                 context.load_cert_chain(str(self.tls_cert), str(self.tls_key) if self.tls_key else None)
             kwargs["tls"] = context
         return kwargs
+
+
+async def connect(conn: NatsConnection, *, follow: bool = False) -> nats.NATS:
+    """Two quick attempts per server (nats-py's fewest; each bounded by the connection's timeout), then
+    `Unreachable`: one line, exit 3.
+
+    nats-py would otherwise try an unreachable server 60 times 2 s apart (for ever with reconnects
+    unlimited), reporting each attempt through its logger with a traceback; its error callback is silenced
+    here (the last failure is what is raised). `follow`: a tap that outlives a server restart, reconnecting
+    for ever once connected."""
+    import nats
+
+    failures: deque[Exception] = deque(maxlen=1)  # the last one: the callback outlives the connect
+
+    async def keep(exc: Exception) -> None:
+        failures.append(exc)
+
+    try:
+        nc = await nats.connect(conn.url, allow_reconnect=False, max_reconnect_attempts=1,
+                                reconnect_time_wait=FIRST_RETRY_S, error_cb=keep, **conn.connect_kwargs())
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        cause = failures[-1] if failures else exc  # "no servers available" says less than why
+        raise Unreachable(f"cannot reach NATS at {conn.shown_url}: {cause or type(cause).__name__}",
+                          hint=UNREACHABLE_HINT) from None
+    if follow:  # nats-py reads these when the connection drops, not only when it is opened
+        nc.options.update(allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=RECONNECT_WAIT_S)
+    return nc
 
 
 def redact_url(url: str) -> str:

@@ -18,9 +18,9 @@ from nats.js.api import StreamConfig
 from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import EnvelopeWriter, encode_router_event_batch, encode_router_event_json
 from kvctl.core.events.plane import KV_EVENTS, PlaneNames
-from kvctl.errors import KvctlError, Unreachable
+from kvctl.errors import KvctlError
 from kvctl.nats_barrier import barrier
-from kvctl.natsconn import NatsConnection
+from kvctl.natsconn import NatsConnection, connect
 
 STREAM_MAX_AGE_S = 3600.0
 ACK_WINDOW = 256  # JetStream publishes in flight at once
@@ -34,11 +34,7 @@ def publish(conn: NatsConnection, names: PlaneNames, events: list[RouterEvent], 
 
 async def _publish(conn: NatsConnection, names: PlaneNames, events: list[RouterEvent], jetstream: bool,
                    publisher_id: int) -> int:
-    try:
-        nc = await nats.connect(conn.url, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.1,
-                                error_cb=_quiet, **conn.connect_kwargs())
-    except (OSError, TimeoutError, nats.errors.Error) as exc:
-        raise Unreachable(f"cannot reach NATS at {conn.shown_url}: {exc or type(exc).__name__}") from None
+    nc = await connect(conn)
     try:
         if jetstream:
             await _publish_jetstream(nc, names, events)
@@ -50,10 +46,6 @@ async def _publish(conn: NatsConnection, names: PlaneNames, events: list[RouterE
     finally:
         await nc.close()
     return len(events)
-
-
-async def _quiet(_: Exception) -> None:
-    """nats-py prints every failed attempt with a traceback; the one error that matters is raised."""
 
 
 async def _publish_jetstream(nc: nats.NATS, names: PlaneNames, events: list[RouterEvent]) -> None:

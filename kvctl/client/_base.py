@@ -59,10 +59,11 @@ def interpret(call: Call, response: httpx.Response) -> Any:
 
 @contextmanager
 def translate(base_url: str) -> Iterator[None]:
-    """httpx's transport failures as kvctl errors naming the URL (exit 3 when unreachable)."""
+    """httpx's transport failures as kvctl errors naming the URL (exit 3 when unreachable). A call's deadline
+    (`kvctl.client.deadline`) passing is a timeout like any other: the async client's raises TimeoutError."""
     try:
         yield
-    except httpx.TimeoutException:
+    except (httpx.TimeoutException, TimeoutError):
         raise KvctlError(f"{base_url} did not answer in time",
                          hint="raise --timeout, or check the router's load") from None
     except httpx.TransportError as exc:

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from kvctl.client._base import DEFAULT_MODEL, Call, headers, interpret, translate, verify_tls
+from kvctl.client._base import DEFAULT_MODEL, Call, headers, interpret, pool_limits, translate, verify_tls
+from kvctl.client.deadline import deadline_transport, within
 from kvctl.core.events import DecodeError, RouterEvent, decode_router_event_json
 from kvctl.core.events.dump_file import DumpFileError, read_router_events
-from kvctl.errors import KvctlError, NotFound, Unreachable, UsageError
+from kvctl.errors import KvctlError, NotFound, UsageError
 
 if TYPE_CHECKING:  # NATS is loaded only by the snapshot source: an HTTP dump is the common case
     from kvctl.core.events.plane import PlaneNames
@@ -70,8 +71,10 @@ def nats_snapshot_events(conn: NatsConnection, names: PlaneNames) -> list[Router
 
 
 def _get(url: str, call: Call, token: str | None, timeout: float) -> str:
-    with translate(url), httpx.Client(base_url=url, headers=headers(token), timeout=timeout,
-                                      verify=verify_tls(url)) as http:
+    """One GET, the whole of it (a dump of millions of blocks too) within `timeout`."""
+    transport = deadline_transport(verify=verify_tls(url), limits=pool_limits())
+    with (translate(url), within(timeout),
+          httpx.Client(base_url=url, headers=headers(token), timeout=timeout, transport=transport) as http):
         response = http.request(call.method, call.path, params=call.params)
     if not response.is_success:
         interpret(call, response)  # raises the error the status stands for
@@ -99,13 +102,9 @@ async def _read_object(conn: NatsConnection, bucket: str) -> bytes:
     import nats.js.errors
 
     from kvctl.core.events.plane import RADIX_STATE_OBJECT
-    from kvctl.plane_publisher import _quiet  # nats-py's default prints a traceback per failed attempt
+    from kvctl.natsconn import connect
 
-    try:
-        nc = await nats.connect(conn.url, allow_reconnect=False, max_reconnect_attempts=1, error_cb=_quiet,
-                                **conn.connect_kwargs())
-    except (OSError, TimeoutError, nats.errors.Error) as exc:
-        raise Unreachable(f"cannot reach NATS at {conn.shown_url}: {exc or type(exc).__name__}") from None
+    nc = await connect(conn)
     try:
         store = await nc.jetstream().object_store(bucket)
         return (await store.get(RADIX_STATE_OBJECT)).data or b""

@@ -1,4 +1,4 @@
-"""The router client for commands: blocking, one keep-alive connection."""
+"""The router client for commands: blocking, one keep-alive connection; `timeout` bounds each whole call."""
 
 from __future__ import annotations
 
@@ -7,17 +7,18 @@ from typing import Any
 import httpx
 
 from kvctl.client._base import Call, headers, interpret, pool_limits, translate, verify_tls
+from kvctl.client.deadline import deadline_transport, within
 
 
 class RouterClient:
-    def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 5.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 5.0) -> None:
         self.base_url = base_url
-        self._http = httpx.Client(base_url=base_url, headers=headers(token), timeout=timeout, transport=transport,
-                                  limits=pool_limits(), verify=verify_tls(base_url))
+        self._timeout = timeout
+        self._http = httpx.Client(base_url=base_url, headers=headers(token), timeout=timeout,
+                                  transport=deadline_transport(verify=verify_tls(base_url), limits=pool_limits()))
 
     def send(self, call: Call) -> Any:
-        with translate(self.base_url):
+        with translate(self.base_url), within(self._timeout):
             response = self._http.request(call.method, call.path, params=call.params, json=call.json)
         return interpret(call, response)
 

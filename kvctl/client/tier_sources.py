@@ -17,6 +17,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from kvctl.client._base import pool_limits
+from kvctl.client.deadline import deadline_transport, within
 from kvctl.core.tiers import Sample, Window, family_of, increases
 from kvctl.errors import ApiError, KvctlError, Unreachable
 
@@ -101,15 +103,18 @@ def parse_metrics(text: str) -> list[Sample]:
 
 
 class Scraper:
-    """Blocking GETs of engines' `/metrics`; `windows` scrapes each twice, `window_s` apart."""
+    """Blocking GETs of engines' `/metrics`; `windows` scrapes each twice, `window_s` apart. `timeout` bounds
+    each whole scrape (a deadline, however slowly an endpoint answers)."""
 
-    def __init__(self, urls: list[str], *, auth: Auth, timeout: float,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, urls: list[str], *, auth: Auth, timeout: float) -> None:
         self.urls = [metrics_url(u) for u in urls]
-        self._http = httpx.Client(headers=auth.headers(), auth=auth.basic(), timeout=timeout, transport=transport)
+        self._timeout = timeout
+        self._http = httpx.Client(headers=auth.headers(), auth=auth.basic(), timeout=timeout,
+                                  transport=deadline_transport(verify=True, limits=pool_limits()))
 
     def scrape(self, url: str) -> list[Sample]:
-        with _reaching("the metrics endpoint", url, (httpx.TimeoutException,), (httpx.TransportError,)):
+        with (_reaching("the metrics endpoint", url, (httpx.TimeoutException,), (httpx.TransportError,)),
+              within(self._timeout)):
             response = self._http.get(url)
         if not response.is_success:
             raise _status_error("the metrics endpoint", url, response.status_code, response.reason_phrase)

@@ -30,6 +30,10 @@ def output_for(ctx: typer.Context, output: OutputFormat | None, as_json: bool) -
     return Output(format=chosen, color=state.color)
 
 
+GiveUpOpt = Annotated[float, typer.Option(
+    "--give-up-after", min=0.1, metavar="SECONDS",
+    help="Stop the load with an error (exit 3) once the router has refused every connection this long; "
+         "meanwhile its calls back off, up to 1 s apart.")]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Go ahead without asking (needed without a terminal).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Say what would be done; change nothing.")]
 

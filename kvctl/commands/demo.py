@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvctl.commands._options import JsonOpt, OutputOpt, output_for
+from kvctl.commands._options import GiveUpOpt, JsonOpt, OutputOpt, output_for
 from kvctl.errors import UsageError
+from kvctl.mock.load import GIVE_UP_S
 from kvctl.output import Column, Output, View
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ def demo_command(
     engines: Annotated[int, typer.Option("--engines", "-n", help="Mock engines.")] = 4,
     concurrency: Annotated[int, typer.Option("--concurrency", help="Requests in flight.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Workload seed.")] = 0,
+    give_up_after: GiveUpOpt = GIVE_UP_S,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -52,7 +54,8 @@ def demo_command(
 
     from kvctl.mock.demo import DemoPlan, run_demo
 
-    plan = DemoPlan(engines=engines, duration_s=duration, concurrency=concurrency, seed=seed)
+    plan = DemoPlan(engines=engines, duration_s=duration, concurrency=concurrency, seed=seed,
+                    give_up_s=give_up_after)
     live = _LiveSummary(out) if sys.stderr.isatty() else None
     progress = live.update if live is not None else (lambda stats: _progress(out, stats))
     try:

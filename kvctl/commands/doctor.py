@@ -48,7 +48,9 @@ EXAMPLES = (
     "  kvctl doctor\n\n"
     "  kvctl doctor --server http://router-a:7433 --peer http://router-b:7433\n\n"
     "  kvctl doctor -o json | jq '.findings[] | select(.severity != \"OK\")'\n\n"
-    "Exit codes: 0 OK, 1 WARNING, 2 CRITICAL (an unreachable router too), 3 UNKNOWN."
+    "--timeout bounds the whole check (every call to the router, its peers and the engines together).\n\n"
+    "Exit codes: 0 OK, 1 WARNING, 2 CRITICAL (an unreachable router too, or one not answering in time), "
+    "3 UNKNOWN."
 )
 
 
@@ -92,25 +94,27 @@ def doctor_command(
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
+    from kvctl.client.deadline import within
     from kvctl.exit_codes import CheckStatus
 
     out = output_for(ctx, output, as_json)
     window_s = metrics_window(metrics, prometheus, window)
-    url = settings_for(ctx).server
+    settings = settings_for(ctx)
     limits = Limits(silent_after_s=silent_after, divergence_share=divergence, unreachable_after_s=unreachable_after)
-    gathered = _gather(ctx, model)
-    if isinstance(gathered, Finding):
-        findings = [gathered]
-    else:
-        status, workers, thresholds = gathered
-        diffs, not_compared = _peers(ctx, peer or [], status.get("models", {}), model)
-        from kvctl.client.tier_sources import Auth
+    with within(settings.timeout):  # a check's whole run, not each call: what Nagios' own timeout expects
+        gathered = _gather(ctx, model)
+        if isinstance(gathered, Finding):
+            findings = [gathered]
+        else:
+            status, workers, thresholds = gathered
+            diffs, not_compared = _peers(ctx, peer or [], status.get("models", {}), model)
+            from kvctl.client.tier_sources import Auth
 
-        engines = _Engines(metrics or [], prometheus, window_s, Auth(auth_user, auth_password, bearer_token))
-        hit_rates = _hit_rates(ctx, engines) if metrics or prometheus else None
-        findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates), *not_compared]
+            engines = _Engines(metrics or [], prometheus, window_s, Auth(auth_user, auth_password, bearer_token))
+            hit_rates = _hit_rates(ctx, engines) if metrics or prometheus else None
+            findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates), *not_compared]
     verdict = worst(findings)
-    out.emit({"server": url, "status": verdict.name, "findings": [f.as_dict() for f in findings]}, _VIEW)
+    out.emit({"server": settings.server, "status": verdict.name, "findings": [f.as_dict() for f in findings]}, _VIEW)
     counts = {s: sum(f.severity is s for f in findings) for s in Severity}
     out.note(f"doctor: {verdict.name} (" + ", ".join(f"{n} {s.name.lower()}" for s, n in counts.items() if n) + ")")
     raise typer.Exit(CheckStatus(int(verdict)))

@@ -24,7 +24,7 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
-from kvctl.errors import Unreachable, UsageError
+from kvctl.errors import UsageError
 from kvctl.output import Column, OutputFormat, View
 
 if TYPE_CHECKING:
@@ -163,12 +163,8 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, discovery: str | None,
         return
     assert nats_url is not None
     assert nats_auth is not None
-    conn = nats_auth(nats_url)
-    try:
-        yield from _run_async(tap_nats(conn, scope, stop=until, stats=stats, jetstream=jetstream,
-                                       listening=listening))
-    except OSError as exc:
-        raise Unreachable(f"cannot reach NATS at {conn.shown_url}: {exc}") from None
+    yield from _run_async(tap_nats(nats_auth(nats_url), scope, stop=until, stats=stats, jetstream=jetstream,
+                                   listening=listening))
 
 
 def _run_async(agen: AsyncGenerator[Tapped, None]) -> Iterator[Tapped]:

@@ -14,8 +14,9 @@ from typing import Annotated, Any
 import typer
 
 from kvctl.commands._nats import ComponentOpt, EndpointOpt, NamespaceOpt
-from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.commands._options import GiveUpOpt, JsonOpt, OutputOpt, output_for, settings_for
 from kvctl.errors import UsageError
+from kvctl.mock.load import GIVE_UP_S
 from kvctl.output import Column, View
 
 HELP = "Run mock engines that publish real wire-format KV events and metrics (no GPU). (read-only)"
@@ -180,6 +181,7 @@ def load_command(
     = None,
     model: Annotated[str, typer.Option("--model", help="The router's model.")] = "default",
     seed: Annotated[int, typer.Option("--seed", help="Workload and baseline seed.")] = 0,
+    give_up_after: GiveUpOpt = GIVE_UP_S,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -202,7 +204,7 @@ def load_command(
     try:
         settings = settings_for(ctx, server=server)
         reports = asyncio.run(run_policies(settings.server, targets, rows, workload, policies, concurrency, model,
-                                           seed, token=settings.token))
+                                           seed, token=settings.token, give_up_s=give_up_after))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     out.emit(reports, _LOAD_VIEW)

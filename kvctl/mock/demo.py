@@ -25,7 +25,7 @@ from kvctl.client import AsyncRouterClient
 from kvctl.client.engine import EngineClient
 from kvctl.mock.engine import EngineConfig
 from kvctl.mock.fleet import Fleet, fleet_configs
-from kvctl.mock.load import LoadGenerator, LoadStats, Policy, register_engines, shared_prefix
+from kvctl.mock.load import GIVE_UP_S, LoadGenerator, LoadStats, Policy, register_engines, shared_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,7 @@ class DemoPlan:
     block_size: int = 16
     concurrency: int = 16
     seed: int = 0
+    give_up_s: float = GIVE_UP_S  # the router refusing connections this long ends the demo in an error
 
     @property
     def baseline(self) -> float:
@@ -69,7 +70,8 @@ async def router_process(state_dir: Path, block_size: int) -> AsyncIterator[str]
 async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]], None],
                    progress: Callable[[LoadStats], None], every_s: float = 2.0) -> dict[str, Any]:
     """Run the demo; `announce(router_url, engines)` once everything listens, `progress(stats)` every few
-    seconds. Returns both phases' reports and the hit-rate gain in points."""
+    seconds. Returns both phases' reports and the hit-rate gain in points; raises `Unreachable` when the
+    router dies mid-run (no result then: it would compare a phase with a broken one)."""
     base = EngineConfig(worker_id=0, block_size=plan.block_size, capacity=plan.capacity, model_name="default",
                         prefill_us_per_token=20.0, decode_ms_per_token=0.5, max_running=32, seed=plan.seed)
     workload = shared_prefix(2000, prefix_tokens=2048, suffix_tokens=128, seed=plan.seed)
@@ -81,7 +83,7 @@ async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]
             announce(url, infos)
             engines = {info["worker_id"]: EngineClient(info["url"]) for info in infos}
             try:
-                load = LoadGenerator(engines, router=router, seed=plan.seed)
+                load = LoadGenerator(engines, router=router, seed=plan.seed, give_up_s=plan.give_up_s)
                 baseline = await _phase(load, workload, Policy.random, plan.baseline, plan, progress, every_s)
                 await load.restart_engines()
                 routed = await _phase(load, workload, Policy.router, plan.duration_s - plan.baseline, plan, progress,

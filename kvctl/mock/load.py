@@ -27,10 +27,13 @@ from typing import Any
 
 from kvctl.client import AsyncRouterClient, calls
 from kvctl.client.engine import EngineClient
-from kvctl.errors import KvctlError, Refused
+from kvctl.errors import ApiError, KvctlError, Refused, Unreachable
 
 VOCAB = 32_000
 MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake traces
+GIVE_UP_S = 5.0
+"""How long the router may refuse every connection before a run stops with an error (--give-up-after)."""
+BACKOFF_S = (0.05, 1.0)  # the first and the longest wait before a router call while none connects
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,15 +113,42 @@ class LoadStats:
         }
 
 
+class _RouterWatch:
+    """Router calls that could not connect, in a row. Each next call waits longer (up to BACKOFF_S[1], shared
+    by all the run's workers), and once none has connected for `give_up_s` the run stops: a router that died
+    costs a few calls a second rather than thousands, and the run ends in an error rather than a result."""
+
+    def __init__(self, give_up_s: float) -> None:
+        self.give_up_s = give_up_s
+        self.failing_since: float | None = None
+        self.failures = 0
+        self.delay = 0.0
+        self.gone: str | None = None  # why the run stops
+
+    def connected(self) -> None:
+        self.failing_since, self.failures, self.delay = None, 0, 0.0
+
+    def unreachable(self, exc: Unreachable) -> None:
+        now = time.monotonic()
+        self.failing_since = now if self.failing_since is None else self.failing_since
+        self.failures += 1
+        self.delay = min(BACKOFF_S[1], max(BACKOFF_S[0], 2 * self.delay))
+        if self.gone is None and now - self.failing_since >= self.give_up_s:
+            self.gone = (f"{exc.message}: no call connected for {self.give_up_s:g} s ({self.failures} in a row), "
+                         "load stopped")
+
+
 class LoadGenerator:
     def __init__(self, engines: Mapping[int, EngineClient], *, router: AsyncRouterClient | None = None,
-                 model: str = "default", seed: int = 0) -> None:
-        """`engines`: worker id -> client; `router` is needed for the router policy only."""
+                 model: str = "default", seed: int = 0, give_up_s: float = GIVE_UP_S) -> None:
+        """`engines`: worker id -> client; `router` is needed for the router policy only; a run stops with
+        `Unreachable` once the router has refused connections for `give_up_s`."""
         if not engines:
             raise ValueError("no engines to send requests to")
         self.engines = dict(engines)
         self.router = router
         self.model = model
+        self._watch = _RouterWatch(give_up_s)
         self._rng = random.Random(seed)
         self._ids = itertools.count(1)
         self._turn = itertools.cycle(sorted(self.engines))
@@ -126,7 +156,8 @@ class LoadGenerator:
     async def run(self, workload: Sequence[Request], policy: Policy, *, concurrency: int = 16,
                   duration_s: float | None = None, stats: LoadStats | None = None) -> LoadStats:
         """Send the workload (cycled until `duration_s` when given), at most `concurrency` at a time;
-        requests with arrival times wait for them."""
+        requests with arrival times wait for them. Raises `Unreachable` when the router is gone (see
+        `_RouterWatch`), naming what was done and what failed."""
         if policy is Policy.router and self.router is None:
             raise ValueError("the router policy needs a router")
         stats = stats or LoadStats(policy)
@@ -135,7 +166,7 @@ class LoadGenerator:
 
         async def worker() -> None:
             for request in pending:  # shared iterator: each request goes to exactly one worker
-                if deadline is not None and time.monotonic() >= deadline:
+                if (deadline is not None and time.monotonic() >= deadline) or self._watch.gone:
                     return
                 if request.at_s is not None:
                     await asyncio.sleep(max(0.0, stats.started + request.at_s - time.monotonic()))
@@ -143,6 +174,10 @@ class LoadGenerator:
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         stats.finished = time.monotonic()
+        if self._watch.gone:
+            raise Unreachable(f"{self._watch.gone} ({policy.value}: {stats.completed} requests done, "
+                              f"{sum(stats.errors.values())} failed calls)",
+                              hint="is the router still running?")
         return stats
 
     async def _one(self, request: Request, policy: Policy, stats: LoadStats) -> None:
@@ -177,17 +212,31 @@ class LoadGenerator:
             return self._rng.choice(sorted(self.engines))
         if policy is Policy.round_robin:
             return next(self._turn)
-        assert self.router is not None
-        decision = await self.router.send(calls.route(token_ids=request.tokens, model=self.model,
-                                                      request_id=request_id, reserve=True))
+        decision = await self._ask(calls.route(token_ids=request.tokens, model=self.model, request_id=request_id,
+                                               reserve=True))
         return int(decision["worker_id"])
 
     async def _router_call(self, call: calls.Call, stats: LoadStats) -> None:
-        assert self.router is not None
         try:
-            await self.router.send(call)
+            await self._ask(call)
         except KvctlError as exc:
             stats.errors[f"router_{type(exc).__name__}"] += 1
+
+    async def _ask(self, call: calls.Call) -> Any:
+        """A router call, after the watch's backoff while the router refuses connections."""
+        assert self.router is not None
+        if self._watch.delay:
+            await asyncio.sleep(self._watch.delay)
+        try:
+            answer = await self.router.send(call)
+        except Unreachable as exc:
+            self._watch.unreachable(exc)
+            raise
+        except ApiError:  # it answered
+            self._watch.connected()
+            raise
+        self._watch.connected()
+        return answer
 
     async def restart_engines(self) -> None:
         """Cold caches everywhere, so the next policy starts where the previous one did."""
@@ -207,14 +256,14 @@ async def register_engines(router: AsyncRouterClient, engines: Sequence[Mapping[
 
 async def run_policies(server: str, targets: dict[int, str], rows: list[dict[str, Any]], workload: list[Request],
                        policies: list[Policy], concurrency: int, model: str, seed: int,
-                       token: str | None = None) -> list[dict[str, Any]]:
+                       token: str | None = None, give_up_s: float = GIVE_UP_S) -> list[dict[str, Any]]:
     """Engines from --engines-file the router does not know yet are registered first (with their KV-event
     endpoints: the router's admin `token` when it has one); then each policy runs from cold caches."""
     engines = {worker_id: EngineClient(url) for worker_id, url in targets.items()}
     try:
         async with AsyncRouterClient(server, token=token) as router:
             await register_engines(router, rows, model)
-            load = LoadGenerator(engines, router=router, model=model, seed=seed)
+            load = LoadGenerator(engines, router=router, model=model, seed=seed, give_up_s=give_up_s)
             reports = []
             for policy in policies:
                 await load.restart_engines()  # every policy from cold caches

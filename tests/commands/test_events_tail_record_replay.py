@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -138,3 +142,52 @@ def serve(tmp_path: Path) -> Iterator[str]:
         finally:
             proc.terminate()
             proc.communicate(timeout=10)
+
+
+@pytest.mark.parametrize("command", [["tail"], ["record", "-f", "rec.jsonl"]])
+def test_an_unreachable_event_plane_is_one_line_and_exit_3(command: list[str], tmp_path: Path) -> None:
+    """It used to retry for ever, ignoring --duration and signals, with a nats-py traceback every 2 s."""
+    unreachable = f"nats://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "kvctl", "events", *command, "--nats", unreachable,
+                           "--duration", "2"], capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.startswith(f"error: cannot reach NATS at {unreachable}: ") and proc.stderr.count("\n") == 1
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("ending", ["duration", signal.SIGTERM, signal.SIGINT])
+def test_a_tail_ends_on_duration_or_a_signal_even_with_its_server_gone(ending: Any,
+                                                                         nats_server: NatsServer) -> None:
+    """The server goes away mid-tail: the tap keeps reconnecting quietly until its end, then prints its counters
+    (Ctrl-C and SIGTERM end an unbounded tail as --duration does: exit 0, as `--watch` and `kvctl mock` do)."""
+    tail = kvctl("events", "tail", "--nats", nats_server.url, *(["--duration", "4"] if ending == "duration" else []))
+    assert tail.stderr is not None and tail.stderr.readline().startswith("listening on")
+    nats_server.stop()
+    time.sleep(2.5)  # nats-py's reconnect attempts (each printed a traceback before)
+    started = time.monotonic()
+    if ending != "duration":
+        tail.send_signal(ending)
+    _, err = tail.communicate(timeout=15)
+    assert tail.returncode == 0, err
+    assert err.splitlines() == ["0 messages, 0 events, 0 gaps (0 missing), decode errors none"]
+    assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("ending", ["duration", signal.SIGTERM])
+def test_a_server_that_never_speaks_does_not_outlast_duration_or_a_signal(ending: Any) -> None:
+    """It accepts the connection and says nothing: each connect attempt would wait out its 5 s timeout."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)  # the kernel completes the handshake; nobody ever answers
+        mute.settimeout(20)
+        tail = kvctl("events", "tail", "--nats", f"nats://127.0.0.1:{mute.getsockname()[1]}",
+                     *(["--duration", "1"] if ending == "duration" else []))
+        started = time.monotonic()
+        with mute.accept()[0]:  # the tail is connecting: its signal handlers are in place
+            if ending != "duration":
+                tail.send_signal(ending)
+            _, err = tail.communicate(timeout=30)
+    assert tail.returncode == 3, err
+    assert err.startswith("error: cannot reach NATS at") and err.count("\n") == 1, err
+    assert time.monotonic() - started < 4

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,3 +102,67 @@ def test_mooncake_trace_keeps_shared_hash_blocks_shared_when_rescaled() -> None:
     assert rows[0]["hash_ids"][0] == rows[1]["hash_ids"][0]
     assert requests[0].tokens[:8] == requests[1].tokens[:8]
     assert requests[0].tokens[8:16] != requests[1].tokens[8:16]
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in os.listdir(f"/proc/{pid}/task")
+            for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+
+
+def _gave_up(proc: subprocess.Popen[str], killed_at: float, give_up_s: float) -> str:
+    """The load's process ended with exit 3 and one error line, soon after its router died, having sent few
+    calls meanwhile (it used to send ~1,500 a second for as long as it ran, then claim a result)."""
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - killed_at
+    assert proc.returncode == 3, err
+    assert out == ""  # no result table
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: cannot reach the router at ") and "load stopped" in last, err
+    failed = int(re.search(r"(\d+) failed calls", last).group(1))  # type: ignore[union-attr]
+    assert took < give_up_s + 4, took
+    assert failed / took < 50, (failed, took)
+    return last
+
+
+def test_the_demo_ends_in_an_error_when_its_router_dies() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "kvctl", "demo", "--duration", "12", "--engines", "2",
+                             "--give-up-after", "2", "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stderr is not None
+    try:
+        while not proc.stderr.readline().startswith("[router]"):  # the routed phase runs
+            assert proc.poll() is None
+        [router] = [c for c in _children(proc.pid) if b"serve" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        os.kill(router, signal.SIGKILL)
+        _gave_up(proc, time.monotonic(), 2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_mock_load_ends_in_an_error_when_the_router_dies(tmp_path: Path) -> None:
+    with _process("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--no-restore") as (serve, url), \
+            _process("mock", "--engines", "2", "--capacity", "256", "-o", "json") as (_, rows):
+        engines = tmp_path / "engines.json"
+        engines.write_text(rows)
+        load = subprocess.Popen([sys.executable, "-m", "kvctl", "mock", "load", "--server", url.strip(),
+                                 "--engines-file", str(engines), "--requests", "5000", "--concurrency", "8",
+                                 "--give-up-after", "2", "-o", "json"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        try:
+            while not _routed(url.strip()):  # the load runs
+                assert load.poll() is None, load.communicate()
+                time.sleep(0.1)
+            serve.kill()
+            killed = time.monotonic()
+            assert "router: " in _gave_up(load, killed, 2)
+        finally:
+            if load.poll() is None:
+                load.kill()
+                load.wait()
+
+
+def _routed(url: str) -> bool:
+    """Some requests went through the router to the engines (their blocks are in its index)."""
+    return any(w["blocks"] > 0 for w in httpx.get(f"{url}/v1/workers").json()["workers"])
