@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -28,7 +29,7 @@ def recorded_list() -> dict[str, Any]:
 
 
 class KubeApi:
-    def __init__(self, namespace: str = "dynamo-test") -> None:
+    def __init__(self, namespace: str = "dynamo-test", tls: ssl.SSLContext | None = None) -> None:
         self.namespace = namespace
         self.documents: dict[str, dict[str, Any]] = {}  # name -> document
         self.refusal: tuple[int, bytes] | None = None  # (status, body) answered instead of the list
@@ -36,16 +37,20 @@ class KubeApi:
         self._version = 100
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        if tls is not None:  # HTTPS, as a real API server: each connection wrapped as it is accepted
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
-    def kubeconfig(self, path: Path, *, token: str = "t0ken", namespace: str | None = None) -> Path:
-        """A kubeconfig naming this server, a bearer token, and the context's namespace (this server's)."""
+    def kubeconfig(self, path: Path, *, token: str = "t0ken", namespace: str | None = None,
+                   cluster: dict[str, Any] | None = None, user: dict[str, Any] | None = None) -> Path:
+        """A kubeconfig naming this server, a bearer token (or `user`), and the context's namespace (this
+        server's); `cluster` adds to the cluster's entry."""
         path.write_text(json.dumps({  # JSON is YAML
             "apiVersion": "v1", "kind": "Config", "current-context": "here",
-            "clusters": [{"name": "stand-in", "cluster": {"server": self.url}}],
-            "users": [{"name": "reader", "user": {"token": token}}],
+            "clusters": [{"name": "stand-in", "cluster": {"server": self.url, **(cluster or {})}}],
+            "users": [{"name": "reader", "user": user if user is not None else {"token": token}}],
             "contexts": [{"name": "here", "context": {"cluster": "stand-in", "user": "reader",
                                                       "namespace": namespace or self.namespace}}],
         }))

@@ -8,7 +8,11 @@ depend on the store's kind run here too, on this store (the `bench` fixture belo
 
 from __future__ import annotations
 
+import base64
 import json
+import shutil
+import ssl
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -212,3 +216,50 @@ def test_events_tail_follows_the_kubernetes_store_or_names_what_is_missing(api: 
     tail = kvctl("events", "tail", "--dynamo-discovery", "kubernetes", "--duration", "1")
     _, err = tail.communicate(timeout=30)
     assert tail.returncode == 2 and "set KUBECONFIG" in err and len(err.strip().splitlines()) == 1, err
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> dict[str, Path]:
+    """A cluster CA, the API server's certificate for 127.0.0.1 and a client's, both signed by it (openssl)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl binary to make certificates with")
+    d = {name: tmp_path / name for name in ("ca.key", "ca.crt", "server.key", "server.crt", "client.key",
+                                            "client.crt", "ext")}
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d["ca.key"]), "-out", str(d["ca.crt"]),
+             "-days", "2", "-subj", "/CN=stand-in-ca")
+    d["ext"].write_text("subjectAltName=IP:127.0.0.1\n")
+    for who, subject in (("server", "/CN=127.0.0.1"), ("client", "/CN=reader/O=kvctl")):
+        csr = tmp_path / f"{who}.csr"
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d[f"{who}.key"]), "-out", str(csr),
+                 "-subj", subject)
+        _openssl("x509", "-req", "-in", str(csr), "-CA", str(d["ca.crt"]), "-CAkey", str(d["ca.key"]),
+                 "-CAcreateserial", "-out", str(d[f"{who}.crt"]), "-days", "2", "-extfile", str(d["ext"]))
+    return d
+
+
+async def test_tls_with_the_clusters_ca_and_a_client_certificate(pki: dict[str, Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=pki["ca.crt"])
+    tls.load_cert_chain(pki["server.crt"], pki["server.key"])
+    tls.verify_mode = ssl.CERT_REQUIRED  # the API server asks for a client certificate
+    api = KubeApi(tls=tls)
+    try:
+        api.set(recorded_list()["items"][0])
+        data = {"certificate-authority-data": base64.b64encode(pki["ca.crt"].read_bytes()).decode()}
+        user = {"client-certificate": str(pki["client.crt"]), "client-key-data":
+                base64.b64encode(pki["client.key"].read_bytes()).decode()}
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path / "tls", cluster=data, user=user)))
+        assert len(await listed(open_discovery("kubernetes"))) == 4
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path / "no-ca", user=user)))
+        with pytest.raises(DiscoveryError, match="cannot reach the Kubernetes API server.*CERTIFICATE_VERIFY_FAILED"):
+            await listed(open_discovery("kubernetes"))
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path / "no-cert", cluster=data)))
+        with pytest.raises(DiscoveryError, match="cannot reach the Kubernetes API server"):
+            await listed(open_discovery("kubernetes"))
+        assert api.requests and all("authorization" not in headers for _, headers in api.requests)
+    finally:
+        api.stop()
