@@ -213,7 +213,7 @@ class KubernetesDiscovery:
         while True:
             try:
                 answer = await self._client.get(url, params=params, headers=self.api.headers())
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, ssl.SSLError) as exc:  # a TLS alert read with the answer comes unwrapped
                 raise DiscoveryError(f"cannot reach the Kubernetes API server {self.api.server} (from "
                                      f"{self.api.source}): {type(exc).__name__}: {exc}") from None
             page = self._page(answer)
