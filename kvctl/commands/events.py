@@ -141,11 +141,11 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, discovery: str | None,
           stats: TapStats, listening: Callable[[str], None]) -> Iterator[Tapped]:
     """The events of whichever source was named (exactly one); `listening` hears when the tap is live."""
     from kvctl.event_taps import tap_dynamo_zmq, tap_nats, tap_zmq
-    from kvctl.server.dynamo_discovery import open_discovery
+    from kvctl.server.dynamo_discovery import DiscoveryError, open_discovery
 
     if [zmq_endpoint, nats_url, discovery].count(None) != 2:
         raise UsageError("give exactly one source: --zmq tcp://HOST:PORT, --nats nats://HOST:PORT or "
-                         "--dynamo-discovery file:DIR|etcd:URL")
+                         "--dynamo-discovery file:DIR|etcd:URL|kubernetes[:NAMESPACE]")
     if zmq_endpoint is not None:
         if not zmq_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise UsageError(f"--zmq wants an endpoint like tcp://HOST:5557, got {zmq_endpoint!r}")
@@ -157,7 +157,7 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, discovery: str | None,
             raise UsageError("--jetstream needs --nats URL (Dynamo's ZMQ event plane keeps no stream)")
         try:
             open_discovery(discovery)
-        except ValueError as exc:
+        except (ValueError, DiscoveryError) as exc:
             raise UsageError(str(exc)) from None
         yield from _run_async(tap_dynamo_zmq(discovery, scope, stop=until, stats=stats, listening=listening))
         return
@@ -187,7 +187,8 @@ SourceZmq = Annotated[str | None, typer.Option("--zmq", show_default=False, help
 SourceNats = Annotated[str | None, typer.Option("--nats", show_default=False, help="A Dynamo event plane.")]
 SourceDiscovery = Annotated[str | None, typer.Option(
     "--dynamo-discovery", show_default=False,
-    help="A default Dynamo fleet's ZMQ event plane, found in its discovery store: file:DIR or etcd:URL.")]
+    help="A default Dynamo fleet's ZMQ event plane, found in its discovery store: file:DIR, etcd:URL or "
+         "kubernetes[:NAMESPACE] (through KUBECONFIG or the pod's service account).")]
 JetStreamOpt = Annotated[bool, typer.Option("--jetstream", help="NATS: the JetStream stream's JSON instead.")]
 WorkerIdOpt = Annotated[int, typer.Option("--worker-id", help="ZMQ: the worker id to give the events.")]
 TopicOpt = Annotated[str, typer.Option("--topic", help="ZMQ topic filter.")]

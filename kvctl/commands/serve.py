@@ -154,17 +154,21 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
                  router_id: int | None, state_dir: Path, replica_sync: bool, shadow: bool, jetstream: bool,
                  advertise_host: str | None, recovery_timeout: float) -> ZmqOptions:
     """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
-    from kvctl.server.dynamo_discovery import open_discovery
+    from kvctl.server.dynamo_discovery import DiscoveryError, open_discovery
     from kvctl.server.zmq_plane import ZmqOptions
 
     if jetstream:
         raise UsageError("--jetstream needs --nats URL (Dynamo's ZMQ event plane keeps no stream)")
     try:
-        open_discovery(discovery)
-    except ValueError as exc:
+        store = open_discovery(discovery)
+    except (ValueError, DiscoveryError) as exc:
         raise UsageError(str(exc)) from None
     if not recovery_timeout > 0:
         raise UsageError(f"--recovery-timeout must be > 0 seconds, got {recovery_timeout}")
+    if replica_sync and not shadow and not store.can_register:
+        raise UsageError(f"--replica-sync cannot share this router's requests through {store.url} (Dynamo counts "
+                         "a DynamoWorkerMetadata only for a ready pod in its EndpointSlices): add --shadow to only "
+                         "take Dynamo routers' requests, or use file: or etcd: discovery")
     return ZmqOptions(discovery, namespace, component, endpoint, model,
                       _router_id(router_id, state_dir), replica_sync, shadow, advertise_host,
                       recovery_timeout_s=recovery_timeout)
@@ -354,7 +358,9 @@ def serve_command(
     dynamo_discovery: Annotated[str | None, typer.Option(
         "--dynamo-discovery", envvar="KVCTL_DYNAMO_DISCOVERY", show_default=False, rich_help_panel=PANEL,
         help="Follow a Dynamo fleet's ZMQ event plane (its default), its publishers found in this discovery "
-             "store: file:DIR (DYN_FILE_KV) or etcd:http://HOST:2379[,...].")] = None,
+             "store: file:DIR (DYN_FILE_KV), etcd:http://HOST:2379[,...] or kubernetes[:NAMESPACE] (its "
+             "DynamoWorkerMetadata resources, through KUBECONFIG or the pod's service account; needs RBAC list "
+             "on dynamoworkermetadatas.nvidia.com; namespace: the context's).")] = None,
     namespace: NamespaceOpt = "dynamo",
     component: ComponentScopeOpt = None,
     endpoint: EndpointScopeOpt = None,

@@ -1,4 +1,5 @@
-"""Dynamo's discovery store (DESIGN §3.2): `--dynamo-discovery file:DIR` or `etcd:URL[,URL...]`.
+"""Dynamo's discovery store (DESIGN §3.2): `--dynamo-discovery file:DIR` or `etcd:URL[,URL...]` (and
+`kubernetes[:NAMESPACE]`, read only: kube_discovery.py).
 
 A store answers one question, polled: every key under a prefix, with its value. It also keeps this router's
 own records (its replica-sync channels) alive for as long as it runs, as Dynamo's processes keep theirs.
@@ -46,6 +47,7 @@ TEMP_PREFIX = ".tmp_"
 
 class Discovery(Protocol):
     url: str
+    can_register: bool  # whether register() can file this router's records (Kubernetes discovery cannot)
     stray: Counter[str]  # entries that are not records, by why
     expired: int  # records the last listing ignored: their owners stopped refreshing them
     follows: str  # how changes are seen: "watch" or "poll"
@@ -82,6 +84,8 @@ async def polled(store: Discovery, prefix: str, poll_s: float) -> AsyncIterator[
 class FileDiscovery:
     """Dynamo's file backend: a directory per bucket, a file per key. Polled: a file's mtime, which says
     whether its owner lives, changes without an event a watch would see."""
+
+    can_register = True
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -197,6 +201,8 @@ WATCH_RENEW_S = 30.0
 class EtcdDiscovery:
     """Dynamo's etcd backend, through etcd's JSON gateway: a prefix is a range from it to its successor; this
     router's own records live under one lease of its own, renewed by keep_alive() and revoked by close()."""
+
+    can_register = True
 
     def __init__(self, endpoints: list[str]) -> None:
         self.endpoints = endpoints
@@ -344,12 +350,18 @@ def _successor(prefix: bytes) -> bytes:
 
 
 def open_discovery(url: str) -> Discovery:
-    """The store a `--dynamo-discovery` value names; ValueError (a usage error) for anything else."""
+    """The store a `--dynamo-discovery` value names; ValueError (a usage error) for anything else, and
+    DiscoveryError where Kubernetes discovery finds no API server to ask."""
     scheme, sep, where = url.partition(":")
+    if scheme == "kubernetes":
+        from kvctl.server.kube_discovery import KubernetesDiscovery, parse_kubernetes_url
+
+        return KubernetesDiscovery(parse_kubernetes_url(where))
     if scheme == "file" and sep and where:
         return FileDiscovery(Path(where))
     if scheme == "etcd" and sep and where:
         endpoints = [e.strip().rstrip("/") for e in where.split(",")]
         if all(e.startswith(("http://", "https://")) and len(e) > len("https://") for e in endpoints):
             return EtcdDiscovery(endpoints)
-    raise ValueError(f"--dynamo-discovery wants file:DIR or etcd:http://HOST:2379[,...], got {url!r}")
+    raise ValueError(f"--dynamo-discovery wants file:DIR, etcd:http://HOST:2379[,...] or kubernetes[:NAMESPACE], "
+                     f"got {url!r}")
