@@ -203,7 +203,7 @@ class KubernetesDiscovery:
             for rest, record in channels.items():
                 key = f"{bucket}/{rest}"
                 try:
-                    parse_channel_key(key)
+                    parse_channel_key(rest)  # the same layout in either bucket
                 except DecodeError:  # another layout: Dynamo 1.2's `ns/component/topic/id`
                     if fresh:
                         self.stray["bad_channel_key"] += 1
