@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import zmq
 
@@ -25,6 +25,7 @@ from kvctl.core.events.engine import decode_engine_message
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import KV_EVENTS, PlaneScope
 from kvctl.core.events.publishers import Order, Sequence
+from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.errors import Unreachable
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import UNREACHABLE_HINT, NatsConnection, connect
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     import nats
 
 POLL_MS = 200
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,24 +158,42 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
                 data = await asyncio.wait_for(queue.get(), POLL_MS / 1000)
             except TimeoutError:
                 continue
-            stats.messages += 1
-            try:
-                events, errors = (([decode_router_event_json(data)], []) if jetstream
-                                  else decode_router_event_batch(decode_envelope(data).payload))
-            except DecodeError as exc:
-                stats.decode_errors[exc.kind.value] += 1
-                continue
-            for error in errors:
-                stats.decode_errors[error.kind.value] += 1
-            for tapped in _by_event_id(events, sequences, stats):
+            for tapped in _tapped(_durable if jetstream else _enveloped, data, sequences, stats):
                 yield tapped
     finally:
         await nc.close()
 
 
-def _by_event_id(events: list[RouterEvent], sequences: dict[tuple[int, int], Sequence],
-                 stats: TapStats) -> Iterator[Tapped]:
-    """A plane's events, each preceded by the gap in its worker's event ids it follows, if any."""
+Decoded = tuple[list[RouterEvent], list[DecodeError]]
+
+
+def _enveloped(data: bytes) -> Decoded:
+    """A `kv-events` message of Dynamo's plane: the envelope around an array of events."""
+    return decode_router_event_batch(decode_envelope(data).payload)
+
+
+def _durable(data: bytes) -> Decoded:
+    """A message of kvctl's JetStream stream: one event as JSON."""
+    return [decode_router_event_json(data)], []
+
+
+def _framed(frames: list[bytes]) -> Decoded:
+    """A message of Dynamo's ZMQ plane: four frames around the envelope."""
+    return _enveloped(decode_zmq_message(frames).envelope)
+
+
+def _tapped(decode: Callable[[T], Decoded], message: T, sequences: dict[tuple[int, int], Sequence],
+            stats: TapStats) -> Iterator[Tapped]:
+    """One message of a plane: counted, decoded (what is bad counted by kind), and its events, each preceded by
+    the gap in its worker's event ids it follows, if any."""
+    stats.messages += 1
+    try:
+        events, errors = decode(message)
+    except DecodeError as exc:
+        stats.decode_errors[exc.kind.value] += 1
+        return
+    for error in errors:
+        stats.decode_errors[error.kind.value] += 1
     for event in events:
         sequence = sequences.setdefault((event.worker_id, event.dp_rank), Sequence())
         _, gap = stats.judge(sequence, event.event_id)  # shown even when repeated: order is the envelope's
@@ -195,7 +215,6 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
     import zmq.asyncio
 
     from kvctl.core.events.discovery import namespace_prefix, parse_channel_key, parse_event_channel
-    from kvctl.core.events.zmq_wire import decode_zmq_message
     from kvctl.server.dynamo_discovery import DiscoveryError, open_discovery
 
     store = open_discovery(discovery_url)
@@ -233,16 +252,7 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
                 relisted = time.monotonic()
             if not await sock.poll(POLL_MS):
                 continue
-            stats.messages += 1
-            try:
-                message = decode_zmq_message(await sock.recv_multipart())
-                events, errors = decode_router_event_batch(decode_envelope(message.envelope).payload)
-            except DecodeError as exc:
-                stats.decode_errors[exc.kind.value] += 1
-                continue
-            for error in errors:
-                stats.decode_errors[error.kind.value] += 1
-            for tapped in _by_event_id(events, sequences, stats):
+            for tapped in _tapped(_framed, await sock.recv_multipart(), sequences, stats):
                 yield tapped
     finally:
         sock.close(linger=0)
