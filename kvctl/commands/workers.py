@@ -34,7 +34,18 @@ def _row(worker: dict[str, Any]) -> dict[str, Any]:
             **{f"reported_{key}": value for key, value in reported.items()},
             "reported_age": age(reported.get("age_s")),
             "queued": _requests(passed, "queued"), "scheduled": _requests(passed, "scheduled"),
-            "forward_pass_age": age(passed.get("age_s"))}
+            "forward_pass_age": age(passed.get("age_s")), **_source(worker.get("event_plane"))}
+
+
+def _source(source: dict[str, Any] | None) -> dict[str, Any]:
+    """Where the event plane's worker's events come from: its publisher (its address on the ZMQ plane), and
+    whether a late join's recovery of its index worked."""
+    if not source:
+        return {}
+    recovery = source.get("recovery") or {}
+    return {"publisher": source.get("address") or source.get("publisher_id"),
+            "recovery": recovery.get("state") if recovery.get("state") != "partial"
+            else f"partial: {recovery.get('reason')}"}
 
 
 def _requests(passed: dict[str, Any], kind: str) -> str | None:
@@ -65,6 +76,8 @@ _VIEW = View(
         Column("running p+d", "scheduled", wide_only=True, justify="right"),
         Column("forward pass", "forward_pass_age", wide_only=True, justify="right"),
         Column("replay endpoint", "replay_endpoint", wide_only=True),
+        Column("publisher", "publisher", wide_only=True),
+        Column("recovery", "recovery", wide_only=True),
     ],
     name_key=NAME_KEY,
 )

@@ -452,7 +452,14 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     @app.get("/v1/workers", responses=replies(ok={"type": "object", "required": ["workers"], "properties": {
         "workers": {"type": "array", "items": ref("Worker")}}}))
     async def list_workers() -> Response:
-        return _json({"workers": fleet.worker_rows(clock())})
+        rows = fleet.worker_rows(clock())
+        if plane is not None:  # where each worker's events come from on the event plane
+            sources = {(r["worker_id"], r["dp_rank"]): r for r in plane.worker_sources()}
+            for row in rows:
+                source = sources.get((row["worker_id"], row["dp_rank"]))
+                row["event_plane"] = None if source is None else {
+                    k: v for k, v in source.items() if k not in ("worker_id", "dp_rank")}
+        return _json({"workers": rows})
 
     @app.post("/v1/workers", status_code=201, responses=replies(400, 409, 422, ok=ref("Worker"), status=201))
     async def register_worker(body: WorkerBody) -> Response:

@@ -347,6 +347,10 @@ class EventPlane(PlaneTasks):
 
     # ----- views --------------------------------------------------------------------------------------
 
+    def worker_sources(self) -> list[dict[str, Any]]:
+        """Where each worker's KV events come from (its publisher, its last event id), for `/v1/workers`."""
+        return self.ingest.sources()
+
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         kv_events = self.names.stream_subject if self.options.jetstream else self.scope.pattern(KV_EVENTS)

@@ -264,8 +264,13 @@ class PlaneIngest:
             "counts": dict(self.counts), "decode_errors": dict(self.errors),
             "sequence": self.publishers.totals(),
             "publishers": self.publishers.rows(now),
-            "workers": [{"worker_id": w[0], "dp_rank": w[1], "publisher_id": c.publisher_id,
-                         "last_event_id": c.ids.last,
-                         **({} if self.recovery is None else {"recovery": self.recovery.state(w)})}
-                        for w, c in sorted(self.cursors.items())],
+            "workers": self.sources(),
         }
+
+    def sources(self, addresses: Mapping[int, str] | None = None) -> list[dict[str, Any]]:
+        """Where each worker's KV events come from: its publisher (with `addresses`, the ZMQ plane's, the address
+        that publisher advertises), its last event id, and after a late join its recovery."""
+        return [{"worker_id": w[0], "dp_rank": w[1], "publisher_id": c.publisher_id, "last_event_id": c.ids.last,
+                 **({} if addresses is None else {"address": addresses.get(c.publisher_id or 0)}),
+                 **({} if self.recovery is None else {"recovery": self.recovery.state(w)})}
+                for w, c in sorted(self.cursors.items())]

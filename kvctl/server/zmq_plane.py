@@ -349,12 +349,19 @@ class ZmqPlane(PlaneTasks):
 
     # ----- views --------------------------------------------------------------------------------------
 
+    def _addresses(self) -> dict[int, str]:
+        """Each followed publisher's advertised address, by its id."""
+        return {link.channel.publisher_id: link.channel.address for link in self.links.values()}
+
+    def worker_sources(self) -> list[dict[str, Any]]:
+        return self.ingest.sources(self._addresses())
+
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         o = self.options
         scope = (o.component, o.endpoint)
         ingest = self.ingest.status()
-        addresses = {link.channel.publisher_id: link.channel.address for link in self.links.values()}
+        addresses = self._addresses()
         return {
             "transport": "zmq", "url": o.url, "state": self.state, "ready": self._started.is_set(),
             "following_s": None if self.ready_at is None else round(now - self.ready_at, 3),
@@ -369,6 +376,7 @@ class ZmqPlane(PlaneTasks):
             "subjects_seen": dict(self.seen.most_common()),
             **ingest,
             "publishers": [{**row, "address": addresses.get(row["publisher_id"])} for row in ingest["publishers"]],
+            "workers": self.ingest.sources(addresses),
             "snapshot": None,
             "discovery": {"url": o.url, "listings": self.listings, "poll_s": o.poll_s,
                           "follows": self.discovery.follows,

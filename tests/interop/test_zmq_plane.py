@@ -102,9 +102,21 @@ def test_the_cli_views_read_the_zmq_plane_as_they_read_nats(zmq_fleet: Fleet) ->
     heard = plane(url)["publishers"]
     assert heard and all(p["address"] in shown.stdout and str(p["publisher_id"]) in shown.stdout for p in heard), \
         shown.stdout
-    workers = kvctl(url, "workers", "-o", "json")
-    assert workers.exit_code == 0 and {w["worker_id"] for w in json.loads(workers.stdout)["workers"]} \
-        == set(zmq_fleet.worker_ids), workers.output
+    assert shared_prefix_load(zmq_fleet.frontend_url, requests=4, seed=9).failed == []  # events from each worker
+
+    def workers_json() -> Any:
+        return kvctl(url, "workers", "-o", "json")
+
+    workers = wait_until(lambda: (w := workers_json()).exit_code == 0 and all(
+        (r["event_plane"] or {}).get("address") for r in json.loads(w.stdout)["workers"]) and w or None,
+        "each worker's publisher known", timeout=15, procs=zmq_fleet.procs)
+    rows = json.loads(workers.stdout)["workers"]
+    assert workers.exit_code == 0 and {w["worker_id"] for w in rows} == set(zmq_fleet.worker_ids), workers.output
+    for row in rows:  # where its events come from: the publisher's advertised address; its index recovered
+        source = row["event_plane"]
+        assert source["address"].startswith("tcp://127.0.0.1:") and source["recovery"]["state"] == "recovered", row
+    wide = kvctl(url, "workers", "-o", "wide")
+    assert all(w["event_plane"]["address"] in wide.stdout for w in rows) and "recovered" in wide.stdout, wide.output
     _, report = doctor(url)
     (plane_check,) = findings(report, "event_plane")
     assert plane_check["severity"] == "OK" and "none lost" in plane_check["cause"], plane_check
