@@ -82,8 +82,21 @@ def health_fields(health: StreamHealth) -> dict[str, str]:
         "decode errors": count(health.decode_errors), "queue drops": count(health.dropped_batches),
     }
     if health.plane is not None:
-        fields["event plane"] = f"{health.plane.get('state')} (reconnects {health.plane.get('reconnects', 0)})"
+        fields["event plane"] = plane_summary(health.plane)
     return fields
+
+
+def plane_summary(plane: dict[str, Any]) -> str:
+    """The event plane in one line: its state, its publishers and what their sequences lost (per publisher:
+    kvctl router status -o wide)."""
+    order = plane.get("sequence") or {}
+    parts = [f"{plane.get('state')} (reconnects {plane.get('reconnects', 0)})",
+             f"{order.get('publishers', 0)} publishers", f"gaps {count(order.get('gaps', 0))}",
+             f"lost {count(order.get('lost', 0))}", f"restarts {count(order.get('restarts', 0))}"]
+    links = plane.get("connections")
+    if isinstance(links, list):  # Dynamo's ZMQ plane: a socket per publisher and topic
+        parts.append(f"sockets {sum(1 for link in links if link.get('connected'))}/{len(links)}")
+    return " · ".join(parts)
 
 
 def _field_rows(fields: dict[str, str]) -> list[dict[str, Any]]:

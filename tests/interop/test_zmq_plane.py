@@ -115,6 +115,11 @@ def test_the_cli_views_read_the_zmq_plane_as_they_read_nats(zmq_fleet: Fleet) ->
     for row in rows:  # where its events come from: the publisher's advertised address; its index recovered
         source = row["event_plane"]
         assert source["address"].startswith("tcp://127.0.0.1:") and source["recovery"]["state"] == "recovered", row
+    top = kvctl(url, "top", "--once")  # the plane's publishers, their losses and sockets in one line
+    sockets = sum(1 for c in plane(url)["connections"] if c["connected"])
+    assert top.exit_code == 0 and f"{len(plane(url)['publishers'])} publishers · gaps 0 · lost 0" in top.stdout, \
+        top.output
+    assert f"sockets {sockets}/{len(plane(url)['connections'])}" in top.stdout, top.output
     wide = kvctl(url, "workers", "-o", "wide")
     assert all(w["event_plane"]["address"] in wide.stdout for w in rows) and "recovered" in wide.stdout, wide.output
     _, report = doctor(url)
