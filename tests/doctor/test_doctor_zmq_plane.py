@@ -5,13 +5,13 @@ the captured records rewritten to the addresses under test."""
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from kvctl.core.events.discovery import ChannelKey, encode_file_name
 from tests.doctor.rig import doctor, findings
-from tests.nats_server import free_port
 from tests.server.test_serve_process import serving
 from tests.server.test_zmq_plane import record_for
 
@@ -48,12 +48,14 @@ def test_a_store_without_records_of_the_namespace_points_to_broker_mode_and_nats
 
 def test_publishers_never_reached_are_named_a_loopback_one_as_not_routable(tmp_path: Path) -> None:
     store = tmp_path / "discovery"
-    loopback = f"tcp://127.0.0.1:{free_port()}"  # nothing listens; only its own host could reach it anyway
-    _file(store, "kv-events", 0x11, loopback)
-    _file(store, "kv_metrics", 0x12, "tcp://192.0.2.1:5557")  # TEST-NET-1: routable, never answers
-    with serving(tmp_path / "router", "--no-restore", "--dynamo-discovery", f"file:{store}") as (_, client):
-        code, finding = _event_plane_until(str(client.base_url).rstrip("/"), "never reached",
-                                           "--unreachable-after", "1")
+    with socket.socket() as held:  # bound, never listening: refused, and no other test's server can take it
+        held.bind(("127.0.0.1", 0))
+        loopback = f"tcp://127.0.0.1:{held.getsockname()[1]}"  # only its own host could reach it anyway
+        _file(store, "kv-events", 0x11, loopback)
+        _file(store, "kv_metrics", 0x12, "tcp://192.0.2.1:5557")  # TEST-NET-1: routable, never answers
+        with serving(tmp_path / "router", "--no-restore", "--dynamo-discovery", f"file:{store}") as (_, client):
+            code, finding = _event_plane_until(str(client.base_url).rstrip("/"), "never reached",
+                                               "--unreachable-after", "1")
     assert code == 2 and finding["severity"] == "CRITICAL"  # KV events among them: those blocks never arrive
     assert finding["cause"].startswith("2 publisher(s) in discovery never reached for over 1 s (1 of them KV ")
     assert f"1 advertise an address only their own host can reach ({loopback})" in finding["cause"]

@@ -191,6 +191,7 @@ async def test_a_registered_endpoint_never_kills_its_stream(
         assert {tuple(e["loc"])[-1] for e in response.json()["detail"]} <= {"endpoint", "replay_endpoint"}
         return
     await asyncio.sleep(0)  # one loop pass: the stream's task connects its sockets before its first wait
-    [(stream, task)] = streams._running.values()  # noqa: SLF001 - the task is the thing under test
-    assert not task.done(), "the engine stream stopped right after its registration was accepted"
+    [source] = streams._running.values()  # noqa: SLF001 - the task is the thing under test
+    assert source.task is not None and not source.task.done() and not source.failed, \
+        "the engine stream stopped right after its registration was accepted"
     assert (await client.delete("/v1/workers/1")).status_code == 200
