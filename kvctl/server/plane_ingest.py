@@ -17,7 +17,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from kvctl.core.events import Cleared, EventData, RouterEvent
 from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch
@@ -45,6 +45,14 @@ log = logging.getLogger("kvctl.serve")
 Worker = tuple[int, int]
 
 Handler = Callable[[bytes, Order, Publisher, float], Awaitable[None]]
+
+
+class _Reported(Protocol):
+    worker_id: int
+    dp_rank: int
+
+
+R = TypeVar("R", bound=_Reported)
 
 
 class _Cursor:
@@ -206,24 +214,26 @@ class PlaneIngest:
     # ----- load reports, forward passes, replica sync -------------------------------------------------
 
     async def _on_load(self, payload: bytes, _order: Order, publisher: Publisher, now: float) -> None:
-        try:
-            load = decode_active_load(payload)
-        except DecodeError as exc:
-            self.errors[exc.kind.value] += 1
-            return
-        self.counts["load_reports"] += 1
-        self._spoke_for(publisher, (load.worker_id, load.dp_rank))
-        self.fleet.report_load(load, now, self.model)
+        load = self._report(payload, decode_active_load, "load_reports", publisher)
+        if load is not None:
+            self.fleet.report_load(load, now, self.model)
 
     async def _on_forward_pass(self, payload: bytes, _order: Order, publisher: Publisher, now: float) -> None:
+        report = self._report(payload, decode_forward_pass, "forward_passes", publisher)
+        if report is not None:
+            self.fleet.report_forward_pass(report, now, self.model)
+
+    def _report(self, payload: bytes, decode: Callable[[bytes], R], counter: str, publisher: Publisher) -> R | None:
+        """A worker's report of itself (its load, a forward pass): decoded, counted, and its worker known as the
+        publisher's; None (counted by kind) when it does not decode."""
         try:
-            report = decode_forward_pass(payload)
+            report = decode(payload)
         except DecodeError as exc:
             self.errors[exc.kind.value] += 1
-            return
-        self.counts["forward_passes"] += 1
+            return None
+        self.counts[counter] += 1
         self._spoke_for(publisher, (report.worker_id, report.dp_rank))
-        self.fleet.report_forward_pass(report, now, self.model)
+        return report
 
     async def _on_sequence(self, payload: bytes, _order: Order, _publisher: Publisher, now: float) -> None:
         if not self.replica_sync:
