@@ -557,8 +557,8 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             return _error(415, "Expected request with `Content-Type: application/json`")
         try:
             data = msgspec.json.decode(await request.body())
-        except (msgspec.DecodeError, RecursionError) as exc:  # serde_json refuses deep nesting as a syntax error
-            return _error(400, f"Failed to parse the request body as JSON: {exc}")
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:  # serde_json refuses deep
+            return _error(400, f"Failed to parse the request body as JSON: {exc}")  # nesting and bad UTF-8 alike
         try:
             body = BusyBody.model_validate(data)
         except ValueError as exc:

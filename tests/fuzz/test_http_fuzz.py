@@ -133,6 +133,7 @@ async def _chunks(body: bytes) -> AsyncIterator[bytes]:
 @example((("POST", "/v1/events", []), b'null\n5\n"{}"'), "application/x-ndjson", "1", False)
 @example((("POST", "/v1/workers", ["worker_id"]), b'{"worker_id": NaN}'), "application/json", "1", False)
 @example((("POST", "/v1/route", ["model"]), b'{"model": "\x80"}'), "application/json", "1", False)
+@example((("POST", "/busy_threshold", ["model"]), b'{"model": "\x80"}'), "application/json", "1", False)
 @example((("POST", "/v1/workers", ["endpoint"]), b'{"worker_id": 1, "endpoint": "garbage"}'), None, "1", False)
 @example((("POST", "/v1/reset", ["model"]), b'{"model": "x", "bogus": Infinity}'), "application/json", "1", False)
 @example((("POST", "/v1/workers", ["worker_id"]), b'{"worker_id": 1, "model": 1e400}'), "application/json", "1",
