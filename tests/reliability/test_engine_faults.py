@@ -45,6 +45,7 @@ from kvctl.mock.hashing import BlockHasher, HashStyle
 from kvctl.server.state import Fleet
 from kvctl.server.streams import ModelWriter
 from kvctl.server.zmq_source import EngineStream
+from tests.nats_server import stop_process
 
 BLOCK = 16
 Block = tuple[int, int]  # (engine block hash, tokens hash): what the router's dump shows of a block
@@ -73,17 +74,6 @@ def free_base(count: int = 3) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no free port range")
-
-
-def stop(proc: subprocess.Popen[Any]) -> None:
-    """Stop a child by its pid: SIGTERM, then SIGKILL if it does not go."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def process_tree(pid: int) -> list[int]:
@@ -125,7 +115,7 @@ def router(state_dir: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str],
             with httpx.Client(base_url=url, timeout=5) as client:
                 yield proc, client, log
         finally:
-            stop(proc)
+            stop_process(proc)
 
 
 class MockEngine:
@@ -176,7 +166,7 @@ class MockEngine:
     def stop(self) -> None:
         self.close_http()
         if self.proc is not None:
-            stop(self.proc)
+            stop_process(self.proc)
             self.close_pipe()
 
 
