@@ -14,13 +14,13 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvctl.child_process import python_module
 from kvctl.client import AsyncRouterClient
 from kvctl.client.engine import EngineClient
 from kvctl.mock.engine import EngineConfig
@@ -48,7 +48,7 @@ class DemoPlan:
 async def router_process(state_dir: Path, block_size: int) -> AsyncIterator[str]:
     """`kvctl serve` on a free loopback port; yields its URL, stops it (SIGTERM, then SIGKILL) on exit."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvctl", "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
+        *python_module("kvctl"), "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
         "--no-restore", "--block-size", str(block_size), "--log-level", "error",
         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

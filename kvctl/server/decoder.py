@@ -26,7 +26,6 @@ import fcntl
 import logging
 import os
 import subprocess
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvctl.child_process import python_module
 from kvctl.core.events import EngineBatch, ErrorKind
 from kvctl.server.decode_wire import HEADER, Answer, Refused, control, decode_now, split_answers
 
@@ -183,7 +183,7 @@ class ProcessDecoder:
         self._read_at = float("-inf")  # monotonic time of the last read from the child
 
     def _spawn(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvctl.server.decode_worker"], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen(python_module("kvctl.server.decode_worker"), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._to_child = self._proc.stdin.fileno()
