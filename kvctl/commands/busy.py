@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
+from kvctl.commands._watch import IntervalOpt, WatchOpt, show
 from kvctl.errors import ApiError, KvctlError, UsageError
 from kvctl.output import Column, View
 
@@ -22,7 +23,7 @@ app = typer.Typer(help="Busy thresholds per model (Dynamo's /busy_threshold; wor
                   no_args_is_help=True)
 
 GET_HELP = "Show the busy thresholds of every model, or of one. (read-only)"
-GET_EXAMPLES = "Examples:\n\n  kvctl busy get\n\n  kvctl busy get --model llama -o json"
+GET_EXAMPLES = "Examples:\n\n  kvctl busy get\n\n  kvctl busy get --model llama -o json\n\n  kvctl busy get --watch"
 SET_HELP = (
     "Set (merge) or unset a model's busy thresholds. (read-write)\n\n"
     "Thresholds not named keep their value, as Dynamo's POST /busy_threshold does. --unset NAME turns a "
@@ -51,15 +52,19 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="The model (as the 
 def get_command(
     ctx: typer.Context,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Only this model.", show_default=False)] = None,
+    watch: WatchOpt = False,
+    interval: IntervalOpt = 2.0,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     out = output_for(ctx, output, as_json)
     with router_client(ctx) as client:
-        answer = _all_thresholds(client)
-    if model is not None:
-        answer = {"thresholds": [_one(answer, model)]}
-    out.emit(answer, _LIST_VIEW)
+
+        def fetch() -> dict[str, Any]:
+            answer = _all_thresholds(client)
+            return answer if model is None else {"thresholds": [_one(answer, model)]}
+
+        show(out, fetch, lambda answer: out.emit(answer, _LIST_VIEW), watch=watch, interval=interval)
 
 
 @app.command("set", help=SET_HELP, epilog=SET_EXAMPLES)

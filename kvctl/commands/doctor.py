@@ -24,6 +24,7 @@ from kvctl.commands._options import (
     router_client,
     settings_for,
 )
+from kvctl.commands._watch import IntervalOpt, WatchOpt, show
 from kvctl.core.doctor import (
     SHOWN,
     Finding,
@@ -35,7 +36,7 @@ from kvctl.core.doctor import (
     differing_workers,
     worst,
 )
-from kvctl.output import Column, View
+from kvctl.output import Column, Output, View
 
 if TYPE_CHECKING:
     from kvctl.client import RouterClient
@@ -48,9 +49,10 @@ EXAMPLES = (
     "  kvctl doctor\n\n"
     "  kvctl doctor --server http://router-a:7433 --peer http://router-b:7433\n\n"
     "  kvctl doctor -o json | jq '.findings[] | select(.severity != \"OK\")'\n\n"
+    "  kvctl doctor --watch --interval 10\n\n"
     "--timeout bounds the whole check (every call to the router, its peers and the engines together).\n\n"
     "Exit codes: 0 OK, 1 WARNING, 2 CRITICAL (an unreachable router too, or one not answering in time), "
-    "3 UNKNOWN."
+    "3 UNKNOWN. --watch checks again every --interval seconds until Ctrl-C, which exits 0."
 )
 
 
@@ -91,6 +93,8 @@ def doctor_command(
     auth_user: MetricsUserOpt = None,
     auth_password: MetricsPasswordOpt = None,
     bearer_token: MetricsTokenOpt = None,
+    watch: WatchOpt = False,
+    interval: IntervalOpt = 5.0,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -101,23 +105,36 @@ def doctor_command(
     window_s = metrics_window(metrics, prometheus, window)
     settings = settings_for(ctx)
     limits = Limits(silent_after_s=silent_after, divergence_share=divergence, unreachable_after_s=unreachable_after)
-    with within(settings.timeout):  # a check's whole run, not each call: what Nagios' own timeout expects
-        gathered = _gather(ctx, model)
-        if isinstance(gathered, Finding):
-            findings = [gathered]
-        else:
-            status, workers, thresholds = gathered
-            diffs, not_compared = _peers(ctx, peer or [], status.get("models", {}), model)
-            from kvctl.client.tier_sources import Auth
 
-            engines = _Engines(metrics or [], prometheus, window_s, Auth(auth_user, auth_password, bearer_token))
-            hit_rates = _hit_rates(ctx, engines) if metrics or prometheus else None
-            findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates), *not_compared]
-    verdict = worst(findings)
-    out.emit({"server": settings.server, "status": verdict.name, "findings": [f.as_dict() for f in findings]}, _VIEW)
-    counts = {s: sum(f.severity is s for f in findings) for s in Severity}
-    out.note(f"doctor: {verdict.name} (" + ", ".join(f"{n} {s.name.lower()}" for s, n in counts.items() if n) + ")")
-    raise typer.Exit(CheckStatus(int(verdict)))
+    def check() -> dict[str, Any]:
+        with within(settings.timeout):  # a check's whole run, not each call: what Nagios' own timeout expects
+            gathered = _gather(ctx, model)
+            if isinstance(gathered, Finding):
+                findings = [gathered]
+            else:
+                status, workers, thresholds = gathered
+                diffs, not_compared = _peers(ctx, peer or [], status.get("models", {}), model)
+                from kvctl.client.tier_sources import Auth
+
+                engines = _Engines(metrics or [], prometheus, window_s, Auth(auth_user, auth_password, bearer_token))
+                hit_rates = _hit_rates(ctx, engines) if metrics or prometheus else None
+                findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates), *not_compared]
+        return {"server": settings.server, "status": worst(findings).name, "findings": [f.as_dict() for f in findings]}
+
+    if watch:  # for a person watching a fleet: Ctrl-C ends it with 0, as every --watch does
+        show(out, check, lambda report: _render(out, report), watch=True, interval=interval)
+        return
+    report = check()
+    _render(out, report)
+    raise typer.Exit(CheckStatus[report["status"]])
+
+
+def _render(out: Output, report: dict[str, Any]) -> None:
+    """The findings, then the verdict and its counts on stderr."""
+    out.emit(report, _VIEW)
+    counts = {s: sum(f["severity"] == s.name for f in report["findings"]) for s in Severity}
+    out.note(f"doctor: {report['status']} (" + ", ".join(f"{n} {s.name.lower()}" for s, n in counts.items() if n)
+             + ")")
 
 
 @dataclass(frozen=True)

@@ -289,6 +289,7 @@ def replay_command(
 ) -> None:
     from kvctl.client import calls
     from kvctl.core.events.dump_file import DumpFileError, read_timed_events
+    from kvctl.output.progress import ProgressLine
 
     out = output_for(ctx, output, as_json)
     if speed < 0:
@@ -302,13 +303,17 @@ def replay_command(
     summary: dict[str, Any] = {"source": source, "sent": 0, "applied": 0, "rejected": {}, "dry_run": dry_run}
     if not dry_run and timed:
         confirm(f"replay {len(timed)} events into the router's index", yes)
-        with router_client(ctx) as client:
+        with router_client(ctx) as client, ProgressLine(out, "applied {task.fields[applied]}  rejected "
+                                                             "{task.fields[rejected]}") as line:
+            row = line.task(f"replay {Path(source).name}", len(timed), applied=0, rejected=0)
             for batch in _paced(timed, speed):
                 answer = client.send(calls.post_events([_event_obj(e) for e in batch], model))
                 summary["sent"] += len(batch)
                 summary["applied"] += answer["applied"]
                 for kind, n in answer["rejected"].items():
                     summary["rejected"][kind] = summary["rejected"].get(kind, 0) + n
+                line.update(row, summary["sent"], applied=summary["applied"],
+                            rejected=sum(summary["rejected"].values()))
     out.emit(summary, _REPLAY_VIEW)
 
 

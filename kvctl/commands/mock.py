@@ -196,15 +196,26 @@ def load_command(
         raise UsageError(f"--trace: no such file {str(trace)!r}")
     import asyncio
 
-    from kvctl.mock.load import Policy, mooncake_trace, run_policies, shared_prefix
+    from kvctl.mock.load import LoadStats, Policy, mooncake_trace, run_policies, shared_prefix
+    from kvctl.output.progress import ProgressLine
 
     workload = (mooncake_trace(trace, block_tokens=block_tokens, speed=speed, limit=requests) if trace
                 else shared_prefix(requests, seed=seed))
     policies = [Policy.router] + ([Policy(baseline)] if baseline else [])
+    settings = settings_for(ctx, server=server)
     try:
-        settings = settings_for(ctx, server=server)
-        reports = asyncio.run(run_policies(settings.server, targets, rows, workload, policies, concurrency, model,
-                                           seed, token=settings.token, give_up_s=give_up_after))
+        with ProgressLine(out, "{task.fields[sent]} sent  {task.fields[rate]} req/s") as line:
+            rows_of: dict[Policy, int] = {}
+
+            def progress(stats: LoadStats) -> None:
+                if stats.policy not in rows_of:
+                    rows_of[stats.policy] = line.task(stats.policy.value, len(workload), sent=0, rate="0.0")
+                line.update(rows_of[stats.policy], stats.completed, sent=stats.sent,
+                            rate=f"{stats.report()['requests_per_s']:.1f}")
+
+            reports = asyncio.run(run_policies(settings.server, targets, rows, workload, policies, concurrency,
+                                               model, seed, token=settings.token, give_up_s=give_up_after,
+                                               progress=progress))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     out.emit(reports, _LOAD_VIEW)

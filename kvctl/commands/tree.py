@@ -25,6 +25,7 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.commands._watch import IntervalOpt, WatchOpt, show
 from kvctl.errors import UsageError
 from kvctl.output import Column, Output, OutputFormat, View
 
@@ -284,7 +285,8 @@ STATS_HELP = "Size and shape of a radix index: blocks, nodes, per-worker sizes, 
 STATS_EXAMPLES = (
     "Examples:\n\n"
     "  kvctl tree stats\n\n"
-    "  kvctl tree stats dynamo+http://indexer:8090 --top 5 -o json"
+    "  kvctl tree stats dynamo+http://indexer:8090 --top 5 -o json\n\n"
+    "  kvctl tree stats --watch --interval 5"
 )
 
 _STATS_VIEWS = (
@@ -315,11 +317,17 @@ def stats_command(
     namespace: NamespaceOpt = "dynamo",
     component: ComponentOpt = "backend",
     nats_auth: NatsAuth | None = None,
+    watch: WatchOpt = False,
+    interval: IntervalOpt = 2.0,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     from kvctl.core.tree_diff import tree_stats
 
     out = output_for(ctx, output, as_json)
+    if watch and source == "-":
+        raise UsageError("--watch reads the source again each time; stdin can be read only once",
+                         hint="give a router URL or a file")
     reader = Reader(ctx, out, model, namespace, component, nats_auth)
-    _emit_sections(out, tree_stats(reader.events(source), top=top), _STATS_VIEWS)
+    show(out, lambda: tree_stats(reader.events(source), top=top),
+         lambda stats: _emit_sections(out, stats, _STATS_VIEWS), watch=watch, interval=interval)

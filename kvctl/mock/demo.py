@@ -25,7 +25,15 @@ from kvctl.client import AsyncRouterClient
 from kvctl.client.engine import EngineClient
 from kvctl.mock.engine import EngineConfig
 from kvctl.mock.fleet import Fleet, fleet_configs
-from kvctl.mock.load import GIVE_UP_S, LoadGenerator, LoadStats, Policy, register_engines, shared_prefix
+from kvctl.mock.load import (
+    GIVE_UP_S,
+    LoadGenerator,
+    LoadStats,
+    Policy,
+    register_engines,
+    run_observed,
+    shared_prefix,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,15 +104,5 @@ async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]
 
 async def _phase(load: LoadGenerator, workload: list[Any], policy: Policy, seconds: float, plan: DemoPlan,
                  progress: Callable[[LoadStats], None], every_s: float) -> LoadStats:
-    stats = LoadStats(policy)
-    task = asyncio.create_task(load.run(workload, policy, concurrency=plan.concurrency,
-                                        duration_s=max(0.5, seconds), stats=stats))
-    try:
-        while not task.done():
-            await asyncio.wait([task], timeout=every_s)
-            progress(stats)
-        return task.result()
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    return await run_observed(load, workload, policy, progress, every_s, concurrency=plan.concurrency,
+                              duration_s=max(0.5, seconds))

@@ -13,13 +13,14 @@ suffix each), or a Mooncake trace replayed in time, its 512-token hash blocks re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -33,6 +34,8 @@ VOCAB = 32_000
 MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake traces
 GIVE_UP_S = 5.0
 """How long the router may refuse every connection before a run stops with an error (--give-up-after)."""
+PROGRESS_S = 0.1
+"""How often `mock load` shows its progress: as often as a terminal's progress line redraws."""
 BACKOFF_S = (0.05, 1.0)  # the first and the longest wait before a router call while none connects
 
 
@@ -87,6 +90,7 @@ class LoadStats:
 
     policy: Policy
     started: float = field(default_factory=time.monotonic)
+    sent: int = 0  # requests started (placed, or being placed)
     completed: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -182,6 +186,7 @@ class LoadGenerator:
 
     async def _one(self, request: Request, policy: Policy, stats: LoadStats) -> None:
         request_id = f"load-{next(self._ids)}"
+        stats.sent += 1
         try:
             worker_id = await self._place(request, policy, request_id)
         except Refused:
@@ -254,11 +259,30 @@ async def register_engines(router: AsyncRouterClient, engines: Sequence[Mapping[
                                                     replay_endpoint=row["replay_endpoint"]))
 
 
+async def run_observed(load: LoadGenerator, workload: Sequence[Request], policy: Policy,
+                       progress: Callable[[LoadStats], None], every_s: float, **run: Any) -> LoadStats:
+    """`load.run(workload, policy, **run)`, with `progress(stats)` every `every_s` seconds while it runs and
+    once more at its end: a person sees a long run move."""
+    stats = LoadStats(policy)
+    task = asyncio.create_task(load.run(workload, policy, stats=stats, **run))
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=every_s)
+            progress(stats)
+        return task.result()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def run_policies(server: str, targets: dict[int, str], rows: list[dict[str, Any]], workload: list[Request],
                        policies: list[Policy], concurrency: int, model: str, seed: int,
-                       token: str | None = None, give_up_s: float = GIVE_UP_S) -> list[dict[str, Any]]:
+                       token: str | None = None, give_up_s: float = GIVE_UP_S,
+                       progress: Callable[[LoadStats], None] = lambda stats: None) -> list[dict[str, Any]]:
     """Engines from --engines-file the router does not know yet are registered first (with their KV-event
-    endpoints: the router's admin `token` when it has one); then each policy runs from cold caches."""
+    endpoints: the router's admin `token` when it has one); then each policy runs from cold caches, its
+    `progress(stats)` ten times a second."""
     engines = {worker_id: EngineClient(url) for worker_id, url in targets.items()}
     try:
         async with AsyncRouterClient(server, token=token) as router:
@@ -267,7 +291,8 @@ async def run_policies(server: str, targets: dict[int, str], rows: list[dict[str
             reports = []
             for policy in policies:
                 await load.restart_engines()  # every policy from cold caches
-                reports.append((await load.run(workload, policy, concurrency=concurrency)).report())
+                stats = await run_observed(load, workload, policy, progress, PROGRESS_S, concurrency=concurrency)
+                reports.append(stats.report())
             return reports
     finally:
         await asyncio.gather(*(e.aclose() for e in engines.values()))

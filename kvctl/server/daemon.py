@@ -255,6 +255,7 @@ async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None
         now = time.monotonic()
         fleet.tick(now)
         streams.sample(now)
+        streams.log_gaps()
 
 
 async def watch_loop(observe: Callable[[float], None], interval_s: float) -> None:

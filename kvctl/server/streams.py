@@ -246,6 +246,7 @@ class Streams:
             assert source.task is not None
             with contextlib.suppress(asyncio.CancelledError):
                 await source.task
+            source.stream.gap_log.close()
         if keys:
             await self.decoder.drained()
             for writer in self.writers.values():
@@ -283,6 +284,12 @@ class Streams:
             if previous is not None and now > previous[0]:
                 self._rates[key] = (events - previous[1]) / (now - previous[0])
             self._last_sample[key] = (now, events)
+
+    def log_gaps(self) -> None:
+        """The summary line of each stream whose lost gaps are due one (see `kvctl.server.gap_log`): a stream
+        that stops losing still has its last losses logged, not only at its next loss."""
+        for source in self._running.values():
+            source.stream.gap_log.flush()
 
     def status(self) -> list[dict[str, Any]]:
         out = []

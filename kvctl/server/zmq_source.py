@@ -59,6 +59,7 @@ from kvctl.core.events import (
 from kvctl.core.events.publishers import Order, Sequence
 from kvctl.server.budget import SLICE_S
 from kvctl.server.decoder import Backpressure, Decoder, InlineDecoder, NeverFull, Subscription
+from kvctl.server.gap_log import GapLog
 from kvctl.server.schema_seen import Schema, SchemaSeen, sampled
 
 __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
@@ -212,6 +213,7 @@ class EngineStream:
         self._last_message_at: float | None = None
         self._gapped = False
         self._schema = Schema()
+        self.gap_log = GapLog(self._name(), clock)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -468,7 +470,7 @@ class EngineStream:
             self._restart(previous, seq, item)
         elif self._replay is not None:
             self._replay.buffered.append((seq, item))
-            self._drain_buffer(final=False)
+            self._drain_buffer()
         elif self._last is None:
             self._apply(seq, item)
         elif seq <= self._last:
@@ -483,11 +485,10 @@ class EngineStream:
         self._gaps += 1
         start = self._last + 1
         if self._dealer is None:
-            log.warning("%s: seq gap %d..%d and no replay endpoint: lost", self._name(), start, seq - 1)
-            self._lose(seq - start)
+            self._lose(start, seq - 1, "no replay endpoint")
             self._apply(seq, item)
             return
-        log.info("%s: seq gap %d..%d, asking for a replay", self._name(), start, seq - 1)
+        log.debug("%s: seq gap %d..%d, asking for a replay", self._name(), start, seq - 1)
         deadline = asyncio.get_running_loop().time() + self.replay_timeout_s
         self._replay = _Replay(start, deadline, deque([(seq, item)]), lost_before=self._lost)
         self._dealer.send_multipart(encode_replay_request(start))
@@ -505,20 +506,20 @@ class EngineStream:
         elif reply.seq <= self._last:
             self._duplicates += 1
         else:
-            if reply.seq > self._last + 1:  # the engine's buffer no longer holds these
-                self._lose(reply.seq - self._last - 1)
+            if reply.seq > self._last + 1:
+                self._lose(self._last + 1, reply.seq - 1, "the engine's replay buffer no longer holds it")
             assert reply.payload is not None
             self._apply_payload(reply.seq, reply.payload)
-            self._drain_buffer(final=False)
+            self._drain_buffer()
 
     def _replay_timed_out(self) -> None:
-        log.warning("%s: replay timed out after %.1fs", self._name(), self.replay_timeout_s)
         self._finish_replay(timed_out=True)
 
     def _finish_replay(self, *, timed_out: bool) -> None:
         replay = self._replay
         assert replay is not None
-        self._drain_buffer(final=True)
+        self._drain_buffer(final=f"replay timed out after {self.replay_timeout_s:g} s" if timed_out
+                           else "the engine's replay ended without it")
         self._replay = None
         if timed_out:
             self._replays_failed += 1
@@ -532,8 +533,9 @@ class EngineStream:
         self._replay = None
         self._reset_dealer()
 
-    def _drain_buffer(self, *, final: bool) -> None:
-        """Apply buffered live messages that are next in seq order; with `final`, all of them."""
+    def _drain_buffer(self, *, final: str | None = None) -> None:
+        """Apply buffered live messages that are next in seq order; with `final` (why what is still missing
+        will not come), all of them."""
         replay = self._replay
         assert replay is not None and self._last is not None
         buffered = replay.buffered
@@ -543,8 +545,8 @@ class EngineStream:
                 self._duplicates += 1
             elif seq == self._last + 1:
                 self._apply(seq, item)
-            elif final:
-                self._lose(seq - self._last - 1)
+            elif final is not None:
+                self._lose(self._last + 1, seq - 1, final)
                 self._apply(seq, item)
             else:
                 return
@@ -567,9 +569,11 @@ class EngineStream:
         for key in keys:
             self._on_restart(key)
 
-    def _lose(self, count: int) -> None:
-        self._lost += count
+    def _lose(self, first: int, last: int, why: str) -> None:
+        """Seqs `first..last` will not be applied: counted, and logged by `gap_log` (rate-limited)."""
+        self._lost += last - first + 1
         self._gapped = True
+        self.gap_log.lost(first, last, why)
 
     # -- applying -----------------------------------------------------------------------------
 
