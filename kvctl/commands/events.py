@@ -236,7 +236,8 @@ def tail_command(
 @with_nats_credentials
 def record_command(
     ctx: typer.Context,
-    file: Annotated[Path, typer.Option("--file", "-f", help="Where to write (appended to).")],
+    file: Annotated[Path, typer.Argument(help="Where to write (appended to): the file `replay` then reads.",
+                                         show_default=False)],
     zmq_endpoint: SourceZmq = None, nats_url: SourceNats = None, discovery: SourceDiscovery = None,
     namespace: NamespaceOpt = "dynamo", component: ComponentScopeOpt = None, endpoint: EndpointScopeOpt = None,
     jetstream: JetStreamOpt = False,

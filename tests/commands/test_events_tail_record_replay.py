@@ -74,7 +74,7 @@ def test_tail_from_an_engine_shows_events_and_the_gap() -> None:
 def test_record_then_replay_into_a_router(tmp_path: Path) -> None:
     recording = tmp_path / "rec.jsonl"
     with engine() as (pub, endpoint):
-        proc = kvctl("events", "record", "--zmq", endpoint, "-f", str(recording), "--worker-id", "3",
+        proc = kvctl("events", "record", str(recording), "--zmq", endpoint, "--worker-id", "3",
                      "--duration", "3", "-o", "json")
         sent = send(pub, [0, 1, 2])
         out, err = proc.communicate(timeout=20)
@@ -144,7 +144,7 @@ def serve(tmp_path: Path) -> Iterator[str]:
             proc.communicate(timeout=10)
 
 
-@pytest.mark.parametrize("command", [["tail"], ["record", "-f", "rec.jsonl"]])
+@pytest.mark.parametrize("command", [["tail"], ["record", "rec.jsonl"]])
 def test_an_unreachable_event_plane_is_one_line_and_exit_3(command: list[str], tmp_path: Path) -> None:
     """It used to retry for ever, ignoring --duration and signals, with a nats-py traceback every 2 s."""
     unreachable = f"nats://127.0.0.1:{free_port()}"
