@@ -24,8 +24,8 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
-from kvctl.errors import UsageError
-from kvctl.output import Column, OutputFormat, View
+from kvctl.errors import KvctlError, UsageError
+from kvctl.output import Column, Output, OutputFormat, View
 
 if TYPE_CHECKING:
     from kvctl.core.events import RouterEvent
@@ -270,9 +270,15 @@ _RECORD_VIEW = View(rows=lambda data: [data], name_key="file",
                     columns=[Column("file", "file"), Column("events", "events", justify="right"),
                              Column("messages", "messages", justify="right"), Column("gaps", "gaps", justify="right"),
                              Column("missing", "missing", justify="right")])
-_REPLAY_VIEW = View(rows=lambda data: [data], name_key="source",
+_REPLAY_VIEW = View(rows=lambda data: [{**data, "rejected": sum(data["rejected"].values())}], name_key="source",
                     columns=[Column("source", "source"), Column("sent", "sent", justify="right"),
-                             Column("applied", "applied", justify="right"), Column("rejected", "rejected")])
+                             Column("applied", "applied", justify="right"),
+                             Column("rejected", "rejected", justify="right")])
+_REJECTED_VIEW = View(rows=lambda data: [{"reason": k, "events": n} for k, n in sorted(data["rejected"].items())],
+                      name_key="reason", title="rejected",
+                      columns=[Column("reason", "reason"), Column("events", "events", justify="right")])
+# The index's answers to an event whose blocks it lacks: what a recording cut off at its start gets.
+_MID_STREAM = frozenset({"parent_block_not_found", "block_not_found"})
 
 
 @app.command("replay", help="Send recorded (or dumped) events into a router's index, at their recorded pace "
@@ -283,6 +289,9 @@ def replay_command(
     speed: Annotated[float, typer.Option("--speed", help="Pace multiplier for recorded timestamps; 0: no "
                                                          "waiting.")] = 0.0,
     model: Annotated[str, typer.Option("--model", help="The router's model.")] = "default",
+    allow_partial: Annotated[bool, typer.Option(
+        "--allow-partial", help="Exit 0 when some events were rejected (a warning instead), as long as one "
+                                "applied; without it any rejection exits 1.")] = False,
     yes: YesOpt = False,
     dry_run: DryRunOpt = False,
     output: OutputOpt = None,
@@ -311,6 +320,28 @@ def replay_command(
                 for kind, n in answer["rejected"].items():
                     summary["rejected"][kind] = summary["rejected"].get(kind, 0) + n
     out.emit(summary, _REPLAY_VIEW)
+    if summary["rejected"] and out.format in (OutputFormat.table, OutputFormat.wide):
+        out.emit(summary, _REJECTED_VIEW)
+    _judge_replay(out, summary, allow_partial)
+
+
+def _judge_replay(out: Output, summary: dict[str, Any], allow_partial: bool) -> None:
+    """Rejected events are an error (exit 1): a replay that silently lost part of its recording leaves an index
+    unlike the engine's. The hint names the usual cause, a recording that starts mid-stream."""
+    rejected = sum(summary["rejected"].values())
+    if not rejected:
+        return
+    message = f"{summary['applied']} of {summary['sent']} events applied, {rejected} rejected"
+    if allow_partial and summary["applied"]:
+        out.warn(message)
+        return
+    fixes = ["record from the engine's start", "replay onto a router that already holds the prefix"]
+    fixes += ["pass --allow-partial"] if summary["applied"] else []
+    hint = ("the recording starts mid-stream: its first events' parent blocks are not in the router's index; "
+            f"{', '.join(fixes[:-1])} or {fixes[-1]}") if _MID_STREAM & set(summary["rejected"]) else (
+            "the reasons are in the output" + (": pass --allow-partial to accept the rest" if summary["applied"]
+                                                 else ""))
+    raise KvctlError(message, hint=hint)
 
 
 def _paced(timed: list[tuple[int | None, RouterEvent]], speed: float, batch: int = 1000) -> Iterator[
