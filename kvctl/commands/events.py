@@ -25,6 +25,7 @@ from kvctl.commands._nats import (
 )
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
 from kvctl.errors import KvctlError, UsageError
+from kvctl.exit_codes import ExitCode
 from kvctl.output import Column, Output, OutputFormat, View
 
 if TYPE_CHECKING:
@@ -229,6 +230,7 @@ def tail_command(
         until.seen += tapped.event is not None
     out.note(f"{stats.messages} messages, {stats.events} events, {stats.gaps} gaps ({stats.missing} missing), "
              f"decode errors {dict(stats.decode_errors) or 'none'}")
+    _nothing_received(out, stats, zmq_endpoint, nats_url, topic, jetstream)
 
 
 @app.command("record", help="Record KV events from an engine or an event plane to JSONL in Dynamo's recorder "
@@ -264,6 +266,28 @@ def record_command(
                 sink.flush()
                 until.seen += 1
     out.emit({"file": str(file), **stats.as_dict()}, _RECORD_VIEW)
+    _nothing_received(out, stats, zmq_endpoint, nats_url, topic, jetstream)
+
+
+def _nothing_received(out: Output, stats: TapStats, zmq_endpoint: str | None, nats_url: str | None, topic: str,
+                      jetstream: bool) -> None:
+    """A tap that heard nothing exits 4 with the likely causes: neither ZMQ nor NATS says when nobody publishes
+    (a SUB connects to a port nobody binds without an error), so silence is all there is to go on."""
+    if stats.messages:
+        return
+    if zmq_endpoint is not None:
+        causes = [f"nothing publishes at {zmq_endpoint} (wrong host or port?)",
+                  "the engine publishes no KV events (vLLM: --kv-events-config with enable_kv_cache_events; "
+                  "SGLang: --kv-events-config)"]
+        causes += [f"no message starts with --topic {topic!r}"] if topic else []
+    elif nats_url is not None:
+        causes = ["no worker publishes under this --namespace/--component/--endpoint",
+                  "the workers publish on NATS Core, not JetStream (drop --jetstream)" if jetstream else
+                  "the fleet's events go to its JetStream stream (add --jetstream)"]
+    else:
+        causes = ["no publisher of the namespace is registered in the discovery store, or none is publishing"]
+    out.warn("received nothing: " + "; or ".join(causes))
+    raise typer.Exit(ExitCode.NOTHING_RECEIVED)
 
 
 _RECORD_VIEW = View(rows=lambda data: [data], name_key="file",

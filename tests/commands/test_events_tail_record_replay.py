@@ -72,6 +72,20 @@ def test_tail_from_an_engine_shows_events_and_the_gap() -> None:
     assert "1 gaps (2 missing)" in err
 
 
+@pytest.mark.parametrize(("command", "topic"), [(["tail"], ""), (["record", "rec.jsonl"], "kv@")])
+def test_a_tap_that_receives_nothing_warns_and_exits_4(command: list[str], topic: str, tmp_path: Path) -> None:
+    """An engine that publishes nothing (or a wrong port: ZMQ connects without complaint) was exit 0, no word."""
+    with engine() as (pub, endpoint):
+        proc = subprocess.run([sys.executable, "-m", "kvctl", "events", *command, "--zmq", endpoint, "--topic", topic,
+                               "--duration", "1"], capture_output=True, text=True, timeout=30, cwd=tmp_path)
+        assert pub.poll(0), "the tap never subscribed: the test proves nothing"
+    assert proc.returncode == 4, proc.stderr
+    warning = proc.stderr.splitlines()[-1]
+    assert warning.startswith(f"warning: received nothing: nothing publishes at {endpoint} (wrong host or port?); "
+                              "or the engine publishes no KV events"), warning
+    assert ("--topic 'kv@'" in warning) is bool(topic)
+
+
 def record(path: Path, seqs: list[int]) -> int:
     """`events record PATH` of a live engine sending captures with these seqs; returns the events recorded."""
     with engine() as (pub, endpoint):
@@ -203,7 +217,8 @@ def test_an_unreachable_event_plane_is_one_line_and_exit_3(command: list[str], t
 def test_a_tail_ends_on_duration_or_a_signal_even_with_its_server_gone(ending: Any,
                                                                          nats_server: NatsServer) -> None:
     """The server goes away mid-tail: the tap keeps reconnecting quietly until its end, then prints its counters
-    (Ctrl-C and SIGTERM end an unbounded tail as --duration does: exit 0, as `--watch` and `kvctl mock` do)."""
+    (Ctrl-C and SIGTERM end an unbounded tail as --duration does, as `--watch` and `kvctl mock` do: exit 0, or 4
+    with a warning when nothing came, as here)."""
     tail = kvctl("events", "tail", "--nats", nats_server.url, *(["--duration", "4"] if ending == "duration" else []))
     assert tail.stderr is not None and tail.stderr.readline().startswith("listening on")
     nats_server.stop()
@@ -212,8 +227,10 @@ def test_a_tail_ends_on_duration_or_a_signal_even_with_its_server_gone(ending: A
     if ending != "duration":
         tail.send_signal(ending)
     _, err = tail.communicate(timeout=15)
-    assert tail.returncode == 0, err
-    assert err.splitlines() == ["0 messages, 0 events, 0 gaps (0 missing), decode errors none"]
+    assert tail.returncode == 4, err  # it heard nothing: said, with the likely causes
+    assert err.splitlines()[0] == "0 messages, 0 events, 0 gaps (0 missing), decode errors none"
+    assert err.splitlines()[1].startswith("warning: received nothing: no worker publishes under this --namespace")
+    assert len(err.splitlines()) == 2
     assert time.monotonic() - started < 3
 
 
