@@ -25,7 +25,7 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
-from kvctl.errors import UsageError
+from kvctl.errors import UsageError, not_found
 from kvctl.output import Column, Output, OutputFormat, View
 
 if TYPE_CHECKING:
@@ -149,7 +149,13 @@ def dump_command(
         raise UsageError(f"--format tree is drawn for people, not -o {out.format}", hint="use --format events or stats")
     wanted = _worker_filter(worker)
     reader = Reader(ctx, out, model, namespace, component, nats_auth)
-    events = [e for e in reader.events(source) if wanted is None or wanted(e.worker_id, e.dp_rank)]
+    everything = reader.events(source)
+    events = [e for e in everything if wanted is None or wanted(e.worker_id, e.dp_rank)]
+    if worker is not None and not events:
+        from kvctl.core.tree_diff import worker_name
+
+        raise not_found("worker", worker, f"the index of {source or settings_for(ctx).server}",
+                        [worker_name(w) for w in sorted({(e.worker_id, e.dp_rank) for e in everything})])
     content = index_content(events)
     if fmt is DumpFormat.stats:
         _emit_sections(out, content_stats(content), _STATS_VIEWS)
