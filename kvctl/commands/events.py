@@ -359,12 +359,13 @@ def _judge_replay(out: Output, summary: dict[str, Any], allow_partial: bool) -> 
     if allow_partial and summary["applied"]:
         out.warn(message)
         return
-    fixes = ["record from the engine's start", "replay onto a router that already holds the prefix"]
-    fixes += ["pass --allow-partial"] if summary["applied"] else []
-    hint = ("the recording starts mid-stream: its first events' parent blocks are not in the router's index; "
-            f"{', '.join(fixes[:-1])} or {fixes[-1]}") if _MID_STREAM & set(summary["rejected"]) else (
-            "the reasons are in the output" + (": pass --allow-partial to accept the rest" if summary["applied"]
-                                                 else ""))
+    partial = ["pass --allow-partial"] if summary["applied"] else []  # it cannot help when nothing applied
+    if _MID_STREAM & set(summary["rejected"]):
+        fixes = ["record from the engine's start", "replay onto a router that already holds the prefix", *partial]
+        hint = ("the recording starts mid-stream: its first events' parent blocks are not in the router's index; "
+                f"{', '.join(fixes[:-1])} or {fixes[-1]}")
+    else:
+        hint = "; ".join(["the reasons are in the output", *partial])
     raise KvctlError(message, hint=hint)
 
 

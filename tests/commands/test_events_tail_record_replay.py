@@ -147,6 +147,13 @@ def test_a_recording_that_starts_mid_stream_exits_1_saying_why(tmp_path: Path) -
         assert err == f"warning: {summary['applied']} of {summary['sent']} events applied, " \
                       f"{summary['sent'] - summary['applied']} rejected\n"
 
+        own_parent = tmp_path / "own_parent.jsonl"  # another cause: a block that is its own parent
+        own_parent.write_text(json.dumps({"worker_id": 3, "event": {"event_id": 1, "data": {"stored": {
+            "parent_hash": 11, "blocks": [{"block_hash": 11, "tokens_hash": 22}]}}}}) + "\n")
+        code, out, err = replay(url, own_parent)
+        assert code == 1 and re.search(r"^invalid_block +1$", out, re.M), out
+        assert err == "error: 0 of 1 events applied, 1 rejected (the reasons are in the output)\n"
+
 
 def test_replay_without_a_terminal_or_yes_refuses(tmp_path: Path) -> None:
     proc = kvctl("events", "replay", str(DUMP))
