@@ -131,4 +131,17 @@ def resolve(flags: dict[str, Any], *, context: str | None = None, env: dict[str,
     except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"timeout must be a positive number of seconds, got {values['timeout']!r} "
                           f"(from {sources['timeout']})") from None
+    _check_server(str(values["server"]), sources["server"])
     return Settings(values, sources, name)
+
+
+def _check_server(server: str, source: str) -> None:
+    """A server without its scheme is a usage error, not an unreachable server. No scheme is guessed: a tree
+    SOURCE without one is a file, and guessing http where https was meant would send the token in clear."""
+    if server.startswith(("http://", "https://")):
+        return
+    fixed = f"http://{server.split('://', 1)[-1]}"
+    if source == "flag":
+        raise ConfigError(f"--server {server!r} needs a scheme, http:// or https://", hint=f"--server {fixed}")
+    raise ConfigError(f"the server {server!r} (from {source}) needs a scheme, http:// or https://",
+                      hint=f"set it to {fixed}")

@@ -5,7 +5,7 @@
     ├── ConfigError                 exit 2   a bad config file or context
     ├── Unreachable                 exit 3   cannot connect to the server
     └── ApiError(status)            exit 1   the server answered with an error
-        ├── NotFound
+        ├── NotFound                         (also a --worker or --model that names nothing: `not_found`)
         └── Refused                 (e.g. 503: every worker busy)
 
 Decode errors of the core (`kvctl.core.events.DecodeError`) are not CLI errors: the core reports
@@ -13,6 +13,8 @@ them per event so a batch loses only its bad events.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from kvctl.exit_codes import ExitCode
 
@@ -48,6 +50,19 @@ class ApiError(KvctlError):
 
 class NotFound(ApiError):
     pass
+
+
+def not_found(kind: str, name: str, where: str, known: Iterable[str]) -> NotFound:
+    """A worker or model named on the command line that is not there: an error naming what is (kubectl's
+    `get pod nosuch`), never an empty answer that looks like a filter matching nothing."""
+    return NotFound(f"{where} has no {kind} {name}", status=404, hint=there(kind, known))
+
+
+def there(kind: str, known: Iterable[str], shown: int = 20) -> str:
+    """The hint of a NotFound: what does exist, so the next try can be right (the first `shown`: one line)."""
+    names = list(known)
+    more = f", … ({len(names)} in all)" if len(names) > shown else ""
+    return f"{kind}s there: {', '.join(names[:shown]) or 'none'}{more}"
 
 
 class Refused(ApiError):

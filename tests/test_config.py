@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,9 +45,19 @@ def test_no_file_means_defaults(tmp_path: Path) -> None:
     ("current-context = 'x'\n", None, "no context 'x'"),
     ("[contexts.a]\ntimeout = -1\n", "a", "timeout must be a positive number"),
     ("not toml [", None, "config.toml"),
+    ("[contexts.a]\nserver = 'router:7433'\n", "a", r"'router:7433' \(from context a .* needs a scheme"),
 ])
 def test_bad_config_is_a_config_error(tmp_path: Path, text: str, context: str | None, needle: str) -> None:
     path = tmp_path / "config.toml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=needle):
         resolve({}, context=context, env={}, file=ConfigFile.load(path))
+
+
+@pytest.mark.parametrize("argv", [["--server", "localhost:7433", "workers"], ["workers", "-s", "localhost:7433"]])
+def test_a_server_without_a_scheme_is_a_usage_error_naming_the_fix(argv: list[str], tmp_path: Path) -> None:
+    """It was exit 3 (cannot reach the server) although nothing was tried: httpx refused the URL."""
+    proc = subprocess.run([sys.executable, "-m", "kvctl", *argv], capture_output=True, text=True, timeout=30,
+                          env={"KVCTL_CONFIG": str(tmp_path / "none.toml"), "PATH": ""})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "(--server http://localhost:7433)" in proc.stderr, proc.stderr

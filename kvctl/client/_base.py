@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from kvctl.errors import ApiError, KvctlError, NotFound, Refused, Unreachable
+from kvctl.errors import ApiError, KvctlError, NotFound, Refused, Unreachable, there
 
 DEFAULT_MODEL = "default"
 
@@ -44,12 +44,13 @@ def interpret(call: Call, response: httpx.Response) -> Any:
         except (ValueError, RecursionError) as exc:  # not a router (a proxy's page?), or nested too deep
             raise KvctlError(f"{call.method} {call.path}: the answer is not JSON: {exc}") from None
     try:
-        message = response.json().get("error") or response.json().get("detail")
+        body = response.json()
+        message, models = body.get("error") or body.get("detail"), body.get("models")
     except (ValueError, AttributeError, RecursionError):
-        message = None
+        message, models = None, None
     text = f"{call.method} {call.path}: {message or response.reason_phrase} (HTTP {response.status_code})"
-    if response.status_code == 404:
-        raise NotFound(text, status=404)
+    if response.status_code == 404:  # an unknown model's answer lists the router's models: name them
+        raise NotFound(text, status=404, hint=there("model", map(str, models)) if isinstance(models, list) else None)
     if response.status_code == 503:
         raise Refused(text, status=503)
     if response.status_code == 401:

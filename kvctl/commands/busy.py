@@ -12,8 +12,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
+<<<<<<< HEAD
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
 from kvctl.errors import ApiError, KvctlError, UsageError
+=======
+from kvctl.errors import ApiError, KvctlError, UsageError, there
+>>>>>>> h23-5
 from kvctl.output import Column, View
 
 if TYPE_CHECKING:
@@ -127,8 +131,8 @@ def _one(answer: dict[str, Any], model: str, *, missing_ok: bool = False) -> dic
             return thresholds
     if missing_ok:
         return {}
-    known = ", ".join(t["model"] for t in answer["thresholds"]) or "none"
-    raise KvctlError(f"the router has no busy thresholds for model {model!r}", hint=f"models: {known}")
+    raise KvctlError(f"the router has no busy thresholds for model {model!r}",
+                     hint=there("model", (t["model"] for t in answer["thresholds"])))
 
 
 def _field_name(name: str, fields: tuple[str, ...]) -> str:

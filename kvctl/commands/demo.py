@@ -36,7 +36,7 @@ def demo_command(
     ctx: typer.Context,
     duration: Annotated[float, typer.Option("--duration", "-d", help="Seconds in all (a third of it, at most 20 s, "
                                                                       "is the random baseline).")] = 60.0,
-    engines: Annotated[int, typer.Option("--engines", "-n", help="Mock engines.")] = 4,
+    engines: Annotated[int, typer.Option("--engines", help="Mock engines.")] = 4,
     concurrency: Annotated[int, typer.Option("--concurrency", help="Requests in flight.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Workload seed.")] = 0,
     give_up_after: GiveUpOpt = GIVE_UP_S,

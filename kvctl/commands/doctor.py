@@ -171,6 +171,10 @@ def _gather(ctx: typer.Context, model: str | None) -> Gathered | Finding:
         return Finding("router", Severity.CRITICAL, f"router unreachable at {url}", {"error": exc.message},
                        f"is `kvctl serve` running there? (--server / KVCTL_SERVER); curl {url}/healthz")
     if model is not None:
+        if model not in status.get("models", {}):  # Nagios: a check asked about nothing it can see is UNKNOWN
+            models = sorted(status.get("models", {}))
+            return Finding("router", Severity.UNKNOWN, f"the router at {url} has no model {model!r}",
+                           {"models": models}, f"pick one with --model: {', '.join(models) or 'none'}")
         workers = [w for w in workers if w["model"] == model]
         status = {**status, "models": {m: s for m, s in status.get("models", {}).items() if m == model}}
         thresholds = [t for t in thresholds if t["model"] == model]

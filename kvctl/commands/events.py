@@ -24,8 +24,9 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
-from kvctl.errors import UsageError
-from kvctl.output import Column, OutputFormat, View
+from kvctl.errors import KvctlError, UsageError
+from kvctl.exit_codes import ExitCode
+from kvctl.output import Column, Output, OutputFormat, View
 
 if TYPE_CHECKING:
     from kvctl.core.events import RouterEvent
@@ -229,6 +230,7 @@ def tail_command(
         until.seen += tapped.event is not None
     out.note(f"{stats.messages} messages, {stats.events} events, {stats.gaps} gaps ({stats.missing} missing), "
              f"decode errors {dict(stats.decode_errors) or 'none'}")
+    _nothing_received(out, stats, zmq_endpoint, nats_url, topic, jetstream)
 
 
 @app.command("record", help="Record KV events from an engine or an event plane to JSONL in Dynamo's recorder "
@@ -236,7 +238,8 @@ def tail_command(
 @with_nats_credentials
 def record_command(
     ctx: typer.Context,
-    file: Annotated[Path, typer.Option("--file", "-f", help="Where to write (appended to).")],
+    file: Annotated[Path, typer.Argument(help="Where to write (appended to): the file `replay` then reads.",
+                                         show_default=False)],
     zmq_endpoint: SourceZmq = None, nats_url: SourceNats = None, discovery: SourceDiscovery = None,
     namespace: NamespaceOpt = "dynamo", component: ComponentScopeOpt = None, endpoint: EndpointScopeOpt = None,
     jetstream: JetStreamOpt = False,
@@ -263,15 +266,43 @@ def record_command(
                 sink.flush()
                 until.seen += 1
     out.emit({"file": str(file), **stats.as_dict()}, _RECORD_VIEW)
+    _nothing_received(out, stats, zmq_endpoint, nats_url, topic, jetstream)
+
+
+def _nothing_received(out: Output, stats: TapStats, zmq_endpoint: str | None, nats_url: str | None, topic: str,
+                      jetstream: bool) -> None:
+    """A tap that heard nothing exits 4 with the likely causes: neither ZMQ nor NATS says when nobody publishes
+    (a SUB connects to a port nobody binds without an error), so silence is all there is to go on."""
+    if stats.messages:
+        return
+    if zmq_endpoint is not None:
+        causes = [f"nothing publishes at {zmq_endpoint} (wrong host or port?)",
+                  "the engine publishes no KV events (vLLM: --kv-events-config with enable_kv_cache_events; "
+                  "SGLang: --kv-events-config)"]
+        causes += [f"no message starts with --topic {topic!r}"] if topic else []
+    elif nats_url is not None:
+        causes = ["no worker publishes under this --namespace/--component/--endpoint",
+                  "the workers publish on NATS Core, not JetStream (drop --jetstream)" if jetstream else
+                  "the fleet's events go to its JetStream stream (add --jetstream)"]
+    else:
+        causes = ["no publisher of the namespace is registered in the discovery store, or none is publishing"]
+    out.warn("received nothing: " + "; or ".join(causes))
+    raise typer.Exit(ExitCode.NOTHING_RECEIVED)
 
 
 _RECORD_VIEW = View(rows=lambda data: [data], name_key="file",
                     columns=[Column("file", "file"), Column("events", "events", justify="right"),
                              Column("messages", "messages", justify="right"), Column("gaps", "gaps", justify="right"),
                              Column("missing", "missing", justify="right")])
-_REPLAY_VIEW = View(rows=lambda data: [data], name_key="source",
+_REPLAY_VIEW = View(rows=lambda data: [{**data, "rejected": sum(data["rejected"].values())}], name_key="source",
                     columns=[Column("source", "source"), Column("sent", "sent", justify="right"),
-                             Column("applied", "applied", justify="right"), Column("rejected", "rejected")])
+                             Column("applied", "applied", justify="right"),
+                             Column("rejected", "rejected", justify="right")])
+_REJECTED_VIEW = View(rows=lambda data: [{"reason": k, "events": n} for k, n in sorted(data["rejected"].items())],
+                      name_key="reason", title="rejected",
+                      columns=[Column("reason", "reason"), Column("events", "events", justify="right")])
+# The index's answers to an event whose blocks it lacks: what a recording cut off at its start gets.
+_MID_STREAM = frozenset({"parent_block_not_found", "block_not_found"})
 
 
 @app.command("replay", help="Send recorded (or dumped) events into a router's index, at their recorded pace "
@@ -282,6 +313,9 @@ def replay_command(
     speed: Annotated[float, typer.Option("--speed", help="Pace multiplier for recorded timestamps; 0: no "
                                                          "waiting.")] = 0.0,
     model: Annotated[str, typer.Option("--model", help="The router's model.")] = "default",
+    allow_partial: Annotated[bool, typer.Option(
+        "--allow-partial", help="Exit 0 when some events were rejected (a warning instead), as long as one "
+                                "applied; without it any rejection exits 1.")] = False,
     yes: YesOpt = False,
     dry_run: DryRunOpt = False,
     output: OutputOpt = None,
@@ -315,6 +349,29 @@ def replay_command(
                 line.update(row, summary["sent"], applied=summary["applied"],
                             rejected=sum(summary["rejected"].values()))
     out.emit(summary, _REPLAY_VIEW)
+    if summary["rejected"] and out.format in (OutputFormat.table, OutputFormat.wide):
+        out.emit(summary, _REJECTED_VIEW)
+    _judge_replay(out, summary, allow_partial)
+
+
+def _judge_replay(out: Output, summary: dict[str, Any], allow_partial: bool) -> None:
+    """Rejected events are an error (exit 1): a replay that silently lost part of its recording leaves an index
+    unlike the engine's. The hint names the usual cause, a recording that starts mid-stream."""
+    rejected = sum(summary["rejected"].values())
+    if not rejected:
+        return
+    message = f"{summary['applied']} of {summary['sent']} events applied, {rejected} rejected"
+    if allow_partial and summary["applied"]:
+        out.warn(message)
+        return
+    partial = ["pass --allow-partial"] if summary["applied"] else []  # it cannot help when nothing applied
+    if _MID_STREAM & set(summary["rejected"]):
+        fixes = ["record from the engine's start", "replay onto a router that already holds the prefix", *partial]
+        hint = ("the recording starts mid-stream: its first events' parent blocks are not in the router's index; "
+                f"{', '.join(fixes[:-1])} or {fixes[-1]}")
+    else:
+        hint = "; ".join(["the reasons are in the output", *partial])
+    raise KvctlError(message, hint=hint)
 
 
 def _paced(timed: list[tuple[int | None, RouterEvent]], speed: float, batch: int = 1000) -> Iterator[

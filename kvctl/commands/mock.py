@@ -49,7 +49,7 @@ app = typer.Typer(name="mock", help=HELP, epilog=EXAMPLES)
 @app.callback(invoke_without_command=True)
 def mock_command(
     ctx: typer.Context,
-    engines: Annotated[int, typer.Option("--engines", "-n", help="How many engines (worker ids 1..N).")] = 4,
+    engines: Annotated[int, typer.Option("--engines", help="How many engines (worker ids 1..N).")] = 4,
     block_size: Annotated[int, typer.Option("--block-size", "-b", help="Tokens per KV block.")] = 16,
     capacity: Annotated[int, typer.Option("--capacity", help="Device KV-cache size, in blocks.")] = 2048,
     wire_format: Annotated[str, typer.Option("--format", help="Event wire format: vllm, vllm-legacy, sglang (engine "

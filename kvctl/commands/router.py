@@ -13,7 +13,7 @@ import typer
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
 from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number, worker_name
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
-from kvctl.errors import UsageError
+from kvctl.errors import UsageError, not_found
 from kvctl.output import Column, Output, OutputFormat, View
 from kvctl.output.words import age, stream_state
 
@@ -153,6 +153,12 @@ def reset_command(
     out = output_for(ctx, output, as_json)
     worker_id, dp_rank = parse_worker(worker) if worker is not None else (None, None)
     with router_client(ctx) as client:
+        if worker is not None:
+            known = [(w["worker_id"], w["dp_rank"]) for w in client.send(calls.workers())["workers"]
+                     if model in (None, w["model"])]
+            if not any(_selected(worker_name(*w), worker_id, dp_rank) for w in known):
+                raise not_found("worker", worker + (f" in model {model!r}" if model else ""), client.base_url,
+                                [worker_name(*w) for w in sorted(known)])
         if dry_run:
             result = {**_would_clear(client.send(calls.tree_stats(model)), worker_id, dp_rank), "dry_run": True}
             out.note("dry run: nothing was cleared")

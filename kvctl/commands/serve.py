@@ -226,7 +226,7 @@ def serve_command(
     = 16,
     config: Annotated[Path | None, typer.Option("--config", "-c", envvar="KVCTL_SERVE_CONFIG", show_default=False,
                                                 help="TOML file declaring models and workers.")] = None,
-    worker: Annotated[list[str] | None, typer.Option("--worker", "-w", help="An engine's KV-event endpoint "
+    worker: Annotated[list[str] | None, typer.Option("--worker", help="An engine's KV-event endpoint "
                                                      "(repeatable).")] = None,
     admin_token: Annotated[str | None, typer.Option("--admin-token", envvar="KVCTL_ADMIN_TOKEN", show_default=False,
                                                     help="Bearer token required by mutating endpoints.")] = None,

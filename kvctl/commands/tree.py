@@ -26,7 +26,7 @@ from kvctl.commands._nats import (
 )
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
-from kvctl.errors import UsageError
+from kvctl.errors import UsageError, not_found
 from kvctl.output import Column, Output, OutputFormat, View
 
 if TYPE_CHECKING:
@@ -128,12 +128,12 @@ def dump_command(
     ctx: typer.Context,
     source: SourceArg = None,
     model: ModelOpt = None,
-    worker: Annotated[str | None, typer.Option("--worker", "-w", show_default=False,
+    worker: Annotated[str | None, typer.Option("--worker", show_default=False,
                                                help="Only this worker: ID (every dp rank) or ID:DP.")] = None,
-    fmt: Annotated[DumpFormat | None, typer.Option("--format", "-f", show_default=False,
+    fmt: Annotated[DumpFormat | None, typer.Option("--format", show_default=False,
                                                    help="tree (default), events (default with -o json) or stats.")]
     = None,
-    depth: Annotated[int | None, typer.Option("--depth", "-d", min=1, show_default=False,
+    depth: Annotated[int | None, typer.Option("--depth", min=1, show_default=False,
                                               help="Draw at most N levels of the (collapsed) tree.")] = None,
     namespace: NamespaceOpt = "dynamo",
     component: ComponentOpt = "backend",
@@ -150,7 +150,13 @@ def dump_command(
         raise UsageError(f"--format tree is drawn for people, not -o {out.format}", hint="use --format events or stats")
     wanted = _worker_filter(worker)
     reader = Reader(ctx, out, model, namespace, component, nats_auth)
-    events = [e for e in reader.events(source) if wanted is None or wanted(e.worker_id, e.dp_rank)]
+    everything = reader.events(source)
+    events = [e for e in everything if wanted is None or wanted(e.worker_id, e.dp_rank)]
+    if worker is not None and not events:
+        from kvctl.core.tree_diff import worker_name
+
+        raise not_found("worker", worker, f"the index of {source or settings_for(ctx).server}",
+                        [worker_name(w) for w in sorted({(e.worker_id, e.dp_rank) for e in everything})])
     content = index_content(events)
     if fmt is DumpFormat.stats:
         _emit_sections(out, content_stats(content), _STATS_VIEWS)
@@ -253,7 +259,7 @@ def diff_command(
     a: Annotated[str, typer.Argument(help=f"Source A: {SOURCE_KINDS}.", show_default=False)],
     b: Annotated[str, typer.Argument(help="Source B, any kind.", show_default=False)],
     model: ModelOpt = None,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=0,
+    limit: Annotated[int, typer.Option("--limit", min=0,
                                        help="Differing blocks listed per side (the counts are always complete).")]
     = 20,
     exit_code: Annotated[bool, typer.Option("--exit-code", help="Exit 1 when the indexes differ.")] = False,

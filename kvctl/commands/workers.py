@@ -14,6 +14,7 @@ import typer
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, router_client
 from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, worker_name
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
+from kvctl.errors import not_found
 from kvctl.output import Column, View
 from kvctl.output.words import age
 
@@ -101,6 +102,9 @@ def workers_command(
             answer = client.send(calls.workers())
             if model is None:
                 return answer
-            return {**answer, "workers": [w for w in answer["workers"] if w["model"] == model]}
+            chosen = [w for w in answer["workers"] if w["model"] == model]
+            if not chosen and model not in (models := client.send(calls.status())["models"]):
+                raise not_found("model", repr(model), client.base_url, sorted(models))
+            return {**answer, "workers": chosen}
 
         show(out, fetch, lambda answer: out.emit(answer, _VIEW), watch=watch, interval=interval)

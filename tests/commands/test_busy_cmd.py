@@ -74,4 +74,4 @@ def test_model_is_required_for_set(router: httpx.Client) -> None:
 def test_unknown_model_is_an_error(router: httpx.Client) -> None:
     one_line_error(kvctl(router, "busy", "set", "-m", "nope", "--active-decode-blocks-threshold", "0.5", "--yes"),
                    1, "Model 'nope' not found")
-    one_line_error(kvctl(router, "busy", "get", "-m", "nope"), 1, "models: default")
+    one_line_error(kvctl(router, "busy", "get", "-m", "nope"), 1, "models there: default")

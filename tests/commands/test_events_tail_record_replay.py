@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -71,24 +72,87 @@ def test_tail_from_an_engine_shows_events_and_the_gap() -> None:
     assert "1 gaps (2 missing)" in err
 
 
-def test_record_then_replay_into_a_router(tmp_path: Path) -> None:
-    recording = tmp_path / "rec.jsonl"
+@pytest.mark.parametrize(("command", "topic"), [(["tail"], ""), (["record", "rec.jsonl"], "kv@")])
+def test_a_tap_that_receives_nothing_warns_and_exits_4(command: list[str], topic: str, tmp_path: Path) -> None:
+    """An engine that publishes nothing (or a wrong port: ZMQ connects without complaint) was exit 0, no word."""
     with engine() as (pub, endpoint):
-        proc = kvctl("events", "record", "--zmq", endpoint, "-f", str(recording), "--worker-id", "3",
-                     "--duration", "3", "-o", "json")
-        sent = send(pub, [0, 1, 2])
+        proc = subprocess.run([sys.executable, "-m", "kvctl", "events", *command, "--zmq", endpoint, "--topic", topic,
+                               "--duration", "1"], capture_output=True, text=True, timeout=30, cwd=tmp_path)
+        assert pub.poll(0), "the tap never subscribed: the test proves nothing"
+    assert proc.returncode == 4, proc.stderr
+    warning = proc.stderr.splitlines()[-1]
+    assert warning.startswith(f"warning: received nothing: nothing publishes at {endpoint} (wrong host or port?); "
+                              "or the engine publishes no KV events"), warning
+    assert ("--topic 'kv@'" in warning) is bool(topic)
+
+
+def record(path: Path, seqs: list[int]) -> int:
+    """`events record PATH` of a live engine sending captures with these seqs; returns the events recorded."""
+    with engine() as (pub, endpoint):
+        proc = kvctl("events", "record", str(path), "--zmq", endpoint, "--worker-id", "3", "--duration", "3",
+                     "-o", "json")
+        sent = send(pub, seqs)
         out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
     assert json.loads(out)["events"] == sent
+    return sent
+
+
+def test_record_then_replay_into_a_router(tmp_path: Path) -> None:
+    recording = tmp_path / "rec.jsonl"
+    sent = record(recording, [0, 1, 2])
     timed = read_timed_events(recording.read_text())
     assert len(timed) == sent and all(ts is not None for ts, _ in timed)
     with serve(tmp_path) as url:
         replay = kvctl("--server", url, "events", "replay", str(recording), "--yes", "-o", "json")
         out, err = replay.communicate(timeout=30)
         assert replay.returncode == 0, err
-        summary = json.loads(out)
-        assert summary["sent"] == sent and summary["applied"] + sum(summary["rejected"].values()) == sent
+        assert json.loads(out) == {"source": str(recording), "sent": sent, "applied": sent, "rejected": {},
+                                   "dry_run": False}
         assert httpx.get(f"{url}/v1/tree/stats").json()["models"]["default"]["workers"]["3:0"] > 0
+
+
+def replay(url: str, path: Path, *args: str) -> tuple[int, str, str]:
+    proc = kvctl("--server", url, "events", "replay", str(path), "--yes", *args)
+    out, err = proc.communicate(timeout=30)
+    return proc.returncode, out, err
+
+
+def test_a_recording_that_starts_mid_stream_exits_1_saying_why(tmp_path: Path) -> None:
+    """It was "0 applied", a Python dict of reasons in the table, and exit 0. Real events, recorded from an engine;
+    the first (the stored blocks the rest build on) cut off, as when recording starts after the engine did."""
+    recording = tmp_path / "rec.jsonl"
+    record(recording, [0, 1, 2, 3, 4, 5])  # 0: stored at the root; 1: stored under 0's blocks; ...; 3: cleared
+    lines = recording.read_text().splitlines(keepends=True)
+    nothing, some = tmp_path / "nothing.jsonl", tmp_path / "some.jsonl"
+    nothing.write_text("".join(lines[1:4]))  # capture 1's store and capture 2's removals: all need capture 0
+    some.write_text("".join(lines[1:]))
+    with serve(tmp_path) as url:
+        code, out, err = replay(url, nothing)
+        assert code == 1 and err.count("\n") == 1, err
+        assert err.startswith("error: 0 of 3 events applied, 3 rejected (the recording starts mid-stream: ")
+        assert "record from the engine's start" in err and "--allow-partial" not in err
+        assert "{" not in out
+        assert re.search(r"^parent_block_not_found +1$", out, re.M) and re.search(r"^block_not_found +2$", out, re.M)
+        assert replay(url, nothing, "--allow-partial")[0] == 1  # nothing applied: --allow-partial cannot help
+
+        code, out, err = replay(url, some, "-o", "json")
+        summary = json.loads(out)
+        assert code == 1 and 0 < summary["applied"] < summary["sent"] == len(lines) - 1, err
+        assert summary["rejected"]["parent_block_not_found"] == 1
+        assert err.endswith("or pass --allow-partial)\n") and err.count("\n") == 1, err
+
+        code, out, err = replay(url, some, "--allow-partial", "-o", "json")
+        assert code == 0 and json.loads(out)["applied"] == summary["applied"]
+        assert err == f"warning: {summary['applied']} of {summary['sent']} events applied, " \
+                      f"{summary['sent'] - summary['applied']} rejected\n"
+
+        own_parent = tmp_path / "own_parent.jsonl"  # another cause: a block that is its own parent
+        own_parent.write_text(json.dumps({"worker_id": 3, "event": {"event_id": 1, "data": {"stored": {
+            "parent_hash": 11, "blocks": [{"block_hash": 11, "tokens_hash": 22}]}}}}) + "\n")
+        code, out, err = replay(url, own_parent)
+        assert code == 1 and re.search(r"^invalid_block +1$", out, re.M), out
+        assert err == "error: 0 of 1 events applied, 1 rejected (the reasons are in the output)\n"
 
 
 def test_replay_without_a_terminal_or_yes_refuses(tmp_path: Path) -> None:
@@ -144,7 +208,7 @@ def serve(tmp_path: Path) -> Iterator[str]:
             proc.communicate(timeout=10)
 
 
-@pytest.mark.parametrize("command", [["tail"], ["record", "-f", "rec.jsonl"]])
+@pytest.mark.parametrize("command", [["tail"], ["record", "rec.jsonl"]])
 def test_an_unreachable_event_plane_is_one_line_and_exit_3(command: list[str], tmp_path: Path) -> None:
     """It used to retry for ever, ignoring --duration and signals, with a nats-py traceback every 2 s."""
     unreachable = f"nats://127.0.0.1:{free_port()}"
@@ -160,7 +224,8 @@ def test_an_unreachable_event_plane_is_one_line_and_exit_3(command: list[str], t
 def test_a_tail_ends_on_duration_or_a_signal_even_with_its_server_gone(ending: Any,
                                                                          nats_server: NatsServer) -> None:
     """The server goes away mid-tail: the tap keeps reconnecting quietly until its end, then prints its counters
-    (Ctrl-C and SIGTERM end an unbounded tail as --duration does: exit 0, as `--watch` and `kvctl mock` do)."""
+    (Ctrl-C and SIGTERM end an unbounded tail as --duration does, as `--watch` and `kvctl mock` do: exit 0, or 4
+    with a warning when nothing came, as here)."""
     tail = kvctl("events", "tail", "--nats", nats_server.url, *(["--duration", "4"] if ending == "duration" else []))
     assert tail.stderr is not None and tail.stderr.readline().startswith("listening on")
     nats_server.stop()
@@ -169,8 +234,10 @@ def test_a_tail_ends_on_duration_or_a_signal_even_with_its_server_gone(ending: A
     if ending != "duration":
         tail.send_signal(ending)
     _, err = tail.communicate(timeout=15)
-    assert tail.returncode == 0, err
-    assert err.splitlines() == ["0 messages, 0 events, 0 gaps (0 missing), decode errors none"]
+    assert tail.returncode == 4, err  # it heard nothing: said, with the likely causes
+    assert err.splitlines()[0] == "0 messages, 0 events, 0 gaps (0 missing), decode errors none"
+    assert err.splitlines()[1].startswith("warning: received nothing: no worker publishes under this --namespace")
+    assert len(err.splitlines()) == 2
     assert time.monotonic() - started < 3
 
 

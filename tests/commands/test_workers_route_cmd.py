@@ -42,10 +42,6 @@ def test_workers_lists_every_rank_with_its_blocks(router: httpx.Client) -> None:
     assert kvctl(router, "workers", "-o", "wide").exit_code == 0
 
 
-def test_workers_of_an_unknown_model_is_an_empty_list(router: httpx.Client) -> None:
-    assert json_of(kvctl(router, "workers", "--model", "nope", "-o", "json")) == {"workers": []}
-
-
 def test_workers_watch_streams_json_lines(router: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
     sleeps = iter([None, KeyboardInterrupt()])
 

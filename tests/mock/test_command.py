@@ -36,7 +36,7 @@ def test_json_rows_describe_every_engine() -> None:
         (["--restart-after", "-2"], "--restart-after must be > 0"),
         (["--drop-every", "-1"], "--drop-every must not be negative"),
         (["--base-port", "65535"], "leaves no room"),
-        (["-n", "2", "--fault-engine", "2"], "fault engine indexes must be in 0..1"),
+        (["--engines", "2", "--fault-engine", "2"], "fault engine indexes must be in 0..1"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args: list[str], needle: str) -> None:

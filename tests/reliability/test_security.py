@@ -415,7 +415,7 @@ def test_nats_commands_never_print_credentials_written_into_the_url(tmp_path: Pa
         }
     finally:
         nats.stop()
-    assert results["tail"].exit_code == 0 and f"alice:***@{host}" in results["tail"].stderr, results["tail"].output
+    assert results["tail"].exit_code == 4 and f"alice:***@{host}" in results["tail"].stderr, results["tail"].output
     assert json.loads(results["publish"].stdout)["published"] == 1
     assert results["unconfirmed"].exit_code != 0 and "***@" in results["unconfirmed"].output
     assert results["dump"].exit_code == 1 and "no snapshot" in results["dump"].stderr, results["dump"].output
