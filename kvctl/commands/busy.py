@@ -12,12 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
-<<<<<<< HEAD
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
-from kvctl.errors import ApiError, KvctlError, UsageError
-=======
 from kvctl.errors import ApiError, KvctlError, UsageError, there
->>>>>>> h23-5
 from kvctl.output import Column, View
 
 if TYPE_CHECKING:
