@@ -1,8 +1,10 @@
 """Where `kvctl tiers` gets its samples: a Prometheus server, or engines' `/metrics` scraped twice.
 
 Both end as `core.tiers.Window`s (counters as increases over the window, gauges as last values), so
-the math is the same whichever source was used. Transport failures become kvctl errors naming the URL
-(unreachable: exit 3, what a monitoring system reads as UNKNOWN).
+the math is the same whichever source was used. A Prometheus has every window at once; an engine's
+first scrape gives its counters since it started at once, and the window only once it has passed.
+Transport failures become kvctl errors naming the URL (unreachable: exit 3, what a monitoring system reads
+as UNKNOWN).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
@@ -102,9 +104,32 @@ def parse_metrics(text: str) -> list[Sample]:
         raise KvctlError(f"not a Prometheus exposition: {exc}") from None
 
 
+@dataclass(frozen=True, slots=True)
+class Scrape:
+    """Every endpoint's samples, each with the moment it was read."""
+
+    taken: Mapping[str, tuple[float, list[Sample]]]  # url -> (moment, samples)
+
+    @property
+    def started(self) -> float:
+        return min(at for at, _ in self.taken.values())
+
+    def since_start(self) -> list[Window]:
+        """Each endpoint's counters as they stand: increases since it (re)started, at once. How long ago that
+        was is unknown, so the window is infinite and `core.tiers` shows no rates for it."""
+        return [Window(urlsplit(url).netloc, math.inf, increases((), samples))
+                for url, (_, samples) in self.taken.items()]
+
+    def until(self, later: Scrape) -> list[Window]:
+        """The windows from this scrape to `later`: each endpoint's between its own two scrapes, so a slow
+        endpoint skews nothing."""
+        return [Window(urlsplit(url).netloc, later.taken[url][0] - at, increases(before, later.taken[url][1]))
+                for url, (at, before) in self.taken.items()]
+
+
 class Scraper:
-    """Blocking GETs of engines' `/metrics`; `windows` scrapes each twice, `window_s` apart. `timeout` bounds
-    each whole scrape (a deadline, however slowly an endpoint answers)."""
+    """Blocking GETs of engines' `/metrics`. `timeout` bounds each whole scrape (a deadline, however slowly an
+    endpoint answers)."""
 
     def __init__(self, urls: list[str], *, auth: Auth, timeout: float) -> None:
         self.urls = [metrics_url(u) for u in urls]
@@ -120,22 +145,27 @@ class Scraper:
             raise _status_error("the metrics endpoint", url, response.status_code, response.reason_phrase)
         return parse_metrics(response.text)
 
-    def windows(self, window_s: float, *, clock: Callable[[], float] = time.monotonic,
-                sleep: Callable[[float], None] = time.sleep) -> list[Window]:
-        """Each endpoint's window is measured between its own two scrapes, so a slow endpoint skews nothing."""
-        first = [self._timed(url, clock) for url in self.urls]
-        sleep(max(0.0, first[0][0] + window_s - clock()))
-        windows = []
-        for url, (started, before) in zip(self.urls, first, strict=True):
-            now, after = self._timed(url, clock)
-            windows.append(Window(urlsplit(url).netloc, now - started, increases(before, after)))
-        return windows
+    def scrape_all(self, clock: Callable[[], float] = time.monotonic) -> Scrape:
+        return Scrape({url: self._timed(url, clock) for url in self.urls})
 
     def since_start(self) -> list[Window]:
         """Each endpoint's counters since it started, from one scrape: ratios of counters over the whole
-        life of an engine ("has the router ever predicted a hit?"). The window's length is unknown, so it
-        is infinite: rates read 0 and must not be shown."""
-        return [Window(urlsplit(url).netloc, math.inf, increases((), self.scrape(url))) for url in self.urls]
+        life of an engine ("has the router ever predicted a hit?")."""
+        return self.scrape_all().since_start()
+
+    def answers(self, window_s: float, *, since_start: bool,
+                wait_until: Callable[[float], None]) -> Iterator[list[Window]]:
+        """Windows as they become known: the counters since each engine started at once (when `since_start`),
+        then a window of `window_s` once it has passed (`wait_until` a `time.monotonic` moment), and the next
+        ones, each from the end of the last."""
+        before = self.scrape_all()
+        if since_start:
+            yield before.since_start()
+        while True:
+            wait_until(before.started + window_s)
+            after = self.scrape_all()
+            yield before.until(after)
+            before = after
 
     def _timed(self, url: str, clock: Callable[[], float]) -> tuple[float, list[Sample]]:
         """A scrape and its moment: the middle of the request, as a new connection's setup would skew its start."""

@@ -1,8 +1,14 @@
 """`kvctl tiers`: is each KV tier earning its keep? Hit rates per instance and tier over a window.
 
 The numbers come from Prometheus (`increase()` over --window) or from engines' `/metrics` scraped twice
---window apart; each says which metric family it came from, and families nobody exposes are listed,
-never guessed; instances that export no counter of a tier below the device (a Dynamo frontend, the mocker)
+--window apart. An engine's first scrape already holds its counters since it started, so with --metrics
+those figures come at once (`"basis": "since_start"` in -o json: ratios, no rates), and the table follows
+with the window's once it has passed, counting down on a terminal. Scripts get one answer: -o json/yaml/name
+print the since-start figures and stop, unless --wait asks for the window's; --warn/--crit always judge the
+window's, as an alert is about now. Prometheus has the window's at once (`"basis": "window"`).
+
+Each number says which metric family it came from, and families nobody exposes are listed, never guessed;
+instances that export no counter of a tier below the device (a Dynamo frontend, the mocker)
 are named once, in a note (`no_tier_counters` in -o json), not shown as 0.0 % per tier. With --warn/--crit
 it is a Nagios check of one tier's hit rate: one status line, and exit 0 OK / 1 WARNING / 2 CRITICAL /
 3 UNKNOWN (no data, or the source cannot be reached).
@@ -10,7 +16,11 @@ it is a Nagios check of one tier's hit rate: one status line, and exit 0 OK / 1 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
+import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -38,6 +48,8 @@ EXAMPLES = (
     "Examples:\n\n"
     "  kvctl tiers --prometheus http://prometheus:9090 --window 15m\n\n"
     "  kvctl tiers --metrics http://engine-0:8000 --metrics http://engine-1:8000 --window 30s\n\n"
+    "  kvctl tiers --metrics http://engine-0:8000 --window 1m --wait -o json   # the window's rates, not "
+    "since start\n\n"
     "  kvctl tiers --tier host --warn 0.2 --crit 0.05   # Nagios: exit 0/1/2/3\n\n"
     "  kvctl tiers -o json | jq '.totals[] | select(.metric == \"hit_rate\")'"
 )
@@ -92,15 +104,21 @@ def tiers_command(
     prometheus: Annotated[str | None, typer.Option("--prometheus", show_default=False, help=(
         "Prometheus URL (KVCTL_PROMETHEUS, or the context's `prometheus`).")), ] = None,
     metrics: Annotated[list[str] | None, typer.Option("--metrics", show_default=False, help=(
-        "An engine's /metrics URL instead (repeatable): scraped twice, --window apart.")), ] = None,
+        "An engine's /metrics URL instead (repeatable): scraped twice, --window apart; the figures since it "
+        "started come at once.")), ] = None,
     window: Annotated[str, typer.Option("--window", help="Over how long: 30s, 5m, 1h.")] = "5m",
     instance: Annotated[str | None, typer.Option("--instance", show_default=False,
                                                  help="Only instances this regex finds.")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help=(
+        "With --metrics: print only the window's figures, after --window. Without it -o json/yaml/name print "
+        "the figures since each engine started, at once, and tables show those first, then the window's. "
+        "Prometheus has the window's at once.")), ] = False,
     auth_user: MetricsUserOpt = None,
     auth_password: MetricsPasswordOpt = None,
     bearer_token: MetricsTokenOpt = None,
     warn: Annotated[float | None, typer.Option("--warn", show_default=False, min=0.0, max=1.0,
-                                               help="WARNING (exit 1) when the tier's hit rate is below this.")] = None,
+                                               help="WARNING (exit 1) when the tier's hit rate over --window "
+                                                    "is below this (with --metrics: after --window).")] = None,
     crit: Annotated[float | None, typer.Option("--crit", show_default=False, min=0.0, max=1.0,
                                                help="CRITICAL (exit 2) when below this.")] = None,
     tier: TierOpt = "host",
@@ -110,7 +128,7 @@ def tiers_command(
     as_json: JsonOpt = False,
 ) -> None:
     from kvctl.client.tier_sources import Auth
-    from kvctl.core.tiers import CHECK_TIERS, report
+    from kvctl.core.tiers import CHECK_TIERS, Basis, report
 
     out = output_for(ctx, output, as_json)
     checking = warn is not None or crit is not None
@@ -121,28 +139,90 @@ def tiers_command(
     except re.error as exc:
         raise UsageError(f"--instance: {exc}") from None
     auth = Auth(auth_user, auth_password, bearer_token)
-    fetch_windows = _source(ctx, prometheus, metrics or [], window_s, auth)
+    tables = out.format in (OutputFormat.table, OutputFormat.wide)
+    answers = _answers(ctx, prometheus, metrics or [], window_s, auth, since_start=not (wait or checking),
+                       wait_until=_waiter(out, window))
+    note, warning = _once(out.note), _once(out.warn)
 
     def fetch() -> TierReport:
-        tier_report = report(fetch_windows(), instance=pattern)
+        tier_report = report(next(answers), instance=pattern)
         if not tier_report.instances:
-            out.warn("no instance exposes any of the metric families kvctl reads" if pattern is None
-                     else f"no instance matches --instance {instance!r}")
-        elif out.format in (OutputFormat.table, OutputFormat.wide):
+            warning("no instance exposes any of the metric families kvctl reads" if pattern is None
+                    else f"no instance matches --instance {instance!r}")
+        elif tables:
             if tier_report.untiered_note is not None:  # once, instead of a 0.0 % row per tier
-                out.note(tier_report.untiered_note)
+                note(tier_report.untiered_note)
             if tier_report.missing:
-                out.note(f"not found: {', '.join(tier_report.missing)}")
+                note(f"not found: {', '.join(tier_report.missing)}")
         return tier_report
 
-    if checking:
-        _run_check(out, fetch(), tier, warn, crit)  # exits with the check's status
-    show(out, fetch, lambda data: out.emit(data.to_dict() if _structured(out) else data, _VIEW),
-         watch=watch, interval=interval)
+    def render(data: TierReport) -> None:
+        out.emit(data.to_dict() if _structured(out) else data, dataclasses.replace(_VIEW, title=_title(data, window)))
+
+    with contextlib.closing(answers):
+        if checking:
+            _run_check(out, fetch(), tier, warn, crit)  # exits with the check's status
+        if watch:
+            show(out, fetch, render, watch=True, interval=interval)
+            return
+        first = fetch()
+        render(first)
+        if tables and first.basis is Basis.since_start:  # then the window's, once it has passed
+            try:
+                render(fetch())
+            except KeyboardInterrupt:
+                out.note("stopped before the window passed: the figures above count since each engine started")
+                raise typer.Exit(130) from None
 
 
 def _structured(out: Output) -> bool:
     return out.format in (OutputFormat.json, OutputFormat.yaml)
+
+
+def _title(tier_report: TierReport, window: str) -> str:
+    from kvctl.core.tiers import Basis
+
+    if tier_report.basis is Basis.since_start:
+        return f"since each engine started (ratios; the rates need --window {window})"
+    return f"over the last {window}"
+
+
+def _once(say: Callable[[str], None]) -> Callable[[str], None]:
+    """`say`, but each message only the first time: a table shown twice, or watched, repeats no note."""
+    said: set[str] = set()
+
+    def once(message: str) -> None:
+        if message not in said:
+            said.add(message)
+            say(message)
+    return once
+
+
+def _waiter(out: Output, window: str) -> Callable[[float], None]:
+    """How the command waits for a window to pass (until a `time.monotonic` moment): a countdown on a terminal's
+    stderr under a table, silence everywhere else (-o json above all)."""
+    if out.format in (OutputFormat.table, OutputFormat.wide) and out.stderr.isatty():
+        return lambda until: _countdown(out, until, window)
+    return lambda until: time.sleep(max(0.0, until - time.monotonic()))
+
+
+def _countdown(out: Output, until: float, window: str) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    total = max(until - time.monotonic(), 1e-3)
+    columns = (TextColumn(f"measuring the rates over {window}"), BarColumn(),
+               TextColumn("{task.fields[left]} left (Ctrl-C stops)"))
+    with Progress(*columns, console=Console(file=out.stderr, no_color=not out.color), transient=True) as progress:
+        task = progress.add_task("", total=total, left=_duration(total))
+        while (left := until - time.monotonic()) > 0:
+            progress.update(task, completed=total - left, left=_duration(left))
+            time.sleep(min(0.25, left))
+
+
+def _duration(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes}m{rest:02d}s" if minutes else f"{rest}s"
 
 
 def _check_options(tier: str, warn: float | None, crit: float | None, watching: bool, tiers: tuple[str, ...]) -> None:
@@ -155,26 +235,24 @@ def _check_options(tier: str, warn: float | None, crit: float | None, watching: 
         raise UsageError("--warn/--crit check once; they do not go with --watch")
 
 
-def _source(ctx: typer.Context, prometheus: str | None, metrics: list[str], window_s: float,
-            auth: Auth) -> Any:
-    """A function returning fresh windows from the chosen source (a flag, else the configured Prometheus)."""
+def _answers(ctx: typer.Context, prometheus: str | None, metrics: list[str], window_s: float, auth: Auth, *,
+             since_start: bool, wait_until: Callable[[float], None]) -> Iterator[list[Window]]:
+    """The chosen source's windows (a flag, else the configured Prometheus), each as soon as it is known."""
     settings = settings_for(ctx, prometheus=prometheus)
     if metrics:
-        return lambda: _scrape(metrics, window_s, auth, settings.timeout)
+        from kvctl.client.tier_sources import Scraper
+
+        with Scraper(metrics, auth=auth, timeout=settings.timeout) as scraper:
+            yield from scraper.answers(window_s, since_start=since_start, wait_until=wait_until)
+        return
     if settings.prometheus is None:
         raise UsageError("no source to read", hint="give --prometheus URL or --metrics URL (or set KVCTL_PROMETHEUS,"
                          " or `prometheus` in the config context)")
     from kvctl.client.tier_sources import prometheus_windows
 
     url = settings.prometheus.rstrip("/")
-    return lambda: prometheus_windows(url, window_s=window_s, auth=auth, timeout=settings.timeout)
-
-
-def _scrape(urls: list[str], window_s: float, auth: Auth, timeout: float) -> list[Window]:
-    from kvctl.client.tier_sources import Scraper
-
-    with Scraper(urls, auth=auth, timeout=timeout) as scraper:
-        return scraper.windows(window_s)
+    while True:
+        yield prometheus_windows(url, window_s=window_s, auth=auth, timeout=settings.timeout)
 
 
 def _run_check(out: Output, tier_report: TierReport, tier: str, warn: float | None, crit: float | None) -> None:

@@ -3,7 +3,9 @@
 Both sources arrive here as the same input, one `Window` per instance: a counter as its increase over
 the window, a gauge as its last value. Prometheus computes the increase itself (`increase(m[w])`);
 two scrapes of a `/metrics` endpoint go through `increases`, where a counter that went down was reset
-(the engine restarted) and its increase is its new value, as Prometheus counts it.
+(the engine restarted) and its increase is its new value, as Prometheus counts it. One scrape alone is a
+window of unknown (infinite) length: counters since each engine started, whose ratios hold but whose
+rates cannot be had, so a report of such windows (`Basis.since_start`) has none.
 
 Names are matched by pattern, not looked up: counters come with or without `_total` (KVBM writes
 none, prometheus_client's parser adds one), and some KVBM versions say `remote` where others say
@@ -15,6 +17,7 @@ Pure: no I/O, no clock; the caller measures the window.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
@@ -153,6 +156,13 @@ def increases(before: Iterable[Sample], after: Iterable[Sample]) -> tuple[Sample
     return tuple(out)
 
 
+class Basis(StrEnum):
+    """What a report's counters were counted over."""
+
+    window = "window"  # their increase over a measured window
+    since_start = "since_start"  # their values: since each engine (re)started, a window of unknown length
+
+
 class Kind(StrEnum):
     ratio = "ratio"  # in [0, 1]
     rate = "rate"  # per second
@@ -225,13 +235,18 @@ class _Instance:
             name = _name(family.doc, variant)
             yield self.reading(tier or variant, metric.format(variant), value, name, Kind.ratio)
 
+    def rate(self, tier: str | None, metric: str, increase: float, family: str) -> Iterator[Reading]:
+        """`increase` per second of the window; nothing when the window's length is unknown."""
+        if math.isfinite(self.seconds):
+            yield self.reading(tier, metric, increase / self.seconds, family, Kind.rate)
+
     def shares(self, family: Family) -> Iterator[Reading]:
         """Cached tokens per source as shares of all cached tokens (summing to 1) and as tokens per second."""
         by_tier = self.variants(family)
         whole = sum(by_tier.values())
         for tier, tokens in sorted(by_tier.items()):
             yield self.ratio(tier, "share", tokens, whole, family.doc)
-            yield self.reading(tier, "cached_tokens_per_s", tokens / self.seconds, family.doc, Kind.rate)
+            yield from self.rate(tier, "cached_tokens_per_s", tokens, family.doc)
 
 
 def _name(doc: str, variant: str) -> str:
@@ -248,10 +263,10 @@ def _kvbm(inst: _Instance) -> Iterator[Reading]:
             by_tier[tiers[direction]][direction] = blocks
         for tier, directions in sorted(by_tier.items()):
             names = "+".join(_name(family.doc, d) for d in sorted(directions))
-            yield inst.reading(tier, metric, sum(directions.values()) / inst.seconds, names, Kind.rate)
+            yield from inst.rate(tier, metric, sum(directions.values()), names)
     matched = inst.get(KVBM_MATCHED)
     if matched is not None:
-        yield inst.reading(None, "matched_tokens_per_s", matched / inst.seconds, KVBM_MATCHED.doc, Kind.rate)
+        yield from inst.rate(None, "matched_tokens_per_s", matched, KVBM_MATCHED.doc)
     for op, failures in sorted(inst.variants(KVBM_FAILURES).items()):
         yield inst.reading("object", f"{op}_failures", failures, _name(KVBM_FAILURES.doc, op), Kind.count)
 
@@ -312,6 +327,7 @@ class TierReport:
     found: tuple[str, ...]
     missing: tuple[str, ...]
     untiered: tuple[str, ...] = ()  # instances that export no counter or gauge of a tier below the device
+    basis: Basis = Basis.window
 
     @property
     def untiered_note(self) -> str | None:
@@ -325,7 +341,9 @@ class TierReport:
         return f"no tier counters exported by {who}: no host/disk/object tier hits from {_them(self.untiered)}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"instances": [{"instance": name, "window_s": seconds} for name, seconds in self.instances],
+        return {"basis": self.basis.value,
+                "instances": [{"instance": name, "window_s": seconds if math.isfinite(seconds) else None}
+                              for name, seconds in self.instances],
                 "readings": [r.to_dict() for r in self.readings], "totals": [r.to_dict() for r in self.totals],
                 "families": {"found": list(self.found), "missing": list(self.missing)},
                 "no_tier_counters": {"instances": list(self.untiered), "note": self.untiered_note}}
@@ -337,6 +355,7 @@ def _them(instances: tuple[str, ...]) -> str:
 
 def report(windows: Iterable[Window], *, instance: re.Pattern[str] | None = None) -> TierReport:
     """Every reading of every instance (those `instance` searches, when given), totals, and the families seen."""
+    windows = list(windows)
     chosen = sorted((w for w in windows if instance is None or instance.search(w.instance)), key=lambda w: w.instance)
     instances = [_Instance.of(w) for w in chosen]
     readings = tuple(r for inst in instances for derive in _DERIVATIONS for r in derive(inst))
@@ -349,6 +368,7 @@ def report(windows: Iterable[Window], *, instance: re.Pattern[str] | None = None
         found=tuple(f.doc for f in FAMILIES if f.doc in found),
         missing=tuple(f.doc for f in FAMILIES if f.doc not in found),
         untiered=tuple(w.instance for w in chosen if w.instance not in tiered),
+        basis=Basis.since_start if windows and all(math.isinf(w.seconds) for w in windows) else Basis.window,
     )
 
 

@@ -3,7 +3,8 @@
 The first SIGINT/SIGTERM drains and stops: connections in flight get `--shutdown-timeout` seconds to
 finish, then are dropped. A second one forces the exit at once. Either way the final snapshot is written
 (a third signal ends the process even then), and a forced exit is an error (exit 1), since it dropped
-whatever was in flight.
+whatever was in flight. Under systemd (`Type=notify`) the router says READY=1 once uvicorn accepts
+connections, the snapshot restored before, and STOPPING=1 as the drain begins (see `sd_notify`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvctl.server.fd_limits import default_max_engines, raise_file_limit, sized
 from kvctl.server.memory import trim_heap
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Connections
+from kvctl.server.sd_notify import Notifier
 from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
 from kvctl.server.streams import QUEUE_BATCHES, Streams
 from kvctl.server.zmq_plane import ZmqOptions, ZmqPlane
@@ -55,9 +57,25 @@ LOOP_PROBE_S = 0.01
 class _Server(uvicorn.Server):
     """uvicorn re-raises the stopping signal once drained (the process then dies of SIGTERM); a router
     that drained and stopped cleanly exits 0. A second signal, SIGTERM as well as SIGINT (uvicorn's
-    own only takes SIGINT), forces the exit: connections are dropped without waiting."""
+    own only takes SIGINT), forces the exit: connections are dropped without waiting. systemd hears of
+    both moments that matter to it: accepting connections (READY=1) and the drain beginning (STOPPING=1)."""
 
     forced_by: str | None = None  # the signal that forced the exit
+
+    def __init__(self, config: uvicorn.Config, notifier: Notifier, ready_status: str, stopping_status: str) -> None:
+        super().__init__(config)
+        self.notifier = notifier
+        self.ready_status = ready_status
+        self.stopping_status = stopping_status
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self.notifier.ready(self.ready_status)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.notifier.stopping(self.stopping_status)
+        await super().shutdown(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.should_exit and self.forced_by is None:
@@ -150,6 +168,7 @@ def base_url(sock: socket.socket) -> str:
 
 
 async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
+    notifier = Notifier.from_environment()  # first: no child process may inherit NOTIFY_SOCKET
     fleet = Fleet(block_size=options.block_size, config=options.router, thresholds=options.thresholds,
                   approx=options.approx, request_expiry_s=options.request_expiry_s, limits=options.limits)
     for spec in options.models:
@@ -158,11 +177,11 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
             fleet.thresholds.set(spec.name, **spec.thresholds)
     restored = _load_state(fleet, options)
     with survivors_frozen():
-        await _serve(fleet, options, announce, restored)
+        await _serve(fleet, options, announce, restored, notifier)
 
 
 async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], None],
-                 restored: dict[str, Any] | None) -> None:
+                 restored: dict[str, Any] | None, notifier: Notifier) -> None:
     files = raise_file_limit()  # before the decode process starts: it inherits the limit
     context = sized(zmq.asyncio.Context())
     max_engines = options.max_engines or default_max_engines(files, context.get(zmq.MAX_SOCKETS))
@@ -183,9 +202,12 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
                     "the index, workers and thresholds", options.host)
     # log_config=None: uvicorn's own lines go through the handler `--log-format` chose (JSON stays JSON).
     # The idle timeout is the protocol's own (route_protocol.Connections), not uvicorn's keep-alive one.
+    url = base_url(sock)
     server = _Server(uvicorn.Config(app, http=http_protocol(app), log_config=None, log_level=options.log_level,
                                     access_log=False, lifespan="off", proxy_headers=False, server_header=False,
-                                    timeout_graceful_shutdown=options.shutdown_timeout_s))
+                                    timeout_graceful_shutdown=options.shutdown_timeout_s),
+                     notifier, _ready_status(url, restored),
+                     f"draining connections (up to {options.shutdown_timeout_s:g} s), then the final snapshot")
     for info in options.engines:
         fleet.register(info)
     for info in list(fleet.workers.values()):  # restored from the snapshot
@@ -194,11 +216,12 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
         plane.start()
     background = [asyncio.create_task(watch_loop(loop_lag_observer(app), LOOP_PROBE_S)),
                   asyncio.create_task(_tick_every(fleet, streams, TICK_S)),
-                  asyncio.create_task(_reclaim_every(fleet, streams, ROUTE_QUIET_S))]
+                  asyncio.create_task(_reclaim_every(fleet, streams, ROUTE_QUIET_S)),
+                  asyncio.create_task(notifier.keep_alive())]
     snapshots = snapshot.Writer(options.state_dir) if options.state_dir is not None else None
     if snapshots is not None:
         background.append(asyncio.create_task(_snapshot_every(fleet, snapshots, options.snapshot_interval_s)))
-    announce(base_url(sock))
+    announce(url)
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -219,6 +242,13 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
                 log.error("final snapshot to %s failed: %s", options.state_dir, exc)
     if server.forced_by is not None:  # stopped, but not cleanly: exit 1
         raise KvctlError(f"a second {server.forced_by} forced the exit: connections in flight were dropped")
+
+
+def _ready_status(url: str, restored: dict[str, Any] | None) -> str:
+    """What `systemctl status` shows beside the unit once the router answers."""
+    if restored is not None and restored["file"] is not None:
+        return f"serving {url}, {restored['events']} events restored from {restored['file']}"
+    return f"serving {url}"
 
 
 def _load_state(fleet: Fleet, options: ServeOptions) -> dict[str, Any] | None:

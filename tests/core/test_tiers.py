@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 
 import pytest
@@ -12,6 +14,7 @@ from kvctl.client.tier_sources import parse_metrics
 from kvctl.core.events.types import Tier
 from kvctl.core.tiers import (
     FAMILIES,
+    Basis,
     Sample,
     Status,
     Window,
@@ -100,6 +103,25 @@ def test_worst_instance_decides_and_totals_are_sums_of_parts() -> None:
     result = check(got, "device", warn=0.5, crit=0.05)
     assert (result.status, result.worst and result.worst.instance) == (Status.CRITICAL, "b")
     assert report([window("a", 1, 1), window("b", 1, 1)], instance=re.compile("^b")).instances == (("b", 10.0),)
+
+
+def test_counters_since_start_give_ratios_and_counts_but_no_rates() -> None:
+    """One scrape: a window of unknown length. Its ratios hold; a rate over it would be a made-up number."""
+    samples = (Sample("vllm:prefix_cache_queries_total", {}, 400.0), Sample("vllm:prefix_cache_hits_total", {}, 100.0),
+               Sample("vllm:prompt_tokens_cached_by_source_total", {"source": "host"}, 60.0),
+               Sample("kvbm_matched_tokens", {}, 70.0), Sample("kvbm_offload_blocks_d2h", {}, 9.0),
+               Sample("kvbm_object_read_failures", {}, 3.0))
+    since_start = report([Window("a", math.inf, samples)])
+    assert since_start.basis is Basis.since_start
+    got = {(r.tier, r.metric): r.value for r in since_start.readings}
+    assert got == {("device", "hit_rate"): 0.25, ("host", "hit_rate"): 0.15, ("host", "share"): 1.0,
+                   ("object", "read_failures"): 3.0}
+    doc = json.loads(json.dumps(since_start.to_dict(), allow_nan=False))  # strict JSON: no Infinity
+    assert doc["basis"] == "since_start" and doc["instances"] == [{"instance": "a", "window_s": None}]
+    windowed = report([Window("a", 10.0, samples)])
+    assert windowed.basis is Basis.window and windowed.to_dict()["instances"][0]["window_s"] == 10.0
+    assert {r.metric for r in windowed.readings if r.kind == "rate"} == {
+        "cached_tokens_per_s", "matched_tokens_per_s", "offload_blocks_per_s"}
 
 
 def test_the_mock_engines_kvbm_hit_rates() -> None:

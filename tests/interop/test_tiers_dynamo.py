@@ -74,7 +74,7 @@ def test_tiers_over_a_window_from_the_live_frontend_and_mocker(status_fleet: Sta
 
     loader = threading.Thread(target=load_after_the_first_scrape)
     loader.start()
-    doc = tiers_json("--window", "12s", "--metrics", frontend, "--metrics", mocker)
+    doc = tiers_json("--window", "12s", "--wait", "--metrics", frontend, "--metrics", mocker)
     returned = time.monotonic()
     loader.join()
     (load, loaded), = loads

@@ -31,6 +31,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, lis
 def test_every_family_within_two_percent(scraped: tuple[str, list[TierExporter]]) -> None:
     url, exporters = scraped
     doc = tiers_json("--prometheus", url, "--window", WINDOW)
+    assert doc["basis"] == "window"  # Prometheus has the window at once: no since-start figures first
     assert [i["instance"] for i in doc["instances"]] == sorted(x.instance for x in exporters)
     for exporter in exporters:
         assert_truth(doc, exporter.instance, 5.0)
@@ -44,6 +45,14 @@ def test_url_from_the_environment_and_instance_filter(scraped: tuple[str, list[T
     doc = json.loads(result.stdout)
     assert [i["instance"] for i in doc["instances"]] == [exporters[1].instance]
     assert_truth(doc, exporters[1].instance, 5.0)
+
+
+def test_table_is_the_window_at_once(scraped: tuple[str, list[TierExporter]]) -> None:
+    url, _ = scraped
+    result = tiers("--prometheus", url, "--window", WINDOW)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"over the last {WINDOW}\n")
+    assert "since each engine started" not in result.stdout and "cached_tokens_per_s" in result.stdout
 
 
 def test_check_on_the_disk_tier(scraped: tuple[str, list[TierExporter]]) -> None:
