@@ -1,0 +1,48 @@
+"""The repository stands alone: a fresh clone with nothing beside it builds, tests and documents itself. So no
+tracked file may name a path outside it (the shared folder the fixtures and design notes once came from, an
+absolute path of one machine), and every relative link of its Markdown must land on a file inside it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTSIDE = re.compile(rb"\.\./shared\b|/work/|/home/[a-z]|/Users/[A-Za-z]|DESIGN\.md")
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+
+
+def _tracked() -> list[Path]:
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    return [ROOT / name for name in listed.decode().split("\0") if name]
+
+
+TRACKED = _tracked()
+THIS = Path(__file__).resolve()
+
+
+def test_no_tracked_file_names_a_path_outside_the_repository() -> None:
+    assert len(TRACKED) > 100, "git ls-files listed too little: not a checkout?"
+    offenders = []
+    for path in TRACKED:
+        if path == THIS or not path.is_file():
+            continue
+        for number, line in enumerate(path.read_bytes().splitlines(), 1):
+            if OUTSIDE.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.decode(errors='replace')[:120]}")
+    assert not offenders, "paths outside the repository:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("doc", [p for p in TRACKED if p.suffix == ".md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_markdown_link_lands_inside_the_repository(doc: Path) -> None:
+    dead = []
+    for target in LINK.findall(doc.read_text()):
+        if re.match(r"[a-z][a-z+]*:", target):  # http:, https:, mailto: ... : not a path
+            continue
+        resolved = (doc.parent / target).resolve()
+        if not resolved.is_relative_to(ROOT) or not resolved.exists():
+            dead.append(target)
+    assert not dead, f"{doc.relative_to(ROOT)}: links outside the repository or to nothing: {dead}"
