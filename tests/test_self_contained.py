@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OUTSIDE = re.compile(rb"\.\./shared\b|/work/|/home/[a-z]|/Users/[A-Za-z]|DESIGN\.md")
+OUTSIDE = re.compile(r"\.\./shared\b|/work/|/home/[a-z]|/Users/[A-Za-z]|DESIGN(\.md| §)".encode())
+"""Paths of one machine, and the design notes outside the repository (now docs/), by name or by section."""
 LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 
 
