@@ -47,3 +47,13 @@ def test_every_relative_markdown_link_lands_inside_the_repository(doc: Path) -> 
         if not resolved.is_relative_to(ROOT) or not resolved.exists():
             dead.append(target)
     assert not dead, f"{doc.relative_to(ROOT)}: links outside the repository or to nothing: {dead}"
+
+
+def test_every_fixture_folder_says_where_it_came_from() -> None:
+    """A capture copied in without its provenance (which engine and version, how captured) cannot be judged when
+    it and the code disagree: each folder has a README.md of its own or a `## folder` section in the top one."""
+    fixtures = ROOT / "tests" / "fixtures"
+    sections = set(re.findall(r"^## ([\w.-]+)/", (fixtures / "README.md").read_text(), re.M))
+    folders = [p for p in fixtures.iterdir() if p.is_dir()]
+    undocumented = [p.name for p in folders if not (p / "README.md").exists() and p.name not in sections]
+    assert folders and not undocumented, f"fixture folders with no provenance note: {undocumented}"
