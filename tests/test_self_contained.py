@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 OUTSIDE = re.compile(r"\.\./shared\b|/work/|/home/[a-z]|/Users/[A-Za-z]|DESIGN(\.md| §)".encode())
 """Paths of one machine, and the design notes outside the repository (now docs/), by name or by section."""
-LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+LINK = re.compile(r"\]\(([^)\s#]*)(?:#([^)\s]*))?\)")
 
 
 def _tracked() -> list[Path]:
@@ -37,15 +37,25 @@ def test_no_tracked_file_names_a_path_outside_the_repository() -> None:
     assert not offenders, "paths outside the repository:\n" + "\n".join(offenders)
 
 
+def anchors(doc: Path) -> set[str]:
+    """What `doc.md#fragment` can name: explicit `<a id>`s and the ids GitHub gives headings."""
+    text = doc.read_text()
+    headings = re.findall(r"^#+ (.+)$", text, re.M)
+    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+    return slugs | set(re.findall(r'<a id="([^"]+)"', text))
+
+
 @pytest.mark.parametrize("doc", [p for p in TRACKED if p.suffix == ".md"], ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_markdown_link_lands_inside_the_repository(doc: Path) -> None:
     dead = []
-    for target in LINK.findall(doc.read_text()):
+    for target, fragment in LINK.findall(doc.read_text()):
         if re.match(r"[a-z][a-z+]*:", target):  # http:, https:, mailto: ... : not a path
             continue
-        resolved = (doc.parent / target).resolve()
+        resolved = (doc.parent / target).resolve() if target else doc  # `(#fragment)`: this document
         if not resolved.is_relative_to(ROOT) or not resolved.exists():
             dead.append(target)
+        elif fragment and resolved.suffix == ".md" and fragment not in anchors(resolved):
+            dead.append(f"{target}#{fragment}")
     assert not dead, f"{doc.relative_to(ROOT)}: links outside the repository or to nothing: {dead}"
 
 
