@@ -67,3 +67,11 @@ def test_every_fixture_folder_says_where_it_came_from() -> None:
     folders = [p for p in fixtures.iterdir() if p.is_dir()]
     undocumented = [p.name for p in folders if not (p / "README.md").exists() and p.name not in sections]
     assert folders and not undocumented, f"fixture folders with no provenance note: {undocumented}"
+
+
+@pytest.mark.parametrize("doc", [p for p in TRACKED if p.suffix == ".md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_repository_path_a_document_cites_exists(doc: Path) -> None:
+    """docs/ cite the module behind each statement: a module renamed or removed must take its citations along."""
+    cited = re.findall(r"`((?:kvctl|tests|benchmarks|docs)/[^`\s{}*<]*)`", doc.read_text())
+    missing = sorted({path for path in cited if not (ROOT / path).exists()})
+    assert not missing, f"{doc.relative_to(ROOT)} cites paths that do not exist: {missing}"
