@@ -57,7 +57,7 @@ from _procs import Proc, cpu_seconds, rss_bytes  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("KVCTL_FIXTURES", "/work/shared/fixtures")) / "vllm-0.33"
+FIXTURES = Path(os.environ.get("KVCTL_FIXTURES", ROOT / "tests" / "fixtures")) / "vllm-0.33"
 BLOCK = 16
 PROMPTS, PROMPT_BLOCKS, SUFFIX_BLOCKS = 8, 64, 64
 POLL_S = 0.02

@@ -1,4 +1,5 @@
-"""The only code that speaks HTTP to a router (DESIGN §2): calls are built in `_base`, sent by either client."""
+"""The only code that speaks HTTP to a router (docs/architecture.md): calls are built in `_base`, sent by either
+client."""
 
 import sys
 

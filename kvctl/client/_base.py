@@ -83,7 +83,7 @@ def verify_tls(base_url: str) -> bool:
     return base_url.startswith("https://")
 
 
-# ----- the API, one function per call (DESIGN §3.6) -----------------------------------------------------
+# ----- the API, one function per call (docs/http-api.md) -----------------------------------------------------
 
 def status() -> Call:
     return Call("GET", "/v1/status")

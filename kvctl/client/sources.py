@@ -1,5 +1,5 @@
 """Dumps of a radix index read from where they live: a kvctl router, Dynamo's standalone indexer, or the
-JetStream snapshot a durable router leaves in its object store (DESIGN §4 sources).
+JetStream snapshot a durable router leaves in its object store (the sources `kvctl tree` takes).
 
 Each returns the dump's RouterEvents; every failure is one of kvctl's errors naming the place, so
 `kvctl tree` can take any two sources without caring which is which.

@@ -135,7 +135,7 @@ COST_PANEL = "Routing cost (Dynamo 1.6.1's knobs, also under its flag names)"
 
 
 def _knob(name: str, env: str, dynamo_flag: str, text: str) -> typer.models.OptionInfo:
-    """A cost-function flag, also under Dynamo's flag and DYN_ROUTER_* variable (DESIGN §3.4). A panel of their
+    """A cost-function flag, also under Dynamo's flag and DYN_ROUTER_* variable (docs/contract.md). A panel of their
     own: Dynamo's long spellings would squeeze every other option's help."""
     return typer.Option(f"--{name}", f"--{dynamo_flag}", show_default=False, help=text, rich_help_panel=COST_PANEL,
                         envvar=[f"KVCTL_{name.upper().replace('-', '_')}", f"DYN_ROUTER_{env}"])

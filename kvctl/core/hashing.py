@@ -1,4 +1,4 @@
-"""Dynamo's block hashes, bit for bit (DESIGN §3.1).
+"""Dynamo's block hashes, bit for bit (docs/contract.md).
 
 A router that hashes one byte differently from its engines routes with zero overlap and nobody
 notices, so this module follows Dynamo 1.6.1's `compute_block_hash_for_seq` exactly:

@@ -1,4 +1,4 @@
-"""KV tier hit rates from raw metric samples (DESIGN §3.5): each number with the family it came from.
+"""KV tier hit rates from raw metric samples (docs/contract.md): each number with the family it came from.
 
 Both sources arrive here as the same input, one `Window` per instance: a counter as its increase over
 the window, a gauge as its last value. Prometheus computes the increase itself (`increase(m[w])`);
@@ -46,7 +46,7 @@ class Window:
 
 @dataclass(frozen=True, slots=True)
 class Family:
-    """A metric family as DESIGN §3.5 names it, and the exposed sample names it matches.
+    """A metric family as docs/contract.md names it, and the exposed sample names it matches.
 
     The variant of a sample (a tier, a transfer direction, sum or count) is the pattern's group,
     or else the value of the `split` label.

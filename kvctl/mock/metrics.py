@@ -1,4 +1,4 @@
-"""A mock engine's `/metrics`: vLLM's names and labels, plus Dynamo KVBM's when tiers are on (DESIGN §3.5).
+"""A mock engine's `/metrics`: vLLM's names and labels, plus Dynamo KVBM's when tiers are on (docs/contract.md).
 
 vLLM exports through prometheus_client (labels `model_name`, `engine`; counters get `_total`),
 so the vLLM half uses prometheus_client with one registry per engine. KVBM is Rust: no labels,

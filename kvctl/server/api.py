@@ -1,4 +1,4 @@
-"""The HTTP API of `kvctl serve` (DESIGN §3.6): thin handlers over `Fleet`, one place mapping errors to statuses.
+"""The HTTP API of `kvctl serve` (docs/http-api.md): thin handlers over `Fleet`, one place mapping errors to statuses.
 
 Integers in bodies exceed 2^53 (hashes, worker ids): requests are parsed by Python's json (exact ints)
 and answers are written with `json.dumps`, never through floats.
@@ -85,7 +85,7 @@ class RouteBody(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str | None = None
     reserve: bool = False
     explain: bool = False
-    # This request's own router knobs (DESIGN §3.4), by their Dynamo names; the last two are legacy aliases.
+    # This request's own router knobs (docs/contract.md), by their Dynamo names; the last two are legacy aliases.
     overlap_score_credit: _WEIGHT | None = None
     overlap_score_credit_decay: _WEIGHT | None = None
     prefill_load_scale: _WEIGHT | None = None

@@ -3,7 +3,7 @@
     [[models]]
     name = "llama"                       # required
     block_size = 32                      # default: --block-size
-    overlap_score_credit = 1.0           # router knobs by their Dynamo names (DESIGN §3.4), default: the
+    overlap_score_credit = 1.0           # router knobs by their Dynamo names (docs/contract.md), default: the
     prefill_load_scale = 1.0             # flags; also overlap_score_credit_decay, decode_active_request_weight,
     host_cache_hit_weight = 0.75         # disk_cache_hit_weight, router_temperature, track_prefill_tokens, and
     router_temperature = 0.0             # the legacy overlap_score_weight and temperature

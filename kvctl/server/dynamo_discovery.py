@@ -1,4 +1,4 @@
-"""Dynamo's discovery store (DESIGN §3.2): `--dynamo-discovery file:DIR` or `etcd:URL[,URL...]` (and
+"""Dynamo's discovery store (docs/contract.md): `--dynamo-discovery file:DIR` or `etcd:URL[,URL...]` (and
 `kubernetes[:NAMESPACE]`, read only: kube_discovery.py).
 
 A store answers one question, polled: every key under a prefix, with its value. It also keeps this router's

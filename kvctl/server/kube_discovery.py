@@ -1,4 +1,4 @@
-"""Dynamo's Kubernetes discovery backend (DESIGN §3.2): `--dynamo-discovery kubernetes[:NAMESPACE]`.
+"""Dynamo's Kubernetes discovery backend (docs/contract.md): `--dynamo-discovery kubernetes[:NAMESPACE]`.
 
 Each Dynamo worker server-side-applies one `DynamoWorkerMetadata` custom resource (nvidia.com/v1alpha1,
 namespaced, named after its pod and owned by it) whose `spec.data` is its whole discovery metadata:

@@ -1,4 +1,4 @@
-"""`kvctl serve --nats`: following a Dynamo fleet's NATS event plane (DESIGN §3.2, §3.4).
+"""`kvctl serve --nats`: following a Dynamo fleet's NATS event plane (docs/contract.md).
 
 One subscription to the whole namespace (`namespace.{ns}.>`), dispatched by subject: Dynamo 1.6.1 publishes
 `namespace.{ns}.component.{comp}.endpoint.{ep}.{topic}`, every topic in the same envelope, and

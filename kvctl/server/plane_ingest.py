@@ -1,5 +1,5 @@
 """What a Dynamo event plane delivers, whatever carries it: NATS subjects (nats_plane.py) or, later, the sockets
-of Dynamo's ZMQ event plane. Both carry the same envelope and payloads (DESIGN §3.2), so one ingest decodes and
+of Dynamo's ZMQ event plane. Both carry the same envelope and payloads (docs/contract.md), so one ingest decodes and
 applies them, and one way of judging order serves both.
 
 A transport hands over each message with where it came from (component, endpoint, topic); the ingest decodes

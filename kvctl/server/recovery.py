@@ -1,4 +1,4 @@
-"""Recovering a worker's index over Dynamo's request plane, as Dynamo's own routers do (DESIGN §3.2): the ZMQ
+"""Recovering a worker's index over Dynamo's request plane, as Dynamo's own routers do (docs/contract.md): the ZMQ
 event plane keeps no history, so a kvctl that finds a worker after it has stored blocks asks the worker for them.
 
 Each kv-events publisher files an `EventSource` record naming its worker's `recovery_target`. When one is found,

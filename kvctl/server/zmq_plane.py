@@ -1,4 +1,4 @@
-"""`kvctl serve --dynamo-discovery`: following a Dynamo fleet's ZMQ event plane, its default (DESIGN §3.2).
+"""`kvctl serve --dynamo-discovery`: following a Dynamo fleet's ZMQ event plane, its default (docs/contract.md).
 
 There is no broker: each publisher binds a PUB socket per topic and files an `EventChannel` record in Dynamo's
 discovery store. This plane lists the records of its namespace (narrowed by `--component` / `--endpoint`) and

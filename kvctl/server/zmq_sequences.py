@@ -1,5 +1,5 @@
 """This router's in-flight requests on Dynamo's ZMQ event plane (`--replica-sync`), shared as a Dynamo router
-shares its own (DESIGN §3.2).
+shares its own (docs/contract.md).
 
 For each scope (component, endpoint) of the workers it follows, the router binds a PUB socket and files an
 `EventChannel` record for `active_sequences_events` under that scope; Dynamo's routers of that scope list the

@@ -1,4 +1,4 @@
-"""Engine ZMQ ingestion (DESIGN §3.2 "Engine ZMQ" and "Replay"): one `EngineStream` per engine endpoint.
+"""Engine ZMQ ingestion (docs/contract.md, "Engine events on ZMQ"): one `EngineStream` per engine endpoint.
 
 An engine (vLLM, SGLang) publishes `[topic, seq (u64 BE), payload]` on a PUB socket and may keep a
 replay buffer behind a ROUTER socket. `EngineStream` subscribes, decodes each payload with the core

@@ -99,7 +99,7 @@ class Frame:
     tiers: tuple[TierRate, ...] | None
     tiers_error: str | None
     history: dict[str, tuple[float, ...]]  # events_per_s / routes_per_s / predicted_hit_rate, oldest first
-    tiers_note: str | None = None  # instances without tier counters (DESIGN §3.5), said once
+    tiers_note: str | None = None  # instances without tier counters (docs/contract.md), said once
 
     def to_dict(self) -> dict[str, Any]:
         """The frame as `-o json` prints it: rates and rows, not the raw answers (record those with --record)."""

@@ -1,6 +1,6 @@
-"""Every example a user can copy (each command's help and epilog, the README's code blocks) parses: the command
-path exists and every option is one that command takes, with global options before or after the sub-command
-as kubectl and nats allow. Parsing only: nothing runs, so no router is needed."""
+"""Every example a user can copy (each command's help and epilog, the shell blocks of the README and of docs/)
+parses: the command path exists and every option is one that command takes, with global options before or after
+the sub-command as kubectl and nats allow. Parsing only: nothing runs, so no router is needed."""
 
 from __future__ import annotations
 
@@ -18,8 +18,12 @@ from typer.exceptions import Exit
 from kvctl.cli import app, hoist_global_options
 
 ROOT: TyperGroup = typer.main.get_command(app)  # type: ignore[assignment]
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT_DIR = Path(__file__).resolve().parents[2]
+DOCUMENTS = [ROOT_DIR / "README.md", *sorted((ROOT_DIR / "docs").glob("*.md"))]
 _KVCTL = re.compile(r"^(?:\$\s*)?(?:\S*/)?kvctl(\s.*)?$")
+_FENCED = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+"""A fenced block and its language, matched whole, so that a block of another language (toml, text) is skipped
+rather than its closing fence taken for the opening of the next."""
 
 
 def _commands(group: TyperGroup, path: str) -> Iterator[tuple[str, Any]]:
@@ -48,8 +52,10 @@ def _examples() -> list[tuple[str, str]]:
     for path, command in _commands(ROOT, "kvctl"):
         for text in (command.help or "", command.epilog or ""):
             found += [(path, call) for call in _invocations(text, shell=False)]
-    blocks = re.findall(r"```(?:sh|bash|console)?\n(.*?)```", README.read_text(), re.S)
-    found += [("README.md", call) for block in blocks for call in _invocations(block, shell=True)]
+    for document in DOCUMENTS:
+        blocks = [text for lang, text in _FENCED.findall(document.read_text()) if lang in ("", "sh", "bash", "console")]
+        name = document.relative_to(ROOT_DIR).as_posix()
+        found += [(name, call) for block in blocks for call in _invocations(block, shell=True)]
     return sorted(set(found))
 
 
@@ -75,9 +81,9 @@ def parse(argv: list[str]) -> None:
 EXAMPLES = _examples()
 
 
-def test_there_are_examples_from_help_and_readme() -> None:
+def test_there_are_examples_from_help_readme_and_docs() -> None:
     sources = {source for source, _ in EXAMPLES}
-    assert "README.md" in sources and len(sources) > 10, sources
+    assert {"README.md", "docs/runbook.md", "docs/configuration.md"} <= sources and len(sources) > 10, sources
 
 
 @pytest.mark.parametrize(("source", "call"), EXAMPLES, ids=[f"{s}: {c}"[:90] for s, c in EXAMPLES])

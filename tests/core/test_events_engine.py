@@ -61,7 +61,7 @@ def _payload(folder: str, message: dict[str, Any]) -> bytes:
 
 
 def _u64(value: Any) -> int:
-    """The manifest's rendering of a hash, as the u64 DESIGN §3.2 says it stands for."""
+    """The manifest's rendering of a hash, as the u64 docs/contract.md says it stands for."""
     if isinstance(value, dict):
         return int(value["__bytes_hex__"][-16:], 16)
     assert -(2**63) <= value < 2**64
@@ -175,7 +175,7 @@ def test_stored_blocks_match_dynamo_indexer(stream: dict[str, Any]) -> None:
 
     Where kvctl deliberately parts from Dynamo, kvctl's own behaviour is asserted instead:
     - bytes hashes (vLLM with int hashes off): Dynamo rejects the whole batch ("untagged enum
-      BlockHashValue"); kvctl decodes it (last 8 bytes BE, DESIGN §3.2). The model skips that batch
+      BlockHashValue"); kvctl decodes it (last 8 bytes BE, docs/contract.md). The model skips that batch
       so the following steps still compare against Dynamo's state.
     - vLLM 0.23's CPU placeholder (block_size 0): Dynamo drops the store ("Block size must be 16");
       kvctl reports that one event as bad_block_size and still decodes the removal beside it.

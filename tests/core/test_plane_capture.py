@@ -111,7 +111,7 @@ def test_the_envelope_writer_numbers_from_0_and_starts_over_on_restart() -> None
     assert decode_envelope(writer.wrap(b"\x90", 0)).sequence == 0
 
 
-# ----- per-publisher order: PublisherBook against a model of DESIGN §3.2's rule --------------------------
+# ----- per-publisher order: PublisherBook against a model of docs/contract.md's rule --------------------------
 
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12)), max_size=60))
 def test_publisher_order_follows_the_rule(messages: list[tuple[int, int]]) -> None:

@@ -1,4 +1,4 @@
-"""Dynamo 1.6.1's cost function (DESIGN §3.4): by hand, and against a small exact reference model."""
+"""Dynamo 1.6.1's cost function (docs/contract.md): by hand, and against a small exact reference model."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _scores(device, loads, new_blocks, *, isl=64, bs=16, config=DEFAULT, host=No
     return score([A, B, C], matches, loads, new_blocks.__getitem__, isl_tokens=isl, block_size=bs, config=config)
 
 
-# ----- the reference model: the formula of DESIGN §3.4, one worker at a time, in exact fractions -----------
+# ----- the reference model: the formula of docs/contract.md, one worker at a time, in exact fractions -----------
 
 
 @dataclass
@@ -122,7 +122,7 @@ def test_nothing_in_flight_prices_as_every_load_zero(rows: list[Rank], isl: int,
 
 
 def test_tier_credit_is_cumulative_and_on_by_default() -> None:
-    # DESIGN's example: 1 device block, host reaches 3, disk reaches 5: credit 1 + 0.75*2 + 0.25*2 = 3.
+    # docs/contract.md's example: 1 device block, host reaches 3, disk reaches 5: credit 1 + 0.75*2 + 0.25*2 = 3.
     # ISL 22 tokens of B=4: raw 5.5 -> prefill 2.5, decode 5 full blocks (the partial one is not one) -> 7.5
     s = _scores({A: 1, B: 2}, {}, {A: 5, B: 5, C: 5}, isl=22, bs=4, host={A: 2}, disk={A: 2})
     rows = s.rows()

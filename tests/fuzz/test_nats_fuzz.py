@@ -1,7 +1,7 @@
 """Hostile payloads on the NATS event plane: the decoders `kvctl serve --nats` runs on each topic, then a real
 nats-server carrying junk on every subject of the namespace it follows.
 
-Dynamo 1.6.1 wraps every topic's payload in the same envelope (DESIGN §3.2). The envelope alone and RouterEvent
+Dynamo 1.6.1 wraps every topic's payload in the same envelope (docs/contract.md). The envelope alone and RouterEvent
 JSON are fuzzed in tests/core/test_events_fuzz.py; here: each topic's payload (a `kv-events` array of
 RouterEvents, load reports, replica-sync events, forward passes), and envelope and payload decoded together as
 `EventPlane._on_message` does. Only `DecodeError` may come out, and it must name the field. Seeds: the bytes a
@@ -429,7 +429,7 @@ def _envelope(publisher_id: int, sequence: int, topic: str, payload: bytes) -> B
 
 
 def _expect(book: PublisherBook, namespace: str, messages: list[Message]) -> dict[str, Counter[str]]:
-    """What the plane must count for these messages, by a reference model of DESIGN §3.2: a message on a subject
+    """What the plane must count for these messages, by a reference model of docs/contract.md: a message on a subject
     of the namespace is seen; on a topic followed, its envelope decodes (or is one error), its publisher's
     sequence is judged on `book` (a repeat is dropped unread), and its payload decodes by its topic."""
     counts: Counter[str] = Counter()

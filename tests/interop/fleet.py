@@ -8,7 +8,7 @@ in the project's. A fleet is, in start order:
   (`--zmq-kv-events-ports`, `--zmq-replay-ports`) besides Dynamo's own event plane (NATS when the fleet has a
   NATS server, else Dynamo's ZMQ plane);
 - optionally `python -m dynamo.indexer --threads 1` on the mockers' ZMQ streams: the reference index
-  (`GET /dump`; DESIGN §3.3: its multi-threaded mode credits blocks wrongly);
+  (`GET /dump`; docs/contract.md: its multi-threaded mode credits blocks wrongly);
 - optionally `kvctl serve` following the same ZMQ streams and replays;
 - `python -m dynamo.frontend --router-mode kv --router-replica-sync`: requests go through Dynamo's KV router.
 

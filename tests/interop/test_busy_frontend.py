@@ -72,7 +72,7 @@ def test_frontend_errors_come_back_as_kvctl_errors(frontend: Frontend) -> None:
     assert _frontends_own(frontend) == OFF
 
 
-BODIES: list[tuple[str, dict[str, str], bytes]] = [  # (what, headers, body): the cases DESIGN §3.4 lists
+BODIES: list[tuple[str, dict[str, str], bytes]] = [  # (what, headers, body): the cases docs/http-api.md lists
     ("not JSON content", {"content-type": "text/plain"}, b'{"model": "tiny"}'),
     ("no content type", {}, b'{"model": "tiny"}'),
     ("malformed JSON", {"content-type": "application/json"}, b'{"model": '),

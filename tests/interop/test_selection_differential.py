@@ -1,4 +1,4 @@
-"""kvctl's routing against Dynamo 1.6.1's own `SelectionService` (the arbiter, DESIGN §3.4), in process.
+"""kvctl's routing against Dynamo 1.6.1's own `SelectionService` (the arbiter, docs/contract.md), in process.
 
 Both sides get the same bytes: every scenario's KV events go out as vLLM 0.33 payloads on a real pyzmq PUB
 socket per (worker, dp rank), which the service subscribes to, and kvctl decodes the same payloads with its

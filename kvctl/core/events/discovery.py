@@ -1,4 +1,4 @@
-"""Dynamo 1.6.1's discovery records of its ZMQ event plane (DESIGN §3.2): where each publisher listens.
+"""Dynamo 1.6.1's discovery records of its ZMQ event plane (docs/contract.md): where each publisher listens.
 
 Every publisher registers one `EventChannel` record per topic under
 `v1/event_channels/namespace/{ns}/component/{comp}/endpoint/{ep}/topic/{topic}/{publisher_id hex}` (etcd: that

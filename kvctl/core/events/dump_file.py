@@ -1,4 +1,4 @@
-"""RouterEvents from a file in any of the shapes they are kept in (DESIGN §4): a JSON list (a dump), JSON
+"""RouterEvents from a file in any of the shapes they are kept in: a JSON list (a dump), JSON
 lines (`/v1/tree?format=jsonl`, a kvctl snapshot's event lines), or Dynamo's recorder lines
 (`{"timestamp": ms, "event": RouterEvent}`). The shape is told from the text, never from a file name.
 """

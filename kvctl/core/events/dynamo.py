@@ -1,4 +1,4 @@
-"""Dynamo's RouterEvent (JSON and rmp-serde msgpack) and its event-plane envelope (DESIGN §3.2).
+"""Dynamo's RouterEvent (JSON and rmp-serde msgpack) and its event-plane envelope (docs/contract.md).
 
 This is the format of Dynamo's dumps, its JetStream stream and its NATS event plane, so kvctl
 both reads it (to follow a Dynamo fleet, to load a dump) and writes it (its own dumps must load

@@ -1,4 +1,4 @@
-"""Engine KV events as vLLM and SGLang publish them on ZMQ (DESIGN §3.2), decoded into kvctl's model.
+"""Engine KV events as vLLM and SGLang publish them on ZMQ (docs/contract.md), decoded into kvctl's model.
 
 Three generations of the same events reach a router: vLLM ≤ 0.23 sends positional tagged arrays,
 vLLM ≥ 0.24 and SGLang send tagged maps, and hashes arrive as u64, signed i64 (SGLang) or raw

@@ -1,4 +1,4 @@
-"""Engine ZMQ payloads written exactly as vLLM's and SGLang's own publishers write them (DESIGN §3.2).
+"""Engine ZMQ payloads written exactly as vLLM's and SGLang's own publishers write them (docs/contract.md).
 
 The inverse of `engine.py`, for the mock engines: a router under test must see the bytes a real
 engine sends, so every shape detail is kept, not just the meaning. The details that differ

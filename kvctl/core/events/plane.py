@@ -1,6 +1,6 @@
 """Dynamo's event plane besides RouterEvent: subjects, topics, load reports, forward passes, replica sync.
 
-Checked against a running Dynamo 1.6.1 fleet (DESIGN §3.2): every message is published on
+Checked against a running Dynamo 1.6.1 fleet (docs/contract.md): every message is published on
 `namespace.{ns}.component.{comp}.endpoint.{ep}.{topic}` inside the same msgpack envelope, whatever the
 topic. Payloads are rmp-serde named-field msgpack: an array of RouterEvents on `kv-events`, `ActiveLoad`
 on `kv_metrics`, `ActiveSequenceEvent` (externally tagged `data`, PascalCase variants) on

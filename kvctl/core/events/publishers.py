@@ -2,7 +2,7 @@
 rules for every source (engine ZMQ streams, event taps, the Dynamo event plane).
 
 A publisher numbers its messages from 0 (vLLM's ZMQ publisher per process, a Dynamo envelope per publisher
-id: DESIGN §3.2), so order is judged per publisher, never per worker. `Sequence.observe` says where each
+id: docs/contract.md), so order is judged per publisher, never per worker. `Sequence.observe` says where each
 number stands:
 
 - the first one heard is in order whatever it is: a subscriber that joins a running fleet starts mid-stream;

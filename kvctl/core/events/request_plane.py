@@ -1,4 +1,4 @@
-"""Dynamo 1.6.1's TCP request plane, as much of it as a KV recovery query needs (DESIGN §3.2), read from a real
+"""Dynamo 1.6.1's TCP request plane, as much of it as a KV recovery query needs (docs/contract.md), read from a real
 exchange (tests/fixtures/dynamo-1.6.1-fleet/request-plane/). No I/O: the sockets are server/recovery.py's.
 
 A worker that publishes KV events files an `EventSource` record under `v1/event_sources/...` whose

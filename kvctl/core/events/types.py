@@ -1,4 +1,4 @@
-"""kvctl's internal KV event model (DESIGN §3.2), shared by every codec and by the index.
+"""kvctl's internal KV event model (docs/contract.md), shared by every codec and by the index.
 
 Hashes are unsigned 64-bit ints. A `Stored` keeps its blocks as two parallel lists (engine block
 hashes and local token hashes) because the index slices them into compressed edges; building one

@@ -1,4 +1,4 @@
-"""Dynamo 1.6.1's ZMQ event plane on the wire (DESIGN §3.2): one message, four frames.
+"""Dynamo 1.6.1's ZMQ event plane on the wire (docs/contract.md): one message, four frames.
 
 Each publisher has a PUB socket per topic and sends `[topic (ASCII), publisher_id (u64 BE), sequence (u64 BE),
 0x01 + u32 BE length + the msgpack envelope]`. The envelope is the same as on NATS (core/events/dynamo.py), so a

@@ -2,7 +2,7 @@
 
 Routing scores come from the device tier, as in Dynamo; the slower tiers (CPU offload, disk, external
 KV stores) say how far a worker's match continues beyond its device prefix, the blocks it could onboard
-instead of recomputing (`LowerTier`, DESIGN §3.4): the tier credit of the cost function.
+instead of recomputing (`LowerTier`, docs/contract.md): the tier credit of the cost function.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Dynamo does not keep a radix tree for the tiers below the device: it keeps continuation edges in the
 engine's hash space, `(parent engine hash, local hash) -> child engine hash`, each with the workers that
 hold it, and asks a tier only how far a worker's match *continues* from where the faster tier left it
-(DESIGN §3.4: blocks beyond the device prefix, then beyond the host prefix). So a host store whose parent
+(docs/contract.md: blocks beyond the device prefix, then beyond the host prefix). So a host store whose parent
 only the device tier holds is accepted here, where a tree would reject it, and it extends that worker's
 device match. Behaviour kept from Dynamo's `LowerTierIndexer`:
 - a store never fails: a block whose edge exists with another child hash, or whose engine hash the worker

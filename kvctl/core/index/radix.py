@@ -1,7 +1,7 @@
 """One radix tree of KV blocks per (model, tier): Dynamo 1.6.1's single-threaded index, leak fixed.
 
 Semantics are Dynamo's `RadixTree` (lib/kv-router, the version in ai-dynamo-runtime 1.6.1), which is
-the arbiter of scores (DESIGN §3.3). That tree compresses runs of blocks into edges and records, per
+the arbiter of scores (docs/contract.md). That tree compresses runs of blocks into edges and records, per
 edge, which workers hold all of it (`full`) and which hold only a prefix (`cutoffs`). The edge
 boundaries are part of its observable behaviour: removing a block cuts the worker off at that point
 of the edge (the rest of the edge becomes stale for it) but not in child nodes. So kvctl keeps the

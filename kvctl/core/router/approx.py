@@ -1,4 +1,4 @@
-"""Dynamo's approximate mode: a KV index fed by the router's own decisions (DESIGN §3.4).
+"""Dynamo's approximate mode: a KV index fed by the router's own decisions (docs/contract.md).
 
 When engines publish no KV events, the router assumes that a request's prompt blocks sit in the
 cache of the worker it was sent to, for a while: each routing decision is recorded as a synthetic

@@ -1,4 +1,4 @@
-"""Busy thresholds: when a worker can take no more requests, and the refusal when none can (DESIGN §3.4).
+"""Busy thresholds: when a worker can take no more requests, and the refusal when none can (docs/contract.md).
 
 Dynamo's frontend (`worker_monitor.rs`) marks a dp rank busy when its queued prefill tokens pass an
 absolute or a max-batched-relative limit, or when its decode latch is set; a worker is busy when all

@@ -1,6 +1,6 @@
 """Dynamo's `--router-policy-config` YAML, read as Dynamo 1.6.1 reads it, for the knobs kvctl's router has.
 
-The file (DESIGN §3.4) names worker-selection policy instances and which one each worker pool uses:
+The file (docs/contract.md) names worker-selection policy instances and which one each worker pool uses:
 
     worker_selection:
       aggregated: mine                      # or prefill / decode / encode; "default": the built-in selector

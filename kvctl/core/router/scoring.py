@@ -1,4 +1,4 @@
-"""Where a request goes, and why: Dynamo 1.6.1's cost function with a per-candidate explanation (DESIGN §3.4).
+"""Where a request goes, and why: Dynamo 1.6.1's cost function with a per-candidate explanation (docs/contract.md).
 
 For each candidate (worker, dp_rank), block size B, a prompt of ISL tokens (ceil(ISL/B) = request blocks):
 

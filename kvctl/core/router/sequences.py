@@ -1,4 +1,4 @@
-"""In-flight requests per worker: the load half of the routing cost (DESIGN §3.4, Dynamo's ActiveSequences).
+"""In-flight requests per worker: the load half of the routing cost (docs/contract.md, Dynamo's ActiveSequences).
 
 A worker's decode load is the number of distinct prompt blocks of its in-flight requests (shared
 prompt blocks are refcounted, so ten requests on one system prompt cost its blocks once); its prefill
