@@ -48,11 +48,12 @@ def _bytes_of(data: Buffer) -> memoryview:
 
 def _u32s(raw: Buffer) -> bytes | None:
     """A JSON array of u32s as native u32 bytes, the fast way; None where the careful reader must look."""
+    packed = array("I")
     try:
-        ids = _INT_LIST.decode(raw)
-        return array("I", ids).tobytes()
+        packed.fromlist(_INT_LIST.decode(raw))  # fromlist walks a list a third faster than the constructor
     except (msgspec.DecodeError, OverflowError):
         return None
+    return packed.tobytes()
 
 
 def _malformed(at: int) -> ValueError:
@@ -197,8 +198,9 @@ def xxh3_blocks(data: Buffer, stride: int, seed: int) -> bytes:
         raise ValueError("stride must be positive")
     seed = _u64(seed)
     with _bytes_of(data) as view:
-        end = len(view) - len(view) % stride
-        return array("Q", [xxh3_64_intdigest(view[at : at + stride], seed) for at in range(0, end, stride)]).tobytes()
+        whole = view.tobytes()  # slices of bytes hash faster than slices of a memoryview
+    end = len(whole) - len(whole) % stride
+    return array("Q", [xxh3_64_intdigest(whole[at : at + stride], seed) for at in range(0, end, stride)]).tobytes()
 
 
 _PAIR = struct.Struct("<QQ")
@@ -218,8 +220,12 @@ def xxh3_chain(hashes: Iterable[int], seed: int) -> list[int]:
         for value in local:
             _u64(value)  # the first that is not, with the C code's error
         raise  # pragma: no cover - array and _u64 refuse the same values
-    out = [int(first) for first in local[:1]]  # an int, as C's PyLong_FromUnsignedLongLong gives, not a bool
-    pack = _PAIR.pack
+    if not local:
+        return []
+    previous = int(local[0])  # an int, as C's PyLong_FromUnsignedLongLong gives, not a bool
+    out = [previous]
+    append, pack = out.append, _PAIR.pack
     for value in local[1:]:
-        out.append(xxh3_64_intdigest(pack(out[-1], value), seed))
+        previous = xxh3_64_intdigest(pack(previous, value), seed)
+        append(previous)
     return out
