@@ -4,10 +4,11 @@
 - event: decoding a vLLM batch holding the BlockStored event of that prompt (token ids hashed as they come);
 - route: reading a route request's JSON (`read_route_body`, as `POST /v1/route` does).
 
-Each path runs in a subprocess of its own, picked the way an install picks it (`KVCTL_PURE_PYTHON=1` for the
-twin); each figure is the median over `--repeat` rounds of the mean of `--number` calls.
+The implementations take turns, round after round, in one process (swapped under `kvctl.core.native` as the
+tests' `native_impl` fixture does): on a shared machine, timing one after the other measured its drift more
+than their difference. Each figure is the median over `--repeat` rounds of the mean of `--number` calls.
 
-    python benchmarks/native_bench.py [--repeat 15] [--number 200]
+    python benchmarks/native_bench.py [--repeat 21] [--number 100]
 
 Prints one JSON line: microseconds per call on each path, and the ratio python / C.
 """
@@ -16,29 +17,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import timeit
+from array import array
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from serve_bench import payload, stored_event  # noqa: E402
+
+from kvctl.core import _native, _native_py, native  # noqa: E402
+from kvctl.core.events import decode_engine_batch  # noqa: E402
+from kvctl.core.hashing import packed_block_hashes, sequence_hashes  # noqa: E402
+from kvctl.server.api import read_route_body  # noqa: E402
+
 TOKENS, BLOCK = 4096, 16
+IMPLEMENTATIONS = {"c": _native, "python": _native_py}
 
 
-def _workloads() -> dict[str, object]:
+def _workloads() -> dict[str, Callable[[], object]]:
     """name: a call to time, on inputs made before timing."""
-    from array import array
-
-    from serve_bench import payload, stored_event
-
-    from kvctl.core.events import decode_engine_batch
-    from kvctl.core.hashing import packed_block_hashes, sequence_hashes
-    from kvctl.server.api import read_route_body
-
     rng = random.Random(23)
     tokens = [rng.randrange(200_000) for _ in range(TOKENS)]
     packed = array("I", tokens)
@@ -51,34 +52,22 @@ def _workloads() -> dict[str, object]:
     }
 
 
-def _measure(repeat: int, number: int) -> dict[str, float]:
-    from kvctl.core import native
-
-    out = {"implementation": native.IMPLEMENTATION}
-    for name, call in _workloads().items():
-        rounds = timeit.repeat(call, repeat=repeat, number=number)
-        out[name] = round(statistics.median(rounds) / number * 1e6, 1)
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--number", type=int, default=200)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=21)
+    parser.add_argument("--number", type=int, default=100)
     args = parser.parse_args()
-    if args.child:
-        print(json.dumps(_measure(args.repeat, args.number)))
-        return
-    results = {}
-    for path, pure in (("c", ""), ("python", "1")):
-        env = {k: v for k, v in os.environ.items() if k != "KVCTL_PURE_PYTHON"}
-        if pure:
-            env["KVCTL_PURE_PYTHON"] = pure
-        cmd = [sys.executable, __file__, "--child", "--repeat", str(args.repeat), "--number", str(args.number)]
-        results[path] = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout)
-    ratios = {k: round(results["python"][k] / results["c"][k], 2) for k in ("hash", "event", "route")}
-    print(json.dumps({"us_per_call": results, "python_over_c": ratios}))
+    workloads = _workloads()
+    rounds: dict[str, dict[str, list[float]]] = {impl: {w: [] for w in workloads} for impl in IMPLEMENTATIONS}
+    for _ in range(args.repeat):
+        for impl, module in IMPLEMENTATIONS.items():
+            for name in native.FUNCTIONS:
+                setattr(native, name, getattr(module, name))
+            for work, call in workloads.items():
+                rounds[impl][work].append(timeit.timeit(call, number=args.number) / args.number * 1e6)
+    us = {impl: {w: round(statistics.median(t), 1) for w, t in times.items()} for impl, times in rounds.items()}
+    ratios = {w: round(us["python"][w] / us["c"][w], 1) for w in workloads}
+    print(json.dumps({"us_per_call": us, "python_over_c": ratios}))
 
 
 if __name__ == "__main__":
