@@ -179,8 +179,11 @@ app = typer.Typer(
 
 
 def _print_version(value: bool) -> None:
+    """The version, and whether the C speedups were built: a bug report's first line says which path ran."""
     if value:
-        sys.stdout.write(f"kvctl {__version__}\n")
+        from kvctl.core import native
+
+        sys.stdout.write(f"kvctl {__version__} (native speedups: {native.IMPLEMENTATION})\n")
         raise typer.Exit()
 
 

@@ -1,21 +1,51 @@
-"""Shared fixtures: the real third-party fixtures folder, and an environment free of KVCTL_* settings."""
+"""Shared fixtures: the real third-party fixtures folder, an environment free of KVCTL_* settings, and each
+implementation of kvctl's native functions in turn."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 
+from kvctl.core import _native_py, native
 from tests.fixtures_path import FIXTURES
 
 __all__ = ["FIXTURES"]
 
+# Not a setting under test but the implementation under test: `KVCTL_PURE_PYTHON=1 pytest` runs the suite,
+# the routers it starts included, on the pure-Python twin of the C extension.
+_KEPT = {"KVCTL_PURE_PYTHON"}
+
 
 @pytest.fixture(autouse=True)
 def _clean_kvctl_env() -> Iterator[None]:
-    saved = {k: v for k, v in os.environ.items() if k.startswith("KVCTL_")}
+    saved = {k: v for k, v in os.environ.items() if k.startswith("KVCTL_") and k not in _KEPT}
     for key in saved:
         del os.environ[key]
     yield
     os.environ.update(saved)
+
+
+def implementation(name: str) -> ModuleType:
+    """The module implementing kvctl's native functions: "C" (the extension; the test skips where this install
+    did not build it) or "Python" (its twin)."""
+    if name == "Python":
+        return _native_py
+    try:
+        return importlib.import_module("kvctl.core._native")
+    except ImportError:
+        pytest.skip("the C extension is not built in this install (no compiler at install time)")
+
+
+@pytest.fixture(scope="module", params=["C", "Python"])
+def native_impl(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
+    """Runs a module's tests on each implementation (`pytestmark = pytest.mark.usefixtures("native_impl")`),
+    so that the two cannot drift. Module-scoped, so that hypothesis's tests can use it."""
+    module = implementation(request.param)
+    with pytest.MonkeyPatch.context() as patch:
+        for name in native.FUNCTIONS:
+            patch.setattr(native, name, getattr(module, name))
+        yield module

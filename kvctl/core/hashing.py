@@ -10,8 +10,8 @@ notices, so this module follows Dynamo 1.6.1's `compute_block_hash_for_seq` exac
 - sequence hash: seq[0] = local[0], seq[i] = XXH3-64(le64(seq[i-1]) ‖ le64(local[i]), 1337).
 
 The tokens are packed into one buffer per request (in C, by `array`); the blocks are hashed, and the hashes
-chained, in one C call each (`_native`, with the xxHash release the `xxhash` package wraps): no per-token or
-per-block Python work.
+chained, in one call each (`native`: the C extension, with the xxHash release the `xxhash` package wraps, or
+its pure-Python twin where it is not built): no per-token or per-block Python work where the extension is.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from xxhash import xxh3_64_intdigest
 
-from kvctl.core._native import xxh3_blocks, xxh3_chain
+from kvctl.core import native
 
 if TYPE_CHECKING:  # collections.abc.Buffer from Python 3.12 on
     from typing_extensions import Buffer
@@ -102,11 +102,11 @@ def block_hashes_of_packed(packed: Buffer, block_size: int, *, lora_name: str | 
     """`packed_block_hashes` of token ids already packed as little-endian u32s (`pack_tokens`' layout)."""
     hashes = array("Q")
     if block_size > 0:
-        hashes.frombytes(xxh3_blocks(packed, 4 * block_size, lora_seed(lora_name)))
+        hashes.frombytes(native.xxh3_blocks(packed, 4 * block_size, lora_seed(lora_name)))
     return hashes
 
 
 def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
     """Dynamo's chained sequence hashes (the first block's is its local hash, not rehashed); OverflowError for a
     hash outside u64."""
-    return xxh3_chain(local_hashes, XXH3_SEED)
+    return native.xxh3_chain(local_hashes, XXH3_SEED)

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.types import ASGIApp
 
 from kvctl import __version__
+from kvctl.core import native
 from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
 from kvctl.core.events.errors import DecodeError
@@ -435,7 +436,8 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
 
     @app.get("/v1/status", responses=replies(ok={"type": "object", "required": ["version", "models"]}))
     async def status() -> Response:
-        return _json({"version": __version__, "uptime_s": round(clock() - started, 3), "rss_bytes": rss_bytes(),
+        return _json({"version": __version__, "native_speedups": native.IMPLEMENTATION,
+                      "uptime_s": round(clock() - started, 3), "rss_bytes": rss_bytes(),
                       "models": fleet.stats()["models"],
                       "streams": streams.status() if streams is not None else [],
                       "queues": streams.queues() if streams is not None else [],

@@ -72,6 +72,8 @@ def test_bad_input_exits_2_with_one_line(args: list[str], needle: str) -> None:
 
 def test_version() -> None:
     from kvctl import __version__
+    from kvctl.core import native
 
     result = runner.invoke(app, ["--version"])
-    assert result.exit_code == 0 and result.stdout.strip() == f"kvctl {__version__}"
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"kvctl {__version__} (native speedups: {native.IMPLEMENTATION})"

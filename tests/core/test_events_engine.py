@@ -32,6 +32,8 @@ from kvctl.core.events import (
 from kvctl.core.hashing import local_block_hashes
 from tests.fixtures_path import FIXTURES
 
+pytestmark = pytest.mark.usefixtures("native_impl")  # on the C extension and on its pure-Python twin
+
 ENGINE_FOLDERS = ("vllm-0.33", "vllm-legacy/0.10.2", "vllm-legacy/0.23.0", "sglang-0.5.23")
 MEDIUM_TIER = {"GPU": Tier.device, "CPU": Tier.host_pinned, "CPU_PINNED": Tier.host_pinned}
 # Events the fixtures hold that kvctl must refuse, by (folder, file) -> {event index: kind}.

@@ -10,11 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
-from kvctl.core._native import xxh3_blocks
+from kvctl.core import native
 from kvctl.core.hashing import local_block_hashes, lora_seed, pack_tokens, packed_block_hashes, sequence_hashes
 from tests.fixtures_path import FIXTURES
 
 VECTORS = json.loads((FIXTURES / "hashes" / "dynamo-1.6.1.json").read_text())
+
+pytestmark = pytest.mark.usefixtures("native_impl")  # on the C extension and on its pure-Python twin
 
 
 def _tokens(case: dict) -> list[int]:
@@ -81,10 +83,10 @@ def test_matches_a_plain_per_block_reference(tokens: list[int], block_size: int)
 
 @given(st.binary(max_size=3000), st.sampled_from([1, 4, 16, 17, 64, 128, 129, 240, 241, 256, 1024]),
        st.integers(0, 2**64 - 1))
-def test_block_hashing_in_c_equals_the_xxhash_package(data: bytes, stride: int, seed: int) -> None:
+def test_block_hashing_equals_the_xxhash_package(data: bytes, stride: int, seed: int) -> None:
     """Strides span every XXH3 length class (≤16, ≤128, ≤240, long), where the algorithm changes."""
     expected = [xxh3_64_intdigest(data[i : i + stride], seed=seed) for i in range(0, len(data) - stride + 1, stride)]
-    assert array("Q", xxh3_blocks(data, stride, seed)) == array("Q", expected)
+    assert array("Q", native.xxh3_blocks(data, stride, seed)) == array("Q", expected)
 
 
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=200), st.integers(1, 40), st.sampled_from([None, "", "adapter-7"]))

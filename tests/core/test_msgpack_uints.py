@@ -1,4 +1,4 @@
-"""The C readers of a stored event's token ids (`u32le_from_msgpack`) and a removal's hashes
+"""The readers (C, and the pure-Python twin) of a stored event's token ids (`u32le_from_msgpack`) and a removal's hashes
 (`u64_from_msgpack`) against msgspec as the reference, over every msgpack int encoding (engines' encoders
 differ in which they pick) and over arbitrary bytes."""
 
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvctl.core._native import u32le_from_msgpack, u64_from_msgpack
+from kvctl.core import native
 
 _INTS = {  # name: (marker, struct format, min, max)
     "u8": (0xCC, ">B", 0, 2**8 - 1), "u16": (0xCD, ">H", 0, 2**16 - 1), "u32": (0xCE, ">I", 0, 2**32 - 1),
@@ -46,7 +46,9 @@ def _array(items: list[bytes], header: str) -> bytes:
 
 
 # (reader, array typecode of its output, values it takes: below this bound)
-READERS = [(u32le_from_msgpack, "I", 2**32), (u64_from_msgpack, "Q", 2**64)]
+READERS = [("u32le_from_msgpack", "I", 2**32), ("u64_from_msgpack", "Q", 2**64)]
+
+pytestmark = pytest.mark.usefixtures("native_impl")  # on the C extension and on its pure-Python twin
 
 
 def _read(reader: Callable[[bytes], bytes], typecode: str, raw: bytes) -> list[int]:
@@ -58,7 +60,8 @@ def _read(reader: Callable[[bytes], bytes], typecode: str, raw: bytes) -> list[i
 
 
 def _agrees(raw: bytes, expected: object) -> None:
-    for reader, typecode, bound in READERS:
+    for name, typecode, bound in READERS:
+        reader = getattr(native, name)
         if isinstance(expected, list) and all(type(v) is int and 0 <= v < bound for v in expected):
             assert _read(reader, typecode, raw) == expected
         else:

@@ -1,5 +1,6 @@
-"""The C token-id reader against Python's json module as the reference: same acceptance, same ids, and the
-refusals worded the way msgspec words them for a `list[int]` bounded to u32 (the route API's 422s)."""
+"""The token-id reader (C, and its pure-Python twin) against Python's json module as the reference: same
+acceptance, same ids, and the refusals worded the way msgspec words them for a `list[int]` bounded to u32 (the
+route API's 422s)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvctl.core.token_json import token_ids_from_json
+
+pytestmark = pytest.mark.usefixtures("native_impl")  # on the C extension and on its pure-Python twin
 
 U32_MAX = 2**32 - 1
 _WS = st.sampled_from(["", " ", "\n", "\t", "\r\n  "])

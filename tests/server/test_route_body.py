@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from kvctl.server import api
 from kvctl.server.api import read_route_body, read_route_body_whole
 
+pytestmark = pytest.mark.usefixtures("native_impl")  # on the C extension and on its pure-Python twin
+
 _WS = st.sampled_from(["", " ", "\n", "\t ", "\r\n  "])
 _TOKEN = st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 40), st.sampled_from(
     ["-1", "-0", "4294967296", "1.5", "1e3", "01", '"7"', "null", "true", "[]", ""]))

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvctl.core._native import u32le_from_msgpack, u64_from_msgpack
+from kvctl.core import native
 from kvctl.core.events.errors import DecodeError, ErrorKind, describe, parse_msgpack, require
 from kvctl.core.events.types import Cleared, EventData, Removed, Stored, Tier
 from kvctl.core.hashing import U64_MASK, block_hashes_of_packed, local_block_hashes
@@ -404,7 +404,7 @@ def _removed_hashes(raw: msgspec.Raw, packed: bool) -> Sequence[int]:
     does."""
     hashes = array("Q")
     try:
-        hashes.frombytes(u64_from_msgpack(raw))
+        hashes.frombytes(native.u64_from_msgpack(raw))
     except ValueError:
         raise DecodeError(ErrorKind.bad_hash, "block_hashes", "") from None
     return hashes if packed else hashes.tolist()
@@ -415,7 +415,7 @@ def _packed_local_hashes(raw: msgspec.Raw, n_blocks: int, block_size: int, lora_
     refuse (and a bool it would take as an int) raises a DecodeError without detail: the typed pass then
     gives the batch up, and the general walk decodes it and words the error."""
     try:
-        packed = u32le_from_msgpack(raw)
+        packed = native.u32le_from_msgpack(raw)
     except ValueError:
         raise DecodeError(ErrorKind.bad_tokens, "token_ids", "") from None
     needed = 4 * n_blocks * block_size

@@ -1,0 +1,231 @@
+"""The pure-Python twin of `_native.c`, for an install without a C compiler: the same functions, the same
+results, the same exceptions and messages (tests/core/test_native_twins.py holds them to it).
+
+Each takes the fast road through `msgspec`, `array` and the `xxhash` package, so no loop runs per byte or per
+token in Python; where that road refuses an input, a slower one finds the refusal the C code would give.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import sys
+from array import array
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from xxhash import xxh3_64_intdigest
+
+if TYPE_CHECKING:  # collections.abc.Buffer from Python 3.12 on
+    from typing_extensions import Buffer
+
+_U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1
+_INT_LIST = msgspec.json.Decoder(list[int])
+_INT_LIST_MSGPACK = msgspec.msgpack.Decoder(list[int])
+_MSGPACK_REFUSAL = "not a msgpack array of unsigned ints in range"
+
+# JSON whitespace (exactly the C reader's is_ws: not \v or \f, which `\s` would take).
+_WS = re.compile(rb"[ \t\n\r]*")
+_DIGITS = re.compile(rb"[0-9]*")
+_JSON_TYPES = {ord('"'): "str", ord("["): "array", ord("{"): "object", ord("t"): "bool", ord("f"): "bool",
+               ord("n"): "null"}
+_HEAD = re.compile(rb'[ \t\n\r]*\{[ \t\n\r]*"token_ids"[ \t\n\r]*:[ \t\n\r]*\[')
+_AFTER_HEAD = re.compile(rb'[ \t\n\r]*(?:,[ \t\n\r]*(?=")|(?=\}))')
+
+
+def _bytes_of(data: Buffer) -> memoryview:
+    """`data`'s bytes, as the C code's PyBUF_SIMPLE view sees them, with its errors for what has none."""
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"a bytes-like object is required, not '{type(data).__name__}'") from None
+    if not view.c_contiguous:
+        raise BufferError("memoryview: underlying buffer is not C-contiguous")
+    return view.cast("B")
+
+
+def _u32s(raw: Buffer) -> bytes | None:
+    """A JSON array of u32s as native u32 bytes, the fast way; None where the careful reader must look."""
+    packed = array("I")
+    try:
+        packed.fromlist(_INT_LIST.decode(raw))  # fromlist walks a list a third faster than the constructor
+    except (msgspec.DecodeError, OverflowError):
+        return None
+    return packed.tobytes()
+
+
+def _malformed(at: int) -> ValueError:
+    return ValueError(f"JSON is malformed at byte {at} of `$.token_ids`")
+
+
+def _refusal(s: bytes) -> ValueError:
+    """The error the C reader gives for `s`, which it does not read as an array of u32s: its checks in its
+    order, element by element (a number at a time, not a byte)."""
+    n = len(s)
+    i = _WS.match(s).end()
+    if i == n:
+        return _malformed(i)
+    if s[i] != ord("["):
+        kind = _JSON_TYPES.get(s[i]) or ("number" if s[i] in b"0123456789-" else None)
+        return _malformed(i) if kind is None else ValueError(f"Expected `array`, got `{kind}` - at `$.token_ids`")
+    i = _WS.match(s, i + 1).end()
+    if i < n and s[i] == ord("]"):
+        i = _WS.match(s, i + 1).end()
+        return _malformed(i)  # `[]` and then something more
+    count = 0
+    while True:
+        i = _WS.match(s, i).end()
+        if i == n:
+            return _malformed(i)
+        start = i
+        negative = s[i] == ord("-")
+        i += negative
+        if i == n or not 0x30 <= s[i] <= 0x39:
+            kind = None if negative else _JSON_TYPES.get(s[start])
+            if kind is None:
+                return _malformed(start)
+            return ValueError(f"Expected `int`, got `{kind}` - at `$.token_ids[{count}]`")
+        end = i + 1 if s[i] == ord("0") else _DIGITS.match(s, i).end()
+        value = int(s[i:end])
+        i = end
+        fractional = False
+        if i < n and s[i] == ord("."):
+            i += 1
+            if i == n or not 0x30 <= s[i] <= 0x39:
+                return _malformed(i)
+            i = _DIGITS.match(s, i).end()
+            fractional = True
+        if i < n and s[i] in b"eE":
+            i += 1
+            if i < n and s[i] in b"+-":
+                i += 1
+            if i == n or not 0x30 <= s[i] <= 0x39:
+                return _malformed(i)
+            i = _DIGITS.match(s, i).end()
+            fractional = True
+        if i < n and 0x30 <= s[i] <= 0x39:  # a leading zero: 01
+            return _malformed(i)
+        if fractional:
+            return ValueError(f"Expected `int`, got `float` - at `$.token_ids[{count}]`")
+        if negative and value != 0:
+            return ValueError(f"Expected `int` >= 0 - at `$.token_ids[{count}]`")
+        if value > _U32_MAX:
+            return ValueError(f"Expected `int` <= {_U32_MAX} - at `$.token_ids[{count}]`")
+        count += 1
+        i = _WS.match(s, i).end()
+        if i == n:
+            return _malformed(i)
+        if s[i] == ord("]"):
+            return _malformed(_WS.match(s, i + 1).end())  # the array is sound: what follows it is not
+        if s[i] != ord(","):
+            return _malformed(i)
+        i += 1
+
+
+def u32_from_json(raw: Buffer) -> bytes:
+    """A JSON array of integers in [0, 2^32) as native-endian u32 bytes; ValueError, worded like msgspec's, for
+    anything else."""
+    view = _bytes_of(raw)
+    packed = _u32s(view)
+    if packed is None:
+        raise _refusal(bytes(view))
+    return packed
+
+
+def u32_head_of_object(raw: Buffer) -> tuple[bytes, int] | None:
+    """For an object that opens with a sound `"token_ids"` array of u32s: those (as u32_from_json gives them) and
+    the offset of what follows the array and its comma (the next member's quote, or the closing brace). None for
+    anything else."""
+    s = bytes(_bytes_of(raw))
+    head = _HEAD.match(s)
+    if head is None:
+        return None
+    close = s.find(b"]", head.end())  # an array of numbers holds no other ']'
+    if close < 0:
+        return None
+    packed = _u32s(s[head.end() - 1 : close + 1])
+    after = _AFTER_HEAD.match(s, close + 1)
+    if packed is None or after is None:
+        return None
+    return packed, after.end()
+
+
+def _uints_from_msgpack(raw: Buffer, typecode: str) -> bytes:
+    """A msgpack array of ints straight into packed unsigned ints ('I': little-endian u32s; 'Q': native u64s).
+    msgspec takes exactly the encodings the C reader takes (any int encoding, no bool, float or trailing byte),
+    and `array` refuses a negative or too large value."""
+    view = _bytes_of(raw)
+    try:
+        packed = array(typecode, _INT_LIST_MSGPACK.decode(view))
+    except (msgspec.DecodeError, OverflowError):
+        raise ValueError(_MSGPACK_REFUSAL) from None
+    if typecode == "I" and sys.byteorder == "big":  # pragma: no cover - exercised only on big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def u32le_from_msgpack(raw: Buffer) -> bytes:
+    """A msgpack array of ints in [0, 2^32) as little-endian u32 bytes; ValueError for anything else."""
+    return _uints_from_msgpack(raw, "I")
+
+
+def u64_from_msgpack(raw: Buffer) -> bytes:
+    """A msgpack array of ints in [0, 2^64) as native-endian u64 bytes; ValueError for anything else."""
+    return _uints_from_msgpack(raw, "Q")
+
+
+def _u64(value: Any) -> int:
+    """`value` as PyLong_AsUnsignedLongLong takes it: an int in [0, 2^64), with CPython's own errors."""
+    if not isinstance(value, int):
+        raise TypeError("an integer is required")
+    if value < 0:
+        raise OverflowError("can't convert negative int to unsigned")
+    if value > _U64_MAX:
+        raise OverflowError("int too big to convert")
+    return value
+
+
+def xxh3_blocks(data: Buffer, stride: int, seed: int) -> bytes:
+    """XXH3-64 (seeded) of each whole `stride`-byte block of `data`, as native-endian u64s; a trailing partial
+    block is not hashed."""
+    if not isinstance(stride, int):
+        raise TypeError("an integer is required")
+    if stride > sys.maxsize or stride < -sys.maxsize - 1:
+        raise OverflowError("Python int too large to convert to C ssize_t")
+    if stride <= 0:
+        raise ValueError("stride must be positive")
+    seed = _u64(seed)
+    with _bytes_of(data) as view:
+        whole = view.tobytes()  # slices of bytes hash faster than slices of a memoryview
+    end = len(whole) - len(whole) % stride
+    return array("Q", [xxh3_64_intdigest(whole[at : at + stride], seed) for at in range(0, end, stride)]).tobytes()
+
+
+_PAIR = struct.Struct("<QQ")
+
+
+def xxh3_chain(hashes: Iterable[int], seed: int) -> list[int]:
+    """Dynamo's sequence hashes: the first is the first local hash, then XXH3-64(le64(previous) || le64(local),
+    seed)."""
+    seed = _u64(seed)
+    try:
+        local = list(hashes)
+    except TypeError:
+        raise TypeError("xxh3_chain needs a sequence of u64 hashes") from None
+    try:
+        array("Q", local)  # every hash in u64, checked at once
+    except (OverflowError, TypeError):
+        for value in local:
+            _u64(value)  # the first that is not, with the C code's error
+        raise  # pragma: no cover - array and _u64 refuse the same values
+    if not local:
+        return []
+    previous = int(local[0])  # an int, as C's PyLong_FromUnsignedLongLong gives, not a bool
+    out = [previous]
+    append, pack = out.append, _PAIR.pack
+    for value in local[1:]:
+        previous = xxh3_64_intdigest(pack(previous, value), seed)
+        append(previous)
+    return out

@@ -1,0 +1,41 @@
+"""The one place that picks how kvctl's hot loops run: the C extension (`_native.c`) where the install could
+build it, else its pure-Python twin (`_native_py.py`), which gives the same results more slowly.
+
+`KVCTL_PURE_PYTHON=1` picks the twin even where the extension exists, so the test suite and a suspicious
+operator can run the fallback. It is read once, at import: a process's environment is its configuration, and
+this is the only reading of it in `core/`. Callers look the functions up here at each call
+(`native.xxh3_blocks(...)`), so tests can swap the implementation under them.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from kvctl.core import _native_py
+
+
+def _pick() -> tuple[ModuleType, bool]:
+    if os.environ.get("KVCTL_PURE_PYTHON", "") not in ("", "0"):
+        return _native_py, False
+    try:
+        from kvctl.core import _native
+    except ImportError:  # built without a compiler (pip's `optional` extension): the twin stands in
+        return _native_py, False
+    return _native, True
+
+
+_implementation, NATIVE = _pick()
+"""NATIVE: whether the C extension is in use."""
+IMPLEMENTATION = "C" if NATIVE else "none, pure Python"
+"""In `kvctl --version`'s words: which speedups run."""
+
+xxh3_blocks = _implementation.xxh3_blocks
+xxh3_chain = _implementation.xxh3_chain
+u32_from_json = _implementation.u32_from_json
+u32_head_of_object = _implementation.u32_head_of_object
+u32le_from_msgpack = _implementation.u32le_from_msgpack
+u64_from_msgpack = _implementation.u64_from_msgpack
+FUNCTIONS = ("xxh3_blocks", "xxh3_chain", "u32_from_json", "u32_head_of_object", "u32le_from_msgpack",
+             "u64_from_msgpack")
+"""The names every implementation provides."""

@@ -1,0 +1,158 @@
+"""The pure-Python twin of each C function (`_native_py` against `_native`) over the same inputs: the same
+result, or the same exception with the same message, so that an install without a compiler behaves as one
+with. The inputs lean on the edges: every XXH3 length class, u32/u64 bounds, bad JSON and msgpack of every
+kind, arguments of the wrong type."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kvctl.core import _native_py
+from tests.conftest import implementation
+from tests.core.test_msgpack_uints import _INTS, _array, _int
+
+C = implementation("C")
+
+
+def _outcome(function: Callable[..., Any], *args: Any) -> tuple[str, Any]:
+    try:
+        return "returned", function(*args)
+    except Exception as exc:  # noqa: BLE001 - the exception is the outcome compared
+        return type(exc).__name__, str(exc)
+
+
+def _same(name: str, *args: Any) -> None:
+    assert _outcome(getattr(_native_py, name), *args) == _outcome(getattr(C, name), *args)
+
+
+_INTISH = st.one_of(st.integers(-(2**65), 2**65), st.integers(0, 2**64 - 1), st.integers(-3, 300), st.booleans(),
+                    st.floats(allow_nan=False), st.none(), st.text(max_size=2))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=600), st.integers(1, 260) | _INTISH, st.integers(0, 2**64 - 1) | _INTISH)
+@example(b"abc", 0, 1)
+@example(b"abc", -1, 1)
+@example(b"abc", 2**63, 1)
+@example(b"abcd", 2, -1)
+@example(b"abcd", 2, 2**64)
+def test_xxh3_blocks(data: bytes, stride: Any, seed: Any) -> None:
+    _same("xxh3_blocks", data, stride, seed)
+
+
+def test_xxh3_blocks_takes_what_a_buffer_is() -> None:
+    from array import array
+
+    for data in (bytearray(b"12345678"), memoryview(b"12345678"), array("I", [1, 2, 3, 4]), "text", 7,
+                 memoryview(b"12345678")[::2]):
+        _same("xxh3_blocks", data, 4, 1337)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1) | _INTISH, max_size=30) | _INTISH | st.tuples(st.integers(0, 9)),
+       st.integers(0, 2**64 - 1) | _INTISH)
+def test_xxh3_chain(hashes: Any, seed: Any) -> None:
+    _same("xxh3_chain", hashes, seed)
+
+
+def test_xxh3_chain_takes_any_iterable_and_returns_ints() -> None:
+    _same("xxh3_chain", range(5), 1337)
+    _same("xxh3_chain", {3: None}.keys(), 1337)
+    outcome = _outcome(_native_py.xxh3_chain, [True, False], 0)
+    assert outcome == _outcome(C.xxh3_chain, [True, False], 0)
+    assert [type(h) for h in outcome[1]] == [int, int]
+
+
+_JSON_ITEM = st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 3), st.integers(-(2**70), 2**70),
+                       st.floats(allow_nan=False), st.booleans(), st.none(), st.text(max_size=3),
+                       st.lists(st.integers(0, 9), max_size=2),
+                       st.dictionaries(st.text(max_size=2), st.integers(), max_size=1))
+_JSON_WS = st.sampled_from(["", " ", "\n", "\t", "\r\n  ", "\x0b", "\x0c"])
+
+
+@st.composite
+def _json_texts(draw: st.DrawFn) -> bytes:
+    """Arrays of ids as clients write them, sometimes with a value or a byte that must be refused."""
+    parts = [draw(_JSON_WS) + draw(st.sampled_from(["", "-", "0"])) + json.dumps(item) + draw(_JSON_WS)
+             for item in draw(st.lists(_JSON_ITEM, max_size=12))]
+    text = f"{draw(_JSON_WS)}[{','.join(parts)}]{draw(_JSON_WS)}"
+    return (text + draw(st.sampled_from(["", "", "x", ",", "]", "[]"]))).encode()
+
+
+_JSON_BYTES = (_json_texts() | st.binary(max_size=30)
+               | st.text(alphabet="[]{}0123456789,.-+eE\" \t\nnulltrfs:_okenid", max_size=30).map(str.encode))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(_JSON_BYTES)
+@example(b"")
+@example(b"7")
+@example(b"-")
+@example(b"[-0, 0, 4294967295]")
+@example(b"[-1]")
+@example(b"[4294967296]")
+@example(b"[-4294967296.5]")
+@example(b"[1e]")
+@example(b"[1e+]")
+@example(b"[01]")
+@example(b"[00]")
+@example(b"[1.]")
+@example(b"[] ]")
+@example(b"[1234567,12345678,123]")
+def test_u32_from_json(raw: bytes) -> None:
+    _same("u32_from_json", raw)
+
+
+@st.composite
+def _route_bodies(draw: st.DrawFn) -> bytes:
+    ws = _JSON_WS
+    ids = draw(_json_texts()).decode()
+    rest = draw(st.sampled_from(["}", ', "model": "m"}', ",}", ", 7}", "", ' ,\n"x":1}', "]}"]))
+    key = draw(st.sampled_from(['"token_ids"', '"token_ids"', '"tokens"', "token_ids"]))
+    return f"{draw(ws)}{{{draw(ws)}{key}{draw(ws)}:{draw(ws)}{ids}{rest}".encode()
+
+
+@settings(max_examples=1000, deadline=None)
+@given(_route_bodies() | _JSON_BYTES)
+@example(b'{"token_ids": [1, 2], "model": "m"}')
+@example(b'{"token_ids":[1,[2]]}')
+@example(b'{"token_ids":["]"]}')
+@example(b'{"token_ids":[1]')
+@example(b'{"token_ids":[1] }')
+def test_u32_head_of_object(raw: bytes) -> None:
+    _same("u32_head_of_object", raw)
+
+
+@st.composite
+def _msgpack_arrays(draw: st.DrawFn) -> bytes:
+    """Arrays in each header form, of ints in each encoding that fits them (and of other values), maybe cut short
+    or followed by a stray byte."""
+    values = draw(st.lists(st.integers(-(2**63), 2**64 - 1) | st.integers(0, 300) | st.booleans() | st.none()
+                           | st.floats(allow_nan=False) | st.text(max_size=2), max_size=20))
+    items = [_int(v, draw(st.sampled_from(["fix", *_INTS]))) if type(v) is int else msgspec.msgpack.encode(v)
+             for v in values]
+    raw = _array(items, draw(st.sampled_from(["fix", "a16", "a32"])))
+    return raw[: draw(st.integers(0, len(raw)))] if draw(st.booleans()) else raw + draw(st.binary(max_size=1))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(_msgpack_arrays() | st.binary(max_size=40))
+@example(b"\x91\xc3")  # [true]
+@example(b"\x91\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00")  # [1.0]
+@example(b"\x91\xff")  # [-1] as a negative fixint
+@example(b"\x80")  # {}
+def test_uints_from_msgpack(raw: bytes) -> None:
+    _same("u32le_from_msgpack", raw)
+    _same("u64_from_msgpack", raw)
+
+
+def test_the_readers_refuse_what_is_not_a_buffer() -> None:
+    for name in ("u32_from_json", "u32_head_of_object", "u32le_from_msgpack", "u64_from_msgpack"):
+        for value in ("[1]", 7, None, memoryview(b"[1, 2]")[::2]):
+            _same(name, value)
