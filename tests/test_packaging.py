@@ -64,6 +64,6 @@ def test_a_wheel_installs_and_runs(tmp_path: Path, compiler: str) -> None:
     assert Path(where.strip()).parent == installed
     assert _run(kvctl_bin, "--version", cwd=tmp_path, env=env) == (
         f"kvctl {kvctl.__version__} (native speedups: {COMPILERS[compiler]})\n")
-    # DESIGN §3.1's example: Dynamo's hashes of [1..8] in blocks of 4
+    # docs/contract.md's example: Dynamo's hashes of [1..8] in blocks of 4
     assert _run(kvctl_bin, "-o", "name", "hash", "-b", "4", "1", "2", "3", "4", "5", "6", "7", "8",
                 cwd=tmp_path, env=env).split() == ["14643705804678351452", "4945711292740353085"]
