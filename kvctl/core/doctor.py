@@ -15,6 +15,7 @@ from enum import IntEnum
 from typing import Any
 
 from kvctl.core.router.busy import THRESHOLD_FIELDS, BusyTracker, Thresholds, WorkerLoad
+from kvctl.core.silence import SILENT_AFTER_S, is_silent
 
 DEFAULT_MODEL = "default"
 SHOWN = 8
@@ -45,7 +46,7 @@ class Finding:
 
 @dataclass(frozen=True)
 class Limits:
-    silent_after_s: float = 60.0
+    silent_after_s: float = SILENT_AFTER_S
     most_busy_share: float = 0.5  # WARNING when more than this share of a model's workers is busy
     kv_full_share: float = 0.9  # "extreme" load: KV usage of a worker's capacity, with no threshold set
     divergence_share: float = 0.01  # replicas may differ by this share of blocks (events in flight)
@@ -118,7 +119,7 @@ def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]
         return [Finding("silent", Severity.OK, "approximate mode: the router indexes its own routes, not events")]
     never = [_name(w) for w in workers if w.get("last_event_age_s") is None]
     stale = [(_name(w), w["last_event_age_s"]) for w in workers
-             if w.get("last_event_age_s") is not None and w["last_event_age_s"] > limits.silent_after_s]
+             if w.get("last_event_age_s") is not None and is_silent(w["last_event_age_s"], limits.silent_after_s)]
     if not never and not stale:
         return [Finding("silent", Severity.OK, f"every worker sent events in the last {limits.silent_after_s:g} s")]
     silent = never + [n for n, _ in stale]
