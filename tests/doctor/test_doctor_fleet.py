@@ -95,6 +95,36 @@ async def test_engines_hashing_differently_are_named(tmp_path: Path) -> None:
     assert finding["evidence"]["count"] >= 1 and all(n > 0 for n in finding["evidence"]["mismatched_blocks"].values())
 
 
+async def test_one_engine_hashing_unlike_the_rest_is_named_alone(tmp_path: Path) -> None:
+    # Four engines, the third with its own hash seed. Each of four shared prefixes is stored first by another
+    # engine, then by the rest, one at a time: the odd engine disagrees with the first store of three prefixes,
+    # each other engine only with the odd engine's first store of one.
+    seeded = replace(BASE, seed=7)
+    async with engines_behind_router(tmp_path, engines=4, faults=Faults(nondeterministic_hash=True),
+                                     fault_engines=[2], base=seeded) as rig:
+        engines = [EngineClient(e.url) for e in rig.fleet.engines]
+        try:
+            for first in range(4):
+                prefix = [first * 1_000 + t for t in range(4 * BASE.block_size)]
+                for k in range(4):
+                    index = (first + k) % 4
+                    await _generate(engines[index], prefix)
+                    await rig.until(lambda ws, n=index + 1, b=4 * (first + 1): _blocks(ws, n) == b,
+                                    f"engine {index + 1}'s prefix {first} indexed")
+        finally:
+            await asyncio.gather(*(e.aclose() for e in engines))
+        code, report = await rig.doctor()
+    [finding] = findings(report, "hashing")
+    assert code == 2 and finding["severity"] == "CRITICAL"
+    assert finding["evidence"]["mismatched_blocks"] == {"1:0": 4, "2:0": 4, "3:0": 12, "4:0": 4}
+    assert finding["evidence"]["workers"] == ["3:0"] and "worker(s) 3:0 " in finding["cause"]
+    assert finding["next_step"].startswith("worker 3's engine")
+
+
+def _blocks(workers: list[dict[str, Any]], worker_id: int) -> int:
+    return next(w["blocks"] for w in workers if w["worker_id"] == worker_id)
+
+
 async def test_batches_lost_without_a_replay_endpoint_are_named(tmp_path: Path) -> None:
     async with engines_behind_router(tmp_path, faults=Faults(drop_every=3), fault_engines=[0], replay=False) as rig:
         await rig.load()
