@@ -238,9 +238,10 @@ class LoadGenerator:
         self._watch.connected()
         return answer
 
-    async def restart_engines(self) -> None:
-        """Cold caches everywhere, so the next policy starts where the previous one did."""
-        await asyncio.gather(*(engine.restart() for engine in self.engines.values()))
+    async def clear_caches(self) -> None:
+        """Cold caches everywhere, so the next policy starts where the previous one did; announced to the
+        router as engines do (AllBlocksCleared), so that it empties their index and sees no restart."""
+        await asyncio.gather(*(engine.clear_cache() for engine in self.engines.values()))
 
 
 async def register_engines(router: AsyncRouterClient, engines: Sequence[Mapping[str, Any]], model: str) -> None:
@@ -266,7 +267,7 @@ async def run_policies(server: str, targets: dict[int, str], rows: list[dict[str
             load = LoadGenerator(engines, router=router, model=model, seed=seed, give_up_s=give_up_s)
             reports = []
             for policy in policies:
-                await load.restart_engines()  # every policy from cold caches
+                await load.clear_caches()  # every policy from cold caches
                 reports.append((await load.run(workload, policy, concurrency=concurrency)).report())
             return reports
     finally:

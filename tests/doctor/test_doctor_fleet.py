@@ -162,6 +162,28 @@ async def test_an_engine_restart_is_named(tmp_path: Path) -> None:
     assert code == 1 and finding["evidence"]["restarts"] == {"3:0": 1}
 
 
+async def test_a_cache_cleared_as_vllm_does_empties_that_worker_and_is_no_restart(tmp_path: Path) -> None:
+    # What `mock load` and the demo do between phases: AllBlocksCleared in the engine's own stream, seq going on.
+    async with engines_behind_router(tmp_path) as rig:
+        engines = [EngineClient(e.url) for e in rig.fleet.engines]
+        try:
+            for engine in engines:
+                await _generate(engine, list(range(64)))
+            await rig.until(lambda ws: all(w["blocks"] == 4 for w in ws), "every engine indexed")
+            await engines[2].clear_cache()
+            await rig.until(lambda ws: _blocks(ws, 3) == 0, "worker 3 emptied")
+            await _generate(engines[2], list(range(100, 164)))
+            workers = await rig.until(lambda ws: _blocks(ws, 3) == 4, "worker 3's new blocks")
+        finally:
+            await asyncio.gather(*(e.aclose() for e in engines))
+        code, report = await rig.doctor()
+        status = await rig.status()
+    assert _blocks(workers, 1) == _blocks(workers, 2) == 4  # a worker's Cleared is its own (Dynamo's semantics)
+    assert [s["restarts"] for s in status["streams"] if s["worker"]["worker_id"] == 3] == [0]
+    assert findings(report, "restarts") == [] and findings(report, "streams")[0]["severity"] == "OK"
+    assert code == 0, report
+
+
 async def test_a_fleet_that_is_all_busy_is_critical_and_names_the_threshold(tmp_path: Path) -> None:
     slow = replace(BASE, prefill_us_per_token=3_000.0)  # ~0.3 s of prefill per request: load piles up
     async with engines_behind_router(tmp_path, base=slow) as rig:
