@@ -24,7 +24,8 @@ from kvctl.output import Column, Output, View
 HELP = "Run mock engines that publish real wire-format KV events and metrics (no GPU). (read-only)"
 EXAMPLES = (
     "Examples:\n\n"
-    "  kvctl mock --engines 4 --config-out fleet.toml &   kvctl serve --config fleet.toml\n\n"
+    "  kvctl mock --engines 4 --config-out fleet.toml\n\n"
+    "  kvctl serve --config fleet.toml\n\n"
     "  kvctl mock --format sglang --tiers -o json\n\n"
     "  kvctl mock --drop-every 10 --fault-engine 0 --duration 60"
 )
