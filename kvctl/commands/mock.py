@@ -118,6 +118,7 @@ def mock_command(
                                 fault_engines=set(fault_engine) if fault_engine else None)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
     def announce(infos: list[dict[str, Any]]) -> None:
         if config_out is not None:
             from kvctl.config_writer import replace_text

@@ -8,7 +8,8 @@ decode time per output token, and the client sees NDJSON lines when each phase e
 
 Faults reproduce the incidents kvctl diagnoses: lost batches (drop_every), an engine restart
 (restart_after), a block size or hash seed the router does not share, an engine that stops
-publishing (silent), and an overloaded one (slow).
+publishing (silent), and an overloaded one (slow). A cache reset (POST /v1/clear), unlike a restart,
+is announced as vLLM's reset_prefix_cache announces it: AllBlocksCleared, seq going on.
 """
 
 from __future__ import annotations
