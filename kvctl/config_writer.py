@@ -59,11 +59,15 @@ def render(data: Mapping[str, Any]) -> str:
 
 
 def write(path: Path, data: Mapping[str, Any]) -> None:
-    """Replace the file at `path` (through a symlink, to its target) with `data`, atomically.
+    """Replace the config file at `path` with `data`, atomically (see `replace_text`)."""
+    replace_text(path, render(data))
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Replace the file at `path` (through a symlink, to its target) with `text`, atomically.
 
     A new file is readable by its owner only (it may hold a token); an existing one keeps its mode.
     """
-    text = render(data)
     target = Path(os.path.realpath(path))
     temporary: str | None = None
     try:

@@ -36,8 +36,15 @@ class EngineClient:
                         yield json.loads(line)
 
     async def restart(self) -> None:
-        """Cold cache and seq from 0, as after a crash: what a fair comparison between policies starts from."""
-        call = Call("POST", "/v1/restart")
+        """Cold cache and seq from 0, unannounced, as after a crash."""
+        await self._post(Call("POST", "/v1/restart"))
+
+    async def clear_cache(self) -> None:
+        """Cold cache, announced to the router (AllBlocksCleared) as vLLM's reset_prefix_cache does: what a fair
+        comparison between policies starts from, with nothing that looks like a crash."""
+        await self._post(Call("POST", "/v1/clear"))
+
+    async def _post(self, call: Call) -> None:
         with translate(self.base_url):
             interpret(call, await self._http.post(call.path))
 

@@ -1,37 +1,41 @@
 """`kvctl config show / use-context / set`: the contexts of kvctl's config file, kubectl-style.
 
 `show --sources` answers "why did this command talk to that router?": every setting with where it
-came from (flag > environment > context > default). The edits rewrite the file atomically.
+came from (flag > environment > context > default). The edits rewrite the file atomically. They take
+--dry-run but not --yes: as kubectl's `config set` and `use-context`, editing one's own config file
+asks nothing (nothing outside it changes, and `config show` shows what it holds).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, output_for, settings_for
 from kvctl.errors import ConfigError, UsageError
-from kvctl.output import Column, View
+from kvctl.output import Column, Output, View
 
 app = typer.Typer(help="kvctl's own settings: contexts in the config file (KVCTL_CONFIG overrides its path).",
                   no_args_is_help=True)
 
 SHOW_HELP = "Show the settings a command would use, and with --sources where each came from. (read-only)"
 SHOW_EXAMPLES = "Examples:\n\n  kvctl config show --sources\n\n  kvctl --context prod config show -o json"
-USE_HELP = "Make NAME the current context of the config file. [writes the config file]"
-USE_EXAMPLES = "Examples:\n\n  kvctl config use-context prod"
+USE_HELP = "Make NAME the current context of the config file. [writes the config file; --dry-run does not]"
+USE_EXAMPLES = "Examples:\n\n  kvctl config use-context prod\n\n  kvctl config use-context prod --dry-run"
 SET_HELP = (
     "Set KEY (server, token, prometheus or timeout) to VALUE in a context of the config file, creating the "
     "context (and the file) when new. The context edited: --context, else the one commands would use "
-    "(the global --context, KVCTL_CONTEXT, the file's current-context). [writes the config file]"
+    "(the global --context, KVCTL_CONTEXT, the file's current-context). [writes the config file; --dry-run "
+    "does not]"
 )
 SET_EXAMPLES = (
     "Examples:\n\n"
     "  kvctl config set server http://router.prod:7433 --context prod\n\n"
-    "  kvctl config set timeout 10"
+    "  kvctl config set timeout 10 --dry-run"
 )
 _MASK = "***"
 _URL_KEYS = ("server", "prometheus")
@@ -83,10 +87,10 @@ def show_command(
 def use_context_command(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="A context of the config file.")],
+    dry_run: DryRunOpt = False,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    from kvctl import config_writer
     from kvctl.config import ConfigFile
 
     out = output_for(ctx, output, as_json)
@@ -95,8 +99,8 @@ def use_context_command(
         raise ConfigError(f"no context {name!r} in {file.path}",
                           hint=f"known: {', '.join(sorted(file.contexts)) or 'none'}; create one with "
                                "'kvctl config set server URL --context NAME'")
-    config_writer.write(file.path, {**file.data, "current-context": name})
-    out.emit({"context": name, "key": "current-context", "value": name, "config_file": str(file.path)}, _EDIT_VIEW)
+    _edit(out, file.path, {**file.data, "current-context": name},
+          {"context": name, "key": "current-context", "value": name}, dry_run)
 
 
 @app.command("set", help=SET_HELP, epilog=SET_EXAMPLES)
@@ -106,10 +110,10 @@ def set_command(
     value: Annotated[str, typer.Argument(help="The value (a URL, a token, or seconds for timeout).")],
     context: Annotated[str | None, typer.Option("--context", help="The context to edit (created when new).",
                                                 show_default=False)] = None,
+    dry_run: DryRunOpt = False,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    from kvctl import config_writer
     from kvctl.config import ConfigFile
 
     out = output_for(ctx, output, as_json)
@@ -124,10 +128,20 @@ def set_command(
     data = {**file.data, "contexts": contexts}
     if file.current is None:
         data["current-context"] = name
-        out.note(f"{name} is now the current context (the config file had none)")
-    config_writer.write(file.path, data)
-    out.emit({"context": name, "key": key, "value": _MASK if key == "token" else _masked_url(typed),
-              "config_file": str(file.path)}, _EDIT_VIEW)
+        out.note(f"{name} {'would become' if dry_run else 'is now'} the current context (the config file had none)")
+    _edit(out, file.path, data,
+          {"context": name, "key": key, "value": _MASK if key == "token" else _masked_url(typed)}, dry_run)
+
+
+def _edit(out: Output, path: Path, data: dict[str, Any], edit: dict[str, Any], dry_run: bool) -> None:
+    """Write the config file's new `data` and show the `edit`; with --dry-run, only show it."""
+    if dry_run:
+        out.note(f"dry run: {path} was not changed")
+    else:
+        from kvctl import config_writer
+
+        config_writer.write(path, data)
+    out.emit({**edit, "config_file": str(path), **({"dry_run": True} if dry_run else {})}, _EDIT_VIEW)
 
 
 def _masked_url(value: Any) -> Any:

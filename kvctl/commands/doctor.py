@@ -36,6 +36,7 @@ from kvctl.core.doctor import (
     differing_workers,
     worst,
 )
+from kvctl.core.silence import SILENT_AFTER_S
 from kvctl.output import Column, Output, View
 
 if TYPE_CHECKING:
@@ -75,7 +76,8 @@ def doctor_command(
     model: Annotated[str | None, typer.Option(
         "--model", "-m", show_default=False, help="Check this model's workers only.")] = None,
     silent_after: Annotated[float, typer.Option(
-        "--silent-after", min=0, help="Seconds without events before a worker counts as silent.")] = 60.0,
+        "--silent-after", min=0,
+        help="Seconds without events before a worker counts as silent (kvctl top uses the default).")] = SILENT_AFTER_S,
     divergence: Annotated[float, typer.Option(
         "--divergence", min=0, max=1, help="Share of blocks replicas may differ by (events in flight).")] = 0.01,
     unreachable_after: Annotated[float, typer.Option(

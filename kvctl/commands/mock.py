@@ -1,13 +1,15 @@
 """`kvctl mock`: GPU-free engines that publish real vLLM/SGLang KV events and metrics.
 
 It prints one row per engine first (`-o json` for scripts: the rows carry what `kvctl serve
---worker` and a router's POST /v1/workers need), then runs until Ctrl-C, SIGTERM or --duration.
+--worker` and a router's POST /v1/workers need), with --config-out writes the `kvctl serve --config`
+file that follows them, then runs until Ctrl-C, SIGTERM or --duration.
 The engine code (asyncio, ZMQ, uvicorn) is imported only when the command runs.
 """
 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,12 +19,13 @@ from kvctl.commands._nats import ComponentOpt, EndpointOpt, NamespaceOpt
 from kvctl.commands._options import GiveUpOpt, JsonOpt, OutputOpt, output_for, settings_for
 from kvctl.errors import UsageError
 from kvctl.mock.load import GIVE_UP_S
-from kvctl.output import Column, View
+from kvctl.output import Column, Output, View
 
 HELP = "Run mock engines that publish real wire-format KV events and metrics (no GPU). (read-only)"
 EXAMPLES = (
     "Examples:\n\n"
-    "  kvctl mock --engines 4\n\n"
+    "  kvctl mock --engines 4 --config-out fleet.toml\n\n"
+    "  kvctl serve --config fleet.toml\n\n"
     "  kvctl mock --format sglang --tiers -o json\n\n"
     "  kvctl mock --drop-every 10 --fault-engine 0 --duration 60"
 )
@@ -82,6 +85,10 @@ def mock_command(
                                                    help="Stop after this many seconds.")] = None,
     seed: Annotated[int | None, typer.Option("--seed", show_default=False,
                                              help="Makes --nondeterministic-hash reproducible.")] = None,
+    config_out: Annotated[Path | None, typer.Option(
+        "--config-out", show_default=False, dir_okay=False,
+        help="Write the `kvctl serve --config` file that follows these engines (their model, block size and "
+             "endpoints) once they listen.")] = None,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -91,11 +98,14 @@ def mock_command(
     _check(engines=engines, block_size=block_size, capacity=capacity, wire_format=wire_format, nats_url=nats_url,
            base_port=base_port,
            drop_every=drop_every, restart_after=restart_after, fault_block_size=fault_block_size, duration=duration)
+    if config_out is not None and wire_format == "dynamo-nats":
+        raise UsageError("--config-out declares ZMQ endpoints; dynamo-nats engines have none",
+                         hint="follow them with kvctl serve --nats URL instead")
 
     import asyncio
 
     from kvctl.mock.engine import EngineConfig, Faults
-    from kvctl.mock.fleet import Fleet, fleet_configs, run_until_stopped
+    from kvctl.mock.fleet import Fleet, fleet_configs, run_until_stopped, serve_file
 
     faults = Faults(drop_every=drop_every, restart_after=restart_after, block_size=fault_block_size,
                     nondeterministic_hash=nondeterministic_hash, silent=silent, slow=slow)
@@ -108,8 +118,18 @@ def mock_command(
                                 fault_engines=set(fault_engine) if fault_engine else None)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+    def announce(infos: list[dict[str, Any]]) -> None:
+        if config_out is not None:
+            from kvctl.config_writer import replace_text
+            from kvctl.server.config_file import render
+
+            replace_text(config_out, render(serve_file(infos, block_size)))
+            out.note(f"wrote {config_out}: kvctl serve --config {config_out}")
+        out.emit(infos, _VIEW)
+
     try:
-        asyncio.run(run_until_stopped(Fleet(configs), duration, lambda infos: out.emit(infos, _VIEW)))
+        asyncio.run(run_until_stopped(Fleet(configs), duration, announce))
     except OSError as exc:
         raise UsageError(f"cannot bind on {host}: {exc.strerror}", hint="pick another --base-port") from None
     except KeyboardInterrupt:
@@ -167,7 +187,10 @@ def load_command(
     engine: Annotated[list[str] | None, typer.Option("--engine", show_default=False,
                                                      help="WORKER_ID=URL of a mock engine (repeatable).")] = None,
     engines_file: Annotated[Path | None, typer.Option("--engines-file", show_default=False,
-                                                      help="The JSON rows of `kvctl mock -o json`.")] = None,
+                                                      help="The JSON rows of `kvctl mock -o json`. Engines the "
+                                                           "router does not know yet are registered with it "
+                                                           "(POST /v1/workers, under --model), and it says so.")]
+    = None,
     trace: Annotated[Path | None, typer.Option("--trace", show_default=False,
                                                help="Replay a Mooncake trace instead of the shared-prefix mix.")]
     = None,
@@ -214,11 +237,17 @@ def load_command(
                             rate=f"{stats.report()['requests_per_s']:.1f}")
 
             reports = asyncio.run(run_policies(settings.server, targets, rows, workload, policies, concurrency,
-                                               model, seed, token=settings.token, give_up_s=give_up_after,
-                                               progress=progress))
+                                               model, seed, partial(_registered, out, settings.server, model),
+                                               token=settings.token, give_up_s=give_up_after, progress=progress))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     out.emit(reports, _LOAD_VIEW)
+
+
+def _registered(out: Output, server: str, model: str, workers: list[str]) -> None:
+    """One line when --engines-file engines were registered: the router's worker list changed."""
+    if workers:
+        out.note(f"registered {len(workers)} engine(s) with {server} (model {model!r}): {', '.join(workers)}")
 
 
 def _engine_rows(engines_file: Path | None) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from kvctl.commands._input import parse_hash_text, read_numbers
-from kvctl.commands._options import JsonOpt, OutputOpt, output_for, router_client
+from kvctl.commands._options import JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
 from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number, worker_name
 from kvctl.commands.hash import parse_token_text
 from kvctl.errors import UsageError
@@ -23,13 +23,14 @@ HELP = (
     "Ask a router which worker a request's token ids would go to, and why. [read-only; --reserve adds load]\n\n"
     "Token ids come from the arguments, --file, stdin, or --text with a Hugging Face --tokenizer (needs the "
     "transformers package). --reserve also records the request as in flight on the chosen worker, as a "
-    "frontend does, until it is freed or expires."
+    "frontend does, until it is freed or expires: it shifts the router's real traffic, so it asks first "
+    "(--yes, needed without a terminal), and --reserve --dry-run routes without booking anything."
 )
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl route --file prompt.json --explain\n\n"
     "  kvctl hash --file prompt.txt -o json | jq -r '.local_hashes[]' | kvctl route --local-hashes\n\n"
-    "  kvctl route --text 'Hello there' --tokenizer Qwen/Qwen3-0.6B --reserve --request-id r1 -o json"
+    "  kvctl route --text 'Hello there' --tokenizer Qwen/Qwen3-0.6B --reserve --request-id r1 --yes -o json"
 )
 
 
@@ -97,6 +98,8 @@ def route_command(
                                           "(needs --request-id).")] = False,
     request_id: Annotated[str | None, typer.Option("--request-id", help="The request's id (to free it later).",
                                                    show_default=False)] = None,
+    yes: YesOpt = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="With --reserve: route, but book nothing.")] = False,
     text: Annotated[str | None, typer.Option("--text", help="A prompt to tokenize (needs --tokenizer).",
                                              show_default=False)] = None,
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="Hugging Face tokenizer name or path for "
@@ -109,11 +112,21 @@ def route_command(
     out = output_for(ctx, output, as_json)
     if reserve and not request_id:
         raise UsageError("--reserve needs --request-id ID", hint="the id is how the request is freed later")
+    if dry_run and not reserve:
+        raise UsageError("--dry-run goes with --reserve", hint="route alone books nothing: drop --dry-run")
     ids = _request_numbers(tokens, file, local_hashes, text, tokenizer)
+    booking = reserve and not dry_run
     call = calls.route(token_ids=None if local_hashes else ids, local_hashes=ids if local_hashes else None,
-                       model=model, request_id=request_id, reserve=reserve, explain=explain)
+                       model=model, request_id=request_id, reserve=booking, explain=explain)
     with router_client(ctx) as client:
+        if booking:
+            confirm(f"book request {request_id} ({len(ids)} {'hashes' if local_hashes else 'tokens'}) as in "
+                    f"flight on the worker {client.base_url} chooses for model {model}", yes)
+        elif dry_run:
+            out.note("dry run: nothing was reserved")
         answer = client.send(call)
+    if dry_run:
+        answer = {**answer, "dry_run": True}
     explained = explain and out.format is not OutputFormat.name  # -o name prints the chosen worker only
     out.emit(answer, _explained_view(answer) if explained else _DECISION_VIEW)
 

@@ -225,7 +225,9 @@ def serve_command(
     block_size: Annotated[int, typer.Option("--block-size", envvar="KVCTL_BLOCK_SIZE", help="Tokens per KV block.")]
     = 16,
     config: Annotated[Path | None, typer.Option("--config", "-c", envvar="KVCTL_SERVE_CONFIG", show_default=False,
-                                                help="TOML file declaring models and workers.")] = None,
+                                                help="TOML file declaring models and workers (format: see "
+                                                     "docs/configuration.md; kvctl mock --config-out writes "
+                                                     "one).")] = None,
     worker: Annotated[list[str] | None, typer.Option("--worker", help="An engine's KV-event endpoint "
                                                      "(repeatable).")] = None,
     admin_token: Annotated[str | None, typer.Option("--admin-token", envvar="KVCTL_ADMIN_TOKEN", show_default=False,

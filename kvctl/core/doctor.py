@@ -15,6 +15,7 @@ from enum import IntEnum
 from typing import Any
 
 from kvctl.core.router.busy import THRESHOLD_FIELDS, BusyTracker, Thresholds, WorkerLoad
+from kvctl.core.silence import SILENT_AFTER_S, is_silent
 
 DEFAULT_MODEL = "default"
 SHOWN = 8
@@ -45,7 +46,7 @@ class Finding:
 
 @dataclass(frozen=True)
 class Limits:
-    silent_after_s: float = 60.0
+    silent_after_s: float = SILENT_AFTER_S
     most_busy_share: float = 0.5  # WARNING when more than this share of a model's workers is busy
     kv_full_share: float = 0.9  # "extreme" load: KV usage of a worker's capacity, with no threshold set
     divergence_share: float = 0.01  # replicas may differ by this share of blocks (events in flight)
@@ -118,7 +119,7 @@ def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]
         return [Finding("silent", Severity.OK, "approximate mode: the router indexes its own routes, not events")]
     never = [_name(w) for w in workers if w.get("last_event_age_s") is None]
     stale = [(_name(w), w["last_event_age_s"]) for w in workers
-             if w.get("last_event_age_s") is not None and w["last_event_age_s"] > limits.silent_after_s]
+             if w.get("last_event_age_s") is not None and is_silent(w["last_event_age_s"], limits.silent_after_s)]
     if not never and not stale:
         return [Finding("silent", Severity.OK, f"every worker sent events in the last {limits.silent_after_s:g} s")]
     silent = never + [n for n, _ in stale]
@@ -299,15 +300,25 @@ def check_hashing(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
     missing = [(_name(w), w.get("rejected_events", {}).get("block_not_found", 0)) for w in workers
                if w.get("rejected_events", {}).get("block_not_found")]
     if mismatched:
-        names = [n for n, _ in mismatched]
+        odd = odd_hashers(workers)
+        names = odd or [n for n, _ in mismatched]
+        evidence = {**_named(names), "mismatched_blocks": dict(mismatched[:SHOWN]),
+                    "agreeing_blocks": {_name(w): w.get("hash_agreements", 0) for w in workers[:SHOWN]},
+                    "removals_not_found": dict(missing[:SHOWN])}
+        fix = ("give every engine the same hash seed (vLLM: PYTHONHASHSEED, or --prefix-caching-hash-algo "
+               "sha256_cbor); kvctl hash <tokens> shows the hashes the router expects")
+        if odd:
+            return [Finding(
+                "hashing", Severity.CRITICAL,
+                f"worker(s) {', '.join(odd[:SHOWN])} hash blocks unlike the rest of their model: they stored known "
+                "token paths under other block hashes (Dynamo's \"block_hash mismatch\") more often than under the "
+                "same, while the other workers agree, so their prefixes are not shared",
+                evidence, f"worker {_first(odd)}'s engine: the other engines' hash seed and block size; {fix}")]
         return [Finding(
             "hashing", Severity.CRITICAL,
             f"non-deterministic engine hashing: {len(names)} worker(s) stored known token paths under other "
             "block hashes (Dynamo's \"block_hash mismatch\"), so their removals miss and prefixes are not shared",
-            {**_named(names), "mismatched_blocks": dict(mismatched[:SHOWN]),
-             "removals_not_found": dict(missing[:SHOWN])},
-            "give every engine the same hash seed (vLLM: PYTHONHASHSEED, or --prefix-caching-hash-algo "
-            "sha256_cbor); kvctl hash <tokens> shows the hashes the router expects")]
+            evidence, fix)]
     if missing:
         return [Finding(
             "hashing", Severity.WARNING,
@@ -316,6 +327,23 @@ def check_hashing(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
             {**_named([n for n, _ in missing]), "removals_not_found": dict(missing[:SHOWN])},
             "kvctl router status  (gaps? restarts?); kvctl router reset --worker W --yes to resync")]
     return [Finding("hashing", Severity.OK, "engines agree on block hashes")]
+
+
+def odd_hashers(workers: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The workers that hash unlike the rest of their model: more of their stores on known token paths
+    disagreed with the indexed hashes than agreed, while the model's other workers agree with each other
+    (some agreement, fewer than half the workers odd). Empty when no such rest exists: when every engine
+    hashes its own way, or two disagree with no third to side with, no single worker is to blame."""
+    by_model: dict[str, list[Mapping[str, Any]]] = {}
+    for w in workers:
+        by_model.setdefault(w["model"], []).append(w)
+    odd = []
+    for rows in by_model.values():
+        standing = [w for w in rows if (w.get("hash_mismatches") or 0) > (w.get("hash_agreements") or 0)]
+        agreeing = any(w.get("hash_agreements") for w in rows if w not in standing)
+        if agreeing and 2 * len(standing) < len(rows):
+            odd += [_name(w) for w in standing]
+    return odd
 
 
 def check_partial(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:

@@ -13,8 +13,9 @@ lower copy stays. Offloaded blocks are announced like vLLM's offloading connecto
 BlockStored per block with no parent.
 
 Every change of content is returned as events, in an order whose replay rebuilds the content
-exactly (Removed before any re-Stored of the same block). `clear()` emits nothing: it models a
-restart, and a restarted engine says nothing about the cache it lost. Pure: no I/O, no clock.
+exactly (Removed before any re-Stored of the same block). `clear()` drops every tier at once and returns
+one `CacheCleared` (vLLM's reset_prefix_cache announces it so); a restarted engine uses it too, and says
+nothing. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ class CacheRemoved:
     hashes: tuple[int, ...]
 
 
-CacheEvent = CacheStored | CacheRemoved
+@dataclass(frozen=True, slots=True)
+class CacheCleared:
+    """Every block of every tier dropped at once."""
+
+
+CacheEvent = CacheStored | CacheRemoved | CacheCleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,14 +157,16 @@ class PrefixCache:
                 del self._refs[h]
                 self._free[h] = None
 
-    def clear(self) -> None:
-        """Forget everything without events, as a restarted engine does; outstanding allocations go stale."""
+    def clear(self) -> tuple[CacheEvent, ...]:
+        """Forget everything; outstanding allocations go stale (running requests' blocks are dropped too,
+        where vLLM would refuse until they finish: the mock's callers clear between workloads)."""
         self.generation += 1
         self._device.clear()
         self._refs.clear()
         self._free.clear()
         self._host.blocks.clear()
         self._disk.blocks.clear()
+        return (CacheCleared(),)
 
     def _prefix_hits(self, chain: Sequence[tuple[int, Tokens]]) -> dict[Tier, int]:
         hits: Counter[Tier] = Counter()

@@ -93,7 +93,7 @@ async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]
             try:
                 load = LoadGenerator(engines, router=router, seed=plan.seed, give_up_s=plan.give_up_s)
                 baseline = await _phase(load, workload, Policy.random, plan.baseline, plan, progress, every_s)
-                await load.restart_engines()
+                await load.clear_caches()
                 routed = await _phase(load, workload, Policy.router, plan.duration_s - plan.baseline, plan, progress,
                                       every_s)
             finally:

@@ -8,7 +8,8 @@ decode time per output token, and the client sees NDJSON lines when each phase e
 
 Faults reproduce the incidents kvctl diagnoses: lost batches (drop_every), an engine restart
 (restart_after), a block size or hash seed the router does not share, an engine that stops
-publishing (silent), and an overloaded one (slow).
+publishing (silent), and an overloaded one (slow). A cache reset (POST /v1/clear), unlike a restart,
+is announced as vLLM's reset_prefix_cache announces it: AllBlocksCleared, seq going on.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from pydantic import BaseModel, Field
 from kvctl.core.events.engine_encode import (
     FORMATS,
     SGLANG,
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EngineEvent,
     encode_batch,
 )
 from kvctl.core.events.plane import PlaneNames
-from kvctl.mock.cache import Allocation, CacheEvent, CacheStored, PrefixCache
+from kvctl.mock.cache import Allocation, CacheCleared, CacheEvent, CacheStored, PrefixCache
 from kvctl.mock.hashing import BlockHasher, HashStyle
 from kvctl.mock.metrics import EngineMetrics
 from kvctl.mock.nats_publisher import EngineGauges, NatsEventPublisher
@@ -140,6 +142,7 @@ class MockEngine:
         self.running = 0
         self.waiting = 0
         self.restarts = 0
+        self.clears = 0
         self.metrics = EngineMetrics(
             model_name=config.model_name, block_size=self.block_size,
             usage=lambda: self.cache.used_blocks / config.capacity,
@@ -219,11 +222,17 @@ class MockEngine:
     def restart(self) -> None:
         """What a crashed-and-restarted engine looks like from outside: empty cache, seq from 0, no events."""
         assert self.publisher is not None
-        self.cache.clear()
+        self.cache.clear()  # its AllBlocksCleared is not sent: a crashed engine says nothing
         self.publisher.reset()
         if self.nats is not None:
             self.nats.reset()
         self.restarts += 1
+
+    def clear_cache(self) -> None:
+        """vLLM's reset_prefix_cache: an empty cache, announced with AllBlocksCleared in the same stream (seq
+        goes on), so a router empties this worker and sees no restart."""
+        self._emit(self.cache.clear())
+        self.clears += 1
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[bytes]:
         """Queue, prefill, decode: one NDJSON line when the first token is out, one when done."""
@@ -268,6 +277,8 @@ class MockEngine:
         self.publisher.publish(payload, live=not dropped)
 
     def _engine_event(self, change: CacheEvent) -> EngineEvent:
+        if isinstance(change, CacheCleared):
+            return AllBlocksCleared()
         medium = self.fmt.mediums[change.tier]
         if isinstance(change, CacheStored):
             return BlockStored(change.hashes, change.parent, change.tokens, self.block_size, medium=medium,
@@ -300,6 +311,12 @@ class MockEngine:
             """A crash and restart on demand: cold cache, seq from 0, nothing published about it."""
             self.restart()
             return {"worker_id": self.config.worker_id, "restarts": self.restarts}
+
+        @app.post("/v1/clear")
+        async def clear() -> dict[str, Any]:
+            """A cache reset, as vLLM's POST /reset_prefix_cache: cold cache, announced (AllBlocksCleared)."""
+            self.clear_cache()
+            return {"worker_id": self.config.worker_id, "clears": self.clears}
 
         @app.get("/metrics")
         async def metrics() -> Response:

@@ -11,6 +11,8 @@ from types import TracebackType
 from typing import Any
 
 from kvctl.mock.engine import EngineConfig, Faults, MockEngine
+from kvctl.server.config_file import ModelSpec, ServeFile
+from kvctl.server.state import WorkerInfo
 
 PORTS_PER_ENGINE = 3
 """With a base port P, engine i (from 0) takes P+3i (HTTP), P+3i+1 (ZMQ PUB), P+3i+2 (replay ROUTER)."""
@@ -41,6 +43,15 @@ def fleet_configs(
         configs.append(dataclasses.replace(base, worker_id=worker_id, http_port=ports[0], zmq_port=ports[1],
                                            replay_port=ports[2], faults=faults if faulty else base.faults))
     return configs
+
+
+def serve_file(infos: Sequence[dict[str, Any]], block_size: int) -> ServeFile:
+    """What `kvctl serve --config` needs to follow these engines (rows of `Fleet.infos`): their model at the
+    fleet's block size (an engine with a faulty block size keeps its fault), and each one's endpoints."""
+    models = [ModelSpec(model, block_size) for model in dict.fromkeys(info["model"] for info in infos)]
+    workers = [WorkerInfo(info["worker_id"], info["dp_rank"], info["model"], endpoint=info["endpoint"],
+                          replay_endpoint=info["replay_endpoint"], topic=info["topic"]) for info in infos]
+    return ServeFile(models, workers)
 
 
 class Fleet:

@@ -243,20 +243,24 @@ class LoadGenerator:
         self._watch.connected()
         return answer
 
-    async def restart_engines(self) -> None:
-        """Cold caches everywhere, so the next policy starts where the previous one did."""
-        await asyncio.gather(*(engine.restart() for engine in self.engines.values()))
+    async def clear_caches(self) -> None:
+        """Cold caches everywhere, so the next policy starts where the previous one did; announced to the
+        router as engines do (AllBlocksCleared), so that it empties their index and sees no restart."""
+        await asyncio.gather(*(engine.clear_cache() for engine in self.engines.values()))
 
 
-async def register_engines(router: AsyncRouterClient, engines: Sequence[Mapping[str, Any]], model: str) -> None:
+async def register_engines(router: AsyncRouterClient, engines: Sequence[Mapping[str, Any]], model: str) -> list[str]:
     """Tell the router about engines (rows of `kvctl mock -o json`) it does not know yet, with their KV-event
-    endpoints, so that it subscribes to them."""
+    endpoints, so that it subscribes to them; returns those it registered (WORKER:DP), for the user to know."""
     known = {(w["worker_id"], w["dp_rank"]) for w in (await router.send(calls.workers()))["workers"]}
+    registered = []
     for row in engines:
         if (row["worker_id"], row.get("dp_rank", 0)) not in known:
             await router.send(calls.register_worker(row["worker_id"], row["endpoint"], model=model,
                                                     dp_rank=row.get("dp_rank", 0),
                                                     replay_endpoint=row["replay_endpoint"]))
+            registered.append(f"{row['worker_id']}:{row.get('dp_rank', 0)}")
+    return registered
 
 
 async def run_observed(load: LoadGenerator, workload: Sequence[Request], policy: Policy,
@@ -278,19 +282,20 @@ async def run_observed(load: LoadGenerator, workload: Sequence[Request], policy:
 
 async def run_policies(server: str, targets: dict[int, str], rows: list[dict[str, Any]], workload: list[Request],
                        policies: list[Policy], concurrency: int, model: str, seed: int,
-                       token: str | None = None, give_up_s: float = GIVE_UP_S,
+                       registered: Callable[[list[str]], None], token: str | None = None,
+                       give_up_s: float = GIVE_UP_S,
                        progress: Callable[[LoadStats], None] = lambda stats: None) -> list[dict[str, Any]]:
     """Engines from --engines-file the router does not know yet are registered first (with their KV-event
-    endpoints: the router's admin `token` when it has one); then each policy runs from cold caches, its
-    `progress(stats)` ten times a second."""
+    endpoints: the router's admin `token` when it has one), and `registered` told which; then each policy
+    runs from cold caches, its `progress(stats)` ten times a second."""
     engines = {worker_id: EngineClient(url) for worker_id, url in targets.items()}
     try:
         async with AsyncRouterClient(server, token=token) as router:
-            await register_engines(router, rows, model)
+            registered(await register_engines(router, rows, model))
             load = LoadGenerator(engines, router=router, model=model, seed=seed, give_up_s=give_up_s)
             reports = []
             for policy in policies:
-                await load.restart_engines()  # every policy from cold caches
+                await load.clear_caches()  # every policy from cold caches
                 stats = await run_observed(load, workload, policy, progress, PROGRESS_S, concurrency=concurrency)
                 reports.append(stats.report())
             return reports

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import nats
 
-from kvctl.core.events import Removed, RouterEvent, Stored
+from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored
 from kvctl.core.events.dynamo import EnvelopeWriter, encode_router_event_batch
 from kvctl.core.events.plane import (
     FORWARD_PASS,
@@ -33,7 +33,7 @@ from kvctl.core.events.plane import (
     encode_forward_pass,
 )
 from kvctl.core.hashing import local_block_hashes
-from kvctl.mock.cache import CacheEvent, CacheStored
+from kvctl.mock.cache import CacheCleared, CacheEvent, CacheStored
 
 FORWARD_PASS_S = 1.0
 
@@ -73,7 +73,9 @@ class NatsEventPublisher:
         for change in changes:
             if isinstance(change, CacheStored):
                 local = local_block_hashes(change.tokens, self.block_size)
-                data: Stored | Removed = Stored(change.parent, list(change.hashes), local, change.tier)
+                data: EventData = Stored(change.parent, list(change.hashes), local, change.tier)
+            elif isinstance(change, CacheCleared):
+                data = Cleared()
             else:
                 data = Removed(list(change.hashes), change.tier)
             events.append(RouterEvent(self.worker_id, data, self.dp_rank, self.next_id))

@@ -19,7 +19,8 @@
     model = "llama"
     topic = ""
 
-Unknown keys are errors (a typo must not silently fall back to a default).
+Unknown keys are errors (a typo must not silently fall back to a default). `render` writes the format
+(`kvctl mock --config-out`); docs/configuration.md documents it in full.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvctl.config_writer import toml_string
 from kvctl.core.router.busy import THRESHOLD_FIELDS, Thresholds
 from kvctl.core.router.scoring import KNOBS, RouterConfig
 from kvctl.server.endpoint import check_endpoint
@@ -150,3 +152,28 @@ def load(path: Path) -> ServeFile:
                                   endpoint=w["endpoint"], replay_endpoint=w.get("replay_endpoint"),
                                   topic=w.get("topic", "")))
     return ServeFile(models, workers)
+
+
+def render(file: ServeFile) -> str:
+    """The TOML text that `load` reads back as `file`'s models and workers."""
+    lines: list[str] = []
+    for m in file.models:
+        fields = {"name": m.name, "block_size": m.block_size, **m.router, **m.thresholds}
+        lines += ["[[models]]", *_assignments(fields), ""]
+    for w in file.workers:
+        fields = {"worker_id": w.worker_id, "dp_rank": w.dp_rank, "model": w.model, "endpoint": w.endpoint,
+                  "replay_endpoint": w.replay_endpoint, "topic": w.topic or None}
+        lines += ["[[workers]]", *_assignments(fields), ""]
+    return "\n".join(lines)
+
+
+def _assignments(fields: dict[str, Any]) -> list[str]:
+    return [f"{key} = {_toml(value)}" for key, value in fields.items() if value is not None]
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return toml_string(value)
+    return repr(value)

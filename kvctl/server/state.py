@@ -351,6 +351,7 @@ class Fleet:
     def worker_rows(self, now: float) -> list[dict[str, Any]]:
         rows = []
         mismatches = {name: state.router.index.hash_mismatches() for name, state in self.models.items()}
+        agreements = {name: state.router.index.hash_agreements() for name, state in self.models.items()}
         for w, info in sorted(self.workers.items()):
             router = self.models[info.model].router
             load = router.sequences.load(w)
@@ -365,7 +366,8 @@ class Fleet:
                 "active_requests": load.requests, "busy": rank.busy,
                 "last_event_age_s": None if info.last_event_at is None else round(now - info.last_event_at, 3),
                 "total_blocks": info.total_blocks, "rejected_events": dict(info.rejected),
-                "hash_mismatches": mismatches[info.model].get(w, 0), "routes": info.routes,
+                "hash_mismatches": mismatches[info.model].get(w, 0),
+                "hash_agreements": agreements[info.model].get(w, 0), "routes": info.routes,
                 "reported": None if report is None else {
                     "active_decode_blocks": report[0].active_decode_blocks,
                     "active_prefill_tokens": report[0].active_prefill_tokens,

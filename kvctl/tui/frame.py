@@ -14,13 +14,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from kvctl.core.silence import is_silent
 from kvctl.core.tiers import counter_increase, ratio
 from kvctl.output.words import stream_state
 from kvctl.tui.poll import EVENTS, PREDICTED_COUNT, PREDICTED_SUM, ROUTES, Poll, TierRate
-
-SILENT_AFTER_S = 30.0
-"""A worker with no event for this long (or none ever) is silent: an engine that stopped publishing looks
-exactly like an idle one in every other column."""
 
 HISTORY = 60
 """Polls kept for the sparklines: a minute at the default interval."""
@@ -134,7 +131,7 @@ def _marks(worker: dict[str, Any], stream: dict[str, Any] | None) -> tuple[Mark,
         marks.append(Mark.busy)
     if stream is not None and (stream.get("gapped") or stream.get("lost_batches")):
         marks.append(Mark.gapped)
-    if age is None or age >= SILENT_AFTER_S:
+    if is_silent(age):  # the doctor's rule: an engine that stopped publishing looks idle in every other column
         marks.append(Mark.silent)
     return tuple(marks)
 

@@ -60,6 +60,22 @@ def test_set_creates_contexts_and_use_context_switches(config: Path) -> None:
     one_line_error(runner.invoke(app, ["config", "use-context", "staging"]), 2, "known: lab, prod")
 
 
+def test_dry_runs_of_set_and_use_context_show_the_edit_and_write_nothing(config: Path) -> None:
+    dry = runner.invoke(app, ["config", "set", "server", "http://lab:7433", "--context", "lab", "--dry-run",
+                              "-o", "json"])
+    assert json_of(dry) == {"context": "lab", "key": "server", "value": "http://lab:7433",
+                            "config_file": str(config), "dry_run": True}
+    assert "lab would become the current context" in dry.stderr and "was not changed" in dry.stderr
+    assert not config.exists()
+    assert runner.invoke(app, ["config", "set", "server", "http://lab:7433", "--context", "lab"]).exit_code == 0
+    assert runner.invoke(app, ["config", "set", "timeout", "3", "--context", "prod"]).exit_code == 0
+    before = config.read_bytes()
+    assert json_of(runner.invoke(app, ["config", "set", "timeout", "9", "--dry-run", "-o", "json"]))["value"] == 9.0
+    use = runner.invoke(app, ["config", "use-context", "prod", "--dry-run", "-o", "json"])
+    assert json_of(use)["value"] == "prod" and json_of(use)["dry_run"] is True
+    assert config.read_bytes() == before and _show()["context"] == "lab"
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["config", "set", "colour", "red", "--context", "a"], "unknown key 'colour'"),
     (["config", "set", "timeout", "soon", "--context", "a"], "timeout must be a positive number"),

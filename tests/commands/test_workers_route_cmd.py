@@ -84,17 +84,28 @@ def test_tokens_from_arguments_file_stdin_or_local_hashes_agree(router: httpx.Cl
     assert {(a["overlap_blocks"], a["required_blocks"]) for a in answers} == {(4, 4)}
 
 
-def test_reserve_shows_as_active_load(router: httpx.Client) -> None:
-    answer = json_of(kvctl(router, "route", "--reserve", "--request-id", "r1", "-o", "json", *TOKENS))
+def test_reserve_asks_first_and_with_yes_shows_as_active_load(router: httpx.Client) -> None:
+    reserve = ("route", "--reserve", "--request-id", "r1", "-o", "json", *TOKENS)
+    one_line_error(kvctl(router, *reserve), 2, "refusing without --yes")  # no terminal to ask on
+    dry = kvctl(router, *reserve, "--dry-run")
+    assert json_of(dry)["dry_run"] is True and "dry run: nothing was reserved" in dry.stderr
+    assert _active_requests(router) == {}  # neither booked anything
+    answer = json_of(kvctl(router, *reserve, "--yes"))
     assert answer["request_id"] == "r1"
     workers = {_name(w): w for w in json_of(kvctl(router, "workers", "-o", "json"))["workers"]}
     chosen = workers.pop(_name(answer))
     assert chosen["active_requests"] == 1 and chosen["active_decode_blocks"] == 4
-    assert all(w["active_requests"] == 0 for w in workers.values())
+    assert _active_requests(router) == {_name(answer): 1}
+
+
+def _active_requests(router: httpx.Client) -> dict[str, int]:
+    workers = json_of(kvctl(router, "workers", "-o", "json"))["workers"]
+    return {_name(w): w["active_requests"] for w in workers if w["active_requests"]}
 
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["route", "--reserve", "1", "2"], "--reserve needs --request-id"),
+    (["route", "--dry-run", "1", "2"], "--dry-run goes with --reserve"),
     (["route", "1", "x"], "not an integer"),
     (["route", "--", "-1"], "outside [0, 2^32)"),
     (["route", "--local-hashes", "18446744073709551616"], "outside [0, 2^64)"),

@@ -354,6 +354,9 @@ def test_a_worker_hashing_known_tokens_differently_is_counted_until_cleared() ->
     assert index.apply(RouterEvent(2, other_seed, 0)).status is Status.ok
     assert index.hash_mismatches() == {(2, 0): 2}  # the first writer is not blamed
     assert index.find_matches([3, 2**63 + 11]).scores == {(1, 0): 2, (2, 0): 2}  # it still routes by tokens
+    assert index.apply(stored((3, 0), None, paths)).status is Status.ok
+    assert index.hash_agreements() == {(3, 0): 3}  # worker 3 hashes as worker 1 did, who stored first
     index.apply(RouterEvent(2, Cleared(), 0))
-    assert index.hash_mismatches() == {}
+    index.apply(RouterEvent(3, Cleared(), 0))
+    assert index.hash_mismatches() == index.hash_agreements() == {}
 

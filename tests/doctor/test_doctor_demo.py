@@ -1,5 +1,5 @@
 """`kvctl doctor` against the healthy demo fleet (`kvctl demo`'s router process, mock engines and load) while it
-routes: no false CRITICAL."""
+routes: OK, with no false warning."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ async def test_the_demo_fleet_has_nothing_critical_while_routing(tmp_path: Path)
         result = await demo
     assert result["router"]["completed"] > 0
     severities = {f["check"]: f["severity"] for f in report["findings"]}
-    assert "CRITICAL" not in severities.values() and code in (0, 1), report
-    # The demo restarts its engines between the baseline and the routed phase, on purpose (cold caches):
-    # the only warning doctor may give is that one, correctly named.
-    assert {check for check, severity in severities.items() if severity != "OK"} <= {"restarts"}, report
+    # Between the baseline and the routed phase the demo clears its engines' caches as vLLM's
+    # reset_prefix_cache does (AllBlocksCleared, seq going on): no restart, nothing to warn about.
+    assert "restarts" not in severities, report
+    assert {check for check, severity in severities.items() if severity != "OK"} == set(), report
+    assert code == 0

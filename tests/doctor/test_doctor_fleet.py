@@ -95,6 +95,36 @@ async def test_engines_hashing_differently_are_named(tmp_path: Path) -> None:
     assert finding["evidence"]["count"] >= 1 and all(n > 0 for n in finding["evidence"]["mismatched_blocks"].values())
 
 
+async def test_one_engine_hashing_unlike_the_rest_is_named_alone(tmp_path: Path) -> None:
+    # Four engines, the third with its own hash seed. Each of four shared prefixes is stored first by another
+    # engine, then by the rest, one at a time: the odd engine disagrees with the first store of three prefixes,
+    # each other engine only with the odd engine's first store of one.
+    seeded = replace(BASE, seed=7)
+    async with engines_behind_router(tmp_path, engines=4, faults=Faults(nondeterministic_hash=True),
+                                     fault_engines=[2], base=seeded) as rig:
+        engines = [EngineClient(e.url) for e in rig.fleet.engines]
+        try:
+            for first in range(4):
+                prefix = [first * 1_000 + t for t in range(4 * BASE.block_size)]
+                for k in range(4):
+                    index = (first + k) % 4
+                    await _generate(engines[index], prefix)
+                    await rig.until(lambda ws, n=index + 1, b=4 * (first + 1): _blocks(ws, n) == b,
+                                    f"engine {index + 1}'s prefix {first} indexed")
+        finally:
+            await asyncio.gather(*(e.aclose() for e in engines))
+        code, report = await rig.doctor()
+    [finding] = findings(report, "hashing")
+    assert code == 2 and finding["severity"] == "CRITICAL"
+    assert finding["evidence"]["mismatched_blocks"] == {"1:0": 4, "2:0": 4, "3:0": 12, "4:0": 4}
+    assert finding["evidence"]["workers"] == ["3:0"] and "worker(s) 3:0 " in finding["cause"]
+    assert finding["next_step"].startswith("worker 3's engine")
+
+
+def _blocks(workers: list[dict[str, Any]], worker_id: int) -> int:
+    return next(w["blocks"] for w in workers if w["worker_id"] == worker_id)
+
+
 async def test_batches_lost_without_a_replay_endpoint_are_named(tmp_path: Path) -> None:
     async with engines_behind_router(tmp_path, faults=Faults(drop_every=3), fault_engines=[0], replay=False) as rig:
         await rig.load()
@@ -130,6 +160,28 @@ async def test_an_engine_restart_is_named(tmp_path: Path) -> None:
         code, report = await rig.doctor()
     [finding] = findings(report, "restarts")
     assert code == 1 and finding["evidence"]["restarts"] == {"3:0": 1}
+
+
+async def test_a_cache_cleared_as_vllm_does_empties_that_worker_and_is_no_restart(tmp_path: Path) -> None:
+    # What `mock load` and the demo do between phases: AllBlocksCleared in the engine's own stream, seq going on.
+    async with engines_behind_router(tmp_path) as rig:
+        engines = [EngineClient(e.url) for e in rig.fleet.engines]
+        try:
+            for engine in engines:
+                await _generate(engine, list(range(64)))
+            await rig.until(lambda ws: all(w["blocks"] == 4 for w in ws), "every engine indexed")
+            await engines[2].clear_cache()
+            await rig.until(lambda ws: _blocks(ws, 3) == 0, "worker 3 emptied")
+            await _generate(engines[2], list(range(100, 164)))
+            workers = await rig.until(lambda ws: _blocks(ws, 3) == 4, "worker 3's new blocks")
+        finally:
+            await asyncio.gather(*(e.aclose() for e in engines))
+        code, report = await rig.doctor()
+        status = await rig.status()
+    assert _blocks(workers, 1) == _blocks(workers, 2) == 4  # a worker's Cleared is its own (Dynamo's semantics)
+    assert [s["restarts"] for s in status["streams"] if s["worker"]["worker_id"] == 3] == [0]
+    assert findings(report, "restarts") == [] and findings(report, "streams")[0]["severity"] == "OK"
+    assert code == 0, report
 
 
 async def test_a_fleet_that_is_all_busy_is_critical_and_names_the_threshold(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvctl.core.events import Tier
-from kvctl.mock.cache import Allocation, CacheRemoved, CacheStored, PrefixCache
+from kvctl.mock.cache import Allocation, CacheCleared, CacheRemoved, CacheStored, PrefixCache
 from kvctl.mock.hashing import BlockHasher, HashStyle
 from tests.fixtures_path import FIXTURES
 
@@ -89,10 +89,10 @@ def test_tiers_offload_then_onboard() -> None:
     assert (t.offload_d2h, t.offload_h2d, t.offload_d2d, t.onboard_h2d, t.onboard_d2d) == (3, 2, 0, 0, 1)
 
 
-def test_clear_is_silent_and_makes_old_allocations_stale() -> None:
+def test_clear_returns_one_cleared_and_makes_old_allocations_stale() -> None:
     cache = PrefixCache(4, B, BlockHasher(HashStyle.vllm))
     alloc = cache.allocate(list(range(8)))
-    cache.clear()
+    assert cache.clear() == (CacheCleared(),)
     cache.release(alloc)  # no KeyError: the blocks are gone with the restart
     assert cache.contents(Tier.device) == set() and cache.used_blocks == 0
 

@@ -37,6 +37,8 @@ def test_json_rows_describe_every_engine() -> None:
         (["--drop-every", "-1"], "--drop-every must not be negative"),
         (["--base-port", "65535"], "leaves no room"),
         (["--engines", "2", "--fault-engine", "2"], "fault engine indexes must be in 0..1"),
+        (["--format", "dynamo-nats", "--nats", "nats://127.0.0.1:4222", "--config-out", "f.toml"],
+         "--config-out declares ZMQ endpoints"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args: list[str], needle: str) -> None:
@@ -51,3 +53,9 @@ def test_the_command_offers_exactly_the_engine_formats() -> None:
     from kvctl.mock.engine import MOCK_FORMATS
 
     assert FORMATS == MOCK_FORMATS
+
+
+def test_mock_load_help_says_it_registers_the_engines_file_s_engines() -> None:
+    result = runner.invoke(app, ["mock", "load", "--help"])
+    words = " ".join(result.stdout.replace("│", " ").split())  # the option's help, unwrapped
+    assert "are registered with it (POST /v1/workers, under --model), and it says so" in words

@@ -74,6 +74,7 @@ def test_mock_load_runs_the_router_lifecycle_and_a_baseline(tmp_path: Path) -> N
         assert refused.returncode != 0 and "KVCTL_TOKEN" in refused.stderr, refused.stderr
         result = _kvctl(*load, KVCTL_TOKEN="t0ken")
         assert result.returncode == 0, result.stderr
+        assert f"registered 2 engine(s) with {url.strip()} (model 'default'): 1:0, 2:0" in result.stderr
         router, baseline = json.loads(result.stdout)
         assert (router["policy"], baseline["policy"]) == ("router", "round-robin")
         assert router["completed"] == baseline["completed"] == 40
@@ -82,6 +83,29 @@ def test_mock_load_runs_the_router_lifecycle_and_a_baseline(tmp_path: Path) -> N
         workers = httpx.get(f"{url.strip()}/v1/workers").json()["workers"]
         assert sorted(w["worker_id"] for w in workers) == [1, 2]
         assert all(w["active_requests"] == 0 and w["blocks"] > 0 for w in workers)
+
+
+def test_mock_config_out_is_a_serve_config_that_follows_the_engines(tmp_path: Path) -> None:
+    config = tmp_path / "fleet.toml"
+    with _process("mock", "--engines", "2", "--block-size", "8", "--config-out", str(config), "-o", "json") \
+            as (_, rows), \
+            _process("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--no-restore",
+                     "--config", str(config)) as (_, url):
+        engines = {row["worker_id"]: row["url"] for row in json.loads(rows)}
+        router = url.strip()
+        stats = httpx.get(f"{router}/v1/tree/stats").json()["models"]
+        assert stats["mock"]["block_size"] == 8
+        deadline = time.monotonic() + 10
+        prompt = 0
+        while not all(w["blocks"] for w in httpx.get(f"{router}/v1/workers").json()["workers"]):
+            assert time.monotonic() < deadline, httpx.get(f"{router}/v1/workers").json()
+            prompt += 1  # a new prompt each time: once the router's SUB has joined, its events arrive
+            for engine in engines.values():
+                httpx.post(f"{engine}/v1/generate", json={"token_ids": [prompt] * 16, "max_tokens": 1})
+            time.sleep(0.05)
+        workers = httpx.get(f"{router}/v1/workers").json()["workers"]
+    assert sorted((w["worker_id"], w["model"]) for w in workers) == [(1, "mock"), (2, "mock")]
+    assert all(w["replay_endpoint"] and w["rejected_events"] == {} for w in workers)
 
 
 def test_shared_prefix_is_seeded_and_shares_prefixes() -> None:

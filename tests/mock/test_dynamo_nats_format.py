@@ -27,7 +27,7 @@ async def _generate(engine: MockEngine, tokens: list[int]) -> None:
         assert response.status_code == 200
 
 
-async def test_dynamo_nats_events_are_ingested_without_errors_and_match_the_cache(server: NatsServer) -> None:
+async def test_dynamo_nats_events_are_ingested_and_match_the_cache_until_cleared(server: NatsServer) -> None:
     names = PlaneNames("mocknats", "backend")
     config = EngineConfig(worker_id=7, capacity=8, format="dynamo-nats", nats_url=server.url,
                           namespace=names.namespace, decode_ms_per_token=0.0, prefill_us_per_token=0.0)
@@ -44,5 +44,9 @@ async def test_dynamo_nats_events_are_ingested_without_errors_and_match_the_cach
             assert held == engine.cache.contents(Tier.device)
             assert router.plane.errors == {} and router.plane.counts["lost_events"] == 0
             assert engine.info()["endpoint"] is None  # no ZMQ side to register
+            engine.clear_cache()  # a Cleared RouterEvent, ids going on: the worker's blocks go, nothing is lost
+            await until(lambda: router.plane.counts["events"] == published + 1, "the Cleared event")
+            await router.streams.writer("default").applied()
+            assert router.blocks() == {} and router.plane.counts["lost_events"] == 0
         finally:
             await engine.close()

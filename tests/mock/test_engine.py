@@ -9,7 +9,16 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvctl.core.events import END_SEQ, EngineMessage, Removed, Stored, Tier, decode_engine_message, decode_replay_reply
+from kvctl.core.events import (
+    END_SEQ,
+    Cleared,
+    EngineMessage,
+    Removed,
+    Stored,
+    Tier,
+    decode_engine_message,
+    decode_replay_reply,
+)
 from kvctl.core.events.engine import encode_replay_request
 from kvctl.core.hashing import local_block_hashes
 from kvctl.mock.engine import EngineConfig, Faults
@@ -116,6 +125,23 @@ async def test_restart_after_resets_seq_and_cache_silently(mock_engine: EngineFa
     assert message.seq < published  # 0 unless the first publishes went out before the reconnect
     assert first[0]["cached_tokens"] == 0  # the cache went with the restart
     assert isinstance(message.batch.events[0], Stored)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+async def test_clear_announces_all_blocks_cleared_in_sequence(
+    mock_engine: EngineFactory, zsock: SocketFactory, fmt: str
+) -> None:
+    async with mock_engine(format=fmt) as engine, httpx.AsyncClient(base_url=engine.url) as client:
+        sub = await subscribe(zsock, engine.info()["endpoint"])
+        await generate(engine, TOKENS)
+        stored = await _recv(sub)
+        response = await client.post("/v1/clear")
+        cleared = await _recv(sub)
+        lines = await generate(engine, TOKENS)
+    assert response.json() == {"worker_id": 1, "clears": 1}
+    assert (stored.seq, cleared.seq) == (0, 1)  # the stream goes on: no restart
+    assert cleared.batch.events == [Cleared()] and cleared.batch.errors == []
+    assert lines[0]["cached_tokens"] == 0 and engine.restarts == 0
 
 
 async def test_silent_engine_serves_but_publishes_nothing(mock_engine: EngineFactory, zsock: SocketFactory) -> None:

@@ -208,6 +208,23 @@ def test_config_file_sets_router_knobs_per_model(tmp_path: Path) -> None:
                                               "temperature": 0.5}
 
 
+def test_a_rendered_config_file_loads_back_the_same(tmp_path: Path) -> None:
+    from kvctl.server.config_file import ModelSpec, ServeFile, load, render
+    from kvctl.server.state import WorkerInfo
+
+    models = [ModelSpec('q"uoted', 32, {"prefill_load_scale": 2.5, "track_prefill_tokens": False},
+                        {"active_prefill_tokens_threshold": 5000}), ModelSpec("plain")]
+    workers = [WorkerInfo(1, 0, 'q"uoted', endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://127.0.0.1:5558"),
+               WorkerInfo(2**64 - 1, 3, "plain", endpoint="tcp://[::1]:1", topic="kv@2")]
+    config = tmp_path / "serve.toml"
+    config.write_text(render(ServeFile(models, workers)))
+    loaded = load(config)
+    assert loaded.models == models
+    fields = ("worker_id", "dp_rank", "model", "endpoint", "replay_endpoint", "topic")
+    assert [[getattr(w, f) for f in fields] for w in loaded.workers] == [[getattr(w, f) for f in fields]
+                                                                         for w in workers]
+
+
 @pytest.mark.parametrize(("text", "needle"), [
     ('[[models]]\nname = "m"\nblock_sise = 3\n', "unknown key 'block_sise'"),
     ('[[models]]\nname = "m"\nactive_decode_blocks_threshold = 2.0\n', "active_decode_blocks_threshold"),

@@ -7,6 +7,8 @@ from typing import Any
 import pytest
 
 from kvctl.client.tier_sources import parse_metrics
+from kvctl.core.doctor import Limits, check_silent
+from kvctl.core.silence import SILENT_AFTER_S
 from kvctl.tui.fake import fleet
 from kvctl.tui.frame import SORTS, FrameBuilder, Mark, arrange, next_sort
 from kvctl.tui.poll import EVENTS, PREDICTED_COUNT, PREDICTED_SUM, ROUTES, Poll, router_counters
@@ -51,7 +53,7 @@ def test_router_counters_sum_the_routers_metrics_over_models_and_outcomes() -> N
 
 
 def test_marks_name_busy_gapped_and_silent_workers() -> None:
-    workers = [_worker(1), _worker(2, busy=True), _worker(3), _worker(4, last_event_age_s=45.0),
+    workers = [_worker(1), _worker(2, busy=True), _worker(3), _worker(4, last_event_age_s=SILENT_AFTER_S),
                _worker(5, last_event_age_s=None)]
     streams = [{"worker": {"worker_id": 3, "dp_rank": 0}, "gaps": 1, "gapped": True, "messages": 9,
                 "decode_errors": {"a": 2, "b": 1}}]
@@ -62,6 +64,15 @@ def test_marks_name_busy_gapped_and_silent_workers() -> None:
     assert (three.gaps, three.decode_errors) == (1, 3)
     assert next(w for w in frame.workers if w.worker_id == 1).gaps is None  # no engine stream
     assert frame.health.by_state == {"gapped": 1}
+
+
+def test_top_and_doctor_call_a_worker_silent_at_the_same_age() -> None:
+    ages = {1: 1.0, 2: 45.0, 3: SILENT_AFTER_S - 0.01, 4: SILENT_AFTER_S, 5: SILENT_AFTER_S + 30.0, 6: None}
+    workers = [_worker(worker_id, last_event_age_s=age) for worker_id, age in ages.items()]
+    frame = FrameBuilder("r").update(_poll(0.0, {}, workers))
+    in_top = {f"{w.worker_id}:0" for w in frame.workers if Mark.silent in w.marks}
+    [finding] = check_silent({"models": {}, "streams": []}, workers, Limits())
+    assert set(finding.evidence["workers"]) == in_top == {"4:0", "5:0", "6:0"}
 
 
 def test_share_of_routes_is_of_the_routes_decided_since_the_previous_poll() -> None:

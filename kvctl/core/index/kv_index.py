@@ -132,6 +132,10 @@ class KvIndex:
         The slower tiers have none to report: their edges are keyed by engine hash, not by token path."""
         return dict(self.device.hash_mismatches)
 
+    def hash_agreements(self) -> dict[Worker, int]:
+        """Per worker, device blocks stored on token paths indexed under the same engine hashes."""
+        return dict(self.device.hash_agreements)
+
     @property
     def debt(self) -> int:
         """Freed lookup entries of the device tree not given back yet (`RadixTree.debt`)."""

@@ -171,6 +171,10 @@ class RadixTree:
         # that hash the same tokens differently (Dynamo's "block_hash mismatch"), whose removals then
         # miss and whose blocks other workers' lookups cannot find. Counted since the worker's last clear.
         self.hash_mismatches: dict[Worker, int] = {}
+        # Blocks a worker stored on a token path already indexed under the same engine hashes: it hashes as
+        # some other worker does. A worker with mismatches and no agreements, among workers that agree, is the
+        # odd hasher (`kvctl doctor` names it). Counted since the worker's last clear.
+        self.hash_agreements: dict[Worker, int] = {}
 
     # ----- workers -------------------------------------------------------------------------------------
 
@@ -404,6 +408,8 @@ class RadixTree:
         own = node.hashes[: len(keys)]
         if own == keys:
             self._bind(slot, lookup, own, node)
+            worker = self.worker_of(slot)
+            self.hash_agreements[worker] = self.hash_agreements.get(worker, 0) + len(keys)
             return
         worker = self.worker_of(slot)
         differing = sum(a != b for a, b in zip(own, keys, strict=True))
@@ -691,6 +697,7 @@ class RadixTree:
         self._lookup[slot] = {}
         self._deferred[slot] = _Deferred()
         self.hash_mismatches.pop(worker, None)
+        self.hash_agreements.pop(worker, None)
         return OK_EMPTY
 
     def remove_worker(self, worker_id: int, dp_rank: int | None = None) -> int:
@@ -699,6 +706,7 @@ class RadixTree:
         total = 0
         for w in gone:
             self.hash_mismatches.pop(w, None)
+            self.hash_agreements.pop(w, None)
             slot = self._slots.pop(w)
             total += self._held(slot)
             self._drop_slot(slot)
