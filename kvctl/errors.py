@@ -67,3 +67,8 @@ def there(kind: str, known: Iterable[str], shown: int = 20) -> str:
 
 class Refused(ApiError):
     pass
+
+
+class AllBusy(Refused):
+    """The router's 503 for a model whose every worker is over a busy threshold; a 503 for a model with no
+    workers is a plain `Refused`: retrying later will not help it."""

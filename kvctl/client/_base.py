@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from kvctl.errors import ApiError, KvctlError, NotFound, Refused, Unreachable, there
+from kvctl.errors import AllBusy, ApiError, KvctlError, NotFound, Refused, Unreachable, there
 
 DEFAULT_MODEL = "default"
 
@@ -45,14 +45,14 @@ def interpret(call: Call, response: httpx.Response) -> Any:
             raise KvctlError(f"{call.method} {call.path}: the answer is not JSON: {exc}") from None
     try:
         body = response.json()
-        message, models = body.get("error") or body.get("detail"), body.get("models")
-    except (ValueError, AttributeError, RecursionError):
-        message, models = None, None
+        message, models, busy = body.get("error") or body.get("detail"), body.get("models"), "tripped" in body
+    except (ValueError, AttributeError, RecursionError, TypeError):
+        message, models, busy = None, None, False
     text = f"{call.method} {call.path}: {message or response.reason_phrase} (HTTP {response.status_code})"
     if response.status_code == 404:  # an unknown model's answer lists the router's models: name them
         raise NotFound(text, status=404, hint=there("model", map(str, models)) if isinstance(models, list) else None)
     if response.status_code == 503:
-        raise Refused(text, status=503)
+        raise (AllBusy if busy else Refused)(text, status=503)
     if response.status_code == 401:
         raise ApiError(text, status=401, hint="pass --token (or set KVCTL_TOKEN) with the router's admin token")
     raise ApiError(text, status=response.status_code)

@@ -17,7 +17,7 @@ import typer
 
 from kvctl.commands._nats import ComponentOpt, EndpointOpt, NamespaceOpt
 from kvctl.commands._options import GiveUpOpt, JsonOpt, OutputOpt, output_for, settings_for
-from kvctl.errors import UsageError
+from kvctl.errors import KvctlError, UsageError
 from kvctl.mock.load import GIVE_UP_S
 from kvctl.output import Column, Output, View
 
@@ -202,7 +202,9 @@ def load_command(
     baseline: Annotated[str | None, typer.Option("--baseline", show_default=False,
                                                  help="Also run random or round-robin, from cold caches too.")]
     = None,
-    model: Annotated[str, typer.Option("--model", help="The router's model.")] = "default",
+    model: Annotated[str | None, typer.Option("--model", show_default=False,
+                                              help="The router's model (default: the engines-file's model if "
+                                                   "it names one, else `default`).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Workload and baseline seed.")] = 0,
     give_up_after: GiveUpOpt = GIVE_UP_S,
     output: OutputOpt = None,
@@ -211,6 +213,7 @@ def load_command(
     out = output_for(ctx, output, as_json)
     rows = _engine_rows(engines_file)
     targets = _engine_urls(engine or [], rows)
+    model = model or _model_of(rows)
     if baseline not in (None, "random", "round-robin"):
         raise UsageError(f"--baseline must be random or round-robin, got {baseline!r}")
     if requests <= 0 or concurrency <= 0 or block_tokens <= 0 or not speed > 0:
@@ -242,6 +245,16 @@ def load_command(
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     out.emit(reports, _LOAD_VIEW)
+    for report in reports:
+        if report["completed"] == 0:
+            raise KvctlError(f"{report['policy']}: no request completed ({report['first_error'] or report['errors']})")
+
+
+def _model_of(rows: list[dict[str, Any]]) -> str:
+    """The one model the engines-file's engines serve, else `default`: the load asks the router for the model
+    its engines are registered under."""
+    models = {row["model"] for row in rows if row.get("model")}
+    return models.pop() if len(models) == 1 else "default"
 
 
 def _registered(out: Output, server: str, model: str, workers: list[str]) -> None:
@@ -256,7 +269,7 @@ def _engine_rows(engines_file: Path | None) -> list[dict[str, Any]]:
     try:
         rows = json.loads(engines_file.read_text())
         return [{"worker_id": int(row["worker_id"]), "url": str(row["url"]), "endpoint": row.get("endpoint"),
-                 "replay_endpoint": row.get("replay_endpoint")} for row in rows]
+                 "replay_endpoint": row.get("replay_endpoint"), "model": row.get("model")} for row in rows]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"--engines-file {engines_file}: not the rows of `kvctl mock -o json` ({exc})") from None
 

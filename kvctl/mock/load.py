@@ -28,7 +28,7 @@ from typing import Any
 
 from kvctl.client import AsyncRouterClient, calls
 from kvctl.client.engine import EngineClient
-from kvctl.errors import ApiError, KvctlError, Refused, Unreachable
+from kvctl.errors import AllBusy, ApiError, KvctlError, Unreachable
 
 VOCAB = 32_000
 MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake traces
@@ -97,7 +97,13 @@ class LoadStats:
     output_tokens: int = 0
     ttft_ms: list[float] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
+    first_error: str | None = None  # the first failure other than all busy: the cause a failed run names
     finished: float | None = None
+
+    def fail(self, kind: str, exc: Exception) -> None:
+        """Count a failed call by kind, keeping the first one's message."""
+        self.errors[kind] += 1
+        self.first_error = self.first_error or str(exc)
 
     @property
     def hit_rate(self) -> float:
@@ -113,7 +119,7 @@ class LoadStats:
             "requests_per_s": round(self.completed / elapsed, 1) if elapsed > 0 else 0.0,
             "output_tokens_per_s": round(self.output_tokens / elapsed, 1) if elapsed > 0 else 0.0,
             "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-            "errors": dict(self.errors), "duration_s": round(elapsed, 2),
+            "errors": dict(self.errors), "first_error": self.first_error, "duration_s": round(elapsed, 2),
         }
 
 
@@ -189,11 +195,11 @@ class LoadGenerator:
         stats.sent += 1
         try:
             worker_id = await self._place(request, policy, request_id)
-        except Refused:
+        except AllBusy:
             stats.errors["all_busy"] += 1
             return
         except KvctlError as exc:
-            stats.errors[type(exc).__name__] += 1
+            stats.fail(type(exc).__name__, exc)
             return
         try:
             async for line in self.engines[worker_id].generate(request.tokens, request.max_tokens, request_id):
@@ -207,7 +213,7 @@ class LoadGenerator:
                     stats.output_tokens += line["output_tokens"]
             stats.completed += 1
         except KvctlError as exc:
-            stats.errors[f"engine_{type(exc).__name__}"] += 1
+            stats.fail(f"engine_{type(exc).__name__}", exc)
         finally:
             if policy is Policy.router:
                 await self._router_call(calls.free(request_id, self.model), stats)
@@ -225,7 +231,7 @@ class LoadGenerator:
         try:
             await self._ask(call)
         except KvctlError as exc:
-            stats.errors[f"router_{type(exc).__name__}"] += 1
+            stats.fail(f"router_{type(exc).__name__}", exc)
 
     async def _ask(self, call: calls.Call) -> Any:
         """A router call, after the watch's backoff while the router refuses connections."""

@@ -74,7 +74,7 @@ def test_mock_load_runs_the_router_lifecycle_and_a_baseline(tmp_path: Path) -> N
         assert refused.returncode != 0 and "KVCTL_TOKEN" in refused.stderr, refused.stderr
         result = _kvctl(*load, KVCTL_TOKEN="t0ken")
         assert result.returncode == 0, result.stderr
-        assert f"registered 2 engine(s) with {url.strip()} (model 'default'): 1:0, 2:0" in result.stderr
+        assert f"registered 2 engine(s) with {url.strip()} (model 'mock'): 1:0, 2:0" in result.stderr
         router, baseline = json.loads(result.stdout)
         assert (router["policy"], baseline["policy"]) == ("router", "round-robin")
         assert router["completed"] == baseline["completed"] == 40
@@ -104,6 +104,18 @@ def test_mock_config_out_is_a_serve_config_that_follows_the_engines(tmp_path: Pa
                 httpx.post(f"{engine}/v1/generate", json={"token_ids": [prompt] * 16, "max_tokens": 1})
             time.sleep(0.05)
         workers = httpx.get(f"{router}/v1/workers").json()["workers"]
+        # the load asks for the engines' model, read from the same rows; a model with no engine fails it
+        engines_file = tmp_path / "engines.json"
+        engines_file.write_text(rows)
+        load = ("mock", "load", "--server", router, "--engines-file", str(engines_file), "--requests", "10",
+                "-o", "json")
+        result = _kvctl(*load)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)[0]["completed"] == 10
+        for model, cause in (("default", "no workers registered"), ("nosuch", "unknown model 'nosuch'")):
+            failed = _kvctl(*load, "--model", model)
+            assert failed.returncode == 1 and "router: no request completed" in failed.stderr, failed.stderr
+            assert cause in failed.stderr and "all_busy" not in failed.stdout
     assert sorted((w["worker_id"], w["model"]) for w in workers) == [(1, "mock"), (2, "mock")]
     assert all(w["replay_endpoint"] and w["rejected_events"] == {} for w in workers)
 
