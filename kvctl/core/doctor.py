@@ -131,9 +131,24 @@ def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]
                                        else "none known to be serving (idle, or not publishing?)"])))
     evidence = {**_named(silent), "never": never[:SHOWN], "quiet_s": dict(stale[:SHOWN]),
                 "serving": dict(list(serving.items())[:SHOWN])}
+    first = next(w for w in workers if _name(w) == silent[0])
     return [Finding("silent", severity, cause, evidence,
-                    f"kvctl events tail --zmq <the engine's KV-event endpoint>  (is worker {_first(silent)} "
-                    "publishing at all? check the engine's kv-events config and the endpoint registered)")]
+                    f"{_tap(first, status)}  (is worker {_first(silent)} publishing at all? check the engine's "
+                    "kv-events config and the endpoint registered)")]
+
+
+def _tap(worker: Mapping[str, Any], status: Mapping[str, Any]) -> str:
+    """The command that shows a worker's raw KV events from where this router follows them: the ZMQ endpoint
+    registered for it, the address its publisher advertises on the event plane, or the NATS event plane."""
+    address = worker.get("endpoint") or (worker.get("event_plane") or {}).get("address")
+    if address:
+        return f"kvctl events tail --zmq {address} --worker-id {worker['worker_id']}"
+    plane = status.get("event_plane") or {}
+    if plane.get("url") and plane.get("transport") != "zmq":
+        scope = "".join(f" --{key} {plane[key]}" for key in ("namespace", "component") if plane.get(key))
+        return f"kvctl events tail --nats {plane['url']}{scope}"
+    return (f"kvctl workers -o wide  (no KV-event endpoint is registered for worker {worker['worker_id']}: its "
+            "events can only come by POST /v1/events)")
 
 
 def _serving_while_silent(status: Mapping[str, Any], silent: Sequence[Mapping[str, Any]],
