@@ -105,7 +105,7 @@ def test_worst_instance_decides_and_totals_are_sums_of_parts() -> None:
 def test_the_mock_engines_kvbm_hit_rates() -> None:
     """`kvctl mock --tiers` engines: their host and disk hit rates come through the parser unchanged."""
     metrics = EngineMetrics(model_name="m", block_size=4, usage=lambda: 0.5, running=lambda: 1, waiting=lambda: 0,
-                            transfers=Transfers(offload_d2h=3))
+                            transfers=Transfers(offload_d2h=3), lower_tiers=(Tier.host_pinned, Tier.disk))
     before = parse_metrics(metrics.render().decode())
     metrics.record(Allocation(generation=0, blocks=(), prompt_blocks=10,
                               hits={Tier.device: 2, Tier.host_pinned: 3, Tier.disk: 1}, events=()), prompt_tokens=40)
