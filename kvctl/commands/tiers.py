@@ -122,6 +122,7 @@ def tiers_command(
         raise UsageError(f"--instance: {exc}") from None
     auth = Auth(auth_user, auth_password, bearer_token)
     fetch_windows = _source(ctx, prometheus, metrics or [], window_s, auth)
+    where = _where(settings_for(ctx, prometheus=prometheus).prometheus, metrics or [])
 
     def fetch() -> TierReport:
         tier_report = report(fetch_windows(), instance=pattern)
@@ -131,14 +132,22 @@ def tiers_command(
         elif out.format in (OutputFormat.table, OutputFormat.wide):
             if tier_report.untiered_note is not None:  # once, instead of a 0.0 % row per tier
                 out.note(tier_report.untiered_note)
-            if tier_report.missing:
-                out.note(f"not found: {', '.join(tier_report.missing)}")
+            missing = tier_report.missing_note(where)
+            if missing is not None:
+                out.note(missing)
         return tier_report
 
     if checking:
         _run_check(out, fetch(), tier, warn, crit)  # exits with the check's status
     show(out, fetch, lambda data: out.emit(data.to_dict() if _structured(out) else data, _VIEW),
          watch=watch, interval=interval)
+
+
+def _where(prometheus: str | None, metrics: list[str]) -> str:
+    """Where the families were looked for, in a few words: the one endpoint, how many, or the Prometheus."""
+    if len(metrics) == 1:
+        return metrics[0]
+    return f"the {len(metrics)} --metrics endpoints" if metrics else f"Prometheus {prometheus}"
 
 
 def _structured(out: Output) -> bool:
