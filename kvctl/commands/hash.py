@@ -14,6 +14,7 @@ import typer
 from kvctl.commands._input import read_numbers
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
+from kvctl.core.words import counted
 from kvctl.errors import UsageError
 from kvctl.output import Column, View
 
@@ -76,5 +77,5 @@ def hash_command(
         data["lora_name"] = lora_name
     tail = len(ids) % block_size
     if tail:
-        out.warn(f"the last {tail} token(s) do not fill a block of {block_size} and are not hashed")
+        out.warn(f"the last {counted(tail, 'token')} fill no block of {block_size}: not hashed")
     out.emit(data, _VIEW)

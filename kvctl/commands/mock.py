@@ -15,6 +15,7 @@ import typer
 
 from kvctl.commands._nats import ComponentOpt, EndpointOpt, NamespaceOpt
 from kvctl.commands._options import GiveUpOpt, JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.core.words import counted
 from kvctl.errors import UsageError
 from kvctl.mock.load import GIVE_UP_S
 from kvctl.output import Column, View
@@ -131,7 +132,7 @@ def _check(*, engines: int, block_size: int, capacity: int, wire_format: str, na
         raise UsageError("--format dynamo-nats and --nats go together", hint="e.g. --format dynamo-nats --nats "
                          "nats://127.0.0.1:4222")
     if base_port and not 0 < base_port <= 65535 - 3 * engines:
-        raise UsageError(f"--base-port {base_port} leaves no room for {engines} engines (3 ports each)")
+        raise UsageError(f"--base-port {base_port} leaves no room for {counted(engines, 'engine')} (3 ports each)")
     if drop_every < 0:
         raise UsageError(f"--drop-every must not be negative, got {drop_every}")
     for name, value in (("--restart-after", restart_after), ("--duration", duration)):

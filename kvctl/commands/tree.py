@@ -25,6 +25,7 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.core.words import counted
 from kvctl.errors import UsageError
 from kvctl.output import Column, Output, OutputFormat, View
 
@@ -213,7 +214,7 @@ def _draw(content: IndexContent, title: str, depth: int | None, *, wide: bool = 
     trie = content.trie
     workers = sum(1 for blocks in content.held.values() if blocks)
     blocks = sum(len(b) for b in content.held.values())
-    root = Tree(Text(f"{title}: {blocks} blocks held by {workers} workers"))
+    root = Tree(Text(f"{title}: {counted(blocks, 'block')} held by {counted(workers, 'worker')}"))
     stack = [(root, seg) for seg in reversed(outline(content, depth))]
     while stack:
         parent, seg = stack.pop()

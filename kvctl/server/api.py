@@ -34,6 +34,7 @@ from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
 from kvctl.core.router.scoring import KNOBS, BadKnob, NoCandidates
 from kvctl.core.token_json import token_ids_at_head, token_ids_from_json
+from kvctl.core.words import counted
 from kvctl.server.budget import SLICE_S
 from kvctl.server.endpoint import check_endpoint
 from kvctl.server.metrics import Metrics, Plane
@@ -466,7 +467,8 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         info = WorkerInfo(body.worker_id, body.dp_rank, body.model, body.endpoint, body.replay_endpoint, body.topic,
                           total_blocks=body.total_blocks)
         if streams is not None and not streams.admit(info):  # refused now, rather than accepted and not followed
-            return _error(409, f"this router follows {streams.max_engines} engine endpoints already, its most "
+            return _error(409, f"this router follows {counted(streams.max_engines, 'engine endpoint')} already, its "
+                               "most "
                                "(serve --max-engines, whose default the file limit sets: ulimit -n); remove "
                                "one (DELETE /v1/workers/ID) or raise the limit")
         info = fleet.register(info)
