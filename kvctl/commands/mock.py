@@ -20,7 +20,7 @@ from kvctl.errors import UsageError
 from kvctl.mock.load import GIVE_UP_S
 from kvctl.output import Column, View
 
-HELP = "Run mock engines that publish real wire-format KV events and metrics (no GPU). (read-only)"
+HELP = "Run mock engines that publish real wire-format KV events and metrics (no GPU). (daemon)"
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl mock --engines 4\n\n"

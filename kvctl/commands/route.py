@@ -20,7 +20,7 @@ from kvctl.errors import UsageError
 from kvctl.output import Column, OutputFormat, View
 
 HELP = (
-    "Ask a router which worker a request's token ids would go to, and why. [read-only; --reserve adds load]\n\n"
+    "Ask a router which worker a request's token ids would go to, and why. (read-only; read-write with --reserve)\n\n"
     "Token ids come from the arguments, --file, stdin, or --text with a Hugging Face --tokenizer (needs the "
     "transformers package). --reserve also records the request as in flight on the chosen worker, as a "
     "frontend does, until it is freed or expires."

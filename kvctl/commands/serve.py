@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from kvctl.server.state import WorkerInfo
     from kvctl.server.zmq_plane import ZmqOptions
 
-HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. (read-write)"
+HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. (daemon)"
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl serve\n\n"

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvctl.client.tier_sources import Auth
     from kvctl.core.tiers import Reading, TierReport, Window
 
-HELP = "KV tier hit rates (device/host/disk/object) per instance, from Prometheus or engines' /metrics. [read-only]"
+HELP = "KV tier hit rates (device/host/disk/object) per instance, from Prometheus or engines' /metrics. (read-only)"
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl tiers --prometheus http://prometheus:9090 --window 15m\n\n"
