@@ -19,7 +19,7 @@ CHANGES_A_ROUTER = {"busy set", "router reset", "events replay", "events publish
 CHANGES_THE_CONFIG_FILE = {"config set", "config use-context"}
 CHANGES_WITH = {"route": "--reserve", "top": "--admin"}
 DAEMONS = {"serve", "mock"}
-TAG = re.compile(r"\((read-only|read-write|read-write: the config file|daemon|read-only; read-write with (--[\w-]+))\)$")
+TAG = re.compile(r"\((read-only|read-write|read-write: the config file|daemon|read-only; read-write with --[\w-]+)\)$")
 
 
 def _leaves(group: TyperGroup, path: str = "") -> Iterator[tuple[str, TyperCommand]]:
