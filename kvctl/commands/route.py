@@ -27,8 +27,8 @@ HELP = (
 )
 EXAMPLES = (
     "Examples:\n\n"
-    "  kvctl route --file prompt.json --explain\n\n"
-    "  kvctl hash --file prompt.txt -o json | jq -r '.local_hashes[]' | kvctl route --local-hashes\n\n"
+    "  kvctl route --file token-ids.json --explain\n\n"
+    "  kvctl hash --file token-ids.json -o json | jq -r '.local_hashes[]' | kvctl route --local-hashes\n\n"
     "  kvctl route --text 'Hello there' --tokenizer Qwen/Qwen3-0.6B --reserve --request-id r1 -o json"
 )
 
