@@ -56,7 +56,20 @@ def _load_command(name: str) -> typer.core.TyperCommand | TyperGroup:
         single.command(name=name, help=module.HELP, epilog=module.EXAMPLES)(getattr(module, f"{name}_command"))
         command = typer.main.get_command(single)  # type: ignore[assignment]
     command.name = name
+    _plain_help(command)
     return command
+
+
+def _plain_help(command: TyperCommand | TyperGroup) -> None:
+    """click's help layout for a command and its sub-commands: rich's options table cuts long option names
+    at 80 columns (`--active-prefill-to…`); click's gives a name its own line. Example lines stay as written
+    (`\\b`: not re-wrapped), so a copied example is never broken at a hyphen; prose wraps."""
+    command.rich_markup_mode = None
+    if command.epilog:
+        command.epilog = "\n\n".join(f"\b\n{part}" if part.lstrip().startswith("kvctl ") else part
+                                       for part in command.epilog.split("\n\n"))
+    for sub in (command.commands.values() if isinstance(command, TyperGroup) else ()):
+        _plain_help(sub)
 
 
 class _LazyCommands(Mapping[str, Any]):
@@ -174,6 +187,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's help layout, as every sub-command's (see _plain_help)
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

@@ -26,6 +26,7 @@ from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import KV_EVENTS, PlaneScope
 from kvctl.core.events.publishers import Order, Sequence
 from kvctl.core.events.zmq_wire import decode_zmq_message
+from kvctl.core.words import counted
 from kvctl.errors import Unreachable
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import UNREACHABLE_HINT, NatsConnection, connect
@@ -243,7 +244,8 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
             await follow()
         except DiscoveryError as exc:
             raise Unreachable(f"cannot read discovery {discovery_url}: {exc}") from None
-        listening(f"listening on {scope.pattern(KV_EVENTS)} through {discovery_url} ({len(followed)} publisher(s))")
+        listening(f"listening on {scope.pattern(KV_EVENTS)} through {discovery_url} "
+                  f"({counted(len(followed), 'publisher')})")
         relisted = time.monotonic()
         while not stop():
             if time.monotonic() - relisted >= RELIST_S:

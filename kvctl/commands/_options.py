@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 OutputOpt = Annotated[
     OutputFormat | None,
-    typer.Option("--output", "-o", help="Output format: table, wide, json, yaml or name.", show_default=False),
+    typer.Option("--output", "-o", help="Output format: table, wide, json, yaml or name.", show_default=False,
+                 metavar="FORMAT"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Alias for -o json.")]
 

@@ -24,13 +24,14 @@ app = typer.Typer(help="kvctl's own settings: contexts in the config file (KVCTL
 
 SHOW_HELP = "Show the settings a command would use, and with --sources where each came from. (read-only)"
 SHOW_EXAMPLES = "Examples:\n\n  kvctl config show --sources\n\n  kvctl --context prod config show -o json"
-USE_HELP = "Make NAME the current context of the config file. [writes the config file; --dry-run does not]"
+USE_HELP = ("Make NAME the current context of the config file; --dry-run shows the change and writes nothing. "
+            "(read-write: the config file)")
 USE_EXAMPLES = "Examples:\n\n  kvctl config use-context prod\n\n  kvctl config use-context prod --dry-run"
 SET_HELP = (
     "Set KEY (server, token, prometheus or timeout) to VALUE in a context of the config file, creating the "
     "context (and the file) when new. The context edited: --context, else the one commands would use "
-    "(the global --context, KVCTL_CONTEXT, the file's current-context). [writes the config file; --dry-run "
-    "does not]"
+    "(the global --context, KVCTL_CONTEXT, the file's current-context); --dry-run shows the change and writes "
+    "nothing. (read-write: the config file)"
 )
 SET_EXAMPLES = (
     "Examples:\n\n"

@@ -66,6 +66,7 @@ _VIEW = View(
     name_key="check",
     columns=[Column("severity", "severity"), Column("check", "check"), Column("cause", "cause"),
              Column("next", "next_step"), Column("evidence", "evidence_text", wide_only=True)],
+    wrap=True,
 )
 
 

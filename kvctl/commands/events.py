@@ -24,6 +24,7 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
+from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.exit_codes import ExitCode
 from kvctl.output import Column, Output, OutputFormat, View
@@ -87,7 +88,7 @@ def publish_command(
     summary = {"published": 0, "events": len(events), "subject": subject, "mode": "jetstream" if jetstream else "core",
                "dry_run": dry_run}
     if not dry_run:
-        confirm(f"publish {len(events)} events to {subject} on {conn.shown_url}", yes)
+        confirm(f"publish {counted(len(events), 'event')} to {subject} on {conn.shown_url}", yes)
         from kvctl.plane_publisher import publish
 
         summary["published"] = publish(conn, names, events, jetstream=jetstream, publisher_id=publisher_id)
@@ -112,9 +113,9 @@ def _describe(tapped: Tapped) -> str:
     head = f"{when} seq={tapped.seq} {ev.worker_id}:{ev.dp_rank}"
     if isinstance(data, Stored):
         parent = "root" if data.parent_hash is None else f"{data.parent_hash:#x}"
-        return f"{head} stored  {len(data.block_hashes)} blocks under {parent} [{data.tier.value}]"
+        return f"{head} stored  {counted(len(data.block_hashes), 'block')} under {parent} [{data.tier.value}]"
     if isinstance(data, Removed):
-        return f"{head} removed {len(data.block_hashes)} blocks [{data.tier.value}]"
+        return f"{head} removed {counted(len(data.block_hashes), 'block')} [{data.tier.value}]"
     return f"{head} cleared"
 
 
@@ -228,7 +229,8 @@ def tail_command(
         else:
             out.line(_describe(tapped))
         until.seen += tapped.event is not None
-    out.note(f"{stats.messages} messages, {stats.events} events, {stats.gaps} gaps ({stats.missing} missing), "
+    out.note(f"{counted(stats.messages, 'message')}, {counted(stats.events, 'event')}, "
+             f"{counted(stats.gaps, 'gap')} ({stats.missing} missing), "
              f"decode errors {dict(stats.decode_errors) or 'none'}")
     _nothing_received(out, stats, zmq_endpoint, nats_url, topic, jetstream)
 
@@ -336,7 +338,7 @@ def replay_command(
         raise UsageError(f"{source}: {exc}") from None
     summary: dict[str, Any] = {"source": source, "sent": 0, "applied": 0, "rejected": {}, "dry_run": dry_run}
     if not dry_run and timed:
-        confirm(f"replay {len(timed)} events into the router's index", yes)
+        confirm(f"replay {counted(len(timed), 'event')} into the router's index", yes)
         with router_client(ctx) as client, ProgressLine(out, "applied {task.fields[applied]}  rejected "
                                                              "{task.fields[rejected]}") as line:
             row = line.task(f"replay {Path(source).name}", len(timed), applied=0, rejected=0)

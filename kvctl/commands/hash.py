@@ -14,6 +14,7 @@ import typer
 from kvctl.commands._input import read_numbers
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
+from kvctl.core.words import counted
 from kvctl.errors import UsageError
 from kvctl.output import Column, View
 
@@ -21,7 +22,7 @@ HELP = "Compute Dynamo's local and sequence block hashes for token ids. (read-on
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl hash 1 2 3 4 --block-size 4\n\n"
-    "  kvctl hash --file prompt.txt -o json\n\n"
+    "  kvctl hash --file token-ids.json -o json    # token ids: [1, 2, 3, 4], or one a line\n\n"
     "  echo '[1, 2, 3, 4]' | kvctl hash --block-size 4 --lora-name sql-lora"
 )
 
@@ -47,7 +48,7 @@ def _token(word: str, source: str) -> int:
         value = int(word, 10)
     except ValueError:
         raise UsageError(f"token {word!r} from {source} is not an integer",
-                         hint="token ids are non-negative integers") from None
+                         hint="token ids are non-negative integers, not text: tokenize the prompt first") from None
     if not 0 <= value < 2**32:
         raise UsageError(f"token {value} from {source} is outside [0, 2^32)",
                          hint="Dynamo hashes token ids as u32") from None
@@ -58,8 +59,9 @@ def hash_command(
     ctx: typer.Context,
     tokens: Annotated[list[str] | None, typer.Argument(help="Token ids (or use --file, or stdin).",
                                                        show_default=False)] = None,
-    file: Annotated[Path | None, typer.Option("--file", "-f", help="Read token ids from this file.",
-                                              dir_okay=False)] = None,
+    file: Annotated[Path | None, typer.Option(
+        "--file", "-f", dir_okay=False, help="Read token ids from this file: integers, as a JSON list or separated "
+                                             "by spaces, commas or newlines (not text: tokenize first).")] = None,
     block_size: Annotated[int, typer.Option("--block-size", "-b", help="Tokens per KV block.")] = 16,
     lora_name: Annotated[str | None, typer.Option("--lora-name", help="LoRA adapter name (changes the seed).")]
     = None,
@@ -76,5 +78,5 @@ def hash_command(
         data["lora_name"] = lora_name
     tail = len(ids) % block_size
     if tail:
-        out.warn(f"the last {tail} token(s) do not fill a block of {block_size} and are not hashed")
+        out.warn(f"the last {counted(tail, 'token')} fill no block of {block_size}: not hashed")
     out.emit(data, _VIEW)

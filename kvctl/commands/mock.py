@@ -17,11 +17,12 @@ import typer
 
 from kvctl.commands._nats import ComponentOpt, EndpointOpt, NamespaceOpt
 from kvctl.commands._options import GiveUpOpt, JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.mock.load import GIVE_UP_S
 from kvctl.output import Column, Output, View
 
-HELP = "Run mock engines that publish real wire-format KV events and metrics (no GPU). (read-only)"
+HELP = "Run mock engines that publish real wire-format KV events and metrics (no GPU). (daemon)"
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl mock --engines 4 --config-out fleet.toml\n\n"
@@ -151,7 +152,7 @@ def _check(*, engines: int, block_size: int, capacity: int, wire_format: str, na
         raise UsageError("--format dynamo-nats and --nats go together", hint="e.g. --format dynamo-nats --nats "
                          "nats://127.0.0.1:4222")
     if base_port and not 0 < base_port <= 65535 - 3 * engines:
-        raise UsageError(f"--base-port {base_port} leaves no room for {engines} engines (3 ports each)")
+        raise UsageError(f"--base-port {base_port} leaves no room for {counted(engines, 'engine')} (3 ports each)")
     if drop_every < 0:
         raise UsageError(f"--drop-every must not be negative, got {drop_every}")
     for name, value in (("--restart-after", restart_after), ("--duration", duration)):
@@ -260,7 +261,7 @@ def _model_of(rows: list[dict[str, Any]]) -> str:
 def _registered(out: Output, server: str, model: str, workers: list[str]) -> None:
     """One line when --engines-file engines were registered: the router's worker list changed."""
     if workers:
-        out.note(f"registered {len(workers)} engine(s) with {server} (model {model!r}): {', '.join(workers)}")
+        out.note(f"registered {counted(len(workers), 'engine')} with {server} (model {model!r}): {', '.join(workers)}")
 
 
 def _engine_rows(engines_file: Path | None) -> list[dict[str, Any]]:

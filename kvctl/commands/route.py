@@ -20,7 +20,7 @@ from kvctl.errors import UsageError
 from kvctl.output import Column, OutputFormat, View
 
 HELP = (
-    "Ask a router which worker a request's token ids would go to, and why. [read-only; --reserve adds load]\n\n"
+    "Ask a router which worker a request's token ids would go to, and why. (read-only; read-write with --reserve)\n\n"
     "Token ids come from the arguments, --file, stdin, or --text with a Hugging Face --tokenizer (needs the "
     "transformers package). --reserve also records the request as in flight on the chosen worker, as a "
     "frontend does, until it is freed or expires: it shifts the router's real traffic, so it asks first "
@@ -28,8 +28,8 @@ HELP = (
 )
 EXAMPLES = (
     "Examples:\n\n"
-    "  kvctl route --file prompt.json --explain\n\n"
-    "  kvctl hash --file prompt.txt -o json | jq -r '.local_hashes[]' | kvctl route --local-hashes\n\n"
+    "  kvctl route --file token-ids.json --explain\n\n"
+    "  kvctl hash --file token-ids.json -o json | jq -r '.local_hashes[]' | kvctl route --local-hashes\n\n"
     "  kvctl route --text 'Hello there' --tokenizer Qwen/Qwen3-0.6B --reserve --request-id r1 --yes -o json"
 )
 

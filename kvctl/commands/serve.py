@@ -19,6 +19,7 @@ from kvctl.commands._nats import (
     NatsAuth,
     with_nats_credentials,
 )
+from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.output import Output
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from kvctl.server.state import WorkerInfo
     from kvctl.server.zmq_plane import ZmqOptions
 
-HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. (read-write)"
+HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. (daemon)"
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl serve\n\n"
@@ -422,7 +423,7 @@ def serve_command(
         models, engines = declared.models, declared.workers + engines
     followed = len({e.key for e in engines if e.endpoint})
     if max_engines is not None and followed > max_engines:
-        raise UsageError(f"{followed} engine endpoints given, past --max-engines {max_engines}",
+        raise UsageError(f"{counted(followed, 'engine endpoint')} given, past --max-engines {max_engines}",
                          hint="raise --max-engines, or give fewer --worker")
     out = Output(color=ctx.find_root().obj.color)
     if not snapshot_interval > 0:

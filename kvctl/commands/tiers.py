@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from kvctl.client.tier_sources import Auth
     from kvctl.core.tiers import Reading, TierReport, Window
 
-HELP = "KV tier hit rates (device/host/disk/object) per instance, from Prometheus or engines' /metrics. [read-only]"
+HELP = "KV tier hit rates (device/host/disk/object) per instance, from Prometheus or engines' /metrics. (read-only)"
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl tiers --prometheus http://prometheus:9090 --window 15m\n\n"
@@ -142,6 +142,7 @@ def tiers_command(
     tables = out.format in (OutputFormat.table, OutputFormat.wide)
     answers = _answers(ctx, prometheus, metrics or [], window_s, auth, since_start=not (wait or checking),
                        wait_until=_waiter(out, window))
+    where = _where(settings_for(ctx, prometheus=prometheus).prometheus, metrics or [])
     note, warning = _once(out.note), _once(out.warn)
 
     def fetch() -> TierReport:
@@ -152,8 +153,9 @@ def tiers_command(
         elif tables:
             if tier_report.untiered_note is not None:  # once, instead of a 0.0 % row per tier
                 note(tier_report.untiered_note)
-            if tier_report.missing:
-                note(f"not found: {', '.join(tier_report.missing)}")
+            missing = tier_report.missing_note(where)
+            if missing is not None:
+                note(missing)
         return tier_report
 
     def render(data: TierReport) -> None:
@@ -173,6 +175,13 @@ def tiers_command(
             except KeyboardInterrupt:
                 out.note("stopped before the window passed: the figures above count since each engine started")
                 raise typer.Exit(130) from None
+
+
+def _where(prometheus: str | None, metrics: list[str]) -> str:
+    """Where the families were looked for, in a few words: the one endpoint, how many, or the Prometheus."""
+    if len(metrics) == 1:
+        return metrics[0]
+    return f"the {len(metrics)} --metrics endpoints" if metrics else f"Prometheus {prometheus}"
 
 
 def _structured(out: Output) -> bool:

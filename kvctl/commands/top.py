@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from kvctl.output import Output
     from kvctl.tui.sources import Source
 
-HELP = ("Live dashboard of a router: workers, rates, stream health, tiers, shared prefixes. Read-only unless "
-        "--admin (then `r` resets a worker, after a confirmation).")
+HELP = ("Live dashboard of a router: workers, rates, stream health, tiers, shared prefixes; with --admin `r` "
+        "resets a worker, after a confirmation. (read-only; read-write with --admin)")
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl top\n\n"

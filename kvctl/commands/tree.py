@@ -26,6 +26,7 @@ from kvctl.commands._nats import (
 )
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
+from kvctl.core.words import counted
 from kvctl.errors import UsageError, not_found
 from kvctl.output import Column, Output, OutputFormat, View
 
@@ -99,10 +100,12 @@ class Reader:
 
 
 def _emit_sections(out: Output, data: Any, views: Sequence[View]) -> None:
-    """One object in json/yaml (named by the first view's rows with -o name); one table per view for people."""
+    """One object in json/yaml (named by the first view's rows with -o name); for people, one table per view
+    that has rows (an empty section is only a header), the totals last."""
     if out.format in (OutputFormat.table, OutputFormat.wide):
         for view in views:
-            out.emit(data, view)
+            if any(True for _ in view.rows(data)):
+                out.emit(data, view)
     else:
         out.emit(data, views[0])
 
@@ -115,11 +118,17 @@ DUMP_EXAMPLES = (
     "  kvctl tree dump                                  # the --server router, drawn\n\n"
     "  kvctl tree dump http://router:7433 --worker 3 --depth 4\n\n"
     "  kvctl tree dump dynamo+http://indexer:8090 -o json > dump.json\n\n"
-    "  kvctl tree dump dump.jsonl --format stats"
+    "  kvctl tree dump dump.jsonl --format stats\n\n"
+    "  kvctl tree dump -o name                          # the workers holding blocks, one ID:DP a line\n\n"
+    "  kvctl tree dump -o wide                          # each node with its sequence hash"
 )
 
 # Only json/yaml emit the events through the sink (which ignores a view there); people get JSONL lines.
 _EVENTS_VIEW = View(rows=lambda events: events, columns=[], name_key="worker_id")
+# `-o name`, whatever --format: the worker keys holding blocks (ID:DP, what --worker takes back), as
+# `tree stats -o name` and `workers -o name` print them.
+_HOLDERS_VIEW = View(rows=lambda content: [{"worker": name} for name in _holders(content)], columns=[],
+                     name_key="worker")
 
 
 @app.command("dump", help=DUMP_HELP, epilog=DUMP_EXAMPLES)
@@ -158,12 +167,20 @@ def dump_command(
         raise not_found("worker", worker, f"the index of {source or settings_for(ctx).server}",
                         [worker_name(w) for w in sorted({(e.worker_id, e.dp_rank) for e in everything})])
     content = index_content(events)
-    if fmt is DumpFormat.stats:
+    if out.format is OutputFormat.name:
+        out.emit(content, _HOLDERS_VIEW)
+    elif fmt is DumpFormat.stats:
         _emit_sections(out, content_stats(content), _STATS_VIEWS)
     elif fmt is DumpFormat.events:
         _emit_events(out, content.index.dump())
     else:
-        out.line(_draw(content, source or settings_for(ctx).server, depth))
+        out.line(_draw(content, source or settings_for(ctx).server, depth, wide=out.format is OutputFormat.wide))
+
+
+def _holders(content: IndexContent) -> list[str]:
+    from kvctl.core.tree_diff import worker_name
+
+    return [worker_name(w) for w, blocks in sorted(content.held.items()) if blocks]
 
 
 def _worker_filter(spec: str | None) -> Any:
@@ -190,8 +207,9 @@ def _emit_events(out: Output, events: list[RouterEvent]) -> None:
         out.line(b"\n".join(encoded).decode())
 
 
-def _draw(content: IndexContent, title: str, depth: int | None) -> str:
-    """The collapsed tree as text (rich's guides, no colour): what `--format tree` prints."""
+def _draw(content: IndexContent, title: str, depth: int | None, *, wide: bool = False) -> str:
+    """The collapsed tree as text (rich's guides, no colour): what `--format tree` prints; `wide` (-o wide) adds
+    each node's sequence hash, the value `kvctl hash` and the router's API name a block by."""
     from io import StringIO
 
     from rich.console import Console
@@ -203,18 +221,18 @@ def _draw(content: IndexContent, title: str, depth: int | None) -> str:
     trie = content.trie
     workers = sum(1 for blocks in content.held.values() if blocks)
     blocks = sum(len(b) for b in content.held.values())
-    root = Tree(Text(f"{title}: {blocks} blocks held by {workers} workers"))
+    root = Tree(Text(f"{title}: {counted(blocks, 'block')} held by {counted(workers, 'worker')}"))
     stack = [(root, seg) for seg in reversed(outline(content, depth))]
     while stack:
         parent, seg = stack.pop()
-        node = parent.add(Text(_label(seg, trie)))
+        node = parent.add(Text(_label(seg, trie, wide)))
         stack.extend((node, child) for child in reversed(seg.children))
     buffer = StringIO()
     Console(file=buffer, width=10_000, no_color=True, soft_wrap=True).print(root)
     return buffer.getvalue().rstrip("\n")
 
 
-def _label(seg: Segment, trie: PathTrie) -> str:
+def _label(seg: Segment, trie: PathTrie, wide: bool) -> str:
     from kvctl.core.tree_diff import worker_name
 
     n = seg.blocks(trie)
@@ -226,7 +244,8 @@ def _label(seg: Segment, trie: PathTrie) -> str:
         for tier in sorted(tiers):
             by_tier.setdefault(tier.value, []).append(worker_name(worker))
     held = "; ".join(f"{tier}: {' '.join(names)}" for tier, names in by_tier.items())
-    return f"{span}  [{held}]" + (f"  (+{seg.hidden} below)" if seg.hidden else "")
+    sequence = f"  seq {trie.describe(seg.last)['sequence_hash']}" if wide else ""
+    return f"{span}{sequence}  [{held}]" + (f"  (+{seg.hidden} below)" if seg.hidden else "")
 
 
 # ----- diff ------------------------------------------------------------------------------------------------
@@ -307,7 +326,7 @@ _STATS_VIEWS = (
          columns=[Column("holders", "holders", justify="right"), Column("depth", "depth", justify="right"),
                   Column("local hash", "local_hash"), Column("sequence hash", "sequence_hash", wide_only=True),
                   Column("workers", "workers")]),
-    View(rows=lambda d: [{**d, "workers": len(d["workers"])}], name_key="blocks",
+    View(rows=lambda d: [{**d, "workers": len(d["workers"])}], name_key="blocks", title="totals",
          columns=[Column("blocks", "blocks", justify="right"), Column("nodes", "nodes", justify="right"),
                   Column("distinct", "paths", justify="right"), Column("workers", "workers", justify="right")]),
 )

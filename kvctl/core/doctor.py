@@ -16,6 +16,7 @@ from typing import Any
 
 from kvctl.core.router.busy import THRESHOLD_FIELDS, BusyTracker, Thresholds, WorkerLoad
 from kvctl.core.silence import SILENT_AFTER_S, is_silent
+from kvctl.core.words import counted
 
 DEFAULT_MODEL = "default"
 SHOWN = 8
@@ -103,7 +104,8 @@ def check_registration(status: Mapping[str, Any], workers: Sequence[Mapping[str,
         return [Finding("workers", Severity.WARNING, f"model {empty[0]!r} has no workers: its routes are refused",
                         {"models_without_workers": empty, "workers_by_model": by_model},
                         f"kvctl workers; register workers for {empty[0]!r} (POST /v1/workers with model_name)")]
-    return [Finding("workers", Severity.OK, f"{len(workers)} workers registered", {"workers_by_model": by_model})]
+    return [Finding("workers", Severity.OK, f"{counted(len(workers), 'worker')} registered",
+                    {"workers_by_model": by_model})]
 
 
 # ----- 2. silent workers ----------------------------------------------------------------------------------
@@ -132,9 +134,24 @@ def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]
                                        else "none known to be serving (idle, or not publishing?)"])))
     evidence = {**_named(silent), "never": never[:SHOWN], "quiet_s": dict(stale[:SHOWN]),
                 "serving": dict(list(serving.items())[:SHOWN])}
+    first = next(w for w in workers if _name(w) == silent[0])
     return [Finding("silent", severity, cause, evidence,
-                    f"kvctl events tail --zmq <the engine's KV-event endpoint>  (is worker {_first(silent)} "
-                    "publishing at all? check the engine's kv-events config and the endpoint registered)")]
+                    f"{_tap(first, status)}  (is worker {_first(silent)} publishing at all? check the engine's "
+                    "kv-events config and the endpoint registered)")]
+
+
+def _tap(worker: Mapping[str, Any], status: Mapping[str, Any]) -> str:
+    """The command that shows a worker's raw KV events from where this router follows them: the ZMQ endpoint
+    registered for it, the address its publisher advertises on the event plane, or the NATS event plane."""
+    address = worker.get("endpoint") or (worker.get("event_plane") or {}).get("address")
+    if address:
+        return f"kvctl events tail --zmq {address} --worker-id {worker['worker_id']}"
+    plane = status.get("event_plane") or {}
+    if plane.get("url") and plane.get("transport") != "zmq":
+        scope = "".join(f" --{key} {plane[key]}" for key in ("namespace", "component") if plane.get(key))
+        return f"kvctl events tail --nats {plane['url']}{scope}"
+    return (f"kvctl workers -o wide  (no KV-event endpoint is registered for worker {worker['worker_id']}: its "
+            "events can only come by POST /v1/events)")
 
 
 def _serving_while_silent(status: Mapping[str, Any], silent: Sequence[Mapping[str, Any]],
@@ -175,7 +192,7 @@ def check_streams(status: Mapping[str, Any]) -> list[Finding]:
                "is the engine's replay ROUTER socket reachable, and its replay buffer large enough?")
         findings.append(Finding(
             "streams", Severity.WARNING,
-            f"{len(lost)} stream(s) lost batches that replay could not recover ({why}): their index may hold "
+            f"{counted(len(lost), 'stream')} lost batches that replay could not recover ({why}): their index may hold "
             "stale blocks or miss new ones",
             {**_named(names), "lost_batches": {n: s.get("lost_batches", 0) for n, s in lost[:SHOWN]},
              "gaps": {n: s.get("gaps", 0) for n, s in lost[:SHOWN]},
@@ -185,7 +202,8 @@ def check_streams(status: Mapping[str, Any]) -> list[Finding]:
     restarted = [(_stream_name(s), s["restarts"]) for s in streams if s.get("restarts")]
     if restarted:
         findings.append(Finding(
-            "restarts", Severity.WARNING, f"{len(restarted)} engine(s) restarted; each restart cleared the worker",
+            "restarts", Severity.WARNING,
+            f"{counted(len(restarted), 'engine')} restarted; each restart cleared the worker",
             {**_named([n for n, _ in restarted]), "restarts": dict(restarted[:SHOWN])},
             "check the engines' logs for crashes or OOM kills; kvctl router status"))
     broken = [(_stream_name(s), s) for s in streams if s.get("decode_errors")]
@@ -202,8 +220,8 @@ def check_streams(status: Mapping[str, Any]) -> list[Finding]:
             "kvctl events tail --zmq <endpoint>  (see the raw events; compare the schema with the engine's version)"))
     if not findings:
         gaps = sum(s.get("gaps", 0) for s in streams)
-        repaired = f", {gaps} gap(s) repaired by replay" if gaps else ""
-        findings.append(Finding("streams", Severity.OK, f"{len(streams)} engine stream(s) whole{repaired}",
+        repaired = f", {counted(gaps, 'gap')} repaired by replay" if gaps else ""
+        findings.append(Finding("streams", Severity.OK, f"{counted(len(streams), 'engine stream')} whole{repaired}",
                                 {"gaps": gaps}))
     return findings
 
@@ -216,8 +234,8 @@ def _failed_streams(streams: Sequence[Mapping[str, Any]]) -> list[Finding]:
         return []
     down = [n for n, s in failed if s.get("state") == "failed"]
     names = down or [n for n, _ in failed]
-    cause = (f"{len(down)} engine stream(s) failed and are not reading their engine's events (retried with "
-             "backoff)" if down else f"{len(failed)} engine stream(s) failed and ran again")
+    cause = (f"{counted(len(down), 'engine stream')} failed, not reading their engines' events (retried with "
+             "backoff)" if down else f"{counted(len(failed), 'engine stream')} failed and ran again")
     return [Finding(
         "streams", Severity.CRITICAL if down else Severity.WARNING, cause,
         {**_named(names), "last_error": {n: s.get("last_error") for n, s in failed[:SHOWN]},
@@ -230,7 +248,7 @@ def _decoder_died(decoder: Mapping[str, Any]) -> list[Finding]:
     if not decoder.get("restarts") and not decoder.get("failed"):
         return []
     state = ("it is down: the router decodes in its own loop until a new one starts" if decoder.get("failed")
-             else f"it was started again {decoder['restarts']} time(s)")
+             else f"it was started again {counted(decoder['restarts'], 'time')}")
     return [Finding("decoder", Severity.WARNING, f"the decode process died ({decoder.get('last_error')}); {state}",
                     {"decoder": dict(decoder)}, "see the router's log for why it exited (out of memory? killed?)")]
 
@@ -316,13 +334,13 @@ def check_hashing(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
                 evidence, f"worker {_first(odd)}'s engine: the other engines' hash seed and block size; {fix}")]
         return [Finding(
             "hashing", Severity.CRITICAL,
-            f"non-deterministic engine hashing: {len(names)} worker(s) stored known token paths under other "
+            f"non-deterministic engine hashing: {counted(len(names), 'worker')} stored known token paths under other "
             "block hashes (Dynamo's \"block_hash mismatch\"), so their removals miss and prefixes are not shared",
             evidence, fix)]
     if missing:
         return [Finding(
             "hashing", Severity.WARNING,
-            f"{len(missing)} worker(s) removed blocks the router never saw stored: events were lost or "
+            f"{counted(len(missing), 'worker')} removed blocks the router never saw stored: events were lost or "
             "the engine's hashes changed",
             {**_named([n for n, _ in missing]), "removals_not_found": dict(missing[:SHOWN])},
             "kvctl router status  (gaps? restarts?); kvctl router reset --worker W --yes to resync")]
@@ -356,7 +374,7 @@ def check_partial(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
     names = [n for n, _ in orphans]
     return [Finding(
         "partial", Severity.WARNING,
-        f"{len(orphans)} worker(s) stored blocks under parents the router never saw: it joined their streams "
+        f"{counted(len(orphans), 'worker')} stored blocks under parents the router never saw: it joined their streams "
         "mid-way (or lost events), so its index holds only part of what they cache and routes them too few hits",
         {**_named(names), "rejected_for_unknown_parent": dict(orphans[:SHOWN])},
         f"register the engine's replay endpoint (kvctl serve --worker {_first(names)}=tcp://…,replay=tcp://…), or "
@@ -374,7 +392,8 @@ def check_recovery(status: Mapping[str, Any]) -> list[Finding]:
     names = [n for n, _ in failed]
     return [Finding(
         "partial", Severity.WARNING,
-        f"{len(failed)} worker(s) could not be recovered over Dynamo's request plane: the router follows their "
+        f"{counted(len(failed), 'worker')} could not be recovered over Dynamo's request plane: the router follows "
+        "their "
         "live events only, so its index lacks what they stored before it found them",
         {**_named(names), "reasons": dict(failed[:SHOWN])},
         "make each worker's recovery_target (v1/event_sources) reachable from kvctl, and kvctl's listener from "
@@ -409,8 +428,9 @@ def check_event_plane(status: Mapping[str, Any], workers: Sequence[Mapping[str, 
         gapped = [p for p in plane.get("publishers") or [] if p.get("lost")]
         findings.append(Finding(
             "event_plane", Severity.WARNING,
-            f"the event plane lost {lost} message(s) ({len(gapped)} publisher(s) with sequence gaps) and "
-            f"{lost_events} KV event(s) (event ids skipped)",
+            f"the event plane lost {counted(lost, 'message')} "
+            f"({counted(len(gapped), 'publisher')} with sequence gaps) and "
+            f"{counted(lost_events, 'KV event')} (event ids skipped)",
             {"publishers": [{k: p.get(k) for k in ("publisher_id", "topic", "lost", "workers")}
                             for p in gapped[:SHOWN]], "counts": plane.get("counts", {})},
             "the plane (NATS Core, or ZMQ PUB sockets) drops what a slow or disconnected subscriber misses: "
@@ -421,14 +441,14 @@ def check_event_plane(status: Mapping[str, Any], workers: Sequence[Mapping[str, 
     if stopped:
         findings.append(Finding(
             "event_plane", Severity.WARNING,
-            f"{len(stopped)} worker(s) stopped reporting forward passes (every Dynamo worker reports each "
+            f"{counted(len(stopped), 'worker')} stopped reporting forward passes (every Dynamo worker reports each "
             f"pass, idle or not): stopped, hung or cut off for over {limits.silent_after_s:g} s",
             {**_named([n for n, _ in stopped]), "last_report_s": dict(stopped[:SHOWN])},
             "is the worker process alive? kvctl workers -o wide; once it is gone for good: "
             f"kvctl router reset --worker {_first([n for n, _ in stopped])} --yes"))
     if not findings:
         findings.append(Finding("event_plane", Severity.OK,
-                                f"event plane: {sum(topics.values())} message(s) in scope, none lost",
+                                f"event plane: {counted(sum(topics.values()), 'message')} in scope, none lost",
                                 {"topics": topics}))
     return findings
 
@@ -472,7 +492,7 @@ def _unreachable_publishers(plane: Mapping[str, Any], limits: Limits) -> list[Fi
         return []
     local = [c for c in never if not _routable(c.get("address", ""))]
     kv = sum(c.get("topic") == "kv-events" for c in never)
-    cause = (f"{len(never)} publisher(s) in discovery never reached for over {limits.unreachable_after_s:g} s "
+    cause = (f"{counted(len(never), 'publisher')} in discovery never reached for over {limits.unreachable_after_s:g} s "
              f"({kv} of them KV events: those workers' blocks never reach the index)")
     if local:
         cause += f"; {len(local)} advertise an address only their own host can reach ({local[0].get('address')})"
@@ -518,7 +538,8 @@ def check_busy(workers: Sequence[Mapping[str, Any]], thresholds: Sequence[Mappin
             if full:
                 findings.append(Finding(
                     "busy", Severity.WARNING,
-                    f"{len(full)} worker(s) of {model!r} use over {limits.kv_full_share:.0%} of their KV cache "
+                    f"{counted(len(full), 'worker')} of {model!r} using over {limits.kv_full_share:.0%} of their "
+                    "KV cache "
                     "and no busy threshold is set: the router keeps sending them work",
                     {**_named([n for n, _ in full]), "kv_share": dict(full[:SHOWN])},
                     f"kvctl busy set --model {model} --active-decode-blocks-threshold 0.9"))
@@ -618,7 +639,7 @@ def check_index(status: Mapping[str, Any], limits: Limits) -> list[Finding]:
         if cap and blocks >= limits.near_cap * cap:
             findings.append(Finding(
                 "index", Severity.WARNING,
-                f"model {model!r}: {blocks} blocks, {blocks / cap:.0%} of the approximate-mode cap {cap}: "
+                f"model {model!r}: {counted(blocks, 'block')}, {blocks / cap:.0%} of the approximate-mode cap {cap}: "
                 "pruning keeps evicting what the router learnt from its own routes",
                 {"model": model, "blocks": blocks, "max_tree_size": cap},
                 "raise --max-tree-size, or lower --router-ttl so blocks expire before the cap prunes them"))
@@ -626,7 +647,8 @@ def check_index(status: Mapping[str, Any], limits: Limits) -> list[Finding]:
             rss = status.get("rss_bytes")
             findings.append(Finding(
                 "index", Severity.WARNING,
-                f"model {model!r}: {nodes} nodes for {blocks} blocks: the index is short branches nobody shares "
+                f"model {model!r}: {counted(nodes, 'node')} for {counted(blocks, 'block')}: the index is short "
+                "branches nobody shares "
                 "(the tree compresses shared runs of blocks into one node; here there are none), the shape that "
                 "costs the most memory per block",
                 {"model": model, "blocks": blocks, "nodes": nodes, "nodes_per_block": round(nodes / blocks, 3),
@@ -634,7 +656,8 @@ def check_index(status: Mapping[str, Any], limits: Limits) -> list[Finding]:
                 "kvctl tree stats  (shared prefixes? per-request salts or LoRA names splitting the tree?)"))
     if not findings:
         total = sum(s.get("blocks", 0) for s in (status.get("models") or {}).values())
-        findings.append(Finding("index", Severity.OK, f"index holds {total} blocks; no queue dropped events"))
+        findings.append(Finding("index", Severity.OK,
+                                f"index holds {counted(total, 'block')}; no queue dropped events"))
     return findings
 
 

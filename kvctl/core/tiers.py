@@ -340,6 +340,15 @@ class TierReport:
             return f"no tier counters exported by {who}: this fleet reports no host/disk/object tier hits"
         return f"no tier counters exported by {who}: no host/disk/object tier hits from {_them(self.untiered)}"
 
+    def missing_note(self, where: str) -> str | None:
+        """One short line for the families `where` does not expose (None when it exposes all): how many, and
+        whose (the engines named by their prefix); `families.missing` in -o json lists them one by one."""
+        if not self.missing:
+            return None
+        whose = ", ".join(dict.fromkeys(_ENGINE_PREFIX.match(doc).group() for doc in self.missing))  # type: ignore[union-attr]
+        return (f"not found at {where}: {len(self.missing)} of the {len(FAMILIES)} metric families kvctl reads "
+                f"({whose}); -o json lists them")
+
     def to_dict(self) -> dict[str, Any]:
         return {"basis": self.basis.value,
                 "instances": [{"instance": name, "window_s": seconds if math.isfinite(seconds) else None}
@@ -347,6 +356,10 @@ class TierReport:
                 "readings": [r.to_dict() for r in self.readings], "totals": [r.to_dict() for r in self.totals],
                 "families": {"found": list(self.found), "missing": list(self.missing)},
                 "no_tier_counters": {"instances": list(self.untiered), "note": self.untiered_note}}
+
+
+_ENGINE_PREFIX = re.compile(r"[a-z]+")
+"""A family's engine: `vllm` of `vllm:prefix_cache_hits`, `kvbm` of `kvbm_matched_tokens`."""
 
 
 def _them(instances: tuple[str, ...]) -> str:

@@ -40,7 +40,7 @@ from kvctl.mock.load import (
 class DemoPlan:
     engines: int = 4
     duration_s: float = 60.0
-    baseline_s: float | None = None  # default: a third of the duration, at most 20 s
+    baseline_s: float | None = None  # default: half the duration, so both phases' counts compare
     capacity: int = 1024  # blocks per engine: a quarter of the workload's system prompts fits in one
     block_size: int = 16
     concurrency: int = 16
@@ -49,7 +49,7 @@ class DemoPlan:
 
     @property
     def baseline(self) -> float:
-        return self.baseline_s if self.baseline_s is not None else min(20.0, self.duration_s / 3)
+        return self.baseline_s if self.baseline_s is not None else self.duration_s / 2
 
 
 @contextlib.asynccontextmanager

@@ -41,6 +41,7 @@ from kvctl.core.events.engine_encode import (
     encode_batch,
 )
 from kvctl.core.events.plane import PlaneNames
+from kvctl.core.events.types import Tier
 from kvctl.mock.cache import Allocation, CacheCleared, CacheEvent, CacheStored, PrefixCache
 from kvctl.mock.hashing import BlockHasher, HashStyle
 from kvctl.mock.metrics import EngineMetrics
@@ -148,6 +149,8 @@ class MockEngine:
             usage=lambda: self.cache.used_blocks / config.capacity,
             running=lambda: self.running, waiting=lambda: self.waiting,
             transfers=self.cache.transfers if config.host_capacity or config.disk_capacity else None,
+            lower_tiers=[tier for tier, blocks in ((Tier.host_pinned, config.host_capacity),
+                                                   (Tier.disk, config.disk_capacity)) if blocks],
         )
         self.publisher: Publisher | None = None
         self.nats: NatsEventPublisher | None = None

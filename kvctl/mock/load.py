@@ -28,6 +28,7 @@ from typing import Any
 
 from kvctl.client import AsyncRouterClient, calls
 from kvctl.client.engine import EngineClient
+from kvctl.core.words import counted
 from kvctl.errors import AllBusy, ApiError, KvctlError, Unreachable
 
 VOCAB = 32_000
@@ -185,7 +186,7 @@ class LoadGenerator:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         stats.finished = time.monotonic()
         if self._watch.gone:
-            raise Unreachable(f"{self._watch.gone} ({policy.value}: {stats.completed} requests done, "
+            raise Unreachable(f"{self._watch.gone} ({policy.value}: {counted(stats.completed, 'request')} done, "
                               f"{sum(stats.errors.values())} failed calls)",
                               hint="is the router still running?")
         return stats

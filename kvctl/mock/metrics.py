@@ -12,7 +12,7 @@ KVBM's hit rates are a sliding window over the last 1000 requests: Σ blocks fro
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -35,11 +35,15 @@ class EngineMetrics:
         running: Callable[[], int],
         waiting: Callable[[], int],
         transfers: Transfers | None,
+        lower_tiers: Collection[Tier] = (),
     ) -> None:
-        """`transfers` (the cache's, when it has lower tiers) switches the KVBM metrics on."""
+        """`transfers` (the cache's, when it has lower tiers) switches the KVBM metrics on; `lower_tiers` are the
+        tiers the engine has below the device: only theirs are exported (a counter of a tier the engine does not
+        have would read as a 0 % hit rate measured on it)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self._block_size = block_size
         self._transfers = transfers
+        self._tiers = {Tier.device, *lower_tiers}
         self._window: deque[tuple[int, int, int]] = deque(maxlen=KVBM_WINDOW)  # (host, disk, queried) blocks
         self._matched_tokens = 0
         labels = {"model_name": model_name, "engine": "0"}
@@ -56,7 +60,8 @@ class EngineMetrics:
                              names, registry=self.registry).labels(**labels)
         by_source = Counter("vllm:prompt_tokens_cached_by_source", "Cached prompt tokens by source.",
                             [*names, "source"], registry=self.registry)
-        self._by_source = {tier: by_source.labels(**labels, source=source) for tier, source in _SOURCES.items()}
+        self._by_source = {tier: by_source.labels(**labels, source=source) for tier, source in _SOURCES.items()
+                           if tier in self._tiers}
 
     def record(self, allocation: Allocation, prompt_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup."""
@@ -78,18 +83,22 @@ class EngineMetrics:
         t = self._transfers
         assert t is not None
         host, disk, queried = (sum(column) for column in zip(*self._window, strict=True)) if self._window else (0, 0, 0)
-        families = [
-            ("kvbm_offload_blocks_d2h", "counter", "Blocks offloaded from device to host", t.offload_d2h),
-            ("kvbm_offload_blocks_h2d", "counter", "Blocks offloaded from host to disk", t.offload_h2d),
-            ("kvbm_offload_blocks_d2d", "counter", "Blocks offloaded from device to disk", t.offload_d2d),
-            ("kvbm_onboard_blocks_h2d", "counter", "Blocks onboarded from host to device", t.onboard_h2d),
-            ("kvbm_onboard_blocks_d2d", "counter", "Blocks onboarded from disk to device", t.onboard_d2d),
-            ("kvbm_matched_tokens", "counter", "Tokens matched on the host and disk tiers", self._matched_tokens),
-            ("kvbm_host_cache_hit_rate", "gauge", "Host cache hit rate (0-1, sliding window)", _rate(host, queried)),
-            ("kvbm_disk_cache_hit_rate", "gauge", "Disk cache hit rate (0-1, sliding window)", _rate(disk, queried)),
+        h, d = Tier.host_pinned, Tier.disk
+        families = [  # each with the tiers it needs
+            ("kvbm_offload_blocks_d2h", "counter", "Blocks offloaded from device to host", t.offload_d2h, {h}),
+            ("kvbm_offload_blocks_h2d", "counter", "Blocks offloaded from host to disk", t.offload_h2d, {h, d}),
+            ("kvbm_offload_blocks_d2d", "counter", "Blocks offloaded from device to disk", t.offload_d2d, {d}),
+            ("kvbm_onboard_blocks_h2d", "counter", "Blocks onboarded from host to device", t.onboard_h2d, {h}),
+            ("kvbm_onboard_blocks_d2d", "counter", "Blocks onboarded from disk to device", t.onboard_d2d, {d}),
+            ("kvbm_matched_tokens", "counter", "Tokens matched on the host and disk tiers", self._matched_tokens,
+             set()),
+            ("kvbm_host_cache_hit_rate", "gauge", "Host cache hit rate (0-1, sliding window)", _rate(host, queried),
+             {h}),
+            ("kvbm_disk_cache_hit_rate", "gauge", "Disk cache hit rate (0-1, sliding window)", _rate(disk, queried),
+             {d}),
         ]
         return "".join(f"# HELP {name} {doc}\n# TYPE {name} {kind}\n{name} {value}\n"
-                       for name, kind, doc, value in families)
+                       for name, kind, doc, value, needs in families if needs <= self._tiers)
 
 
 def _rate(part: int, whole: int) -> float:

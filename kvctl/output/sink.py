@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TextIO
 
-from kvctl.output.table import render_table
+from kvctl.output.table import render_table, render_wrapped
 
 
 class OutputFormat(StrEnum):
@@ -43,6 +43,7 @@ class View:
     columns: Sequence[Column]
     name_key: str
     title: str | None = None
+    wrap: bool = False  # cells of prose (doctor's causes) wrap to the terminal's width rather than run past it
 
 
 @dataclass
@@ -82,8 +83,14 @@ class Output:
         columns = [c for c in view.columns if wide or not c.wide_only]
         rows = [[_cell(row.get(c.key)) for c in columns] for row in view.rows(data)]
         bold = self.color and self.stdout.isatty()
-        self._write(render_table([c.header.upper() for c in columns], rows, [c.justify for c in columns],
-                                 title=view.title, bold_header=bold))
+        headers, justify = [c.header.upper() for c in columns], [c.justify for c in columns]
+        if view.wrap:
+            import shutil
+
+            width = shutil.get_terminal_size().columns
+            self._write(render_wrapped(headers, rows, justify, width=width, title=view.title, bold_header=bold))
+        else:
+            self._write(render_table(headers, rows, justify, title=view.title, bold_header=bold))
 
     def _write(self, text: str) -> None:
         self.stdout.write(text)

@@ -29,6 +29,7 @@ from kvctl.core.router.approx import ApproxConfig
 from kvctl.core.router.busy import Thresholds
 from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
+from kvctl.core.words import counted
 from kvctl.errors import KvctlError
 from kvctl.gc_tuning import survivors_frozen
 from kvctl.server import snapshot
@@ -185,7 +186,7 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
     files = raise_file_limit()  # before the decode process starts: it inherits the limit
     context = sized(zmq.asyncio.Context())
     max_engines = options.max_engines or default_max_engines(files, context.get(zmq.MAX_SOCKETS))
-    log.info("following at most %d engine endpoints (file limit %d)", max_engines, files)
+    log.info("following at most %s (file limit %d)", counted(max_engines, "engine endpoint"), files)
     streams = Streams(fleet, queue_batches=options.queue_batches, decoder=make_decoder(options.decoder),
                       context=context, max_engines=max_engines)
     plane: EventPlane | ZmqPlane | None = None
@@ -270,9 +271,9 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> dict[str, Any] | None:
         log.error("damaged snapshot: %s", problem)
     if restored is not None:
         age = max(0.0, time.time() - restored.taken_at)
-        log.warning("restored %d events from %s, taken %.1f s ago (%d rejected); KV events sent "
+        log.warning("restored %s from %s, taken %.1f s ago (%d rejected); KV events sent "
                     "after it were not seen: engines' replay or new events will fill the gap",
-                    restored.events, restored.path.name, age, restored.rejected)
+                    counted(restored.events, "event"), restored.path.name, age, restored.rejected)
     elif problems:
         log.error("no sound snapshot in %s: starting with an empty index", options.state_dir)
     return {"file": restored.path.name if restored is not None else None,

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from kvctl.child_process import python_module
 from kvctl.core.events import EngineBatch, ErrorKind
+from kvctl.core.words import counted
 from kvctl.server.decode_wire import HEADER, Answer, Refused, control, decode_now, split_answers
 
 __all__ = ["Backpressure", "Decoded", "Decoder", "DECODER_MODES", "InlineDecoder", "NeverFull", "OnLive",
@@ -400,8 +401,8 @@ class ProcessDecoder:
         proc = self._proc
         code = None if proc is None else proc.poll()
         self._failure = failure = why if code is None else f"{why} (exit status {code})"
-        log.error("%s; decoding in the router's own process until a new one starts (%d batches taken back)",
-                  self._failure, self.in_flight)
+        log.error("%s; decoding in the router's own process until a new one starts (%s taken back)",
+                  self._failure, counted(self.in_flight, "batch", "batches"))
         self._stop_child()
         self._dispatch(hold=False)  # what was read is good: delivered first, in order
         pending, self._pending = self._pending, deque()

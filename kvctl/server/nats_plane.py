@@ -49,6 +49,7 @@ from kvctl.core.events.plane import (
 )
 from kvctl.core.index.kv_index import events_of
 from kvctl.core.router.sequences import ActiveRequest
+from kvctl.core.words import counted
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
 from kvctl.server.plane_ingest import PlaneIngest
@@ -293,11 +294,11 @@ class EventPlane(PlaneTasks):
         self.snapshot["loaded_events"] = applied
         self.snapshot["bad_lines"] = sum(bad.values())
         self.errors.update(bad)
-        log.info("event plane: loaded %d events from %s/%s (%d rejected)", applied, self.names.bucket,
+        log.info("event plane: loaded %s from %s/%s (%d rejected)", counted(applied, "event"), self.names.bucket,
                  RADIX_STATE_OBJECT, sum(rejected.values()))
         if bad:
-            log.warning("event plane: %d lines of %s/%s are not RouterEvent JSON (%s); skipped, the index "
-                        "lacks what they held until their workers store it again", sum(bad.values()),
+            log.warning("event plane: %s of %s/%s not RouterEvent JSON (%s); skipped, the index "
+                        "lacks what they held until their workers store it again", counted(sum(bad.values()), "line"),
                         self.names.bucket, RADIX_STATE_OBJECT, ", ".join(f"{k}: {n}" for k, n in sorted(bad.items())))
 
     async def _snapshot_loop(self, js: Any) -> None:
@@ -328,7 +329,7 @@ class EventPlane(PlaneTasks):
         await store.put(RADIX_STATE_OBJECT, data)
         self.snapshot["uploads"] += 1
         self.snapshot["purged_below"] = below
-        log.info("event plane: snapshot of %d events uploaded to %s; stream purged below seq %d", len(edges),
+        log.info("event plane: snapshot of %s uploaded to %s; stream purged below seq %d", counted(len(edges), "event"),
                  self.names.bucket, below)
 
     # ----- replica sync -------------------------------------------------------------------------------

@@ -32,8 +32,9 @@ def ref(name: str) -> dict[str, str]:
 SCHEMAS: dict[str, dict[str, Any]] = {
     "Problem": {
         "title": "Problem",
-        "description": "What is wrong: `error`, kvctl's message (with context fields beside it), or `detail`, "
-                       "FastAPI's message or one item per invalid field.",
+        # `error` is kvctl's own message; `detail` is FastAPI's (request validation).
+        "description": "What is wrong: `error`, a message (with fields beside it that give the context), or "
+                       "`detail`, a message or one item per invalid field.",
         "type": "object",
         "anyOf": [{"required": ["error"]}, {"required": ["detail"]}],
         "properties": {

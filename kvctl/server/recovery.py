@@ -40,6 +40,7 @@ from kvctl.core.events.request_plane import (
     parse_event_source,
 )
 from kvctl.core.events.types import RouterEvent
+from kvctl.core.words import counted
 
 log = logging.getLogger("kvctl.serve")
 Worker = tuple[int, int]
@@ -238,8 +239,9 @@ class Recovery:
             entry.state, entry.events, entry.last_event_id = "recovered", len(recovered.events), recovered.last_event_id
             self.counts["recovered_workers"] += 1
             self.counts["recovery_decode_errors"] += len(recovered.errors)
-            log.info("recovery: worker %d:%d: %d event(s) up to event id %d from %s in %.3f s", *target.worker,
-                     len(recovered.events), recovered.last_event_id, target.address, time.monotonic() - started)
+            log.info("recovery: worker %d:%d: %s up to event id %d from %s in %.3f s", *target.worker,
+                     counted(len(recovered.events), "event"), recovered.last_event_id, target.address,
+                     time.monotonic() - started)
         held, entry.held = entry.held, []
         await self._apply(target.worker, recovered, held)
 

@@ -28,6 +28,7 @@ from kvctl.core.router.busy import BusyThresholds, BusyTracker, RankBusy, Thresh
 from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
+from kvctl.core.words import counted
 
 Worker = tuple[int, int]
 DEFAULT_MODEL = "default"
@@ -269,7 +270,7 @@ class Fleet:
         elif request.get("reserve"):
             sequences = state.router.sequences
             if len(sequences) >= limits.max_reservations:
-                over = "max_reservations", (f"{len(sequences)} requests of model {state.name!r} in flight "
+                over = "max_reservations", (f"{counted(len(sequences), 'request')} of model {state.name!r} in flight "
                                             f"already, the most it may have")
             elif (sequences.blocks + tokens // block_size) * block_size > limits.max_reserved_tokens:
                 over = "max_reserved_tokens", (

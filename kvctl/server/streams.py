@@ -18,6 +18,7 @@ from typing import Any
 import zmq.asyncio
 
 from kvctl.core.events import Cleared, EventData
+from kvctl.core.words import counted
 from kvctl.server.budget import SLICE_S
 from kvctl.server.decoder import Decoder, InlineDecoder
 from kvctl.server.memory import BurstTrimmer
@@ -201,8 +202,8 @@ class Streams:
         if not info.endpoint or info.key in self._running:
             return False
         if not self.admit(info):
-            log.error("engine %s:%s at %s not followed: %d engines already (--max-engines)", *info.key,
-                      info.endpoint, self.max_engines)
+            log.error("engine %s:%s at %s not followed: %s already (--max-engines)", *info.key,
+                      info.endpoint, counted(self.max_engines, "engine"))
             return False
         model = info.model
         writer = self.writer(model)

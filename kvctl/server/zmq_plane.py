@@ -39,6 +39,7 @@ from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, TOPICS
 from kvctl.core.events.request_plane import namespace_sources_prefix
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.core.router.sequences import ActiveRequest
+from kvctl.core.words import counted
 from kvctl.server.dynamo_discovery import KEEP_ALIVE_S, Discovery, DiscoveryError, open_discovery
 from kvctl.server.fd_limits import sized
 from kvctl.server.plane_ingest import PlaneIngest
@@ -221,7 +222,7 @@ class ZmqPlane(PlaneTasks):
         self.state = "connected"
         self.ready_at = time.monotonic()
         self._started.set()
-        log.info("event plane: following %d publisher(s) of namespace %r from %s", len(self.links),
+        log.info("event plane: following %s of namespace %r from %s", counted(len(self.links), "publisher"),
                  self.options.namespace, self.options.url)
 
     # ----- discovery ----------------------------------------------------------------------------------
@@ -288,8 +289,8 @@ class ZmqPlane(PlaneTasks):
                 removed = self.fleet.unregister(worker_id, dp_rank)
                 self.recovery.forget((worker_id, dp_rank))
                 self.counts["workers_removed"] += 1
-                log.warning("event plane: worker %d:%d gone from discovery: removed (%d blocks)", worker_id, dp_rank,
-                            removed["blocks"])
+                log.warning("event plane: worker %d:%d gone from discovery: removed (%s)", worker_id, dp_rank,
+                            counted(removed["blocks"], "block"))
 
     # ----- sockets ------------------------------------------------------------------------------------
 

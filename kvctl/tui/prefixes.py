@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from kvctl.core.events import RouterEvent
 from kvctl.core.index import KvIndex
 from kvctl.core.index.radix import Node, RadixTree, iter_bits
+from kvctl.core.words import counted
 
 WIDTH = 8
 """Prefixes kept per level: the tree view is for the few that matter, not for browsing the index."""
@@ -54,5 +55,5 @@ def describe(prefix: Prefix) -> str:
     """One tree line: `+12 blocks (to 16) · 3 workers: 1:0, 2:0, 2:1`."""
     shown = ", ".join(prefix.holders[:6]) + (f", … +{len(prefix.holders) - 6}" if len(prefix.holders) > 6 else "")
     partly = f" (+{prefix.partial} partly)" if prefix.partial else ""
-    noun = "worker" if len(prefix.holders) == 1 else "workers"
-    return f"+{prefix.blocks} blocks (to {prefix.depth}) · {len(prefix.holders)} {noun}{partly}: {shown or '-'}"
+    return (f"+{counted(prefix.blocks, 'block')} (to {prefix.depth}) · {counted(len(prefix.holders), 'worker')}"
+            f"{partly}: {shown or '-'}")

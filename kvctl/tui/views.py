@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvctl.core.words import counted
 from kvctl.output import Column, Output, OutputFormat, View
 from kvctl.output.words import age
 from kvctl.tui.frame import Frame, Header, StreamHealth, WorkerRow
@@ -91,7 +92,7 @@ def plane_summary(plane: dict[str, Any]) -> str:
     kvctl router status -o wide)."""
     order = plane.get("sequence") or {}
     parts = [f"{plane.get('state')} (reconnects {plane.get('reconnects', 0)})",
-             f"{order.get('publishers', 0)} publishers", f"gaps {count(order.get('gaps', 0))}",
+             f"{counted(order.get('publishers', 0), 'publisher')}", f"gaps {count(order.get('gaps', 0))}",
              f"lost {count(order.get('lost', 0))}", f"restarts {count(order.get('restarts', 0))}"]
     links = plane.get("connections")
     if isinstance(links, list):  # Dynamo's ZMQ plane: a socket per publisher and topic

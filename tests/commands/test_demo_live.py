@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from kvctl.commands.demo import _LiveSummary
+from kvctl.commands.demo import _LiveSummary, _progress
 from kvctl.mock.load import LoadStats, Policy
 from kvctl.output import Output
 
@@ -22,3 +22,13 @@ def test_live_summary_shows_each_phase_once_with_its_hit_rate() -> None:
     final = err.getvalue().split("kvctl demo:")[-1]
     assert "30.0%" in final and "75.0%" in final
     assert final.count("router") == 1 and " 20 " in final
+
+
+def test_before_the_first_answer_the_progress_shows_a_dash_never_none() -> None:
+    err = io.StringIO()
+    out = Output(stderr=err, color=False)
+    _progress(out, LoadStats(Policy.random))
+    with _LiveSummary(out) as live:
+        live.update(LoadStats(Policy.router))
+    assert "None" not in err.getvalue()
+    assert "ttft p50 - ms" in err.getvalue()

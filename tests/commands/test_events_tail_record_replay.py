@@ -69,7 +69,7 @@ def test_tail_from_an_engine_shows_events_and_the_gap() -> None:
     assert [g["missing"] for g in gaps] == [[2, 3]]
     assert sum(1 for line in lines if line["event"]) == sent
     assert {line["event"]["worker_id"] for line in lines if line["event"]} == {7}
-    assert "1 gaps (2 missing)" in err
+    assert "1 gap (2 missing)" in err
 
 
 @pytest.mark.parametrize(("command", "topic"), [(["tail"], ""), (["record", "rec.jsonl"], "kv@")])

@@ -77,3 +77,24 @@ def test_version() -> None:
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0
     assert result.stdout.strip() == f"kvctl {__version__} (native speedups: {native.IMPLEMENTATION})"
+
+
+def test_the_file_examples_show_what_file_takes(tmp_path, monkeypatch) -> None:
+    """--file takes token ids, not a prompt's text: the examples name a file of token ids, and each runs on
+    one written as the help says (a JSON list); a text file is refused with a hint to tokenize first."""
+    import shlex
+
+    from kvctl.commands import hash as hash_cmd
+    from kvctl.commands import route
+
+    examples = [line.split("#")[0] for text in (hash_cmd.EXAMPLES, route.EXAMPLES) for line in text.splitlines()
+                if "kvctl hash --file" in line]
+    files = {shlex.split(line)[shlex.split(line).index("--file") + 1] for line in examples}
+    assert files == {"token-ids.json"}
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "token-ids.json").write_text("[1, 2, 3, 4]")
+    result = runner.invoke(app, ["hash", "--file", "token-ids.json", "-b", "4", "-o", "json"])
+    assert result.exit_code == 0 and len(json.loads(result.stdout)["local_hashes"]) == 1
+    (tmp_path / "prompt.txt").write_text("Hello there")
+    result = runner.invoke(app, ["hash", "--file", "prompt.txt"])
+    assert result.exit_code == 2 and "not text: tokenize the prompt first" in result.stderr

@@ -214,3 +214,33 @@ def test_file_sources_in_every_output_format() -> None:
     assert code == 0 and out.split() == ["1:0", "2:0", "2:1", "9223372036854775815:0"]
     code, out, _ = kvctl("tree", "diff", str(DUMP_FILE), "-", "-o", "name", input=DUMP)
     assert code == 0 and len(out.split()) == 4
+
+
+def test_dump_o_name_prints_the_holders_whatever_the_format() -> None:
+    for fmt in ("tree", "events", "stats"):
+        code, out, _ = kvctl("tree", "dump", str(DUMP_FILE), "--format", fmt, "-o", "name")
+        assert code == 0 and out.split() == ["1:0", "2:0", "2:1", "9223372036854775815:0"], (fmt, out)
+    code, out, _ = kvctl("tree", "dump", str(DUMP_FILE), "--worker", "2", "-o", "name")
+    assert code == 0 and out.split() == ["2:0", "2:1"]
+
+
+def test_dump_o_wide_adds_each_node_s_sequence_hash() -> None:
+    """The sequence hash of a node's last block: its path's, as `kvctl hash` and the diff's wide column name it."""
+    _, narrow, _ = kvctl("tree", "dump", str(DUMP_FILE))
+    code, wide, _ = kvctl("tree", "dump", str(DUMP_FILE), "-o", "wide")
+    _, diff, _ = kvctl("tree", "diff", str(DUMP_FILE), "-", "-o", "json", input="")
+    assert code == 0 and len(wide.splitlines()) == len(narrow.splitlines()) and wide != narrow
+    deepest = {row["sequence_hash"] for row in json.loads(diff)["only_a"] if row["depth"] == 7}
+    assert deepest and all(f"seq {h}" in wide for h in deepest)
+    assert "seq " not in narrow
+
+
+def test_stats_prints_only_sections_with_rows_and_the_totals_last() -> None:
+    one_worker = "".join(line + "\n" for line in DUMP.splitlines() if line.startswith('{"worker_id":2,'))
+    code, out, _ = kvctl("tree", "stats", "-", input=one_worker.replace('"dp_rank":1', '"dp_rank":0'))
+    assert code == 0
+    assert "shared prefixes" not in out  # one worker shares nothing: no title over an empty table
+    assert [line for line in out.splitlines() if not line[:1].isspace() and not line[:1].isdigit()][-2:] == [
+        "totals", "BLOCKS  NODES  DISTINCT  WORKERS"]
+    code, out, _ = kvctl("tree", "stats", str(DUMP_FILE))
+    assert code == 0 and out.index("shared prefixes") < out.index("totals")

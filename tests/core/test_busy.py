@@ -339,7 +339,7 @@ def test_all_busy_names_the_loads_and_thresholds() -> None:
     assert str(refusal) == (
         "every worker of model 'default' is busy (2 workers): "
         "active_prefill_tokens 12000 > 10000 on 7:0, kv_used_fraction 0.9 > 0.8 on 8:1; "
-        "thresholds: active_decode_blocks_threshold=0.8, active_prefill_tokens_threshold=10000, "
-        "active_prefill_tokens_threshold_frac=None; "
+        "thresholds: active_decode_blocks_threshold=0.8, active_prefill_tokens_threshold=10000 "
+        "(active_prefill_tokens_threshold_frac unset); "
         "raise the thresholds with `kvctl busy set` or POST /busy_threshold"
     )

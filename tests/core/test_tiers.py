@@ -127,7 +127,7 @@ def test_counters_since_start_give_ratios_and_counts_but_no_rates() -> None:
 def test_the_mock_engines_kvbm_hit_rates() -> None:
     """`kvctl mock --tiers` engines: their host and disk hit rates come through the parser unchanged."""
     metrics = EngineMetrics(model_name="m", block_size=4, usage=lambda: 0.5, running=lambda: 1, waiting=lambda: 0,
-                            transfers=Transfers(offload_d2h=3))
+                            transfers=Transfers(offload_d2h=3), lower_tiers=(Tier.host_pinned, Tier.disk))
     before = parse_metrics(metrics.render().decode())
     metrics.record(Allocation(generation=0, blocks=(), prompt_blocks=10,
                               hits={Tier.device: 2, Tier.host_pinned: 3, Tier.disk: 1}, events=()), prompt_tokens=40)

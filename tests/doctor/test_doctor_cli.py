@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from pathlib import Path
 
@@ -19,12 +20,30 @@ def test_the_table_has_one_row_per_finding_and_the_summary_goes_to_stderr(tmp_pa
     with loaded_router(tmp_path) as client:
         table = kvctl(client, "doctor")
         _, report = doctor(str(client.base_url).rstrip("/"))
-    header, *rows = table.stdout.splitlines()
+    header, *lines = table.stdout.splitlines()
+    rows = [line for line in lines if not line.startswith(" ")]  # a row's wrapped cells continue indented
     assert header.split() == ["SEVERITY", "CHECK", "CAUSE", "NEXT"]
     assert [row.split()[:2] for row in rows] == [[f["severity"], f["check"]] for f in report["findings"]]
     counts = {s: sum(f["severity"] == s for f in report["findings"]) for s in ("CRITICAL", "WARNING", "OK")}
     assert re.fullmatch(rf"doctor: {CheckStatus(table.exit_code).name} \(.*\)\n", table.stderr)
     assert f"{counts['OK']} ok" in table.stderr and report["status"] == CheckStatus(table.exit_code).name
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_rows_wrap_to_the_terminal_and_json_keeps_every_word(tmp_path: Path, columns: int) -> None:
+    with loaded_router(tmp_path) as client:
+        # --silent-after 0: every worker is silent, a finding with a long cause and next step
+        report = kvctl(client, "doctor", "--silent-after", "0", "-o", "json")
+        table = kvctl(client, "doctor", "--silent-after", "0", "-o", "wide", env={"COLUMNS": str(columns)})
+    assert table.exit_code == report.exit_code == 1, table.output
+    report = json.loads(report.stdout)
+    assert max(len(line) for line in table.stdout.splitlines()) <= columns
+    longest = max(len(f["cause"]) + len(f["next_step"]) for f in report["findings"])
+    assert longest > columns  # what the table had to wrap: the JSON holds it whole
+    words = table.stdout.split()
+    for finding in report["findings"]:
+        assert finding["check"] in words and all(
+            word in table.stdout for word in finding["cause"].split() if len(word) < columns // 8)
 
 
 @pytest.mark.parametrize("args", [

@@ -57,7 +57,7 @@ def test_publishers_never_reached_are_named_a_loopback_one_as_not_routable(tmp_p
             code, finding = _event_plane_until(str(client.base_url).rstrip("/"), "never reached",
                                                "--unreachable-after", "1")
     assert code == 2 and finding["severity"] == "CRITICAL"  # KV events among them: those blocks never arrive
-    assert finding["cause"].startswith("2 publisher(s) in discovery never reached for over 1 s (1 of them KV ")
+    assert finding["cause"].startswith("2 publishers in discovery never reached for over 1 s (1 of them KV ")
     assert f"1 advertise an address only their own host can reach ({loopback})" in finding["cause"]
     assert "DYN_EVENT_PLANE_HOST" in finding["next_step"]
     assert {p["address"] for p in finding["evidence"]["publishers"]} == {loopback, "tcp://192.0.2.1:5557"}

@@ -151,7 +151,7 @@ def test_events_tail_follows_the_zmq_plane_through_discovery(zmq_fleet: Fleet) -
     try:
         assert tail.stderr is not None
         listening = tail.stderr.readline()
-        assert listening.startswith("listening on") and "(2 publisher(s))" in listening, listening
+        assert listening.startswith("listening on") and "(2 publishers)" in listening, listening
         assert shared_prefix_load(zmq_fleet.frontend_url, requests=6, seed=8).failed == []
         out, err = tail.communicate(timeout=40)
     finally:

@@ -38,7 +38,7 @@ def _listening(url: str) -> bool:
 
 
 def test_demo_headless_beats_random_placement_and_leaves_nothing_running() -> None:
-    result = _kvctl("demo", "--duration", "8", "-o", "json")
+    result = _kvctl("demo", "--duration", "10", "-o", "json")  # 5 s a phase: the router warms up
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["baseline"]["policy"] == "random" and report["router"]["policy"] == "router"
@@ -74,7 +74,7 @@ def test_mock_load_runs_the_router_lifecycle_and_a_baseline(tmp_path: Path) -> N
         assert refused.returncode != 0 and "KVCTL_TOKEN" in refused.stderr, refused.stderr
         result = _kvctl(*load, KVCTL_TOKEN="t0ken")
         assert result.returncode == 0, result.stderr
-        assert f"registered 2 engine(s) with {url.strip()} (model 'mock'): 1:0, 2:0" in result.stderr
+        assert f"registered 2 engines with {url.strip()} (model 'mock'): 1:0, 2:0" in result.stderr
         router, baseline = json.loads(result.stdout)
         assert (router["policy"], baseline["policy"]) == ("router", "round-robin")
         assert router["completed"] == baseline["completed"] == 40
@@ -202,3 +202,15 @@ def test_mock_load_ends_in_an_error_when_the_router_dies(tmp_path: Path) -> None
 def _routed(url: str) -> bool:
     """Some requests went through the router to the engines (their blocks are in its index)."""
     return any(w["blocks"] > 0 for w in httpx.get(f"{url}/v1/workers").json()["workers"])
+
+
+def test_demo_table_compares_phases_of_equal_length_and_says_one_engine_has_no_choice() -> None:
+    result = _kvctl("demo", "--duration", "4", "--engines", "1", "--concurrency", "4")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()
+            if line.startswith(("random", "router"))}
+    header = next(line.split() for line in result.stdout.splitlines() if line.startswith("POLICY"))
+    seconds = header.index("SECONDS")
+    assert abs(float(rows["random"][seconds]) - float(rows["router"][seconds])) < 0.5, result.stdout
+    assert "one engine: there is nothing to choose" in result.stderr.splitlines()[-1]
+    assert "None" not in result.stdout + result.stderr

@@ -164,6 +164,7 @@ async def test_reserve_prefill_free_and_all_busy(client: httpx.AsyncClient) -> N
     assert busy.status_code == 503
     assert busy.json()["thresholds"]["active_prefill_tokens_threshold"] == 10
     assert "active_prefill_tokens 64 > 10" in busy.json()["tripped"]["1:0"][0]
+    assert "None" not in busy.text  # the thresholds not set are named as unset, never as None
     assert (await client.post("/v1/requests/a/prefill_complete")).status_code == 200
     assert (await client.post("/v1/route", json={"token_ids": TOKENS})).status_code == 200
     assert (await client.delete("/v1/requests/a")).status_code == 200

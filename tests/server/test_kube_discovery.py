@@ -209,7 +209,7 @@ def test_events_tail_follows_the_kubernetes_store_or_names_what_is_missing(api: 
     _, err = tail.communicate(timeout=30)
     assert tail.returncode == 4 and err.startswith(  # 4: the recorded publishers are not there to publish
         "listening on namespace.dynamo.component.*.endpoint.*.kv-events through "
-        "kubernetes:dynamo-test (2 publisher(s))"), err
+        "kubernetes:dynamo-test (2 publishers)"), err
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)

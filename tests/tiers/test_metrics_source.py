@@ -189,7 +189,9 @@ def test_table_names_families_and_lists_the_missing() -> None:
     host = next(line for line in result.stdout.splitlines() if "kvbm_host_cache_hit_rate" in line)
     assert "35.0%" in host and "███████" in host
     assert "kvbm_offload_blocks_d2d+kvbm_offload_blocks_h2d" in result.stdout
-    assert "not found: vllm:prompt_tokens_cached_by_source" in result.stderr
+    [missing] = [line for line in result.stderr.splitlines() if line.startswith("not found")]
+    assert missing.startswith(f"not found at {exporter.url}: ") and len(missing) < 160, missing
+    assert "(vllm, sglang, lmcache, kvctl, dynamo)" in missing  # whose, not every family's name
 
 
 @pytest.mark.parametrize(("warn", "crit", "status", "code"), [

@@ -25,6 +25,7 @@ from kvctl.core import native
 from kvctl.core.events.errors import DecodeError, ErrorKind, describe, parse_msgpack, require
 from kvctl.core.events.types import Cleared, EventData, Removed, Stored, Tier
 from kvctl.core.hashing import U64_MASK, block_hashes_of_packed, local_block_hashes
+from kvctl.core.words import counted
 
 END_SEQ = U64_MASK
 """The seq of the replay end marker (vLLM's END_SEQ = -1 as 8 unsigned big-endian bytes)."""
@@ -387,7 +388,7 @@ def _local_hashes(tokens: Any, n_blocks: int, block_size: int, lora_name: Any) -
         raise DecodeError(
             ErrorKind.bad_tokens,
             "token_ids",
-            f"{len(tokens)} token ids do not fill {n_blocks} blocks of {block_size}",
+            f"{len(tokens)} token ids do not fill {counted(n_blocks, 'block')} of {block_size}",
         )
     if lora_name is not None and not isinstance(lora_name, str):
         raise DecodeError(ErrorKind.bad_type, "lora_name", f"expected a string, got {describe(lora_name)}")

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kvctl.core.words import counted
+
 Worker = tuple[int, int]  # (worker_id, dp_rank)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 10_000_000
@@ -286,9 +288,12 @@ class AllBusy(Exception):
             for (worker_id, dp_rank), reasons in self.tripped.items()
             for reason in reasons
         )
-        settings = ", ".join(f"{name}={getattr(thresholds, name)}" for name in THRESHOLD_FIELDS)
+        values = {name: getattr(thresholds, name) for name in THRESHOLD_FIELDS}
+        unset = [name for name, value in values.items() if value is None]
+        settings = ", ".join(f"{name}={value}" for name, value in values.items() if value is not None) + (
+            f" ({', '.join(unset)} unset)" if unset else "")
         super().__init__(
-            f"every worker of model {model!r} is busy ({workers} worker{'s' if workers != 1 else ''}): {loads}; "
+            f"every worker of model {model!r} is busy ({counted(workers, 'worker')}): {loads}; "
             f"thresholds: {settings}; raise the thresholds with `kvctl busy set` or POST /busy_threshold"
         )
 

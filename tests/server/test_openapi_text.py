@@ -1,0 +1,38 @@
+"""/openapi.json speaks to the API's users: what a call does and answers, never how kvctl is built."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from kvctl.server.api import create_app
+from kvctl.server.state import Fleet
+
+# Words of the implementation: its libraries, its performance, its internals.
+IMPLEMENTATION = re.compile(r"msgspec|pydantic|fastapi|axum|serde|extractor|µs|\bms\b|hot path|C reader|"
+                            r"decoded with|kvctl's (?:message|addition)|_Front|event loop", re.IGNORECASE)
+
+
+def _texts(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("description", "summary", "title") and isinstance(value, str):
+                yield value
+            yield from _texts(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _texts(value)
+
+
+async def test_no_description_holds_an_implementation_note() -> None:
+    transport = httpx.ASGITransport(app=create_app(Fleet()))
+    async with httpx.AsyncClient(transport=transport, base_url="http://kvctl") as client:
+        document = (await client.get("/openapi.json")).json()
+    texts = list(_texts(document))
+    assert len(texts) > 20  # the walk reaches the operations and the schemas
+    assert [t for t in texts if IMPLEMENTATION.search(t)] == []
+    route_body = document["components"]["schemas"]["RouteBody"]["description"]
+    assert "token_ids" in route_body and "local_hashes" in route_body
