@@ -39,7 +39,7 @@ def rows_by_tier(stdout: str) -> set[str]:
 
 def test_an_engine_without_lower_tiers_shows_none_and_says_so_once() -> None:
     with engine_metrics(()) as (url, _):
-        result = tiers("--window", "250ms", "--metrics", url)
+        result = tiers("--window", "250ms", "--wait", "--metrics", url)
     assert result.exit_code == 0, result.output
     assert rows_by_tier(result.stdout) == {"device"}, result.stdout
     assert result.stderr.count("no tier counters exported by") == 1
@@ -49,6 +49,6 @@ def test_an_engine_without_lower_tiers_shows_none_and_says_so_once() -> None:
                                               ((Tier.host_pinned, Tier.disk), {"device", "host", "disk"})])
 def test_only_the_tiers_an_engine_has(lower: tuple[Tier, ...], shown: set[str]) -> None:
     with engine_metrics(lower) as (url, _):
-        result = tiers("--window", "250ms", "--metrics", url)
+        result = tiers("--window", "250ms", "--wait", "--metrics", url)
     assert result.exit_code == 0, result.output
     assert rows_by_tier(result.stdout) - {"-"} == shown, result.stdout
