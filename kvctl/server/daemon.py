@@ -248,7 +248,7 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
 def _ready_status(url: str, restored: dict[str, Any] | None) -> str:
     """What `systemctl status` shows beside the unit once the router answers."""
     if restored is not None and restored["file"] is not None:
-        return f"serving {url}, {restored['events']} events restored from {restored['file']}"
+        return f"serving {url}, {counted(restored['events'], 'event')} restored from {restored['file']}"
     return f"serving {url}"
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from kvctl.core.words import counted
+
 log = logging.getLogger(__name__)
 
 GAP_SUMMARY_S = 10.0
@@ -49,13 +51,15 @@ class GapLog:
         """Write the summary of the losses since the last line, once `interval_s` has passed since it."""
         now = self._clock()
         if self._pending_gaps and self._logged_at is not None and now - self._logged_at >= self.interval_s:
-            log.warning("%s: %d more gaps lost in the last %.0f s, %d batches", self.name, self._pending_gaps,
-                        now - self._logged_at, self._pending_batches)
+            log.warning("%s: %s lost in the last %.0f s, %s", self.name,
+                        counted(self._pending_gaps, "more gap", "more gaps"),
+                        now - self._logged_at, counted(self._pending_batches, "batch", "batches"))
             self._logged_at = now
             self._pending_gaps = self._pending_batches = 0
 
     def close(self) -> None:
         """The stream stops: its totals, when it lost anything."""
         if self.gaps:
-            log.warning("%s: stopped; %d gaps lost in all, %d batches", self.name, self.gaps, self.batches)
+            log.warning("%s: stopped; %s lost in all, %s", self.name, counted(self.gaps, "gap"),
+                        counted(self.batches, "batch", "batches"))
         self._pending_gaps = self._pending_batches = 0

@@ -34,7 +34,8 @@ def engine_metrics(lower_tiers: Collection[Tier]) -> Iterator[tuple[str, EngineM
 
 
 def rows_by_tier(stdout: str) -> set[str]:
-    return {line.split()[1] for line in stdout.splitlines()[1:] if line.strip()}
+    """The TIER column of the one table `tiers --wait` prints (under its title and header)."""
+    return {line.split()[1] for line in stdout.splitlines()[2:] if line.strip()}
 
 
 def test_an_engine_without_lower_tiers_shows_none_and_says_so_once() -> None:
