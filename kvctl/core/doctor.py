@@ -146,12 +146,19 @@ def _tap(worker: Mapping[str, Any], status: Mapping[str, Any]) -> str:
     address = worker.get("endpoint") or (worker.get("event_plane") or {}).get("address")
     if address:
         return f"kvctl events tail --zmq {address} --worker-id {worker['worker_id']}"
+    return _plane_tap(status) or (f"kvctl workers -o wide  (no KV-event endpoint is registered for worker "
+                                  f"{worker['worker_id']}: its events can only come by POST /v1/events)")
+
+
+def _plane_tap(status: Mapping[str, Any]) -> str | None:
+    """The command that shows the raw messages of the event plane this router follows, if it follows one."""
     plane = status.get("event_plane") or {}
+    scope = "".join(f" --{key} {plane[key]}" for key in ("namespace", "component") if plane.get(key))
+    if plane.get("transport") == "zmq" and (plane.get("discovery") or {}).get("url"):
+        return f"kvctl events tail --dynamo-discovery {plane['discovery']['url']}{scope}"
     if plane.get("url") and plane.get("transport") != "zmq":
-        scope = "".join(f" --{key} {plane[key]}" for key in ("namespace", "component") if plane.get(key))
         return f"kvctl events tail --nats {plane['url']}{scope}"
-    return (f"kvctl workers -o wide  (no KV-event endpoint is registered for worker {worker['worker_id']}: its "
-            "events can only come by POST /v1/events)")
+    return None
 
 
 def _serving_while_silent(status: Mapping[str, Any], silent: Sequence[Mapping[str, Any]],
@@ -217,13 +224,21 @@ def check_streams(status: Mapping[str, Any]) -> list[Finding]:
             "events that could not be decoded were skipped: an engine speaks a format or version the router "
             "does not expect",
             {"decode_errors": errors, "schema_seen": {n: s.get("schema", {}) for n, s in broken[:SHOWN]}},
-            "kvctl events tail --zmq <endpoint>  (see the raw events; compare the schema with the engine's version)"))
+            f"{_decode_tap(broken, status)}  (see the raw events; compare the schema with the engine's version)"))
     if not findings:
         gaps = sum(s.get("gaps", 0) for s in streams)
         repaired = f", {counted(gaps, 'gap')} repaired by replay" if gaps else ""
         findings.append(Finding("streams", Severity.OK, f"{counted(len(streams), 'engine stream')} whole{repaired}",
                                 {"gaps": gaps}))
     return findings
+
+
+def _decode_tap(broken: Sequence[tuple[str, Mapping[str, Any]]], status: Mapping[str, Any]) -> str:
+    """Where to watch the undecodable events: the first such engine's endpoint, else the event plane."""
+    if broken:
+        stream = broken[0][1]
+        return _tap({**stream["worker"], "endpoint": stream.get("endpoint")}, status)
+    return _plane_tap(status) or "kvctl router status"
 
 
 def _failed_streams(streams: Sequence[Mapping[str, Any]]) -> list[Finding]:

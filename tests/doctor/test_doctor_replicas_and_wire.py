@@ -89,6 +89,7 @@ async def test_an_engine_sending_undecodable_batches_is_named_with_its_schema(tm
     code, report = await doctor_after_publishing(tmp_path, [b"\xc1 not msgpack"] * 3, "decode")
     [finding] = findings(report, "decode")
     assert finding["severity"] == "WARNING" and finding["evidence"]["decode_errors"] == {"5:0": {"bad_msgpack": 3}}
+    assert finding["next_step"].startswith("kvctl events tail --zmq tcp://127.0.0.1:")  # the engine's own endpoint
     [silent] = findings(report, "silent")  # nothing it sent could be used: the only worker never delivered
     assert code == 2 and silent["severity"] == "CRITICAL" and silent["evidence"]["never"] == ["5:0"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvctl.core.doctor import Limits, check_silent
+from kvctl.core.doctor import Limits, check_silent, check_streams
 from tests.commands.live_router import loaded_router
 
 Answers = tuple[dict[str, Any], list[dict[str, Any]]]
@@ -56,3 +56,20 @@ def test_without_an_endpoint_it_says_none_is_registered(answers: Answers) -> Non
     status, workers = copy.deepcopy(answers)
     step = silent_step(status, workers)
     assert "no KV-event endpoint is registered for worker" in step and "<" not in step
+
+
+def decode_step(status: dict[str, Any]) -> str:
+    [finding] = [f for f in check_streams(status) if f.check == "decode"]
+    return finding.next_step
+
+
+def test_undecodable_events_are_tailed_where_they_come_from(answers: Answers) -> None:
+    status, _ = copy.deepcopy(answers)
+    stream = {"worker": {"worker_id": 5, "dp_rank": 0}, "endpoint": "tcp://10.0.0.9:5557",
+              "decode_errors": {"bad_msgpack": 3}}
+    assert decode_step({**status, "streams": [stream]}).startswith(
+        "kvctl events tail --zmq tcp://10.0.0.9:5557 --worker-id 5  ")
+    zmq_plane = {"transport": "zmq", "namespace": "prod", "discovery": {"url": "file:/var/dynamo"},
+                 "decode_errors": {"bad_envelope": 1}}
+    assert decode_step({**status, "streams": [], "event_plane": zmq_plane}).startswith(
+        "kvctl events tail --dynamo-discovery file:/var/dynamo --namespace prod  ")
