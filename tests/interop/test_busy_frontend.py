@@ -66,7 +66,7 @@ def test_unset_is_refused_by_a_dynamo_frontend_and_changes_nothing(frontend: Fro
 def test_frontend_errors_come_back_as_kvctl_errors(frontend: Frontend) -> None:
     one_line_error(kvctl(frontend.url, "busy", "set", "-m", "nope", "--active-decode-blocks-threshold", "0.5",
                          "--yes"), 1, "Model 'nope' not found")
-    one_line_error(kvctl(frontend.url, "busy", "get", "-m", "nope"), 1, f"models: {MODEL}")
+    one_line_error(kvctl(frontend.url, "busy", "get", "-m", "nope"), 1, f"models there: {MODEL}")
     one_line_error(kvctl(frontend.url, "busy", "set", "-m", MODEL, "--active-decode-blocks-threshold", "1.5",
                          "--yes"), 2, "active_decode_blocks_threshold must be a number in [0.0, 1.0]")
     assert _frontends_own(frontend) == OFF
