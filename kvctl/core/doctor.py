@@ -341,9 +341,11 @@ def check_hashing(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
         fix = ("give every engine the same hash seed (vLLM: PYTHONHASHSEED, or --prefix-caching-hash-algo "
                "sha256_cbor); kvctl hash <tokens> shows the hashes the router expects")
         if odd:
+            shown = ", ".join(odd[:SHOWN])
+            who = f"worker {shown} hashes blocks" if len(odd) == 1 else f"workers {shown} hash blocks"
             return [Finding(
                 "hashing", Severity.CRITICAL,
-                f"worker(s) {', '.join(odd[:SHOWN])} hash blocks unlike the rest of their model: they stored known "
+                f"{who} unlike the rest of their model: they stored known "
                 "token paths under other block hashes (Dynamo's \"block_hash mismatch\") more often than under the "
                 "same, while the other workers agree, so their prefixes are not shared",
                 evidence, f"worker {_first(odd)}'s engine: the other engines' hash seed and block size; {fix}")]
@@ -478,8 +480,9 @@ def _nothing_in_scope(plane: Mapping[str, Any], followed_s: float) -> Finding:
     tail = (f"kvctl events tail --dynamo-discovery {plane.get('url')} --namespace {ns}" if zmq
             else f"kvctl events tail --nats {plane.get('url')} --namespace {ns}")
     if seen:
-        cause = (f"0 messages on {pattern} in {followed_s:.0f} s; the namespace carries {len(seen)} other "
-                 f"{'channel' if zmq else 'subject'}(s): the component or endpoint does not match")
+        other = "other channel" if zmq else "other subject"
+        cause = (f"0 messages on {pattern} in {followed_s:.0f} s; the namespace carries {counted(len(seen), other)}: "
+                 "the component or endpoint does not match")
         fix = (f"restart kvctl serve with --component/--endpoint from the {'channels' if zmq else 'subjects'} "
                "seen (or neither: all)")
     elif zmq:

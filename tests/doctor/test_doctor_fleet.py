@@ -117,7 +117,7 @@ async def test_one_engine_hashing_unlike_the_rest_is_named_alone(tmp_path: Path)
     [finding] = findings(report, "hashing")
     assert code == 2 and finding["severity"] == "CRITICAL"
     assert finding["evidence"]["mismatched_blocks"] == {"1:0": 4, "2:0": 4, "3:0": 12, "4:0": 4}
-    assert finding["evidence"]["workers"] == ["3:0"] and "worker(s) 3:0 " in finding["cause"]
+    assert finding["evidence"]["workers"] == ["3:0"] and "worker 3:0 hashes " in finding["cause"]
     assert finding["next_step"].startswith("worker 3's engine")
 
 
