@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import msgspec
 
 from kvctl.errors import AllBusy, ApiError, KvctlError, NotFound, Refused, Unreachable, there
 
@@ -36,15 +37,28 @@ class Call:
     json: Any = None
 
 
+_ENCODER = msgspec.json.Encoder()
+_JSON = {"content-type": "application/json"}
+
+
+def request_args(call: Call) -> dict[str, Any]:
+    """httpx's keyword arguments for a call: its query, and its body encoded with msgspec, which is ~10x faster
+    than httpx's own stdlib encoding on a route call's token list (50 against 570 us for 2,176 tokens): the load
+    generator makes thousands of them."""
+    if call.json is None:
+        return {"params": call.params}
+    return {"params": call.params, "content": _ENCODER.encode(call.json), "headers": _JSON}
+
+
 def interpret(call: Call, response: httpx.Response) -> Any:
     """The answer's JSON, or the error it stands for, carrying the server's own message."""
     if response.is_success:
         try:
-            return response.json() if response.content else None
+            return msgspec.json.decode(response.content) if response.content else None
         except (ValueError, RecursionError) as exc:  # not a router (a proxy's page?), or nested too deep
             raise KvctlError(f"{call.method} {call.path}: the answer is not JSON: {exc}") from None
     try:
-        body = response.json()
+        body = msgspec.json.decode(response.content)
         message, models, busy = body.get("error") or body.get("detail"), body.get("models"), "tripped" in body
     except (ValueError, AttributeError, RecursionError, TypeError):
         message, models, busy = None, None, False

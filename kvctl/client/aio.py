@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from kvctl.client._base import Call, headers, interpret, pool_limits, translate, verify_tls
+from kvctl.client._base import Call, headers, interpret, pool_limits, request_args, translate, verify_tls
 from kvctl.client.deadline import within
 
 
@@ -24,7 +24,7 @@ class AsyncRouterClient:
     async def send(self, call: Call) -> Any:
         with translate(self.base_url), within(self._timeout) as ends:
             async with asyncio.timeout_at(ends):
-                response = await self._http.request(call.method, call.path, params=call.params, json=call.json)
+                response = await self._http.request(call.method, call.path, **request_args(call))
         return interpret(call, response)
 
     async def aclose(self) -> None:

@@ -7,13 +7,13 @@ to mark prefill complete and then free the request.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import msgspec
 
-from kvctl.client._base import Call, interpret, pool_limits, translate
+from kvctl.client._base import Call, interpret, pool_limits, request_args, translate
 
 
 class EngineClient:
@@ -27,13 +27,13 @@ class EngineClient:
         call = Call("POST", "/v1/generate", json={"token_ids": token_ids, "max_tokens": max_tokens,
                                                  "request_id": request_id})
         with translate(self.base_url):
-            async with self._http.stream(call.method, call.path, json=call.json) as response:
+            async with self._http.stream(call.method, call.path, **request_args(call)) as response:
                 if not response.is_success:
                     await response.aread()
                     interpret(call, response)
                 async for line in response.aiter_lines():
                     if line.strip():
-                        yield json.loads(line)
+                        yield msgspec.json.decode(line)
 
     async def restart(self) -> None:
         """Cold cache and seq from 0, unannounced, as after a crash."""

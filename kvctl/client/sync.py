@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from kvctl.client._base import Call, headers, interpret, pool_limits, translate, verify_tls
+from kvctl.client._base import Call, headers, interpret, pool_limits, request_args, translate, verify_tls
 from kvctl.client.deadline import deadline_transport, within
 
 
@@ -19,7 +19,7 @@ class RouterClient:
 
     def send(self, call: Call) -> Any:
         with translate(self.base_url), within(self._timeout):
-            response = self._http.request(call.method, call.path, params=call.params, json=call.json)
+            response = self._http.request(call.method, call.path, **request_args(call))
         return interpret(call, response)
 
     def close(self) -> None:
