@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import threading
 from pathlib import Path
 from typing import Any
 
+from kvctl import process_cpu
+from kvctl.process_cpu import process_tree
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tree(pid: int) -> list[int]:
-    """pid and its live descendants."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo.extend(int(c) for c in (task / "children").read_text().split())
-    return out
 
 
 def rss_bytes(pid: int) -> int:
     """VmRSS of pid and its descendants."""
     total = 0
-    for p in _tree(pid):
+    for p in process_tree(pid):
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -38,12 +28,9 @@ def rss_bytes(pid: int) -> int:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of pid and its descendants, every thread: what a phase cost the server,
     whatever share of the cores it got (on a machine the publishers also load, the rates alone mix the two)."""
-    ticks = 0
-    for p in _tree(pid):
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
-    return ticks / os.sysconf("SC_CLK_TCK")
+    seconds = process_cpu.cpu_seconds(pid)
+    assert seconds is not None, "the benchmarks read /proc: Linux only"
+    return seconds
 
 
 class Proc:

@@ -58,7 +58,7 @@ from typing import Any
 
 import httpx
 import nats
-from _procs import Proc, rss_bytes  # noqa: E402
+from _procs import Proc, cpu_seconds, rss_bytes  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,13 +232,6 @@ class Publisher:
 
 
 # ----- processes -----------------------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
 
 
 class Router:

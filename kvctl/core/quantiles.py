@@ -1,0 +1,39 @@
+"""Quantiles of latencies: from raw samples, and from a Prometheus histogram's buckets the way PromQL's
+`histogram_quantile` reads them, so that what kvctl prints matches what a dashboard shows."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from kvctl.core.tiers import Sample
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """The q-quantile (0..1) of cumulative `(upper bound, count)` buckets, +Inf last, as PromQL computes it:
+    linear within the bucket that holds the rank (from 0 for the first bucket), the highest finite bound when
+    the rank falls in +Inf. None when the histogram counted nothing."""
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][1] <= 0:
+        return None
+    rank = q * ordered[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, count in ordered:
+        if count >= rank:
+            if math.isinf(upper):
+                return lower
+            return lower + (upper - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        lower, below = upper, count
+    return lower
+
+
+def bucket_increase(name: str, before: Sequence[Sample], after: Sequence[Sample],
+                    labels: Mapping[str, str]) -> list[tuple[float, float]]:
+    """The `(upper bound, count)` buckets of histogram `name` (its series with `labels`) gained between two
+    scrapes of one endpoint: a phase's own histogram."""
+    def buckets(samples: Sequence[Sample]) -> dict[float, float]:
+        return {float(s.labels["le"]): s.value for s in samples if s.name == f"{name}_bucket"
+                and all(s.labels.get(k) == v for k, v in labels.items())}
+
+    start = buckets(before)
+    return [(le, count - start.get(le, 0.0)) for le, count in buckets(after).items()]
