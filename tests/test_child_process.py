@@ -25,7 +25,7 @@ def foreign_kvctl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 async def test_the_demo_router_starts_from_a_folder_with_another_kvctl(foreign_kvctl: Path) -> None:
-    async with router_process(foreign_kvctl / "state", 16) as url, httpx.AsyncClient() as client:
+    async with router_process(foreign_kvctl / "state", 16) as (url, _), httpx.AsyncClient() as client:
         assert (await client.get(f"{url}/v1/status")).status_code == 200
 
 

@@ -1,108 +1,182 @@
-"""`kvctl demo`: a router, mock engines and load on loopback, so a new user sees kvctl's job in one command.
+"""`kvctl demo`: a router, mock engines and load on loopback, measured the way serving benchmarks measure.
 
-The router runs as its own process (`kvctl serve`, as in production), the engines and the load in
-this one. The same shared-prefix workload runs twice from cold caches: first placed at random (the
-baseline), then by the router; the difference in achieved prefix hit rate is what KV-aware routing
-buys. The router keeps serving during the second phase, so `kvctl top` and friends have something
-to show. Everything started here is stopped on exit, Ctrl-C or SIGTERM.
+Three processes, as in production: the router (`kvctl serve`), the mock engines (`kvctl mock`, whose GPU time
+follows Dynamo's mocker: prefill priced by uncached tokens, decode by KV in use) and this one, the load
+generator. The same shared-prefix workload runs under random placement and under the router, each phase from
+cold caches:
+- capacity, closed loop: concurrency climbs until TTFT p90 misses the target; the best rate that met it;
+- open loop: Poisson arrivals at one offered rate for both policies (a share of random placement's capacity,
+  so both run below saturation), where TTFT, end-to-end latency and goodput compare.
+What the router costs is measured too: each router call as the load generator saw it, the router's own
+decision time from its histogram, and every process's CPU. Everything started here is stopped on exit,
+Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
-import signal
-import subprocess
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvctl.child_process import python_module
+from kvctl.child_process import kvctl_child
 from kvctl.client import AsyncRouterClient
 from kvctl.client.engine import EngineClient
-from kvctl.mock.engine import EngineConfig
-from kvctl.mock.fleet import Fleet, fleet_configs
+from kvctl.client.tier_sources import Auth, Scraper
+from kvctl.core.quantiles import bucket_increase, histogram_quantile
+from kvctl.core.tiers import Sample
 from kvctl.mock.load import (
     GIVE_UP_S,
+    Arrival,
     LoadGenerator,
     LoadStats,
     Policy,
+    capacity,
     register_engines,
     run_observed,
     shared_prefix,
 )
+from kvctl.process_cpu import cpu_seconds
+
+MODEL = "default"
+POLICIES = (Policy.random, Policy.router)
+SPEEDUP = 1.0
+"""The engines' timing model runs this many times faster than Dynamo's mocker defaults."""
+TTFT_SLO_MS = 300.0
+"""The TTFT target of goodput and capacity: p90 under it."""
+OFFERED_SHARE = 0.7
+"""The open loop offers this share of random placement's capacity: both policies below saturation."""
+CAPACITY_STEPS = (1, 2, 4, 8, 16, 32, 64)
+"""Closed-loop concurrencies the capacity phase climbs through."""
 
 
 @dataclass(frozen=True, slots=True)
 class DemoPlan:
     engines: int = 4
-    duration_s: float = 60.0
-    baseline_s: float | None = None  # default: half the duration, so both phases' counts compare
+    duration_s: float = 60.0  # four phases of a quarter each: capacity and open loop, per policy
     capacity: int = 1024  # blocks per engine: a quarter of the workload's system prompts fits in one
     block_size: int = 16
-    concurrency: int = 16
+    max_running: int = 64
+    speedup: float = SPEEDUP
+    ttft_slo_ms: float = TTFT_SLO_MS
+    request_rate: float | None = None  # None: OFFERED_SHARE of random placement's measured capacity
     seed: int = 0
     give_up_s: float = GIVE_UP_S  # the router refusing connections this long ends the demo in an error
 
     @property
-    def baseline(self) -> float:
-        return self.baseline_s if self.baseline_s is not None else self.duration_s / 2
+    def phase_s(self) -> float:
+        return self.duration_s / 4
+
+
+Progress = Callable[[str, LoadStats], None]
+"""Called with the phase's name (`capacity random`, `open loop router`...) and its statistics so far."""
 
 
 @contextlib.asynccontextmanager
-async def router_process(state_dir: Path, block_size: int) -> AsyncIterator[str]:
-    """`kvctl serve` on a free loopback port; yields its URL, stops it (SIGTERM, then SIGKILL) on exit."""
-    proc = await asyncio.create_subprocess_exec(
-        *python_module("kvctl"), "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
-        "--no-restore", "--block-size", str(block_size), "--log-level", "error",
-        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+async def router_process(state_dir: Path, block_size: int) -> AsyncIterator[tuple[str, int]]:
+    """`kvctl serve` on a free loopback port; yields its URL and pid."""
+    async with kvctl_child(["serve", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir), "--no-restore",
+                            "--block-size", str(block_size), "--log-level", "error"], "kvctl serve") as (proc, line):
         if not line.startswith(b"http://"):
-            raise RuntimeError(f"kvctl serve did not start (exit {await proc.wait()})")
-        yield line.decode().strip()
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+            raise RuntimeError(f"kvctl serve announced {line!r}, not its URL")
+        yield line.decode().strip(), proc.pid
 
 
-async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]], None],
-                   progress: Callable[[LoadStats], None], every_s: float = 2.0) -> dict[str, Any]:
-    """Run the demo; `announce(router_url, engines)` once everything listens, `progress(stats)` every few
-    seconds. Returns both phases' reports and the hit-rate gain in points; raises `Unreachable` when the
-    router dies mid-run (no result then: it would compare a phase with a broken one)."""
-    base = EngineConfig(worker_id=0, block_size=plan.block_size, capacity=plan.capacity, model_name="default",
-                        prefill_us_per_token=20.0, decode_ms_per_token=0.5, max_running=32, seed=plan.seed)
-    workload = shared_prefix(2000, prefix_tokens=2048, suffix_tokens=128, seed=plan.seed)
+@contextlib.asynccontextmanager
+async def engines_process(plan: DemoPlan) -> AsyncIterator[tuple[list[dict[str, Any]], int]]:
+    """`kvctl mock` running the plan's engines in their own process; yields their rows and its pid."""
+    async with kvctl_child(["mock", "--engines", str(plan.engines), "--capacity", str(plan.capacity),
+                            "--block-size", str(plan.block_size), "--max-running", str(plan.max_running),
+                            "--speedup", f"{plan.speedup:g}", "-o", "json"], "kvctl mock") as (proc, line):
+        rows = json.loads(line)
+        if not isinstance(rows, list) or not rows:
+            raise RuntimeError(f"kvctl mock announced {line[:200]!r}, not its engines")
+        yield rows, proc.pid
+
+
+async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]], None], progress: Progress,
+                   every_s: float = 2.0) -> dict[str, Any]:
+    """Run the demo; `announce(router_url, engines)` once everything listens, `progress` every few seconds.
+    Raises `Unreachable` when the router dies mid-run (no result then: it would compare a phase with a broken
+    one)."""
+    workload = shared_prefix(4000, prefix_tokens=2048, suffix_tokens=128, seed=plan.seed)
     with tempfile.TemporaryDirectory(prefix="kvctl-demo-") as state_dir:
-        async with router_process(Path(state_dir), plan.block_size) as url, \
-                Fleet(fleet_configs(plan.engines, base)) as fleet, AsyncRouterClient(url) as router:
-            infos = fleet.infos()
-            await register_engines(router, infos, "default")
+        async with router_process(Path(state_dir), plan.block_size) as (url, router_pid), \
+                engines_process(plan) as (infos, engines_pid), AsyncRouterClient(url) as router:
+            await register_engines(router, infos, MODEL)
             announce(url, infos)
             engines = {info["worker_id"]: EngineClient(info["url"]) for info in infos}
             try:
-                load = LoadGenerator(engines, router=router, seed=plan.seed, give_up_s=plan.give_up_s)
-                baseline = await _phase(load, workload, Policy.random, plan.baseline, plan, progress, every_s)
-                await load.clear_caches()
-                routed = await _phase(load, workload, Policy.router, plan.duration_s - plan.baseline, plan, progress,
-                                      every_s)
+                load = LoadGenerator(engines, router=router, model=MODEL, seed=plan.seed,
+                                     give_up_s=plan.give_up_s)
+                costs = _Costs(url, {"load generator": os.getpid(), "engines": engines_pid,
+                                     "router": router_pid})
+                result = await _phases(plan, load, workload, costs, progress, every_s)
             finally:
                 await asyncio.gather(*(engine.aclose() for engine in engines.values()))
-    return {"router_url": url, "baseline": baseline.report(), "router": routed.report(),
-            "hit_rate_gain_points": round(100 * (routed.hit_rate - baseline.hit_rate), 1)}
+    return {"router_url": url, "engines": plan.engines, "timing": infos[0].get("timing"), **result}
 
 
-async def _phase(load: LoadGenerator, workload: list[Any], policy: Policy, seconds: float, plan: DemoPlan,
-                 progress: Callable[[LoadStats], None], every_s: float) -> LoadStats:
-    return await run_observed(load, workload, policy, progress, every_s, concurrency=plan.concurrency,
-                              duration_s=max(0.5, seconds))
+async def _phases(plan: DemoPlan, load: LoadGenerator, workload: list[Any], costs: _Costs, progress: Progress,
+                  every_s: float) -> dict[str, Any]:
+    found = {}
+    for policy in POLICIES:
+        await load.clear_caches()  # every phase from cold caches
+        found[policy] = await capacity(load, workload, policy, ttft_slo_ms=plan.ttft_slo_ms,
+                                       step_s=plan.phase_s / len(CAPACITY_STEPS), concurrencies=CAPACITY_STEPS,
+                                       progress=lambda stats, p=policy: progress(f"capacity {p}", stats))
+    offered = plan.request_rate or round(OFFERED_SHARE * found[Policy.random].best_per_s, 1) or 1.0
+    open_loop = {}
+    for policy in POLICIES:
+        await load.clear_caches()
+        before = await costs.start()
+        stats = await run_observed(load, workload, policy, lambda s, p=policy: progress(f"open loop {p}", s),
+                                   every_s, stats=LoadStats(policy, ttft_slo_ms=plan.ttft_slo_ms),
+                                   request_rate=offered, arrival=Arrival.poisson, duration_s=plan.phase_s)
+        open_loop[policy] = {**stats.report(), **await costs.since(before)}
+    return {"ttft_slo_ms": plan.ttft_slo_ms, "offered_per_s": offered,
+            "capacity": {p.value: r.report() for p, r in found.items()},
+            "open_loop": {p.value: r for p, r in open_loop.items()},
+            "hit_rate_gain_points": round(100 * (open_loop[Policy.router]["hit_rate"]
+                                                 - open_loop[Policy.random]["hit_rate"]), 1)}
+
+
+@dataclass(frozen=True, slots=True)
+class _Mark:
+    at: float
+    cpu: dict[str, float | None]
+    router_metrics: list[Sample]
+
+
+class _Costs:
+    """What a phase cost: each process's CPU (cores busy on average) and the router's own route decision time,
+    from its `kvctl_route_duration_seconds` histogram."""
+
+    def __init__(self, router_url: str, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self._metrics = router_url.rstrip("/") + "/metrics"
+        self._scraper = Scraper([self._metrics], auth=Auth(), timeout=5.0)
+
+    async def start(self) -> _Mark:
+        return _Mark(time.monotonic(), {name: cpu_seconds(pid) for name, pid in self.pids.items()},
+                     await asyncio.to_thread(self._scraper.scrape, self._metrics))
+
+    async def since(self, before: _Mark) -> dict[str, Any]:
+        after = await self.start()
+        seconds = after.at - before.at
+        buckets = bucket_increase("kvctl_route_duration_seconds", before.router_metrics, after.router_metrics,
+                                  {"model": MODEL})
+        decision = {f"p{round(100 * q)}": _ms(histogram_quantile(q, buckets)) for q in (0.5, 0.99)}
+        cores = {name: None if was is None or after.cpu[name] is None else round((after.cpu[name] - was) / seconds, 2)
+                 for name, was in before.cpu.items()}
+        return {"route_decision_ms": decision, "cpu_cores": cores}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)

@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 
 from kvctl.mock.load import mooncake_trace, shared_prefix
 from tests.fixtures_path import FIXTURES
@@ -37,16 +38,29 @@ def _listening(url: str) -> bool:
         return False
 
 
-def test_demo_headless_beats_random_placement_and_leaves_nothing_running() -> None:
-    result = _kvctl("demo", "--duration", "10", "-o", "json")  # 5 s a phase: the router warms up
+def test_demo_headless_measures_both_policies_at_equal_load_and_leaves_nothing_running() -> None:
+    result = _kvctl("demo", "--duration", "16", "-o", "json", timeout=120)  # 4 s a phase
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["baseline"]["policy"] == "random" and report["router"]["policy"] == "router"
-    assert report["router"]["completed"] > 50 and report["baseline"]["completed"] > 50
-    assert report["router"]["errors"] == {} and report["baseline"]["errors"] == {}
+    random_, routed = report["open_loop"]["random"], report["open_loop"]["router"]
+    assert (random_["policy"], routed["policy"]) == ("random", "router")
+    assert random_["offered_per_s"] == routed["offered_per_s"] == report["offered_per_s"] > 0  # equal offered load
+    assert random_["errors"] == {} and routed["errors"] == {}
+    assert random_["completed"] > 20 and routed["completed"] > 20
     assert report["hit_rate_gain_points"] >= 20, report
+    for policy in ("random", "router"):  # each policy's capacity: the closed-loop steps it climbed
+        assert report["capacity"][policy]["steps"], report["capacity"]
+    # The router's cost, measured: each of its three calls once per request, its own decision time, every
+    # process's CPU. The baseline makes no router call.
+    calls = routed["router_calls_ms"]
+    assert set(calls) == {"route", "prefill_complete", "free"} and calls["route"]["count"] >= routed["completed"]
+    assert random_["router_calls_ms"] == {}
+    assert routed["route_decision_ms"]["p50"] is not None
+    assert set(routed["cpu_cores"]) == {"load generator", "engines", "router"}
+    assert "Dynamo mocker" in report["timing"]
     assert "hit rate" in result.stderr  # the periodic summaries went to stderr, stdout stayed data
-    assert not _listening(report["router_url"])  # the router process is gone
+    assert not _listening(report["router_url"])  # the router process is gone...
+    assert not any(_listening(url) for url in re.findall(r"engine \d+ +(http://\S+)", result.stderr))  # ...engines too
 
 
 @contextmanager
@@ -166,7 +180,7 @@ def test_the_demo_ends_in_an_error_when_its_router_dies() -> None:
                             stdin=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stderr is not None
     try:
-        while not proc.stderr.readline().startswith("[router]"):  # the routed phase runs
+        while not proc.stderr.readline().startswith("[capacity router]"):  # a routed phase runs
             assert proc.poll() is None
         [router] = [c for c in _children(proc.pid) if b"serve" in Path(f"/proc/{c}/cmdline").read_bytes()]
         os.kill(router, signal.SIGKILL)
@@ -205,12 +219,25 @@ def _routed(url: str) -> bool:
 
 
 def test_demo_table_compares_phases_of_equal_length_and_says_one_engine_has_no_choice() -> None:
-    result = _kvctl("demo", "--duration", "4", "--engines", "1", "--concurrency", "4")
+    result = _kvctl("demo", "--duration", "8", "--engines", "1", "--request-rate", "5", timeout=120)
     assert result.returncode == 0, result.stderr
-    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()
-            if line.startswith(("random", "router"))}
-    header = next(line.split() for line in result.stdout.splitlines() if line.startswith("POLICY"))
-    seconds = header.index("SECONDS")
-    assert abs(float(rows["random"][seconds]) - float(rows["router"][seconds])) < 0.5, result.stdout
-    assert "one engine: there is nothing to choose" in result.stderr.splitlines()[-1]
+    header = next(line.split() for line in result.stdout.splitlines() if line.startswith("PHASE"))
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("capacity", "open-loop"))]
+    assert [row[:2] for row in rows] == [["capacity", "random"], ["capacity", "router"], ["open-loop", "random"],
+                                         ["open-loop", "router"]]
+    offered, seconds = header.index("OFFERED"), header.index("SECONDS")
+    open_random, open_router = rows[2:]
+    assert open_random[offered] == open_router[offered] == "5"
+    assert abs(float(open_random[seconds]) - float(open_router[seconds])) < 0.5, result.stdout
+    assert any("one engine: there is nothing to choose" in line for line in result.stderr.splitlines())
     assert "None" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--duration", "3"], "--duration must be at least 4 seconds"),
+    (["--ttft-slo", "0"], "--ttft-slo must be > 0 ms"),
+    (["--request-rate", "-1"], "--request-rate must be > 0 req/s"),
+])
+def test_demo_rejects_bad_values_before_starting_anything(args: list[str], message: str) -> None:
+    result = _kvctl("demo", *args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
