@@ -12,12 +12,14 @@ import pytest
 
 from kvctl.client import AsyncRouterClient
 from kvctl.client.engine import EngineClient
+from kvctl.mock.capacity import capacity
 from kvctl.mock.fleet import Fleet
 from kvctl.mock.load import Arrival, LoadGenerator, LoadStats, Policy, Request, arrival_offsets, shared_prefix
 from tests.mock.test_against_router import BASE, rig
 
 SLOW = {"max_running": 1, "decode_ms_per_token": 50.0}
 """One request at a time, each ~100 ms: far slower than the rates offered below."""
+TWO_SLOTS = {"max_running": 2, "decode_ms_per_token": 50.0}
 
 
 def _workload(count: int) -> list[Request]:
@@ -38,9 +40,9 @@ async def _engines(count: int = 1, **config: object) -> AsyncIterator[dict[int, 
 
 
 @contextlib.asynccontextmanager
-async def _routed(count: int = 2) -> AsyncIterator[LoadGenerator]:
+async def _routed(count: int = 2, **config: object) -> AsyncIterator[LoadGenerator]:
     """A load generator whose router is the real app, following `count` real engines."""
-    async with rig([replace(BASE, worker_id=i + 1) for i in range(count)]) as r, \
+    async with rig([replace(BASE, worker_id=i + 1, **config) for i in range(count)]) as r, \
             AsyncRouterClient("http://router", transport=r.transport) as router:
         clients = {w: EngineClient(e.url) for w, e in r.engines.items()}
         try:
@@ -141,3 +143,26 @@ async def test_goodput_counts_only_requests_within_the_ttft_slo(slo_ms: float, g
     assert report["ttft_slo_ms"] == slo_ms
     assert report["goodput_per_s"] == (report["requests_per_s"] if good else 0.0)
     assert "goodput_per_s" not in without.report()
+
+
+@pytest.mark.parametrize("policy", [Policy.random, Policy.router])
+async def test_capacity_climbs_while_the_slo_holds_and_throughput_grows(policy: Policy) -> None:
+    """Two slots: two in flight serve about twice what one does, four no more than two (min_growth 20%, well
+    clear of noise). A loose SLO: every step met it, the capacity is the best of them."""
+    async with _routed(1, **TWO_SLOTS) as load:
+        result = await capacity(load, _workload(8), policy, ttft_slo_ms=60_000.0, step_s=0.5,
+                                concurrencies=(1, 2, 4, 8), min_growth=0.2)
+    assert [step.concurrency for step in result.steps] == [1, 2, 4]
+    assert all(step.met_slo for step in result.steps)
+    report = result.report()
+    assert report["capacity_per_s"] == max(step.requests_per_s for step in result.steps) > 0
+    assert report["concurrency"] in (2, 4) and report["steps"][0]["ttft_p90_ms"] > 0
+
+
+async def test_capacity_stops_at_the_first_step_that_misses_the_slo_and_then_has_none() -> None:
+    async with _engines() as engines:
+        result = await capacity(LoadGenerator(engines), _workload(4), Policy.random, ttft_slo_ms=1e-6, step_s=0.2,
+                                concurrencies=(1, 2, 4))
+    [step] = result.steps
+    assert step.concurrency == 1 and not step.met_slo and step.requests_per_s > 0
+    assert result.report()["capacity_per_s"] is None and result.report()["concurrency"] is None
