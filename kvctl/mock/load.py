@@ -317,6 +317,7 @@ class LoadGenerator:
 
     async def _when_free(self, limit: asyncio.Semaphore | None, request: Request, policy: Policy, stats: LoadStats,
                          arrived: float) -> None:
+        """The request once a slot under the cap is free: the wait is part of its dispatch lag and latencies."""
         async with limit or contextlib.nullcontext():
             stats.dispatch_lag_ms.append((time.monotonic() - arrived) * 1e3)
             await self._one(request, policy, stats, arrived)
