@@ -166,6 +166,8 @@ class LoadStats:
         return round(count / (self.last_done - self.first_sent), 1)
 
     def report(self) -> dict[str, Any]:
+        """The run in numbers: `ttft_*` and `e2e_*` client-side, `engine_ttft_*` the engine's own, rates over
+        `per_s`'s window; `offered_per_s` and `dispatch_lag_p99_ms` only open loop, goodput only with an SLO."""
         elapsed = (self.finished or time.monotonic()) - self.started
         ttft = percentiles(self.ttft_ms, (50, 90, 99))
         e2e = percentiles(self.e2e_ms, (50, 90, 99))
