@@ -19,7 +19,8 @@ from tests.mock.test_against_router import BASE, rig
 
 SLOW = {"max_running": 1, "decode_ms_per_token": 50.0}
 """One request at a time, each ~100 ms: far slower than the rates offered below."""
-TWO_SLOTS = {"max_running": 2, "decode_ms_per_token": 50.0}
+TWO_SLOTS = {"max_running": 2, "decode_ms_per_token": 100.0}
+"""Two requests at a time, each ~200 ms: long beside the ~10 ms a request costs the client and router."""
 
 
 def _workload(count: int) -> list[Request]:
@@ -147,11 +148,11 @@ async def test_goodput_counts_only_requests_within_the_ttft_slo(slo_ms: float, g
 
 @pytest.mark.parametrize("policy", [Policy.random, Policy.router])
 async def test_capacity_climbs_while_the_slo_holds_and_throughput_grows(policy: Policy) -> None:
-    """Two slots: two in flight serve about twice what one does, four no more than two (min_growth 20%, well
-    clear of noise). A loose SLO: every step met it, the capacity is the best of them."""
+    """Two slots: two in flight serve about twice what one does, four no more than two (min_growth 50%, well
+    clear of the client's and router's share). A loose SLO: every step met it, the capacity is the best."""
     async with _routed(1, **TWO_SLOTS) as load:
         result = await capacity(load, _workload(8), policy, ttft_slo_ms=60_000.0, step_s=0.5,
-                                concurrencies=(1, 2, 4, 8), min_growth=0.2)
+                                concurrencies=(1, 2, 4, 8), min_growth=0.5)
     assert [step.concurrency for step in result.steps] == [1, 2, 4]
     assert all(step.met_slo for step in result.steps)
     report = result.report()
