@@ -19,7 +19,7 @@ from kvctl.commands._nats import ComponentOpt, EndpointOpt, NamespaceOpt
 from kvctl.commands._options import GiveUpOpt, JsonOpt, OutputOpt, output_for, settings_for
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
-from kvctl.mock.load import GIVE_UP_S
+from kvctl.mock.load import CONCURRENCY, DRAIN_S, GIVE_UP_S, ROUTER_CALLS, Arrival
 from kvctl.output import Column, Output, View
 
 HELP = "Run mock engines that publish real wire-format KV events and metrics (no GPU). (daemon)"
@@ -160,21 +160,46 @@ def _check(*, engines: int, block_size: int, capacity: int, wire_format: str, na
             raise UsageError(f"{name} must be > 0 seconds, got {value}")
 
 
-_LOAD_VIEW = View(
-    rows=lambda reports: reports,
-    columns=[Column("policy", "policy"), Column("hit rate", "hit_rate", justify="right"),
-             Column("requests", "completed", justify="right"), Column("req/s", "requests_per_s", justify="right"),
-             Column("ttft p50 ms", "ttft_p50_ms", justify="right"),
-             Column("ttft p99 ms", "ttft_p99_ms", justify="right"),
-             Column("tokens/s", "output_tokens_per_s", justify="right", wide_only=True),
-             Column("errors", "errors", wide_only=True)],
-    name_key="policy",
-)
+_LOAD_COLUMNS = [
+    Column("policy", "policy"), Column("hit rate", "hit_rate", justify="right"),
+    Column("requests", "completed", justify="right"), Column("offered/s", "offered_per_s", justify="right"),
+    Column("req/s", "requests_per_s", justify="right"), Column("goodput/s", "goodput_per_s", justify="right"),
+    Column("ttft p50 ms", "ttft_p50_ms", justify="right"), Column("ttft p90 ms", "ttft_p90_ms", justify="right"),
+    Column("ttft p99 ms", "ttft_p99_ms", justify="right"), Column("e2e p50 ms", "e2e_p50_ms", justify="right"),
+    Column("e2e p99 ms", "e2e_p99_ms", justify="right"),
+    Column("tokens/s", "output_tokens_per_s", justify="right", wide_only=True),
+    Column("engine ttft p50 ms", "engine_ttft_p50_ms", justify="right", wide_only=True),
+    *(Column(f"{call.replace('_', ' ')} p50/p99 ms", f"{call}_ms", justify="right", wide_only=True)
+      for call in ROUTER_CALLS),
+    Column("lag p99 ms", "dispatch_lag_p99_ms", justify="right", wide_only=True),
+    Column("peak in flight", "peak_in_flight", justify="right", wide_only=True),
+    Column("errors", "errors", wide_only=True),
+]
+_OPEN_LOOP_KEYS = ("offered_per_s", "goodput_per_s", "dispatch_lag_p99_ms")
+"""Columns only some runs have (open loop, a TTFT SLO): shown only then."""
+
+
+def _load_view(reports: list[dict[str, Any]]) -> View:
+    """The load table: the router calls' latencies as `p50/p99` cells, the open-loop and SLO columns only when
+    the run has them."""
+    absent = {key for key in _OPEN_LOOP_KEYS if not any(key in report for report in reports)}
+    return View(rows=lambda rows: [{**row, **{f"{call}_ms": _p50_p99(row["router_calls_ms"].get(call))
+                                              for call in ROUTER_CALLS}} for row in rows],
+                columns=[column for column in _LOAD_COLUMNS if column.key not in absent], name_key="policy")
+
+
+def _p50_p99(latency: dict[str, Any] | None) -> str | None:
+    return None if latency is None else f"{latency['p50']:g}/{latency['p99']:g}"
+
+
 LOAD_HELP = ("Drive mock engines through a router (route, prefill complete, free), and optionally a baseline; "
-             "report the prefix hit rate the engines achieved, TTFT and throughput. (read-write)")
+             "report the prefix hit rate the engines achieved, client-side TTFT and end-to-end latency (from each "
+             "request's arrival, router calls included), throughput, and with --ttft-slo goodput. Closed loop "
+             "(--concurrency in flight) unless --request-rate or a --trace sets arrival times. (read-write)")
 LOAD_EXAMPLES = (
     "Examples:\n\n"
     "  kvctl mock -o json > engines.json &   kvctl mock load --engines-file engines.json --baseline random\n\n"
+    "  kvctl mock load --engines-file engines.json --request-rate 50 --ttft-slo 200 --baseline random -o wide\n\n"
     "  kvctl mock load --engine 1=http://127.0.0.1:8001 --trace conversation_trace.jsonl --speed 10"
 )
 
@@ -199,14 +224,31 @@ def load_command(
     = 64,
     speed: Annotated[float, typer.Option("--speed", help="Trace: replay this many times faster.")] = 1.0,
     requests: Annotated[int, typer.Option("--requests", help="Requests per policy (trace: its first N).")] = 500,
-    concurrency: Annotated[int, typer.Option("--concurrency", help="Requests in flight at most.")] = 16,
+    concurrency: Annotated[int | None, typer.Option(
+        "--concurrency", show_default=False,
+        help=f"Closed loop: requests in flight (default {CONCURRENCY}). Open loop: the most in flight, later "
+             "arrivals wait (default: no cap, as benchmark_serving's --max-concurrency).")] = None,
+    request_rate: Annotated[float | None, typer.Option(
+        "--request-rate", show_default=False, metavar="REQ/S",
+        help="Open loop: requests arrive at this rate whether or not earlier ones are done (the same arrival "
+             "times for every policy, from --seed).")] = None,
+    arrival: Annotated[Arrival | None, typer.Option(
+        "--arrival", show_default=False,
+        help="With --request-rate: poisson (exponential gaps, the default) or constant spacing.")] = None,
+    ttft_slo: Annotated[float | None, typer.Option(
+        "--ttft-slo", show_default=False, metavar="MS",
+        help="Add goodput: requests completed per second whose client-side TTFT was within MS.")] = None,
+    drain_timeout: Annotated[float, typer.Option(
+        "--drain-timeout", metavar="SECONDS",
+        help="Open loop: once the last request is sent, how long those in flight may take to finish; the "
+             "rest are cancelled and counted as drain_timeout errors.")] = DRAIN_S,
     baseline: Annotated[str | None, typer.Option("--baseline", show_default=False,
                                                  help="Also run random or round-robin, from cold caches too.")]
     = None,
     model: Annotated[str | None, typer.Option("--model", show_default=False,
                                               help="The router's model (default: the engines-file's model if "
                                                    "it names one, else `default`).")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Workload and baseline seed.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Workload, baseline and arrival seed.")] = 0,
     give_up_after: GiveUpOpt = GIVE_UP_S,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
@@ -217,10 +259,19 @@ def load_command(
     model = model or _model_of(rows)
     if baseline not in (None, "random", "round-robin"):
         raise UsageError(f"--baseline must be random or round-robin, got {baseline!r}")
-    if requests <= 0 or concurrency <= 0 or block_tokens <= 0 or not speed > 0:
+    if requests <= 0 or (concurrency is not None and concurrency <= 0) or block_tokens <= 0 or not speed > 0:
         raise UsageError("--requests, --concurrency, --block-tokens and --speed must be positive")
     if trace is not None and not trace.is_file():
         raise UsageError(f"--trace: no such file {str(trace)!r}")
+    positive = {"--request-rate": request_rate, "--ttft-slo": ttft_slo, "--drain-timeout": drain_timeout}
+    for name, value in positive.items():
+        if value is not None and not value > 0:
+            raise UsageError(f"{name} must be > 0, got {value:g}")
+    if trace is not None and request_rate is not None:
+        raise UsageError("--request-rate and --trace: a trace brings its own arrival times",
+                         hint="use --speed to replay it faster")
+    if arrival is not None and request_rate is None:
+        raise UsageError("--arrival spaces the arrivals of --request-rate", hint="add --request-rate REQ/S")
     import asyncio
 
     from kvctl.mock.load import LoadStats, Policy, mooncake_trace, run_policies, shared_prefix
@@ -238,14 +289,16 @@ def load_command(
                 if stats.policy not in rows_of:
                     rows_of[stats.policy] = line.task(stats.policy.value, len(workload), sent=0, rate="0.0")
                 line.update(rows_of[stats.policy], stats.completed, sent=stats.sent,
-                            rate=f"{stats.report()['requests_per_s']:.1f}")
+                            rate=f"{stats.per_s(stats.completed):.1f}")
 
             reports = asyncio.run(run_policies(settings.server, targets, rows, workload, policies, concurrency,
                                                model, seed, partial(_registered, out, settings.server, model),
-                                               token=settings.token, give_up_s=give_up_after, progress=progress))
+                                               token=settings.token, give_up_s=give_up_after, progress=progress,
+                                               request_rate=request_rate, arrival=arrival or Arrival.poisson,
+                                               ttft_slo_ms=ttft_slo, drain_s=drain_timeout))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-    out.emit(reports, _LOAD_VIEW)
+    out.emit(reports, _load_view(reports))
     for report in reports:
         if report["completed"] == 0:
             raise KvctlError(f"{report['policy']}: no request completed ({report['first_error'] or report['errors']})")

@@ -1,12 +1,36 @@
-"""Quantiles of latencies: from raw samples, and from a Prometheus histogram's buckets the way PromQL's
+"""Quantiles of latencies, one method everywhere: percentiles of samples as numpy's default (linear) computes
+them, which vLLM's benchmark_serving reports with, and quantiles of a Prometheus histogram's buckets as PromQL's
 `histogram_quantile` reads them, so that what kvctl prints matches what a dashboard shows."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvctl.core.tiers import Sample
+
+
+def percentiles(values: Iterable[float], qs: Sequence[float]) -> list[float | None]:
+    """The `qs` percentiles (each in [0, 100]) of `values`, sorting once: linear interpolation between the
+    closest ranks, numpy's default. None for each when there are no values."""
+    if any(not 0 <= q <= 100 for q in qs):
+        raise ValueError(f"percentiles are in [0, 100], got {list(qs)}")
+    ordered = sorted(values)
+    if not ordered:
+        return [None for _ in qs]
+    out: list[float | None] = []
+    for q in qs:
+        rank = (len(ordered) - 1) * q / 100
+        low = math.floor(rank)
+        high = min(low + 1, len(ordered) - 1)
+        out.append(ordered[low] + (ordered[high] - ordered[low]) * (rank - low))
+    return out
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The `q` percentile (in [0, 100]) of `values`, as `percentiles` computes it; None for no values."""
+    return percentiles(values, (q,))[0]
+
 
 
 def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:

@@ -31,13 +31,13 @@ from kvctl.client.engine import EngineClient
 from kvctl.client.tier_sources import Auth, Scraper
 from kvctl.core.quantiles import bucket_increase, histogram_quantile
 from kvctl.core.tiers import Sample
+from kvctl.mock.capacity import Capacity, capacity
 from kvctl.mock.load import (
     GIVE_UP_S,
     Arrival,
     LoadGenerator,
     LoadStats,
     Policy,
-    capacity,
     register_engines,
     run_observed,
     shared_prefix,
@@ -125,26 +125,32 @@ async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]
 
 async def _phases(plan: DemoPlan, load: LoadGenerator, workload: list[Any], costs: _Costs, progress: Progress,
                   every_s: float) -> dict[str, Any]:
-    found = {}
-    for policy in POLICIES:
-        await load.clear_caches()  # every phase from cold caches
-        found[policy] = await capacity(load, workload, policy, ttft_slo_ms=plan.ttft_slo_ms,
-                                       step_s=plan.phase_s / len(CAPACITY_STEPS), concurrencies=CAPACITY_STEPS,
-                                       progress=lambda stats, p=policy: progress(f"capacity {p}", stats))
-    offered = plan.request_rate or round(OFFERED_SHARE * found[Policy.random].best_per_s, 1) or 1.0
+    found = {policy: await capacity(load, workload, policy, ttft_slo_ms=plan.ttft_slo_ms,  # from cold caches
+                                    step_s=plan.phase_s / len(CAPACITY_STEPS), concurrencies=CAPACITY_STEPS,
+                                    progress=lambda stats, p=policy: progress(f"capacity {p}", stats),
+                                    every_s=every_s)
+             for policy in POLICIES}
+    offered = plan.request_rate or _offered(found[Policy.random])
     open_loop = {}
     for policy in POLICIES:
-        await load.clear_caches()
+        await load.clear_caches()  # every phase from cold caches
         before = await costs.start()
         stats = await run_observed(load, workload, policy, lambda s, p=policy: progress(f"open loop {p}", s),
-                                   every_s, stats=LoadStats(policy, ttft_slo_ms=plan.ttft_slo_ms),
-                                   request_rate=offered, arrival=Arrival.poisson, duration_s=plan.phase_s)
+                                   every_s, ttft_slo_ms=plan.ttft_slo_ms, request_rate=offered,
+                                   arrival=Arrival.poisson, duration_s=plan.phase_s)
         open_loop[policy] = {**stats.report(), **await costs.since(before)}
     return {"ttft_slo_ms": plan.ttft_slo_ms, "offered_per_s": offered,
             "capacity": {p.value: r.report() for p, r in found.items()},
             "open_loop": {p.value: r for p, r in open_loop.items()},
             "hit_rate_gain_points": round(100 * (open_loop[Policy.router]["hit_rate"]
                                                  - open_loop[Policy.random]["hit_rate"]), 1)}
+
+
+def _offered(random_capacity: Capacity) -> float:
+    """OFFERED_SHARE of random placement's capacity; when no step met the TTFT target, of its first step's rate
+    (the lightest load it was measured at)."""
+    step = random_capacity.best or (random_capacity.steps[0] if random_capacity.steps else None)
+    return max(0.5, round(OFFERED_SHARE * (step.requests_per_s if step else 0.0), 1))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
-"""Histogram quantiles by PromQL's rules (linear in the bucket holding the rank, the first bucket from 0, +Inf
-answered by the highest finite bound), and a phase's own buckets from two scrapes."""
+"""Percentiles as numpy's default (linear) method computes them (the expected values are numpy's); histogram
+quantiles by PromQL's rules (linear in the bucket holding the rank, the first bucket from 0, +Inf answered by the
+highest finite bound); a phase's own buckets from two scrapes."""
 
 from __future__ import annotations
 
@@ -7,8 +8,37 @@ import math
 
 import pytest
 
-from kvctl.core.quantiles import bucket_increase, histogram_quantile
+from kvctl.core.quantiles import bucket_increase, histogram_quantile, percentile, percentiles
 from kvctl.core.tiers import Sample
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([1, 2, 3, 4], 50, 2.5),  # between the two middle ranks, not the upper one
+        ([1, 2, 3, 4], 90, 3.7),
+        ([1, 2, 3, 4], 99, 3.97),
+        ([10, 0, 5], 0, 0),
+        ([10, 0, 5], 100, 10),
+        ([7.5], 99, 7.5),
+        (list(range(101)), 99, 99),
+    ],
+)
+def test_percentile_interpolates_between_closest_ranks(values: list[float], q: float, expected: float) -> None:
+    assert percentile(values, q) == pytest.approx(expected)
+
+
+def test_no_values_have_no_percentile() -> None:
+    assert percentile([], 50) is None
+    assert percentiles([], (50, 99)) == [None, None]
+
+
+def test_percentiles_agree_with_percentile_and_reject_out_of_range() -> None:
+    values = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    assert percentiles(values, (50, 90, 99)) == [percentile(values, q) for q in (50, 90, 99)]
+    with pytest.raises(ValueError, match=r"in \[0, 100\]"):
+        percentile(values, 101)
+
 
 BUCKETS = [(0.001, 10.0), (0.005, 30.0), (0.01, 40.0), (math.inf, 40.0)]
 
@@ -34,7 +64,8 @@ def test_nothing_counted_has_no_quantile() -> None:
 
 def test_a_phase_gets_only_the_counts_it_added_for_its_labels() -> None:
     def scrape(counts: list[float], model: str = "default") -> list[Sample]:
-        return [Sample("h_bucket", {"model": model, "le": le}, c) for le, c in zip(("0.001", "0.01", "+Inf"), counts)]
+        return [Sample("h_bucket", {"model": model, "le": le}, c)
+                for le, c in zip(("0.001", "0.01", "+Inf"), counts, strict=True)]
 
     before = scrape([5, 8, 9]) + scrape([100, 100, 100], model="other")
     after = scrape([15, 28, 29]) + scrape([200, 200, 200], model="other")

@@ -54,6 +54,7 @@ class Rig:
     client: httpx.AsyncClient
     streams: Streams
     engines: dict[int, MockEngine]
+    transport: httpx.AsyncBaseTransport  # the router app's, for another client (the load generator's)
 
     async def stream(self, worker_id: int) -> dict[str, Any]:
         """The router's `/v1/status` stream row of one worker."""
@@ -114,7 +115,7 @@ async def rig(configs: Sequence[EngineConfig]) -> AsyncIterator[Rig]:
             response = await client.post("/v1/workers", json=dict(list(info.items())[:6]))
             assert response.status_code == 201, response.text
         await asyncio.sleep(JOIN_S)
-        yield Rig(client, streams, {e.config.worker_id: e for e in engines.engines})
+        yield Rig(client, streams, {e.config.worker_id: e for e in engines.engines}, transport)
 
 
 def engine_blocks(engine: MockEngine) -> set[int]:

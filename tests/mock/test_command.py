@@ -59,3 +59,56 @@ def test_mock_load_help_says_it_registers_the_engines_file_s_engines() -> None:
     result = runner.invoke(app, ["mock", "load", "--help"])
     words = " ".join(result.stdout.replace("│", " ").split())  # the option's help, unwrapped
     assert "are registered with it (POST /v1/workers, under --model), and it says so" in words
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--request-rate", "0"], "--request-rate must be > 0, got 0"),
+        (["--ttft-slo", "-5"], "--ttft-slo must be > 0, got -5"),
+        (["--request-rate", "5", "--drain-timeout", "0"], "--drain-timeout must be > 0"),
+        (["--arrival", "constant"], "--arrival spaces the arrivals of --request-rate (add --request-rate"),
+        (["--request-rate", "5", "--arrival", "bursty"], "'bursty' is not one of 'poisson', 'constant'"),
+        (["--request-rate", "5", "--concurrency", "0"], "--concurrency"),
+        (["--request-rate", "5", "--trace", __file__],
+         "a trace brings its own arrival times (use --speed to replay it faster)"),
+    ],
+)
+def test_bad_load_arguments_exit_2_with_one_line(args: list[str], needle: str) -> None:
+    result = runner.invoke(app, ["mock", "load", "--engine", "1=http://127.0.0.1:1", *args])
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stdout == ""
+
+
+def _table(reports: list[dict], fmt: str) -> list[dict[str, str]]:
+    """The load table as `mock load` prints it, each row by header."""
+    import io
+    import re
+
+    from kvctl.commands.mock import _load_view
+    from kvctl.output import Output, OutputFormat
+
+    stdout = io.StringIO()
+    Output(format=OutputFormat(fmt), color=False, stdout=stdout).emit(reports, _load_view(reports))
+    header, *rows = (re.split(r"\s{2,}", line) for line in stdout.getvalue().splitlines())
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def test_load_table_shows_goodput_and_offered_load_only_when_the_run_has_them() -> None:
+    from kvctl.mock.load import LoadStats, Policy
+
+    opened = LoadStats(Policy.router, ttft_slo_ms=50.0, open_loop=True, offered_per_s=40.0, completed=2, good=1,
+                       first_sent=0.0, last_done=1.0, ttft_ms=[10.0, 90.0], e2e_ms=[20.0, 100.0],
+                       dispatch_lag_ms=[0.5, 1.5])
+    opened.router_ms["route"] += [1.0, 3.0]
+    opened.router_ms["free"] += [2.0, 2.0]
+    [row] = _table([opened.report()], "wide")
+    assert (row["OFFERED/S"], row["REQ/S"], row["GOODPUT/S"]) == ("40", "2", "1")
+    assert (row["TTFT P50 MS"], row["TTFT P90 MS"], row["E2E P99 MS"]) == ("50", "82", "99.2")
+    assert (row["ROUTE P50/P99 MS"], row["FREE P50/P99 MS"], row["PREFILL COMPLETE P50/P99 MS"]) == (
+        "2/2.98", "2/2", "-")
+    assert row["LAG P99 MS"] == "1.49"
+    [plain] = _table([LoadStats(Policy.random).report()], "table")
+    assert set(plain) == {"POLICY", "HIT RATE", "REQUESTS", "REQ/S", "TTFT P50 MS", "TTFT P90 MS", "TTFT P99 MS",
+                          "E2E P50 MS", "E2E P99 MS"}

@@ -99,6 +99,27 @@ def test_mock_load_runs_the_router_lifecycle_and_a_baseline(tmp_path: Path) -> N
         assert all(w["active_requests"] == 0 and w["blocks"] > 0 for w in workers)
 
 
+def test_mock_load_open_loop_reports_latencies_goodput_and_router_calls(tmp_path: Path) -> None:
+    """--request-rate offers the same arrivals to each policy, --concurrency caps them; --ttft-slo adds goodput
+    (all within a loose SLO); each router call is timed once per request."""
+    with _process("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--no-restore") as (_, url), \
+            _process("mock", "--engines", "2", "--capacity", "256", "-o", "json") as (_, rows):
+        engines = tmp_path / "engines.json"
+        engines.write_text(rows)
+        result = _kvctl("mock", "load", "--server", url.strip(), "--engines-file", str(engines), "--requests", "20",
+                        "--request-rate", "40", "--arrival", "constant", "--concurrency", "1", "--ttft-slo",
+                        "60000", "--baseline", "random", "-o", "json")
+        assert result.returncode == 0, result.stderr
+        router, baseline = json.loads(result.stdout)
+        for report in (router, baseline):
+            assert report["completed"] == 20 and report["errors"] == {} and report["peak_in_flight"] == 1
+            assert report["offered_per_s"] == 40.0 and report["goodput_per_s"] == report["requests_per_s"] > 0
+            assert report["ttft_p50_ms"] <= report["ttft_p90_ms"] <= report["ttft_p99_ms"] <= report["e2e_p99_ms"]
+        assert {call: row["count"] for call, row in router["router_calls_ms"].items()} == {
+            "route": 20, "prefill_complete": 20, "free": 20}
+        assert baseline["router_calls_ms"] == {}
+
+
 def test_mock_config_out_is_a_serve_config_that_follows_the_engines(tmp_path: Path) -> None:
     config = tmp_path / "fleet.toml"
     with _process("mock", "--engines", "2", "--block-size", "8", "--config-out", str(config), "-o", "json") \
