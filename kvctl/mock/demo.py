@@ -81,7 +81,7 @@ async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]
     seconds. Returns both phases' reports and the hit-rate gain in points; raises `Unreachable` when the
     router dies mid-run (no result then: it would compare a phase with a broken one)."""
     base = EngineConfig(worker_id=0, block_size=plan.block_size, capacity=plan.capacity, model_name="default",
-                        prefill_us_per_token=20.0, decode_ms_per_token=0.5, max_running=32, seed=plan.seed)
+                        speedup=1.0, max_running=32, seed=plan.seed)
     workload = shared_prefix(2000, prefix_tokens=2048, suffix_tokens=128, seed=plan.seed)
     with tempfile.TemporaryDirectory(prefix="kvctl-demo-") as state_dir:
         async with router_process(Path(state_dir), plan.block_size) as url, \

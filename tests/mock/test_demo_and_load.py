@@ -38,7 +38,7 @@ def _listening(url: str) -> bool:
 
 
 def test_demo_headless_beats_random_placement_and_leaves_nothing_running() -> None:
-    result = _kvctl("demo", "--duration", "10", "-o", "json")  # 5 s a phase: the router warms up
+    result = _kvctl("demo", "--duration", "20", "-o", "json")  # 10 s a phase at real GPU speed: past the warm-up
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["baseline"]["policy"] == "random" and report["router"]["policy"] == "router"
