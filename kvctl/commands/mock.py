@@ -43,6 +43,9 @@ _VIEW = View(
         Column("block size", "block_size", justify="right"),
         Column("model", "model", wide_only=True),
         Column("dp", "dp_rank", wide_only=True, justify="right"),
+        Column("max running", "max_running", wide_only=True, justify="right"),
+        Column("max batched tokens", "max_batched_tokens", wide_only=True, justify="right"),
+        Column("timing", "timing", wide_only=True),
     ],
     name_key="worker_id",
 )
@@ -78,6 +81,13 @@ def mock_command(
     nondeterministic_hash: Annotated[bool, typer.Option("--nondeterministic-hash",
                                                         help="Fault: a random hash seed per engine.")] = False,
     silent: Annotated[bool, typer.Option("--silent", help="Fault: publish no events at all.")] = False,
+    speedup: Annotated[float, typer.Option("--speedup", help="Run the timing model X times faster (Dynamo "
+                                                             "mocker's speedup ratio).")] = 1.0,
+    max_running: Annotated[int, typer.Option("--max-running", help="Requests an engine runs at once (its batch); "
+                                                                   "the rest wait in its queue.")] = 16,
+    max_batched_tokens: Annotated[int, typer.Option("--max-batched-tokens", help="Prefill tokens one engine step "
+                                                    "computes at most (vLLM's default); a longer prompt is "
+                                                    "prefilled in chunks over several steps.")] = 8192,
     slow: Annotated[bool, typer.Option("--slow", help="Fault: prefill and decode 25x slower.")] = False,
     fault_engine: Annotated[list[int] | None, typer.Option("--fault-engine", show_default=False,
                                                            help="Index (from 0) of an engine the faults apply to "
@@ -97,7 +107,7 @@ def mock_command(
         return
     out = output_for(ctx, output, as_json)
     _check(engines=engines, block_size=block_size, capacity=capacity, wire_format=wire_format, nats_url=nats_url,
-           base_port=base_port,
+           base_port=base_port, speedup=speedup, max_running=max_running, max_batched_tokens=max_batched_tokens,
            drop_every=drop_every, restart_after=restart_after, fault_block_size=fault_block_size, duration=duration)
     if config_out is not None and wire_format == "dynamo-nats":
         raise UsageError("--config-out declares ZMQ endpoints; dynamo-nats engines have none",
@@ -112,6 +122,7 @@ def mock_command(
                     nondeterministic_hash=nondeterministic_hash, silent=silent, slow=slow)
     base = EngineConfig(worker_id=1, block_size=block_size, capacity=capacity, format=wire_format, host=host,
                         host_capacity=2 * capacity if tiers else 0, disk_capacity=8 * capacity if tiers else 0,
+                        speedup=speedup, max_running=max_running, max_batched_tokens=max_batched_tokens,
                         seed=seed, nats_url=nats_url, namespace=namespace, component=component,
                         endpoint=endpoint)
     try:
@@ -138,7 +149,8 @@ def mock_command(
 
 
 def _check(*, engines: int, block_size: int, capacity: int, wire_format: str, nats_url: str | None, base_port: int,
-           drop_every: int, restart_after: float | None, fault_block_size: int | None, duration: float | None) -> None:
+           speedup: float, max_running: int, max_batched_tokens: int, drop_every: int, restart_after: float | None,
+           fault_block_size: int | None, duration: float | None) -> None:
     """Reject bad values before anything binds a port."""
     if engines <= 0:
         raise UsageError(f"--engines must be positive, got {engines}")
@@ -153,6 +165,11 @@ def _check(*, engines: int, block_size: int, capacity: int, wire_format: str, na
                          "nats://127.0.0.1:4222")
     if base_port and not 0 < base_port <= 65535 - 3 * engines:
         raise UsageError(f"--base-port {base_port} leaves no room for {counted(engines, 'engine')} (3 ports each)")
+    if not speedup > 0:
+        raise UsageError(f"--speedup must be > 0, got {speedup}", hint="e.g. --speedup 10 runs 10 times faster")
+    for name, count in (("--max-running", max_running), ("--max-batched-tokens", max_batched_tokens)):
+        if count <= 0:
+            raise UsageError(f"{name} must be positive, got {count}")
     if drop_every < 0:
         raise UsageError(f"--drop-every must not be negative, got {drop_every}")
     for name, value in (("--restart-after", restart_after), ("--duration", duration)):

@@ -3,8 +3,10 @@
 Each request is admitted into a bounded batch (the rest wait in a bounded queue, then get 503),
 pins its prompt blocks in the cache, and the cache's changes go out at once as one event batch in
 the engine's wire format, so the events follow the order of the cache's changes as a real
-scheduler step would. Then the request "runs": prefill takes time per uncached prompt token,
-decode time per output token, and the client sees NDJSON lines when each phase ends.
+scheduler step would. Then the request runs in the engine's step scheduler (`scheduler.py`), which
+shares the engine's time between requests as a GPU does, each step timed by Dynamo's mocker
+polynomial model (`timing.py`): a cache hit saves prefill time and frees the engine for others. The
+client sees NDJSON lines when the first token is out and when the request is done.
 
 Faults reproduce the incidents kvctl diagnoses: lost batches (drop_every), an engine restart
 (restart_after), a block size or hash seed the router does not share, an engine that stops
@@ -47,6 +49,8 @@ from kvctl.mock.hashing import BlockHasher, HashStyle
 from kvctl.mock.metrics import EngineMetrics
 from kvctl.mock.nats_publisher import EngineGauges, NatsEventPublisher
 from kvctl.mock.publisher import Publisher
+from kvctl.mock.scheduler import StepScheduler
+from kvctl.mock.timing import TimingModel
 
 MOCK_FORMATS = ("vllm", "vllm-legacy", "sglang", "dynamo-nats")
 """The wire formats a mock engine can speak: engine ZMQ (names of `engine_encode.FORMATS`), or a Dynamo
@@ -54,7 +58,7 @@ worker's RouterEvents on a NATS event plane."""
 DYNAMO_NATS = "dynamo-nats"
 
 SLOW_FACTOR = 25.0
-"""How much longer prefill and decode take on a `slow` engine."""
+"""How much longer every scheduler step (prefill and decode) takes on a `slow` engine."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +94,11 @@ class EngineConfig:
     replay_port: int = 0
     topic: str = ""
     model_name: str = "mock"
-    prefill_us_per_token: float = 20.0
-    decode_ms_per_token: float = 1.0
+    speedup: float = 1.0
+    """Run the timing model this many times faster (Dynamo mocker's speedup ratio)."""
     max_running: int = 16
+    max_batched_tokens: int = 8192
+    """Prefill tokens one scheduler step computes at most (vLLM's online default); longer prompts are chunked."""
     max_waiting: int = 256
     seed: int | None = None
     """Makes a nondeterministic hash seed reproducible (per worker id)."""
@@ -107,8 +113,9 @@ class EngineConfig:
             raise ValueError(f"format must be one of {', '.join(MOCK_FORMATS)}, got {self.format!r}")
         if self.format == DYNAMO_NATS and not self.nats_url:
             raise ValueError("the dynamo-nats format needs a NATS URL")
-        if min(self.block_size, self.capacity, self.max_running) <= 0 or self.faults.block_size == 0:
-            raise ValueError("block size, capacity and max running must be positive")
+        if min(self.block_size, self.capacity, self.max_running, self.max_batched_tokens) <= 0 \
+                or self.faults.block_size == 0 or not self.speedup > 0:
+            raise ValueError("block size, capacity, speedup, max running and max batched tokens must be positive")
         if min(self.host_capacity, self.disk_capacity, self.max_waiting, self.faults.drop_every) < 0:
             raise ValueError("tier capacities, max waiting and drop_every must not be negative")
 
@@ -140,26 +147,39 @@ class MockEngine:
         style = HashStyle.sglang if self.fmt is SGLANG else HashStyle.vllm
         self.cache = PrefixCache(config.capacity, self.block_size, BlockHasher(style, root_seed=self._root_seed()),
                                  host_capacity=config.host_capacity, disk_capacity=config.disk_capacity)
-        self.running = 0
-        self.waiting = 0
+        self.timing = TimingModel(config.speedup)
         self.restarts = 0
         self.clears = 0
         self.metrics = EngineMetrics(
             model_name=config.model_name, block_size=self.block_size,
-            usage=lambda: self.cache.used_blocks / config.capacity,
+            usage=self.kv_usage,
             running=lambda: self.running, waiting=lambda: self.waiting,
             transfers=self.cache.transfers if config.host_capacity or config.disk_capacity else None,
             lower_tiers=[tier for tier, blocks in ((Tier.host_pinned, config.host_capacity),
                                                    (Tier.disk, config.disk_capacity)) if blocks],
         )
+        self.scheduler = StepScheduler(self.timing, max_running=config.max_running,
+                                       max_batched_tokens=config.max_batched_tokens,
+                                       kv_usage=self.kv_usage, stepped=self.metrics.step,
+                                       slowdown=SLOW_FACTOR if config.faults.slow else 1.0)
         self.publisher: Publisher | None = None
         self.nats: NatsEventPublisher | None = None
-        self._slots = asyncio.Semaphore(config.max_running)
-        self._slowdown = SLOW_FACTOR if config.faults.slow else 1.0
         self._socket: socket.socket | None = None
         self._url: str | None = None
         self._server: _Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def running(self) -> int:
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> int:
+        return self.scheduler.waiting
+
+    def kv_usage(self) -> float:
+        """Device blocks pinned by running requests over all device blocks: vLLM's KV usage."""
+        return self.cache.used_blocks / self.config.capacity
 
     @property
     def url(self) -> str:
@@ -179,6 +199,9 @@ class MockEngine:
             "url": self.url,
             "format": self.config.format,
             "block_size": self.block_size,
+            "max_running": self.config.max_running,
+            "max_batched_tokens": self.config.max_batched_tokens,
+            "timing": self.timing.describe(),
         }
 
     async def start(self) -> None:
@@ -215,6 +238,7 @@ class MockEngine:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        await self.scheduler.close()
         if self._socket is not None:
             self._socket.close()
         if self.publisher is not None:
@@ -238,33 +262,36 @@ class MockEngine:
         self.clears += 1
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[bytes]:
-        """Queue, prefill, decode: one NDJSON line when the first token is out, one when done."""
+        """Queue, prefill, decode in the engine's scheduler: one NDJSON line when the first token is out, one when
+        done. The cache allocation and its event batch happen when the scheduler admits the request."""
         loop = asyncio.get_running_loop()
         arrived = loop.time()
-        self.waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
+        prompt = len(request.token_ids)
         allocation: Allocation | None = None
-        try:
+
+        def admit() -> int:
+            nonlocal allocation
             allocation = self.cache.allocate(request.token_ids)
             self._emit(allocation.events)
-            prompt = len(request.token_ids)
             self.metrics.record(allocation, prompt)
-            cached = allocation.cached_blocks * self.block_size
-            await asyncio.sleep((prompt - cached) * self.config.prefill_us_per_token * 1e-6 * self._slowdown)
-            yield _line(event="first_token", request_id=request.request_id, cached_tokens=cached,
-                        prompt_tokens=prompt, ttft_ms=(loop.time() - arrived) * 1e3)
-            await asyncio.sleep(request.max_tokens * self.config.decode_ms_per_token * 1e-3 * self._slowdown)
+            return prompt - allocation.cached_blocks * self.block_size
+
+        def release() -> None:
+            assert allocation is not None
+            self.cache.release(allocation)
+
+        job = self.scheduler.submit(request.max_tokens, admit, release)
+        try:
+            await job.until(job.first_token)
+            assert allocation is not None
+            yield _line(event="first_token", request_id=request.request_id,
+                        cached_tokens=allocation.cached_blocks * self.block_size, prompt_tokens=prompt,
+                        ttft_ms=(loop.time() - arrived) * 1e3)
+            await job.until(job.finished)
             yield _line(event="done", request_id=request.request_id, output_tokens=request.max_tokens,
                         total_ms=(loop.time() - arrived) * 1e3)
         finally:
-            if allocation is not None:
-                self.cache.release(allocation)
-            self.running -= 1
-            self._slots.release()
+            self.scheduler.discard(job)
 
     def _emit(self, changes: Sequence[CacheEvent]) -> None:
         """Publish one batch of cache changes, unless faults say otherwise."""

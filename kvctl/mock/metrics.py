@@ -14,12 +14,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Collection
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvctl.core.events.types import Tier
 from kvctl.mock.cache import Allocation, Transfers
 
 KVBM_WINDOW = 1000
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""vLLM's buckets for `vllm:iteration_tokens_total`: steps that fill the batched-token budget show in its bucket."""
 _SOURCES = {Tier.device: "device", Tier.host_pinned: "host", Tier.disk: "disk"}
 
 
@@ -58,6 +60,8 @@ class EngineMetrics:
                                 "queried tokens.", names, registry=self.registry).labels(**labels)
         self._hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                              names, registry=self.registry).labels(**labels)
+        self._step_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                      names, buckets=ITERATION_TOKEN_BUCKETS, registry=self.registry).labels(**labels)
         by_source = Counter("vllm:prompt_tokens_cached_by_source", "Cached prompt tokens by source.",
                             [*names, "source"], registry=self.registry)
         self._by_source = {tier: by_source.labels(**labels, source=source) for tier, source in _SOURCES.items()
@@ -73,6 +77,10 @@ class EngineMetrics:
             host, disk = allocation.hits.get(Tier.host_pinned, 0), allocation.hits.get(Tier.disk, 0)
             self._window.append((host, disk, allocation.prompt_blocks))
             self._matched_tokens += (host + disk) * self._block_size
+
+    def step(self, tokens: int) -> None:
+        """Count one scheduler step and the tokens it computed (prefill chunks plus one per decoding request)."""
+        self._step_tokens.observe(tokens)
 
     def render(self) -> bytes:
         """The whole `/metrics` body in Prometheus text format."""

@@ -21,7 +21,7 @@ from kvctl.mock.load import LoadGenerator, Policy, register_engines, shared_pref
 from tests.server.test_serve_process import serving
 
 BASE = EngineConfig(worker_id=1, model_name="default", block_size=16, capacity=256,
-                    prefill_us_per_token=1.0, decode_ms_per_token=0.1)
+                    speedup=100.0)
 JOIN_S = 0.3
 """Time for the router's SUB sockets to join before the engines publish (ZMQ's slow joiner)."""
 

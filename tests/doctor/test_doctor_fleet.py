@@ -185,7 +185,7 @@ async def test_a_cache_cleared_as_vllm_does_empties_that_worker_and_is_no_restar
 
 
 async def test_a_fleet_that_is_all_busy_is_critical_and_names_the_threshold(tmp_path: Path) -> None:
-    slow = replace(BASE, prefill_us_per_token=3_000.0)  # ~0.3 s of prefill per request: load piles up
+    slow = replace(BASE, speedup=0.06)  # ~18 ms / 0.06 = 0.3 s of prefill per request: load piles up
     async with engines_behind_router(tmp_path, base=slow) as rig:
         await rig.router.send(calls.set_busy_thresholds("default", {"active_prefill_tokens_threshold": 1}))
         load = asyncio.create_task(rig.load(requests=30, concurrency=6))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
@@ -15,7 +16,8 @@ import zmq.asyncio
 from kvctl.mock.engine import EngineConfig, MockEngine
 from kvctl.mock.fleet import Fleet
 
-FAST = {"block_size": 4, "capacity": 64, "prefill_us_per_token": 1.0, "decode_ms_per_token": 0.1}
+FAST = {"block_size": 4, "capacity": 64, "speedup": 100.0}
+"""Small blocks and cache, and the timing model 100 times faster: a step takes well under a millisecond."""
 
 
 SocketFactory = Callable[[int], zmq.asyncio.Socket]
@@ -59,6 +61,21 @@ async def subscribe(zsock: SocketFactory, endpoint: str) -> zmq.asyncio.Socket:
     sub.connect(endpoint)
     await asyncio.sleep(0.2)
     return sub
+
+
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled-or-labelled sample `name` (exactly one) in Prometheus text."""
+    [value] = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, flags=re.MULTILINE)
+    return float(value)
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll `predicate` until it holds; fail naming `what` after `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
 
 
 async def generate(engine: MockEngine, tokens: list[int], max_tokens: int = 2) -> list[dict]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,7 +24,7 @@ from kvctl.mock.fleet import fleet_configs
 from kvctl.server.api import create_app
 from kvctl.server.state import DEFAULT_MODEL, Fleet
 from kvctl.server.streams import Streams
-from tests.mock.conftest import generate
+from tests.mock.conftest import generate, metric
 
 ROUTER_BLOCK_SIZE = 16
 JOIN_S = 0.2
@@ -34,7 +33,7 @@ SETTLE_S = 5.0
 U64 = 2**64
 
 BASE = EngineConfig(worker_id=1, model_name=DEFAULT_MODEL, block_size=ROUTER_BLOCK_SIZE, capacity=32,
-                    prefill_us_per_token=1.0, decode_ms_per_token=0.1)
+                    speedup=100.0)
 """Engines with the router's block size, under the router's default model, 32 device blocks, fast."""
 
 
@@ -133,12 +132,6 @@ async def run_all(engine: MockEngine, prompts: Sequence[Sequence[int]]) -> None:
     for tokens in prompts:
         lines = await generate(engine, list(tokens))
         assert lines[-1]["event"] == "done"
-
-
-def metric(text: str, name: str) -> float:
-    """The value of an unlabelled-or-labelled sample `name` (exactly one) in Prometheus text."""
-    [value] = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, flags=re.MULTILINE)
-    return float(value)
 
 
 # ----- 1. every format is ingested cleanly and the index mirrors the engine ------------------------------
@@ -284,13 +277,13 @@ async def test_a_silent_engine_serves_but_the_router_sees_nothing() -> None:
 
 
 async def test_a_slow_engine_still_queues_when_a_healthy_one_has_drained() -> None:
-    base = replace(BASE, max_running=1, decode_ms_per_token=2.0)
+    base = replace(BASE, max_running=1, speedup=10.0)
     configs = fleet_configs(2, base, faults=Faults(slow=True), fault_engines=[1])
     requests = [prompt(6, s, blocks=2, shared=0) for s in range(4)]
     async with rig(configs) as r:
         healthy, slow = r.engines[1], r.engines[2]
         in_flight = [asyncio.ensure_future(generate(slow, tokens, max_tokens=5)) for tokens in requests]
-        try:  # 4 requests one at a time, 5 x 2 ms x 25 = 250 ms each on the slow engine
+        try:  # 4 requests one at a time, (17 ms prefill + 4 x 6 ms decode) / 10 x 25 = 100 ms each on the slow engine
             await asyncio.gather(*(generate(healthy, tokens, max_tokens=5) for tokens in requests))
             loads = {w: await _load(e) for w, e in r.engines.items()}
         finally:

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvctl.cli import app
+from kvctl.mock.timing import TimingModel
 
 runner = CliRunner()
 
@@ -23,6 +24,26 @@ def test_json_rows_describe_every_engine() -> None:
     assert all(row["endpoint"].startswith("tcp://127.0.0.1:") and row["url"].startswith("http://127.0.0.1:")
                for row in rows)
     assert len({row["replay_endpoint"] for row in rows}) == 2
+    assert {(row["max_running"], row["max_batched_tokens"], row["timing"]) for row in rows} == {
+        (16, 8192, TimingModel().describe())}
+
+
+def test_timing_and_batch_options_reach_every_engine() -> None:
+    result = runner.invoke(app, ["mock", "--duration", "1", "-o", "json", "--engines", "2", "--speedup", "4",
+                                 "--max-running", "2", "--max-batched-tokens", "64"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [(row["max_running"], row["max_batched_tokens"]) for row in rows] == [(2, 64), (2, 64)]
+    assert {row["timing"] for row in rows} == {TimingModel(4).describe()}
+    assert list(rows[0])[-1] == "timing"
+
+
+def test_the_wide_table_names_the_timing_model() -> None:
+    result = runner.invoke(app, ["mock", "--duration", "1", "-o", "wide", "--engines", "1"], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    assert "Dynamo mocker polynomial" in result.stdout
+    plain = runner.invoke(app, ["mock", "--duration", "1", "--engines", "1"], terminal_width=400)
+    assert "Dynamo mocker polynomial" not in plain.stdout
 
 
 @pytest.mark.parametrize(
@@ -35,6 +56,10 @@ def test_json_rows_describe_every_engine() -> None:
         (["--duration", "0"], "--duration must be > 0"),
         (["--restart-after", "-2"], "--restart-after must be > 0"),
         (["--drop-every", "-1"], "--drop-every must not be negative"),
+        (["--speedup", "0"], "--speedup must be > 0"),
+        (["--speedup", "-2.5"], "--speedup must be > 0"),
+        (["--max-running", "0"], "--max-running must be positive"),
+        (["--max-batched-tokens", "-1"], "--max-batched-tokens must be positive"),
         (["--base-port", "65535"], "leaves no room"),
         (["--engines", "2", "--fault-engine", "2"], "fault engine indexes must be in 0..1"),
         (["--format", "dynamo-nats", "--nats", "nats://127.0.0.1:4222", "--config-out", "f.toml"],

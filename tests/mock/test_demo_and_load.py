@@ -79,7 +79,7 @@ def test_mock_load_runs_the_router_lifecycle_and_a_baseline(tmp_path: Path) -> N
     """Against a router with an admin token: registering the engines needs it, routing does not."""
     with _process("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--no-restore",
                   "--admin-token", "t0ken") as (_, url), \
-            _process("mock", "--engines", "2", "--capacity", "256", "-o", "json") as (_, rows):
+            _process("mock", "--engines", "2", "--capacity", "256", "--speedup", "10", "-o", "json") as (_, rows):
         engines = tmp_path / "engines.json"
         engines.write_text(rows)
         load = ("mock", "load", "--server", url.strip(), "--engines-file", str(engines), "--requests", "40",

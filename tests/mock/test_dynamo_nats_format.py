@@ -30,7 +30,7 @@ async def _generate(engine: MockEngine, tokens: list[int]) -> None:
 async def test_dynamo_nats_events_are_ingested_and_match_the_cache_until_cleared(server: NatsServer) -> None:
     names = PlaneNames("mocknats", "backend")
     config = EngineConfig(worker_id=7, capacity=8, format="dynamo-nats", nats_url=server.url,
-                          namespace=names.namespace, decode_ms_per_token=0.0, prefill_us_per_token=0.0)
+                          namespace=names.namespace, speedup=100.0)
     async with Router(options(server, names)) as router:
         engine = MockEngine(config)
         await engine.start()

@@ -21,7 +21,7 @@ from kvctl.core.events import (
 )
 from kvctl.core.events.engine import encode_replay_request
 from kvctl.core.hashing import local_block_hashes
-from kvctl.mock.engine import EngineConfig, Faults
+from kvctl.mock.engine import SLOW_FACTOR, EngineConfig, Faults
 from kvctl.mock.hashing import BlockHasher, HashStyle
 from tests.mock.conftest import EngineFactory, SocketFactory, generate, subscribe
 
@@ -192,8 +192,10 @@ async def test_without_tiers_there_are_no_kvbm_metrics(mock_engine: EngineFactor
 
 
 async def test_full_queue_is_refused_and_slow_engines_queue(mock_engine: EngineFactory) -> None:
-    async with mock_engine(max_running=1, max_waiting=1, decode_ms_per_token=2.0, faults=Faults(slow=True)) as engine:
-        running = asyncio.ensure_future(generate(engine, TOKENS, max_tokens=5))  # 5 x 2 ms x 25 = 250 ms
+    async with mock_engine(max_running=1, max_waiting=1, speedup=4.0, faults=Faults(slow=True)) as engine:
+        # a prefill of 10 tokens and 4 decode steps (2 of 64 blocks in use), each step 25 times slower: ~290 ms
+        slow_ms = SLOW_FACTOR * (engine.timing.prefill_ms(10) + 4 * engine.timing.decode_step_ms(2 / 64))
+        running = asyncio.ensure_future(generate(engine, TOKENS, max_tokens=5))
         queued = asyncio.ensure_future(generate(engine, TOKENS, max_tokens=1))
         while engine.waiting < 1:
             await asyncio.sleep(0.01)
@@ -203,7 +205,7 @@ async def test_full_queue_is_refused_and_slow_engines_queue(mock_engine: EngineF
             bad = await client.post("/v1/generate", json={"token_ids": [-1]})
         first, second = await asyncio.gather(running, queued)
     assert refused.status_code == 503 and bad.status_code == 422
-    assert first[-1]["total_ms"] >= 250 and second[0]["ttft_ms"] >= 200
+    assert first[-1]["total_ms"] >= 0.9 * slow_ms and second[0]["ttft_ms"] >= 0.9 * slow_ms
 
 
 def test_config_rejects_bad_values() -> None:

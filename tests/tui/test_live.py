@@ -70,7 +70,7 @@ async def _settled(source: LiveSource, builder: FrameBuilder, want: int) -> Fram
 
 async def test_values_move_between_polls_with_mock_engines_and_once_lists_every_worker(tmp_path: Path) -> None:
     configs = [EngineConfig(worker_id=10 + n, model_name="default", block_size=16, capacity=512,
-                            prefill_us_per_token=1.0, decode_ms_per_token=0.1) for n in range(ENGINES)]
+                            speedup=100.0) for n in range(ENGINES)]
     with serving(tmp_path, "--no-restore") as (_, client):
         url = str(client.base_url).rstrip("/")
         async with EngineFleet(configs) as engines, AsyncRouterClient(url) as router:
