@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
+from kvctl.mock.scheduler import StepScheduler
+from kvctl.mock.timing import TimingModel
 from tests.mock.conftest import EngineFactory, generate, metric, until
 
 ROOMY = {"block_size": 16, "capacity": 4096, "speedup": 1.0}
@@ -94,3 +97,20 @@ async def test_closing_an_engine_does_not_wait_for_its_step_to_end(mock_engine: 
     closed_s = asyncio.get_running_loop().time() - closing
     await asyncio.gather(pending, return_exceptions=True)  # its connection was closed under it
     assert closed_s < 3 and not engine.scheduler.stepping
+
+
+async def test_a_request_whose_admission_fails_fails_alone() -> None:
+    """An admission that raises (the cache or the publisher) fails that request, not the engine's step loop."""
+    scheduler = StepScheduler(TimingModel(speedup=1000), max_running=4, max_batched_tokens=64,
+                              kv_usage=lambda: 0.0, stepped=lambda tokens: None)
+    released: list[str] = []
+
+    def broken() -> int:
+        raise RuntimeError("no cache")
+
+    bad = scheduler.submit(1, broken, lambda: released.append("bad"))
+    good = scheduler.submit(2, lambda: 8, lambda: released.append("good"))
+    with pytest.raises(RuntimeError, match="no cache"):
+        await asyncio.wait_for(bad.until(bad.first_token), 5)
+    await asyncio.wait_for(good.until(good.finished), 5)
+    assert released == ["good"] and not scheduler.stepping
