@@ -20,12 +20,12 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of pid and its descendants so far; None where there is no /proc to read."""
+def cpu_seconds(pid: int, *, descendants: bool = True) -> float | None:
+    """User + system CPU seconds of pid (and its descendants) so far; None where there is no /proc to read."""
     if not Path(f"/proc/{pid}/stat").exists():
         return None
     ticks = 0
-    for p in process_tree(pid):
+    for p in process_tree(pid) if descendants else [pid]:
         with contextlib.suppress(OSError):
             fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
             ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)

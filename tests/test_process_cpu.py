@@ -23,6 +23,7 @@ def test_a_grandchilds_cpu_counts_for_its_grandparent() -> None:
             assert time.monotonic() < deadline, "the grandchild's spin was not counted"
             time.sleep(0.1)
         assert len(process_tree(parent.pid)) == 2
+        assert (cpu_seconds(parent.pid, descendants=False) or 0) < 0.5  # its own: starting an interpreter
     finally:
         for pid in reversed(process_tree(parent.pid)):
             subprocess.run(["kill", str(pid)], check=False)

@@ -31,6 +31,7 @@ from kvctl.client.engine import EngineClient
 from kvctl.client.tier_sources import Auth, Scraper
 from kvctl.core.quantiles import bucket_increase, histogram_quantile
 from kvctl.core.tiers import Sample
+from kvctl.gc_tuning import tuned_gc
 from kvctl.mock.capacity import Capacity, capacity
 from kvctl.mock.load import (
     GIVE_UP_S,
@@ -106,7 +107,7 @@ async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]
     Raises `Unreachable` when the router dies mid-run (no result then: it would compare a phase with a broken
     one)."""
     workload = shared_prefix(4000, prefix_tokens=2048, suffix_tokens=128, seed=plan.seed)
-    with tempfile.TemporaryDirectory(prefix="kvctl-demo-") as state_dir:
+    with tempfile.TemporaryDirectory(prefix="kvctl-demo-") as state_dir, tuned_gc():  # the workload frozen
         async with router_process(Path(state_dir), plan.block_size) as (url, router_pid), \
                 engines_process(plan) as (infos, engines_pid), AsyncRouterClient(url) as router:
             await register_engines(router, infos, MODEL)
@@ -165,12 +166,15 @@ class _Costs:
     from its `kvctl_route_duration_seconds` histogram."""
 
     def __init__(self, router_url: str, pids: dict[str, int]) -> None:
+        """`pids`: each process to account for, with its own children (the router's decode process), except this
+        one, whose children are the others."""
         self.pids = pids
         self._metrics = router_url.rstrip("/") + "/metrics"
         self._scraper = Scraper([self._metrics], auth=Auth(), timeout=5.0)
 
     async def start(self) -> _Mark:
-        return _Mark(time.monotonic(), {name: cpu_seconds(pid) for name, pid in self.pids.items()},
+        return _Mark(time.monotonic(), {name: cpu_seconds(pid, descendants=pid != os.getpid())
+                                        for name, pid in self.pids.items()},
                      await asyncio.to_thread(self._scraper.scrape, self._metrics))
 
     async def since(self, before: _Mark) -> dict[str, Any]:

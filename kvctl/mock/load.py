@@ -36,6 +36,7 @@ from kvctl.client.engine import EngineClient
 from kvctl.core.quantiles import percentile, percentiles
 from kvctl.core.words import counted
 from kvctl.errors import AllBusy, ApiError, KvctlError, Unreachable
+from kvctl.gc_tuning import tuned_gc
 
 VOCAB = 32_000
 MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake traces
@@ -462,12 +463,13 @@ async def run_policies(server: str, targets: dict[int, str], rows: list[dict[str
             registered(await register_engines(router, rows, model))
             generator = LoadGenerator(engines, router=router, model=model, seed=seed, give_up_s=give_up_s)
             reports = []
-            for policy in policies:
-                await generator.clear_caches()  # every policy from cold caches
-                stats = await run_observed(generator, workload, policy, progress, PROGRESS_S,
-                                           concurrency=concurrency or CONCURRENCY, max_concurrency=concurrency,
-                                           **load)
-                reports.append(stats.report())
+            with tuned_gc():  # the workload frozen: a full collection would walk every token list, loop held
+                for policy in policies:
+                    await generator.clear_caches()  # every policy from cold caches
+                    stats = await run_observed(generator, workload, policy, progress, PROGRESS_S,
+                                               concurrency=concurrency or CONCURRENCY, max_concurrency=concurrency,
+                                               **load)
+                    reports.append(stats.report())
             return reports
     finally:
         await asyncio.gather(*(e.aclose() for e in engines.values()))
