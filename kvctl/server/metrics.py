@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -192,6 +192,7 @@ class Metrics:
         self.registry.register(FleetCollector(fleet, streams, plane))
         self.connections = connections or Connections()
         self.registry.register(ConnectionsCollector(self.connections))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes & co: the index's memory
         self.route_seconds = Histogram(
             "kvctl_route_duration_seconds", "time to decide a route (hash, match, score, pick)", ["model"],
             buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2), registry=self.registry)

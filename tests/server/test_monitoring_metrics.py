@@ -70,3 +70,8 @@ async def test_the_approximate_mode_cap_is_exported_only_in_approximate_mode(cli
     app = create_app(Fleet(block_size=16, approx=ApproxConfig(max_tree_size=4000)))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvctl") as approx:
         assert (await samples(approx))["kvctl_index_cap_blocks", (("model", "default"),)] == 4000
+
+
+async def test_the_router_process_memory_is_exported(client: httpx.AsyncClient) -> None:
+    """The dashboard's memory panel: the index lives in the router's own memory."""
+    assert (await samples(client))["process_resident_memory_bytes", ()] > 10 * 2**20
