@@ -63,8 +63,8 @@ class FleetCollector(Collector):
             over_limit.add_metric([limit], fleet.over_limit[limit])
         all_busy = CounterMetricFamily("kvctl_route_all_busy", "routes refused (503): every worker of the model "
                                        "was busy", labels=["model"])
-        for name, n in sorted(fleet.all_busy.items()):
-            all_busy.add_metric([name], n)
+        for name in sorted(fleet.models):  # 0 until the first: a rate has a series to start from
+            all_busy.add_metric([name], fleet.all_busy[name])
         yield from (applied, blocks, nodes, worker_blocks, decode, prefill, routes, over_limit, all_busy)
         yield from _joined(fleet)
         if fleet.approx is not None:

@@ -58,6 +58,7 @@ async def test_a_bad_cached_tokens_body_gets_422_naming_the_field(client: httpx.
 
 
 async def test_routes_refused_with_every_worker_busy_are_counted_by_model(client: httpx.AsyncClient) -> None:
+    assert (await samples(client))["kvctl_route_all_busy_total", (("model", "default"),)] == 0
     await client.post("/v1/route", json={"token_ids": TOKENS, "request_id": "a", "reserve": True})
     await client.post("/busy_threshold", json={"model": "default", "active_prefill_tokens_threshold": 10})
     for _ in range(2):
