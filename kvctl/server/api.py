@@ -132,6 +132,11 @@ def read_route_body_whole(raw: bytes) -> tuple[RouteBody, array | None]:
     return body, None if raw_ids is msgspec.UNSET or raw_ids == _JSON_NULL else token_ids_from_json(raw_ids)
 
 
+class PrefillBody(_Body):
+    cached_tokens: Annotated[int, Field(ge=0, description="Prompt tokens the engine found cached (its usage's "
+                                        "prompt_tokens_details.cached_tokens)")] | None = None
+
+
 class ResetBody(_Body):
     model: str | None = None
     worker_id: U64 | None = None
@@ -519,8 +524,9 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         return _json({"applied": applied, "rejected": rejected})
 
     @app.post("/v1/requests/{request_id}/prefill_complete", responses=replies(404, 422, ok=OBJECT))
-    async def prefill_complete(request_id: str, model: str = DEFAULT_MODEL) -> Response:
-        if not fleet.prefill_complete(model, request_id):
+    async def prefill_complete(request_id: str, model: str = DEFAULT_MODEL,
+                               body: PrefillBody | None = None) -> Response:
+        if not fleet.prefill_complete(model, request_id, None if body is None else body.cached_tokens):
             return _error(404, f"request {request_id!r} is not in flight")
         return _json({"request_id": request_id, "prefill_complete": True})
 

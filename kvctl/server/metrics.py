@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -48,17 +48,31 @@ class FleetCollector(Collector):
             for tier, stats in state.router.index.stats().items():
                 blocks.add_metric([name, tier.value], stats.blocks)
                 nodes.add_metric([name, tier.value], stats.nodes)
+        routes = CounterMetricFamily("kvctl_worker_routes", "routes answered with this worker",
+                                     labels=["model", "worker_id", "dp_rank"])
         for row in fleet.worker_rows(0.0):
             labels = [row["model"], str(row["worker_id"]), str(row["dp_rank"])]
             worker_blocks.add_metric(labels, row["blocks"])
             decode.add_metric(labels, row["active_decode_blocks"])
             prefill.add_metric(labels, row["active_prefill_tokens"])
+            routes.add_metric(labels, row["routes"])
         over_limit = CounterMetricFamily("kvctl_route_over_limit", "routes refused (429) by a cap: "
                                          "--max-request-tokens, --max-reservations, --max-reserved-tokens",
                                          labels=["limit"])
         for limit in dataclasses.asdict(fleet.limits):
             over_limit.add_metric([limit], fleet.over_limit[limit])
-        yield from (applied, blocks, nodes, worker_blocks, decode, prefill, over_limit)
+        all_busy = CounterMetricFamily("kvctl_route_all_busy", "routes refused (503): every worker of the model "
+                                       "was busy", labels=["model"])
+        for name in sorted(fleet.models):  # 0 until the first: a rate has a series to start from
+            all_busy.add_metric([name], fleet.all_busy[name])
+        yield from (applied, blocks, nodes, worker_blocks, decode, prefill, routes, over_limit, all_busy)
+        yield from _joined(fleet)
+        if fleet.approx is not None:
+            cap = GaugeMetricFamily("kvctl_index_cap_blocks", "approximate mode: --max-tree-size, the (worker, "
+                                    "block) pairs the index is pruned at", labels=["model"])
+            for name in sorted(fleet.models):
+                cap.add_metric([name], fleet.approx.max_tree_size)
+            yield cap
         if self.streams is not None:
             yield from self._streams(self.streams)
         if self.plane is not None:
@@ -120,6 +134,26 @@ class FleetCollector(Collector):
         yield from (*counters.values(), errors, gapped, dropped, refused, running)
 
 
+def _joined(fleet: Fleet) -> Iterator[CounterMetricFamily]:
+    """Per worker, the router's predicted cached blocks next to those the engine reported for the same requests
+    (`prefill_complete` with `cached_tokens`): one query divides each by the prompt blocks and compares."""
+    labels = ["model", "worker_id", "dp_rank"]
+    families = {
+        "requests": CounterMetricFamily("kvctl_worker_joined_requests", "requests whose engine reported its "
+                                        "cached tokens at prefill_complete", labels=labels),
+        "prompt_blocks": CounterMetricFamily("kvctl_worker_joined_prompt_blocks", "prompt blocks of those requests",
+                                             labels=labels),
+        "predicted_blocks": CounterMetricFamily("kvctl_worker_predicted_cached_blocks", "of those, the blocks the "
+                                                "router predicted cached when it chose the worker", labels=labels),
+        "observed_blocks": CounterMetricFamily("kvctl_worker_observed_cached_blocks", "of those, the blocks the "
+                                               "engine reported cached (cached_tokens / block size)", labels=labels),
+    }
+    for (model, (worker_id, dp_rank)), joined in sorted(fleet.joined.items()):
+        for field, family in families.items():
+            family.add_metric([model, str(worker_id), str(dp_rank)], getattr(joined, field))
+    yield from families.values()
+
+
 U64_MAX = (1 << 64) - 1
 
 
@@ -158,6 +192,7 @@ class Metrics:
         self.registry.register(FleetCollector(fleet, streams, plane))
         self.connections = connections or Connections()
         self.registry.register(ConnectionsCollector(self.connections))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes & co: the index's memory
         self.route_seconds = Histogram(
             "kvctl_route_duration_seconds", "time to decide a route (hash, match, score, pick)", ["model"],
             buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2), registry=self.registry)

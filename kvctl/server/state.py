@@ -24,7 +24,15 @@ from kvctl.core.events.plane import (
 )
 from kvctl.core.index import Status
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
-from kvctl.core.router.busy import BusyThresholds, BusyTracker, RankBusy, Thresholds, WorkerLoad, check_admission
+from kvctl.core.router.busy import (
+    AllBusy,
+    BusyThresholds,
+    BusyTracker,
+    RankBusy,
+    Thresholds,
+    WorkerLoad,
+    check_admission,
+)
 from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
@@ -99,6 +107,25 @@ _STATUS_VALUES = {s: s.value for s in Status}  # an enum's .value is a Python-le
 
 
 @dataclass
+class JoinedHits:
+    """A worker's requests whose engine reported its cached tokens (`prefill_complete`'s `cached_tokens`), with
+    what the router predicted for the same requests: both in prompt blocks, so predicted and observed hit rates
+    are Σ cached / Σ prompt blocks over the same requests, and their difference is the disagreement itself."""
+
+    requests: int = 0
+    prompt_blocks: int = 0
+    predicted_blocks: int = 0
+    observed_blocks: int = 0
+
+    def add(self, request: ActiveRequest, cached_tokens: int, block_size: int) -> None:
+        prompt = len(request.block_hashes)
+        self.requests += 1
+        self.prompt_blocks += prompt
+        self.predicted_blocks += min(request.overlap_blocks, prompt)
+        self.observed_blocks += min(cached_tokens // block_size, prompt)
+
+
+@dataclass
 class ModelState:
     name: str
     router: Router
@@ -116,6 +143,8 @@ class Fleet:
         """`approx`: approximate mode (no KV events): every model indexes its own routing decisions."""
         self.limits = limits or RouteLimits()
         self.over_limit: Counter[str] = Counter()  # routes refused, by `RouteLimits` field
+        self.all_busy: Counter[str] = Counter()  # routes refused (503) with every worker busy, by model
+        self.joined: dict[tuple[str, Worker], JoinedHits] = {}  # (model, worker) -> predicted vs engine-reported
         self.default_block_size = block_size
         self.default_config = config or RouterConfig()
         self.approx = approx
@@ -250,7 +279,11 @@ class Fleet:
         busy = None
         if self.thresholds.get(model) != _NO_THRESHOLDS:  # nothing can be busy without a threshold
             ranks = self.rank_busy(model)
-            check_admission(model, ranks, self.thresholds.get(model))
+            try:
+                check_admission(model, ranks, self.thresholds.get(model))
+            except AllBusy:
+                self.all_busy[model] += 1
+                raise
             busy = {w: r.busy for w, r in ranks.items()}
         decision = state.router.route(self.candidates(model), busy=busy, now=now, **request)
         self.last_route_at = now
@@ -280,8 +313,16 @@ class Fleet:
             self.over_limit[over[0]] += 1
             raise OverLimit(*over)
 
-    def prefill_complete(self, model: str, request_id: str) -> bool:
-        return self._settle(model, request_id, PREFILL_COMPLETED)
+    def prefill_complete(self, model: str, request_id: str, cached_tokens: int | None = None) -> bool:
+        """`cached_tokens`: what the engine reported it found cached for the request (its usage's
+        `prompt_tokens_details.cached_tokens`), joined with the router's prediction for the same request."""
+        state = self.model(model)
+        request = state.router.sequences.get(request_id)
+        done = self._settle(model, request_id, PREFILL_COMPLETED)
+        if done and request is not None and cached_tokens is not None:
+            self.joined.setdefault((model, request.worker), JoinedHits()).add(request, cached_tokens,
+                                                                              state.block_size)
+        return done
 
     def free(self, model: str, request_id: str) -> bool:
         return self._settle(model, request_id, FREE)

@@ -1,7 +1,8 @@
 """A real Prometheus server (Debian's `prometheus`) for the tests: loopback, free port, storage in a temp dir.
 
-It scrapes the given targets every second; `wait_for_scrapes` blocks until each target has been scraped
-often enough for `increase()` over a short window to have data. Stopped by its pid at the end.
+It scrapes the given targets every second, and evaluates the `rule_files` given every second; `wait_for_scrapes`
+blocks until each target has been scraped often enough for `increase()` over a short window to have data.
+Stopped by its pid at the end.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,14 +28,20 @@ def free_port() -> int:
 
 
 @contextmanager
-def prometheus(targets: list[str], workdir: Path) -> Iterator[str]:
-    """Yields the server's URL; skips the test where the binary is not installed."""
+def prometheus(targets: list[str] | Mapping[str, list[str]], workdir: Path, *,
+               rule_files: Sequence[Path] = ()) -> Iterator[str]:
+    """Yields the server's URL; skips the test where the binary is not installed. `targets` is a list (job
+    `tiers`) or the targets of each job."""
     if BINARY is None:
         pytest.skip("prometheus is not installed (Debian package `prometheus`; .ci/run installs it)")
+    jobs = {"tiers": targets} if isinstance(targets, list) else targets
     config = workdir / "prometheus.yml"
     config.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
-                      "scrape_configs:\n  - job_name: tiers\n    static_configs:\n"
-                      f"      - targets: [{', '.join(repr(t) for t in targets)}]\n")
+                      f"rule_files: [{', '.join(repr(str(f)) for f in rule_files)}]\n"
+                      "scrape_configs:\n" + "".join(
+                          f"  - job_name: {job}\n    static_configs:\n"
+                          f"      - targets: [{', '.join(repr(t) for t in job_targets)}]\n"
+                          for job, job_targets in jobs.items()))
     port = free_port()
     log = (workdir / "prometheus.log").open("w")
     process = subprocess.Popen(
@@ -53,9 +60,10 @@ def prometheus(targets: list[str], workdir: Path) -> Iterator[str]:
         log.close()
 
 
-def wait_for_scrapes(url: str, targets: int, scrapes: int, timeout: float = 20.0) -> None:
-    """Until each of `targets` has `scrapes` successful scrapes in the last `scrapes` seconds."""
-    query = f"count(count_over_time(up{{job='tiers'}}[{scrapes}s]) >= {scrapes} and up == 1)"
+def wait_for_scrapes(url: str, targets: int, scrapes: int, timeout: float = 20.0, job: str = "tiers") -> None:
+    """Until each of `targets` (of the jobs `job` matches) has `scrapes` successful scrapes in the last `scrapes`
+    seconds."""
+    query = f"count(count_over_time(up{{job=~'{job}'}}[{scrapes}s]) >= {scrapes} and up == 1)"
     deadline = time.monotonic() + timeout
     with httpx.Client(base_url=url, timeout=2.0) as http:
         while time.monotonic() < deadline:

@@ -77,7 +77,7 @@ class Router:
             if request_id is None:
                 raise ValueError("reserve needs a request_id")
             prefill = booked_prefill_tokens(isl, decision.effective_overlap, b, config)
-            sequences.add(request_id, decision.worker, seq, prefill, now)
+            sequences.add(request_id, decision.worker, seq, prefill, now, decision.overlap_blocks)
             if self.approx is not None:
                 self.approx.record(decision.worker, local, seq, now)
         return decision

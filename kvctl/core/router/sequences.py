@@ -27,6 +27,7 @@ class ActiveRequest:
     prefill_tokens: int
     added_at: float
     prefill_done: bool = False
+    overlap_blocks: int = 0  # the router's prediction when it chose the worker, to join with what the engine found
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +71,15 @@ class ActiveSequences:
         self.blocks = 0  # prompt blocks of the requests in flight, shared ones counted each time: what they hold
 
     def add(self, request_id: str, worker: Worker, block_hashes: Sequence[int], prefill_tokens: int,
-            now: float) -> bool:
+            now: float, overlap_blocks: int = 0) -> bool:
         """Track a routed request; False (and nothing changes) when the id is already in flight."""
         if request_id in self._requests:
             return False
         if prefill_tokens < 0:
             raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
         hashes = tuple(block_hashes)
-        self._requests[request_id] = ActiveRequest(request_id, worker, hashes, prefill_tokens, now)
+        self._requests[request_id] = ActiveRequest(request_id, worker, hashes, prefill_tokens, now,
+                                                     overlap_blocks=overlap_blocks)
         self.blocks += len(hashes)
         state = self._workers.get(worker)
         if state is None:
