@@ -122,8 +122,11 @@ def route(*, token_ids: list[int] | None = None, local_hashes: list[int] | None 
     return Call("POST", "/v1/route", json=body)
 
 
-def prefill_complete(request_id: str, model: str = DEFAULT_MODEL) -> Call:
-    return Call("POST", f"/v1/requests/{request_id}/prefill_complete", params={"model": model})
+def prefill_complete(request_id: str, model: str = DEFAULT_MODEL, cached_tokens: int | None = None) -> Call:
+    """Prefill done; with the prompt tokens the engine found cached, which the router joins with its prediction
+    (`kvctl_worker_observed_cached_blocks_total`)."""
+    return Call("POST", f"/v1/requests/{request_id}/prefill_complete", params={"model": model},
+                json=None if cached_tokens is None else {"cached_tokens": cached_tokens})
 
 
 def free(request_id: str, model: str = DEFAULT_MODEL) -> Call:

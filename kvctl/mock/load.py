@@ -349,6 +349,7 @@ class LoadGenerator:
             stats.fail(type(exc).__name__, exc)
             return
         ttft_ms = None
+        told: asyncio.Task[None] | None = None  # prefill complete, told while the stream goes on, as a frontend does
         try:
             async for line in self.engines[worker_id].generate(request.tokens, request.max_tokens, request_id):
                 if line["event"] == "first_token":
@@ -357,9 +358,10 @@ class LoadGenerator:
                     stats.engine_ttft_ms.append(line["ttft_ms"])
                     stats.prompt_tokens += line["prompt_tokens"]
                     stats.cached_tokens += line["cached_tokens"]
-                    if policy is Policy.router:
-                        await self._router_call(calls.prefill_complete(request_id, self.model), "prefill_complete",
-                                                stats)
+                    if policy is Policy.router:  # with what the engine found cached: the router joins it
+                        told = asyncio.create_task(self._router_call(
+                            calls.prefill_complete(request_id, self.model, line["cached_tokens"]),
+                            "prefill_complete", stats))
                 elif line["event"] == "done":
                     stats.e2e_ms.append((time.monotonic() - arrived) * 1e3)
                     stats.output_tokens += line["output_tokens"]
@@ -370,6 +372,8 @@ class LoadGenerator:
         except KvctlError as exc:
             stats.fail(f"engine_{type(exc).__name__}", exc)
         finally:
+            if told is not None:
+                await told  # before free: the router must not see a freed request's prefill end
             if policy is Policy.router:
                 await self._router_call(calls.free(request_id, self.model), "free", stats)
 

@@ -33,3 +33,8 @@ def test_answers_decode(content: bytes, expected: object) -> None:
 def test_an_answer_that_is_not_json_says_so(content: bytes) -> None:
     with pytest.raises(KvctlError, match="the answer is not JSON"):
         interpret(calls.status(), httpx.Response(200, content=content))
+
+
+def test_prefill_complete_carries_the_engines_cached_tokens_only_when_known() -> None:
+    assert json.loads(request_args(calls.prefill_complete("r-1", "m", 96))["content"]) == {"cached_tokens": 96}
+    assert request_args(calls.prefill_complete("r-1", "m")) == {"params": {"model": "m"}}

@@ -12,14 +12,16 @@ import pytest
 
 from kvctl.client import AsyncRouterClient
 from kvctl.client.engine import EngineClient
+from kvctl.client.tier_sources import parse_metrics
 from kvctl.mock.capacity import capacity
 from kvctl.mock.fleet import Fleet
 from kvctl.mock.load import Arrival, LoadGenerator, LoadStats, Policy, Request, arrival_offsets, shared_prefix
-from tests.mock.test_against_router import BASE, rig
+from tests.mock.test_against_router import BASE, Rig, rig
 
-SLOW = {"max_running": 1, "decode_ms_per_token": 50.0}
-"""One request at a time, each ~100 ms: far slower than the rates offered below."""
-TWO_SLOTS = {"max_running": 2, "decode_ms_per_token": 100.0}
+SLOW = {"max_running": 1, "speedup": 0.25}
+"""One request at a time, each ~100 ms (a ~17 ms prefill and a ~6 ms decode step, 4x slower): far slower than
+the rates offered below."""
+TWO_SLOTS = {"max_running": 2, "speedup": 0.125}
 """Two requests at a time, each ~200 ms: long beside the ~10 ms a request costs the client and router."""
 
 
@@ -41,13 +43,13 @@ async def _engines(count: int = 1, **config: object) -> AsyncIterator[dict[int, 
 
 
 @contextlib.asynccontextmanager
-async def _routed(count: int = 2, **config: object) -> AsyncIterator[LoadGenerator]:
-    """A load generator whose router is the real app, following `count` real engines."""
+async def _routed(count: int = 2, **config: object) -> AsyncIterator[tuple[LoadGenerator, Rig]]:
+    """A load generator whose router is the real app, following `count` real engines; and that rig."""
     async with rig([replace(BASE, worker_id=i + 1, **config) for i in range(count)]) as r, \
             AsyncRouterClient("http://router", transport=r.transport) as router:
         clients = {w: EngineClient(e.url) for w, e in r.engines.items()}
         try:
-            yield LoadGenerator(clients, router=router)
+            yield LoadGenerator(clients, router=router), r
         finally:
             for client in clients.values():
                 await client.aclose()
@@ -118,9 +120,10 @@ async def test_an_open_loop_window_stops_sending_then_drains_and_counts_what_out
 
 
 async def test_latencies_are_the_client_s_and_each_router_call_is_counted_once() -> None:
-    async with _routed() as load:
+    async with _routed() as (load, r):
         stats = await load.run(_workload(8), Policy.router, concurrency=2)
         baseline = await load.run(_workload(4), Policy.random, concurrency=2)
+        exposition = (await r.client.get("/metrics")).text
     assert stats.completed == 8 and stats.errors == {}
     calls = stats.report()["router_calls_ms"]
     assert {call: row["count"] for call, row in calls.items()} == {"route": 8, "prefill_complete": 8, "free": 8}
@@ -130,6 +133,10 @@ async def test_latencies_are_the_client_s_and_each_router_call_is_counted_once()
     assert all(client > engine for client, engine in zip(stats.ttft_ms, stats.engine_ttft_ms, strict=True))
     assert sorted(stats.e2e_ms)[-1] >= sorted(stats.ttft_ms)[-1]
     assert baseline.report()["router_calls_ms"] == {}
+    # prefill complete carried what each engine found cached: the router joined all 8 requests' hits
+    joined = {name: sum(s.value for s in parse_metrics(exposition) if s.name == f"kvctl_worker_{name}_total")
+              for name in ("joined_requests", "observed_cached_blocks")}
+    assert joined == {"joined_requests": 8, "observed_cached_blocks": stats.cached_tokens // BASE.block_size}
 
 
 @pytest.mark.parametrize(("slo_ms", "good"), [(1e-6, 0), (60_000.0, 6)])
@@ -150,7 +157,7 @@ async def test_goodput_counts_only_requests_within_the_ttft_slo(slo_ms: float, g
 async def test_capacity_climbs_while_the_slo_holds_and_throughput_grows(policy: Policy) -> None:
     """Two slots: two in flight serve about twice what one does, four no more than two (min_growth 50%, well
     clear of the client's and router's share). A loose SLO: every step met it, the capacity is the best."""
-    async with _routed(1, **TWO_SLOTS) as load:
+    async with _routed(1, **TWO_SLOTS) as (load, _):
         result = await capacity(load, _workload(8), policy, ttft_slo_ms=60_000.0, step_s=0.5,
                                 concurrencies=(1, 2, 4, 8), min_growth=0.5)
     assert [step.concurrency for step in result.steps] == [1, 2, 4]
