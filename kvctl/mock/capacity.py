@@ -64,6 +64,7 @@ async def capacity(load: LoadGenerator, workload: Sequence[Request], policy: Pol
     for concurrency in concurrencies:
         stats = await run_observed(load, workload, policy, progress, every_s, ttft_slo_ms=ttft_slo_ms,
                                    concurrency=concurrency, duration_s=step_s)
+        await load.router_reached(stats)  # a step that missed its target because the router died says so
         p90 = percentile(stats.ttft_ms, 90)
         seen = stats.report()
         step = CapacityStep(concurrency, stats.per_s(stats.completed), None if p90 is None else round(p90, 2),

@@ -31,6 +31,7 @@ from kvctl.client.engine import EngineClient
 from kvctl.client.tier_sources import Auth, Scraper
 from kvctl.core.quantiles import bucket_increase, histogram_quantile
 from kvctl.core.tiers import Sample
+from kvctl.errors import KvctlError
 from kvctl.gc_tuning import tuned_gc
 from kvctl.mock.capacity import Capacity, capacity
 from kvctl.mock.load import (
@@ -113,13 +114,13 @@ async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]
             await register_engines(router, infos, MODEL)
             announce(url, infos)
             engines = {info["worker_id"]: EngineClient(info["url"]) for info in infos}
+            costs = _Costs(url, {"load generator": os.getpid(), "engines": engines_pid, "router": router_pid})
             try:
                 load = LoadGenerator(engines, router=router, model=MODEL, seed=plan.seed,
                                      give_up_s=plan.give_up_s)
-                costs = _Costs(url, {"load generator": os.getpid(), "engines": engines_pid,
-                                     "router": router_pid})
                 result = await _phases(plan, load, workload, costs, progress, every_s)
             finally:
+                costs.close()
                 await asyncio.gather(*(engine.aclose() for engine in engines.values()))
     return {"router_url": url, "engines": plan.engines, "timing": infos[0].get("timing"), **result}
 
@@ -158,7 +159,7 @@ def _offered(random_capacity: Capacity) -> float:
 class _Mark:
     at: float
     cpu: dict[str, float | None]
-    router_metrics: list[Sample]
+    router_metrics: list[Sample] | None  # None: unreadable (the load's own calls say whether the router is gone)
 
 
 class _Costs:
@@ -175,13 +176,22 @@ class _Costs:
     async def start(self) -> _Mark:
         return _Mark(time.monotonic(), {name: cpu_seconds(pid, descendants=pid != os.getpid())
                                         for name, pid in self.pids.items()},
-                     await asyncio.to_thread(self._scraper.scrape, self._metrics))
+                     await self._router_metrics())
+
+    async def _router_metrics(self) -> list[Sample] | None:
+        try:
+            return await asyncio.to_thread(self._scraper.scrape, self._metrics)
+        except KvctlError:
+            return None
+
+    def close(self) -> None:
+        self._scraper.close()
 
     async def since(self, before: _Mark) -> dict[str, Any]:
         after = await self.start()
         seconds = after.at - before.at
-        buckets = bucket_increase("kvctl_route_duration_seconds", before.router_metrics, after.router_metrics,
-                                  {"model": MODEL})
+        buckets = [] if before.router_metrics is None or after.router_metrics is None else bucket_increase(
+            "kvctl_route_duration_seconds", before.router_metrics, after.router_metrics, {"model": MODEL})
         decision = {f"p{round(100 * q)}": _ms(histogram_quantile(q, buckets)) for q in (0.5, 0.99)}
         cores = {name: None if was is None or after.cpu[name] is None else round((after.cpu[name] - was) / seconds, 2)
                  for name, was in before.cpu.items()}

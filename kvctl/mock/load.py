@@ -278,11 +278,22 @@ class LoadGenerator:
         else:
             await self._closed_loop(pending, policy, stats, deadline, concurrency)
         stats.finished = time.monotonic()
-        if self._watch.gone:
-            raise Unreachable(f"{self._watch.gone} ({policy.value}: {counted(stats.completed, 'request')} done, "
-                              f"{sum(stats.errors.values())} failed calls)",
-                              hint="is the router still running?")
+        self._raise_if_gone(stats)
         return stats
+
+    async def router_reached(self, stats: LoadStats) -> None:
+        """Between runs (a run that never calls the router, a baseline, would not notice it died): while no router
+        call has connected since the last failed one, call it again (backing off) until one connects, or raise
+        `Unreachable` as `run` does once none has for `give_up_s`. `stats`: the last run's, named in the error."""
+        while self.router is not None and self._watch.failing_since is not None and not self._watch.gone:
+            with contextlib.suppress(KvctlError):
+                await self._ask(calls.status(), "status", stats)
+        self._raise_if_gone(stats)
+
+    def _raise_if_gone(self, stats: LoadStats) -> None:
+        if self._watch.gone:
+            raise Unreachable(f"{self._watch.gone} ({stats.policy.value}: {counted(stats.completed, 'request')} "
+                              f"done, {sum(stats.errors.values())} failed calls)", hint="is the router still running?")
 
     async def _closed_loop(self, pending: Iterator[Request], policy: Policy, stats: LoadStats,
                            deadline: float | None, concurrency: int) -> None:
@@ -408,7 +419,8 @@ class LoadGenerator:
             self._watch.connected()
             raise
         finally:
-            stats.router_ms[name].append((time.monotonic() - sent) * 1e3)
+            if name in stats.router_ms:  # the lifecycle's calls; not `router_reached`'s checks
+                stats.router_ms[name].append((time.monotonic() - sent) * 1e3)
         self._watch.connected()
         return answer
 
