@@ -109,7 +109,8 @@ def summary(result: dict[str, Any]) -> list[str]:
         return [*lines, "one engine: there is nothing to choose, both policies send every request to it; the "
                         "differences are the phases' own, not routing (try --engines 4)"]
     lines.append(f"at {result['offered_per_s']:g} req/s offered to both: TTFT p90 {_ms(random_['ttft_p90_ms'])} -> "
-                 f"{_ms(routed['ttft_p90_ms'])} ms, goodput (TTFT <= {result['ttft_slo_ms']:g} ms) "
+                 f"{_ms(routed['ttft_p90_ms'])} ms, end-to-end p50 {_ms(random_['e2e_p50_ms'])} -> "
+                 f"{_ms(routed['e2e_p50_ms'])} ms, goodput (TTFT <= {result['ttft_slo_ms']:g} ms) "
                  f"{random_.get('goodput_per_s')} -> {routed.get('goodput_per_s')} req/s, prefix hit rate "
                  f"{result['hit_rate_gain_points']:+.1f} points with KV-aware routing")
     lines.append(_capacity_line(result))
@@ -126,14 +127,18 @@ def summary(result: dict[str, Any]) -> list[str]:
 
 
 def _capacity_line(result: dict[str, Any]) -> str:
-    caps = {policy: (found.get("best") or {}).get("requests_per_s") for policy, found in result["capacity"].items()}
-    text = (f"capacity (TTFT p90 <= {result['ttft_slo_ms']:g} ms, closed loop): random {_ms(caps['random'])}, "
-            f"router {_ms(caps['router'])} req/s")
+    best = {policy: found.get("best") or {} for policy, found in result["capacity"].items()}
+    caps = {policy: step.get("requests_per_s") for policy, step in best.items()}
+    text = f"capacity (TTFT p90 <= {result['ttft_slo_ms']:g} ms, closed loop): " + ", ".join(
+        f"{policy} {_ms(caps[policy])} req/s ({step['concurrency']} in flight)" if step
+        else f"{policy}: no concurrency met it (try a larger --ttft-slo)" for policy, step in best.items())
     if caps["router"] is not None and caps["random"] is not None and caps["router"] < caps["random"]:
-        cores = result["open_loop"]["router"].get("cpu_cores") or {}
-        text += (f"; the router's is lower here because its three calls a request run on the same "
-                 f"{os.cpu_count()} cores as the engines and this load generator "
-                 f"({', '.join(f'{n} {c}' for n, c in cores.items())} cores busy)")
+        routed = result["open_loop"]["router"]
+        route = (routed.get("router_calls_ms") or {}).get("route") or {}
+        cores = routed.get("cpu_cores") or {}
+        text += (f"; the router's is lower here: each request paid its route call (p50 {_ms(route.get('p50'))} ms) "
+                 f"and the {os.cpu_count()} cores are shared by the router, the engines and this load generator "
+                 f"({', '.join(f'{n} {_ms(c)}' for n, c in cores.items())} cores busy)")
     return text
 
 
