@@ -53,26 +53,19 @@ def _one(readings: list[Reading], **match: str | None) -> Reading:
     return found[0]
 
 
-def test_engine_hit_rates_per_tier_agree_with_kvctl_tiers(served: tuple[Prom, list[Reading], list[Reading]]) -> None:
+@pytest.mark.parametrize(("series", "metric"), [("instance_tier:kv_hit_rate:ratio5m", "hit_rate"),
+                                                ("instance_tier:kv_cached_tokens:rate5m", "cached_tokens_per_s")])
+def test_engine_figures_per_tier_agree_with_kvctl_tiers(served: tuple[Prom, list[Reading], list[Reading]],
+                                                        series: str, metric: str) -> None:
     prom, readings, _ = served
-    recorded = _series(prom, "instance_tier:kv_hit_rate:ratio5m")
+    recorded = _series(prom, series)
     for labels, value in recorded:
-        reading = _one(readings, instance=labels["instance"], tier=labels["tier"], metric="hit_rate",
+        reading = _one(readings, instance=labels["instance"], tier=labels["tier"], metric=metric,
                        family=ENGINE_FAMILY[labels["engine"]])
         assert value == pytest.approx(reading.value, rel=TOLERANCE), labels
-    # and the other way: every hit rate kvctl tiers reports has its recorded series
-    hit_rates = [r for r in readings if r.metric == "hit_rate"]
-    assert len(recorded) == len(hit_rates), sorted((r.instance, r.tier, r.family) for r in hit_rates)
-
-
-def test_cached_tokens_per_tier_agree_with_kvctl_tiers(served: tuple[Prom, list[Reading], list[Reading]]) -> None:
-    prom, readings, _ = served
-    recorded = _series(prom, "instance_tier:kv_cached_tokens:rate5m")
-    for labels, value in recorded:
-        reading = _one(readings, instance=labels["instance"], tier=labels["tier"], metric="cached_tokens_per_s",
-                       family=ENGINE_FAMILY[labels["engine"]])
-        assert value == pytest.approx(reading.value, rel=TOLERANCE), labels
-    assert len(recorded) == len([r for r in readings if r.metric == "cached_tokens_per_s"])
+    # and the other way: every figure kvctl tiers reports has its recorded series
+    reported = [r for r in readings if r.metric == metric]
+    assert len(recorded) == len(reported), sorted((r.instance, r.tier, r.family) for r in reported)
 
 
 @pytest.mark.parametrize(("record", "family"), [

@@ -42,6 +42,7 @@ from kvctl.core.events import Cleared
 from kvctl.core.events.engine_encode import VLLM, BlockRemoved, BlockStored, encode_batch
 from kvctl.core.hashing import local_block_hashes
 from kvctl.mock.hashing import BlockHasher, HashStyle
+from kvctl.process_cpu import process_tree
 from kvctl.server.state import Fleet
 from kvctl.server.streams import ModelWriter
 from kvctl.server.zmq_source import EngineStream
@@ -74,18 +75,6 @@ def free_base(count: int = 3) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no free port range")
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and its descendants (the router's decode process among them)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo.extend(int(c) for c in (task / "children").read_text().split())
-    return found
 
 
 @contextmanager
