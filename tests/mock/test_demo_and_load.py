@@ -39,9 +39,12 @@ def _listening(url: str) -> bool:
 
 
 def test_demo_headless_measures_both_policies_at_equal_load_and_leaves_nothing_running() -> None:
-    result = _kvctl("demo", "--duration", "16", "-o", "json", timeout=120)  # 4 s a phase
+    result = _kvctl("demo", "--duration", "16", "--ttft-slo", "1000", "-o", "json", timeout=120)  # 4 s a phase
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    assert report["ttft_slo_ms"] == 1000  # the target both goodput and capacity are judged by
+    for step in report["capacity"]["random"]["steps"] + report["capacity"]["router"]["steps"]:
+        assert step["met_slo"] == (step["ttft_p90_ms"] is not None and step["ttft_p90_ms"] <= 1000), step
     random_, routed = report["open_loop"]["random"], report["open_loop"]["router"]
     assert (random_["policy"], routed["policy"]) == ("random", "router")
     assert random_["offered_per_s"] == routed["offered_per_s"] == report["offered_per_s"] > 0  # equal offered load
