@@ -1,6 +1,7 @@
 """`kvctl tiers` and `doctor`'s hit-rate check on a live Dynamo 1.6.1 fleet: the frontend's router prediction
 (`dynamo_component_router_kv_hit_rate`, a histogram), its engines' cached-token share, the mocker's KV usage,
-and the note that the fleet exports no tier counters, read straight from `/metrics` and through Prometheus.
+and the note that the fleet exports no tier counters, read straight from `/metrics` and through Prometheus; and the
+monitoring pack's Dynamo queries answered by that live fleet.
 
 This module has a fleet of its own (tests/tiers/dynamo_fleet.py: one mocker serving `/metrics` on Dynamo's system
 status server, and Dynamo's frontend): the package's shared fleet runs its mockers without a status server, so
@@ -10,6 +11,7 @@ prompt tokens the frontend answered with) and the endpoints' text scraped by thi
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 import time
@@ -23,6 +25,7 @@ import pytest
 from tests.commands.live_router import loaded_router
 from tests.doctor.rig import doctor, findings
 from tests.interop.fleet import LoadResult, shared_prefix_load, wait_until
+from tests.monitoring.pack import Prom, dashboard, panel_queries, recorded, scaled_rules
 from tests.tiers.conftest import tiers_json
 from tests.tiers.dynamo_fleet import StatusFleet, start_status_fleet
 from tests.tiers.prometheus_server import prometheus, wait_for_scrapes
@@ -146,3 +149,37 @@ def test_doctor_compares_the_mocker_s_reported_hits_with_dynamo_s_prediction(sta
     assert evidence["router_predicted"] == round(total / count, 3)
     assert evidence["router_predicted_by"] == PREDICTED
     assert finding["severity"] == "OK"  # the mocker hits what Dynamo's router predicts: they agree on blocks
+
+
+def test_the_monitoring_pack_s_dynamo_queries_have_data_from_the_live_fleet(status_fleet: StatusFleet,
+                                                                           tmp_path: Path) -> None:
+    """The pack's recording rules and dashboard queries over Dynamo's families (contrib/monitoring) return data from
+    a live Dynamo 1.6.1 frontend and mocker under load, not only from the captured text tests/monitoring serves."""
+    frontend, mocker = urls(status_fleet)
+    assert shared_prefix_load(status_fleet.frontend_url, requests=2, seed=41).failed == []  # the series exist
+    targets = {"dynamo": [instance(frontend)], "engines": [instance(mocker)]}
+    stop = threading.Event()
+
+    def keep_loading() -> None:  # the rules' rates need traffic in their (scaled) 5 s windows
+        for seed in itertools.count(42):
+            if stop.is_set():
+                return
+            shared_prefix_load(status_fleet.frontend_url, requests=4, seed=seed)
+
+    with prometheus(targets, tmp_path, rule_files=scaled_rules(tmp_path)) as url:
+        prom = Prom(url)
+        loader = threading.Thread(target=keep_loading)
+        loader.start()
+        try:
+            wait_for_scrapes(url, len(targets), 6, job=".*")
+            records = [record for record in recorded() if "dynamo" in record]
+            queries = [(title, expr) for title, expr in panel_queries(dashboard()) if "dynamo_" in expr]
+            assert records and queries
+            prom.until(lambda: all(prom.query(record) for record in records), "every Dynamo recording rule",
+                       timeout=30)
+            empty = [(title, expr) for title, expr in queries if not prom.query(expr)]
+            assert not empty, f"dashboard queries without data from the live fleet: {empty}"
+        finally:
+            stop.set()
+            loader.join()
+            prom.close()
