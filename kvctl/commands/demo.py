@@ -39,7 +39,7 @@ _VIEW = View(
              Column("e2e p50 ms", "e2e_p50_ms", justify="right"),
              Column("errors", "errors", wide_only=True)],
     name_key="phase",
-    title="shared-prefix workload, cold caches each phase, phases of equal length",
+    title="shared-prefix workload, cold caches each phase; the open-loop phases of equal length and offered load",
 )
 
 
