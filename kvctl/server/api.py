@@ -523,7 +523,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             rejected[kind] = rejected.get(kind, 0) + n
         return _json({"applied": applied, "rejected": rejected})
 
-    @app.post("/v1/requests/{request_id}/prefill_complete", responses=replies(404, 422, ok=OBJECT))
+    @app.post("/v1/requests/{request_id}/prefill_complete", responses=replies(400, 404, 422, ok=OBJECT))
     async def prefill_complete(request_id: str, model: str = DEFAULT_MODEL,
                                body: PrefillBody | None = None) -> Response:
         if not fleet.prefill_complete(model, request_id, None if body is None else body.cached_tokens):
