@@ -466,20 +466,24 @@ def serve_command(
             raise UsageError(f"--snapshot-threshold must be positive, got {snapshot_threshold}")
         assert nats_auth is not None
         conn = nats_auth(nats_url)
-        nats = NatsOptions(conn, namespace, component, endpoint, nats_model,
-                           _router_id(router_id, state_dir), shadow, jetstream,
-                           snapshot_threshold, reset_states, replica_sync)
+        nats = NatsOptions(connection=conn, namespace=namespace, component=component, endpoint=endpoint,
+                           model=nats_model, router_id=_router_id(router_id, state_dir), shadow=shadow,
+                           jetstream=jetstream, snapshot_threshold=snapshot_threshold, reset_states=reset_states,
+                           replica_sync=replica_sync)
     elif dynamo_discovery is not None:
         zmq_plane = _zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
                                  replica_sync, shadow, jetstream, advertise_host, recovery_timeout)
     elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
                          "an event plane: --nats URL or --dynamo-discovery STORE")
-    options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
-                           snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
-                           request_expiry, models, nats, zmq_plane, queue_batches, max_body_bytes=max_body_bytes,
-                           decoder=decoder, max_engines=max_engines, idle_timeout_s=idle_timeout,
-                           max_connections=_fd_capped(max_connections), shutdown_timeout_s=shutdown_timeout,
+    options = ServeOptions(host=host, port=port, block_size=block_size, admin_token=admin_token, insecure=insecure,
+                           engines=engines, log_level=log_level, state_dir=state_dir,
+                           snapshot_interval_s=snapshot_interval, restore=not no_restore, reset_states=reset_states,
+                           router=router, thresholds=thresholds, approx=approx, request_expiry_s=request_expiry,
+                           models=models, nats=nats, zmq_plane=zmq_plane, queue_batches=queue_batches,
+                           max_body_bytes=max_body_bytes, decoder=decoder, max_engines=max_engines,
+                           idle_timeout_s=idle_timeout, max_connections=_fd_capped(max_connections),
+                           shutdown_timeout_s=shutdown_timeout,
                            limits=RouteLimits(max_request_tokens, max_reservations, max_reserved_tokens))
     import asyncio
 

@@ -99,8 +99,11 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServeOptions:
+    """What `kvctl serve` was asked for. Keyword-only: twenty-odd fields, many of one type, are too easy to
+    pass in the wrong order."""
+
     host: str = "127.0.0.1"
     port: int = 7433
     block_size: int = 16
