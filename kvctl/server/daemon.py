@@ -35,8 +35,9 @@ from kvctl.gc_tuning import survivors_frozen
 from kvctl.server import snapshot
 from kvctl.server.api import MAX_BODY_BYTES, create_app, http_protocol, loop_lag_observer
 from kvctl.server.budget import RECLAIM_ENTRIES
-from kvctl.server.decoder import make_decoder
+from kvctl.server.decoder import DecoderMode, make_decoder
 from kvctl.server.fd_limits import default_max_engines, raise_file_limit, sized
+from kvctl.server.logs import LogLevel
 from kvctl.server.memory import trim_heap
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Connections
@@ -110,7 +111,7 @@ class ServeOptions:
     admin_token: str | None = None
     insecure: bool = False
     engines: list[WorkerInfo] = field(default_factory=list)  # --worker flags and the config file's workers
-    log_level: str = "warning"
+    log_level: LogLevel = LogLevel.warning
     state_dir: Path | None = None  # None: no snapshots
     snapshot_interval_s: float = 60.0
     restore: bool = True
@@ -128,7 +129,7 @@ class ServeOptions:
     max_connections: int = MAX_CONNECTIONS
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S  # what connections in flight get to finish on SIGTERM
     limits: RouteLimits = field(default_factory=RouteLimits)  # what a route may make the router hold (429)
-    decoder: str = "auto"  # where engine payloads are decoded: auto, inline or process (see decoder.py)
+    decoder: DecoderMode = DecoderMode.auto  # where engine payloads are decoded (see decoder.py)
     max_engines: int | None = None  # engine endpoints followed at most; None: as the file limit allows
 
 
