@@ -415,12 +415,9 @@ def serve_command(
     engines = [parse_engine(w) for w in worker or []]
     models = []
     if config is not None:
-        from kvctl.server.config_file import ConfigFileError, load
+        from kvctl.server.config_file import load
 
-        try:
-            declared = load(config)
-        except ConfigFileError as exc:
-            raise UsageError(str(exc)) from None
+        declared = load(config)
         models, engines = declared.models, declared.workers + engines
     followed = len({e.key for e in engines if e.endpoint})
     if max_engines is not None and followed > max_engines:
