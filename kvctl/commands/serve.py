@@ -22,8 +22,7 @@ from kvctl.commands._nats import (
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.output import Output
-from kvctl.server.decoder import DecoderMode
-from kvctl.server.logs import LogFormat, LogLevel
+from kvctl.server.serve_choices import DecoderMode, LogFormat, LogLevel
 
 if TYPE_CHECKING:
     from kvctl.core.router.scoring import RouterConfig

@@ -35,13 +35,13 @@ from kvctl.gc_tuning import survivors_frozen
 from kvctl.server import snapshot
 from kvctl.server.api import MAX_BODY_BYTES, create_app, http_protocol, loop_lag_observer
 from kvctl.server.budget import RECLAIM_ENTRIES
-from kvctl.server.decoder import DecoderMode, make_decoder
+from kvctl.server.decoder import make_decoder
 from kvctl.server.fd_limits import default_max_engines, raise_file_limit, sized
-from kvctl.server.logs import LogLevel
 from kvctl.server.memory import trim_heap
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Connections
 from kvctl.server.sd_notify import Notifier
+from kvctl.server.serve_choices import DecoderMode, LogLevel
 from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
 from kvctl.server.streams import QUEUE_BATCHES, Streams
 from kvctl.server.zmq_plane import ZmqOptions, ZmqPlane

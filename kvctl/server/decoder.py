@@ -30,7 +30,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,8 +37,9 @@ from kvctl.child_process import python_module
 from kvctl.core.events import EngineBatch, ErrorKind
 from kvctl.core.words import counted
 from kvctl.server.decode_wire import HEADER, Answer, Refused, control, decode_now, split_answers
+from kvctl.server.serve_choices import DecoderMode
 
-__all__ = ["Backpressure", "Decoded", "Decoder", "DecoderMode", "InlineDecoder", "NeverFull", "OnLive",
+__all__ = ["Backpressure", "Decoded", "Decoder", "InlineDecoder", "NeverFull", "OnLive",
            "ProcessDecoder", "Subscription", "make_decoder", "usable_cpus"]
 
 log = logging.getLogger("kvctl.serve")
@@ -443,14 +443,6 @@ class ProcessDecoder:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-class DecoderMode(StrEnum):
-    """`kvctl serve --decoder`: an enum, so `--help` lists the modes and a typo is refused before anything starts."""
-
-    auto = "auto"
-    inline = "inline"
-    process = "process"
 
 
 def make_decoder(mode: DecoderMode) -> Decoder:

@@ -5,26 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from enum import StrEnum
+
+from kvctl.server.serve_choices import LogFormat, LogLevel
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-class LogLevel(StrEnum):
-    """`kvctl serve --log-level`: an enum, so `--help` lists the levels and a typo is refused at once."""
-
-    debug = "debug"
-    info = "info"
-    warning = "warning"
-    error = "error"
-    critical = "critical"
-
-
-class LogFormat(StrEnum):
-    """`kvctl serve --log-format`: human text, or one JSON object per line."""
-
-    text = "text"
-    json = "json"
 
 
 class JsonFormatter(logging.Formatter):
