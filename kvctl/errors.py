@@ -2,11 +2,15 @@
 
     KvctlError                      exit 1
     ├── UsageError                  exit 2   a bad argument, option or input value
-    ├── ConfigError                 exit 2   a bad config file or context
+    ├── ConfigError                 exit 2   a bad config file (`kvctl serve --config` too) or context
     ├── Unreachable                 exit 3   cannot connect to the server
-    └── ApiError(status)            exit 1   the server answered with an error
+    ├── SnapshotError               exit 1   a damaged router snapshot (the router starts without it)
+    └── ApiError(status)            exit 1   an error with an HTTP status: the server's answer, or its reason
         ├── NotFound                         (also a --worker or --model that names nothing: `not_found`)
+        │   └── UnknownModel                 a model the router does not have (404, naming those it has)
         └── Refused                 (e.g. 503: every worker busy)
+
+The router answers an `ApiError` raised while serving a request with its status, message and `fields`.
 
 Decode errors of the core (`kvctl.core.events.DecodeError`) are not CLI errors: the core reports
 them per event so a batch loses only its bad events.
@@ -14,7 +18,8 @@ them per event so a batch loses only its bad events.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from kvctl.exit_codes import ExitCode
 
@@ -42,10 +47,18 @@ class Unreachable(KvctlError):
     exit_code = ExitCode.UNREACHABLE
 
 
+class SnapshotError(KvctlError):
+    """A snapshot file that cannot be restored, naming the file and its first problem."""
+
+
 class ApiError(KvctlError):
-    def __init__(self, message: str, *, status: int, hint: str | None = None) -> None:
+    """`fields`: what the router's answer carries beside the message, for a client to act on."""
+
+    def __init__(self, message: str, *, status: int, hint: str | None = None,
+                 fields: Mapping[str, Any] | None = None) -> None:
         super().__init__(message, hint=hint)
         self.status = status
+        self.fields = dict(fields or {})
 
 
 class NotFound(ApiError):
@@ -63,6 +76,18 @@ def there(kind: str, known: Iterable[str], shown: int = 20) -> str:
     names = list(known)
     more = f", … ({len(names)} in all)" if len(names) > shown else ""
     return f"{kind}s there: {', '.join(names[:shown]) or 'none'}{more}"
+
+
+class UnknownModel(NotFound):
+    """A model is declared in the serve config or made by a worker's registration, never by naming it: the 404
+    says how one is made, and lists the models there are (`models`), so the next try can be right."""
+
+    def __init__(self, model: str, known: Iterable[str]) -> None:
+        models = sorted(known)
+        super().__init__(f"unknown model {model!r}: a model is declared in `kvctl serve --config` ([[models]]) or "
+                         "made by registering a worker for it (POST /v1/workers)", status=404,
+                         hint=there("model", models), fields={"models": models})
+        self.model = model
 
 
 class Refused(ApiError):

@@ -22,6 +22,7 @@ from kvctl.commands._nats import (
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.output import Output
+from kvctl.server.serve_choices import DecoderMode, LogFormat, LogLevel
 
 if TYPE_CHECKING:
     from kvctl.core.router.scoring import RouterConfig
@@ -247,10 +248,10 @@ def serve_command(
     no_restore: Annotated[bool, typer.Option("--no-restore", help="Start empty; keep the snapshot file.")] = False,
     reset_states: Annotated[bool, typer.Option("--reset-states", help="Delete the snapshot, then start empty.")]
     = False,
-    log_level: Annotated[str, typer.Option("--log-level", envvar="KVCTL_LOG_LEVEL",
-                                           help="Log level (debug, info, warning, error).")] = "warning",
-    log_format: Annotated[str, typer.Option("--log-format", envvar="KVCTL_LOG_FORMAT",
-                                            help="text, or json (one object per line).")] = "text",
+    log_level: Annotated[LogLevel, typer.Option("--log-level", envvar="KVCTL_LOG_LEVEL", case_sensitive=False,
+                                                help="Log level.")] = LogLevel.warning,
+    log_format: Annotated[LogFormat, typer.Option("--log-format", envvar="KVCTL_LOG_FORMAT",
+                                                  help="text, or json (one object per line).")] = LogFormat.text,
     overlap_score_credit: Annotated[float | None, _knob(
         "overlap-score-credit", "KV_OVERLAP_SCORE_CREDIT", "router-kv-overlap-score-credit",
         "Credit per device block already cached (Dynamo default 1.0).")] = None,
@@ -317,12 +318,12 @@ def serve_command(
     queue_batches: Annotated[int, typer.Option(
         "--queue-batches", envvar="KVCTL_QUEUE_BATCHES", min=1,
         help="Decoded batches a model's writer may hold; beyond, batches are dropped and counted.")] = 10_000,
-    decoder: Annotated[str, typer.Option(
+    decoder: Annotated[DecoderMode, typer.Option(
         "--decoder", envvar="KVCTL_DECODER",
         help="Where engine messages are received and decoded: inline (the router's own loop), process (a "
              "child beside the router: ingest on two cores, the route loop freed of most of it) or auto "
              "(process when this process may use two cores or more).")
-    ] = "auto",
+    ] = DecoderMode.auto,
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", envvar="KVCTL_MAX_BODY_BYTES", min=1,
         help="Largest request body accepted; larger ones are refused with 413.")] = 64 * 1024 * 1024,
@@ -400,7 +401,6 @@ def serve_command(
     from kvctl.core.router.approx import ApproxConfig
     from kvctl.core.router.busy import Thresholds
     from kvctl.server.daemon import ServeOptions, is_loopback, run
-    from kvctl.server.decoder import DECODER_MODES
     from kvctl.server.state import RouteLimits
 
     host, port = parse_listen(listen)
@@ -414,12 +414,9 @@ def serve_command(
     engines = [parse_engine(w) for w in worker or []]
     models = []
     if config is not None:
-        from kvctl.server.config_file import ConfigFileError, load
+        from kvctl.server.config_file import load
 
-        try:
-            declared = load(config)
-        except ConfigFileError as exc:
-            raise UsageError(str(exc)) from None
+        declared = load(config)
         models, engines = declared.models, declared.workers + engines
     followed = len({e.key for e in engines if e.endpoint})
     if max_engines is not None and followed > max_engines:
@@ -431,12 +428,6 @@ def serve_command(
     for flag, seconds in (("--idle-timeout", idle_timeout), ("--shutdown-timeout", shutdown_timeout)):
         if not 0 < seconds < float("inf"):
             raise UsageError(f"{flag} must be a finite number of seconds > 0, got {seconds}")
-    if decoder not in DECODER_MODES:
-        raise UsageError(f"--decoder must be one of {', '.join(DECODER_MODES)}, got {decoder!r}")
-    if log_format not in ("text", "json"):
-        raise UsageError(f"--log-format must be text or json, got {log_format!r}")
-    if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
-        raise UsageError(f"--log-level must be debug, info, warning, error or critical, got {log_level!r}")
     from kvctl.server.logs import configure
 
     configure(log_level, log_format)
@@ -466,20 +457,24 @@ def serve_command(
             raise UsageError(f"--snapshot-threshold must be positive, got {snapshot_threshold}")
         assert nats_auth is not None
         conn = nats_auth(nats_url)
-        nats = NatsOptions(conn, namespace, component, endpoint, nats_model,
-                           _router_id(router_id, state_dir), shadow, jetstream,
-                           snapshot_threshold, reset_states, replica_sync)
+        nats = NatsOptions(connection=conn, namespace=namespace, component=component, endpoint=endpoint,
+                           model=nats_model, router_id=_router_id(router_id, state_dir), shadow=shadow,
+                           jetstream=jetstream, snapshot_threshold=snapshot_threshold, reset_states=reset_states,
+                           replica_sync=replica_sync)
     elif dynamo_discovery is not None:
         zmq_plane = _zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
                                  replica_sync, shadow, jetstream, advertise_host, recovery_timeout)
     elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
                          "an event plane: --nats URL or --dynamo-discovery STORE")
-    options = ServeOptions(host, port, block_size, admin_token, insecure, engines, log_level, state_dir,
-                           snapshot_interval, not no_restore, reset_states, router, thresholds, approx,
-                           request_expiry, models, nats, zmq_plane, queue_batches, max_body_bytes=max_body_bytes,
-                           decoder=decoder, max_engines=max_engines, idle_timeout_s=idle_timeout,
-                           max_connections=_fd_capped(max_connections), shutdown_timeout_s=shutdown_timeout,
+    options = ServeOptions(host=host, port=port, block_size=block_size, admin_token=admin_token, insecure=insecure,
+                           engines=engines, log_level=log_level, state_dir=state_dir,
+                           snapshot_interval_s=snapshot_interval, restore=not no_restore, reset_states=reset_states,
+                           router=router, thresholds=thresholds, approx=approx, request_expiry_s=request_expiry,
+                           models=models, nats=nats, zmq_plane=zmq_plane, queue_batches=queue_batches,
+                           max_body_bytes=max_body_bytes, decoder=decoder, max_engines=max_engines,
+                           idle_timeout_s=idle_timeout, max_connections=_fd_capped(max_connections),
+                           shutdown_timeout_s=shutdown_timeout,
                            limits=RouteLimits(max_request_tokens, max_reservations, max_reserved_tokens))
     import asyncio
 

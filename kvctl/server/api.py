@@ -36,12 +36,13 @@ from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
 from kvctl.core.router.scoring import KNOBS, BadKnob, NoCandidates
 from kvctl.core.token_json import token_ids_at_head, token_ids_from_json
 from kvctl.core.words import counted
+from kvctl.errors import ApiError
 from kvctl.server.budget import SLICE_S
 from kvctl.server.endpoint import check_endpoint
 from kvctl.server.metrics import Metrics, Plane
 from kvctl.server.openapi_doc import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE, complete, ref, replies
 from kvctl.server.route_protocol import Connections, route_protocol
-from kvctl.server.state import DEFAULT_MODEL, Fleet, OverLimit, UnknownModel, UnknownWorker, WorkerInfo
+from kvctl.server.state import DEFAULT_MODEL, Fleet, OverLimit, UnknownWorker, WorkerInfo
 from kvctl.server.streams import Streams
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -214,13 +215,12 @@ def _needs_admin(method: str, path: str) -> bool:
         method == m and pattern.fullmatch(path) for m, pattern in _OPEN_MUTATIONS)
 
 
-def _refusal(exc: Exception, fleet: Fleet) -> tuple[int, str, dict[str, Any]]:
-    """(status, message, extra fields) for the errors the core raises while answering a request."""
+def _refusal(exc: Exception) -> tuple[int, str, dict[str, Any]]:
+    """(status, message, extra fields) for the errors raised while answering a request."""
+    if isinstance(exc, ApiError):  # the error tree's own (e.g. UnknownModel): it knows its status
+        return exc.status, exc.message, exc.fields
     if isinstance(exc, _BodyTooLarge):
         return 413, str(exc), {}
-    if isinstance(exc, UnknownModel):
-        return 404, (f"unknown model {exc.model!r}: a model is declared in `kvctl serve --config` ([[models]]) "
-                     "or made by registering a worker for it (POST /v1/workers)"), {"models": sorted(fleet.models)}
     if isinstance(exc, OverLimit):
         return 429, str(exc), {"limit": exc.limit, "flag": exc.flag}
     if isinstance(exc, AllBusy):
@@ -278,8 +278,8 @@ class _Routing:
             decision = self.fleet.route(
                 body.model, now=self.clock(), token_ids=token_ids, local_hashes=body.local_hashes,
                 lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve, overrides=overrides)
-        except (UnknownModel, OverLimit, AllBusy, NoCandidates) as exc:
-            return _error_bytes(*_refusal(exc, self.fleet))
+        except (ApiError, OverLimit, AllBusy, NoCandidates) as exc:
+            return _error_bytes(*_refusal(exc))
         except BadKnob as exc:  # finite and >= 0 passed msgspec; a number too large for a float did not
             return _error_bytes(422, f"invalid route request: {exc}")
         self._unobserved.append((body.model, time.perf_counter() - started, min(
@@ -431,9 +431,9 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     routing = _Routing(fleet, metrics, clock)
 
     async def refuse(_: Request, exc: Exception) -> Response:
-        return _error(*_refusal(exc, fleet))
+        return _error(*_refusal(exc))
 
-    for exc_type in (_BodyTooLarge, UnknownModel, OverLimit, AllBusy, NoCandidates):
+    for exc_type in (_BodyTooLarge, ApiError, OverLimit, AllBusy, NoCandidates):
         app.add_exception_handler(exc_type, refuse)
     app.add_exception_handler(RequestValidationError, _invalid)
 

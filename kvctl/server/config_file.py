@@ -19,8 +19,8 @@
     model = "llama"
     topic = ""
 
-Unknown keys are errors (a typo must not silently fall back to a default). `render` writes the format
-(`kvctl mock --config-out`); docs/configuration.md documents it in full.
+Unknown keys are errors (a typo must not silently fall back to a default): a `ConfigError`, exit 2. `render`
+writes the format (`kvctl mock --config-out`); docs/configuration.md documents it in full.
 """
 
 from __future__ import annotations
@@ -34,16 +34,13 @@ from typing import Any
 from kvctl.config_writer import toml_string
 from kvctl.core.router.busy import THRESHOLD_FIELDS, Thresholds
 from kvctl.core.router.scoring import KNOBS, RouterConfig
+from kvctl.errors import ConfigError
 from kvctl.server.endpoint import check_endpoint
 from kvctl.server.state import WorkerInfo
 
 _ROUTER_KEYS = (*KNOBS, "overlap_score_weight", "temperature")
 _MODEL_KEYS = {"name", "block_size", *_ROUTER_KEYS, *THRESHOLD_FIELDS}
 _WORKER_KEYS = {"worker_id", "dp_rank", "endpoint", "replay_endpoint", "model", "topic"}
-
-
-class ConfigFileError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -62,13 +59,13 @@ class ServeFile:
 
 def _table(item: Any, where: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
     if not isinstance(item, dict):
-        raise ConfigFileError(f"{where} must be a table")
+        raise ConfigError(f"{where} must be a table")
     unknown = sorted(set(item) - allowed)
     if unknown:
-        raise ConfigFileError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(allowed))})")
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(allowed))})")
     missing = sorted(required - set(item))
     if missing:
-        raise ConfigFileError(f"{where}: missing {missing[0]!r}")
+        raise ConfigError(f"{where}: missing {missing[0]!r}")
     return item
 
 
@@ -79,7 +76,7 @@ def _shown(value: Any) -> str:
 
 def _check(where: str, key: str, value: Any, ok: bool, wanted: str) -> Any:
     if not ok:
-        raise ConfigFileError(f"{where}: {key} must be {wanted}, got {_shown(value)}")
+        raise ConfigError(f"{where}: {key} must be {wanted}, got {_shown(value)}")
     return value
 
 
@@ -105,14 +102,14 @@ def load(path: Path) -> ServeFile:
     try:
         data = tomllib.loads(path.read_text())
     except OSError as exc:
-        raise ConfigFileError(f"cannot read {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
-        raise ConfigFileError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigFileError(f"{path}: {exc}") from None
+        raise ConfigError(f"{path}: {exc}") from None
     unknown = sorted(set(data) - {"models", "workers"})
     if unknown:
-        raise ConfigFileError(f"{path}: unknown section {unknown[0]!r} (known: models, workers)")
+        raise ConfigError(f"{path}: unknown section {unknown[0]!r} (known: models, workers)")
     models = []
     for i, raw in enumerate(_array(data, "models", path)):
         where = f"{path}: models[{i}]"
@@ -121,7 +118,7 @@ def load(path: Path) -> ServeFile:
         spec = ModelSpec(m["name"], m.get("block_size"), {k: m[k] for k in _ROUTER_KEYS if k in m},
                          {k: m[k] for k in THRESHOLD_FIELDS if k in m})
         if spec.block_size is not None and not (type(spec.block_size) is int and spec.block_size > 0):
-            raise ConfigFileError(f"{where}: block_size must be a positive integer, got {_shown(spec.block_size)}")
+            raise ConfigError(f"{where}: block_size must be a positive integer, got {_shown(spec.block_size)}")
         for key, value in spec.router.items():
             if key == "track_prefill_tokens":
                 _check(where, key, value, isinstance(value, bool), "true or false")
@@ -131,7 +128,7 @@ def load(path: Path) -> ServeFile:
             Thresholds(**spec.thresholds)
             RouterConfig().override(**spec.router)
         except (ValueError, TypeError) as exc:
-            raise ConfigFileError(f"{where} ({spec.name}): {exc}") from None
+            raise ConfigError(f"{where} ({spec.name}): {exc}") from None
         models.append(spec)
     workers = []
     for i, raw in enumerate(_array(data, "workers", path)):
@@ -147,7 +144,7 @@ def load(path: Path) -> ServeFile:
                 try:
                     check_endpoint(w[key])
                 except ValueError as exc:
-                    raise ConfigFileError(f"{where}: {key}: {exc}") from None
+                    raise ConfigError(f"{where}: {key}: {exc}") from None
         workers.append(WorkerInfo(w["worker_id"], w.get("dp_rank", 0), w.get("model", "default"),
                                   endpoint=w["endpoint"], replay_endpoint=w.get("replay_endpoint"),
                                   topic=w.get("topic", "")))

@@ -41,6 +41,7 @@ from kvctl.server.memory import trim_heap
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Connections
 from kvctl.server.sd_notify import Notifier
+from kvctl.server.serve_choices import DecoderMode, LogLevel
 from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
 from kvctl.server.streams import QUEUE_BATCHES, Streams
 from kvctl.server.zmq_plane import ZmqOptions, ZmqPlane
@@ -99,15 +100,18 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServeOptions:
+    """What `kvctl serve` was asked for. Keyword-only: twenty-odd fields, many of one type, are too easy to
+    pass in the wrong order."""
+
     host: str = "127.0.0.1"
     port: int = 7433
     block_size: int = 16
     admin_token: str | None = None
     insecure: bool = False
     engines: list[WorkerInfo] = field(default_factory=list)  # --worker flags and the config file's workers
-    log_level: str = "warning"
+    log_level: LogLevel = LogLevel.warning
     state_dir: Path | None = None  # None: no snapshots
     snapshot_interval_s: float = 60.0
     restore: bool = True
@@ -125,7 +129,7 @@ class ServeOptions:
     max_connections: int = MAX_CONNECTIONS
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S  # what connections in flight get to finish on SIGTERM
     limits: RouteLimits = field(default_factory=RouteLimits)  # what a route may make the router hold (429)
-    decoder: str = "auto"  # where engine payloads are decoded: auto, inline or process (see decoder.py)
+    decoder: DecoderMode = DecoderMode.auto  # where engine payloads are decoded (see decoder.py)
     max_engines: int | None = None  # engine endpoints followed at most; None: as the file limit allows
 
 

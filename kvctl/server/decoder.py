@@ -37,8 +37,9 @@ from kvctl.child_process import python_module
 from kvctl.core.events import EngineBatch, ErrorKind
 from kvctl.core.words import counted
 from kvctl.server.decode_wire import HEADER, Answer, Refused, control, decode_now, split_answers
+from kvctl.server.serve_choices import DecoderMode
 
-__all__ = ["Backpressure", "Decoded", "Decoder", "DECODER_MODES", "InlineDecoder", "NeverFull", "OnLive",
+__all__ = ["Backpressure", "Decoded", "Decoder", "InlineDecoder", "NeverFull", "OnLive",
            "ProcessDecoder", "Subscription", "make_decoder", "usable_cpus"]
 
 log = logging.getLogger("kvctl.serve")
@@ -444,10 +445,7 @@ class ProcessDecoder:
             proc.wait()
 
 
-DECODER_MODES = ("auto", "inline", "process")
-
-
-def make_decoder(mode: str) -> Decoder:
+def make_decoder(mode: DecoderMode) -> Decoder:
     """`inline`, `process`, or `auto`: a process wherever this one may run on two cores or more.
 
     On a 2-core host, 1M (worker, block) pairs (benchmarks/serve_bench.py, three runs each): stored
@@ -455,11 +453,12 @@ def make_decoder(mode: str) -> Decoder:
     from 128 engines 0.63M-0.68M against 0.49M-0.55M; removals and route latency the same within the
     noise. On one core the child only adds the pipe.
     """
-    if mode == "auto":
+    if mode == DecoderMode.auto:
         cpus = usable_cpus()
-        mode = "process" if cpus >= 2 else "inline"
-        log.info("--decoder auto: %s (%g usable CPUs)", "a decode process" if mode == "process" else "inline", cpus)
-    return ProcessDecoder() if mode == "process" else InlineDecoder()
+        mode = DecoderMode.process if cpus >= 2 else DecoderMode.inline
+        log.info("--decoder auto: %s (%g usable CPUs)", "a decode process" if mode == DecoderMode.process else "inline",
+                 cpus)
+    return ProcessDecoder() if mode == DecoderMode.process else InlineDecoder()
 
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")

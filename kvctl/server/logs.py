@@ -6,6 +6,8 @@ import json
 import logging
 import sys
 
+from kvctl.server.serve_choices import LogFormat, LogLevel
+
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -18,10 +20,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
-def configure(level: str, fmt: str) -> None:
+def configure(level: LogLevel, fmt: LogFormat) -> None:
     """Logs go to stderr: stdout carries only the URL the daemon listens on."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == LogFormat.json else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

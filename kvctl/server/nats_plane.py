@@ -69,8 +69,11 @@ LOGGED_ERRORS_MAX = 16  # distinct connection errors logged between good connect
 SUBJECTS_SEEN_MAX = 256  # distinct subjects counted; the rest are summed under "(others)"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NatsOptions:
+    """`kvctl serve --nats`'s plane. Keyword-only, as `ServeOptions`: ten fields, several strings and flags in a
+    row, must not be passed by position."""
+
     connection: NatsConnection
     namespace: str = "dynamo"
     component: str | None = None  # None: every component of the namespace

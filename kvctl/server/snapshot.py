@@ -31,6 +31,7 @@ from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.index.kv_index import DumpEdge, events_of
+from kvctl.errors import SnapshotError
 from kvctl.server.endpoint import check_endpoint
 from kvctl.server.state import Fleet, WorkerInfo
 
@@ -38,10 +39,6 @@ SCHEMA = "kvctl.snapshot/v2"
 SCHEMAS = ("kvctl.snapshot/v1", SCHEMA)  # v1: no trailer, so no checksum
 FILENAME = "snapshot.jsonl"
 PREVIOUS = FILENAME + ".prev"
-
-
-class SnapshotError(Exception):
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +165,7 @@ def restore(fleet: Fleet, state_dir: Path, now: float) -> tuple[Restored | None,
         try:
             contents = _read(path)
         except SnapshotError as exc:
-            problems.append(f"{exc} ({_move_aside(path)})")
+            problems.append(f"{exc.message} ({_move_aside(path)})")
             continue
         return _apply(fleet, contents, now), problems
     return None, problems

@@ -37,6 +37,7 @@ from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
 from kvctl.core.words import counted
+from kvctl.errors import UnknownModel
 
 Worker = tuple[int, int]
 DEFAULT_MODEL = "default"
@@ -47,12 +48,6 @@ _NO_THRESHOLDS = Thresholds()
 ADD = "AddRequest"
 SequenceListener = Callable[[str, str, "ActiveRequest | None", Mapping[str, Any]], None]
 """(model, action: ADD | PREFILL_COMPLETED | FREE, the request as it was tracked, the route request)."""
-
-
-class UnknownModel(KeyError):
-    def __init__(self, model: str) -> None:
-        super().__init__(model)
-        self.model = model
 
 
 class UnknownWorker(KeyError):
@@ -174,7 +169,7 @@ class Fleet:
     def model(self, name: str) -> ModelState:
         state = self.models.get(name)
         if state is None:
-            raise UnknownModel(name)
+            raise UnknownModel(name, self.models)
         return state
 
     def register(self, info: WorkerInfo) -> WorkerInfo:

@@ -2,7 +2,7 @@
 `--worker` flags.
 
 Arbitrary text and bytes, and valid TOML with any one value replaced by a value of another TOML type (or
-deleted, or joined by an unknown key): only the documented error comes out (`ConfigError`, `ConfigFileError`),
+deleted, or joined by an unknown key): only the documented error comes out (`ConfigError`),
 and when one value is wrong, its message names that key. What loads is usable as it is.
 """
 
@@ -22,7 +22,7 @@ from kvctl.commands.serve import parse_engine
 from kvctl.config import ConfigFile, resolve
 from kvctl.config_writer import toml_string
 from kvctl.errors import ConfigError, UsageError
-from kvctl.server.config_file import ConfigFileError, load
+from kvctl.server.config_file import load
 from kvctl.server.endpoint import check_endpoint
 from kvctl.server.state import Fleet
 from tests.fuzz.junk import paths
@@ -167,19 +167,19 @@ def test_serve_config_with_one_wrong_value_names_it(tmp_path: Path, case: tuple[
     path.write_text(text)
     try:
         _serve_loads(path)
-    except ConfigFileError as exc:
+    except ConfigError as exc:
         assert names is None or any(name in str(exc) for name in names), (str(exc), names)
 
 
 @SETTINGS
 @given(_garbled(SERVE).map(str.encode) | st.binary(max_size=100))
 @example(b"\xff\xfe[[models]]")
-def test_serve_config_text_fails_only_as_config_file_error(tmp_path: Path, data: bytes) -> None:
+def test_serve_config_text_fails_only_as_config_error(tmp_path: Path, data: bytes) -> None:
     path = tmp_path / "serve.toml"
     path.write_bytes(data)
     try:
         _serve_loads(path)
-    except ConfigFileError as exc:
+    except ConfigError as exc:
         assert str(path) in str(exc)
 
 

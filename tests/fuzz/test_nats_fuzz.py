@@ -369,8 +369,8 @@ async def rig(server: NatsServer, request: pytest.FixtureRequest) -> AsyncIterat
     names = PlaneNames(f"fuzz{next(_namespaces)}", "backend")
     fleet = Fleet(block_size=16, seed=0)
     streams = Streams(fleet)
-    plane = EventPlane(fleet, streams, NatsOptions(NatsConnection(server.url), names.namespace, names.component,
-                                                   router_id=ROUTER_ID, replica_sync=True,
+    plane = EventPlane(fleet, streams, NatsOptions(connection=NatsConnection(server.url), namespace=names.namespace,
+                                                   component=names.component, router_id=ROUTER_ID, replica_sync=True,
                                                    jetstream=request.param == "jetstream"))
     plane.start()
     nc: nats.NATS | None = None

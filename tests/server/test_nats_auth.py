@@ -73,7 +73,8 @@ def secured(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Na
 async def _plane(server: NatsServer, **kw: object) -> tuple[EventPlane, Streams]:
     fleet = Fleet()
     streams = Streams(fleet)
-    plane = EventPlane(fleet, streams, NatsOptions(NatsConnection(server.url, connect_timeout_s=1.0, **kw), "auth"))  # type: ignore[arg-type]
+    connection = NatsConnection(server.url, connect_timeout_s=1.0, **kw)  # type: ignore[arg-type]
+    plane = EventPlane(fleet, streams, NatsOptions(connection=connection, namespace="auth"))
     plane.start()
     return plane, streams
 

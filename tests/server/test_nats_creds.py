@@ -113,8 +113,8 @@ def operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsSer
 async def _plane(url: str, *, jetstream: bool = False, **kw: Any) -> AsyncIterator[EventPlane]:
     fleet = Fleet()
     streams = Streams(fleet)
-    plane = EventPlane(fleet, streams, NatsOptions(NatsConnection(url, connect_timeout_s=1.0, **kw), "creds",
-                                                   router_id=7, jetstream=jetstream))
+    plane = EventPlane(fleet, streams, NatsOptions(connection=NatsConnection(url, connect_timeout_s=1.0, **kw),
+                                                   namespace="creds", router_id=7, jetstream=jetstream))
     plane.start()
     try:
         yield plane

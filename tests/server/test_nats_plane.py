@@ -91,7 +91,7 @@ def dump_blocks(events: list[RouterEvent]) -> dict[tuple[int, int], set[tuple[in
 
 
 def options(server: NatsServer, names: PlaneNames, **kw: object) -> NatsOptions:
-    return NatsOptions(NatsConnection(server.url), names.namespace, names.component,
+    return NatsOptions(connection=NatsConnection(server.url), namespace=names.namespace, component=names.component,
                        router_id=kw.pop("router_id", 1), **kw)  # type: ignore[arg-type]
 
 

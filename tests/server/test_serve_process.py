@@ -107,8 +107,6 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--overlap-score-credit", "-1"], "--overlap-score-credit must be a finite number >= 0"),
     (["serve", "--router-prefill-load-scale", "nan"], "--prefill-load-scale must be a finite number >= 0"),
     (["serve", "--router-policy-config", "/nonexistent.yaml"], "failed to read router policy config"),
-    (["serve", "--log-format", "xml"], "--log-format"),
-    (["serve", "--decoder", "threads"], "--decoder must be one of auto, inline, process"),
     (["serve", "--max-engines", "1", "--worker", "1=tcp://127.0.0.1:1", "--worker", "2=tcp://127.0.0.1:2"],
      "2 engine endpoints given, past --max-engines 1"),
     (["serve", "--active-decode-blocks-threshold", "1.5"], "active_decode_blocks_threshold"),
@@ -127,6 +125,23 @@ def test_bad_serve_arguments_exit_2(args: list[str], needle: str) -> None:
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and needle in result.stderr
     assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # the error, and at most a hint
+
+
+@pytest.mark.parametrize(("flag", "choices"), [
+    ("--decoder", ["auto", "inline", "process"]),
+    ("--log-format", ["text", "json"]),
+    ("--log-level", ["debug", "info", "warning", "error", "critical"]),
+])
+def test_a_choice_flag_lists_its_values_and_refuses_others_on_one_line(flag: str, choices: list[str]) -> None:
+    assert f"{flag} <{'|'.join(choices)}>" in CliRunner().invoke(app, ["serve", "--help"]).stdout
+    result = CliRunner().invoke(app, ["serve", flag, "bogus"])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"'bogus' is not one of {', '.join(map(repr, choices))}" in result.stderr and flag in result.stderr
+
+
+def test_the_log_level_takes_any_case_as_before() -> None:
+    result = CliRunner().invoke(app, ["serve", "--log-level", "DEBUG", "--listen", "nowhere"])
+    assert result.exit_code == 2 and "--listen wants HOST:PORT" in result.stderr  # past --log-level
 
 
 @pytest.mark.parametrize(("parameters", "needle"), [
@@ -232,6 +247,7 @@ def test_a_rendered_config_file_loads_back_the_same(tmp_path: Path) -> None:
     ('[[models]]\nname = "m"\noverlap_score_credit = -1\n', "overlap_score_credit must be a finite number >= 0"),
     ('[[models]]\nname = "m"\ntrack_prefill_tokens = 1\n', "track_prefill_tokens must be true or false"),
     ("[serve]\nx = 1\n", "unknown section 'serve'"),
+    ('decoder = "inline"\n', "unknown section 'decoder'"),  # the choice flags have no config-file keys
     ("models = [", "serve.toml"),
 ])
 def test_bad_config_file_exits_2_naming_the_key(tmp_path: Path, text: str, needle: str) -> None:
