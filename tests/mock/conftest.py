@@ -69,15 +69,6 @@ def metric(text: str, name: str) -> float:
     return float(value)
 
 
-async def until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll `predicate` until it holds; fail naming `what` after `timeout` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def generate(engine: MockEngine, tokens: list[int], max_tokens: int = 2) -> list[dict]:
     """POST /v1/generate over real HTTP and return the NDJSON lines."""
     async with httpx.AsyncClient(base_url=engine.url) as client:

@@ -25,6 +25,7 @@ from kvctl.server.api import create_app
 from kvctl.server.state import DEFAULT_MODEL, Fleet
 from kvctl.server.streams import Streams
 from tests.mock.conftest import generate, metric
+from tests.support import eventually_async
 
 ROUTER_BLOCK_SIZE = 16
 JOIN_S = 0.2
@@ -63,14 +64,8 @@ class Rig:
 
     async def until(self, worker_id: int, predicate: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
         """Poll a worker's stream row until `predicate` holds; fail with the row after SETTLE_S."""
-        deadline = asyncio.get_running_loop().time() + SETTLE_S
-        while True:
-            row = await self.stream(worker_id)
-            if predicate(row):
-                return row
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"timed out waiting for {what} of worker {worker_id}: {row}")
-            await asyncio.sleep(0.02)
+        return await eventually_async(lambda: self.stream(worker_id), f"{what} of worker {worker_id}",
+                                      until=predicate, timeout=SETTLE_S)
 
     async def settle(self) -> dict[int, dict[str, Any]]:
         """Wait until every stream has taken every batch its engine published and the index has applied them."""

@@ -46,6 +46,7 @@ from kvctl.server.state import Fleet
 from kvctl.server.streams import ModelWriter
 from kvctl.server.zmq_source import EngineStream
 from tests.nats_server import stop_process
+from tests.support import eventually_async
 
 BLOCK = 16
 Block = tuple[int, int]  # (engine block hash, tokens hash): what the router's dump shows of a block
@@ -439,14 +440,6 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context.destroy(linger=0)
 
 
-async def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def test_hwm_overflow_drops_are_seen_as_gaps_and_replayed(ctx: zmq.asyncio.Context) -> None:
     """A router far slower than its engine: its SUB (RCVHWM 4) and the engine's PUB (SNDHWM 4, a 4 KiB
     socket buffer) overflow and ZMQ drops batches, which only the seqs reveal. The router's writer and
@@ -461,7 +454,7 @@ async def test_hwm_overflow_drops_are_seen_as_gaps_and_replayed(ctx: zmq.asyncio
     try:
         await engine.subscribed()
         engine.publish(cache.batch(0))
-        await until(lambda: stream.stats.batches_applied == 1, "the first batch")
+        await eventually_async(lambda: stream.stats.batches_applied == 1, "the first batch")
         n = 1
         for _ in range(3):  # three floods, each cut short by ZMQ; some batches also remove an older chain
             for _ in range(400):
@@ -591,13 +584,13 @@ async def test_restart_first_heard_past_seq_0_without_replay_counts_what_went_by
         await engine.subscribed()
         for n in range(6):
             engine.publish(old.batch(n))
-        await until(lambda: stream.stats.last_seq == 5, "the old engine's batches")
+        await eventually_async(lambda: stream.stats.last_seq == 5, "the old engine's batches")
         engine.buffer.clear()  # restarted: seq from 0, nothing kept
         for n in range(100, 102):
             engine.publish(new.batch(n), live=False)  # before the router's SUB was back
         for n in range(102, 105):
             engine.publish(new.batch(n))
-        await until(lambda: stream.stats.last_seq == 4, "the new engine's batches")
+        await eventually_async(lambda: stream.stats.last_seq == 4, "the new engine's batches")
         await writer.applied()
         stats, indexed = stream.stats, index_blocks(fleet)
         missing = new.held() - indexed
