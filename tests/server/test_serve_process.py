@@ -241,6 +241,7 @@ def test_bad_config_file_exits_2_naming_the_key(tmp_path: Path, text: str, needl
     assert result.exit_code == 2 and needle in result.stderr
 
 
+@pytest.mark.slow
 def test_keep_alive_requests_do_not_wait_on_nagle(tmp_path: Path) -> None:
     """A listener created without IPPROTO_TCP left TCP_NODELAY off: every keep-alive answer took ~40 ms."""
     with serving(tmp_path) as (proc, client):
