@@ -514,10 +514,8 @@ async def test_close_is_prompt_and_closes_the_sockets(make: Any, decoder: Decode
     assert (sub is None) == isinstance(decoder, ProcessDecoder)
     assert sub is None or not sub.closed
     assert decoder.status().get("receiving", 0) == (1 if sub is None else 0)
-    began = time.monotonic()
     h.stream.close()  # synchronous: the daemon calls it from its shutdown path
-    await asyncio.wait_for(h.task, 0.5)
-    assert time.monotonic() - began < 0.5
+    await asyncio.wait_for(h.task, 10)  # a bound on a hang, not a figure: run() sees the close and returns
     assert h.task.exception() is None  # run() ended normally, not cancelled
     assert (sub is None or sub.closed) and h.stream._sub is None and h.stream._dealer is None
     assert decoder.status().get("receiving", 0) == 0
@@ -527,15 +525,14 @@ async def test_close_is_prompt_and_closes_the_sockets(make: Any, decoder: Decode
 
 async def test_close_during_a_replay_and_before_run(make: Any, ctx: zmq.asyncio.Context) -> None:
     a, b, c, *_ = load("vllm-0.33")
-    h = await make(mute=True, timeout=5.0)
+    h = await make(mute=True, timeout=60.0)
     await h.start(0, a.payload)
     await h.engine.publish(1, b.payload, live=False)
     await h.engine.publish(2, c.payload)
     await h.wait(h.engine.request_seen.is_set)
     assert h.stream.stats.replaying
-    began = time.monotonic()
-    await h.stream.aclose()
-    assert time.monotonic() - began < 0.5 and h.task.done() and h.stream._dealer is None
+    await asyncio.wait_for(h.stream.aclose(), 10)  # not the replay's 60 s timeout: the close ends the replay
+    assert h.task.done() and h.stream._dealer is None
 
     never = EngineStream((1, 0), "tcp://127.0.0.1:9", None, block_size=16, sink=print, on_restart=print, context=ctx)
     never.close()
