@@ -19,12 +19,10 @@ from kvctl.mock.engine import EngineConfig, Faults
 from kvctl.mock.fleet import Fleet, fleet_configs
 from kvctl.mock.load import LoadGenerator, Policy, register_engines, shared_prefix
 from tests.server.test_serve_process import serving
-from tests.support import eventually_async
+from tests.support import eventually_async, joined
 
 BASE = EngineConfig(worker_id=1, model_name="default", block_size=16, capacity=256,
                     speedup=100.0)
-JOIN_S = 0.3
-"""Time for the router's SUB sockets to join before the engines publish (ZMQ's slow joiner)."""
 
 
 def doctor(url: str, *args: str) -> tuple[int, dict[str, Any]]:
@@ -79,5 +77,5 @@ async def engines_behind_router(state_dir: Path, engines: int = 3, *, faults: Fa
                 AsyncRouterClient(url) as router:
             rows = fleet.infos() if replay else [{**row, "replay_endpoint": None} for row in fleet.infos()]
             await register_engines(router, rows, "default")
-            await asyncio.sleep(JOIN_S)
+            await joined(fleet.engines)  # the router's SUBs have joined: nothing the engines publish is lost
             yield Rig(url, router, fleet)

@@ -25,11 +25,9 @@ from kvctl.server.api import create_app
 from kvctl.server.state import DEFAULT_MODEL, Fleet
 from kvctl.server.streams import Streams
 from tests.mock.conftest import generate, metric
-from tests.support import eventually_async
+from tests.support import eventually_async, joined
 
 ROUTER_BLOCK_SIZE = 16
-JOIN_S = 0.2
-"""Time for the router's SUB sockets to join before anything is published (ZMQ's slow joiner)."""
 SETTLE_S = 5.0
 U64 = 2**64
 
@@ -108,7 +106,7 @@ async def rig(configs: Sequence[EngineConfig]) -> AsyncIterator[Rig]:
         for info in engines.infos():
             response = await client.post("/v1/workers", json=dict(list(info.items())[:6]))
             assert response.status_code == 201, response.text
-        await asyncio.sleep(JOIN_S)
+        await joined(engines.engines)  # the router's SUBs have joined: nothing published from here on is lost
         yield Rig(client, streams, {e.config.worker_id: e for e in engines.engines}, transport)
 
 
