@@ -300,11 +300,9 @@ async def test_jetstream_events_are_applied_then_acked(server: NatsServer, names
         await eventually_async(lambda: router.plane.counts["messages"] == len(events) + 1, "every message")
         async with connected(server) as nc:
             js = nc.jetstream()
-            info = await js.consumer_info(names.stream, "1")
-            deadline = time.monotonic() + 5
-            while info.ack_floor.stream_seq < len(events) + 1 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-                info = await js.consumer_info(names.stream, "1")
+            info = await eventually_async(lambda: js.consumer_info(names.stream, "1"), "every message acked",
+                                          until=lambda i: i.ack_floor.stream_seq >= len(events) + 1, timeout=5,
+                                          interval=0.05)
             assert info.ack_floor.stream_seq == len(events) + 1
         assert router.blocks() == expected_blocks(events)
         assert router.plane.errors == {"bad_json": 1}

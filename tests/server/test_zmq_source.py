@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from kvctl.server.decoder import Decoder, InlineDecoder, ProcessDecoder
 from kvctl.server.zmq_source import EngineStream
 from tests.fixtures_path import FIXTURES
 from tests.server.zmq_engine import Engine
+from tests.support import eventually_async
 
 WORKER_ID = 7
 MEDIUM_TIER = {"GPU": Tier.device, "CPU": Tier.host_pinned, "CPU_PINNED": Tier.host_pinned}
@@ -114,10 +114,8 @@ class Harness:
         return [_shape(ev) for _, events in self.delivered for ev in events]
 
     async def wait(self, condition: Callable[[], bool], timeout: float = 3.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert time.monotonic() < deadline, f"timed out; stats: {self.stream.stats}"
-            await asyncio.sleep(0.005)
+        await eventually_async(lambda: self.stream.stats, "the condition", until=lambda _: condition(),
+                               timeout=timeout, interval=0.005)
 
     async def start(self, seq: int, payload: bytes, topic: str = "") -> None:
         """Publish the first message once the stream's subscription has reached the engine."""
@@ -552,13 +550,10 @@ async def test_close_called_from_the_sink_ends_run_after_that_batch(ctx: zmq.asy
     stream = EngineStream((1, 0), engine.endpoint, None, block_size=16, sink=sink, on_restart=print, context=ctx)
     task = asyncio.ensure_future(stream.run())
     try:
-        deadline = time.monotonic() + 3.0
         await engine.subscribed()
         await engine.send_raw([b"", (0).to_bytes(8, "big"), a.payload])
         await engine.send_raw([b"", (1).to_bytes(8, "big"), b.payload])
-        while not task.done():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await eventually_async(task.done, "run() to return", timeout=3, interval=0.01)
         assert task.exception() is None and seen == [1] and stream._sub is None
     finally:
         await engine.close()

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import pytest
 
 from kvctl.client.tier_sources import Auth, Scraper
+from tests.support import eventually
 from tests.tiers.conftest import assert_truth, tiers, tiers_json
 from tests.tiers.exporter import GAUGES, HITS, QUERIES, TierExporter
 from tests.tiers.prometheus_server import free_port
@@ -132,10 +133,8 @@ def on_a_terminal(*args: str) -> Iterator[tuple[subprocess.Popen[str], list[byte
 
 
 def wait_for(text: bytes, seen: list[bytes], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in b"".join(seen):
-        assert time.monotonic() < deadline, (text, b"".join(seen)[-500:])
-        time.sleep(0.05)
+    eventually(lambda: b"".join(seen), f"{text!r} on the terminal", until=lambda out: text in out,
+               timeout=timeout, interval=0.05)
 
 
 def test_a_terminal_gets_the_first_table_at_once_and_a_countdown_and_ctrl_c_keeps_it() -> None:
