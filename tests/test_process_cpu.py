@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
 from kvctl.process_cpu import cpu_seconds, process_tree
+from tests.support import eventually
 
 SPIN = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\ntime.sleep(30)"
 
@@ -18,10 +18,8 @@ def test_a_grandchilds_cpu_counts_for_its_grandparent() -> None:
     parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time\n"
                                f"subprocess.Popen([sys.executable, '-c', {SPIN!r}])\ntime.sleep(30)"])
     try:
-        deadline = time.monotonic() + 20
-        while (cpu_seconds(parent.pid) or 0) < 0.5:  # the parent alone only starts an interpreter (~0.05 s)
-            assert time.monotonic() < deadline, "the grandchild's spin was not counted"
-            time.sleep(0.1)
+        eventually(lambda: cpu_seconds(parent.pid) or 0, "the grandchild's spin counted",
+                   until=lambda cpu: cpu >= 0.5, timeout=20, interval=0.1)  # the parent alone: ~0.05 s
         assert len(process_tree(parent.pid)) == 2
         assert (cpu_seconds(parent.pid, descendants=False) or 0) < 0.5  # its own: starting an interpreter
     finally:

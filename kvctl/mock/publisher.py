@@ -2,7 +2,9 @@
 
 Live: every batch goes out on PUB as `[topic, seq u64 BE, payload]`, seq counting from 0 per
 publisher (a restart starts again at 0). PUB never blocks: a slow subscriber loses batches at the
-high-water mark, as with a real engine, and repairs the gap through replay.
+high-water mark, as with a real engine, and repairs the gap through replay. The PUB is an XPUB, which
+also hears each subscription: `subscriptions()` says when a subscriber has joined, so a caller waits for
+that instead of guessing how long ZMQ's "slow joiner" takes (batches sent before it are not delivered).
 
 Replay: the last `buffer_steps` batches are kept; a DEALER's `[b"", start u64 BE]` (seen by the
 ROUTER as `[identity, b"", start]`) is answered with every buffered batch with seq >= start, as
@@ -42,7 +44,9 @@ class Publisher:
         self.next_seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._ctx = zmq.asyncio.Context()
-        self._pub = zmq.Socket(self._ctx, zmq.PUB)  # a plain socket: publish() sends synchronously, in order
+        self._pub = zmq.Socket(self._ctx, zmq.XPUB)  # a plain socket: publish() sends synchronously, in order
+        self._pub.set(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only a topic's first
+        self._subscriptions = 0
         self._router = self._ctx.socket(zmq.ROUTER)
         self._pub.set_hwm(hwm)
         self._router.set(zmq.SNDHWM, 2 * (buffer_steps + 1))  # a whole replay fits (vLLM 0.33)
@@ -71,6 +75,16 @@ class Publisher:
         if live:
             self._pub.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
         return seq
+
+    def subscriptions(self) -> int:
+        """How many subscriptions have reached the PUB so far: once one has, what is published next is delivered
+        to that subscriber."""
+        while True:
+            try:
+                message = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return self._subscriptions
+            self._subscriptions += message[:1] == b"\x01"
 
     def reset(self) -> None:
         """Forget the buffer and count from 0 again, as a restarted engine does."""

@@ -1,7 +1,8 @@
 """The one output sink: data to stdout in the chosen format, everything else to stderr.
 
 JSON and YAML print the API object itself (not the table's columns), an empty list prints `[]`,
-`-o name` prints one id per line. Commands describe their table with a `View` and never print.
+`-o name` prints one id per line (control characters escaped, as in a table: an id never adds a line).
+Commands describe their table with a `View` and never print.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TextIO
 
-from kvctl.output.table import render_table, render_wrapped
+from kvctl.output.table import printable, render_table, render_wrapped
 
 
 class OutputFormat(StrEnum):
@@ -61,7 +62,7 @@ class Output:
 
             self._write(yaml.safe_dump(data, sort_keys=False))
         elif self.format is OutputFormat.name:
-            self._write("".join(f"{row[view.name_key]}\n" for row in view.rows(data)))
+            self._write("".join(f"{printable(str(row[view.name_key]))}\n" for row in view.rows(data)))
         else:
             self._table(data, view, wide=self.format is OutputFormat.wide)
 

@@ -70,6 +70,7 @@ def _kvctl(url: str, *args: str) -> tuple[int, str, float, str]:
     return done.returncode, done.stderr, time.monotonic() - started, done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["body", "headers"])
 def test_workers_gives_up_on_a_trickling_server_at_its_timeout(mode: str) -> None:
     with answering(mode) as url:
@@ -79,6 +80,7 @@ def test_workers_gives_up_on_a_trickling_server_at_its_timeout(mode: str) -> Non
     assert took < TIMEOUT_S + 1.5, took  # an interpreter's start included
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["body", "slow"])
 def test_doctor_is_bounded_as_a_whole_and_says_the_router_did_not_answer_in_time(mode: str) -> None:
     """"body": its first call trickles. "slow": its three first calls answer in 0.8 s each, each within
@@ -91,6 +93,7 @@ def test_doctor_is_bounded_as_a_whole_and_says_the_router_did_not_answer_in_time
     assert stderr.startswith("doctor: CRITICAL") and took < TIMEOUT_S + 1.5, (stderr, took)
 
 
+@pytest.mark.slow
 def test_an_async_call_has_the_same_deadline_and_error() -> None:
     import asyncio
 

@@ -15,7 +15,8 @@ from kvctl.core.events.dump_file import read_router_events
 from kvctl.core.events.plane import PlaneNames
 from tests.fixtures_path import FIXTURES
 from tests.nats_server import NatsServer, free_port
-from tests.server.test_nats_plane import Router, expected_blocks, options, until
+from tests.server.test_nats_plane import Router, expected_blocks, options
+from tests.support import eventually_async
 
 DUMP = FIXTURES / "dynamo-1.6.1" / "dump.jsonl"
 EVENTS = read_router_events(DUMP.read_text())
@@ -45,7 +46,7 @@ async def test_published_events_reach_a_router(server: NatsServer, jetstream: bo
         summary = json.loads(out)
         assert summary["published"] == len(EVENTS)
         assert summary["subject"] == (names.stream_subject if jetstream else names.kv_events)
-        await until(lambda: router.plane.counts["events"] == len(EVENTS), "the published events")
+        await eventually_async(lambda: router.plane.counts["events"] == len(EVENTS), "the published events")
         await router.streams.writer("default").applied()
         assert router.blocks() == expected_blocks(EVENTS)
 

@@ -208,6 +208,7 @@ def serve(tmp_path: Path) -> Iterator[str]:
             proc.communicate(timeout=10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["tail"], ["record", "rec.jsonl"]])
 def test_an_unreachable_event_plane_is_one_line_and_exit_3(command: list[str], tmp_path: Path) -> None:
     """It used to retry for ever, ignoring --duration and signals, with a nats-py traceback every 2 s."""
@@ -220,6 +221,7 @@ def test_an_unreachable_event_plane_is_one_line_and_exit_3(command: list[str], t
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["duration", signal.SIGTERM, signal.SIGINT])
 def test_a_tail_ends_on_duration_or_a_signal_even_with_its_server_gone(ending: Any,
                                                                          nats_server: NatsServer) -> None:
@@ -241,6 +243,7 @@ def test_a_tail_ends_on_duration_or_a_signal_even_with_its_server_gone(ending: A
     assert time.monotonic() - started < 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["duration", signal.SIGTERM])
 def test_a_server_that_never_speaks_does_not_outlast_duration_or_a_signal(ending: Any) -> None:
     """It accepts the connection and says nothing: each connect attempt would wait out its 5 s timeout."""

@@ -52,6 +52,7 @@ def json_arrays(draw: st.DrawFn) -> bytes:
     return f"{draw(_WS)}[{','.join(parts)}]{draw(_WS)}".encode()
 
 
+@pytest.mark.slow
 @settings(max_examples=2000, deadline=None)
 @given(json_arrays())
 @example(b"[-0]")
@@ -63,6 +64,7 @@ def test_reads_what_json_reads(raw: bytes) -> None:
     assert read(raw) == reference(raw)
 
 
+@pytest.mark.slow
 @settings(max_examples=3000, deadline=None)
 @given(st.binary(max_size=40) | st.text(alphabet="[]0123456789,. -+eE\"nulltrfs{}", max_size=30).map(str.encode))
 @example(b"[01]")

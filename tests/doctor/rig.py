@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +19,10 @@ from kvctl.mock.engine import EngineConfig, Faults
 from kvctl.mock.fleet import Fleet, fleet_configs
 from kvctl.mock.load import LoadGenerator, Policy, register_engines, shared_prefix
 from tests.server.test_serve_process import serving
+from tests.support import eventually_async, joined
 
 BASE = EngineConfig(worker_id=1, model_name="default", block_size=16, capacity=256,
                     speedup=100.0)
-JOIN_S = 0.3
-"""Time for the router's SUB sockets to join before the engines publish (ZMQ's slow joiner)."""
 
 
 def doctor(url: str, *args: str) -> tuple[int, dict[str, Any]]:
@@ -60,14 +59,10 @@ class Rig:
     async def until(self, predicate: Callable[[list[dict[str, Any]]], bool], what: str,
                     timeout: float = 10.0) -> list[dict[str, Any]]:
         """Poll the router's workers until `predicate` holds on them."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            workers = (await self.router.send(calls.workers()))["workers"]
-            if predicate(workers):
-                return workers
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"timed out waiting for {what}: {workers}")
-            await asyncio.sleep(0.05)
+        async def workers() -> list[dict[str, Any]]:
+            return (await self.router.send(calls.workers()))["workers"]  # type: ignore[no-any-return]
+
+        return await eventually_async(workers, what, until=predicate, timeout=timeout)
 
 
 @asynccontextmanager
@@ -82,13 +77,5 @@ async def engines_behind_router(state_dir: Path, engines: int = 3, *, faults: Fa
                 AsyncRouterClient(url) as router:
             rows = fleet.infos() if replay else [{**row, "replay_endpoint": None} for row in fleet.infos()]
             await register_engines(router, rows, "default")
-            await asyncio.sleep(JOIN_S)
+            await joined(fleet.engines)  # the router's SUBs have joined: nothing the engines publish is lost
             yield Rig(url, router, fleet)
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)

@@ -12,8 +12,9 @@ from kvctl.client import calls
 from kvctl.client.engine import EngineClient
 from kvctl.mock.engine import Faults
 from tests.commands.live_router import free_port_url
-from tests.doctor.rig import BASE, Rig, doctor, engines_behind_router, eventually, findings
+from tests.doctor.rig import BASE, Rig, doctor, engines_behind_router, findings
 from tests.server.test_serve_process import serving
+from tests.support import eventually_async
 
 
 def severities(report: dict[str, object]) -> set[str]:
@@ -128,7 +129,7 @@ def _blocks(workers: list[dict[str, Any]], worker_id: int) -> int:
 async def test_batches_lost_without_a_replay_endpoint_are_named(tmp_path: Path) -> None:
     async with engines_behind_router(tmp_path, faults=Faults(drop_every=3), fault_engines=[0], replay=False) as rig:
         await rig.load()
-        await eventually(lambda: _stream_of(rig, 1, lambda s: s["lost_batches"] > 0), "a lost batch")
+        await eventually_async(lambda: _stream_of(rig, 1, lambda s: s["lost_batches"] > 0), "a lost batch")
         code, report = await rig.doctor()
     [finding] = findings(report, "streams")
     assert code == 1 and finding["severity"] == "WARNING" and finding["evidence"]["workers"] == ["1:0"]
@@ -138,7 +139,7 @@ async def test_batches_lost_without_a_replay_endpoint_are_named(tmp_path: Path) 
 async def test_gaps_that_replay_repairs_are_not_a_problem(tmp_path: Path) -> None:
     async with engines_behind_router(tmp_path, faults=Faults(drop_every=3), fault_engines=[0]) as rig:
         await rig.load()
-        await eventually(lambda: _stream_of(rig, 1, lambda s: s["replays_ok"] > 0), "a repaired gap")
+        await eventually_async(lambda: _stream_of(rig, 1, lambda s: s["replays_ok"] > 0), "a repaired gap")
         code, report = await rig.doctor()
     [finding] = findings(report, "streams")
     assert code == 0 and finding["severity"] == "OK" and "repaired by replay" in finding["cause"]
@@ -151,12 +152,12 @@ async def test_an_engine_restart_is_named(tmp_path: Path) -> None:
         engine = EngineClient(rig.fleet.engines[2].url)
         try:
             await _generate(engine, list(range(64)))
-            await eventually(lambda: _stream_of(rig, 3, lambda s: s["messages"] > 0), "engine 3's first events")
+            await eventually_async(lambda: _stream_of(rig, 3, lambda s: s["messages"] > 0), "engine 3's first events")
             await engine.restart()
             await _generate(engine, list(range(100, 164)))
         finally:
             await engine.aclose()
-        await eventually(lambda: _stream_of(rig, 3, lambda s: s["restarts"] > 0), "the restart seen")
+        await eventually_async(lambda: _stream_of(rig, 3, lambda s: s["restarts"] > 0), "the restart seen")
         code, report = await rig.doctor()
     [finding] = findings(report, "restarts")
     assert code == 1 and finding["evidence"]["restarts"] == {"3:0": 1}

@@ -4,13 +4,13 @@ engines, against the router's predicted hits."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import httpx
 
 from kvctl.mock.engine import Faults
 from tests.doctor.rig import engines_behind_router, findings
+from tests.support import eventually
 from tests.tiers.prometheus_server import prometheus, wait_for_scrapes
 
 HITS = "count(increase(vllm:prefix_cache_hits_total[1m]) > 0)"
@@ -18,14 +18,11 @@ HITS = "count(increase(vllm:prefix_cache_hits_total[1m]) > 0)"
 
 def wait_for_hits(url: str, engines: int, timeout: float = 20.0) -> None:
     """Until Prometheus has scraped every engine's cache hits (a sample after the load)."""
-    deadline = time.monotonic() + timeout
     with httpx.Client(base_url=url, timeout=2.0) as http:
-        while time.monotonic() < deadline:
-            result = http.get("/api/v1/query", params={"query": HITS}).json()["data"]["result"]
-            if result and int(float(result[0]["value"][1])) >= engines:
-                return
-            time.sleep(0.25)
-    raise TimeoutError(f"Prometheus at {url} saw no prefix-cache hits in {timeout}s")
+        eventually(lambda: http.get("/api/v1/query", params={"query": HITS}).json()["data"]["result"],
+                   f"Prometheus at {url} to see prefix-cache hits on {engines} engines",
+                   until=lambda result: bool(result) and int(float(result[0]["value"][1])) >= engines,
+                   timeout=timeout, interval=0.25)
 
 
 async def test_engines_hitting_their_cache_in_prometheus_while_the_router_predicts_none(tmp_path: Path) -> None:

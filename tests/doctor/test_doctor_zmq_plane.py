@@ -6,7 +6,6 @@ the captured records rewritten to the addresses under test."""
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from kvctl.core.events.discovery import ChannelKey, encode_file_name
 from tests.doctor.rig import doctor, findings
 from tests.server.test_serve_process import serving
 from tests.server.test_zmq_plane import record_for
+from tests.support import eventually
 
 
 def _file(root: Path, topic: str, publisher_id: int, address: str) -> None:
@@ -25,14 +25,11 @@ def _file(root: Path, topic: str, publisher_id: int, address: str) -> None:
 
 def _event_plane_until(url: str, wanted: str, *args: str) -> tuple[int, dict[str, Any]]:
     """Doctor until its event_plane finding's cause holds `wanted`; the exit code and that finding."""
-    deadline = time.monotonic() + 15
-    while True:
-        code, report = doctor(url, *args)
-        found = [f for f in findings(report, "event_plane") if wanted in f["cause"]]
-        if found:
-            return code, found[0]
-        assert time.monotonic() < deadline, findings(report, "event_plane")
-        time.sleep(0.2)
+    code, report = eventually(lambda: doctor(url, *args), f"doctor's event_plane finding to say {wanted!r}",
+                              until=lambda answer: any(wanted in f["cause"]
+                                                       for f in findings(answer[1], "event_plane")),
+                              timeout=15, interval=0.2)
+    return code, next(f for f in findings(report, "event_plane") if wanted in f["cause"])
 
 
 def test_a_store_without_records_of_the_namespace_points_to_broker_mode_and_nats(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ running fleet put on the wire (tests/fixtures/dynamo-1.6.1-fleet), and a few at 
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import itertools
 import json
@@ -81,6 +80,7 @@ from tests.fuzz.junk import (
     replaced,
 )
 from tests.nats_server import NatsServer
+from tests.support import eventually_async
 
 ROUTER_ID = 5  # the rig's router: replica-sync events with this router id are its own echoes
 
@@ -350,11 +350,11 @@ class Plane:
     good_writer: EnvelopeWriter = field(default_factory=lambda: EnvelopeWriter(GOOD_PUBLISHER, KV_EVENTS))
 
     async def until(self, condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert self.plane.state == "connected", self.plane.status()
-            assert time.monotonic() < deadline, f"timed out waiting for {what}: {self.plane.status()}"
-            await asyncio.sleep(0.005)
+        def holds() -> bool:
+            assert self.plane.state == "connected", self.plane.status()  # a lost connection fails at once
+            return condition()
+
+        await eventually_async(holds, what, timeout=timeout, interval=0.005)
 
     def good_event(self) -> RouterEvent:
         tokens = list(range(16 * self.next_id, 16 * self.next_id + 16))

@@ -13,7 +13,6 @@ checks the stream's cumulative counters against the cumulative oracle.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from tests.fuzz.junk import (
 )
 from tests.plain_events import plain
 from tests.server.zmq_engine import Engine
+from tests.support import eventually_async
 
 BLOCK_SIZE = 16
 FOLDERS = ["vllm-0.33", "sglang-0.5.23", "vllm-legacy/0.23.0", "vllm-legacy/0.10.2"]
@@ -128,14 +128,13 @@ class Rig:
 
     async def settled(self, timeout: float = 20.0) -> None:
         """Every message sent has been received, and every batch with a seq decoded and delivered."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stream.stats
-            if stats.messages >= self.messages and stats.batches_applied >= self.batches:
-                return
-            assert not self.task.done(), "the stream died"
-            assert time.monotonic() < deadline, f"timed out: sent {self.messages}/{self.batches}, stats {stats}"
-            await asyncio.sleep(0.002)
+        def stats() -> Any:
+            assert not self.task.done(), "the stream died"  # fails at once, not at the timeout
+            return self.stream.stats
+
+        await eventually_async(stats, f"{self.messages} messages and {self.batches} batches taken",
+                               until=lambda s: s.messages >= self.messages and s.batches_applied >= self.batches,
+                               timeout=timeout, interval=0.002)
 
     def check(self) -> None:
         stats = self.stream.stats

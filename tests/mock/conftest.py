@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -15,6 +14,7 @@ import zmq.asyncio
 
 from kvctl.mock.engine import EngineConfig, MockEngine
 from kvctl.mock.fleet import Fleet
+from tests.support import eventually_async
 
 FAST = {"block_size": 4, "capacity": 64, "speedup": 100.0}
 """Small blocks and cache, and the timing model 100 times faster: a step takes well under a millisecond."""
@@ -54,12 +54,15 @@ def mock_engine() -> EngineFactory:
     return start
 
 
-async def subscribe(zsock: SocketFactory, endpoint: str) -> zmq.asyncio.Socket:
-    """A SUB connected to `endpoint`, given time to join before anything is published (slow joiner)."""
+async def subscribe(zsock: SocketFactory, engine: MockEngine) -> zmq.asyncio.Socket:
+    """A SUB connected to `engine`'s PUB, returned once its subscription has reached the PUB (ZMQ's slow
+    joiner): everything the engine publishes from then on arrives."""
+    assert engine.publisher is not None, "the engine is not started"
+    before = engine.publisher.subscriptions()
     sub = zsock(zmq.SUB)
     sub.subscribe(b"")
-    sub.connect(endpoint)
-    await asyncio.sleep(0.2)
+    sub.connect(engine.publisher.endpoint)
+    await eventually_async(engine.publisher.subscriptions, "our SUB's subscription", until=lambda n: n > before)
     return sub
 
 
@@ -67,15 +70,6 @@ def metric(text: str, name: str) -> float:
     """The value of an unlabelled-or-labelled sample `name` (exactly one) in Prometheus text."""
     [value] = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, flags=re.MULTILINE)
     return float(value)
-
-
-async def until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll `predicate` until it holds; fail naming `what` after `timeout` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def generate(engine: MockEngine, tokens: list[int], max_tokens: int = 2) -> list[dict]:

@@ -25,10 +25,9 @@ from kvctl.server.api import create_app
 from kvctl.server.state import DEFAULT_MODEL, Fleet
 from kvctl.server.streams import Streams
 from tests.mock.conftest import generate, metric
+from tests.support import eventually_async, joined
 
 ROUTER_BLOCK_SIZE = 16
-JOIN_S = 0.2
-"""Time for the router's SUB sockets to join before anything is published (ZMQ's slow joiner)."""
 SETTLE_S = 5.0
 U64 = 2**64
 
@@ -63,14 +62,8 @@ class Rig:
 
     async def until(self, worker_id: int, predicate: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
         """Poll a worker's stream row until `predicate` holds; fail with the row after SETTLE_S."""
-        deadline = asyncio.get_running_loop().time() + SETTLE_S
-        while True:
-            row = await self.stream(worker_id)
-            if predicate(row):
-                return row
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"timed out waiting for {what} of worker {worker_id}: {row}")
-            await asyncio.sleep(0.02)
+        return await eventually_async(lambda: self.stream(worker_id), f"{what} of worker {worker_id}",
+                                      until=predicate, timeout=SETTLE_S)
 
     async def settle(self) -> dict[int, dict[str, Any]]:
         """Wait until every stream has taken every batch its engine published and the index has applied them."""
@@ -113,7 +106,7 @@ async def rig(configs: Sequence[EngineConfig]) -> AsyncIterator[Rig]:
         for info in engines.infos():
             response = await client.post("/v1/workers", json=dict(list(info.items())[:6]))
             assert response.status_code == 201, response.text
-        await asyncio.sleep(JOIN_S)
+        await joined(engines.engines)  # the router's SUBs have joined: nothing published from here on is lost
         yield Rig(client, streams, {e.config.worker_id: e for e in engines.engines}, transport)
 
 

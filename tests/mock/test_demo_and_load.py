@@ -38,6 +38,7 @@ def _listening(url: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_demo_headless_measures_both_policies_at_equal_load_and_leaves_nothing_running() -> None:
     result = _kvctl("demo", "--duration", "16", "--ttft-slo", "1000", "-o", "json", timeout=120)  # 4 s a phase
     assert result.returncode == 0, result.stderr
@@ -198,6 +199,7 @@ def _gave_up(proc: subprocess.Popen[str], killed_at: float, give_up_s: float) ->
     return last
 
 
+@pytest.mark.slow
 def test_the_demo_ends_in_an_error_when_its_router_dies() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "kvctl", "demo", "--duration", "12", "--engines", "2",
                              "--give-up-after", "2", "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -215,6 +217,7 @@ def test_the_demo_ends_in_an_error_when_its_router_dies() -> None:
             proc.wait()
 
 
+@pytest.mark.slow
 def test_mock_load_ends_in_an_error_when_the_router_dies(tmp_path: Path) -> None:
     with _process("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--no-restore") as (serve, url), \
             _process("mock", "--engines", "2", "--capacity", "256", "-o", "json") as (_, rows):
@@ -242,6 +245,7 @@ def _routed(url: str) -> bool:
     return any(w["blocks"] > 0 for w in httpx.get(f"{url}/v1/workers").json()["workers"])
 
 
+@pytest.mark.slow
 def test_demo_table_compares_phases_of_equal_length_and_says_one_engine_has_no_choice() -> None:
     result = _kvctl("demo", "--duration", "8", "--engines", "1", "--request-rate", "5", timeout=120)
     assert result.returncode == 0, result.stderr

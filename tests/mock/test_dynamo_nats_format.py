@@ -11,7 +11,8 @@ from kvctl.core.events import Tier
 from kvctl.core.events.plane import PlaneNames
 from kvctl.mock.engine import EngineConfig, MockEngine
 from tests.nats_server import NatsServer
-from tests.server.test_nats_plane import Router, options, until
+from tests.server.test_nats_plane import Router, options
+from tests.support import eventually_async
 
 
 @pytest.fixture
@@ -38,14 +39,14 @@ async def test_dynamo_nats_events_are_ingested_and_match_the_cache_until_cleared
             for k in range(6):  # 6 prompts of 3 blocks through an 8-block cache: stores and evictions
                 await _generate(engine, list(range(100 * k, 100 * k + 48)))
             published = engine.nats.next_id - 1  # type: ignore[union-attr]
-            await until(lambda: router.plane.counts["events"] == published, "every published event")
+            await eventually_async(lambda: router.plane.counts["events"] == published, "every published event")
             await router.streams.writer("default").applied()
             held = {h for blocks in router.blocks().values() for _, h in blocks}
             assert held == engine.cache.contents(Tier.device)
             assert router.plane.errors == {} and router.plane.counts["lost_events"] == 0
             assert engine.info()["endpoint"] is None  # no ZMQ side to register
             engine.clear_cache()  # a Cleared RouterEvent, ids going on: the worker's blocks go, nothing is lost
-            await until(lambda: router.plane.counts["events"] == published + 1, "the Cleared event")
+            await eventually_async(lambda: router.plane.counts["events"] == published + 1, "the Cleared event")
             await router.streams.writer("default").applied()
             assert router.blocks() == {} and router.plane.counts["lost_events"] == 0
         finally:

@@ -23,7 +23,9 @@ from kvctl.core.events.engine import encode_replay_request
 from kvctl.core.hashing import local_block_hashes
 from kvctl.mock.engine import SLOW_FACTOR, EngineConfig, Faults
 from kvctl.mock.hashing import BlockHasher, HashStyle
+from kvctl.mock.publisher import Publisher
 from tests.mock.conftest import EngineFactory, SocketFactory, generate, subscribe
+from tests.support import eventually_async
 
 TOKENS = list(range(1000, 1010))  # two full blocks of 4 and a partial one
 
@@ -38,7 +40,7 @@ async def test_generate_publishes_the_stored_blocks(
     mock_engine: EngineFactory, zsock: SocketFactory, fmt: str, style: HashStyle
 ) -> None:
     async with mock_engine(format=fmt, dp_rank=2) as engine:
-        sub = await subscribe(zsock, engine.info()["endpoint"])
+        sub = await subscribe(zsock, engine)
         lines = await generate(engine, TOKENS, max_tokens=3)
         message = await _recv(sub)
     assert [line["event"] for line in lines] == ["first_token", "done"]
@@ -55,7 +57,7 @@ async def test_a_repeated_prefix_is_a_hit_and_chains_under_its_parent(
     mock_engine: EngineFactory, zsock: SocketFactory
 ) -> None:
     async with mock_engine() as engine:
-        sub = await subscribe(zsock, engine.info()["endpoint"])
+        sub = await subscribe(zsock, engine)
         await generate(engine, TOKENS[:8])
         first = (await _recv(sub)).batch.events[0]
         lines = await generate(engine, TOKENS[:8] + [7, 7, 7, 7])
@@ -67,7 +69,7 @@ async def test_a_repeated_prefix_is_a_hit_and_chains_under_its_parent(
 
 async def test_eviction_publishes_removals(mock_engine: EngineFactory, zsock: SocketFactory) -> None:
     async with mock_engine(capacity=2) as engine:
-        sub = await subscribe(zsock, engine.info()["endpoint"])
+        sub = await subscribe(zsock, engine)
         await generate(engine, TOKENS[:8])
         first = (await _recv(sub)).batch.events[0]
         await generate(engine, list(range(8)))
@@ -78,7 +80,7 @@ async def test_eviction_publishes_removals(mock_engine: EngineFactory, zsock: So
 
 async def test_drop_every_leaves_a_gap_that_replay_repairs(mock_engine: EngineFactory, zsock: SocketFactory) -> None:
     async with mock_engine(faults=Faults(drop_every=2)) as engine:
-        sub = await subscribe(zsock, engine.info()["endpoint"])
+        sub = await subscribe(zsock, engine)
         for start in (0, 100, 200):
             await generate(engine, list(range(start, start + 4)))
         seqs = [(await _recv(sub)).seq for _ in range(2)]
@@ -105,7 +107,7 @@ async def test_legacy_replay_has_no_topic_frame(mock_engine: EngineFactory, zsoc
 
 async def test_restart_after_resets_seq_and_cache_silently(mock_engine: EngineFactory, zsock: SocketFactory) -> None:
     async with mock_engine(faults=Faults(restart_after=0.5)) as engine:
-        sub = await subscribe(zsock, engine.info()["endpoint"])
+        sub = await subscribe(zsock, engine)
         await generate(engine, TOKENS)
         await generate(engine, list(range(4)))
         assert [(await _recv(sub)).seq for _ in range(2)] == [0, 1]
@@ -132,7 +134,7 @@ async def test_clear_announces_all_blocks_cleared_in_sequence(
     mock_engine: EngineFactory, zsock: SocketFactory, fmt: str
 ) -> None:
     async with mock_engine(format=fmt) as engine, httpx.AsyncClient(base_url=engine.url) as client:
-        sub = await subscribe(zsock, engine.info()["endpoint"])
+        sub = await subscribe(zsock, engine)
         await generate(engine, TOKENS)
         stored = await _recv(sub)
         response = await client.post("/v1/clear")
@@ -146,7 +148,7 @@ async def test_clear_announces_all_blocks_cleared_in_sequence(
 
 async def test_silent_engine_serves_but_publishes_nothing(mock_engine: EngineFactory, zsock: SocketFactory) -> None:
     async with mock_engine(faults=Faults(silent=True)) as engine:
-        sub = await subscribe(zsock, engine.info()["endpoint"])
+        sub = await subscribe(zsock, engine)
         lines = await generate(engine, TOKENS)
         with pytest.raises(TimeoutError):
             await _recv(sub, timeout=0.3)
@@ -155,7 +157,7 @@ async def test_silent_engine_serves_but_publishes_nothing(mock_engine: EngineFac
 
 async def test_nondeterministic_hash_and_fault_block_size(mock_engine: EngineFactory, zsock: SocketFactory) -> None:
     async with mock_engine(faults=Faults(nondeterministic_hash=True, block_size=2), seed=7) as engine:
-        sub = await subscribe(zsock, engine.info()["endpoint"])
+        sub = await subscribe(zsock, engine)
         await generate(engine, TOKENS[:4])
         stored = (await _recv(sub)).batch.events[0]
     assert engine.info()["block_size"] == 2
@@ -213,3 +215,21 @@ def test_config_rejects_bad_values() -> None:
         EngineConfig(worker_id=1, format="trtllm")
     with pytest.raises(ValueError, match="positive"):
         EngineConfig(worker_id=1, capacity=0)
+
+
+async def test_the_pub_counts_each_subscription_and_what_follows_one_is_delivered(zsock: SocketFactory) -> None:
+    """`subscriptions()` is what tests wait on instead of sleeping for ZMQ's slow joiner: once it counts a
+    SUB, the next batch reaches that SUB, seq 0 included."""
+    publisher = Publisher()
+    try:
+        assert publisher.subscriptions() == 0
+        subs = [zsock(zmq.SUB) for _ in range(2)]
+        for sub in subs:
+            sub.subscribe(b"")
+            sub.connect(publisher.endpoint)
+        await eventually_async(publisher.subscriptions, "both subscriptions", until=lambda n: n == 2)
+        publisher.publish(b"payload")
+        for sub in subs:
+            assert await asyncio.wait_for(sub.recv_multipart(), 5) == [b"", (0).to_bytes(8, "big"), b"payload"]
+    finally:
+        await publisher.close()

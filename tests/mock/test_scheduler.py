@@ -12,7 +12,8 @@ import pytest
 
 from kvctl.mock.scheduler import StepScheduler
 from kvctl.mock.timing import TimingModel
-from tests.mock.conftest import EngineFactory, generate, metric, until
+from tests.mock.conftest import EngineFactory, generate, metric
+from tests.support import eventually_async
 
 ROOMY = {"block_size": 16, "capacity": 4096, "speedup": 1.0}
 """Real-time model, and a cache so large that KV usage (and so the decode step) stays near its minimum."""
@@ -71,10 +72,11 @@ async def test_a_client_gone_mid_prefill_frees_its_slot_and_its_blocks(mock_engi
                     pass
 
         reading = asyncio.create_task(read_all())
-        await until(lambda: engine.running == 1, "the request running")
+        await eventually_async(lambda: engine.running == 1, "the request running")
         gone = asyncio.get_running_loop().time()
         reading.cancel()
-        await until(lambda: engine.running == 0 and engine.cache.used_blocks == 0, "the slot and blocks freed")
+        await eventually_async(lambda: engine.running == 0 and engine.cache.used_blocks == 0,
+                               "the slot and blocks freed")
         freed_s = asyncio.get_running_loop().time() - gone
         after = await generate(engine, cold(2, 16), max_tokens=1)
     assert freed_s < prefill_s / 2
@@ -91,7 +93,7 @@ async def test_the_step_loop_runs_only_while_there_is_work(mock_engine: EngineFa
 async def test_closing_an_engine_does_not_wait_for_its_step_to_end(mock_engine: EngineFactory) -> None:
     async with mock_engine(**{**ROOMY, "speedup": 0.01}) as engine:  # a 5 s step
         pending = asyncio.create_task(generate(engine, cold(1, 2176), max_tokens=1))
-        await until(lambda: engine.running == 1, "the request running")
+        await eventually_async(lambda: engine.running == 1, "the request running")
         assert engine.scheduler.stepping
         closing = asyncio.get_running_loop().time()
     closed_s = asyncio.get_running_loop().time() - closing

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
+
+from tests.support import eventually
 
 PACK = Path(__file__).resolve().parents[2] / "contrib" / "monitoring"
 RULES = sorted((PACK / "rules").glob("*.yml"))
@@ -109,12 +110,7 @@ class Prom:
         return self.http.get("/api/v1/alerts").json()["data"]["alerts"]  # type: ignore[no-any-return]
 
     def until(self, found: Callable[[], Any], what: str, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while not (result := found()):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-            time.sleep(0.25)
-        return result
+        return eventually(found, what, timeout=timeout, interval=0.25)
 
     def close(self) -> None:
         self.http.close()

@@ -31,11 +31,12 @@ import zmq.asyncio
 
 from kvctl.mock.engine import Faults
 from kvctl.mock.fleet import Fleet
-from tests.doctor.rig import BASE, JOIN_S
+from tests.doctor.rig import BASE
 from tests.monitoring.dynamo_frontend import DynamoFrontend
 from tests.monitoring.pack import Prom, dashboard, panel_queries, recorded, scaled_rules, variable_lookups
 from tests.server.test_api import _store_event
 from tests.server.test_serve_process import serving
+from tests.support import joined
 from tests.tiers.exporter import TierExporter
 from tests.tiers.prometheus_server import prometheus, wait_for_scrapes
 
@@ -197,7 +198,7 @@ async def _run(r: Rig, prom: Prom, url: str, targets: int, approx_process: subpr
         await r.register(worker, model, replay=True)
     for worker in (1, 2):
         assert (await r.approx.post("/v1/workers", json={"worker_id": worker})).status_code == 201
-    await asyncio.sleep(JOIN_S)
+    await joined(r.engine(worker) for worker in (1, 2, CROWDED, HAUNTED))  # the router's SUBs, before any load
     tasks = [asyncio.create_task(r.drive("default", shared_or_new, lane)) for lane in "ab"]  # two in flight
     tasks += [asyncio.create_task(r.drive(model, prompt))
               for model, prompt in (("crowded", shared_or_new), ("mismatch", repeated), ("haunted", new))]

@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
-from tests.reliability.test_engine_faults import poll, router
+from tests.reliability.test_engine_faults import router
+from tests.support import eventually
 
 LIMIT = 64 * 1024  # bytes: far below a snapshot of the index below, far above the log file
 FAILED = "snapshot to {state} failed: [Errno 27] File too large"
@@ -55,7 +56,7 @@ def taken_at(state: Path) -> float:
 
 
 def snapshot_after(state: Path, moment: float) -> None:
-    poll(lambda: taken_at(state) > moment, "a snapshot taken after that moment", timeout=10)
+    eventually(lambda: taken_at(state) > moment, "a snapshot taken after that moment")
 
 
 def route_overlap(client: httpx.Client, chain: int) -> Any:
@@ -76,13 +77,13 @@ def test_full_state_dir_fails_snapshots_loudly_and_the_router_keeps_serving(tmp_
         snapshot_after(state, moment)
 
         set_file_limit(proc.pid, LIMIT)  # the disk is full
-        poll(lambda: failed in log.read_text(), "a failed snapshot, logged", timeout=10)
+        eventually(lambda: failed in log.read_text(), "a failed snapshot, logged")
         good = {p.name: p.read_bytes() for p in state.iterdir()}  # the last snapshot that made it
         assert good["snapshot.jsonl"].count(b"\n") == 1 + 40 + 1  # header, the 40 chains, trailer
         post(client, chains(40, 40))  # still taken
-        poll(lambda: log.read_text().count(failed) >= 3, "more failed snapshots", timeout=10)
+        eventually(lambda: log.read_text().count(failed) >= 3, "more failed snapshots")
         fds = len(list(Path(f"/proc/{proc.pid}/fd").iterdir()))
-        poll(lambda: log.read_text().count(failed) >= 7, "yet more failed snapshots", timeout=10)
+        eventually(lambda: log.read_text().count(failed) >= 7, "yet more failed snapshots")
         assert len(list(Path(f"/proc/{proc.pid}/fd").iterdir())) == fds  # a failed write leaks no file
         assert proc.poll() is None
         assert {p.name: p.read_bytes() for p in state.iterdir()} == good  # intact, and no half-written file

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from kvctl.server.state import Fleet
 from kvctl.server.streams import ModelWriter
 from kvctl.server.zmq_source import EngineStream
 from tests.nats_server import stop_process
+from tests.support import eventually, eventually_async
 
 BLOCK = 16
 Block = tuple[int, int]  # (engine block hash, tokens hash): what the router's dump shows of a block
@@ -182,14 +183,6 @@ def stream(client: httpx.Client, worker: int) -> dict[str, Any]:
     return next(s for s in client.get("/v1/status").json()["streams"] if s["worker"]["worker_id"] == worker)
 
 
-def poll(check: Callable[[], bool], what: str, timeout: float = 10.0, every: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(every)
-
-
 def follow(client: httpx.Client, engine: MockEngine, worker: int, first: int) -> list[list[int]]:
     """Send fresh prompts until the router's stream has taken one; returns the prompts it holds.
 
@@ -203,11 +196,12 @@ def follow(client: httpx.Client, engine: MockEngine, worker: int, first: int) ->
         probes.append(prompt(first + len(probes)))
         engine.generate(probes[-1])
         try:
-            poll(lambda: stream(client, worker)["batches_applied"] > 0, "a first batch", timeout=0.3)
+            eventually(lambda: stream(client, worker), "a first batch", until=lambda s: s["batches_applied"] > 0,
+                       timeout=0.3)
             break
         except AssertionError:
             assert time.monotonic() < deadline, "the router never received a batch"
-    poll(lambda: stream(client, worker)["last_seq"] == len(probes) - 1, "the last probe")
+    eventually(lambda: stream(client, worker), "the last probe", until=lambda s: s["last_seq"] == len(probes) - 1)
     s = stream(client, worker)
     return probes[s["last_seq"] - s["batches_applied"] + 1:]
 
@@ -234,7 +228,7 @@ class Flow(threading.Thread):
             self.done.append(tokens)
 
     def wait_for(self, count: int) -> None:
-        poll(lambda: len(self.done) >= count or self.failed is not None, f"{count} requests")
+        eventually(lambda: len(self.done) >= count or self.failed is not None, f"{count} requests")
         assert self.failed is None, self.failed
 
     def finish(self) -> None:
@@ -288,7 +282,7 @@ def test_engine_sigkilled_and_restarted_on_the_same_ports(tmp_path: Path) -> Non
                 return dump_blocks(client, 1) == held_one and dump_blocks(client, 2) == held_two
 
             try:
-                poll(settled, "the router to hold what both engines hold", timeout=10)
+                eventually(settled, "the router to hold what both engines hold")
             finally:
                 got_one, got_two = dump_blocks(client, 1), dump_blocks(client, 2)
                 lost_one, lost_two = len(held_one - got_one), len(held_two - got_two)
@@ -428,14 +422,6 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context.destroy(linger=0)
 
 
-async def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def test_hwm_overflow_drops_are_seen_as_gaps_and_replayed(ctx: zmq.asyncio.Context) -> None:
     """A router far slower than its engine: its SUB (RCVHWM 4) and the engine's PUB (SNDHWM 4, a 4 KiB
     socket buffer) overflow and ZMQ drops batches, which only the seqs reveal. The router's writer and
@@ -450,7 +436,7 @@ async def test_hwm_overflow_drops_are_seen_as_gaps_and_replayed(ctx: zmq.asyncio
     try:
         await engine.subscribed()
         engine.publish(cache.batch(0))
-        await until(lambda: stream.stats.batches_applied == 1, "the first batch")
+        await eventually_async(lambda: stream.stats.batches_applied == 1, "the first batch")
         n = 1
         for _ in range(3):  # three floods, each cut short by ZMQ; some batches also remove an older chain
             for _ in range(400):
@@ -516,13 +502,6 @@ async def test_replay_endpoint_dying_mid_replay(ctx: zmq.asyncio.Context, tmp_pa
         async def s1() -> dict[str, Any]:
             return next(s for s in (await client.get("/v1/status")).json()["streams"] if s["worker"]["worker_id"] == 1)
 
-        async def wait(check: Callable[[dict[str, Any]], bool], what: str, timeout: float = 10.0) -> dict[str, Any]:
-            deadline = time.monotonic() + timeout
-            while not check(s := await s1()):
-                assert time.monotonic() < deadline, f"timed out waiting for {what}: {s}"
-                await asyncio.sleep(0.02)
-            return s
-
         async def router_blocks() -> set[Block]:
             dump = (await client.get("/v1/tree")).json()
             return {(b["block_hash"], b["tokens_hash"]) for ev in dump for b in ev["event"]["data"]["stored"]["blocks"]}
@@ -531,14 +510,16 @@ async def test_replay_endpoint_dying_mid_replay(ctx: zmq.asyncio.Context, tmp_pa
             await engine.subscribed()
             for n in range(5):
                 engine.publish(cache.batch(n))
-            await wait(lambda s: s["last_seq"] == 4, "the first batches")
+            await eventually_async(s1, "the first batches", until=lambda s: s["last_seq"] == 4)
             for n in range(5, 15):  # seqs 5..14 never go out live
                 engine.publish(cache.batch(n), live=False)
             engine.answer_at_most = 4  # the replay will carry 5..8, then nothing more
             engine.publish(cache.batch(15))  # the gap shows
-            await wait(lambda s: s["last_seq"] == 8 and s["replaying"], "the four replayed batches")
+            await eventually_async(s1, "the four replayed batches",
+                                   until=lambda s: s["last_seq"] == 8 and s["replaying"])
             await engine.kill_replay()  # mid-replay: 9..14 are never sent
-            s = await wait(lambda s: s["replays_failed"] == 1, "the replay to be given up", timeout=10)
+            s = await eventually_async(s1, "the replay to be given up",
+                                       until=lambda s: s["replays_failed"] == 1, timeout=10)
             lost_first = {b for n in range(9, 15) for b in cache.chains[n]}
             assert (s["gaps"], s["replays_ok"], s["lost_batches"], s["gapped"], s["last_seq"]) == (1, 0, 6, True, 15), s
             assert await router_blocks() == cache.held() - lost_first  # 5..8 and 15 are in, 9..14 are not
@@ -551,7 +532,8 @@ async def test_replay_endpoint_dying_mid_replay(ctx: zmq.asyncio.Context, tmp_pa
             engine.publish(cache.batch(16))
             engine.publish(cache.batch(17), live=False)
             engine.publish(cache.batch(18, remove=16))
-            s = await wait(lambda s: s["last_seq"] == 18 and not s["replaying"], "the second replay")
+            s = await eventually_async(s1, "the second replay",
+                                       until=lambda s: s["last_seq"] == 18 and not s["replaying"])
             assert engine.requests == [5, 17]
             held, indexed = cache.held(), await router_blocks()
             lost = held - indexed
@@ -580,13 +562,13 @@ async def test_restart_first_heard_past_seq_0_without_replay_counts_what_went_by
         await engine.subscribed()
         for n in range(6):
             engine.publish(old.batch(n))
-        await until(lambda: stream.stats.last_seq == 5, "the old engine's batches")
+        await eventually_async(lambda: stream.stats.last_seq == 5, "the old engine's batches")
         engine.buffer.clear()  # restarted: seq from 0, nothing kept
         for n in range(100, 102):
             engine.publish(new.batch(n), live=False)  # before the router's SUB was back
         for n in range(102, 105):
             engine.publish(new.batch(n))
-        await until(lambda: stream.stats.last_seq == 4, "the new engine's batches")
+        await eventually_async(lambda: stream.stats.last_seq == 4, "the new engine's batches")
         await writer.applied()
         stats, indexed = stream.stats, index_blocks(fleet)
         missing = new.held() - indexed

@@ -30,7 +30,8 @@ from kvctl.core.events.dynamo import encode_router_event_json
 from kvctl.core.events.plane import PlaneNames, PlaneScope
 from kvctl.nats_barrier import barrier
 from tests.nats_server import NatsServer, free_port
-from tests.server.test_nats_plane import Router, envelope, expected_blocks, options, store, until
+from tests.server.test_nats_plane import Router, envelope, expected_blocks, options, store
+from tests.support import eventually_async
 
 WORKER = 1
 
@@ -84,10 +85,11 @@ async def test_core_nats_server_sigkill_loses_exactly_what_was_published_while_i
                 await pub.publish(names.kv_events, envelope(ev, n))
                 await asyncio.sleep(0.005)  # a flow, not a burst
             await barrier(pub)
-            await until(lambda: router.plane.counts["events"] == len(before), "the events before the kill")
+            await eventually_async(lambda: router.plane.counts["events"] == len(before), "the events before the kill")
 
             server.kill()
-            await until(lambda: not pub.is_connected and router.plane.state == "reconnecting", "both to notice")
+            await eventually_async(lambda: not pub.is_connected and router.plane.state == "reconnecting",
+                                   "both to notice")
             refused = 0
             for n, ev in enumerate(down, len(before) + 1):  # the engine goes on emitting; nothing takes it
                 with contextlib.suppress(nats.errors.OutboundBufferLimitError):
@@ -97,14 +99,17 @@ async def test_core_nats_server_sigkill_loses_exactly_what_was_published_while_i
             assert refused == len(down)
 
             server.start()  # same port, same store dir
-            await until(lambda: pub.is_connected and router.plane.reconnects >= 1, "the reconnections", timeout=20)
+            await eventually_async(lambda: pub.is_connected and router.plane.reconnects >= 1,
+                                   "the reconnections", timeout=20)
             subscription = PlaneScope(names.namespace).subscription
-            await until(lambda: server.subscribed("kvctl-router-1", subscription), "the router's subscription")
+            await eventually_async(lambda: server.subscribed("kvctl-router-1", subscription),
+                                   "the router's subscription")
             for n, ev in enumerate(after, len(before) + len(down) + 1):
                 await pub.publish(names.kv_events, envelope(ev, n))
                 await asyncio.sleep(0.005)
             await barrier(pub)
-            await until(lambda: router.plane.counts["events"] == len(before) + len(after), "the events after")
+            await eventually_async(lambda: router.plane.counts["events"] == len(before) + len(after),
+                                   "the events after")
             await router.streams.writer("default").applied()
 
             counts = router.plane.counts
@@ -147,15 +152,15 @@ async def test_jetstream_nats_server_sigkill_mid_flow_loses_nothing(server: Kill
     async with Router(options(server, names, jetstream=True)) as router:
         publisher = asyncio.ensure_future(publish_all())
         try:
-            await until(lambda: router.plane.counts["events"] >= 25, "a part of the flow")
+            await eventually_async(lambda: router.plane.counts["events"] >= 25, "a part of the flow")
             server.kill()  # mid-flow: the publisher is between two events, or in one
             killed_at = router.plane.counts["events"]
-            await until(lambda: router.plane.state == "reconnecting", "the router to notice")
-            await until(lambda: retries >= 2, "the publisher to fail against the dead server")
+            await eventually_async(lambda: router.plane.state == "reconnecting", "the router to notice")
+            await eventually_async(lambda: retries >= 2, "the publisher to fail against the dead server")
             server.start()
-            await until(lambda: router.plane.reconnects >= 1, "the reconnection", timeout=20)
+            await eventually_async(lambda: router.plane.reconnects >= 1, "the reconnection", timeout=20)
             await asyncio.wait_for(publisher, 60)
-            await until(lambda: router.plane.counts["events"] == len(evs), "every event", timeout=20)
+            await eventually_async(lambda: router.plane.counts["events"] == len(evs), "every event", timeout=20)
             await router.streams.writer("default").applied()
         finally:
             publisher.cancel()

@@ -21,10 +21,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from kvctl.server.api import create_app
 from kvctl.server.state import Fleet
 from tests.nats_server import NatsServer, free_port
 from tests.server.test_serve_process import refused
+from tests.support import eventually
 
 TOKEN = "adm-" + secrets.token_hex(12)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
@@ -288,13 +289,8 @@ def _nats_auth(mode: str, url: str, secret: str) -> list[str]:
             "url-token": ["--nats", f"nats://{secret}@{host}"]}[mode]
 
 
-def _poll(client: httpx.Client, done: Any) -> dict[str, Any]:
-    deadline = time.monotonic() + 15
-    while True:
-        plane = client.get("/v1/status").json()["event_plane"]
-        if done(plane) or time.monotonic() > deadline:
-            return plane
-        time.sleep(0.05)
+def _plane(client: httpx.Client) -> dict[str, Any]:
+    return client.get("/v1/status").json()["event_plane"]  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize(("log_format", "mode"), [("text", "password"), ("json", "token"),
@@ -324,10 +320,13 @@ def test_no_secret_in_logs_status_or_metrics(tmp_path: Path, log_format: str, mo
                 seen.append(big.text)
                 if served is good:
                     assert big.status_code == 413 and "4096-byte limit" in big.json()["error"]  # the env var's cap
-                    plane = _poll(client, lambda p: p["ready"])
+                    plane = eventually(partial(_plane, client), "the plane ready", until=lambda p: p["ready"],
+                                       timeout=15)
                     assert plane["state"] == "connected" and plane["ready"], plane
                 else:
-                    plane = _poll(client, lambda p: "Authorization Violation" in (p["last_error"] or ""))
+                    plane = eventually(partial(_plane, client), "the plane refused",
+                                       until=lambda p: "Authorization Violation" in (p["last_error"] or ""),
+                                       timeout=15)
                     assert plane["state"] == "connecting" and "Authorization Violation" in plane["last_error"], plane
                 if "url" in mode:
                     assert "***@" in plane["url"], plane["url"]  # shown, with the secret masked

@@ -15,9 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 
+@pytest.mark.slow
 def test_a_minute_of_churn_and_routing_keeps_memory_nodes_latency_and_every_event() -> None:
     args = ["--duration", "30", "--window", "5", "--events-per-s", "5000", "--routes-per-s", "100",
             "--engines", "8", "--slots", "1000", "--max-tree-size", "20000"]

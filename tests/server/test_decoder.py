@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from array import array
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from kvctl.server.decode_wire import answer, live_answer, read_answer, split_ans
 from kvctl.server.decoder import InlineDecoder, NeverFull, ProcessDecoder, Subscription, decode_now, make_decoder
 from tests.fixtures_path import FIXTURES
 from tests.plain_events import plain
+from tests.support import eventually_async
 
 PAYLOADS = [p.read_bytes() for folder in ("vllm-0.33", "sglang-0.5.23", "vllm-legacy/0.23.0")
             for p in sorted((FIXTURES / folder).glob("*.msgpack"))]
@@ -129,10 +129,8 @@ async def test_a_killed_decode_process_loses_nothing(process: ProcessDecoder) ->
     for i in range(40, 80):  # submitted while it dies, and after
         process.submit(PAYLOADS[i % len(PAYLOADS)], 16, keep(i))
         await asyncio.sleep(0)
-    deadline = time.monotonic() + 10
-    while process.status()["last_error"] is None:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
+    await eventually_async(process.status, "the decode process's death noticed",
+                           until=lambda s: s["last_error"] is not None, interval=0.01)
     await asyncio.wait_for(process.drained(), 10)
     for i in range(80, 90):
         process.submit(PAYLOADS[i % len(PAYLOADS)], 16, keep(i))
@@ -147,11 +145,8 @@ async def test_a_dead_decode_process_is_started_again_after_a_backoff() -> None:
     try:
         first = process.status()["pid"]
         os.kill(first, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while process.status()["restarts"] == 0:
-            assert time.monotonic() < deadline, process.status()
-            await asyncio.sleep(0.01)
-        status = process.status()
+        status = await eventually_async(process.status, "a restart", until=lambda s: s["restarts"] > 0,
+                                        interval=0.01)
         assert status["failed"] is None and status["pid"] not in (None, first) and "exited" in status["last_error"]
         got: list[EngineBatch | ErrorKind] = []
         decoded = status["decoded"]
@@ -172,10 +167,7 @@ async def test_a_stream_the_child_cannot_subscribe_for_is_handed_back_and_the_ch
 
     assert process.receive(subscription("inproc://engine")) is None  # the router's own context: not the child's
     assert process.receive(subscription("tcp://no-port")) is not None
-    deadline = time.monotonic() + 10
-    while not lost:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
+    await eventually_async(lambda: lost, "the stream handed back", interval=0.01)
     assert len(lost) == 1 and lost[0].startswith("cannot subscribe to tcp://no-port: Invalid argument")
     assert process.status()["receiving"] == 0 and process.status()["failed"] is None
     got: list[EngineBatch | ErrorKind] = []

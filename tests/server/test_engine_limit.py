@@ -8,7 +8,6 @@ import os
 import resource
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +16,7 @@ import httpx
 import zmq
 
 from kvctl.core.events.engine_encode import FORMATS, BlockStored, encode_batch
+from tests.support import eventually
 
 
 @contextmanager
@@ -87,11 +87,7 @@ def test_a_low_file_limit_refuses_engines_rather_than_losing_their_streams(tmp_p
             assert pub.poll(10_000), "a stream never subscribed"
             pub.recv()
             pub.send_multipart([b"", (0).to_bytes(8, "big"), batch])
-        deadline = time.monotonic() + 20
-        while True:
-            streams = client.get("/v1/status").json()["streams"]
-            if len(streams) == accepted and all(s["events"] == 1 for s in streams):
-                break
-            assert time.monotonic() < deadline, [s for s in streams if s["events"] != 1][:3]
-            time.sleep(0.1)
+        streams = eventually(lambda: client.get("/v1/status").json()["streams"], "one event on every stream",
+                             until=lambda rows: len(rows) == accepted and all(s["events"] == 1 for s in rows),
+                             timeout=20, interval=0.1)
         assert all(s["state"] == "running" and not s["failures"] for s in streams)

@@ -13,7 +13,6 @@ import json
 import shutil
 import ssl
 import subprocess
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from tests.server.test_zmq_plane import (  # noqa: F401  (collected here, on the
     test_every_captured_message_reaches_the_ingest_and_the_index,
     test_ready_with_an_empty_store_then_follows_what_registers,
 )
+from tests.support import eventually
 
 LEGACY = FIXTURES / "dynamo-kube-legacy" / "v1_2_dwm.json"
 
@@ -172,11 +172,8 @@ def test_serve_follows_the_recorded_fleet_and_reports_it(api: KubeApi, tmp_path:
         def plane() -> dict[str, Any]:
             return client.get("/v1/status").json()["event_plane"]
 
-        deadline = time.monotonic() + 20
-        while not (plane()["ready"] and len(plane()["connections"]) == 8):
-            assert time.monotonic() < deadline, plane()
-            time.sleep(0.1)
-        status_ = plane()
+        status_ = eventually(plane, "the plane ready with 8 connections",
+                             until=lambda p: p["ready"] and len(p["connections"]) == 8, timeout=20, interval=0.1)
         assert status_["transport"] == "zmq" and status_["url"] == "kubernetes:dynamo-test"
         assert status_["discovery"]["stray"] == {} and status_["discovery"]["record_errors"] == {}
         assert {c["address"] for c in status_["connections"]} == {

@@ -19,6 +19,7 @@ async def test_a_held_loop_is_observed_as_late_as_it_was_held() -> None:
     probe.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await probe
+    held = max(lags[quiet:])
     assert quiet >= 2
-    assert max(lags[:quiet]) < 0.1
-    assert max(lags[quiet:]) >= 0.15
+    assert held >= 0.15  # a lower bound: a loaded machine only makes the lag longer
+    assert max(lags[:quiet]) < held / 2  # the quiet probes saw far less than the hold (~0.01 s against 0.2 s)

@@ -8,7 +8,6 @@ would crash the event plane (no seed) or spin forever inside the event loop (no 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import json
@@ -29,6 +28,7 @@ from kvctl.server.streams import Streams
 from tests.nats_server import NatsServer
 from tests.server.test_nats_auth import _tls
 from tests.server.test_serve_process import refused
+from tests.support import eventually_async
 
 UNLIMITED = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True, "conn": -1,
              "leaf": -1}
@@ -126,11 +126,8 @@ async def _plane(url: str, *, jetstream: bool = False, **kw: Any) -> AsyncIterat
 async def _refused(plane: EventPlane, why: str) -> None:
     """The plane's status comes to say `why` it is not in, while it keeps trying. (A first attempt can end
     in a connection reset: the server sends its -ERR and closes at once; a later one reads the -ERR.)"""
-    deadline = time.monotonic() + 10
-    while why not in (plane.status()["last_error"] or "").lower() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    status = plane.status()
-    assert why in (status["last_error"] or "").lower(), status
+    status = await eventually_async(plane.status, f"the plane's last error to say {why!r}",
+                                    until=lambda s: why in (s["last_error"] or "").lower())
     assert status["state"] == "connecting" and not status["ready"] and status["connects"] == 0, status
 
 

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +18,8 @@ import pytest
 from kvctl.core.events.dynamo import decode_router_event_json
 from kvctl.core.events.plane import PlaneNames
 from tests.nats_server import NatsServer
-from tests.server.test_nats_plane import Router, dump_blocks, expected_blocks, js_publish, options, until, workload
+from tests.server.test_nats_plane import Router, dump_blocks, expected_blocks, js_publish, options, workload
+from tests.support import eventually, eventually_async
 
 
 @contextmanager
@@ -37,10 +37,8 @@ def serve(nats: NatsServer, names: PlaneNames, state_dir: Path,
             url = proc.stdout.readline().strip()  # type: ignore[union-attr]
             assert url.startswith("http://"), url
             with httpx.Client(base_url=url, timeout=5) as client:
-                deadline = time.monotonic() + 15
-                while not (client.get("/v1/status").json()["event_plane"] or {}).get("ready"):
-                    assert time.monotonic() < deadline, "the event plane never became ready"
-                    time.sleep(0.05)
+                eventually(lambda: client.get("/v1/status").json()["event_plane"], "the event plane to be ready",
+                           until=lambda plane: bool(plane and plane.get("ready")), timeout=15)
                 yield proc, client
         finally:
             if proc.poll() is None:
@@ -52,11 +50,10 @@ def served_blocks(client: httpx.Client) -> dict[tuple[int, int], set[tuple[int |
     return dump_blocks([decode_router_event_json(e) for e in client.get("/v1/tree").json()])
 
 
-def wait_for(client: httpx.Client, events: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (client.get("/v1/status").json()["event_plane"]["counts"].get("events", 0) < events):
-        assert time.monotonic() < deadline, "not every event arrived"
-        time.sleep(0.05)
+def wait_for(client: httpx.Client, events: int) -> None:
+    """Until the router's event plane has counted `events` events."""
+    eventually(lambda: client.get("/v1/status").json()["event_plane"]["counts"].get("events", 0),
+               f"{events} events", until=lambda n: n >= events, timeout=20)
 
 
 @pytest.fixture
@@ -82,8 +79,10 @@ def test_a_router_killed_mid_stream_ends_identical_to_one_that_ran_through(nats_
             asyncio.run(js_publish(nats_server, names, tail))
             wait_for(witness_http, len(events))
             wait_for(revived_http, len(events))
-            time.sleep(0.2)
-            assert served_blocks(revived_http) == served_blocks(witness_http) == expected_blocks(events)
+            expected = expected_blocks(events)
+            for http in (witness_http, revived_http):  # counted, then applied by the index's writer
+                eventually(lambda http=http: served_blocks(http), "every event in the index",
+                           until=lambda blocks: blocks == expected)
 
 
 async def test_nats_server_restart_mid_stream_loses_nothing(nats_server: NatsServer) -> None:
@@ -91,11 +90,11 @@ async def test_nats_server_restart_mid_stream_loses_nothing(nats_server: NatsSer
     events = workload(40)
     async with Router(options(nats_server, names, jetstream=True)) as router:
         await js_publish(nats_server, names, events[:25])
-        await until(lambda: router.plane.counts["events"] == 25, "the first part")
+        await eventually_async(lambda: router.plane.counts["events"] == 25, "the first part")
         nats_server.restart()  # same port, same store dir
-        await until(lambda: router.plane.reconnects >= 1, "the reconnection", timeout=20)
+        await eventually_async(lambda: router.plane.reconnects >= 1, "the reconnection", timeout=20)
         await js_publish(nats_server, names, events[25:])
-        await until(lambda: router.plane.counts["events"] == len(events), "the rest", timeout=20)
+        await eventually_async(lambda: router.plane.counts["events"] == len(events), "the rest", timeout=20)
         await router.streams.writer("default").applied()
         assert router.blocks() == expected_blocks(events)
         assert router.plane.status()["state"] == "connected"

@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import nats
 import pytest
@@ -41,6 +41,7 @@ from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.streams import Streams
 from tests.fixtures_path import FIXTURES
 from tests.nats_server import NatsServer
+from tests.support import eventually_async
 
 _namespaces = itertools.count()
 
@@ -95,14 +96,6 @@ def options(server: NatsServer, names: PlaneNames, **kw: object) -> NatsOptions:
                        router_id=kw.pop("router_id", 1), **kw)  # type: ignore[arg-type]
 
 
-async def until(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 @contextlib.asynccontextmanager
 async def connected(server: NatsServer) -> AsyncIterator[nats.NATS]:
     nc = await nats.connect(server.url)
@@ -145,7 +138,7 @@ async def test_core_events_in_dynamo_encoding_reach_the_index(server: NatsServer
         for n, ev in enumerate(events, 1):
             await nc.publish(names.kv_events, envelope(ev, n))
         await barrier(nc)
-        await until(lambda: router.plane.counts["events"] == len(events), "every event")
+        await eventually_async(lambda: router.plane.counts["events"] == len(events), "every event")
         await router.streams.writer("default").applied()
         assert router.blocks() == expected_blocks(events)
         status = router.plane.status()
@@ -170,7 +163,7 @@ async def test_order_is_judged_per_publisher_and_no_event_id_freezes_a_worker(se
         for n, ev in enumerate(absurd):
             await nc.publish(names.kv_events, envelope(ev, n, publisher_id=78))
         await barrier(nc)
-        await until(lambda: router.plane.counts["events"] == 7, "every event but the repeated envelope")
+        await eventually_async(lambda: router.plane.counts["events"] == 7, "every event but the repeated envelope")
         await router.streams.writer("default").applied()
         counts, status = router.plane.counts, router.plane.status()
         # worker 6's id 2 never came (2^63 did instead): one more gap; the jump kept its place, so 3 follows 1
@@ -199,7 +192,7 @@ async def test_a_new_publisher_whose_ids_start_above_1_restarts_its_worker(serve
         for n, ev in enumerate(new, 5):  # its sequence carries on: only the publisher id tells
             await nc.publish(names.kv_events, envelope(ev, n, publisher_id=79))
         await barrier(nc)
-        await until(lambda: router.plane.counts["events"] == 7, "every event")
+        await eventually_async(lambda: router.plane.counts["events"] == 7, "every event")
         await router.streams.writer("default").applied()
         assert router.plane.counts["restarts"] == 1
         assert router.blocks() == expected_blocks(new)
@@ -213,7 +206,7 @@ async def test_an_absurd_event_id_on_jetstream_freezes_no_worker(server: NatsSer
               store(6, 2, list(range(1200, 1216))), store(6, 3, list(range(1300, 1316)))]
     async with Router(options(server, names, jetstream=True)) as router:
         await js_publish(server, names, [*events, events[2]])
-        await until(lambda: router.plane.counts["messages"] == 5, "every message")
+        await eventually_async(lambda: router.plane.counts["messages"] == 5, "every message")
         await router.streams.writer("default").applied()
         counts = router.plane.counts
         assert (counts["events"], counts["event_id_jumps"], counts["stale_events"]) == (4, 1, 1)
@@ -231,12 +224,12 @@ async def test_load_reports_are_shown_and_feed_the_busy_check(server: NatsServer
         await nc.publish(names.kv_metrics, wrapped("kv_metrics", b"garbage", 1))
         await nc.publish(names.kv_metrics, b"not an envelope")
         await barrier(nc)
-        await until(lambda: (3, 0) in router.fleet.reported, "the load report")
+        await eventually_async(lambda: (3, 0) in router.fleet.reported, "the load report")
         row = router.fleet.worker_rows(time.monotonic())[0]
         assert row["reported"]["kv_used_blocks"] == 95 and row["reported"]["active_prefill_tokens"] == 128
         router.fleet.thresholds.set("default", active_decode_blocks_threshold=0.9)
         assert router.fleet.rank_busy("default")[(3, 0)].busy  # 95 of 100 blocks used > 0.9
-        await until(lambda: sum(router.plane.errors.values()) == 2, "both bad messages counted")
+        await eventually_async(lambda: sum(router.plane.errors.values()) == 2, "both bad messages counted")
 
 
 async def test_forward_passes_make_a_worker_known_and_are_shown(server: NatsServer, names: PlaneNames) -> None:
@@ -245,7 +238,7 @@ async def test_forward_passes_make_a_worker_known_and_are_shown(server: NatsServ
     async with Router(options(server, names)) as router, connected(server) as nc:
         await nc.publish(names.forward_pass, wrapped("forward-pass-metrics", encode_forward_pass(report)))
         await barrier(nc)
-        await until(lambda: router.plane.counts["forward_passes"] == 1, "the forward pass")
+        await eventually_async(lambda: router.plane.counts["forward_passes"] == 1, "the forward pass")
         [row] = router.fleet.worker_rows(time.monotonic())
         assert (row["worker_id"], row["dp_rank"]) == (2**63 + 9, 1)  # a routing candidate before any KV event
         assert router.fleet.candidates("default") == [(2**63 + 9, 1)]
@@ -263,7 +256,7 @@ async def test_only_the_named_component_and_endpoint_are_followed(server: NatsSe
         await nc.publish(f"namespace.{names.namespace}.component.{names.component}.kv-events", envelope(ev, 0, 6))
         await nc.publish(names.kv_events, envelope(ev, 0, 7))
         await barrier(nc)
-        await until(lambda: router.plane.counts["events"] == 1, "the event in scope")
+        await eventually_async(lambda: router.plane.counts["events"] == 1, "the event in scope")
         status = router.plane.status()
         assert status["topics"]["kv-events"] == 1
         assert set(status["subjects_seen"]) == {other.kv_events, names.kv_events,
@@ -304,14 +297,12 @@ async def test_jetstream_events_are_applied_then_acked(server: NatsServer, names
         async with connected(server) as nc:
             await nc.publish(f"{names.stream}.kv-events", b"{not json")  # garbage on the stream subject
             await barrier(nc)
-        await until(lambda: router.plane.counts["messages"] == len(events) + 1, "every message")
+        await eventually_async(lambda: router.plane.counts["messages"] == len(events) + 1, "every message")
         async with connected(server) as nc:
             js = nc.jetstream()
-            info = await js.consumer_info(names.stream, "1")
-            deadline = time.monotonic() + 5
-            while info.ack_floor.stream_seq < len(events) + 1 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-                info = await js.consumer_info(names.stream, "1")
+            info = await eventually_async(lambda: js.consumer_info(names.stream, "1"), "every message acked",
+                                          until=lambda i: i.ack_floor.stream_seq >= len(events) + 1, timeout=5,
+                                          interval=0.05)
             assert info.ack_floor.stream_seq == len(events) + 1
         assert router.blocks() == expected_blocks(events)
         assert router.plane.errors == {"bad_json": 1}
@@ -323,16 +314,16 @@ async def test_snapshot_purges_and_a_new_replica_boots_from_snapshot_and_tail(
     head, tail = events[:30], events[30:]
     async with Router(options(server, names, jetstream=True, snapshot_threshold=10)) as router:
         await js_publish(server, names, head)
-        await until(lambda: router.plane.snapshot["uploads"] >= 1, "a snapshot upload", timeout=15)
+        await eventually_async(lambda: router.plane.snapshot["uploads"] >= 1, "a snapshot upload", timeout=15)
         await js_publish(server, names, tail)
-        await until(lambda: router.plane.counts["events"] >= len(events), "every event")
+        await eventually_async(lambda: router.plane.counts["events"] >= len(events), "every event")
         await router.streams.writer("default").applied()
         async with connected(server) as nc:
             info = await nc.jetstream().stream_info(names.stream)
             assert info.state.first_seq > 1  # purged below the ack floor
         async with Router(options(server, names, jetstream=True, router_id=2, snapshot_threshold=10**9)) as fresh:
             assert fresh.plane.snapshot["loaded_events"]
-            await until(lambda: fresh.blocks() == router.blocks(), "the new replica to catch up")
+            await eventually_async(lambda: fresh.blocks() == router.blocks(), "the new replica to catch up")
         assert router.blocks() == expected_blocks(events)
 
 
@@ -350,7 +341,7 @@ async def test_a_damaged_snapshot_costs_its_bad_lines_not_the_plane(server: Nats
         assert router.plane.state != "failed", router.plane.status()
         assert router.plane.snapshot["loaded_events"] == len(events) and router.plane.snapshot["bad_lines"] == 2
         await js_publish(server, names, tail)  # and the stream is still followed
-        await until(lambda: router.plane.counts["events"] >= len(tail), "the stream's events")
+        await eventually_async(lambda: router.plane.counts["events"] >= len(tail), "the stream's events")
         await router.streams.writer("default").applied()
         assert router.blocks() == expected_blocks(events + tail)
         assert sum(router.plane.errors.values()) == 2
@@ -359,7 +350,7 @@ async def test_a_damaged_snapshot_costs_its_bad_lines_not_the_plane(server: Nats
 async def test_reset_states_leaves_an_empty_stream_and_no_bucket(server: NatsServer, names: PlaneNames) -> None:
     async with Router(options(server, names, jetstream=True, snapshot_threshold=5)) as router:
         await js_publish(server, names, workload(12))
-        await until(lambda: router.plane.snapshot["uploads"] >= 1, "a snapshot upload", timeout=15)
+        await eventually_async(lambda: router.plane.snapshot["uploads"] >= 1, "a snapshot upload", timeout=15)
     async with Router(options(server, names, jetstream=True, reset_states=True, router_id=3)) as reset:
         assert reset.blocks() == {}
         async with connected(server) as nc:
@@ -380,15 +371,17 @@ async def test_replicas_share_in_flight_requests_and_ignore_their_own(server: Na
                 fleet.register(WorkerInfo(wid, 0, "default"))
         tokens = list(range(64))
         decision = a.fleet.route("default", now=time.monotonic(), token_ids=tokens, request_id="r1", reserve=True)
-        await until(lambda: b.fleet.models["default"].router.sequences.get("r1") is not None, "the add on B")
+        await eventually_async(lambda: b.fleet.models["default"].router.sequences.get("r1") is not None,
+                               "the add on B")
         on_b = b.fleet.models["default"].router.sequences.load(decision.worker)
         assert on_b.active_blocks == 4 and on_b.active_prefill_tokens == 64
         assert a.fleet.prefill_complete("default", "r1")
-        await until(lambda: b.fleet.models["default"].router.sequences.load(decision.worker).active_prefill_tokens
-                    == 0, "prefill complete on B")
+        await eventually_async(
+            lambda: b.fleet.models["default"].router.sequences.load(decision.worker).active_prefill_tokens == 0,
+            "prefill complete on B")
         assert a.fleet.free("default", "r1")
-        await until(lambda: b.fleet.models["default"].router.sequences.get("r1") is None, "the free on B")
-        await until(lambda: a.plane.counts["own_sequence_events"] == 3, "A's own echoes")
+        await eventually_async(lambda: b.fleet.models["default"].router.sequences.get("r1") is None, "the free on B")
+        await eventually_async(lambda: a.plane.counts["own_sequence_events"] == 3, "A's own echoes")
         assert a.plane.counts["peer_sequence_events"] == 0 and b.plane.counts["peer_sequence_events"] == 3
         assert len(a.fleet.models["default"].router.sequences) == 0  # its echoes did not re-add r1
 
@@ -429,7 +422,7 @@ async def test_a_burst_larger_than_the_writer_queue_is_not_dropped(server: NatsS
         for n, ev in enumerate(events, 1):
             await nc.publish(names.kv_events, envelope(ev, n))
         await barrier(nc)
-        await until(lambda: router.plane.counts["events"] == len(events), "every event", timeout=20)
+        await eventually_async(lambda: router.plane.counts["events"] == len(events), "every event", timeout=20)
         await writer.applied()
         assert writer.dropped_events == 0
         assert router.blocks() == expected_blocks(events)

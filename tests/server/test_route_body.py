@@ -45,6 +45,7 @@ def bodies(draw: st.DrawFn) -> bytes:
     return text.encode() + draw(st.sampled_from([b"", b" \n", b"\xff"]))
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, deadline=None)
 @given(bodies())
 @example(b'{"token_ids":[1,2,3]}')

@@ -19,6 +19,7 @@ import zmq.asyncio
 from kvctl.core.hashing import local_block_hashes
 from tests.fixtures_path import FIXTURES
 from tests.server.zmq_engine import Engine
+from tests.support import eventually_async
 
 VLLM = FIXTURES / "vllm-0.33"
 MESSAGES = {m["file"][0]: m for m in json.loads((VLLM / "manifest.json").read_text())["messages"]}
@@ -59,14 +60,12 @@ def _settled(status: dict[str, Any]) -> bool:
 
 async def _until(predicate, client: httpx.AsyncClient, what: str, timeout: float = 10.0) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """The stream's status once `predicate` holds of it and everything it took has been applied."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        status = (await client.get("/v1/status")).json()
-        if predicate(status["streams"][0]) and _settled(status):
-            return status["streams"][0]
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}: {status['streams'][0]}")
-        await asyncio.sleep(0.05)
+    async def status() -> dict[str, Any]:
+        return (await client.get("/v1/status")).json()  # type: ignore[no-any-return]
+
+    settled = await eventually_async(status, what, until=lambda s: predicate(s["streams"][0]) and _settled(s),
+                                     timeout=timeout)
+    return settled["streams"][0]  # type: ignore[no-any-return]
 
 
 async def test_engine_events_gap_replay_restart_and_garbage(engine: Engine, tmp_path: Path) -> None:

@@ -6,17 +6,19 @@ from __future__ import annotations
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.test_serve_process import serving
+from tests.support import eventually
 
-T = TypeVar("T")
+WAIT_S = 15.0
+"""A real process on a loaded machine: wider than `eventually`'s default."""
 HALF_SENT = {
     "idle": b"",
     "partial head": b"GET /healthz HTTP/1.1\r\nhost: x",
@@ -25,12 +27,8 @@ HALF_SENT = {
 }
 
 
-def wait_until(check: Callable[[], T], what: str, timeout: float = 15) -> T:
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return result
+def _open(client: httpx.Client) -> int:
+    return client.get("/v1/status").json()["connections"]["open"]  # type: ignore[no-any-return]
 
 
 def _address(client: httpx.Client) -> tuple[str, int]:
@@ -68,12 +66,14 @@ def _metric(client: httpx.Client, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+@pytest.mark.slow
 def test_idle_and_half_sent_connections_are_closed_after_the_idle_timeout(tmp_path: Path) -> None:
     with serving(tmp_path, "--idle-timeout", "1") as (_, client), ExitStack() as stack:
         socks = {name: stack.enter_context(_connected(client, data)) for name, data in HALF_SENT.items()}
         started = time.monotonic()
         for name, sock in socks.items():
-            wait_until(lambda sock=sock: _closed_by_server(sock), f"the server to close the {name} connection")
+            eventually(lambda sock=sock: _closed_by_server(sock), f"the server to close the {name} connection",
+                       timeout=WAIT_S)
         assert time.monotonic() - started < 5
         assert _metric(client, "kvctl_http_connections_timed_out_total") == len(HALF_SENT)
         assert client.get("/v1/status").json()["connections"]["timed_out"] == len(HALF_SENT)
@@ -84,7 +84,7 @@ def test_connections_past_the_cap_get_503_and_are_closed(tmp_path: Path) -> None
         assert client.get("/healthz").status_code == 200  # the client's own keep-alive connection: 1
         for _ in range(2):
             stack.enter_context(_connected(client, b""))
-        wait_until(lambda: client.get("/v1/status").json()["connections"]["open"] == 3, "3 connections open")
+        eventually(lambda: _open(client), "3 connections open", until=lambda n: n == 3, timeout=WAIT_S)
         with _connected(client, b"") as extra:  # sent no request: the answer is not lost to a reset
             extra.settimeout(5)
             answer = b"".join(iter(lambda: extra.recv(65536), b""))  # read until the server closes it
@@ -92,7 +92,7 @@ def test_connections_past_the_cap_get_503_and_are_closed(tmp_path: Path) -> None
         assert client.get("/v1/status").json()["connections"]["refused"] == 1
         assert _metric(client, "kvctl_http_connections_refused_total") == 1
         stack.close()  # room again
-        wait_until(lambda: client.get("/v1/status").json()["connections"]["open"] == 1, "the others to close")
+        eventually(lambda: _open(client), "the others to close", until=lambda n: n == 1, timeout=WAIT_S)
         with httpx.Client(base_url=client.base_url) as other:
             assert other.get("/healthz").status_code == 200
 
@@ -108,16 +108,17 @@ def test_a_client_that_stops_reading_its_answer_is_dropped(tmp_path: Path) -> No
     with serving(tmp_path, "--idle-timeout", "1") as (_, client):
         _big_index(client)
         with _connected(client, b"GET /v1/tree HTTP/1.1\r\nhost: x\r\n\r\n", rcvbuf=4096) as reader:
-            wait_until(lambda: _metric(client, "kvctl_http_connections_timed_out_total") == 1,
-                       "the stalled reader to be dropped")
+            eventually(lambda: _metric(client, "kvctl_http_connections_timed_out_total") == 1,
+                       "the stalled reader to be dropped", timeout=WAIT_S)
             assert _closed_by_server(reader)
         assert client.get("/healthz").status_code == 200
 
 
+@pytest.mark.slow
 def test_a_stalled_client_delays_the_exit_by_the_shutdown_timeout_at_most(tmp_path: Path) -> None:
     with (serving(tmp_path, "--shutdown-timeout", "1") as (proc, client),
           _connected(client, HALF_SENT["partial body (app)"])):
-        wait_until(lambda: client.get("/v1/status").json()["connections"]["open"] == 2, "the stalled client")
+        eventually(lambda: _open(client), "the stalled client", until=lambda n: n == 2, timeout=WAIT_S)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
@@ -125,10 +126,11 @@ def test_a_stalled_client_delays_the_exit_by_the_shutdown_timeout_at_most(tmp_pa
     assert (tmp_path / "snapshot.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_second_sigterm_forces_the_exit_and_the_snapshot_is_still_written(tmp_path: Path) -> None:
     with serving(tmp_path, "--shutdown-timeout", "60") as (proc, client):
         with _connected(client, HALF_SENT["partial body (app)"]):
-            wait_until(lambda: client.get("/v1/status").json()["connections"]["open"] == 2, "the stalled client")
+            eventually(lambda: _open(client), "the stalled client", until=lambda n: n == 2, timeout=WAIT_S)
             client.close()
             proc.send_signal(signal.SIGTERM)
 
@@ -139,7 +141,7 @@ def test_a_second_sigterm_forces_the_exit_and_the_snapshot_is_still_written(tmp_
                     return True
                 return False
 
-            wait_until(refused, "the router to stop listening")
+            eventually(refused, "the router to stop listening", timeout=WAIT_S)
             started = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=10) == 1

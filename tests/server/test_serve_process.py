@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from kvctl.cli import app
+from kvctl.server.daemon import bind
 from tests.fixtures_path import FIXTURES
+from tests.support import eventually
 
 DUMP = (FIXTURES / "dynamo-1.6.1" / "dump.jsonl").read_text()
 
@@ -257,21 +261,31 @@ def test_bad_config_file_exits_2_naming_the_key(tmp_path: Path, text: str, needl
     assert result.exit_code == 2 and needle in result.stderr
 
 
-def test_keep_alive_requests_do_not_wait_on_nagle(tmp_path: Path) -> None:
-    """A listener created without IPPROTO_TCP left TCP_NODELAY off: every keep-alive answer took ~40 ms."""
-    with serving(tmp_path) as (proc, client):
-        client.get("/healthz")
-        started = time.perf_counter()
-        for _ in range(20):
-            client.get("/healthz")
-        assert (time.perf_counter() - started) / 20 < 0.02
-        _stop(proc)
+async def test_keep_alive_answers_do_not_wait_on_nagle() -> None:
+    """A listener created without IPPROTO_TCP left TCP_NODELAY off on the connections asyncio accepts from it,
+    and every keep-alive answer waited ~40 ms on the client's delayed ACK. The option is asserted, not the
+    time (benchmarks/serve_bench.py's health_get_p50_ms is that figure)."""
+    accepted: asyncio.Queue[int] = asyncio.Queue()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.put_nowait(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    server = await asyncio.start_server(serve, sock=bind("127.0.0.1", 0))  # as uvicorn serves the router's socket
+    async with server:
+        _, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        try:
+            assert await asyncio.wait_for(accepted.get(), 10) != 0
+        finally:
+            writer.close()
 
 
 def test_the_loop_is_probed_for_lag(tmp_path: Path) -> None:
-    with serving(tmp_path) as (proc, client):
-        time.sleep(0.2)
+    def probes() -> float:
         families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
         samples = {s.name: s.value for s in families["kvctl_event_loop_lag_seconds"].samples if not s.labels}
-        assert samples["kvctl_event_loop_lag_seconds_count"] >= 5  # a probe every 10 ms
+        return samples["kvctl_event_loop_lag_seconds_count"]
+
+    with serving(tmp_path) as (proc, client):
+        eventually(probes, "5 loop-lag probes", until=lambda n: n >= 5)  # a probe every 10 ms: not one at start
         _stop(proc)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 
 import pytest
 import zmq.asyncio
@@ -13,6 +12,7 @@ from kvctl.core.events import Stored, Tier
 from kvctl.core.events.engine_encode import FORMATS
 from kvctl.server.state import Fleet
 from kvctl.server.streams import ModelWriter
+from tests.support import eventually_async
 
 
 async def test_writer_applies_in_order_and_counts_drops() -> None:
@@ -98,25 +98,21 @@ async def test_a_stream_that_dies_shows_failed_and_runs_again_once_it_can() -> N
     fleet = Fleet()
     streams = Streams(fleet, context=ours, restart_min_s=0.05)
 
-    async def until(condition: Callable[[], bool]) -> None:
-        deadline = asyncio.get_running_loop().time() + 5
-        while not condition():
-            assert asyncio.get_running_loop().time() < deadline, streams.status()
-            await asyncio.sleep(0.01)
-
     try:
         for worker_id, engine in enumerate(engines, 1):
             streams.start(WorkerInfo(worker_id, 0, "default", endpoint=engine.endpoint))
-        await until(lambda: streams.status()[1]["failures"] >= 1)
+        await eventually_async(streams.status, "the second stream to fail", until=lambda rows: rows[1]["failures"] >= 1,
+                               timeout=5)
         first, second = streams.status()
         assert (first["state"], first["failures"], first["last_error"]) == ("running", 0, None)
         assert second["state"] == "failed" and second["last_error"] == "ZMQError: Too many open files"
 
         await streams.stop(1)  # its socket is free: the failed stream's next run takes it
-        await until(lambda: streams.status()[0]["state"] == "running")
+        await eventually_async(streams.status, "the failed stream to run again",
+                               until=lambda rows: rows[0]["state"] == "running", timeout=5)
         await engines[1].subscribed()
         await engines[1].publish(0, encode_batch(FORMATS["vllm"], 0.0, [BlockStored([5], None, list(range(16)), 16)]))
-        await until(lambda: streams.status()[0]["events"] == 1)
+        await eventually_async(streams.status, "its event", until=lambda rows: rows[0]["events"] == 1, timeout=5)
         assert streams.status()[0]["failures"] >= 1
     finally:
         await streams.close()

@@ -40,6 +40,7 @@ from tests.etcd_server import EtcdServer
 from tests.fixtures_path import FIXTURES
 from tests.nats_server import free_port
 from tests.server.test_nats_plane import dump_blocks, expected_blocks
+from tests.support import eventually_async
 
 ZMQ = FIXTURES / "dynamo-1.6.1-fleet" / "zmq-plane"
 STORE = ZMQ / "file-discovery" / "v1" / "event_channels"
@@ -165,14 +166,6 @@ async def bench(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         etcd.delete_prefix("v1/")  # the next test's store starts empty
 
 
-async def until(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 def captured_kv_events(messages: dict[tuple[str, int], list[list[bytes]]]) -> list[RouterEvent]:
     events: list[RouterEvent] = []
     for (topic, _), frames in messages.items():
@@ -192,7 +185,7 @@ async def test_every_captured_message_reaches_the_ingest_and_the_index(bench: Be
         for frames in messages[key]:
             await publisher.socket.send_multipart(frames)
     topics = Counter(topic for topic, _ in messages for _ in messages[(topic, _)])
-    await until(lambda: bench.status()["topics"] == {t: topics[t] for t in TOPICS}, "every message ingested")
+    await eventually_async(lambda: bench.status()["topics"] == {t: topics[t] for t in TOPICS}, "every message ingested")
     await bench.streams.writer("default").applied()
 
     status = bench.status()
@@ -222,19 +215,19 @@ async def test_a_publisher_is_dropped_with_its_record_and_a_worker_with_its_last
     for publisher, frames in ((first, load), (other, passed)):
         await publisher.joined()
         await publisher.socket.send_multipart(frames)
-    await until(lambda: bench.status()["counts"].get("forward_passes") == 1, "both reports ingested")
+    await eventually_async(lambda: bench.status()["counts"].get("forward_passes") == 1, "both reports ingested")
     first.withdraw()  # a clean stop deletes its keys
-    await until(lambda: bench.addresses() == {other.address}, "the gone publisher dropped")
+    await eventually_async(lambda: bench.addresses() == {other.address}, "the gone publisher dropped")
     assert set(bench.fleet.workers) == {worker}  # still spoken for by its other publisher
     other.withdraw()
-    await until(lambda: bench.addresses() == set(), "the last publisher dropped")
+    await eventually_async(lambda: bench.addresses() == set(), "the last publisher dropped")
     assert bench.fleet.workers == {} and bench.status()["counts"]["workers_removed"] == 1
 
     second = bench.publish_as("kv_metrics", 12)  # a new identity
-    await until(lambda: bench.addresses() == {second.address}, "the new publisher followed")
+    await eventually_async(lambda: bench.addresses() == {second.address}, "the new publisher followed")
     await second.joined()
     await second.socket.send_multipart(captured()[("kv_metrics", 2000662664498406)][0])
-    await until(lambda: bench.status()["counts"].get("load_reports") == 2, "its report ingested")
+    await eventually_async(lambda: bench.status()["counts"].get("load_reports") == 2, "its report ingested")
     assert [c["publisher_id"] for c in bench.status()["connections"]] == [12] and len(bench.fleet.workers) == 1
 
 
@@ -250,7 +243,8 @@ async def test_malformed_frames_and_records_are_counted_and_skipped(bench: Bench
     good = captured()[("kv_metrics", 1610214894536196)][0]
     for frames in ([b"kv_metrics"], [*good[:3], good[3][:-1]], [good[0], b"\0", *good[2:]], good):
         await publisher.socket.send_multipart(frames)
-    await until(lambda: bench.status()["counts"].get("load_reports") == 1, "the good message after the bad ones")
+    await eventually_async(lambda: bench.status()["counts"].get("load_reports") == 1,
+                           "the good message after the bad ones")
     status = bench.status()
     assert status["decode_errors"] == {"bad_batch": 3}, status
     assert status["connections"][0]["decode_errors"] == {"bad_batch": 3}
@@ -267,8 +261,8 @@ async def test_ready_with_an_empty_store_then_follows_what_registers(bench: Benc
     await bench.start()
     assert bench.status()["connections"] == [] and bench.status()["ready"]
     publisher = bench.publish_as("forward-pass-metrics", 31)
-    await until(lambda: bench.addresses() == {publisher.address}, "a publisher registered later")
-    await until(lambda: bench.status()["connections"][0]["connected"], "its socket connected")
+    await eventually_async(lambda: bench.addresses() == {publisher.address}, "a publisher registered later")
+    await eventually_async(lambda: bench.status()["connections"][0]["connected"], "its socket connected")
 
 
 def test_the_records_written_here_are_dynamos_but_for_the_address() -> None:
@@ -315,14 +309,14 @@ async def test_a_record_rewritten_in_place_moves_the_socket(bench: Bench) -> Non
     await bench.start()
     await publisher.joined()
     await publisher.socket.send_multipart(captured()[("kv_metrics", 1610214894536196)][0])
-    await until(lambda: len(bench.fleet.workers) == 1, "the worker known from its report")
+    await eventually_async(lambda: len(bench.fleet.workers) == 1, "the worker known from its report")
     moved = bench.ctx.socket(zmq.XPUB)
     moved.setsockopt(zmq.LINGER, 0)
     address = f"tcp://127.0.0.1:{moved.bind_to_random_port('tcp://127.0.0.1')}"
     key = ChannelKey("dynamo", "backend", "generate", "kv_metrics", 41).key
     try:
         bench.put(key, record_for("kv_metrics", 41, address))  # the same key, another size: re-read
-        await until(lambda: bench.addresses() == {address}, "the socket moved to the record's new address")
+        await eventually_async(lambda: bench.addresses() == {address}, "the socket moved to the record's new address")
         assert await asyncio.wait_for(moved.recv(), 10) == b"\x01"  # and subscribed there
         assert len(bench.fleet.workers) == 1  # a publisher that moved is not a worker that left
     finally:
@@ -346,8 +340,8 @@ async def test_replica_sync_files_a_channel_per_scope_and_shares_this_routers_re
     plane = await bench.start(replica_sync=True, advertise_host="127.0.0.1")
     await publisher.joined()
     await publisher.socket.send_multipart(captured()[("kv_metrics", 1610214894536196)][0])  # worker 2077...:0
-    await until(lambda: len(bench.status()["sharing"]["channels"]) == 1, "this router's channel filed")
-    await until(lambda: bench.status()["counts"].get("load_reports") == 1, "the worker heard of")
+    await eventually_async(lambda: len(bench.status()["sharing"]["channels"]) == 1, "this router's channel filed")
+    await eventually_async(lambda: bench.status()["counts"].get("load_reports") == 1, "the worker heard of")
     (shared,) = bench.status()["sharing"]["channels"]
     records = await plane.discovery.list(namespace_prefix("dynamo"))
     channel = parse_event_channel(records[shared["channel"]])
@@ -398,7 +392,7 @@ async def test_a_shadow_router_files_nothing(bench: Bench) -> None:
     await bench.start(replica_sync=True, shadow=True)
     await publisher.joined()
     await publisher.socket.send_multipart(captured()[("kv_metrics", 1610214894536196)][0])
-    await until(lambda: bench.status()["counts"].get("load_reports") == 1, "the report ingested")
+    await eventually_async(lambda: bench.status()["counts"].get("load_reports") == 1, "the report ingested")
     assert bench.status()["sharing"] is None and bench.status()["shadow"] and bench.fleet.sequence_listener is None
     assert len(await listed(bench.url)) == 1
 
@@ -446,9 +440,10 @@ async def test_etcd_records_are_watched_not_polled(etcd: EtcdServer, tmp_path: P
         await bench.start(poll_s=60.0)
         assert bench.status()["discovery"]["follows"] == "watch"
         publisher = bench.publish_as("kv_metrics", 61)
-        await until(lambda: bench.addresses() == {publisher.address}, "a record filed after the range", timeout=5)
+        await eventually_async(lambda: bench.addresses() == {publisher.address},
+                               "a record filed after the range", timeout=5)
         publisher.withdraw()
-        await until(lambda: bench.addresses() == set(), "a record deleted", timeout=5)
+        await eventually_async(lambda: bench.addresses() == set(), "a record deleted", timeout=5)
         assert bench.status()["discovery"]["listings"] == 3  # the range, then one change each
     finally:
         await bench.close()

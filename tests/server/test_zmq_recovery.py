@@ -28,7 +28,8 @@ from kvctl.core.events.request_plane import (
 from kvctl.server.recovery import RecoveryClient
 from tests.core.test_request_plane_capture import exchanges
 from tests.server.test_nats_plane import dump_blocks, expected_blocks
-from tests.server.test_zmq_plane import Bench, until
+from tests.server.test_zmq_plane import Bench
+from tests.support import eventually_async
 
 CAPTURE = exchanges("recovery_capture.jsonl")[0]
 
@@ -131,7 +132,7 @@ def row(bench: Bench) -> dict[str, Any]:
 async def test_a_worker_found_in_discovery_is_recovered_from_its_tree_dump(bench: Bench, worker: Worker) -> None:
     put_source(bench, await worker.start())
     plane = await bench.start()
-    await until(lambda: row(bench).get("state") == "recovered", "the worker recovered")
+    await eventually_async(lambda: row(bench).get("state") == "recovered", "the worker recovered")
     await bench.streams.writer("default").applied()
     assert worker.requests == [{"worker_id": WORKER[0], "dp_rank": 0, "start_event_id": None, "end_event_id": None,
                                 "supports_tree_dump_failed": True, "kind": "recovery"}]
@@ -154,7 +155,7 @@ async def test_a_worker_whose_request_plane_is_nats_is_marked_partial_at_once(be
     key = f"namespace/dynamo/component/backend/endpoint/generate/topic/kv-events/{record['publisher_id']:x}"
     (directory / encode_file_name(key)).write_text(json.dumps(record))
     await bench.start()
-    await until(lambda: row(bench).get("state") == "partial", "the worker marked partial")
+    await eventually_async(lambda: row(bench).get("state") == "partial", "the worker marked partial")
     assert "nats request plane" in row(bench)["reason"] and bench.status()["recovery"]["record_errors"] == {}
 
 
@@ -167,7 +168,7 @@ async def test_a_large_dump_arriving_in_one_read_is_taken_whole(bench: Bench) ->
         put_source(bench, await worker.start(), large)
         plane = await bench.start()
         worker_id = large["event_source"]["metadata"]["worker"]["worker_id"]
-        await until(lambda: bench.status()["counts"].get("recovered_workers") == 1, "the worker recovered")
+        await eventually_async(lambda: bench.status()["counts"].get("recovered_workers") == 1, "the worker recovered")
         await bench.streams.writer("default").applied()
         assert len(dumped(large).events) == 84
         index = plane.fleet.models["default"].router.index
@@ -183,7 +184,7 @@ async def test_an_unreachable_worker_is_followed_live_and_marked_partial_with_wh
     await worker.close()  # nothing listens there any more
     put_source(bench, port)
     await bench.start()
-    await until(lambda: row(bench).get("state") == "partial", "the worker marked partial")
+    await eventually_async(lambda: row(bench).get("state") == "partial", "the worker marked partial")
     assert f"127.0.0.1:{port}" in row(bench)["reason"] and "failed" in row(bench)["reason"]
     assert bench.status()["counts"]["recovery_failures"] == 1
 
@@ -193,7 +194,7 @@ async def test_live_events_held_while_recovering_apply_after_the_dump_once(bench
     worker.release.clear()
     put_source(bench, await worker.start())
     plane = await bench.start()
-    await until(lambda: bool(worker.requests), "the worker asked")
+    await eventually_async(lambda: bool(worker.requests), "the worker asked")
     ingest, dump = plane.ingest, dumped().events
     first = dump[0].data
     assert isinstance(first, Stored)
@@ -203,7 +204,7 @@ async def test_live_events_held_while_recovering_apply_after_the_dump_once(bench
     assert ingest.recovery is not None
     assert all(ingest.recovery.hold(e, Order.next, publisher, None) for e in (stale, newer))
     worker.release.set()
-    await until(lambda: row(bench).get("state") == "recovered", "the worker recovered")
+    await eventually_async(lambda: row(bench).get("state") == "recovered", "the worker recovered")
     await bench.streams.writer("default").applied()
     index = plane.fleet.models["default"].router.index
     assert dump_blocks(index.dump()) == expected_blocks([*dump, newer])
@@ -217,7 +218,7 @@ async def test_events_held_for_a_worker_whose_record_moves_are_kept_for_its_new_
     worker.release.clear()
     put_source(bench, await worker.start())
     plane = await bench.start()
-    await until(lambda: bool(worker.requests), "the first target asked")
+    await eventually_async(lambda: bool(worker.requests), "the first target asked")
     first = dumped().events[0].data
     assert isinstance(first, Stored) and plane.ingest.recovery is not None
     newer = RouterEvent(WORKER[0], Removed([first.block_hashes[-1]]), 0, 5)
@@ -225,7 +226,8 @@ async def test_events_held_for_a_worker_whose_record_moves_are_kept_for_its_new_
     moved = Worker()
     try:
         put_source(bench, await moved.start())
-        await until(lambda: row(bench).get("state") == "recovered", "the worker recovered from its new target")
+        await eventually_async(lambda: row(bench).get("state") == "recovered",
+                               "the worker recovered from its new target")
         await bench.streams.writer("default").applied()
         index = plane.fleet.models["default"].router.index
         assert dump_blocks(index.dump()) == expected_blocks([*dumped().events, newer])
@@ -238,14 +240,14 @@ async def test_a_gap_in_live_event_ids_asks_the_worker_from_the_first_missing(be
     """The worker (its captured answer) has nothing past its event 4: the gap stays, the worker is partial."""
     put_source(bench, await worker.start())
     plane = await bench.start()
-    await until(lambda: row(bench).get("state") == "recovered", "the worker recovered")
+    await eventually_async(lambda: row(bench).get("state") == "recovered", "the worker recovered")
     ingest = plane.ingest
     assert ingest.recovery is not None and ingest.cursors[WORKER].ids.last == 4
     first = dumped().events[0].data
     assert isinstance(first, Stored)
     after_gap = RouterEvent(WORKER[0], Removed([first.block_hashes[-1]]), 0, 6)
     assert ingest.recovery.hold(after_gap, Order.next, CAPTURE["event_source"]["publisher_id"], 4)
-    await until(lambda: row(bench).get("state") == "partial", "the gap's query answered")
+    await eventually_async(lambda: row(bench).get("state") == "partial", "the gap's query answered")
     assert worker.requests[-1]["start_event_id"] == 5 and "TooNew" in row(bench)["reason"]
     await bench.streams.writer("default").applied()
     counts = bench.status()["counts"]

@@ -10,13 +10,15 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+
+from tests.support import eventually
 
 BINARY = shutil.which("prometheus")
 
@@ -64,15 +66,14 @@ def wait_for_scrapes(url: str, targets: int, scrapes: int, timeout: float = 20.0
     """Until each of `targets` (of the jobs `job` matches) has `scrapes` successful scrapes in the last `scrapes`
     seconds."""
     query = f"count(count_over_time(up{{job=~'{job}'}}[{scrapes}s]) >= {scrapes} and up == 1)"
-    deadline = time.monotonic() + timeout
     with httpx.Client(base_url=url, timeout=2.0) as http:
-        while time.monotonic() < deadline:
+        def result() -> list[Any]:
             try:
                 response = http.get("/api/v1/query", params={"query": query})
-            except httpx.TransportError:
-                response = None
-            result = response.json()["data"]["result"] if response is not None and response.is_success else []
-            if result and int(float(result[0]["value"][1])) >= targets:
-                return
-            time.sleep(0.25)
-    raise TimeoutError(f"Prometheus at {url} did not scrape {targets} targets {scrapes} times in {timeout}s")
+            except httpx.TransportError:  # Prometheus still starting
+                return []
+            return response.json()["data"]["result"] if response.is_success else []  # type: ignore[no-any-return]
+
+        eventually(result, f"Prometheus at {url} to scrape {targets} targets {scrapes} times",
+                   until=lambda r: bool(r) and int(float(r[0]["value"][1])) >= targets, timeout=timeout,
+                   interval=0.25)

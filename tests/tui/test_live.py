@@ -19,6 +19,7 @@ from kvctl.tui.frame import Frame, FrameBuilder
 from kvctl.tui.sources import LiveSource
 from tests.commands.live_router import DUMP, WORKERS, free_port_url, kvctl
 from tests.server.test_serve_process import serving
+from tests.support import eventually_async, joined
 from tests.tui.test_pilot import SIZE, header_text
 
 ENGINES = 4
@@ -60,12 +61,12 @@ async def test_a_router_that_goes_away_leaves_its_last_frame_marked_stale_until_
 
 async def _settled(source: LiveSource, builder: FrameBuilder, want: int) -> Frame:
     """Poll until every engine's blocks reached the router's index (their events cross ZMQ asynchronously)."""
-    deadline = asyncio.get_running_loop().time() + SETTLE_S
-    while True:
-        await asyncio.sleep(0.3)
-        frame = builder.update(await source.poll())
-        if sum(w.blocks for w in frame.workers) >= want or asyncio.get_running_loop().time() > deadline:
-            return frame
+    async def frame() -> Frame:
+        return builder.update(await source.poll())
+
+    return await eventually_async(frame, f"{want} block(s) in the router's index",
+                                  until=lambda f: sum(w.blocks for w in f.workers) >= want, timeout=SETTLE_S,
+                                  interval=0.3)
 
 
 async def test_values_move_between_polls_with_mock_engines_and_once_lists_every_worker(tmp_path: Path) -> None:
@@ -75,7 +76,7 @@ async def test_values_move_between_polls_with_mock_engines_and_once_lists_every_
         url = str(client.base_url).rstrip("/")
         async with EngineFleet(configs) as engines, AsyncRouterClient(url) as router:
             await register_engines(router, engines.infos(), "default")
-            await asyncio.sleep(0.3)  # the router's SUB sockets join before anything is published
+            await joined(engines.engines)  # the router's SUBs, before anything is published
             source = live(url)
             builder = FrameBuilder(url)
             before = builder.update(await source.poll())
