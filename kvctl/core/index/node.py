@@ -51,8 +51,8 @@ class Node:
 
     __slots__ = ("locals", "hashes", "packed", "index", "full", "cutoffs", "children", "internal", "parent", "freed")
 
-    def __init__(self, locals_: array, hashes: list[int], parent: Node | None, full: int,
-                 packed: array | None = None) -> None:
+    def __init__(self, locals_: array[int], hashes: list[int], parent: Node | None, full: int,
+                 packed: array[int] | None = None) -> None:
         self.locals = locals_
         self.hashes = hashes
         self.packed = array("Q", hashes) if packed is None else packed

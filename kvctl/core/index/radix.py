@@ -272,7 +272,8 @@ class RadixTree:
             previous = set(bound)
             previous.difference_update((None, node, moving_from))
             if previous and slot not in self._shadows:
-                freed = [p for p in previous if p.freed]  # entries let go lazily: taken back, no longer dead
+                # entries let go lazily: taken back, no longer dead
+                freed = [p for p in previous if p is not None and p.freed]
                 if freed:
                     self._deferred[slot].dead -= sum(map(bound.count, freed))
                     previous.difference_update(freed)
@@ -310,7 +311,7 @@ class RadixTree:
         self.hash_mismatches[worker] = self.hash_mismatches.get(worker, 0) + differing
         self._bind(slot, lookup, keys, node)
 
-    def _reuse_parent_edge(self, node: Node, pos: int, hashes: list[int], locs: array, bit: int, slot: int,
+    def _reuse_parent_edge(self, node: Node, pos: int, hashes: list[int], locs: array[int], bit: int, slot: int,
                            lookup: dict[int, Node]) -> bool:
         """A store under a block in the middle or at the end of an edge that the edge already continues."""
         suffix_len = len(node.hashes) - pos - 1
@@ -331,7 +332,7 @@ class RadixTree:
         self._bind(slot, lookup, node.hashes[lo : lo + n], node)
         return True
 
-    def _append_to_leaf(self, node: Node, hashes: list[int], locs: array, bit: int, slot: int) -> None:
+    def _append_to_leaf(self, node: Node, hashes: list[int], locs: array[int], bit: int, slot: int) -> None:
         old = len(node.locals)
         others = node.full & ~bit
         if others:
@@ -522,7 +523,7 @@ class RadixTree:
         return worker
 
 
-def _common_prefix(edge: array, q: Sequence[int], start: int, walk: int) -> int:
+def _common_prefix(edge: array[int], q: Sequence[int], start: int, walk: int) -> int:
     """Length of the longest common prefix of edge[:walk] and q[start:start+walk] (binary search on slices)."""
     lo, hi = 0, walk
     while lo < hi:
