@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -67,7 +67,7 @@ __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[WorkerKey, list[EventData]], None]
+Sink = Callable[[WorkerKey, list[EventData]], object]  # what it returns is not read
 Received = list[bytes] | EngineBatch | ErrorKind
 """A live message as received: its frames when the stream read them itself, decoded when the decode process did."""
 OnRestart = Callable[[WorkerKey], None]
@@ -345,7 +345,8 @@ class EngineStream:
             wake.clear()
             return {}
         woken = asyncio.ensure_future(wake.wait())
-        polling = None if self._dealer is None or self._poller is None else self._poller.poll(timeout_ms)
+        polling = None if self._dealer is None or self._poller is None else asyncio.ensure_future(
+            self._poller.poll(timeout_ms))
         waits: set[asyncio.Future[Any]] = {woken} if polling is None else {woken, polling}
         try:
             await asyncio.wait(waits, timeout=None if timeout_ms is None else timeout_ms / 1000,
@@ -380,7 +381,7 @@ class EngineStream:
             not self._closing
             and dealer is not None
             and dealer is self._dealer
-            and dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            and cast(int, dealer.getsockopt(zmq.EVENTS)) & zmq.POLLIN  # an int option, typed as any option
         ):
             frames = await dealer.recv_multipart()
             if self._replay is None:
