@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import typer
-from typer.core import TyperArgument, TyperCommand, TyperGroup
+from typer.core import TyperCommand, TyperGroup, TyperOption
 from typer.exceptions import Abort, Exit
 
 from kvctl import __version__
@@ -69,6 +69,7 @@ def _plain_help(command: TyperCommand | TyperGroup) -> None:
         command.epilog = "\n\n".join(f"\b\n{part}" if part.lstrip().startswith("kvctl ") else part
                                        for part in command.epilog.split("\n\n"))
     for sub in (command.commands.values() if isinstance(command, TyperGroup) else ()):
+        assert isinstance(sub, TyperCommand | TyperGroup)  # typer makes each command of a Typer app one
         _plain_help(sub)
 
 
@@ -100,13 +101,14 @@ class KvctlGroup(TyperGroup):
         super().__init__(*args, **kwargs)
         self.commands = _LazyCommands()  # type: ignore[assignment]  # read-only: nothing adds commands later
 
-    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
-             standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
         argv = hoist_global_options(self, list(sys.argv[1:] if args is None else args))
         if args is None:
             scrub_process_argv()
         try:
-            rv = super().main(argv, prog_name or "kvctl", complete_var, standalone_mode=False, **extra)
+            rv = super().main(argv, prog_name or "kvctl", complete_var, standalone_mode=False,
+                              windows_expand_args=windows_expand_args, **extra)
         except typer.BadParameter as exc:
             _fail(exc.format_message(), _help_hint(exc), ExitCode.USAGE)
         except typer._click.exceptions.UsageError as exc:  # noqa: SLF001 - typer vendors click here
@@ -137,13 +139,16 @@ def hoist_global_options(group: TyperGroup, argv: list[str]) -> list[str]:
     command: TyperCommand | TyperGroup | None = group
     path_end = at
     while isinstance(command, TyperGroup) and path_end < len(argv) and not argv[path_end].startswith("-"):
-        command = command.commands.get(argv[path_end]) if argv[path_end] in command.commands else None
+        sub = command.commands.get(argv[path_end]) if argv[path_end] in command.commands else None
+        assert sub is None or isinstance(sub, TyperCommand | TyperGroup)  # typer makes each command one
+        command = sub
         path_end += 1
     if command is None or isinstance(command, TyperGroup):
         return argv
-    own = {opt: not (p.is_flag or p.count) for p in command.params if not isinstance(p, TyperArgument)
+    own = {opt: not (p.is_flag or p.count) for p in command.params if isinstance(p, TyperOption)
            for opt in (*p.opts, *p.secondary_opts)}
-    kept, hoisted = argv[:path_end], []
+    kept = argv[:path_end]
+    hoisted: list[str] = []
     i = path_end
     while i < len(argv):
         token = argv[i]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,10 +102,10 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def resolve(flags: dict[str, Any], *, context: str | None = None, env: dict[str, str] | None = None,
+def resolve(flags: dict[str, Any], *, context: str | None = None, env: Mapping[str, str] | None = None,
             file: ConfigFile | None = None) -> Settings:
     """Each key from the first of: a flag given, its environment variable, the context, the default."""
-    env = os.environ if env is None else env  # type: ignore[assignment]
+    env = os.environ if env is None else env
     file = file if file is not None else ConfigFile.load()
     name = context or env.get("KVCTL_CONTEXT") or file.current
     chosen: dict[str, Any] = {}

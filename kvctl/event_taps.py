@@ -33,6 +33,7 @@ from kvctl.natsconn import UNREACHABLE_HINT, NatsConnection, connect
 
 if TYPE_CHECKING:
     import nats
+    from nats.aio.msg import Msg
 
 POLL_MS = 200
 T = TypeVar("T")
@@ -136,7 +137,7 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
     nc = await _connect_unless_stopped(conn, stop)
     queue: asyncio.Queue[bytes] = asyncio.Queue()
 
-    async def on(msg: nats.aio.msg.Msg) -> None:
+    async def on(msg: Msg) -> None:
         where = scope.match(msg.subject)
         if jetstream or (where is not None and where[2] == KV_EVENTS):
             queue.put_nowait(msg.data)

@@ -247,12 +247,12 @@ def _hit_rates(ctx: typer.Context, engines: _Engines) -> list[Finding]:
             windows = prometheus_windows(engines.prometheus.rstrip("/"), window_s=engines.window_s,
                                          auth=engines.auth, timeout=settings.timeout)
         else:
-            with Scraper(engines.metrics, auth=engines.auth, timeout=settings.timeout) as theirs:
-                windows = theirs.since_start()
+            with Scraper(engines.metrics, auth=engines.auth, timeout=settings.timeout) as scraper:
+                windows = scraper.since_start()
     except KvctlError as exc:
-        source = "--prometheus URL" if engines.prometheus is not None else "--metrics URL"
+        flag = "--prometheus URL" if engines.prometheus is not None else "--metrics URL"
         return [Finding("hit_rate", Severity.UNKNOWN, f"metrics not read: {exc.message}", {},
-                        f"kvctl tiers {source}  (is it reachable? are the engines' families there?)")]
+                        f"kvctl tiers {flag}  (is it reachable? are the engines' families there?)")]
     theirs = report(windows)
     rates = {r.instance: r.value for r in hit_rates(theirs, "device") if r.value is not None}
     for r in theirs.readings:

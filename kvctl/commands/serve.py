@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -25,6 +25,8 @@ from kvctl.output import Output
 from kvctl.server.serve_choices import DecoderMode, LogFormat, LogLevel
 
 if TYPE_CHECKING:
+    import asyncio
+
     from kvctl.core.router.scoring import RouterConfig
     from kvctl.server.state import WorkerInfo
     from kvctl.server.zmq_plane import ZmqOptions
@@ -143,7 +145,7 @@ def _knob(name: str, env: str, dynamo_flag: str, text: str) -> typer.models.Opti
                         envvar=[f"KVCTL_{name.upper().replace('-', '_')}", f"DYN_ROUTER_{env}"])
 
 
-def _loop_factory():  # type: ignore[no-untyped-def]
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop where it is installed (Linux, macOS): a faster loop for the HTTP and ZMQ sides alike."""
     try:
         import uvloop

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -75,7 +75,7 @@ def _shown(r: Reading) -> str | None:
 def _rows(report: TierReport) -> list[dict[str, Any]]:
     """Every reading as a table row; the totals only when there is more than one instance to total."""
     totals = report.totals if len(report.instances) > 1 else ()
-    readings = sorted(report.readings, key=lambda r: (r.instance, _TIER_ORDER.get(r.tier, len(_TIER_ORDER))))
+    readings = sorted(report.readings, key=lambda r: (r.instance, _TIER_ORDER.get(r.tier or "", len(_TIER_ORDER))))
     return [{**r.to_dict(), "name": f"{r.instance}/{r.tier or '-'}/{r.metric}", "value": _shown(r),
              "bar": _bar(r.value) if r.kind == "ratio" else None}
             for r in (*readings, *totals)]
@@ -245,7 +245,7 @@ def _check_options(tier: str, warn: float | None, crit: float | None, watching: 
 
 
 def _answers(ctx: typer.Context, prometheus: str | None, metrics: list[str], window_s: float, auth: Auth, *,
-             since_start: bool, wait_until: Callable[[float], None]) -> Iterator[list[Window]]:
+             since_start: bool, wait_until: Callable[[float], None]) -> Generator[list[Window]]:
     """The chosen source's windows (a flag, else the configured Prometheus), each as soon as it is known."""
     settings = settings_for(ctx, prometheus=prometheus)
     if metrics:

@@ -253,6 +253,7 @@ static PyObject *uints_from_msgpack(PyObject *arg, const int width) {
     if (out == NULL) goto done;
     unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
     for (Py_ssize_t k = 0; k < count; k++) {
+        if (i >= n) goto bad; /* elements wider than a byte used up what the count check allowed */
         const unsigned char c = s[i];
         uint64_t v;
         int size;

@@ -60,23 +60,30 @@ def _malformed(at: int) -> ValueError:
     return ValueError(f"JSON is malformed at byte {at} of `$.token_ids`")
 
 
+def _end(run: re.Pattern[bytes], s: bytes, i: int) -> int:
+    """Where the run of `run`'s characters at `i` ends: it matches the empty string too, so it always matches."""
+    found = run.match(s, i)
+    assert found is not None
+    return found.end()
+
+
 def _refusal(s: bytes) -> ValueError:
     """The error the C reader gives for `s`, which it does not read as an array of u32s: its checks in its
     order, element by element (a number at a time, not a byte)."""
     n = len(s)
-    i = _WS.match(s).end()
+    i = _end(_WS, s, 0)
     if i == n:
         return _malformed(i)
     if s[i] != ord("["):
         kind = _JSON_TYPES.get(s[i]) or ("number" if s[i] in b"0123456789-" else None)
         return _malformed(i) if kind is None else ValueError(f"Expected `array`, got `{kind}` - at `$.token_ids`")
-    i = _WS.match(s, i + 1).end()
+    i = _end(_WS, s, i + 1)
     if i < n and s[i] == ord("]"):
-        i = _WS.match(s, i + 1).end()
+        i = _end(_WS, s, i + 1)
         return _malformed(i)  # `[]` and then something more
     count = 0
     while True:
-        i = _WS.match(s, i).end()
+        i = _end(_WS, s, i)
         if i == n:
             return _malformed(i)
         start = i
@@ -87,7 +94,7 @@ def _refusal(s: bytes) -> ValueError:
             if kind is None:
                 return _malformed(start)
             return ValueError(f"Expected `int`, got `{kind}` - at `$.token_ids[{count}]`")
-        end = i + 1 if s[i] == ord("0") else _DIGITS.match(s, i).end()
+        end = i + 1 if s[i] == ord("0") else _end(_DIGITS, s, i)
         value = int(s[i:end])
         i = end
         fractional = False
@@ -95,7 +102,7 @@ def _refusal(s: bytes) -> ValueError:
             i += 1
             if i == n or not 0x30 <= s[i] <= 0x39:
                 return _malformed(i)
-            i = _DIGITS.match(s, i).end()
+            i = _end(_DIGITS, s, i)
             fractional = True
         if i < n and s[i] in b"eE":
             i += 1
@@ -103,7 +110,7 @@ def _refusal(s: bytes) -> ValueError:
                 i += 1
             if i == n or not 0x30 <= s[i] <= 0x39:
                 return _malformed(i)
-            i = _DIGITS.match(s, i).end()
+            i = _end(_DIGITS, s, i)
             fractional = True
         if i < n and 0x30 <= s[i] <= 0x39:  # a leading zero: 01
             return _malformed(i)
@@ -114,11 +121,11 @@ def _refusal(s: bytes) -> ValueError:
         if value > _U32_MAX:
             return ValueError(f"Expected `int` <= {_U32_MAX} - at `$.token_ids[{count}]`")
         count += 1
-        i = _WS.match(s, i).end()
+        i = _end(_WS, s, i)
         if i == n:
             return _malformed(i)
         if s[i] == ord("]"):
-            return _malformed(_WS.match(s, i + 1).end())  # the array is sound: what follows it is not
+            return _malformed(_end(_WS, s, i + 1))  # the array is sound: what follows it is not
         if s[i] != ord(","):
             return _malformed(i)
         i += 1

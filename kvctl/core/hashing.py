@@ -44,7 +44,7 @@ def lora_seed(lora_name: str | None) -> int:
     return (XXH3_SEED + xxh3_64_intdigest(lora_name.encode("utf-8"), seed=0)) & U64_MASK
 
 
-def pack_tokens(tokens: Sequence[int] | array) -> memoryview:
+def pack_tokens(tokens: Sequence[int] | array[int]) -> memoryview:
     """Token ids as one little-endian u32 buffer; rejects ids outside [0, 2^32) with ValueError."""
     if isinstance(tokens, array) and tokens.typecode == "I":
         packed = tokens
@@ -65,7 +65,7 @@ def pack_tokens(tokens: Sequence[int] | array) -> memoryview:
 
 
 def local_block_hashes(
-    tokens: Sequence[int] | array,
+    tokens: Sequence[int] | array[int],
     block_size: int,
     *,
     lora_name: str | None = None,
@@ -81,7 +81,7 @@ def local_block_hashes(
     stride = 4 * block_size
     out = []
     for b in range(len(buf) // stride):
-        chunk = buf[b * stride : (b + 1) * stride]
+        chunk: bytes | memoryview = buf[b * stride : (b + 1) * stride]
         extra = mm_hashes.get(b)
         if extra:
             ordered = sorted(h & U64_MASK for h in extra)
@@ -90,7 +90,8 @@ def local_block_hashes(
     return out
 
 
-def packed_block_hashes(tokens: Sequence[int] | array, block_size: int, *, lora_name: str | None = None) -> array:
+def packed_block_hashes(tokens: Sequence[int] | array[int], block_size: int, *,
+                        lora_name: str | None = None) -> array[int]:
     """`local_block_hashes` (no multimodal hashes) as an array('Q'): what a route matches against the index's
     packed edges without an int object per block."""
     if block_size <= 0:
@@ -98,7 +99,7 @@ def packed_block_hashes(tokens: Sequence[int] | array, block_size: int, *, lora_
     return block_hashes_of_packed(pack_tokens(tokens), block_size, lora_name=lora_name)
 
 
-def block_hashes_of_packed(packed: Buffer, block_size: int, *, lora_name: str | None = None) -> array:
+def block_hashes_of_packed(packed: Buffer, block_size: int, *, lora_name: str | None = None) -> array[int]:
     """`packed_block_hashes` of token ids already packed as little-endian u32s (`pack_tokens`' layout)."""
     hashes = array("Q")
     if block_size > 0:

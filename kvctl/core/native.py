@@ -10,9 +10,14 @@ this is the only reading of it in `core/`. Callers look the functions up here at
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from kvctl.core import _native_py
+
+if TYPE_CHECKING:  # collections.abc.Buffer from Python 3.12 on
+    from typing_extensions import Buffer
 
 
 def _pick() -> tuple[ModuleType, bool]:
@@ -30,12 +35,13 @@ _implementation, NATIVE = _pick()
 IMPLEMENTATION = "C" if NATIVE else "none, pure Python"
 """In `kvctl --version`'s words: which speedups run."""
 
-xxh3_blocks = _implementation.xxh3_blocks
-xxh3_chain = _implementation.xxh3_chain
-u32_from_json = _implementation.u32_from_json
-u32_head_of_object = _implementation.u32_head_of_object
-u32le_from_msgpack = _implementation.u32le_from_msgpack
-u64_from_msgpack = _implementation.u64_from_msgpack
+# Typed here because a module picked at run time is typed as any module: the twin's signatures, which both share.
+xxh3_blocks: Callable[[Buffer, int, int], bytes] = _implementation.xxh3_blocks
+xxh3_chain: Callable[[Iterable[int], int], list[int]] = _implementation.xxh3_chain
+u32_from_json: Callable[[Buffer], bytes] = _implementation.u32_from_json
+u32_head_of_object: Callable[[Buffer], tuple[bytes, int] | None] = _implementation.u32_head_of_object
+u32le_from_msgpack: Callable[[Buffer], bytes] = _implementation.u32le_from_msgpack
+u64_from_msgpack: Callable[[Buffer], bytes] = _implementation.u64_from_msgpack
 FUNCTIONS = ("xxh3_blocks", "xxh3_chain", "u32_from_json", "u32_head_of_object", "u32le_from_msgpack",
              "u64_from_msgpack")
 """The names every implementation provides."""

@@ -166,7 +166,8 @@ class Basis(StrEnum):
 class Kind(StrEnum):
     ratio = "ratio"  # in [0, 1]
     rate = "rate"  # per second
-    count = "count"  # over the window
+    # The member shadows str.count, as StrEnum's members do what they are named after: "count" is the word.
+    count = "count"  # type: ignore[assignment]  # over the window
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,14 +17,14 @@ if TYPE_CHECKING:  # collections.abc.Buffer from Python 3.12 on
     from typing_extensions import Buffer
 
 
-def token_ids_from_json(raw: Buffer) -> array:
+def token_ids_from_json(raw: Buffer) -> array[int]:
     """The JSON array in `raw` as u32 token ids; ValueError, worded like msgspec's, for anything else."""
     ids = array("I")
     ids.frombytes(native.u32_from_json(raw))
     return ids
 
 
-def token_ids_at_head(raw: bytes) -> tuple[array, bytes] | None:
+def token_ids_at_head(raw: bytes) -> tuple[array[int], bytes] | None:
     """For a JSON object that opens with a sound `"token_ids"` array, as clients write a route request: those
     ids, and the object's other members as an object of their own, to decode without reading the array twice.
     None for any other body, to be read whole (which also words any error)."""

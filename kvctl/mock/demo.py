@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,7 @@ async def _phases(plan: DemoPlan, load: LoadGenerator, workload: list[Any], cost
                   every_s: float) -> dict[str, Any]:
     found = {policy: await capacity(load, workload, policy, ttft_slo_ms=plan.ttft_slo_ms,  # from cold caches
                                     step_s=plan.phase_s / len(CAPACITY_STEPS), concurrencies=CAPACITY_STEPS,
-                                    progress=lambda stats, p=policy: progress(f"capacity {p}", stats),
+                                    progress=partial(progress, f"capacity {policy}"),
                                     every_s=every_s)
              for policy in POLICIES}
     offered = plan.request_rate or _offered(found[Policy.random])
@@ -137,7 +138,7 @@ async def _phases(plan: DemoPlan, load: LoadGenerator, workload: list[Any], cost
     for policy in POLICIES:
         await load.clear_caches()  # every phase from cold caches
         before = await costs.start()
-        stats = await run_observed(load, workload, policy, lambda s, p=policy: progress(f"open loop {p}", s),
+        stats = await run_observed(load, workload, policy, partial(progress, f"open loop {policy}"),
                                    every_s, ttft_slo_ms=plan.ttft_slo_ms, request_rate=offered,
                                    arrival=Arrival.poisson, duration_s=plan.phase_s)
         open_loop[policy] = {**stats.report(), **await costs.since(before)}
@@ -193,7 +194,7 @@ class _Costs:
         buckets = [] if before.router_metrics is None or after.router_metrics is None else bucket_increase(
             "kvctl_route_duration_seconds", before.router_metrics, after.router_metrics, {"model": MODEL})
         decision = {f"p{round(100 * q)}": _ms(histogram_quantile(q, buckets)) for q in (0.5, 0.99)}
-        cores = {name: None if was is None or after.cpu[name] is None else round((after.cpu[name] - was) / seconds, 2)
+        cores = {name: None if was is None or (now := after.cpu[name]) is None else round((now - was) / seconds, 2)
                  for name, was in before.cpu.items()}
         return {"route_decision_ms": decision, "cpu_cores": cores}
 

@@ -40,9 +40,10 @@ def fleet_configs(
     configs = []
     for index, worker_id in enumerate(ids):
         ports = [base_port + PORTS_PER_ENGINE * index + k if base_port else 0 for k in range(PORTS_PER_ENGINE)]
-        faulty = faults is not None and (fault_engines is None or index in fault_engines)
+        faulty = fault_engines is None or index in fault_engines
         configs.append(dataclasses.replace(base, worker_id=worker_id, http_port=ports[0], zmq_port=ports[1],
-                                           replay_port=ports[2], faults=faults if faulty else base.faults))
+                                           replay_port=ports[2],
+                                           faults=faults if faults is not None and faulty else base.faults))
     return configs
 
 

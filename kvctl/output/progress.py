@@ -6,12 +6,12 @@ nothing but the result, so nothing has to be filtered out of what a script reads
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvctl.output.sink import Output, OutputFormat
 
 if TYPE_CHECKING:
-    from rich.progress import Progress
+    from rich.progress import Progress, TaskID
 
 
 def shown_to_a_person(out: Output) -> bool:
@@ -55,4 +55,4 @@ class ProgressLine:
 
     def update(self, task: int, completed: int, **fields: Any) -> None:
         if self._progress is not None:
-            self._progress.update(task, completed=completed, **fields)
+            self._progress.update(cast("TaskID", task), completed=completed, **fields)  # an id `task` gave

@@ -16,7 +16,7 @@ import time
 from array import array
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import FastAPI, Query, Request
@@ -345,7 +345,7 @@ class _Front:
 
     async def _body(self, receive: Any) -> bytes:
         read = self._capped(receive)
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             message = await read()
             if message["type"] != "http.request":
@@ -477,7 +477,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     async def register_worker(body: WorkerBody) -> Response:
         info = WorkerInfo(body.worker_id, body.dp_rank, body.model, body.endpoint, body.replay_endpoint, body.topic,
                           total_blocks=body.total_blocks)
-        if streams is not None and not streams.admit(info):  # refused now, rather than accepted and not followed
+        if streams is not None and streams.max_engines is not None and not streams.admit(info):  # refused now
             return _error(409, f"this router follows {counted(streams.max_engines, 'engine endpoint')} already, its "
                                "most "
                                "(serve --max-engines, whose default the file limit sets: ulimit -n); remove "
@@ -603,7 +603,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     return _Front(app, routing, admin_token=admin_token, max_body_bytes=max_body_bytes)
 
 
-def _worker_filter(text: str) -> Callable[[tuple[int, int]], bool] | bool:
+def _worker_filter(text: str) -> Callable[[tuple[int, int]], bool] | Literal[False]:
     try:
         wid, _, dp = text.partition(":")
         worker_id, dp_rank = int(wid), (int(dp) if dp else None)

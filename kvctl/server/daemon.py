@@ -210,7 +210,8 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
     url = base_url(sock)
     server = _Server(uvicorn.Config(app, http=http_protocol(app), log_config=None, log_level=options.log_level,
                                     access_log=False, lifespan="off", proxy_headers=False, server_header=False,
-                                    timeout_graceful_shutdown=options.shutdown_timeout_s),
+                                    # uvicorn types it int, yet hands it to asyncio.wait_for (float seconds)
+                                    timeout_graceful_shutdown=options.shutdown_timeout_s),  # type: ignore[arg-type]
                      notifier, _ready_status(url, restored),
                      f"draining connections (up to {options.shutdown_timeout_s:g} s), then the final snapshot")
     for info in options.engines:

@@ -49,7 +49,12 @@ class Discovery(Protocol):
     url: str
     can_register: bool  # whether register() can file this router's records (Kubernetes discovery cannot)
     stray: Counter[str]  # entries that are not records, by why
-    expired: int  # records the last listing ignored: their owners stopped refreshing them
+
+    @property
+    def expired(self) -> int:
+        """Records the last listing ignored: their owners stopped refreshing them."""
+        ...
+
     follows: str  # how changes are seen: "watch" or "poll"
 
     async def list(self, prefix: str) -> dict[str, bytes]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import resource
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import zmq
 
@@ -27,7 +27,7 @@ logs, ZMQ's own threads): this many, or a quarter of a lower limit."""
 
 ZMQ_DEFAULT_SOCKETS = 1023
 
-C = TypeVar("C", bound=zmq.Context)  # type: ignore[type-arg]
+C = TypeVar("C", bound="zmq.Context[Any]")
 
 
 def raise_file_limit() -> int:

@@ -14,6 +14,7 @@ a labelled EndpointSlice, which kvctl cannot make itself, so it files no records
 from __future__ import annotations
 
 import base64
+import builtins
 import json
 import os
 import re
@@ -191,7 +192,7 @@ class KubernetesDiscovery:
         if field is None or not prefix.startswith(bucket + "/"):
             raise ValueError(f"only {', '.join(BUCKETS)} keys are listed, not {prefix!r}")
         found: dict[str, bytes] = {}
-        counted: dict[str, str] = {}
+        counted: dict[tuple[str, str], str] = {}
         for item in await self._items():
             name, version, channels = _records(item, field)
             fresh = self._counted.get((bucket, name)) != version
@@ -213,7 +214,7 @@ class KubernetesDiscovery:
         self._counted = {k: v for k, v in self._counted.items() if k[0] != bucket} | counted
         return found
 
-    async def _items(self) -> list[Any]:
+    async def _items(self) -> builtins.list[Any]:  # `list` in this class is the method above
         """Every resource of the namespace, page by page (one page when served from the watch cache)."""
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=API_TIMEOUT_S, verify=self.api.verify or True)

@@ -98,7 +98,7 @@ class FleetCollector(Collector):
     @staticmethod
     def _streams(streams: Streams) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         labels = ["worker_id", "dp_rank", "endpoint"]
-        counters = {
+        counters: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
             "messages": CounterMetricFamily("kvctl_stream_messages", "engine messages received", labels=labels),
             "gaps": CounterMetricFamily("kvctl_stream_gaps", "seq gaps seen on the live stream", labels=labels),
             "lost_batches": CounterMetricFamily("kvctl_stream_lost_batches", "batches no replay could recover",

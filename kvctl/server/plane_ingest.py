@@ -48,8 +48,11 @@ Handler = Callable[[bytes, Order, Publisher, float], Awaitable[None]]
 
 
 class _Reported(Protocol):
-    worker_id: int
-    dp_rank: int
+    @property
+    def worker_id(self) -> int: ...
+
+    @property
+    def dp_rank(self) -> int: ...
 
 
 R = TypeVar("R", bound=_Reported)

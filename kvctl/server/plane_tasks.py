@@ -27,7 +27,7 @@ class PlaneTasks:
         self._started = asyncio.Event()
 
     def _spawn(self, work: Coroutine[Any, Any, None], into: list[asyncio.Task[None]] | None = None) -> None:
-        task = asyncio.get_running_loop().create_task(work)
+        task = asyncio.get_running_loop().create_task(work, name=work.__qualname__)
         task.add_done_callback(self._died)
         (self._tasks if into is None else into).append(task)
 
@@ -38,7 +38,7 @@ class PlaneTasks:
         assert exc is not None
         self.state = "failed"
         self.last_error = error_text(exc)
-        log.error("event plane: %s stopped", task.get_coro().__qualname__, exc_info=exc)
+        log.error("event plane: %s stopped", task.get_name(), exc_info=exc)
 
     async def ready(self, timeout: float) -> bool:
         with contextlib.suppress(TimeoutError):

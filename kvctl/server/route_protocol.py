@@ -89,7 +89,8 @@ def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: i
             connections.open += 1
             self._counted = True
             super().connection_made(transport)
-            self.timeout_keep_alive = connections.idle_timeout_s
+            # uvicorn types it int, yet only hands it to loop.call_later, which takes seconds as a float.
+            self.timeout_keep_alive = connections.idle_timeout_s  # type: ignore[assignment]
             self._wait_on_client()
 
         def connection_lost(self, exc: Exception | None) -> None:

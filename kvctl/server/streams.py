@@ -202,6 +202,7 @@ class Streams:
         if not info.endpoint or info.key in self._running:
             return False
         if not self.admit(info):
+            assert self.max_engines is not None  # only a limit refuses
             log.error("engine %s:%s at %s not followed: %s already (--max-engines)", *info.key,
                       info.endpoint, counted(self.max_engines, "engine"))
             return False

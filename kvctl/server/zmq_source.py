@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -61,57 +61,16 @@ from kvctl.server.budget import SLICE_S
 from kvctl.server.decoder import Backpressure, Decoder, InlineDecoder, NeverFull, Subscription
 from kvctl.server.gap_log import GapLog
 from kvctl.server.schema_seen import Schema, SchemaSeen, sampled
+from kvctl.server.stream_stats import StreamStats, WorkerKey
 
 __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
 
 log = logging.getLogger(__name__)
 
-WorkerKey = tuple[int, int]
-Sink = Callable[[WorkerKey, list[EventData]], None]
+Sink = Callable[[WorkerKey, list[EventData]], object]  # what it returns is not read
 Received = list[bytes] | EngineBatch | ErrorKind
 """A live message as received: its frames when the stream read them itself, decoded when the decode process did."""
 OnRestart = Callable[[WorkerKey], None]
-
-@dataclass(frozen=True, slots=True)
-class StreamStats:
-    """A snapshot of one stream's counters (`EngineStream.stats`).
-
-    - `messages`: live messages received (malformed ones included; duplicates included).
-    - `batches_applied`: batches (live or replayed) taken in seq order and decoded, events delivered or not;
-      `last_seq` is the last of them.
-    - `events`: events handed to the sink.
-    - `gaps`: gaps detected on the live stream; `lost_batches`: seqs that could not be replayed.
-    - `replays_ok` / `replays_failed`: replays that repaired their gap / that timed out or came back
-      incomplete (the engine no longer held the range).
-    - `duplicates`: live or replayed messages skipped because their seq was already applied.
-    - `jumps`: live seqs implausibly far ahead (`JUMP_MAX`), applied without moving the stream's place.
-    - `gapped`: some batch was lost since the stream started (or since the last engine restart,
-      which clears the worker and so makes the index whole again).
-    - `last_event_at` / `last_message_at`: the injected clock at the last delivered event / at the
-      last live message; None before any.
-    """
-
-    worker: WorkerKey
-    endpoint: str
-    replay_endpoint: str | None
-    messages: int
-    batches_applied: int
-    events: int
-    last_seq: int | None
-    gaps: int
-    replays_ok: int
-    replays_failed: int
-    lost_batches: int
-    restarts: int
-    duplicates: int
-    jumps: int
-    decode_errors: dict[str, int]
-    last_event_at: float | None
-    last_message_at: float | None
-    gapped: bool
-    replaying: bool
-    schema: SchemaSeen
-
 
 @dataclass(slots=True)
 class _Replay:
@@ -386,7 +345,8 @@ class EngineStream:
             wake.clear()
             return {}
         woken = asyncio.ensure_future(wake.wait())
-        polling = None if self._dealer is None or self._poller is None else self._poller.poll(timeout_ms)
+        polling = None if self._dealer is None or self._poller is None else asyncio.ensure_future(
+            self._poller.poll(timeout_ms))
         waits: set[asyncio.Future[Any]] = {woken} if polling is None else {woken, polling}
         try:
             await asyncio.wait(waits, timeout=None if timeout_ms is None else timeout_ms / 1000,
@@ -421,7 +381,7 @@ class EngineStream:
             not self._closing
             and dealer is not None
             and dealer is self._dealer
-            and dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            and cast(int, dealer.getsockopt(zmq.EVENTS)) & zmq.POLLIN  # an int option, typed as any option
         ):
             frames = await dealer.recv_multipart()
             if self._replay is None:

@@ -57,7 +57,8 @@ def fleet(workers: int = 8, *, seed: int = 0, interval: float = 1.0,
 
     def poll(n: int) -> Poll:
         rng = random.Random(seed * 1_000_003 + n)
-        rows, streams = [], []
+        rows: list[dict[str, Any]] = []
+        streams: list[dict[str, Any]] = []
         for i in range(workers):
             key = {"worker_id": 100 + i // 2, "dp_rank": i % 2}
             silent = i % 13 == 5

@@ -145,8 +145,9 @@ def _shares(before: Poll | None, after: Poll) -> dict[tuple[int, int], float]:
     won = {}
     for w in after.workers:
         key = (w["worker_id"], w["dp_rank"])
-        if w.get("routes") is not None and prior.get(key) is not None:
-            won[key] = counter_increase(prior[key], w["routes"])
+        routes_before = prior.get(key)
+        if w.get("routes") is not None and routes_before is not None:
+            won[key] = counter_increase(routes_before, w["routes"])
     total = sum(won.values())
     return {key: n / total for key, n in won.items()} if total else {}
 

@@ -122,10 +122,13 @@ class LiveSource:
             self.client.send(calls.status()), self.client.send(calls.workers()),
             asyncio.to_thread(self._metrics.scrape, self._metrics.urls[0]), return_exceptions=True)
         at = (started + self._clock()) / 2  # the middle of the requests: what the counters' rates divide by
-        for answer in answers:  # all awaited, the first failure in call order reported: the router's own
-            if isinstance(answer, BaseException):
-                raise answer
-        status, workers, samples = answers
+        status, workers, samples = answers  # all awaited, the first failure in call order reported: the router's own
+        if isinstance(status, BaseException):
+            raise status
+        if isinstance(workers, BaseException):
+            raise workers
+        if isinstance(samples, BaseException):
+            raise samples
         tiers, tiers_error = await self._tier_rates()
         return Poll(at=at, status=status, workers=workers["workers"], counters=router_counters(samples),
                     tiers=tiers, tiers_error=tiers_error, tiers_note=self.tiers.note if self.tiers else None)

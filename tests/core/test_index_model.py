@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from xxhash import xxh3_64_intdigest
 
 from kvctl.core.events import Cleared, Removed, RouterEvent, Stored, Tier
-from kvctl.core.index import KvIndex, Status, radix
+from kvctl.core.index import KvIndex, Status, removal
 from kvctl.core.index.kv_index import DumpEdge, events_of
 from tests.core.index_checks import assert_lookups_consistent
 
@@ -80,7 +80,7 @@ symbols = st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=5)
 def rebuild_lookups_early(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lookups are rebuilt as soon as half their entries are dead, so these small trees exercise it
     (the oracle tests keep the default, where dead entries live long)."""
-    monkeypatch.setattr(radix, "_DEAD_SLACK", 0)
+    monkeypatch.setattr(removal, "_DEAD_SLACK", 0)
 
 
 class IndexModel(RuleBasedStateMachine):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvctl.core.index import RadixTree, Status, radix
+from kvctl.core.index import RadixTree, Status, removal
 from tests.core.index_checks import assert_lookups_consistent
 
 W = (1, 0)
@@ -62,7 +62,7 @@ def test_a_lookup_that_is_never_reclaimed_grows_by_a_quarter_at_most(monkeypatch
                                                                         slack: int) -> None:
     """Steady churn (a request in, the oldest out) with no idle moment: dead entries are popped by
     `remove` itself once the lookup has grown by a quarter, and the sizes stay exact throughout."""
-    monkeypatch.setattr(radix, "_DEAD_SLACK", slack)
+    monkeypatch.setattr(removal, "_DEAD_SLACK", slack)
     tree = RadixTree()
     live = [request(tree, W, n) for n in range(30)]
     base = len(tree._lookup[tree._slots[W]])

@@ -77,6 +77,14 @@ def test_every_int_encoding_reads_as_msgspec_decodes_it(items: list[tuple[int, s
     _agrees(raw, msgspec.msgpack.decode(raw))
 
 
+@pytest.mark.parametrize("raw", [b"\x94\xcc\x05\xcc\x06", b"\xdc\x00\x04\xcd\x01\x00\xcd\x02\x00"],
+                         ids=["fixarray", "array16"])
+def test_an_array_whose_wide_elements_use_up_the_bytes_is_refused(raw: bytes) -> None:
+    """Four elements in four bytes passes the count check (an element takes at least a byte), but two 2-byte
+    elements use them up: the reader must stop at the end, not read past it (.ci/sanitizers caught it)."""
+    _agrees(raw, None)
+
+
 @given(st.binary(max_size=60) | st.builds(lambda head, rest: head + rest, st.sampled_from(
     [b"\x93", b"\xdc\x00\x02", b"\xdd\x00\x00\x00\x01", b"\x91\xcf", b"\x92\xd3"]), st.binary(max_size=20)))
 def test_any_bytes_read_as_msgspec_decodes_them_or_are_refused(raw: bytes) -> None:

@@ -202,11 +202,10 @@ def _decode_common(payload: bytes, default_block_size: int | None, packed_remova
         raw = _COMMON.decode(payload)
         events: list[EventData] = []
         for event in raw.events:
-            kind = type(event)
-            if kind is _RemovedMap:
+            if type(event) is _RemovedMap:
                 events.append(Removed(_removed_hashes(event.block_hashes, packed_removals),
                                       tier_from_medium(event.medium)))
-            elif kind is _StoredMap:
+            elif type(event) is _StoredMap:
                 hashes = event.block_hashes
                 events.append(Stored(event.parent_block_hash, hashes,
                                      _packed_local_hashes(event.token_ids, len(hashes),

@@ -230,7 +230,7 @@ def encode_sequence_event(ev: ActiveSequenceEvent) -> bytes:
 
 
 def _action(data: Any) -> SequenceAction:
-    if data in (FREE, PREFILL_COMPLETED):
+    if isinstance(data, str) and data in (FREE, PREFILL_COMPLETED):
         return data
     if not (isinstance(data, dict) and len(data) == 1 and "AddRequest" in data):
         raise DecodeError(ErrorKind.unknown_type, "data",

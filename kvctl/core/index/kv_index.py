@@ -37,7 +37,7 @@ class DumpEdge(NamedTuple):
     worker: Worker
     parent_hash: int | None
     block_hashes: list[int]
-    tokens_hashes: array
+    tokens_hashes: array[int]
     length: int
 
 
@@ -189,8 +189,8 @@ class KvIndex:
                 yield edges
                 edges = []
         for tier, index in self.lower.items():
-            for n, (worker, parent, block, local) in enumerate(index.held_edges(), 1):
-                edges.append(DumpEdge(tier, worker, parent, [block], array("Q", [local]), 1))
+            for n, (worker, parent_block, block, local) in enumerate(index.held_edges(), 1):
+                edges.append(DumpEdge(tier, worker, parent_block, [block], array("Q", [local]), 1))
                 if nodes is not None and n % nodes == 0:
                     yield edges
                     edges = []

@@ -27,118 +27,12 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from itertools import repeat
-from operator import is_
-from typing import NamedTuple
 
-Worker = tuple[int, int]  # (worker_id, dp_rank)
+from kvctl.core.index import removal
+from kvctl.core.index.node import OK_EMPTY, ApplyResult, Deferred, Node, Status, Worker, iter_bits
 
-_DEAD_SLACK = 1024
-"""Entries a worker's lookup may grow by, beyond a quarter more than its size when it started keeping
-dead ones, before `remove` pops dead ones itself instead of leaving them to `reclaim`."""
-
-# What a freed node keeps of its local and packed engine hashes once they are let go (never written to).
-_RELEASED = array("Q")
-
-# Bit positions of every byte value: turns a bitmask into slot numbers without a per-bit Python loop.
-_BYTE_BITS: tuple[tuple[int, ...], ...] = tuple(tuple(b for b in range(8) if v >> b & 1) for v in range(256))
-
-
-def iter_bits(mask: int) -> list[int]:
-    """Slot numbers set in `mask`, ascending."""
-    raw = mask.to_bytes((mask.bit_length() + 7) >> 3, "little")
-    table = _BYTE_BITS
-    return [(i << 3) + b for i, byte in enumerate(raw) if byte for b in table[byte]]
-
-
-class Status(StrEnum):
-    """What applying one event did; the values are Dynamo's `kv_cache_events_applied` statuses."""
-
-    ok = "ok"
-    parent_block_not_found = "parent_block_not_found"
-    block_not_found = "block_not_found"
-    invalid_block = "invalid_block"
-
-
-class ApplyResult(NamedTuple):
-    """One per event applied: a tuple, which builds in a third of a frozen dataclass's time."""
-
-    status: Status
-    blocks: int = 0  # blocks stored, or removed
-    missing: int = 0  # removals of blocks the worker did not hold
-
-
-OK_EMPTY = ApplyResult(Status.ok)
-
-
-class Node:
-    """A compressed edge of blocks and who holds it; the root has an empty edge.
-
-    An edge's `hashes`, `packed` and `locals` only ever grow in place (a leaf extended); cutting an edge
-    gives it new ones. So whoever holds those objects and a length keeps a prefix that cannot change under it:
-    what lets a dump be captured without copying a block.
-    """
-
-    __slots__ = ("locals", "hashes", "packed", "index", "full", "cutoffs", "children", "internal", "parent", "freed")
-
-    def __init__(self, locals_: array, hashes: list[int], parent: Node | None, full: int,
-                 packed: array | None = None) -> None:
-        self.locals = locals_
-        self.hashes = hashes
-        self.packed = array("Q", hashes) if packed is None else packed
-        self.index: dict[int, int] = dict(zip(hashes, range(len(hashes)), strict=True))
-        self.full = full  # bitmask of slots holding the whole edge
-        self.cutoffs: dict[int, int] | None = None  # slot -> k: holds edge[:k], 0 < k < len(edge)
-        self.children: dict[int, Node] | None = None  # first local hash of the child's edge -> child
-        self.internal = False  # once a node has had children it is never extended again (as Dynamo)
-        self.parent = parent
-        self.freed = False  # nobody holds it any more and it is out of the tree
-
-    def cutoff(self, slot: int) -> int:
-        if self.full >> slot & 1:
-            return len(self.locals)
-        return self.cutoffs.get(slot, 0) if self.cutoffs else 0
-
-    def covers(self, slot: int, pos: int) -> bool:
-        if self.full >> slot & 1:
-            return True
-        return bool(self.cutoffs) and pos < self.cutoffs.get(slot, 0)  # type: ignore[union-attr]
-
-    def has_workers(self) -> bool:
-        return bool(self.full or self.cutoffs)
-
-    def promote(self, bit: int, slot: int) -> None:
-        if not self.full & bit:
-            if self.cutoffs:
-                self.cutoffs.pop(slot, None)
-            self.full |= bit
-
-    def cover_prefix(self, bit: int, slot: int, k: int) -> None:
-        """Hold at least edge[:k] (a store never shortens what a worker holds)."""
-        if k >= len(self.locals):
-            self.promote(bit, slot)
-        elif k > 0 and not self.full & bit:
-            if self.cutoffs is None:
-                self.cutoffs = {slot: k}
-            elif self.cutoffs.get(slot, 0) < k:
-                self.cutoffs[slot] = k
-
-    def drop(self, bit: int, slot: int) -> None:
-        self.full &= ~bit
-        if self.cutoffs:
-            self.cutoffs.pop(slot, None)
-            if not self.cutoffs:
-                self.cutoffs = None
-
-
-@dataclass(slots=True)
-class _Deferred:
-    """What a worker's lookup still holds of nodes it freed (see `RadixTree.remove`)."""
-
-    dead: int = 0  # entries pointing at freed nodes
-    nodes: list[Node] = field(default_factory=list)  # those nodes (and maybe some whose entries have gone)
-    base: int = 0  # the lookup's size when `nodes` was last empty
+__all__ = ["OK_EMPTY", "ApplyResult", "Matches", "Node", "RadixTree", "Status", "Worker", "iter_bits"]
 
 
 @dataclass(slots=True)
@@ -164,7 +58,7 @@ class RadixTree:
         self._shadows: set[int] = set()
         self._ghosts: dict[Worker, int] = {}  # removed workers whose bits may linger -> their slot
         self._lookup: list[dict[int, Node] | None] = []  # slot -> engine block hash -> node
-        self._deferred: list[_Deferred] = []  # slot -> what its lookup still holds of freed nodes: see `remove`
+        self._deferred: list[Deferred] = []  # slot -> what its lookup still holds of freed nodes: see `remove`
         self._garbage: list[dict[int, Node]] = []  # lookups of workers that let go of everything: see `reclaim`
         self.nodes = 0
         # Blocks a worker stored on a token path already indexed under other engine hashes: engines
@@ -186,10 +80,10 @@ class RadixTree:
                 slot = len(self._workers)
                 self._workers.append(worker)
                 self._lookup.append({})
-                self._deferred.append(_Deferred())
+                self._deferred.append(Deferred())
             else:
                 self._lookup[slot] = {}
-                self._deferred[slot] = _Deferred()
+                self._deferred[slot] = Deferred()
             self._slots[worker] = slot
         return slot
 
@@ -378,7 +272,8 @@ class RadixTree:
             previous = set(bound)
             previous.difference_update((None, node, moving_from))
             if previous and slot not in self._shadows:
-                freed = [p for p in previous if p.freed]  # entries let go lazily: taken back, no longer dead
+                # entries let go lazily: taken back, no longer dead
+                freed = [p for p in previous if p is not None and p.freed]
                 if freed:
                     self._deferred[slot].dead -= sum(map(bound.count, freed))
                     previous.difference_update(freed)
@@ -401,7 +296,7 @@ class RadixTree:
             assert lookup is not None
             for h in [h for h, node in lookup.items() if node.freed]:
                 del lookup[h]
-            self._deferred[slot] = _Deferred()
+            self._deferred[slot] = Deferred()
 
     def _bind_shared(self, slot: int, lookup: dict[int, Node], keys: list[int], node: Node) -> None:
         """Bind keys to `node`'s first edge positions, reusing the node's own int objects where equal."""
@@ -416,7 +311,7 @@ class RadixTree:
         self.hash_mismatches[worker] = self.hash_mismatches.get(worker, 0) + differing
         self._bind(slot, lookup, keys, node)
 
-    def _reuse_parent_edge(self, node: Node, pos: int, hashes: list[int], locs: array, bit: int, slot: int,
+    def _reuse_parent_edge(self, node: Node, pos: int, hashes: list[int], locs: array[int], bit: int, slot: int,
                            lookup: dict[int, Node]) -> bool:
         """A store under a block in the middle or at the end of an edge that the edge already continues."""
         suffix_len = len(node.hashes) - pos - 1
@@ -437,7 +332,7 @@ class RadixTree:
         self._bind(slot, lookup, node.hashes[lo : lo + n], node)
         return True
 
-    def _append_to_leaf(self, node: Node, hashes: list[int], locs: array, bit: int, slot: int) -> None:
+    def _append_to_leaf(self, node: Node, hashes: list[int], locs: array[int], bit: int, slot: int) -> None:
         old = len(node.locals)
         others = node.full & ~bit
         if others:
@@ -502,171 +397,18 @@ class RadixTree:
         return suffix
 
     def remove(self, worker: Worker, block_hashes: Sequence[int]) -> ApplyResult:
-        """Let the worker go of blocks, Dynamo's way; a node nobody holds any more is freed.
+        """Let the worker go of blocks, Dynamo's way; a node nobody holds any more is freed (`removal.remove`)."""
+        return removal.remove(self, worker, block_hashes)
 
-        Most removals free the node they empty (engines evict whole requests, leaf first). Popping each
-        of its hashes from the worker's lookup, and freeing them, would cost cache misses per block, so
-        those entries are left in place, pointing at the freed node: every reader takes such an entry
-        for no entry, and `_deferred` counts them. `reclaim` pops them later, when the server is idle; a
-        worker that lets go of everything hands its whole lookup over at once; and a lookup that keeps
-        growing meanwhile pops them here once it is a quarter larger. The count is exact only where the
-        lookup names each block of the edge exactly once (no shadow, no hash mismatch, no hash twice in
-        the edge), so elsewhere entries are popped one by one as before.
-
-        `block_hashes` may be a list or an `array('Q')` (as the decode process sends them); nothing on
-        the common path reads an int object of the edge, nor frees one: a freed node's edge index goes
-        with its lookup entries, when they are popped.
-        """
-        slot = self._slots.get(worker)
-        if slot is None:
-            self._slot(worker)
-            return ApplyResult(Status.block_not_found, 0, len(block_hashes))
-        bit = 1 << slot
-        lookup = self._lookup[slot]
-        assert lookup is not None
-        shadows = self._shadows
-        removed = missing = 0
-        # (edge hashes, start, end) of what went stale: only searched when a hash is missing, which is rare
-        made_stale: list[tuple[list[int], int, int]] = []
-        hashes = block_hashes
-        packed = type(hashes) is array
-        n = len(hashes)
-        i = 0
-        while i < n:
-            h = hashes[i]
-            i += 1
-            node = lookup.pop(h, None)
-            if node is None or (node.freed and slot not in shadows):
-                if node is not None:
-                    self._deferred[slot].dead -= 1
-                if not any(h in run[lo:hi] for run, lo, hi in made_stale):
-                    missing += 1
-                continue
-            index = node.index
-            pos = index.get(h)
-            if pos is None:
-                lookup[h] = node
-                missing += 1
-                continue
-            removed += 1
-            cut = node.cutoff(slot)
-            if pos >= cut:
-                if cut:  # a duplicate hash resolved to a later position: the worker still holds this edge
-                    self._shadow(slot)
-                made_stale.append(([h], 0, 1))
-                continue
-            # Engines evict runs of one edge together: take the following hashes of this edge the
-            # worker still holds in one step (the same end state as one by one, as Dynamo does).
-            # Leaf-first eviction walks the edge backwards to its start: when the rest of the event is
-            # exactly that, one compare of packed slices takes the run instead of two lookups per block.
-            # It needs each hash at one place (no repeat in the edge) and, for a slot whose lookup ever lost
-            # track of a node (`_shadows`), a check that the run is still bound here.
-            unique = len(index) == len(node.hashes)
-            k = min(pos, n - i)
-            if k and unique:
-                run = node.packed[pos - k:pos]
-                run.reverse()
-                if (hashes[i:i + k] if packed else array("Q", hashes[i:i + k])) == run and (
-                        slot not in shadows or all(map(is_, map(lookup.get, node.hashes[pos - k:pos]), repeat(node)))):
-                    removed += k
-                    i += k
-                    pos -= k
-            while i < n and lookup.get(hashes[i]) is node:
-                nxt = index.get(hashes[i])
-                if nxt is None or nxt >= cut:
-                    break
-                if nxt < pos:
-                    pos = nxt
-                removed += 1
-                i += 1
-            # The worker keeps only edge[:pos]: the rest of what it held of this edge goes stale (not
-            # its blocks in child edges). A later hash of the same event made stale here is no error.
-            made_stale.append((node.hashes, pos, cut))
-            if pos == 0:
-                node.drop(bit, slot)
-            else:
-                node.full &= ~bit
-                if node.cutoffs is None:
-                    node.cutoffs = {slot: pos}
-                else:
-                    node.cutoffs[slot] = pos
-            if (pos == 0 and unique and not node.has_workers() and slot not in shadows
-                    and worker not in self.hash_mismatches):
-                deferred = self._deferred[slot]
-                if not deferred.nodes:
-                    deferred.base = len(lookup) + 1
-                deferred.nodes.append(node)
-                deferred.dead += cut - 1  # edge[:cut] but h, which is popped
-                self._after_loss(node)
-                if not shadows:  # nothing reads them again (a shadow slot's stale entry might)
-                    node.locals = node.packed = _RELEASED
-                continue
-            popped = set(map(lookup.pop, node.hashes[pos:cut], repeat(None)))
-            popped.difference_update((None, node))
-            # A stale hash that the worker also stored elsewhere (another node, or earlier in this
-            # edge: the edge index then has fewer entries than the edge) loses that binding too.
-            if popped or (pos and not unique):
-                self._shadow(slot)
-            self._after_loss(node)
-        self._tidy(slot)
-        if missing:
-            return ApplyResult(Status.block_not_found, removed, missing)
-        return ApplyResult(Status.ok, removed)
-
-    def _tidy(self, slot: int) -> None:
-        """Hand an emptied lookup to `reclaim`; keep a churning one within 1.25x its size (amortised)."""
-        lookup = self._lookup[slot]
-        assert lookup is not None
-        deferred = self._deferred[slot]
-        if len(lookup) == deferred.dead:
-            if lookup:
-                self._garbage.append(lookup)
-            self._lookup[slot] = {}  # a dict never shrinks its table; an emptied worker gives it back
-            self._deferred[slot] = _Deferred()
-            return
-        nodes = deferred.nodes
-        while nodes and len(lookup) > deferred.base + (deferred.base >> 2) + _DEAD_SLACK:
-            self._release(slot, nodes.pop())
-
-    def _release(self, slot: int, node: Node) -> int:
-        """Pop what the slot's lookup still holds of a node it freed; returns the hashes looked up."""
-        lookup = self._lookup[slot]
-        assert lookup is not None
-        keys = node.hashes
-        popped = list(map(lookup.pop, keys, repeat(None)))
-        mine = popped.count(node)
-        if mine + popped.count(None) != len(keys):  # a hash bound elsewhere since: it stays there
-            for h, other in zip(keys, popped, strict=True):
-                if other is not None and other is not node:
-                    lookup[h] = other
-        self._deferred[slot].dead -= mine
-        return len(keys)
 
     @property
     def debt(self) -> int:
         """Lookup entries of freed nodes not given back yet (see `remove` and `reclaim`)."""
         return sum(map(len, self._garbage)) + sum(d.dead for d in self._deferred)
-
     def reclaim(self, budget: int) -> bool:
-        """Give back about `budget` entries of freed nodes' memory; True while there is more.
+        """Give back about `budget` entries of freed nodes' memory; True while there is more (`removal.reclaim`)."""
+        return removal.reclaim(self, budget)
 
-        `remove` leaves this work for later, so a burst of removals is applied at the speed of the index
-        rather than of the allocator; a server calls this while idle, a slice at a time.
-        """
-        garbage = self._garbage
-        while budget > 0 and garbage:
-            lookup = garbage[-1]
-            n = min(budget, len(lookup))
-            for _ in repeat(None, n):
-                lookup.popitem()
-            budget -= n
-            if not lookup:
-                garbage.pop()
-        for slot, deferred in enumerate(self._deferred):
-            nodes = deferred.nodes
-            while budget > 0 and nodes:
-                budget -= self._release(slot, nodes.pop())
-        return bool(garbage) or any(d.nodes for d in self._deferred)
 
     def _after_loss(self, node: Node) -> None:
         """Dynamo clears the children of an edge nobody holds whole; kvctl also frees a node nobody holds."""
@@ -695,7 +437,7 @@ class RadixTree:
             return OK_EMPTY
         self._drop_slot(slot)
         self._lookup[slot] = {}
-        self._deferred[slot] = _Deferred()
+        self._deferred[slot] = Deferred()
         self.hash_mismatches.pop(worker, None)
         self.hash_agreements.pop(worker, None)
         return OK_EMPTY
@@ -711,7 +453,7 @@ class RadixTree:
             total += self._held(slot)
             self._drop_slot(slot)
             self._lookup[slot] = None
-            self._deferred[slot] = _Deferred()
+            self._deferred[slot] = Deferred()
             if slot in self._shadows:
                 self._ghosts[w] = slot
             else:
@@ -781,7 +523,7 @@ class RadixTree:
         return worker
 
 
-def _common_prefix(edge: array, q: Sequence[int], start: int, walk: int) -> int:
+def _common_prefix(edge: array[int], q: Sequence[int], start: int, walk: int) -> int:
     """Length of the longest common prefix of edge[:walk] and q[start:start+walk] (binary search on slices)."""
     lo, hi = 0, walk
     while lo < hi:

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from kvctl.core.words import counted
 
@@ -126,7 +127,8 @@ class BusyThresholds:
         Nothing changes if any field is invalid: the whole update is validated before it is stored.
         """
         _check_names(fields)
-        changes = {name: value for name, value in fields.items() if value is not None}
+        # Any: the fields differ in type, and Thresholds validates whatever it is given (`__post_init__`).
+        changes: dict[str, Any] = {name: value for name, value in fields.items() if value is not None}
         return self._store(model, dataclasses.replace(self.get(model), **changes))
 
     def unset(self, model: str, *field_names: str) -> Thresholds:
@@ -139,7 +141,7 @@ class BusyThresholds:
 
         Keys other than the three thresholds (`model` among them) are the server's and ignored here.
         """
-        fields = {name: body.get(name) for name in THRESHOLD_FIELDS}
+        fields: dict[str, Any] = {name: body.get(name) for name in THRESHOLD_FIELDS}
         if all(value is None for value in fields.values()):
             return self.get(model)
         return self.set(model, **fields)  # set validates whatever the body held

@@ -1,0 +1,190 @@
+"""Removal: a worker letting go of blocks, Dynamo's way, and the deferred freeing that keeps it fast.
+
+Apart from the tree (`radix.py`) because it is the index's largest piece of logic: which edge a removed hash cuts,
+which runs of an edge go at once, and which lookup entries of freed nodes are left for `reclaim` to pop while
+the server is idle. It works on the tree's own fields: both modules are the one index, inside `core/index`.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from itertools import repeat
+from operator import is_
+from typing import TYPE_CHECKING
+
+from kvctl.core.index.node import ApplyResult, Deferred, Node, Status, Worker
+
+if TYPE_CHECKING:
+    from kvctl.core.index.radix import RadixTree
+
+_DEAD_SLACK = 1024
+"""Entries a worker's lookup may grow by, beyond a quarter more than its size when it started keeping
+dead ones, before `remove` pops dead ones itself instead of leaving them to `reclaim`."""
+
+# What a freed node keeps of its local and packed engine hashes once they are let go (never written to).
+_RELEASED = array("Q")
+
+
+def remove(tree: RadixTree, worker: Worker, block_hashes: Sequence[int]) -> ApplyResult:
+    """Let the worker go of blocks, Dynamo's way; a node nobody holds any more is freed.
+
+    Most removals free the node they empty (engines evict whole requests, leaf first). Popping each
+    of its hashes from the worker's lookup, and freeing them, would cost cache misses per block, so
+    those entries are left in place, pointing at the freed node: every reader takes such an entry
+    for no entry, and `_deferred` counts them. `reclaim` pops them later, when the server is idle; a
+    worker that lets go of everything hands its whole lookup over at once; and a lookup that keeps
+    growing meanwhile pops them here once it is a quarter larger. The count is exact only where the
+    lookup names each block of the edge exactly once (no shadow, no hash mismatch, no hash twice in
+    the edge), so elsewhere entries are popped one by one as before.
+
+    `block_hashes` may be a list or an `array('Q')` (as the decode process sends them); nothing on
+    the common path reads an int object of the edge, nor frees one: a freed node's edge index goes
+    with its lookup entries, when they are popped.
+    """
+    slot = tree._slots.get(worker)
+    if slot is None:
+        tree._slot(worker)
+        return ApplyResult(Status.block_not_found, 0, len(block_hashes))
+    bit = 1 << slot
+    lookup = tree._lookup[slot]
+    assert lookup is not None
+    shadows = tree._shadows
+    removed = missing = 0
+    # (edge hashes, start, end) of what went stale: only searched when a hash is missing, which is rare
+    made_stale: list[tuple[list[int], int, int]] = []
+    hashes = block_hashes
+    packed = type(hashes) is array
+    n = len(hashes)
+    i = 0
+    while i < n:
+        h = hashes[i]
+        i += 1
+        node = lookup.pop(h, None)
+        if node is None or (node.freed and slot not in shadows):
+            if node is not None:
+                tree._deferred[slot].dead -= 1
+            if not any(h in run[lo:hi] for run, lo, hi in made_stale):
+                missing += 1
+            continue
+        index = node.index
+        pos = index.get(h)
+        if pos is None:
+            lookup[h] = node
+            missing += 1
+            continue
+        removed += 1
+        cut = node.cutoff(slot)
+        if pos >= cut:
+            if cut:  # a duplicate hash resolved to a later position: the worker still holds this edge
+                tree._shadow(slot)
+            made_stale.append(([h], 0, 1))
+            continue
+        # Engines evict runs of one edge together: take the following hashes of this edge the
+        # worker still holds in one step (the same end state as one by one, as Dynamo does).
+        # Leaf-first eviction walks the edge backwards to its start: when the rest of the event is
+        # exactly that, one compare of packed slices takes the run instead of two lookups per block.
+        # It needs each hash at one place (no repeat in the edge) and, for a slot whose lookup ever lost
+        # track of a node (`_shadows`), a check that the run is still bound here.
+        unique = len(index) == len(node.hashes)
+        k = min(pos, n - i)
+        if k and unique:
+            run = node.packed[pos - k:pos]
+            run.reverse()
+            if (hashes[i:i + k] if packed else array("Q", hashes[i:i + k])) == run and (
+                    slot not in shadows or all(map(is_, map(lookup.get, node.hashes[pos - k:pos]), repeat(node)))):
+                removed += k
+                i += k
+                pos -= k
+        while i < n and lookup.get(hashes[i]) is node:
+            nxt = index.get(hashes[i])
+            if nxt is None or nxt >= cut:
+                break
+            if nxt < pos:
+                pos = nxt
+            removed += 1
+            i += 1
+        # The worker keeps only edge[:pos]: the rest of what it held of this edge goes stale (not
+        # its blocks in child edges). A later hash of the same event made stale here is no error.
+        made_stale.append((node.hashes, pos, cut))
+        if pos == 0:
+            node.drop(bit, slot)
+        else:
+            node.full &= ~bit
+            if node.cutoffs is None:
+                node.cutoffs = {slot: pos}
+            else:
+                node.cutoffs[slot] = pos
+        if (pos == 0 and unique and not node.has_workers() and slot not in shadows
+                and worker not in tree.hash_mismatches):
+            deferred = tree._deferred[slot]
+            if not deferred.nodes:
+                deferred.base = len(lookup) + 1
+            deferred.nodes.append(node)
+            deferred.dead += cut - 1  # edge[:cut] but h, which is popped
+            tree._after_loss(node)
+            if not shadows:  # nothing reads them again (a shadow slot's stale entry might)
+                node.locals = node.packed = _RELEASED
+            continue
+        popped = set(map(lookup.pop, node.hashes[pos:cut], repeat(None)))
+        popped.difference_update((None, node))
+        # A stale hash that the worker also stored elsewhere (another node, or earlier in this
+        # edge: the edge index then has fewer entries than the edge) loses that binding too.
+        if popped or (pos and not unique):
+            tree._shadow(slot)
+        tree._after_loss(node)
+    _tidy(tree, slot)
+    if missing:
+        return ApplyResult(Status.block_not_found, removed, missing)
+    return ApplyResult(Status.ok, removed)
+
+def _tidy(tree: RadixTree, slot: int) -> None:
+    """Hand an emptied lookup to `reclaim`; keep a churning one within 1.25x its size (amortised)."""
+    lookup = tree._lookup[slot]
+    assert lookup is not None
+    deferred = tree._deferred[slot]
+    if len(lookup) == deferred.dead:
+        if lookup:
+            tree._garbage.append(lookup)
+        tree._lookup[slot] = {}  # a dict never shrinks its table; an emptied worker gives it back
+        tree._deferred[slot] = Deferred()
+        return
+    nodes = deferred.nodes
+    while nodes and len(lookup) > deferred.base + (deferred.base >> 2) + _DEAD_SLACK:
+        _release(tree, slot, nodes.pop())
+
+def _release(tree: RadixTree, slot: int, node: Node) -> int:
+    """Pop what the slot's lookup still holds of a node it freed; returns the hashes looked up."""
+    lookup = tree._lookup[slot]
+    assert lookup is not None
+    keys = node.hashes
+    popped = list(map(lookup.pop, keys, repeat(None)))
+    mine = popped.count(node)
+    if mine + popped.count(None) != len(keys):  # a hash bound elsewhere since: it stays there
+        for h, other in zip(keys, popped, strict=True):
+            if other is not None and other is not node:
+                lookup[h] = other
+    tree._deferred[slot].dead -= mine
+    return len(keys)
+
+
+def reclaim(tree: RadixTree, budget: int) -> bool:
+    """Give back about `budget` entries of freed nodes' memory; True while there is more.
+
+    `remove` leaves this work for later, so a burst of removals is applied at the speed of the index
+    rather than of the allocator; a server calls this while idle, a slice at a time.
+    """
+    garbage = tree._garbage
+    while budget > 0 and garbage:
+        lookup = garbage[-1]
+        n = min(budget, len(lookup))
+        for _ in repeat(None, n):
+            lookup.popitem()
+        budget -= n
+        if not lookup:
+            garbage.pop()
+    for slot, deferred in enumerate(tree._deferred):
+        nodes = deferred.nodes
+        while budget > 0 and nodes:
+            budget -= _release(tree, slot, nodes.pop())
+    return bool(garbage) or any(d.nodes for d in tree._deferred)
