@@ -34,7 +34,7 @@ from kvctl.core.quantiles import bucket_increase, histogram_quantile
 from kvctl.core.tiers import Sample
 from kvctl.errors import KvctlError
 from kvctl.gc_tuning import tuned_gc
-from kvctl.mock.capacity import Capacity, capacity
+from kvctl.mock.capacity import CONCURRENCIES, Capacity, capacity
 from kvctl.mock.load import (
     GIVE_UP_S,
     Arrival,
@@ -55,15 +55,13 @@ TTFT_SLO_MS = 300.0
 """The TTFT target of goodput and capacity: p90 under it."""
 OFFERED_SHARE = 0.7
 """The open loop offers this share of random placement's capacity: both policies below saturation."""
-CAPACITY_STEPS = (1, 2, 4, 8, 16, 32, 64)
-"""Closed-loop concurrencies the capacity phase climbs through."""
 
 
 @dataclass(frozen=True, slots=True)
 class DemoPlan:
     engines: int = 4
     duration_s: float = 60.0  # four phases of a quarter each: capacity and open loop, per policy
-    capacity: int = 1024  # blocks per engine: a quarter of the workload's system prompts fits in one
+    capacity: int = 1024  # blocks per engine: half the workload's 16 system prompts fit in one
     block_size: int = 16
     max_running: int = 64
     speedup: float = SPEEDUP
@@ -129,7 +127,7 @@ async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]
 async def _phases(plan: DemoPlan, load: LoadGenerator, workload: list[Any], costs: _Costs, progress: Progress,
                   every_s: float) -> dict[str, Any]:
     found = {policy: await capacity(load, workload, policy, ttft_slo_ms=plan.ttft_slo_ms,  # from cold caches
-                                    step_s=plan.phase_s / len(CAPACITY_STEPS), concurrencies=CAPACITY_STEPS,
+                                    step_s=plan.phase_s / len(CONCURRENCIES),
                                     progress=partial(progress, f"capacity {policy}"),
                                     every_s=every_s)
              for policy in POLICIES}
