@@ -10,8 +10,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvctl.server import api
-from kvctl.server.api import read_route_body, read_route_body_whole
+from kvctl.server import bodies as body_module
+from kvctl.server.bodies import read_route_body, read_route_body_whole
 
 pytestmark = pytest.mark.usefixtures("native_impl")  # on the C extension and on its pure-Python twin
 
@@ -63,6 +63,6 @@ def test_the_common_body_takes_the_one_pass_reading(monkeypatch: pytest.MonkeyPa
     def whole(raw: bytes) -> object:
         raise AssertionError("read whole")
 
-    monkeypatch.setattr(api, "read_route_body_whole", whole)
+    monkeypatch.setattr(body_module, "read_route_body_whole", whole)
     body, ids = read_route_body(json.dumps({"token_ids": list(range(40)), "model": "m", "request_id": "r"}).encode())
     assert (body.model, body.request_id, ids.tolist() if ids is not None else None) == ("m", "r", list(range(40)))
