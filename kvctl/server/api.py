@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import logging
 import os
 import re
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
@@ -47,10 +49,11 @@ from kvctl.server.bodies import (
 from kvctl.server.budget import SLICE_S
 from kvctl.server.metrics import Metrics, Plane
 from kvctl.server.openapi_doc import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE, complete, ref, replies
-from kvctl.server.route_protocol import Connections, route_protocol
+from kvctl.server.route_protocol import Connections, missing_internals, route_protocol
 from kvctl.server.state import DEFAULT_MODEL, Fleet, OverLimit, UnknownWorker, WorkerInfo
 from kvctl.server.streams import Streams
 
+log = logging.getLogger("kvctl.serve")
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _dumps = msgspec.json.Encoder().encode
 """Compact JSON, ten times faster than the json module's; NaN and infinities (never in a reply) would be null."""
@@ -276,11 +279,20 @@ async def _invalid(_: Request, exc: Exception) -> Response:
     return _json({"detail": [{"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]}, 422)
 
 
-def http_protocol(app: ASGIApp) -> type[asyncio.Protocol]:
-    """The uvicorn HTTP protocol to serve `app` (from `create_app`) with: plain routes answered in it."""
+def http_protocol(app: ASGIApp, *, fast_path: bool = True) -> type[asyncio.Protocol] | Literal["httptools"]:
+    """The uvicorn HTTP protocol to serve `app` (from `create_app`) with: plain routes answered in it unless
+    `fast_path` is False. "httptools" (uvicorn's own, every request through the app, no connection limits of
+    ours) where the installed uvicorn lacks what ours needs: a uvicorn upgrade must not stop the router."""
     assert isinstance(app, _Front)
+    missing = missing_internals()
+    if missing is not None:
+        log.warning("uvicorn %s lacks %s: serving with its own HTTP protocol, every route through the app "
+                    "(slower), --idle-timeout as its keep-alive timeout and --max-connections as its "
+                    "concurrency limit", uvicorn.__version__, missing)
+        return "httptools"
     metrics = app.routing.metrics
-    return route_protocol(app.routing.reply, app.routing.observe, app.max_body_bytes, metrics.connections)
+    return route_protocol(app.routing.reply, app.routing.observe, app.max_body_bytes, metrics.connections,
+                          fast_path=fast_path)
 
 
 def loop_lag_observer(app: ASGIApp) -> Callable[[float], None]:

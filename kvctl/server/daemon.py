@@ -127,6 +127,7 @@ class ServeOptions:
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies are refused (413)
     idle_timeout_s: float = IDLE_TIMEOUT_S  # see route_protocol.Connections
     max_connections: int = MAX_CONNECTIONS
+    route_fast_path: bool = True  # plain routes answered in the HTTP protocol (route_protocol.py)
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S  # what connections in flight get to finish on SIGTERM
     limits: RouteLimits = field(default_factory=RouteLimits)  # what a route may make the router hold (429)
     decoder: DecoderMode = DecoderMode.auto  # where engine payloads are decoded (see decoder.py)
@@ -208,10 +209,15 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
     # log_config=None: uvicorn's own lines go through the handler `--log-format` chose (JSON stays JSON).
     # The idle timeout is the protocol's own (route_protocol.Connections), not uvicorn's keep-alive one.
     url = base_url(sock)
-    server = _Server(uvicorn.Config(app, http=http_protocol(app), log_config=None, log_level=options.log_level,
+    protocol = http_protocol(app, fast_path=options.route_fast_path)
+    # uvicorn's own protocol (its internals changed) keeps the connection limits its own way, as near as it can.
+    limits: dict[str, Any] = {} if protocol != "httptools" else {
+        "timeout_keep_alive": options.idle_timeout_s, "limit_concurrency": options.max_connections}
+    server = _Server(uvicorn.Config(app, http=protocol, log_config=None, log_level=options.log_level,
                                     access_log=False, lifespan="off", proxy_headers=False, server_header=False,
                                     # uvicorn types it int, yet hands it to asyncio.wait_for (float seconds)
-                                    timeout_graceful_shutdown=options.shutdown_timeout_s),  # type: ignore[arg-type]
+                                    timeout_graceful_shutdown=options.shutdown_timeout_s,  # type: ignore[arg-type]
+                                    **limits),
                      notifier, _ready_status(url, restored),
                      f"draining connections (up to {options.shutdown_timeout_s:g} s), then the final snapshot")
     for info in options.engines:

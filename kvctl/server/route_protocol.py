@@ -15,7 +15,10 @@ head or body), nor one that stops reading its answer, and each of those held a f
 ever.
 
 It subclasses uvicorn's httptools protocol, pinned to its minor version in pyproject.toml; the tests
-hold its answers to the ASGI path's, headers included.
+hold its answers to the ASGI path's, headers included, and run every route test on both paths. The
+shortcut is a switch (`kvctl serve --no-route-fast-path` sends every route through the app, the
+connection limits kept); a uvicorn without the internals it needs (`missing_internals`) gets uvicorn's
+own protocol, so an upgrade costs speed, never the start.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+try:
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+except ImportError:  # a uvicorn that moved them: `missing_internals` says so and serve goes without
+    HttpToolsProtocol = None  # type: ignore[assignment, misc]
 
-__all__ = ["Connections", "route_protocol"]
+__all__ = ["Connections", "missing_internals", "route_protocol"]
 
 log = logging.getLogger("kvctl.serve")
 
@@ -63,11 +69,32 @@ class Connections:
                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
 
 
+# What of uvicorn's httptools protocol `RouteProtocol` overrides or reads: methods and class attributes,
+# then what its instances set (found among the names its methods assign or read).
+_METHODS = ("connection_made", "connection_lost", "_unset_keepalive_if_required", "timeout_keep_alive_handler",
+            "pause_writing", "resume_writing", "on_response_complete", "on_message_begin", "on_headers_complete",
+            "on_body", "on_message_complete")
+_FIELDS = ("cycle", "flow", "server_state", "parser", "transport", "loop", "scope", "url", "headers",
+           "expect_100_continue", "timeout_keep_alive", "timeout_keep_alive_task")
+
+
+def missing_internals() -> str | None:
+    """What the installed uvicorn lacks of the internals the fast path and the connection limits use (None:
+    nothing), checked before serving so that a uvicorn that changed them is served around, not crashed on."""
+    if HttpToolsProtocol is None:
+        return "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol"
+    names = {name for value in vars(HttpToolsProtocol).values() if callable(value) and hasattr(value, "__code__")
+             for name in value.__code__.co_names}
+    missing = [f"HttpToolsProtocol.{m}" for m in _METHODS if not callable(getattr(HttpToolsProtocol, m, None))]
+    missing += [f"HttpToolsProtocol().{f}" for f in _FIELDS if f not in names]
+    return ", ".join(missing) or None
+
+
 def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: int,
-                   connections: Connections) -> type[HttpToolsProtocol]:
+                   connections: Connections, *, fast_path: bool = True) -> type[HttpToolsProtocol]:
     """uvicorn's protocol class, answering plain routes with `reply` (body bytes -> status, JSON bytes) and
     calling `answered()` once an answer is written (what can wait until the client has its answer), with
-    the limits of `connections` on every connection."""
+    the limits of `connections` on every connection. `fast_path=False`: every request goes to the app."""
 
     class RouteProtocol(HttpToolsProtocol):
         _route_body: list[bytes] | None = None  # while a route's body is being read
@@ -160,7 +187,7 @@ def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: i
             self.scope["headers"] = headers
 
         def _takes_route(self) -> bool:
-            if (self.url != _ROUTE or self.expect_100_continue or self.parser.get_method() != b"POST"
+            if (not fast_path or self.url != _ROUTE or self.expect_100_continue or self.parser.get_method() != b"POST"
                     or self.parser.get_http_version() != "1.1" or self.flow.write_paused
                     or not (self.cycle is None or self.cycle.response_complete)):
                 return False  # the app's path: it also waits for a client that does not read its answers

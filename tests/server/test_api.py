@@ -15,6 +15,7 @@ from kvctl.core.index import KvIndex
 from kvctl.server.api import create_app
 from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
 from tests.fixtures_path import FIXTURES
+from tests.support.served import ROUTE_PATHS, served
 
 BIG = 2**63 + 7  # worker ids and hashes beyond 2^53 must survive JSON both ways
 TOKENS = list(range(100, 164))  # 4 blocks of 16
@@ -28,11 +29,17 @@ class Clock:
         return self.now
 
 
+@pytest.fixture(params=ROUTE_PATHS)
+def route_path(request: pytest.FixtureRequest) -> str:
+    """Every test here runs on both paths a route may take (the fast path and the ASGI app): they must agree."""
+    return request.param
+
+
 @pytest.fixture
-async def client():
+async def client(route_path: str):
     fleet = Fleet(block_size=16, seed=0)
     app = create_app(fleet, clock=Clock())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvctl") as c:
+    async with served(app, route_path) as c:
         yield c
 
 
@@ -260,9 +267,9 @@ async def test_tree_dump_reloads_into_the_same_index_and_reset(client: httpx.Asy
     assert (await client.get("/v1/tree/stats")).json()["models"]["default"]["blocks"] == 0
 
 
-async def test_admin_token_guards_mutations_and_bodies_are_capped() -> None:
+async def test_admin_token_guards_mutations_and_bodies_are_capped(route_path: str) -> None:
     app = create_app(Fleet(), clock=Clock(), admin_token="s3cret", max_body_bytes=1000)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvctl") as c:
+    async with served(app, route_path) as c:
         one = _store_event(1, TOKENS)
         assert (await c.post("/v1/events", json=one)).status_code == 401
         assert (await c.post("/v1/events", json=one, headers={"authorization": "Bearer wrong"})).status_code == 401
@@ -314,11 +321,11 @@ async def test_events_for_an_unknown_model_get_404_and_make_no_model(client: htt
     assert (await client.post("/v1/events", params={"model": "x"}, json=[event])).json()["applied"] == 1
 
 
-async def test_routes_past_a_limit_get_429_naming_it_and_its_flag() -> None:
+async def test_routes_past_a_limit_get_429_naming_it_and_its_flag(route_path: str) -> None:
     fleet = Fleet(block_size=16, seed=0, limits=RouteLimits(max_request_tokens=64, max_reservations=2,
                                                              max_reserved_tokens=80))
     fleet.register(WorkerInfo(1, 0, "default"))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(fleet)), base_url="http://k") as client:
+    async with served(create_app(fleet), route_path) as client:
         async def route(tokens: list[int], request_id: str | None = None) -> httpx.Response:
             return await client.post("/v1/route", json={"token_ids": tokens, "request_id": request_id,
                                                         "reserve": request_id is not None})

@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from typing import Any
 
+import pytest
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from kvctl.server import route_protocol
 from kvctl.server.api import create_app, http_protocol
+from kvctl.server.route_protocol import missing_internals
 from kvctl.server.state import Fleet, WorkerInfo
+from tests.support.served import served
 
 TOKENS = list(range(64))
 
@@ -40,13 +46,16 @@ class _Transport(asyncio.Transport):
     def resume_reading(self) -> None: ...
 
 
-def _connection(max_body_bytes: int = 1 << 20, app: Any = None) -> tuple[asyncio.Protocol, _Transport]:
+def _connection(max_body_bytes: int = 1 << 20, app: Any = None,
+                fast_path: bool = True) -> tuple[asyncio.Protocol, _Transport]:
     if app is None:
         fleet = Fleet()
         fleet.register(WorkerInfo(1, 0, "default"))
         app = create_app(fleet, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(app, lifespan="off", proxy_headers=False, server_header=False, log_config=None)
-    protocol = http_protocol(app)(config=config, server_state=ServerState(), app_state={})
+    protocol_class = http_protocol(app, fast_path=fast_path)
+    assert not isinstance(protocol_class, str)
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
     transport = _Transport()
     protocol.connection_made(transport)
     return protocol, transport
@@ -63,9 +72,9 @@ def _without_date(response: bytes) -> bytes:
     return re.sub(rb"date: [^\r]*\r\n", b"", bytes(response))
 
 
-async def _answer(path: str, body: bytes, *headers: str) -> tuple[bytes, bool]:
+async def _answer(path: str, body: bytes, *headers: str, fast_path: bool = True) -> tuple[bytes, bool]:
     """(the response, whether it was written before data_received returned)."""
-    protocol, transport = _connection()
+    protocol, transport = _connection(fast_path=fast_path)
     protocol.data_received(_request(path, body, *headers))
     at_once = bool(transport.written)
     for _ in range(50):
@@ -111,6 +120,35 @@ async def test_other_routes_go_through_the_app() -> None:
     protocol.data_received(_request("/v1/route", body))
     await asyncio.sleep(0.05)
     assert transport.written.startswith(b"HTTP/1.1 413 ")
+
+
+async def test_without_the_fast_path_plain_routes_go_through_the_app() -> None:
+    for body in BODIES:
+        fast, _ = await _answer("/v1/route", body)
+        slow, at_once = await _answer("/v1/route", body, fast_path=False)
+        assert not at_once and slow == fast, body
+
+
+async def test_a_uvicorn_without_the_internals_is_served_with_its_own_protocol(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A uvicorn minor that drops what the fast path overrides costs the fast path, never the router's start."""
+    assert missing_internals() is None  # the pinned uvicorn has them all
+    monkeypatch.delattr(HttpToolsProtocol, "timeout_keep_alive_handler")
+    assert missing_internals() == "HttpToolsProtocol.timeout_keep_alive_handler"
+    app = create_app(Fleet())
+    with caplog.at_level(logging.WARNING, "kvctl.serve"):
+        assert http_protocol(app) == "httptools"
+    assert [r.getMessage() for r in caplog.records if "lacks HttpToolsProtocol.timeout_keep_alive_handler: "
+            "serving with its own HTTP protocol" in r.getMessage()] and len(caplog.records) == 1
+
+
+async def test_a_uvicorn_that_moved_its_protocol_still_answers_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(route_protocol, "HttpToolsProtocol", None)  # as when its import fails
+    fleet = Fleet()
+    fleet.register(WorkerInfo(1, 0, "default"))
+    async with served(create_app(fleet), "fast path") as client:
+        r = await client.post("/v1/route", json={"token_ids": TOKENS})
+    assert r.status_code == 200 and r.json()["worker_id"] == 1
 
 
 async def test_keep_alive_and_close_are_kept() -> None:

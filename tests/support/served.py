@@ -1,0 +1,37 @@
+"""The router's app served by uvicorn in the test's own loop, on a free loopback port, with the route fast path
+on or off: the conformance tests run every route test on both paths (`ROUTE_PATHS`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import uvicorn
+
+from kvctl.server.api import http_protocol
+from kvctl.server.daemon import bind
+from tests.support.eventually import eventually_async
+
+ROUTE_PATHS = ("fast path", "asgi")
+
+
+@asynccontextmanager
+async def served(app: Any, path: str) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of `app` served as `kvctl serve` serves it, `path` one of `ROUTE_PATHS`."""
+    config = uvicorn.Config(app, http=http_protocol(app, fast_path=path == "fast path"), log_config=None,
+                            access_log=False, lifespan="off", proxy_headers=False, server_header=False)
+    server = uvicorn.Server(config)
+    sock = bind("127.0.0.1", 0)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        await eventually_async(lambda: server.started or task.done(), "uvicorn to start")
+        host, port = sock.getsockname()[:2]
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+            yield client
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
