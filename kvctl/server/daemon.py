@@ -210,9 +210,10 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
     # The idle timeout is the protocol's own (route_protocol.Connections), not uvicorn's keep-alive one.
     url = base_url(sock)
     protocol = http_protocol(app, fast_path=options.route_fast_path)
-    # uvicorn's own protocol (its internals changed) keeps the connection limits its own way, as near as it can.
+    # uvicorn's own protocol (its internals changed) keeps the connection limits its own way, as near as it can:
+    # its limit counts the asking connection too, so `max_connections` open may still be answered.
     limits: dict[str, Any] = {} if protocol != "httptools" else {
-        "timeout_keep_alive": options.idle_timeout_s, "limit_concurrency": options.max_connections}
+        "timeout_keep_alive": options.idle_timeout_s, "limit_concurrency": options.max_connections + 1}
     server = _Server(uvicorn.Config(app, http=protocol, log_config=None, log_level=options.log_level,
                                     access_log=False, lifespan="off", proxy_headers=False, server_header=False,
                                     # uvicorn types it int, yet hands it to asyncio.wait_for (float seconds)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.test_serve_process import serving
+from tests.server.test_serve_process import _stop, serving
 from tests.support import eventually
 
 WAIT_S = 15.0
@@ -95,6 +95,25 @@ def test_connections_past_the_cap_get_503_and_are_closed(tmp_path: Path) -> None
         eventually(lambda: _open(client), "the others to close", until=lambda n: n == 1, timeout=WAIT_S)
         with httpx.Client(base_url=client.base_url) as other:
             assert other.get("/healthz").status_code == 200
+
+
+def test_a_uvicorn_without_the_fast_path_internals_serves_with_the_limits_its_own_way(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A uvicorn whose protocol moved (simulated before kvctl starts): one log line, routes answered by the app,
+    and --max-connections kept by uvicorn's own concurrency limit (its 503, not ours)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import kvctl.server.route_protocol as r\nr.HttpToolsProtocol = None\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    with serving(tmp_path / "state", "--max-connections", "2") as (proc, client):
+        client.post("/v1/workers", json={"worker_id": 1})
+        assert client.post("/v1/route", json={"token_ids": list(range(64))}).json()["worker_id"] == 1
+        with httpx.Client(base_url=client.base_url) as second, httpx.Client(base_url=client.base_url) as third:
+            assert second.get("/healthz").status_code == 200  # 2 open, the client's own keep-alive one included
+            assert third.get("/healthz").status_code == 503
+        log = _stop(proc)
+    assert log.count("lacks uvicorn.protocols.http.httptools_impl.HttpToolsProtocol: serving with its own") == 1
 
 
 def _big_index(client: httpx.Client, blocks: int = 200_000) -> None:
