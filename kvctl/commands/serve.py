@@ -356,9 +356,10 @@ def serve_command(
              "each); a reservation past it gets 429 (counted).")] = 1 << 25,
     route_fast_path: Annotated[bool, typer.Option(
         "--route-fast-path/--no-route-fast-path", envvar="KVCTL_ROUTE_FAST_PATH",
-        help="Answer plain POST /v1/route requests inside uvicorn's HTTP protocol (about half the latency), "
-             "or send every request through the ASGI app, the documented fallback. A uvicorn without the "
-             "internals the fast path uses gets the ASGI path, with one log line, either way.")] = True,
+        help="Answer plain POST /v1/route requests inside uvicorn's HTTP protocol, without an ASGI request "
+             "cycle (faster), or send every request through the ASGI app, the documented fallback. A "
+             "uvicorn without the internals the fast path uses gets the ASGI path, with one log line, either "
+             "way.")] = True,
     shutdown_timeout: Annotated[float, typer.Option(
         "--shutdown-timeout", envvar="KVCTL_SHUTDOWN_TIMEOUT",
         help="On SIGTERM/SIGINT, seconds requests in flight get to finish before they are dropped; a second "
