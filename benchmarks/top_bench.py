@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the fake source lives in the tests
 
-from kvctl.gc_tuning import tuned_gc  # noqa: E402
+from kvctl.runtime import tuned_gc  # noqa: E402
 from kvctl.tui.app import TopApp  # noqa: E402
 from kvctl.tui.frame import SORTS  # noqa: E402
 from tests.tui.fake import FakeSource, fleet  # noqa: E402
