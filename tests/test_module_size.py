@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
 # Over the limit when the limit came, and split by the work that moves them (issue 24, steps 1 and 3): each may
 # only shrink, and its entry goes once it is under the limit.
-KNOWN_OVER = {"kvctl/core/doctor.py": 697, "kvctl/server/api.py": 654}
+KNOWN_OVER = {"kvctl/server/api.py": 654}
 
 
 def sizes() -> dict[str, int]:
