@@ -18,12 +18,16 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from kvctl.gc_tuning import tuned_gc
-from kvctl.tui.app import TopApp
-from kvctl.tui.fake import FakeSource, fleet
-from kvctl.tui.frame import SORTS
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the fake source lives in the tests
+
+from kvctl.runtime import tuned_gc  # noqa: E402
+from kvctl.tui.app import TopApp  # noqa: E402
+from kvctl.tui.frame import SORTS  # noqa: E402
+from tests.tui.fake import FakeSource, fleet  # noqa: E402
 
 SIZE = (160, 50)
 

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvctl import config_writer
-from kvctl.config import ConfigFile
+from kvctl.config import ConfigFile, writer
 from kvctl.errors import ConfigError, KvctlError
 
 AWKWARD = ['plain', 'quo"te', "back\\slash", "new\nline\ttab", "ctrl\x01\x1f\x7f", "ünïcødé 🚀", "", "'single'"]
@@ -18,16 +17,16 @@ AWKWARD = ['plain', 'quo"te', "back\\slash", "new\nline\ttab", "ctrl\x01\x1f\x7f
 def test_strings_and_context_names_read_back_exactly(text: str) -> None:
     data = {"current-context": text, "contexts": {text: {"server": text, "token": text, "timeout": 0.5},
                                                   "plain-name_1": {"timeout": 3}}}
-    assert tomllib.loads(config_writer.render(data)) == data
+    assert tomllib.loads(writer.render(data)) == data
 
 
 def test_none_values_are_left_out_and_unknown_top_level_keys_refused() -> None:
-    assert tomllib.loads(config_writer.render({"contexts": {"a": {"token": None, "timeout": 1.0}}})) == {
+    assert tomllib.loads(writer.render({"contexts": {"a": {"token": None, "timeout": 1.0}}})) == {
         "contexts": {"a": {"timeout": 1.0}}}
     with pytest.raises(ConfigError, match="editor"):
-        config_writer.render({"editor": "vim"})
+        writer.render({"editor": "vim"})
     with pytest.raises(ConfigError, match="timeout"):
-        config_writer.render({"contexts": {"a": {"timeout": float("inf")}}})
+        writer.render({"contexts": {"a": {"timeout": float("inf")}}})
 
 
 def test_write_is_atomic_keeps_the_mode_and_follows_a_symlink(tmp_path: Path) -> None:
@@ -37,7 +36,7 @@ def test_write_is_atomic_keeps_the_mode_and_follows_a_symlink(tmp_path: Path) ->
     real.chmod(0o640)
     link = tmp_path / "config.toml"
     link.symlink_to(real)
-    config_writer.write(link, {"current-context": "a", "contexts": {"a": {"server": "http://a:1"}}})
+    writer.write(link, {"current-context": "a", "contexts": {"a": {"server": "http://a:1"}}})
     assert link.is_symlink() and ConfigFile.load(link).current == "a"
     assert real.stat().st_mode & 0o777 == 0o640
     assert sorted(p.name for p in real.parent.iterdir()) == ["kvctl.toml"]  # no temporary file left
@@ -45,9 +44,9 @@ def test_write_is_atomic_keeps_the_mode_and_follows_a_symlink(tmp_path: Path) ->
 
 def test_a_new_file_is_private_and_a_failed_write_is_one_error(tmp_path: Path) -> None:
     fresh = tmp_path / "new" / "config.toml"
-    config_writer.write(fresh, {"contexts": {"a": {"token": "secret"}}})
+    writer.write(fresh, {"contexts": {"a": {"token": "secret"}}})
     assert fresh.stat().st_mode & 0o777 == 0o600
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     with pytest.raises(KvctlError, match="cannot write the config file"):
-        config_writer.write(blocker / "config.toml", {})
+        writer.write(blocker / "config.toml", {})

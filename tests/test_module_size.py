@@ -7,9 +7,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
-# Over the limit when the limit came, and split by the work that moves them (issue 24, steps 1 and 3): each may
-# only shrink, and its entry goes once it is under the limit.
-KNOWN_OVER = {"kvctl/core/doctor.py": 697}
 
 
 def sizes() -> dict[str, int]:
@@ -17,11 +14,5 @@ def sizes() -> dict[str, int]:
 
 
 def test_no_module_over_the_limit() -> None:
-    over = {path: n for path, n in sorted(sizes().items()) if n > KNOWN_OVER.get(path, MAX_LINES)}
+    over = {path: n for path, n in sorted(sizes().items()) if n > MAX_LINES}
     assert not over, f"modules over {MAX_LINES} lines (split each along a seam): {over}"
-
-
-def test_known_exceptions_are_still_over() -> None:
-    found = sizes()
-    gone = sorted(path for path in KNOWN_OVER if found.get(path, 0) <= MAX_LINES)
-    assert not gone, f"under {MAX_LINES} lines now, or gone: drop them from KNOWN_OVER: {gone}"

@@ -139,9 +139,9 @@ def _edit(out: Output, path: Path, data: dict[str, Any], edit: dict[str, Any], d
     if dry_run:
         out.note(f"dry run: {path} was not changed")
     else:
-        from kvctl import config_writer
+        from kvctl.config import writer
 
-        config_writer.write(path, data)
+        writer.write(path, data)
     out.emit({**edit, "config_file": str(path), **({"dry_run": True} if dry_run else {})}, _EDIT_VIEW)
 
 

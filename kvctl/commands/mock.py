@@ -133,7 +133,7 @@ def mock_command(
 
     def announce(infos: list[dict[str, Any]]) -> None:
         if config_out is not None:
-            from kvctl.config_writer import replace_text
+            from kvctl.config.writer import replace_text
             from kvctl.server.config_file import render
 
             replace_text(config_out, render(serve_file(infos, block_size)))

@@ -81,7 +81,7 @@ def top_command(
     window_s = metrics_window(metrics, prometheus, window)
     source = _source(ctx, replay, record, prometheus, metrics or [], window_s, auth)
     if interactive:
-        from kvctl.gc_tuning import tuned_gc
+        from kvctl.runtime import tuned_gc
         from kvctl.tui.app import TopApp
 
         with tuned_gc():  # full collections walking every widget were the slowest refreshes (~75 ms)

@@ -33,7 +33,6 @@ from kvctl.client.tier_sources import Auth, Scraper
 from kvctl.core.quantiles import bucket_increase, histogram_quantile
 from kvctl.core.tiers import Sample
 from kvctl.errors import KvctlError
-from kvctl.gc_tuning import tuned_gc
 from kvctl.mock.capacity import CONCURRENCIES, Capacity, capacity
 from kvctl.mock.load import (
     GIVE_UP_S,
@@ -46,6 +45,7 @@ from kvctl.mock.load import (
     shared_prefix,
 )
 from kvctl.process_cpu import cpu_seconds
+from kvctl.runtime import tuned_gc
 
 MODEL = "default"
 POLICIES = (Policy.random, Policy.router)

@@ -10,8 +10,8 @@ from collections.abc import Callable, Collection, Sequence
 from types import TracebackType
 from typing import Any
 
-from kvctl.gc_tuning import tune_gc
 from kvctl.mock.engine import EngineConfig, Faults, MockEngine
+from kvctl.runtime import tune_gc
 from kvctl.server.config_file import ModelSpec, ServeFile
 from kvctl.server.state import WorkerInfo
 

@@ -36,7 +36,7 @@ from kvctl.client.engine import EngineClient
 from kvctl.core.quantiles import percentile, percentiles
 from kvctl.core.words import counted
 from kvctl.errors import AllBusy, ApiError, KvctlError, Unreachable
-from kvctl.gc_tuning import tuned_gc
+from kvctl.runtime import tuned_gc
 
 VOCAB = 32_000
 MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake traces

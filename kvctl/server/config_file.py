@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvctl.config_writer import toml_string
+from kvctl.config.writer import toml_string
 from kvctl.core.router.busy import THRESHOLD_FIELDS, Thresholds
 from kvctl.core.router.scoring import KNOBS, RouterConfig
 from kvctl.errors import ConfigError

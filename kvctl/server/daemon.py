@@ -31,13 +31,12 @@ from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError
-from kvctl.gc_tuning import survivors_frozen
+from kvctl.runtime import survivors_frozen, trim_heap
 from kvctl.server import snapshot
 from kvctl.server.api import MAX_BODY_BYTES, create_app, http_protocol, loop_lag_observer
 from kvctl.server.budget import RECLAIM_ENTRIES
 from kvctl.server.decoder import make_decoder
 from kvctl.server.fd_limits import default_max_engines, raise_file_limit, sized
-from kvctl.server.memory import trim_heap
 from kvctl.server.nats_plane import EventPlane, NatsOptions
 from kvctl.server.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Connections
 from kvctl.server.sd_notify import Notifier

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvctl.gc_tuning import tune_gc
+from kvctl.runtime import BurstTrimmer, tune_gc
 from kvctl.server.decode_wire import CONTROL, answer, live_answer, read_control, refused, split_requests
 from kvctl.server.fd_limits import sized
-from kvctl.server.memory import BurstTrimmer
 from kvctl.server.schema_seen import sampled
 
 _READ = 1 << 20

@@ -19,9 +19,9 @@ import zmq.asyncio
 
 from kvctl.core.events import Cleared, EventData
 from kvctl.core.words import counted
+from kvctl.runtime import BurstTrimmer
 from kvctl.server.budget import SLICE_S
 from kvctl.server.decoder import Decoder, InlineDecoder
-from kvctl.server.memory import BurstTrimmer
 from kvctl.server.plane_tasks import error_text
 from kvctl.server.state import Fleet, WorkerInfo
 from kvctl.server.zmq_source import EngineStream

@@ -10,8 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvctl.core.events import RouterEvent
-from kvctl.core.index import KvIndex
-from kvctl.core.index.radix import Node, RadixTree, iter_bits
+from kvctl.core.index import Edge, KvIndex, edges
 from kvctl.core.words import counted
 
 WIDTH = 8
@@ -34,19 +33,16 @@ def shared_prefixes(events: Iterable[RouterEvent], *, width: int = WIDTH, levels
     """The device tier's top `width` prefixes at each of the first `levels` levels, most holders first."""
     index = KvIndex()
     index.load(events)
-    tree = index.device
-    return _steps(tree, tree.root, 0, width, levels)[0]
+    return _steps(edges(index.device, levels=levels), 0, width)[0]
 
 
-def _steps(tree: RadixTree, node: Node, above: int, width: int, levels: int) -> tuple[tuple[Prefix, ...], int]:
-    if levels == 0 or not node.children:
-        return (), 0
+def _steps(below: tuple[Edge, ...], above: int, width: int) -> tuple[tuple[Prefix, ...], int]:
     found = []
-    for child in node.children.values():
-        depth = above + len(child.locals)
-        children, more = _steps(tree, child, depth, width, levels - 1)
-        holders = tuple(sorted(f"{w}:{dp}" for w, dp in (tree.worker_of(s) for s in iter_bits(child.full))))
-        found.append(Prefix(len(child.locals), depth, holders, len(child.cutoffs or ()), children, more))
+    for edge in below:
+        depth = above + edge.blocks
+        children, more = _steps(edge.children, depth, width)
+        holders = tuple(sorted(f"{w}:{dp}" for w, dp in edge.holders))
+        found.append(Prefix(edge.blocks, depth, holders, edge.partial, children, more))
     found.sort(key=lambda p: (-len(p.holders), -p.depth, p.holders))
     return tuple(found[:width]), max(0, len(found) - width)
 

@@ -1,4 +1,4 @@
-"""Where `kvctl top` gets its polls: a live router, a recording of one, or a fake for tests.
+"""Where `kvctl top` gets its polls: a live router, a recording of one, or a fake (the tests' `tests/tui/fake.py`).
 
 The app is handed a `Source` and never builds a client itself (dolphie's live/replay split). A live
 source speaks to the router only through `kvctl.client`: the async client for the JSON API, and the

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvctl.commands.serve import parse_engine
 from kvctl.config import ConfigFile, resolve
-from kvctl.config_writer import toml_string
+from kvctl.config.writer import toml_string
 from kvctl.errors import ConfigError, UsageError
 from kvctl.server.config_file import load
 from kvctl.server.endpoint import check_endpoint

@@ -9,9 +9,9 @@ import pytest
 from kvctl.client.tier_sources import parse_metrics
 from kvctl.core.doctor import Limits, check_silent
 from kvctl.core.silence import SILENT_AFTER_S
-from kvctl.tui.fake import fleet
 from kvctl.tui.frame import SORTS, FrameBuilder, Mark, arrange, next_sort
 from kvctl.tui.poll import EVENTS, PREDICTED_COUNT, PREDICTED_SUM, ROUTES, Poll, router_counters
+from tests.tui.fake import fleet
 
 
 def _worker(worker_id: int, **fields: Any) -> dict[str, Any]:

@@ -13,11 +13,11 @@ from textual.pilot import Pilot
 from textual.widgets import HelpPanel, Input, Tree
 
 from kvctl.tui.app import TopApp
-from kvctl.tui.fake import PREFIXES, FakeSource, fleet
 from kvctl.tui.frame import SORTS, arrange
 from kvctl.tui.prefixes import describe
 from kvctl.tui.screens import ConfirmReset, PrefixTree, WorkerDetail
 from kvctl.tui.widgets import HeaderBar, WorkersTable
+from tests.tui.fake import PREFIXES, FakeSource, fleet
 
 SIZE = (120, 36)
 

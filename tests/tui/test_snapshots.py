@@ -20,7 +20,7 @@ import pytest
 from textual.pilot import Pilot
 
 from kvctl.tui.app import TopApp
-from kvctl.tui.fake import PREFIXES, FakeSource, fleet
+from tests.tui.fake import PREFIXES, FakeSource, fleet
 
 if os.environ.get("KVCTL_REQUIRE_SNAPSHOTS"):
     import pytest_textual_snapshot  # noqa: F401

@@ -1,8 +1,10 @@
+from kvctl.core.index.edges import Edge, edges
 from kvctl.core.index.kv_index import IndexMatches, KvIndex, TierStats
 from kvctl.core.index.radix import ApplyResult, Matches, RadixTree, Status, Worker
 
 __all__ = [
     "ApplyResult",
+    "Edge",
     "IndexMatches",
     "KvIndex",
     "Matches",
@@ -10,4 +12,5 @@ __all__ = [
     "Status",
     "TierStats",
     "Worker",
+    "edges",
 ]

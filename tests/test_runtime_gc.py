@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from kvctl.gc_tuning import ROUTER_GEN0_THRESHOLD, survivors_frozen
+from kvctl.runtime import ROUTER_GEN0_THRESHOLD, survivors_frozen
 
 
 class _Node:

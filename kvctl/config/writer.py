@@ -1,4 +1,4 @@
-"""Writing kvctl's config file (`kvctl.config` only reads it).
+"""Writing kvctl's config file (`kvctl.config.settings` only reads it).
 
 No TOML writer is a dependency, and the file's format is small and fixed: `current-context` and
 `[contexts.NAME]` tables of string and number values. So it is rendered here, quoted by TOML's rules,

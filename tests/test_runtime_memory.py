@@ -6,7 +6,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from kvctl.server.memory import BurstTrimmer
+from kvctl.runtime import BurstTrimmer
 
 
 def _rss() -> int:

@@ -1,4 +1,4 @@
-"""A source with no router behind it, for Pilot tests, snapshots and the render benchmark.
+"""A source with no router behind it, for Pilot tests, snapshots and `benchmarks/top_bench.py`.
 
 Everything it shows is a function of the poll number and a seed: ages, uptime and rates repeat exactly,
 so a snapshot never shows a clock.
