@@ -158,6 +158,7 @@ def _serve_loads(path: Path) -> None:
 @given(one_wrong(SERVE))
 @example(('models = [{name = 5}]\n', {"name"}))
 @example(('models = [{name = "m", overlap_score_weight = ' + "9" * 400 + "}]\n", {"overlap_score_weight"}))
+@example(('models = [{name = "m", overlap_score_weight = -1}]\n', {"overlap_score_weight"}))  # an alias named
 @example(('workers = [{worker_id = "1", endpoint = "tcp://h:1"}]\n', {"worker_id"}))
 @example(('workers = [{worker_id = 1, endpoint = "garbage"}]\n', {"endpoint"}))
 @example(("models = 5\n", {"models"}))

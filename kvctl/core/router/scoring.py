@@ -59,6 +59,11 @@ class BadKnob(ValueError):
     """A router knob out of its range; the message names the knob (a request's 4xx says which field)."""
 
 
+def _check_knob(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value >= 0):
+        raise BadKnob(f"{name} must be a finite number >= 0, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     """Dynamo's defaults (KvRouterConfig 1.6.1); every number must be finite and >= 0, as Dynamo checks them."""
@@ -77,10 +82,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         for name in KNOBS[:-1]:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                    math.isfinite(value) and value >= 0):
-                raise BadKnob(f"{name} must be a finite number >= 0, got {value!r}")
+            _check_knob(name, getattr(self, name))
         if not isinstance(self.track_prefill_tokens, bool):
             raise BadKnob(f"track_prefill_tokens must be true or false, got {self.track_prefill_tokens!r}")
 
@@ -95,8 +97,10 @@ class RouterConfig:
         if unknown:
             raise TypeError(f"unknown router knob {unknown[0]!r}")
         if temperature is not None:
+            _check_knob("temperature (kvctl's old name for router_temperature)", temperature)
             changes.setdefault("router_temperature", temperature)
-        if overlap_score_weight is not None:
+        if overlap_score_weight is not None:  # named as the caller wrote it: the 4xx must name their field
+            _check_knob("overlap_score_weight (Dynamo's old name for prefill_load_scale)", overlap_score_weight)
             changes["prefill_load_scale"] = overlap_score_weight
             if overlap_score_weight == 0:
                 changes["overlap_score_credit"] = 0.0
