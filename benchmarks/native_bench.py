@@ -32,7 +32,7 @@ from serve_bench import payload, stored_event  # noqa: E402
 from kvctl.core import _native, _native_py, native  # noqa: E402
 from kvctl.core.events import decode_engine_batch  # noqa: E402
 from kvctl.core.hashing import packed_block_hashes, sequence_hashes  # noqa: E402
-from kvctl.server.bodies import read_route_body  # noqa: E402
+from kvctl.server.http.bodies import read_route_body  # noqa: E402
 
 TOKENS, BLOCK = 4096, 16
 IMPLEMENTATIONS = {"c": _native, "python": _native_py}

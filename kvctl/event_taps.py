@@ -217,7 +217,7 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
     import zmq.asyncio
 
     from kvctl.core.events.discovery import namespace_prefix, parse_channel_key, parse_event_channel
-    from kvctl.server.dynamo_discovery import DiscoveryError, open_discovery
+    from kvctl.server.plane.dynamo_discovery import DiscoveryError, open_discovery
 
     store = open_discovery(discovery_url)
     ctx = zmq.asyncio.Context()

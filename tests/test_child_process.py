@@ -10,7 +10,7 @@ import pytest
 
 from kvctl.core.events import EngineBatch
 from kvctl.mock.demo import router_process
-from kvctl.server.decoder import ProcessDecoder, decode_now
+from kvctl.server.ingest.decode_process.parent import ProcessDecoder, decode_now
 from tests.fixtures_path import FIXTURES
 from tests.plain_events import plain
 

@@ -143,7 +143,7 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, discovery: str | None,
           stats: TapStats, listening: Callable[[str], None]) -> Iterator[Tapped]:
     """The events of whichever source was named (exactly one); `listening` hears when the tap is live."""
     from kvctl.event_taps import tap_dynamo_zmq, tap_nats, tap_zmq
-    from kvctl.server.dynamo_discovery import DiscoveryError, open_discovery
+    from kvctl.server.plane.dynamo_discovery import DiscoveryError, open_discovery
 
     if [zmq_endpoint, nats_url, discovery].count(None) != 2:
         raise UsageError("give exactly one source: --zmq tcp://HOST:PORT, --nats nats://HOST:PORT or "

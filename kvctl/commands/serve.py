@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     import asyncio
 
     from kvctl.core.router.scoring import RouterConfig
+    from kvctl.server.plane.zmq_plane import ZmqOptions
     from kvctl.server.state import WorkerInfo
-    from kvctl.server.zmq_plane import ZmqOptions
 
 HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. (daemon)"
 EXAMPLES = (
@@ -61,7 +61,7 @@ def parse_engine(text: str) -> WorkerInfo:
     unknown = set(opts) - {"replay", "model", "topic"}
     if unknown:
         raise UsageError(f"--worker: unknown option {sorted(unknown)[0]!r}", hint="known: replay, model, topic")
-    from kvctl.server.endpoint import check_endpoint
+    from kvctl.server.ingest.endpoint import check_endpoint
 
     if len(m["id"]) > 20 or int(m["id"]) >= 2**64 or len(m["dp"] or "") > 10 or int(m["dp"] or 0) >= 2**32:
         raise UsageError(f"--worker: the worker id is a u64 and the dp rank a u32, got {text!r}")
@@ -158,8 +158,8 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
                  router_id: int | None, state_dir: Path, replica_sync: bool, shadow: bool, jetstream: bool,
                  advertise_host: str | None, recovery_timeout: float) -> ZmqOptions:
     """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
-    from kvctl.server.dynamo_discovery import DiscoveryError, open_discovery
-    from kvctl.server.zmq_plane import ZmqOptions
+    from kvctl.server.plane.dynamo_discovery import DiscoveryError, open_discovery
+    from kvctl.server.plane.zmq_plane import ZmqOptions
 
     if jetstream:
         raise UsageError("--jetstream needs --nats URL (Dynamo's ZMQ event plane keeps no stream)")
@@ -459,7 +459,7 @@ def serve_command(
         raise UsageError(f"--router-id must be a u64, got {router_id}")
     nats = zmq_plane = None
     if nats_url is not None:
-        from kvctl.server.nats_plane import NatsOptions
+        from kvctl.server.plane.nats_plane import NatsOptions
 
         if snapshot_threshold <= 0:
             raise UsageError(f"--snapshot-threshold must be positive, got {snapshot_threshold}")
@@ -509,7 +509,7 @@ def serve_command(
 
 def _router_id(given: int | None, state_dir: Path) -> int:
     """--router-id, or the id kept in the state dir (made on first use)."""
-    from kvctl.server.router_id import stable_router_id
+    from kvctl.server.plane.router_id import stable_router_id
 
     if given is not None:
         return given

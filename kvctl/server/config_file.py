@@ -35,7 +35,7 @@ from kvctl.config.writer import toml_string
 from kvctl.core.router.busy import THRESHOLD_FIELDS, Thresholds
 from kvctl.core.router.scoring import KNOBS, RouterConfig
 from kvctl.errors import ConfigError
-from kvctl.server.endpoint import check_endpoint
+from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.state import WorkerInfo
 
 _ROUTER_KEYS = (*KNOBS, "overlap_score_weight", "temperature")

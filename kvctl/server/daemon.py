@@ -33,17 +33,17 @@ from kvctl.core.words import counted
 from kvctl.errors import KvctlError
 from kvctl.runtime import survivors_frozen, trim_heap
 from kvctl.server import snapshot
-from kvctl.server.api import MAX_BODY_BYTES, create_app, http_protocol, loop_lag_observer
 from kvctl.server.budget import RECLAIM_ENTRIES
-from kvctl.server.decoder import make_decoder
-from kvctl.server.fd_limits import default_max_engines, raise_file_limit, sized
-from kvctl.server.nats_plane import EventPlane, NatsOptions
-from kvctl.server.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Connections
+from kvctl.server.http.api import MAX_BODY_BYTES, create_app, http_protocol, loop_lag_observer
+from kvctl.server.http.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Connections
+from kvctl.server.ingest.decode_process.parent import make_decoder
+from kvctl.server.ingest.fd_limits import default_max_engines, raise_file_limit, sized
+from kvctl.server.ingest.streams import QUEUE_BATCHES, Streams
+from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
+from kvctl.server.plane.zmq_plane import ZmqOptions, ZmqPlane
 from kvctl.server.sd_notify import Notifier
 from kvctl.server.serve_choices import DecoderMode, LogLevel
 from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
-from kvctl.server.streams import QUEUE_BATCHES, Streams
-from kvctl.server.zmq_plane import ZmqOptions, ZmqPlane
 
 log = logging.getLogger("kvctl.serve")
 TICK_S = 1.0
@@ -129,7 +129,7 @@ class ServeOptions:
     route_fast_path: bool = True  # plain routes answered in the HTTP protocol (route_protocol.py)
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S  # what connections in flight get to finish on SIGTERM
     limits: RouteLimits = field(default_factory=RouteLimits)  # what a route may make the router hold (429)
-    decoder: DecoderMode = DecoderMode.auto  # where engine payloads are decoded (see decoder.py)
+    decoder: DecoderMode = DecoderMode.auto  # where engine payloads are decoded (see ingest/decode_process/parent.py)
     max_engines: int | None = None  # engine endpoints followed at most; None: as the file limit allows
 
 

@@ -32,7 +32,7 @@ from kvctl.core.events.dynamo import decode_router_event_json, encode_router_eve
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.errors import SnapshotError
-from kvctl.server.endpoint import check_endpoint
+from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.state import Fleet, WorkerInfo
 
 SCHEMA = "kvctl.snapshot/v2"

@@ -15,7 +15,7 @@ from kvctl.client import AsyncRouterClient, RouterClient, calls
 from kvctl.client._base import Call
 from kvctl.errors import AllBusy, ApiError, KvctlError, NotFound, Refused, Unreachable
 from kvctl.exit_codes import ExitCode
-from kvctl.server.api import create_app
+from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet
 from tests.nats_server import free_port
 from tests.server.test_serve_process import serving

@@ -17,7 +17,7 @@ from kvctl.client._base import KEEPALIVE_EXPIRY_S
 from kvctl.client.aio import AsyncRouterClient
 from kvctl.client.engine import EngineClient
 from kvctl.client.sync import RouterClient
-from kvctl.server.route_protocol import IDLE_TIMEOUT_S
+from kvctl.server.http.route_protocol import IDLE_TIMEOUT_S
 
 ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 

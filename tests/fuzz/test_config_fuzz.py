@@ -23,7 +23,7 @@ from kvctl.config import ConfigFile, resolve
 from kvctl.config.writer import toml_string
 from kvctl.errors import ConfigError, UsageError
 from kvctl.server.config_file import load
-from kvctl.server.endpoint import check_endpoint
+from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.state import Fleet
 from tests.fuzz.junk import paths
 

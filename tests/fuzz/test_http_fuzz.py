@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvctl.core.events.dynamo import decode_router_event_json
-from kvctl.server.api import create_app
+from kvctl.server.http.api import create_app
+from kvctl.server.ingest.streams import Streams
 from kvctl.server.state import Fleet, WorkerInfo
-from kvctl.server.streams import Streams
 from tests.fixtures_path import FIXTURES
 from tests.fuzz.junk import DEPTHS, JSON_JUNK, JSON_SCALARS, NAMES, Blob, deep_json, hostile
 

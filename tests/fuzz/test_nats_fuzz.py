@@ -62,9 +62,9 @@ from kvctl.core.events.publishers import Order, PublisherBook, Sequence
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
-from kvctl.server.nats_plane import EventPlane, NatsOptions
+from kvctl.server.ingest.streams import Streams
+from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet
-from kvctl.server.streams import Streams
 from tests.fixtures_path import FIXTURES
 from tests.fuzz.junk import (
     DEPTHS,

@@ -25,7 +25,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from kvctl.server.api import create_app
+from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet
 from tests.server.test_serve_process import serving
 

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvctl.core.events import DecodeError, ErrorKind, EventData, decode_engine_batch, decode_engine_message
-from kvctl.server.decoder import Decoder, InlineDecoder, ProcessDecoder
-from kvctl.server.zmq_source import EngineStream
+from kvctl.server.ingest.decode_process.parent import Decoder, InlineDecoder, ProcessDecoder
+from kvctl.server.ingest.zmq_source import EngineStream
 from tests.fixtures_path import FIXTURES
 from tests.fuzz.junk import (
     DEPTHS,

@@ -43,9 +43,9 @@ from kvctl.core.events.engine_encode import VLLM, BlockRemoved, BlockStored, enc
 from kvctl.core.hashing import local_block_hashes
 from kvctl.mock.hashing import BlockHasher, HashStyle
 from kvctl.process_cpu import process_tree
+from kvctl.server.ingest.streams import ModelWriter
+from kvctl.server.ingest.zmq_source import EngineStream
 from kvctl.server.state import Fleet
-from kvctl.server.streams import ModelWriter
-from kvctl.server.zmq_source import EngineStream
 from tests.nats_server import stop_process
 from tests.support import eventually, eventually_async
 

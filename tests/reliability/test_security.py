@@ -33,8 +33,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvctl.cli import app as cli
-from kvctl.server import api
-from kvctl.server.api import create_app
+from kvctl.server.http import api
+from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet
 from tests.nats_server import NatsServer, free_port
 from tests.server.test_serve_process import refused

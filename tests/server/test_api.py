@@ -12,7 +12,7 @@ from kvctl.core.events import RouterEvent, Stored
 from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
-from kvctl.server.api import create_app
+from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
 from tests.fixtures_path import FIXTURES
 from tests.support.served import ROUTE_PATHS, served

@@ -13,9 +13,16 @@ from pathlib import Path
 import pytest
 
 from kvctl.core.events import Cleared, EngineBatch, ErrorKind, Removed, Stored, live_seq
-from kvctl.server import decoder as decoder_module
-from kvctl.server.decode_wire import answer, live_answer, read_answer, split_answers
-from kvctl.server.decoder import InlineDecoder, NeverFull, ProcessDecoder, Subscription, decode_now, make_decoder
+from kvctl.server.ingest.decode_process import parent as decoder_module
+from kvctl.server.ingest.decode_process.parent import (
+    InlineDecoder,
+    NeverFull,
+    ProcessDecoder,
+    Subscription,
+    decode_now,
+    make_decoder,
+)
+from kvctl.server.ingest.decode_process.wire import answer, live_answer, read_answer, split_answers
 from tests.fixtures_path import FIXTURES
 from tests.plain_events import plain
 from tests.support import eventually_async

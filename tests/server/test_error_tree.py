@@ -14,8 +14,8 @@ from kvctl.cli import app
 from kvctl.errors import KvctlError
 from kvctl.exit_codes import ExitCode
 from kvctl.server import snapshot
-from kvctl.server.api import create_app
 from kvctl.server.config_file import load
+from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet
 from tests.server.test_serve_process import _stop, serving
 

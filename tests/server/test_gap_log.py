@@ -15,14 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvctl.server.gap_log import GAP_SUMMARY_S, GapLog
+from kvctl.server.ingest.gap_log import GAP_SUMMARY_S, GapLog
 from tests.server.test_serve_process import serving
 
 
 def test_losses_after_the_first_are_summed_up_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
     now = [100.0]
     gaps = GapLog("engine stream 3:0 (tcp://e:5557)", lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="kvctl.server.gap_log"):
+    with caplog.at_level(logging.WARNING, logger="kvctl.server.ingest.gap_log"):
         gaps.lost(10, 12, "no replay endpoint")
         for seq in range(20, 70, 5):  # ten more single-batch gaps within the interval: no line yet
             now[0] += 0.5
@@ -47,7 +47,7 @@ def test_losses_after_the_first_are_summed_up_once_per_interval(caplog: pytest.L
 
 def test_a_stream_that_lost_nothing_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
     gaps = GapLog("engine stream 1:0", lambda: 0.0)
-    with caplog.at_level(logging.DEBUG, logger="kvctl.server.gap_log"):
+    with caplog.at_level(logging.DEBUG, logger="kvctl.server.ingest.gap_log"):
         gaps.flush()
         gaps.close()
     assert caplog.messages == []

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from kvctl.server.api import create_app
+from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "http-api.md"

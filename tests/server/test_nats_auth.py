@@ -13,9 +13,9 @@ import nkeys
 import pytest
 
 from kvctl.natsconn import NatsConnection
-from kvctl.server.nats_plane import EventPlane, NatsOptions
+from kvctl.server.ingest.streams import Streams
+from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet
-from kvctl.server.streams import Streams
 from tests.nats_server import NatsServer
 
 

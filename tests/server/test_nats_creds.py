@@ -22,9 +22,9 @@ import nkeys
 import pytest
 
 from kvctl.natsconn import NatsConnection
-from kvctl.server.nats_plane import EventPlane, NatsOptions
+from kvctl.server.ingest.streams import Streams
+from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet
-from kvctl.server.streams import Streams
 from tests.nats_server import NatsServer
 from tests.server.test_nats_auth import _tls
 from tests.server.test_serve_process import refused

@@ -36,9 +36,9 @@ from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
-from kvctl.server.nats_plane import EventPlane, NatsOptions
+from kvctl.server.ingest.streams import Streams
+from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet, WorkerInfo
-from kvctl.server.streams import Streams
 from tests.fixtures_path import FIXTURES
 from tests.nats_server import NatsServer
 from tests.support import eventually_async

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from kvctl.server.api import create_app
+from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet
 
 # Words of the implementation: its libraries, its performance, its internals.

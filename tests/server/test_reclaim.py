@@ -7,8 +7,8 @@ import time
 
 from kvctl.core.events import Removed, RouterEvent, Stored
 from kvctl.server import daemon
+from kvctl.server.ingest.streams import Streams
 from kvctl.server.state import Fleet
-from kvctl.server.streams import Streams
 
 
 def churned_fleet() -> Fleet:

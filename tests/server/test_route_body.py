@@ -10,8 +10,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvctl.server import bodies as body_module
-from kvctl.server.bodies import read_route_body, read_route_body_whole
+from kvctl.server.http import bodies as body_module
+from kvctl.server.http.bodies import read_route_body, read_route_body_whole
 
 pytestmark = pytest.mark.usefixtures("native_impl")  # on the C extension and on its pure-Python twin
 

@@ -15,9 +15,9 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from kvctl.server import route_protocol
-from kvctl.server.api import create_app, http_protocol
-from kvctl.server.route_protocol import missing_internals
+from kvctl.server.http import route_protocol
+from kvctl.server.http.api import create_app, http_protocol
+from kvctl.server.http.route_protocol import missing_internals
 from kvctl.server.state import Fleet, WorkerInfo
 from tests.support.served import served
 

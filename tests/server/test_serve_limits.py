@@ -104,7 +104,7 @@ def test_a_uvicorn_without_the_fast_path_internals_serves_with_the_limits_its_ow
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "import kvctl.server.route_protocol as r\nr.HttpToolsProtocol = None\n")
+        "import kvctl.server.http.route_protocol as r\nr.HttpToolsProtocol = None\n")
     monkeypatch.setenv("PYTHONPATH", str(site))
     with serving(tmp_path / "state", "--max-connections", "2") as (proc, client):
         client.post("/v1/workers", json={"worker_id": 1})

@@ -7,7 +7,7 @@ import pytest
 
 from kvctl.natsconn import NatsConnection
 from kvctl.server.daemon import ServeOptions
-from kvctl.server.nats_plane import NatsOptions
+from kvctl.server.plane.nats_plane import NatsOptions
 
 
 def test_serve_options_refuse_positional_arguments() -> None:

@@ -10,8 +10,8 @@ import zmq.asyncio
 
 from kvctl.core.events import Stored, Tier
 from kvctl.core.events.engine_encode import FORMATS
+from kvctl.server.ingest.streams import ModelWriter
 from kvctl.server.state import Fleet
-from kvctl.server.streams import ModelWriter
 from tests.support import eventually_async
 
 
@@ -33,8 +33,8 @@ async def test_writer_applies_in_order_and_counts_drops() -> None:
 
 
 async def test_events_per_second_comes_from_successive_samples() -> None:
+    from kvctl.server.ingest.streams import Streams
     from kvctl.server.state import WorkerInfo
-    from kvctl.server.streams import Streams
 
     streams = Streams(Fleet())
     assert streams.start(WorkerInfo(1, 0, "default", endpoint="tcp://127.0.0.1:9"))
@@ -51,9 +51,9 @@ async def test_a_burst_far_larger_than_the_writer_queue_waits_in_zmq_and_loses_n
     """8 queued batches at most, 600 published at once: the stream stops reading while the writer is
     behind, so every batch is applied and none is dropped or lost."""
     from kvctl.core.events.engine_encode import BlockStored, encode_batch
-    from kvctl.server.decoder import make_decoder
+    from kvctl.server.ingest.decode_process.parent import make_decoder
+    from kvctl.server.ingest.streams import Streams
     from kvctl.server.state import WorkerInfo
-    from kvctl.server.streams import Streams
     from tests.server.zmq_engine import Engine
 
     fmt = FORMATS["vllm"]
@@ -88,8 +88,8 @@ async def test_a_stream_that_dies_shows_failed_and_runs_again_once_it_can() -> N
     is) once stopped for good behind a normal status row; now it shows `failed` with the error, and runs
     again, with its events, once a socket is free."""
     from kvctl.core.events.engine_encode import BlockStored, encode_batch
+    from kvctl.server.ingest.streams import Streams
     from kvctl.server.state import WorkerInfo
-    from kvctl.server.streams import Streams
     from tests.server.zmq_engine import Engine
 
     ours, theirs = zmq.asyncio.Context(), zmq.asyncio.Context()
@@ -127,9 +127,9 @@ async def test_metrics_clamp_a_counter_past_u64() -> None:
     27670116110564327476 (a seq jump to 2^64 - 1 counted as lost batches, now a jump)."""
     from prometheus_client import generate_latest
 
-    from kvctl.server.metrics import Metrics
+    from kvctl.server.http.metrics import Metrics
+    from kvctl.server.ingest.streams import Streams
     from kvctl.server.state import WorkerInfo
-    from kvctl.server.streams import Streams
 
     fleet = Fleet()
     streams = Streams(fleet)

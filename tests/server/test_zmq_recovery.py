@@ -25,7 +25,7 @@ from kvctl.core.events.request_plane import (
     handshake_subject,
     parse_event_source,
 )
-from kvctl.server.recovery import RecoveryClient
+from kvctl.server.plane.recovery import RecoveryClient
 from tests.core.test_request_plane_capture import exchanges
 from tests.server.test_nats_plane import dump_blocks, expected_blocks
 from tests.server.test_zmq_plane import Bench

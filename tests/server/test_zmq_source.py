@@ -23,8 +23,8 @@ import zmq
 import zmq.asyncio
 
 from kvctl.core.events import Cleared, ErrorKind, EventData, Removed, Stored, Tier
-from kvctl.server.decoder import Decoder, InlineDecoder, ProcessDecoder
-from kvctl.server.zmq_source import EngineStream
+from kvctl.server.ingest.decode_process.parent import Decoder, InlineDecoder, ProcessDecoder
+from kvctl.server.ingest.zmq_source import EngineStream
 from tests.fixtures_path import FIXTURES
 from tests.server.zmq_engine import Engine
 from tests.support import eventually_async

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import uvicorn
 
-from kvctl.server.api import http_protocol
 from kvctl.server.daemon import bind
+from kvctl.server.http.api import http_protocol
 from tests.support.eventually import eventually_async
 
 ROUTE_PATHS = ("fast path", "asgi")

@@ -1,5 +1,5 @@
 """Dynamo 1.6.1's TCP request plane, as much of it as a KV recovery query needs (docs/contract.md), read from a real
-exchange (tests/fixtures/dynamo-1.6.1-fleet/request-plane/). No I/O: the sockets are server/recovery.py's.
+exchange (tests/fixtures/dynamo-1.6.1-fleet/request-plane/). No I/O: the sockets are server/plane/recovery.py's.
 
 A worker that publishes KV events files an `EventSource` record under `v1/event_sources/...` whose
 `recovery_target` names an endpoint of its request plane (`transport.tcp`: `HOST:PORT/PATH`). A router asks it

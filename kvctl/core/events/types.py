@@ -4,7 +4,7 @@ Hashes are unsigned 64-bit ints. A `Stored` keeps its blocks as two parallel lis
 hashes and local token hashes) because the index slices them into compressed edges; building one
 object per block would cost more than the index itself. Codecs build lists; the router's decode process
 hands over local hashes and removed hashes as `array('Q')`, so the index gets them without an int per
-block (see `kvctl.server.decode_wire`). Anything that reads them takes either.
+block (see `kvctl.server.ingest.decode_process.wire`). Anything that reads them takes either.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each publisher has a PUB socket per topic and sends `[topic (ASCII), publisher_id (u64 BE), sequence (u64 BE),
 0x01 + u32 BE length + the msgpack envelope]`. The envelope is the same as on NATS (core/events/dynamo.py), so a
 decoded message goes to the same ingest; only these frames are the ZMQ plane's own. No I/O: the socket is the
-server's (server/zmq_plane.py).
+server's (server/plane/zmq_plane.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvctl.core.router.scoring import KNOBS
 from kvctl.core.token_json import token_ids_at_head, token_ids_from_json
-from kvctl.server.endpoint import check_endpoint
+from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.state import DEFAULT_MODEL
 
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]

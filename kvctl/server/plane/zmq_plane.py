@@ -5,7 +5,7 @@ discovery store. This plane lists the records of its namespace (narrowed by `--c
 follows their changes (etcd: a watch; files: a poll), keeps one SUB socket connected to each record's endpoint,
 and drops it when its record goes (a clean stop deletes the keys; a dead process's vanish within ~12 s). Every
 message is four frames (core/events/zmq_wire.py) around the same envelope as on NATS, so it goes to the same
-transport-free ingest (plane_ingest.py) as the NATS plane's, under the component and endpoint of the record it
+transport-free ingest (plane/ingest.py) as the NATS plane's, under the component and endpoint of the record it
 came from; the status keeps the NATS plane's shape, plus the connections. With `--replica-sync` peers'
 in-flight requests are taken and, unless `--shadow`, this router's own are shared as a Dynamo router shares
 them (zmq_sequences.py). No history: a worker found late has its index recovered over Dynamo's request plane
@@ -40,14 +40,14 @@ from kvctl.core.events.request_plane import namespace_sources_prefix
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
-from kvctl.server.dynamo_discovery import KEEP_ALIVE_S, Discovery, DiscoveryError, open_discovery
-from kvctl.server.fd_limits import sized
-from kvctl.server.plane_ingest import PlaneIngest
-from kvctl.server.plane_tasks import PlaneTasks
-from kvctl.server.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
+from kvctl.server.ingest.fd_limits import sized
+from kvctl.server.ingest.streams import ModelWriter, Streams
+from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, DiscoveryError, open_discovery
+from kvctl.server.plane.ingest import PlaneIngest
+from kvctl.server.plane.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
+from kvctl.server.plane.tasks import PlaneTasks
+from kvctl.server.plane.zmq_sequences import SequenceChannels, default_advertise_host
 from kvctl.server.state import Fleet, UnknownWorker
-from kvctl.server.streams import ModelWriter, Streams
-from kvctl.server.zmq_sequences import SequenceChannels, default_advertise_host
 
 log = logging.getLogger("kvctl.serve")
 

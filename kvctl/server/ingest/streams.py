@@ -21,10 +21,10 @@ from kvctl.core.events import Cleared, EventData
 from kvctl.core.words import counted
 from kvctl.runtime import BurstTrimmer
 from kvctl.server.budget import SLICE_S
-from kvctl.server.decoder import Decoder, InlineDecoder
-from kvctl.server.plane_tasks import error_text
+from kvctl.server.ingest.decode_process.parent import Decoder, InlineDecoder
+from kvctl.server.ingest.zmq_source import EngineStream
+from kvctl.server.plane.tasks import error_text
 from kvctl.server.state import Fleet, WorkerInfo
-from kvctl.server.zmq_source import EngineStream
 
 log = logging.getLogger("kvctl.serve")
 Worker = tuple[int, int]
@@ -288,7 +288,7 @@ class Streams:
             self._last_sample[key] = (now, events)
 
     def log_gaps(self) -> None:
-        """The summary line of each stream whose lost gaps are due one (see `kvctl.server.gap_log`): a stream
+        """The summary line of each stream whose lost gaps are due one (see `kvctl.server.ingest.gap_log`): a stream
         that stops losing still has its last losses logged, not only at its next loss."""
         for source in self._running.values():
             source.stream.gap_log.flush()

@@ -25,9 +25,9 @@ kvctl/core/events/publishers.py):
 
 Everything malformed is counted in `decode_errors` by `ErrorKind` and skipped; the stream never
 stops on bad input. Only an error of its own (a socket it cannot open) or the sink or `on_restart` raising
-ends `run()`; `kvctl.server.streams` then shows it failed and runs it again.
+ends `run()`; `kvctl.server.ingest.streams` then shows it failed and runs it again.
 
-This module and the decode process (`kvctl.server.decode_worker`, which may hold the SUB socket) are
+This module and the decode process (`kvctl.server.ingest.decode_process.child`, which may hold the SUB socket) are
 the router's only ZMQ speakers; the decoding is `kvctl.core.events.engine`, which does no I/O.
 """
 
@@ -58,10 +58,10 @@ from kvctl.core.events import (
 )
 from kvctl.core.events.publishers import Order, Sequence
 from kvctl.server.budget import SLICE_S
-from kvctl.server.decoder import Backpressure, Decoder, InlineDecoder, NeverFull, Subscription
-from kvctl.server.gap_log import GapLog
-from kvctl.server.schema_seen import Schema, SchemaSeen, sampled
-from kvctl.server.stream_stats import StreamStats, WorkerKey
+from kvctl.server.ingest.decode_process.parent import Backpressure, Decoder, InlineDecoder, NeverFull, Subscription
+from kvctl.server.ingest.gap_log import GapLog
+from kvctl.server.ingest.schema_seen import Schema, SchemaSeen, sampled
+from kvctl.server.ingest.stream_stats import StreamStats, WorkerKey
 
 __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvctl.server.schema_seen import SchemaSeen
+from kvctl.server.ingest.schema_seen import SchemaSeen
 
 WorkerKey = tuple[int, int]
 

@@ -2,7 +2,7 @@
 
 Receiving a batch from ZMQ and decoding it (msgpack, then one XXH3 per block of token ids) costs more
 than applying it does, and the router is one Python thread. With a spare core,
-`ProcessDecoder` runs `python -m kvctl.server.decode_worker`, which subscribes to the engines the
+`ProcessDecoder` runs `python -m kvctl.server.ingest.decode_process.child`, which subscribes to the engines the
 streams hand it (`receive`) and sends their messages back decoded, many per read, and decodes the
 payloads the router submits (replayed batches) in the same order they were submitted. Ingest runs on
 two cores, and the loop that answers routes is freed of most of the ingest work. Everything else
@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from kvctl.child_process import python_module
 from kvctl.core.events import EngineBatch, ErrorKind
 from kvctl.core.words import counted
-from kvctl.server.decode_wire import HEADER, Answer, Refused, control, decode_now, split_answers
+from kvctl.server.ingest.decode_process.wire import HEADER, Answer, Refused, control, decode_now, split_answers
 from kvctl.server.serve_choices import DecoderMode
 
 __all__ = ["Backpressure", "Decoded", "Decoder", "InlineDecoder", "NeverFull", "OnLive",
@@ -185,7 +185,7 @@ class ProcessDecoder:
         self._read_at = float("-inf")  # monotonic time of the last read from the child
 
     def _spawn(self) -> None:
-        self._proc = subprocess.Popen(python_module("kvctl.server.decode_worker"), stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen(python_module("kvctl.server.ingest.decode_process.child"), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._to_child = self._proc.stdin.fileno()

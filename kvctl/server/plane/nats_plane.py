@@ -4,7 +4,7 @@ One subscription to the whole namespace (`namespace.{ns}.>`), dispatched by subj
 `namespace.{ns}.component.{comp}.endpoint.{ep}.{topic}`, every topic in the same envelope, and
 `--component` / `--endpoint` narrow what is followed (default: every one). Subjects outside that shape or
 scope are only counted, so `doctor` can name what the namespace carries when nothing we follow arrives.
-What is in scope goes to the transport-free ingest (plane_ingest.py): KV events, load reports, forward
+What is in scope goes to the transport-free ingest (plane/ingest.py): KV events, load reports, forward
 passes and, with `--replica-sync`, peers' in-flight requests; this router's own are published under the
 endpoint of the worker they concern. With `--jetstream`, KV events come instead from kvctl's own stream as
 RouterEvent JSON, acked once applied.
@@ -52,10 +52,10 @@ from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
 from kvctl.nats_barrier import barrier
 from kvctl.natsconn import NatsConnection
-from kvctl.server.plane_ingest import PlaneIngest
-from kvctl.server.plane_tasks import PlaneTasks, error_text
+from kvctl.server.ingest.streams import ModelWriter, Streams
+from kvctl.server.plane.ingest import PlaneIngest
+from kvctl.server.plane.tasks import PlaneTasks, error_text
 from kvctl.server.state import Fleet
-from kvctl.server.streams import ModelWriter, Streams
 
 log = logging.getLogger("kvctl.serve")
 Worker = tuple[int, int]

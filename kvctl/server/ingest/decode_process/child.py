@@ -1,11 +1,10 @@
-"""The router's decode process: requests in on stdin, answers out on stdout (`kvctl.server.decode_wire`).
+"""The router's decode process: requests in on stdin, answers out on stdout (`kvctl.server.ingest.decode_process.wire`).
 
-Started by `kvctl.server.decoder.ProcessDecoder` as `python -m kvctl.server.decode_worker`; it ends
-when its stdin closes. It decodes the payloads the router sends (replayed batches), and receives and
-decodes the live messages of the engine streams the router hands it, one SUB socket each. Everything
-it reads is answered: a message that does not decode is answered with its error kind, so the router
-counts it exactly as it would have in-process. It keeps no state beyond its sockets: sequencing,
-replays and counters stay in the router.
+Started by `parent.ProcessDecoder` as `python -m kvctl.server.ingest.decode_process.child`; it ends when its stdin
+closes. It decodes the payloads the router sends (replayed batches), and receives and decodes the live messages of
+the engine streams the router hands it, one SUB socket each. Everything it reads is answered: a message that does
+not decode is answered with its error kind, so the router counts it exactly as it would have in-process. It keeps no
+state beyond its sockets: sequencing, replays and counters stay in the router.
 
 When the router falls behind, it stops reading stdout; this process then blocks on its write and stops
 reading its sockets, and a burst waits in ZMQ exactly as it would in the router's own sockets. Once a
@@ -22,9 +21,9 @@ from dataclasses import dataclass
 import zmq
 
 from kvctl.runtime import BurstTrimmer, tune_gc
-from kvctl.server.decode_wire import CONTROL, answer, live_answer, read_control, refused, split_requests
-from kvctl.server.fd_limits import sized
-from kvctl.server.schema_seen import sampled
+from kvctl.server.ingest.decode_process.wire import CONTROL, answer, live_answer, read_control, refused, split_requests
+from kvctl.server.ingest.fd_limits import sized
+from kvctl.server.ingest.schema_seen import sampled
 
 _READ = 1 << 20
 _BURST = 64

@@ -24,7 +24,7 @@ from kvctl.core.events.discovery import ChannelKey
 from kvctl.core.events.dynamo import EnvelopeWriter
 from kvctl.core.events.plane import ACTIVE_SEQUENCES, ActiveSequenceEvent, encode_sequence_events
 from kvctl.core.events.zmq_wire import ZmqMessage, encode_zmq_message
-from kvctl.server.dynamo_discovery import Discovery
+from kvctl.server.plane.dynamo_discovery import Discovery
 
 log = logging.getLogger("kvctl.serve")
 

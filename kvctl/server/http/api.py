@@ -35,7 +35,8 @@ from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
 from kvctl.core.router.scoring import BadKnob, NoCandidates
 from kvctl.core.words import counted
 from kvctl.errors import ApiError
-from kvctl.server.bodies import (
+from kvctl.server.budget import SLICE_S
+from kvctl.server.http.bodies import (
     OVERRIDES,
     BusyBody,
     PrefillBody,
@@ -46,12 +47,11 @@ from kvctl.server.bodies import (
     parse_events,
     read_route_body,
 )
-from kvctl.server.budget import SLICE_S
-from kvctl.server.metrics import Metrics, Plane
-from kvctl.server.openapi_doc import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE, complete, ref, replies
-from kvctl.server.route_protocol import Connections, missing_internals, route_protocol
+from kvctl.server.http.metrics import Metrics, Plane
+from kvctl.server.http.openapi import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE, complete, ref, replies
+from kvctl.server.http.route_protocol import Connections, missing_internals, route_protocol
+from kvctl.server.ingest.streams import Streams
 from kvctl.server.state import DEFAULT_MODEL, Fleet, OverLimit, UnknownWorker, WorkerInfo
-from kvctl.server.streams import Streams
 
 log = logging.getLogger("kvctl.serve")
 MAX_BODY_BYTES = 64 * 1024 * 1024

@@ -1,4 +1,4 @@
-"""The pipe protocol between the router and its decode process (`kvctl.server.decoder`).
+"""The pipe protocol between the router and its decode process (`kvctl.server.ingest.decode_process.parent`).
 
 Decoding an engine batch (msgpack, then one XXH3 per block of token ids) costs about twice what
 applying it to the index does, and receiving it from ZMQ about half, so a router with a spare core
@@ -18,7 +18,7 @@ Answers (child -> router): u32 LE body length, u8 origin, body.
     (cleared). Requests are answered one each, in request order.
   - origin 1 (`LIVE`): a message received on stream `key`: msgpack `[key, seq, sample, answer]`,
     `seq` nil when the frames carry none (then `answer` is `[kind]`), `sample` the raw payload when
-    the stream's schema samples this message (`kvctl.server.schema_seen.sampled`), else nil.
+    the stream's schema samples this message (`kvctl.server.ingest.schema_seen.sampled`), else nil.
   - origin 2 (`REFUSED`): the child could not subscribe for stream `key`: msgpack `[key, why]`; the
     stream reads its own socket, where the same error shows as it would have without a child.
 A stored event's local hashes and a removed event's hashes are packed: a bin of native-endian u64s (both

@@ -359,7 +359,7 @@ def open_discovery(url: str) -> Discovery:
     DiscoveryError where Kubernetes discovery finds no API server to ask."""
     scheme, sep, where = url.partition(":")
     if scheme == "kubernetes":
-        from kvctl.server.kube_discovery import KubernetesDiscovery, parse_kubernetes_url
+        from kvctl.server.plane.kube_discovery import KubernetesDiscovery, parse_kubernetes_url
 
         return KubernetesDiscovery(parse_kubernetes_url(where))
     if scheme == "file" and sep and where:

@@ -37,9 +37,9 @@ from kvctl.core.events.plane import (
 from kvctl.core.events.publishers import Order, Publisher, PublisherBook, Sequence
 from kvctl.core.events.request_plane import Recovered
 from kvctl.core.router.sequences import ActiveRequest
-from kvctl.server.recovery import Recovery
+from kvctl.server.ingest.streams import ModelWriter
+from kvctl.server.plane.recovery import Recovery
 from kvctl.server.state import ADD, Fleet
-from kvctl.server.streams import ModelWriter
 
 log = logging.getLogger("kvctl.serve")
 Worker = tuple[int, int]

@@ -13,11 +13,11 @@ from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvctl.server.nats_plane import EventPlane
-from kvctl.server.route_protocol import Connections
+from kvctl.server.http.route_protocol import Connections
+from kvctl.server.ingest.streams import Streams
+from kvctl.server.plane.nats_plane import EventPlane
+from kvctl.server.plane.zmq_plane import ZmqPlane
 from kvctl.server.state import Fleet
-from kvctl.server.streams import Streams
-from kvctl.server.zmq_plane import ZmqPlane
 
 Plane = EventPlane | ZmqPlane
 """A Dynamo event plane's transport: NATS, or Dynamo's ZMQ plane."""
