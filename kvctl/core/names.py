@@ -1,0 +1,43 @@
+"""How the fleet's things are named, in one place: a worker is the (worker_id, dp_rank) pair Dynamo keys its index
+by, written `ID:DP` wherever a person reads or types it, and a request that names no model means `default`."""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+WorkerKey: TypeAlias = tuple[int, int]
+"""(worker_id, dp_rank): a plain tuple, as the index and the native extension build them on the hot path."""
+
+WorkerSelector: TypeAlias = tuple[int, int | None]
+"""(worker_id, dp_rank or None): `ID` selects every rank of a worker, `ID:DP` one of them."""
+
+DEFAULT_MODEL = "default"
+"""The model of a request, event or worker that names none: what a single-model router serves."""
+
+MAX_WORKER_ID = 2**64 - 1  # Dynamo's worker ids are u64
+MAX_DP_RANK = 2**32 - 1  # and its data-parallel ranks u32
+
+
+def format_worker(worker: WorkerKey) -> str:
+    """`ID:DP`, as the API's keys, the tables and the logs write a worker."""
+    return f"{worker[0]}:{worker[1]}"
+
+
+def parse_worker(text: str) -> WorkerSelector:
+    """`ID` or `ID:DP` as (worker_id, dp_rank or None); ValueError, saying what was wanted, for anything else."""
+    wid, sep, dp = text.strip().partition(":")
+    try:
+        worker_id, dp_rank = int(wid), (int(dp) if sep else None)
+    except ValueError:
+        raise ValueError(f"a worker is ID or ID:DP (integers), got {text!r}") from None
+    if not 0 <= worker_id <= MAX_WORKER_ID:
+        raise ValueError(f"worker {text!r}: a worker id is 0..2^64-1")
+    if dp_rank is not None and not 0 <= dp_rank <= MAX_DP_RANK:
+        raise ValueError(f"worker {text!r}: a dp rank is 0..2^32-1")
+    return worker_id, dp_rank
+
+
+def selects(selector: WorkerSelector, worker: WorkerKey) -> bool:
+    """Whether `ID` (every rank) or `ID:DP` (that rank) names this worker."""
+    worker_id, dp_rank = selector
+    return worker[0] == worker_id and (dp_rank is None or worker[1] == dp_rank)
