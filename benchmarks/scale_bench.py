@@ -1,0 +1,395 @@
+"""What grows with the index: `kvctl serve` at 1M, 4M and 10M (worker, block) pairs, Dynamo's indexer beside it.
+
+Routing itself is flat in the index's size; everything around it (snapshots, dumps, stats, bulk loads,
+shutdown, restart, ingest, memory) may not be. Per size, on one workload (W engines publishing vLLM's ZMQ
+wire; shared system prompts of 8-64 blocks, each request adding a unique 8-64-block tail; the first
+request of an engine for a prompt stores it from the root), this measures the rows of issue 27's table:
+
+  - ingest: blocks/s over the whole load, and over its first and last quarter (does it slow as it grows?);
+    RSS per pair; the same for `dynamo.indexer` (ingest timed to a sentinel block, as serve_bench does);
+  - route stalls, by a prober sending a 2,048-token route back to back on one keep-alive connection:
+    its p50 and max while idle, during the periodic snapshots of a window that holds at least one, during
+    a `GET /v1/tree`, and during bulk `POST /v1/events` (2,000-event batches from one client);
+  - `kvctl tree stats` against the router: wall time and the client's peak RSS;
+  - disk written per periodic snapshot (the router's `/proc/PID/io` write_bytes over the window);
+  - SIGTERM to exit; then a restart on the same state dir: time until its port accepts a connection, and
+    until the index holds every pair again.
+
+    python benchmarks/scale_bench.py [--sizes 1000000,4000000,10000000] [--workers 64] [--no-oracle]
+
+Prints one JSON line per size. It is not part of the test run: at 10M it takes several minutes and
+gigabytes of memory. The machine's core count matters: publishers, server, prober and client share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+import httpx
+from _procs import Proc, rss_bytes
+from serve_bench import (
+    BLOCK,
+    Dynamo,
+    Publishers,
+    chain,
+    free_port,
+    payload,
+    self_check,
+    stored_event,
+    wait_until,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvctl.core.events import RouterEvent, Stored  # noqa: E402
+from kvctl.core.events.dynamo import encode_router_event_json  # noqa: E402
+
+PROMPTS = 256
+PROMPT_BLOCKS = (8, 64)
+TAIL_BLOCKS = (8, 64)
+BULK_BATCH = 2_000
+BULK_BATCHES = 10
+STATS_TIMEOUT_S = 600.0
+
+
+def _tokens(rng: random.Random, blocks: int) -> list[int]:
+    return [t % 32_000 for t in array("H", rng.randbytes(2 * BLOCK * blocks))]
+
+
+class Workload:
+    """Pre-encoded store payloads in publish order, and a sentinel block every engine stores last."""
+
+    def __init__(self, workers: int, pairs: int, seed: int = 27) -> None:
+        rng = random.Random(seed)
+        self.workers = workers
+        prompts = [_tokens(rng, rng.randint(*PROMPT_BLOCKS)) for _ in range(PROMPTS)]
+        prompt_hashes = [chain(None, p) for p in prompts]
+        held: set[tuple[int, int]] = set()
+        self.messages: list[tuple[int, bytes]] = []
+        self.pairs = 0
+        i = 0
+        while self.pairs < pairs:
+            w, p = i % workers, rng.randrange(PROMPTS)
+            i += 1
+            tail = _tokens(rng, rng.randint(*TAIL_BLOCKS))
+            tail_hashes = chain(prompt_hashes[p][-1], tail)
+            if (w, p) in held:
+                event, blocks = stored_event(tail_hashes, prompt_hashes[p][-1], tail), len(tail_hashes)
+            else:
+                held.add((w, p))
+                event = stored_event(prompt_hashes[p] + tail_hashes, None, prompts[p] + tail)
+                blocks = len(prompt_hashes[p]) + len(tail_hashes)
+            self.pairs += blocks
+            self.messages.append((w, payload([event], 1.7e9)))
+        self.sentinel_tokens = _tokens(rng, 1)
+        self.sentinel = payload([stored_event(chain(None, self.sentinel_tokens), None, self.sentinel_tokens)], 1.7e9)
+        self.query = prompts[0] + _tokens(rng, (2048 - len(prompts[0])) // BLOCK)
+        self.total = self.pairs + workers  # with the sentinel
+
+    def publish(self, pubs: Publishers) -> None:
+        for w, body in self.messages:
+            pubs.send(w, body)
+        for w in range(self.workers):
+            pubs.send(w, self.sentinel)
+
+
+class Router:
+    """A `kvctl serve` on a fixed port (so that a restart can be watched opening it), engines by flag."""
+
+    def __init__(self, endpoints: list[str], state_dir: str, port: int, *, restore: bool,
+                 snapshot_interval_s: float) -> None:
+        argv = [sys.executable, "-m", "kvctl", "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", state_dir,
+                "--snapshot-interval", str(snapshot_interval_s), "--max-engines", str(max(64, len(endpoints)))]
+        self.state_dir, self.snapshot_interval_s = Path(state_dir), snapshot_interval_s
+        if not restore:
+            argv.append("--no-restore")
+        for w, endpoint in enumerate(endpoints):
+            argv += ["--worker", f"{w + 1}:0={endpoint}"]
+        self.started = time.perf_counter()
+        self.proc = Proc(argv)
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+
+    def port_open(self) -> bool:
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def count(self) -> int:
+        try:
+            answer = self.http.get("/v1/tree/stats")
+        except httpx.TransportError:
+            return -1
+        if answer.status_code != 200:
+            return -1
+        model = answer.json()["models"].get("default")
+        return sum(model["workers"].values()) if model else 0
+
+    def written_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.p.pid}/io").read_text().splitlines():
+            if line.startswith("write_bytes:"):
+                return int(line.split()[1])
+        raise RuntimeError("no write_bytes in /proc/PID/io")
+
+    def stop(self) -> None:
+        self.http.close()
+        self.proc.stop()
+
+
+class Prober(threading.Thread):
+    """Routes back to back on one connection, each sample (start, seconds), until stopped."""
+
+    def __init__(self, url: str, tokens: list[int]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, json.dumps({"token_ids": tokens}).encode()
+        self.samples: list[tuple[float, float]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=60, headers={"content-type": "application/json"}) as http:
+            while not self.halt.is_set():
+                t0 = time.perf_counter()
+                http.post("/v1/route", content=self.body).raise_for_status()
+                self.samples.append((t0, time.perf_counter() - t0))
+
+    def between(self, t0: float, t1: float) -> dict[str, Any]:
+        """The routes that overlapped [t0, t1]: count, p50, p99, max (ms)."""
+        window = sorted(s for start, s in self.samples if start <= t1 and start + s >= t0)
+        if not window:
+            return {"routes": 0}
+        def at(q: float) -> float:
+            return round(window[min(len(window) - 1, int(q * len(window)))] * 1e3, 2)
+        return {"routes": len(window), "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": round(window[-1] * 1e3, 2)}
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(60)
+
+
+def ingest_kvctl(router: Router, pubs: Publishers, wl: Workload) -> dict[str, Any]:
+    """Blocks/s over the load, and over its first and last quarter as the index fills."""
+    wait_until(lambda: router.count() >= 0, 120, "kvctl: up", router.proc)
+    deadline = time.perf_counter() + 60
+    while router.count() < wl.workers:  # slow joiner: each engine stores the sentinel until all are subscribed
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"kvctl: engines not subscribed: {router.proc.tail()}")
+        for w in range(wl.workers):
+            pubs.send(w, wl.sentinel)
+        time.sleep(0.05)
+    rss0 = rss_bytes(router.proc.p.pid)
+    progress: list[tuple[float, int]] = []
+    publisher = threading.Thread(target=wl.publish, args=(pubs,))
+    t0 = time.perf_counter()
+    publisher.start()
+    while (held := router.count()) < wl.total:
+        progress.append((time.perf_counter(), held))
+        if router.proc.p.poll() is not None or time.perf_counter() - t0 > 900:
+            raise RuntimeError(f"kvctl: ingest stuck at {held}/{wl.total}: {router.proc.tail()}")
+        time.sleep(0.2)
+    t1 = time.perf_counter()
+    publisher.join()
+    progress.append((t1, wl.total))
+
+    def rate(lo: float, hi: float) -> int | None:
+        """Blocks/s between the polls that first saw lo and hi of the load held; None when one poll saw both."""
+        a = next(p for p in progress if p[1] - wl.workers >= lo * wl.pairs)
+        b = next(p for p in progress if p[1] - wl.workers >= hi * wl.pairs)
+        return round((b[1] - a[1]) / (b[0] - a[0])) if b[0] > a[0] else None
+
+    return {"blocks_per_s": round(wl.pairs / (t1 - t0)), "first_quarter_blocks_per_s": rate(0.0, 0.25),
+            "last_quarter_blocks_per_s": rate(0.75, 1.0),
+            "rss_bytes_per_pair": round((rss_bytes(router.proc.p.pid) - rss0) / wl.pairs, 1)}
+
+
+def ingest_dynamo(wl: Workload, threads: int | None) -> dict[str, Any]:
+    pubs = Publishers(wl.workers)
+    dynamo = Dynamo(pubs.endpoints(), threads)
+    try:
+        deadline = time.perf_counter() + 60
+        while dynamo.holders(wl.sentinel_tokens) < wl.workers:
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"dynamo: engines not subscribed: {dynamo.proc.tail()}")
+            for w in range(wl.workers):
+                pubs.send(w, wl.sentinel)
+            time.sleep(0.05)
+        # the sentinel is held already: publish the load, then a second sentinel the phase ends on
+        second = _tokens(random.Random(1), 1)
+        end = payload([stored_event(chain(None, second), None, second)], 1.7e9)
+        rss0 = rss_bytes(dynamo.proc.p.pid)
+        t0 = time.perf_counter()
+        for w, body in wl.messages:
+            pubs.send(w, body)
+        for w in range(wl.workers):
+            pubs.send(w, end)
+        wait_until(lambda: dynamo.holders(second) == wl.workers, 900, "dynamo: ingest", dynamo.proc)
+        t1 = time.perf_counter()
+        return {"blocks_per_s": round(wl.pairs / (t1 - t0)),
+                "rss_bytes_per_pair": round((rss_bytes(dynamo.proc.p.pid) - rss0) / wl.pairs, 1)}
+    finally:
+        dynamo.stop()
+        pubs.close()
+
+
+def snapshot_window(router: Router, prober: Prober) -> dict[str, Any]:
+    """Routes over a window of 1.2 snapshot intervals (so at least one periodic snapshot), and the bytes the
+    router wrote meanwhile, per snapshot file written."""
+    def stamp() -> float:
+        snapshot = router.state_dir / "snapshot.jsonl"
+        return snapshot.stat().st_mtime if snapshot.exists() else 0.0
+    written0, seen, snapshots = router.written_bytes(), stamp(), 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 1.2 * router.snapshot_interval_s:
+        time.sleep(0.25)
+        if (now := stamp()) != seen:
+            seen, snapshots = now, snapshots + 1
+    t1 = time.perf_counter()
+    written = router.written_bytes() - written0
+    return {"snapshots": snapshots, "routes": prober.between(t0, t1),
+            "mb_written_per_snapshot": round(written / max(snapshots, 1) / 1e6, 1)}
+
+
+def during_dump(router: Router, prober: Prober) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    size = 0
+    with router.http.stream("GET", "/v1/tree", params={"format": "jsonl"}) as answer:
+        for chunk in answer.iter_raw():
+            size += len(chunk)
+    t1 = time.perf_counter()
+    return {"dump_s": round(t1 - t0, 2), "dump_mb": round(size / 1e6, 1), "routes": prober.between(t0, t1)}
+
+
+def during_bulk(router: Router, prober: Prober) -> dict[str, Any]:
+    """BULK_BATCHES batches of BULK_BATCH stored events (4 blocks each) for a worker of its own."""
+    rng = random.Random(5)
+    batches = []
+    for b in range(BULK_BATCHES):
+        events = [RouterEvent(worker_id=10_000, event_id=b * BULK_BATCH + i,
+                              data=Stored(parent_hash=None, block_hashes=[rng.getrandbits(63) for _ in range(4)],
+                                          tokens_hashes=[rng.getrandbits(63) for _ in range(4)]))
+                  for i in range(BULK_BATCH)]
+        batches.append(b"\n".join(encode_router_event_json(ev) for ev in events))
+    t0 = time.perf_counter()
+    per_batch = []
+    for body in batches:
+        s = time.perf_counter()
+        router.http.post("/v1/events", content=body,
+                         headers={"content-type": "application/x-ndjson"}).raise_for_status()
+        per_batch.append(time.perf_counter() - s)
+    t1 = time.perf_counter()
+    return {"batch_ms": round(sorted(per_batch)[len(per_batch) // 2] * 1e3, 1), "routes": prober.between(t0, t1)}
+
+
+def tree_stats_cli(router: Router) -> dict[str, Any]:
+    """`kvctl tree stats URL -o json` as its own process: wall time and peak RSS (wait4's rusage)."""
+    t0 = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-m", "kvctl", "tree", "stats", router.url, "-o", "json"],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = t0 + STATS_TIMEOUT_S
+    while True:
+        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.perf_counter() > deadline:
+            child.kill()
+            pid, status, usage = os.wait4(child.pid, 0)
+            return {"timed_out_s": STATS_TIMEOUT_S, "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
+        time.sleep(0.05)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    return {"s": round(time.perf_counter() - t0, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+            "exit": child.returncode}
+
+
+def stop_and_restart(router: Router, pubs: Publishers, state_dir: str, wl: Workload) -> tuple[Router, dict[str, Any]]:
+    t0 = time.perf_counter()
+    router.proc.p.send_signal(signal.SIGTERM)
+    router.proc.p.wait(600)
+    sigterm_s = time.perf_counter() - t0
+    router.http.close()
+    again = Router(pubs.endpoints(), state_dir, router.port, restore=True,
+                   snapshot_interval_s=router.snapshot_interval_s)
+    opened = wait_until(again.port_open, 600, "restart: port", again.proc)
+    whole = wait_until(lambda: again.count() >= wl.total, 600, "restart: index whole", again.proc)
+    return again, {"sigterm_to_exit_s": round(sigterm_s, 2), "port_open_s": round(opened - again.started, 2),
+                   "whole_s": round(whole - again.started, 2)}
+
+
+def one_size(pairs: int, args: argparse.Namespace, oracle: bool) -> dict[str, Any]:
+    workers = args.workers
+    t = time.perf_counter()
+    wl = Workload(workers, pairs)
+    row: dict[str, Any] = {"pairs": wl.pairs, "workers": workers, "messages": len(wl.messages), "cpus": os.cpu_count(),
+                           "workload_s": round(time.perf_counter() - t, 1)}
+    pubs = Publishers(workers)
+    tmp = tempfile.TemporaryDirectory(prefix="scale_bench-")
+    router = Router(pubs.endpoints(), tmp.name, free_port(), restore=False,
+                    snapshot_interval_s=args.snapshot_interval)
+    prober: Prober | None = None
+    try:
+        row["ingest"] = ingest_kvctl(router, pubs, wl)
+        prober = Prober(router.url, wl.query)
+        prober.start()
+        time.sleep(3)
+        row["route_idle"] = prober.between(time.perf_counter() - 3, time.perf_counter())
+        row["periodic_snapshot"] = snapshot_window(router, prober)
+        row["tree_dump"] = during_dump(router, prober)
+        row["bulk_events"] = during_bulk(router, prober)
+        prober.stop()
+        prober = None
+        row["tree_stats"] = tree_stats_cli(router)
+        router, row["restart"] = stop_and_restart(router, pubs, tmp.name, wl)
+    finally:
+        if prober is not None:
+            prober.stop()
+        router.stop()
+        pubs.close()
+        tmp.cleanup()
+    if oracle:
+        try:
+            row["dynamo"] = ingest_dynamo(wl, args.dynamo_threads)
+            row["ratio_kvctl_over_dynamo"] = {
+                key: round(row["ingest"][key] / row["dynamo"][key], 3)
+                for key in ("blocks_per_s", "rss_bytes_per_pair") if row["dynamo"].get(key)}
+        except Exception as exc:  # keep kvctl's figures
+            row["dynamo"] = f"skipped ({type(exc).__name__}: {exc})"
+    else:
+        row["dynamo"] = "skipped (--no-oracle, or `import dynamo` fails)"
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1000000,4000000,10000000", help="(worker, block) pairs, comma-separated")
+    ap.add_argument("--workers", type=int, default=64)
+    ap.add_argument("--no-oracle", action="store_true", help="skip Dynamo's indexer")
+    ap.add_argument("--snapshot-interval", type=float, default=30.0,
+                    help="the router's --snapshot-interval; the snapshot window is 1.2 of it (default 30)")
+    ap.add_argument("--dynamo-threads", type=int, default=None, help="dynamo.indexer --threads (its default: 4)")
+    args = ap.parse_args()
+    self_check()
+    try:
+        import dynamo  # noqa: F401
+
+        oracle = not args.no_oracle
+    except ImportError:
+        oracle = False
+    for size in (int(s) for s in args.sizes.split(",")):
+        print(json.dumps(one_size(size, args, oracle)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
