@@ -18,6 +18,7 @@ from typing import Any
 import zmq.asyncio
 
 from kvctl.core.events import Cleared, EventData
+from kvctl.core.names import WorkerKey
 from kvctl.core.words import counted
 from kvctl.runtime import BurstTrimmer
 from kvctl.server.budget import SLICE_S
@@ -27,8 +28,7 @@ from kvctl.server.plane.tasks import error_text
 from kvctl.server.state import Fleet, WorkerInfo
 
 log = logging.getLogger("kvctl.serve")
-Worker = tuple[int, int]
-_NOBODY: Worker = (0, 0)  # the worker of an empty batch (a marker): applying it touches nothing
+_NOBODY: WorkerKey = (0, 0)  # the worker of an empty batch (a marker): applying it touches nothing
 
 
 RESTART_MIN_S = 0.5
@@ -52,7 +52,7 @@ class ModelWriter:
                  ) -> None:
         self.fleet = fleet
         self.model = model
-        self.queue: asyncio.Queue[tuple[Worker, list[EventData], Callable[[], None] | None]] = asyncio.Queue(maxsize)
+        self.queue: asyncio.Queue[tuple[WorkerKey, list[EventData], Callable[[], None] | None]] = asyncio.Queue(maxsize)
         self.dropped_batches = 0
         self.dropped_events = 0
         self._decoder: Decoder = InlineDecoder() if decoder is None else decoder
@@ -78,7 +78,7 @@ class ModelWriter:
             self._has_room.clear()
             await self._has_room.wait()
 
-    def put(self, worker: Worker, events: list[EventData]) -> bool:
+    def put(self, worker: WorkerKey, events: list[EventData]) -> bool:
         """Queue a batch; False when the queue was full and it was dropped (and counted)."""
         try:
             self.queue.put_nowait((worker, events, None))
@@ -88,7 +88,7 @@ class ModelWriter:
             return False
         return True
 
-    async def put_wait(self, worker: Worker, events: list[EventData]) -> None:
+    async def put_wait(self, worker: WorkerKey, events: list[EventData]) -> None:
         """Queue a batch, waiting for room: for durable sources, which must not drop."""
         await self.queue.put((worker, events, None))
 
@@ -117,7 +117,7 @@ class ModelWriter:
             if not self._decoder.in_flight:
                 self._trimmer.idle()
 
-    def _apply(self, worker: Worker, events: list[EventData], on_applied: Callable[[], None] | None) -> None:
+    def _apply(self, worker: WorkerKey, events: list[EventData], on_applied: Callable[[], None] | None) -> None:
         self.fleet.apply_engine_batch(self.model, worker, events, time.monotonic())
         if on_applied is not None:
             on_applied()
@@ -176,10 +176,10 @@ class Streams:
         self.decoder: Decoder = InlineDecoder() if decoder is None else decoder
         self.context = context
         self.restart_min_s = restart_min_s
-        self._running: dict[Worker, _Source] = {}
+        self._running: dict[WorkerKey, _Source] = {}
         self.writers: dict[str, ModelWriter] = {}
-        self._rates: dict[Worker, float] = {}  # events/s over the last sampling interval
-        self._last_sample: dict[Worker, tuple[float, int]] = {}
+        self._rates: dict[WorkerKey, float] = {}  # events/s over the last sampling interval
+        self._last_sample: dict[WorkerKey, tuple[float, int]] = {}
 
     def writer(self, model: str) -> ModelWriter:
         writer = self.writers.get(model)
@@ -209,7 +209,7 @@ class Streams:
         model = info.model
         writer = self.writer(model)
 
-        def on_restart(worker: Worker) -> None:
+        def on_restart(worker: WorkerKey) -> None:
             log.warning("engine %s:%s restarted (its seq went back): clearing its blocks", *worker)
             writer.put(worker, [Cleared()])  # in order with the batches already queued
 

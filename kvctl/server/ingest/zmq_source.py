@@ -57,11 +57,12 @@ from kvctl.core.events import (
     live_seq,
 )
 from kvctl.core.events.publishers import Order, Sequence
+from kvctl.core.names import WorkerKey
 from kvctl.server.budget import SLICE_S
 from kvctl.server.ingest.decode_process.parent import Backpressure, Decoder, InlineDecoder, NeverFull, Subscription
 from kvctl.server.ingest.gap_log import GapLog
 from kvctl.server.ingest.schema_seen import Schema, SchemaSeen, sampled
-from kvctl.server.ingest.stream_stats import StreamStats, WorkerKey
+from kvctl.server.ingest.stream_stats import StreamStats
 
 __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
 

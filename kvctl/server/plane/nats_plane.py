@@ -58,7 +58,6 @@ from kvctl.server.plane.tasks import PlaneTasks, error_text
 from kvctl.server.state import Fleet
 
 log = logging.getLogger("kvctl.serve")
-Worker = tuple[int, int]
 
 STREAM_MAX_AGE_S = 3600.0  # Dynamo's default retention (DYN_NATS_STREAM_MAX_AGE)
 CONSUMER_INACTIVE_S = 300.0  # Dynamo's inactive_threshold: consumers of routers that are gone go away

@@ -40,12 +40,12 @@ from kvctl.core.events.request_plane import (
     parse_event_source,
 )
 from kvctl.core.events.types import RouterEvent
+from kvctl.core.names import WorkerKey
 from kvctl.core.words import counted
 
 log = logging.getLogger("kvctl.serve")
-Worker = tuple[int, int]
 Held = tuple[RouterEvent, Order, int]  # a live event, its order, its publisher id
-Apply = Callable[[Worker, Recovered, list[Held]], Awaitable[None]]
+Apply = Callable[[WorkerKey, Recovered, list[Held]], Awaitable[None]]
 
 RECOVERY_TIMEOUT_S = 30.0
 """How long one query may take, the worker's connection back included (a large worker's dump is a few MiB)."""
@@ -159,7 +159,7 @@ class Recovery:
         """`counts`: the plane's (status and /metrics show them), counted under `recovery_*` names."""
         self.client = client
         self._apply = apply
-        self.workers: dict[Worker, _Worker] = {}
+        self.workers: dict[WorkerKey, _Worker] = {}
         self.counts = counts
         self.record_errors: Counter[str] = Counter()
         self._seen: dict[str, bytes] = {}
@@ -200,7 +200,7 @@ class Recovery:
             return True
         return False
 
-    def forget(self, worker: Worker) -> None:
+    def forget(self, worker: WorkerKey) -> None:
         known = self.workers.pop(worker, None)
         if known is not None and known.task is not None:
             known.task.cancel()
@@ -245,7 +245,7 @@ class Recovery:
         held, entry.held = entry.held, []
         await self._apply(target.worker, recovered, held)
 
-    def state(self, worker: Worker) -> dict[str, Any] | None:
+    def state(self, worker: WorkerKey) -> dict[str, Any] | None:
         known = self.workers.get(worker)
         return None if known is None else known.row()
 

@@ -38,6 +38,7 @@ from kvctl.core.events.errors import DecodeError, ErrorKind
 from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, TOPICS
 from kvctl.core.events.request_plane import namespace_sources_prefix
 from kvctl.core.events.zmq_wire import decode_zmq_message
+from kvctl.core.names import WorkerKey
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
 from kvctl.server.ingest.fd_limits import sized
@@ -276,7 +277,7 @@ class ZmqPlane(PlaneTasks):
         goes: a stopped worker (and a restarted one, a new identity) must not keep its blocks in the index."""
         book = self.ingest.publishers.publishers
 
-        def spoken(links: list[_Link]) -> set[tuple[int, int]]:
+        def spoken(links: list[_Link]) -> set[WorkerKey]:
             return {w for link in links for pid in link.publisher_ids if pid in book for w in book[pid].workers}
 
         staying = [link for link in self.links.values() if link not in going]
