@@ -11,8 +11,9 @@ from typing import Annotated, Any
 import typer
 
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
-from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number, worker_name
+from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
+from kvctl.core.names import format_worker
 from kvctl.errors import UsageError, not_found
 from kvctl.output import Column, Output, OutputFormat, View
 from kvctl.output.words import age, stream_state
@@ -46,7 +47,7 @@ _RESET_VIEW = View(
 
 def _stream_row(stream: dict[str, Any]) -> dict[str, Any]:
     worker = stream["worker"]
-    return {**stream, **worker, NAME_KEY: worker_name(worker["worker_id"], worker["dp_rank"]),
+    return {**stream, **worker, NAME_KEY: format_worker((worker["worker_id"], worker["dp_rank"])),
             "state": stream_state(stream), "decode_errors": counts(stream.get("decode_errors")),
             "events_per_s": number(stream.get("events_per_s")), "last_event_age": age(stream.get("last_event_age_s"))}
 
@@ -156,9 +157,9 @@ def reset_command(
         if worker is not None:
             known = [(w["worker_id"], w["dp_rank"]) for w in client.send(calls.workers())["workers"]
                      if model in (None, w["model"])]
-            if not any(_selected(worker_name(*w), worker_id, dp_rank) for w in known):
+            if not any(_selected(format_worker(w), worker_id, dp_rank) for w in known):
                 raise not_found("worker", worker + (f" in model {model!r}" if model else ""), client.base_url,
-                                [worker_name(*w) for w in sorted(known)])
+                                [format_worker(w) for w in sorted(known)])
         if dry_run:
             result = {**_would_clear(client.send(calls.tree_stats(model)), worker_id, dp_rank), "dry_run": True}
             out.note("dry run: nothing was cleared")

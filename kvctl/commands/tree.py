@@ -26,6 +26,7 @@ from kvctl.commands._nats import (
 )
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
+from kvctl.core.names import format_worker
 from kvctl.core.words import counted
 from kvctl.errors import UsageError, not_found
 from kvctl.output import Column, Output, OutputFormat, View
@@ -162,10 +163,8 @@ def dump_command(
     everything = reader.events(source)
     events = [e for e in everything if wanted is None or wanted(e.worker_id, e.dp_rank)]
     if worker is not None and not events:
-        from kvctl.core.tree_diff import worker_name
-
         raise not_found("worker", worker, f"the index of {source or settings_for(ctx).server}",
-                        [worker_name(w) for w in sorted({(e.worker_id, e.dp_rank) for e in everything})])
+                        [format_worker(w) for w in sorted({(e.worker_id, e.dp_rank) for e in everything})])
     content = index_content(events)
     if out.format is OutputFormat.name:
         out.emit(content, _HOLDERS_VIEW)
@@ -178,9 +177,7 @@ def dump_command(
 
 
 def _holders(content: IndexContent) -> list[str]:
-    from kvctl.core.tree_diff import worker_name
-
-    return [worker_name(w) for w, blocks in sorted(content.held.items()) if blocks]
+    return [format_worker(w) for w, blocks in sorted(content.held.items()) if blocks]
 
 
 def _worker_filter(spec: str | None) -> Any:
@@ -233,8 +230,6 @@ def _draw(content: IndexContent, title: str, depth: int | None, *, wide: bool = 
 
 
 def _label(seg: Segment, trie: PathTrie, wide: bool) -> str:
-    from kvctl.core.tree_diff import worker_name
-
     n = seg.blocks(trie)
     first, last = trie.depths[seg.first], trie.depths[seg.last]
     span = f"block {first}  {trie.locals[seg.first]}" if n == 1 else (
@@ -242,7 +237,7 @@ def _label(seg: Segment, trie: PathTrie, wide: bool) -> str:
     by_tier: dict[str, list[str]] = {}
     for worker, tiers in seg.holders.items():
         for tier in sorted(tiers):
-            by_tier.setdefault(tier.value, []).append(worker_name(worker))
+            by_tier.setdefault(tier.value, []).append(format_worker(worker))
     held = "; ".join(f"{tier}: {' '.join(names)}" for tier, names in by_tier.items())
     sequence = f"  seq {trie.describe(seg.last)['sequence_hash']}" if wide else ""
     return f"{span}{sequence}  [{held}]" + (f"  (+{seg.hidden} below)" if seg.hidden else "")

@@ -21,16 +21,11 @@ from typing import Any
 from kvctl.core.events import RouterEvent, Stored, Tier
 from kvctl.core.hashing import sequence_hashes
 from kvctl.core.index import KvIndex
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import WorkerKey, format_worker
 
 ROOT = 0
 Block = tuple[Tier, int]
 """One block a worker holds: its tier and its path id in the shared trie."""
-
-
-def worker_name(worker: WorkerKey) -> str:
-    """`ID:DP`, as the router's API names worker keys."""
-    return f"{worker[0]}:{worker[1]}"
 
 
 class PathTrie:
@@ -133,7 +128,7 @@ class TreeDiff:
         return not any(w.only_a or w.only_b for w in self.workers)
 
     def summary(self) -> list[dict[str, Any]]:
-        return [{"worker": worker_name(w.worker), "worker_id": w.worker[0], "dp_rank": w.worker[1],
+        return [{"worker": format_worker(w.worker), "worker_id": w.worker[0], "dp_rank": w.worker[1],
                  "blocks_a": w.blocks_a, "blocks_b": w.blocks_b, "only_a": len(w.only_a), "only_b": len(w.only_b)}
                 for w in self.workers]
 
@@ -145,7 +140,7 @@ class TreeDiff:
             for tier, pid in sorted(blocks, key=lambda b: (b[0].value, self.trie.depths[b[1]], self.trie.locals[b[1]])):
                 if limit is not None and len(rows) >= limit:
                     return rows
-                rows.append({"side": side, "worker": worker_name(w.worker), "worker_id": w.worker[0],
+                rows.append({"side": side, "worker": format_worker(w.worker), "worker_id": w.worker[0],
                              "dp_rank": w.worker[1], "tier": tier.value, **self.trie.describe(pid)})
         return rows
 
@@ -186,7 +181,7 @@ def content_stats(content: IndexContent, *, top: int = 10) -> dict[str, Any]:
     return {
         "blocks": device.blocks,
         "nodes": device.nodes,
-        "workers": {worker_name(w): n for w, n in sorted(device.workers.items())},
+        "workers": {format_worker(w): n for w, n in sorted(device.workers.items())},
         "tiers": {t.value: {"blocks": s.blocks, "nodes": s.nodes} for t, s in tiers.items()},
         "paths": len(holders),
         "depths": _depth_histogram(content.trie, holders),
@@ -217,7 +212,7 @@ def _shared_prefixes(trie: PathTrie, holders: dict[int, dict[WorkerKey, set[Tier
     ends = [pid for pid, workers in holders.items() if len(workers) >= 2 and best_child.get(pid, 0) < len(workers)]
     ends.sort(key=lambda pid: (-len(holders[pid]), -trie.depths[pid], trie.locals[pid]))
     return [{**trie.describe(pid), "holders": len(holders[pid]),
-             "workers": [worker_name(w) for w in sorted(holders[pid])]} for pid in ends[:top]]
+             "workers": [format_worker(w) for w in sorted(holders[pid])]} for pid in ends[:top]]
 
 
 # ----- outline (the `tree dump` view) ----------------------------------------------------------------------

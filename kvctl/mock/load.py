@@ -33,6 +33,7 @@ from typing import Any
 
 from kvctl.client import AsyncRouterClient, calls
 from kvctl.client.engine import EngineClient
+from kvctl.core.names import format_worker
 from kvctl.core.quantiles import percentile, percentiles
 from kvctl.core.words import counted
 from kvctl.errors import AllBusy, ApiError, KvctlError, Unreachable
@@ -440,7 +441,7 @@ async def register_engines(router: AsyncRouterClient, engines: Sequence[Mapping[
             await router.send(calls.register_worker(row["worker_id"], row["endpoint"], model=model,
                                                     dp_rank=row.get("dp_rank", 0),
                                                     replay_endpoint=row["replay_endpoint"]))
-            registered.append(f"{row['worker_id']}:{row.get('dp_rank', 0)}")
+            registered.append(format_worker((row["worker_id"], row.get("dp_rank", 0))))
     return registered
 
 

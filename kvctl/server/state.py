@@ -23,7 +23,7 @@ from kvctl.core.events.plane import (
     ForwardPass,
 )
 from kvctl.core.index import Status
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
 from kvctl.core.router.busy import (
     AllBusy,
@@ -424,7 +424,7 @@ class Fleet:
                 "block_size": self.models[name].block_size,
                 "blocks": device.blocks,
                 "nodes": device.nodes,
-                "workers": {f"{w[0]}:{w[1]}": n for w, n in sorted(device.workers.items())},
+                "workers": {format_worker(w): n for w, n in sorted(device.workers.items())},
                 "tiers": {t.value: {"blocks": s.blocks, "nodes": s.nodes} for t, s in tiers.items()},
             }
             if self.approx is not None:  # the cap the index is pruned at: blocks near it mean churn
@@ -448,7 +448,7 @@ class Fleet:
                 if (info := self.workers.get(w)) is not None:
                     info.rejected.clear()  # a fresh start: what doctor reports from here is new
             after = index.stats()[_DEVICE]
-            cleared.append({"model": name, "workers": [f"{w[0]}:{w[1]}" for w in sorted(workers)],
+            cleared.append({"model": name, "workers": [format_worker(w) for w in sorted(workers)],
                             "blocks": before.blocks - after.blocks})
         return {"cleared": cleared}
 

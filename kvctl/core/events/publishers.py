@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import WorkerKey, format_worker
 
 MAX_PUBLISHERS = 4096
 """Publishers remembered at once; past it the one heard from longest ago is forgotten (a fleet's restarts
@@ -118,7 +118,7 @@ class Publisher:
             "publisher_id": self.publisher_id, "topic": self.topic, "component": self.component,
             "endpoint": self.endpoint, "last_sequence": self.sequence.last, "messages": self.sequence.messages,
             **self.sequence.counts(), "last_seen_age_s": round(now - self.last_seen, 3),
-            "workers": [f"{w}:{d}" for w, d in sorted(self.workers)],
+            "workers": [format_worker(w) for w in sorted(self.workers)],
         }
 
 

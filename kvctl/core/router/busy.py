@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.words import counted
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 10_000_000
@@ -285,8 +285,8 @@ class AllBusy(Exception):
         self.tripped = dict(sorted(tripped.items()))
         workers = len({worker_id for worker_id, _ in self.tripped})
         loads = ", ".join(
-            f"{reason} on {worker_id}:{dp_rank}"
-            for (worker_id, dp_rank), reasons in self.tripped.items()
+            f"{reason} on {format_worker(worker)}"
+            for worker, reasons in self.tripped.items()
             for reason in reasons
         )
         values = {name: getattr(thresholds, name) for name in THRESHOLD_FIELDS}

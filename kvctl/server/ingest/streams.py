@@ -18,7 +18,7 @@ from typing import Any
 import zmq.asyncio
 
 from kvctl.core.events import Cleared, EventData
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.words import counted
 from kvctl.runtime import BurstTrimmer
 from kvctl.server.budget import SLICE_S
@@ -203,14 +203,14 @@ class Streams:
             return False
         if not self.admit(info):
             assert self.max_engines is not None  # only a limit refuses
-            log.error("engine %s:%s at %s not followed: %s already (--max-engines)", *info.key,
+            log.error("engine %s at %s not followed: %s already (--max-engines)", format_worker(info.key),
                       info.endpoint, counted(self.max_engines, "engine"))
             return False
         model = info.model
         writer = self.writer(model)
 
         def on_restart(worker: WorkerKey) -> None:
-            log.warning("engine %s:%s restarted (its seq went back): clearing its blocks", *worker)
+            log.warning("engine %s restarted (its seq went back): clearing its blocks", format_worker(worker))
             writer.put(worker, [Cleared()])  # in order with the batches already queued
 
         stream = EngineStream(worker=info.key, endpoint=info.endpoint, replay_endpoint=info.replay_endpoint,

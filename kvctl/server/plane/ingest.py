@@ -36,7 +36,7 @@ from kvctl.core.events.plane import (
 )
 from kvctl.core.events.publishers import Order, Publisher, PublisherBook, Sequence
 from kvctl.core.events.request_plane import Recovered
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.server.ingest.streams import ModelWriter
 from kvctl.server.plane.recovery import Recovery
@@ -147,7 +147,7 @@ class PlaneIngest:
 
     def _restarted(self, worker: WorkerKey, event: RouterEvent, last: int | None) -> list[EventData]:
         self.counts["restarts"] += 1
-        log.warning("event plane: worker %s:%s restarted (event id %d after %s): clearing it", *worker,
+        log.warning("event plane: worker %s restarted (event id %d after %s): clearing it", format_worker(worker),
                     event.event_id, last)
         return [Cleared(), event.data]
 

@@ -40,7 +40,7 @@ from kvctl.core.events.request_plane import (
     parse_event_source,
 )
 from kvctl.core.events.types import RouterEvent
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.words import counted
 
 log = logging.getLogger("kvctl.serve")
@@ -234,12 +234,13 @@ class Recovery:
             where = target.address if target.transport == "tcp" else target.transport
             entry.state, entry.reason = "partial", f"recovery from {where} failed: {why}"
             self.counts["recovery_failures"] += 1
-            log.warning("recovery: worker %d:%d: %s; following its live events only", *target.worker, entry.reason)
+            log.warning("recovery: worker %s: %s; following its live events only", format_worker(target.worker),
+                        entry.reason)
         else:
             entry.state, entry.events, entry.last_event_id = "recovered", len(recovered.events), recovered.last_event_id
             self.counts["recovered_workers"] += 1
             self.counts["recovery_decode_errors"] += len(recovered.errors)
-            log.info("recovery: worker %d:%d: %s up to event id %d from %s in %.3f s", *target.worker,
+            log.info("recovery: worker %s: %s up to event id %d from %s in %.3f s", format_worker(target.worker),
                      counted(len(recovered.events), "event"), recovered.last_event_id, target.address,
                      time.monotonic() - started)
         held, entry.held = entry.held, []

@@ -38,7 +38,7 @@ from kvctl.core.events.errors import DecodeError, ErrorKind
 from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, TOPICS
 from kvctl.core.events.request_plane import namespace_sources_prefix
 from kvctl.core.events.zmq_wire import decode_zmq_message
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
 from kvctl.server.ingest.fd_limits import sized
@@ -285,12 +285,12 @@ class ZmqPlane(PlaneTasks):
         if not orphans:
             return
         await self.writer.applied()  # what it sent before it went is in the index: then remove it all
-        for worker_id, dp_rank in orphans:
+        for worker in orphans:
             with contextlib.suppress(UnknownWorker):
-                removed = self.fleet.unregister(worker_id, dp_rank)
-                self.recovery.forget((worker_id, dp_rank))
+                removed = self.fleet.unregister(*worker)
+                self.recovery.forget(worker)
                 self.counts["workers_removed"] += 1
-                log.warning("event plane: worker %d:%d gone from discovery: removed (%s)", worker_id, dp_rank,
+                log.warning("event plane: worker %s gone from discovery: removed (%s)", format_worker(worker),
                             counted(removed["blocks"], "block"))
 
     # ----- sockets ------------------------------------------------------------------------------------
