@@ -23,7 +23,7 @@ from kvctl.core.events.plane import (
     ForwardPass,
 )
 from kvctl.core.index import Status
-from kvctl.core.names import WorkerKey, format_worker
+from kvctl.core.names import WorkerKey, format_worker, selects
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
 from kvctl.core.router.busy import (
     AllBusy,
@@ -191,7 +191,7 @@ class Fleet:
 
     def check_worker(self, worker_id: int, dp_rank: int | None = None) -> list[WorkerKey]:
         """The registered keys of a worker (all its ranks, or one); raises UnknownWorker when none."""
-        keys = [w for w in self.workers if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+        keys = [w for w in self.workers if selects((worker_id, dp_rank), w)]
         if not keys:
             raise UnknownWorker(worker_id)
         return keys
@@ -442,7 +442,7 @@ class Fleet:
             if worker_id is None:
                 workers = index.workers()
             else:
-                workers = [w for w in index.workers() if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+                workers = [w for w in index.workers() if selects((worker_id, dp_rank), w)]
             for w in workers:
                 index.apply(RouterEvent(w[0], Cleared(), w[1]))
                 if (info := self.workers.get(w)) is not None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvctl.core.index.radix import OK_EMPTY, ApplyResult, Status
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import WorkerKey, selects
 
 Key = tuple[int | None, int]
 """An edge: (parent engine hash, or None at the root; local hash of the block)."""
@@ -95,7 +95,7 @@ class LowerTier:
         return OK_EMPTY
 
     def remove_worker(self, worker_id: int, dp_rank: int | None = None) -> int:
-        gone = [w for w in self._held if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+        gone = [w for w in self._held if selects((worker_id, dp_rank), w)]
         blocks = sum(len(self._held[w]) for w in gone)
         for w in gone:
             self.clear(w)

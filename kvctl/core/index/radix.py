@@ -31,7 +31,7 @@ from itertools import repeat
 
 from kvctl.core.index import removal
 from kvctl.core.index.node import OK_EMPTY, ApplyResult, Deferred, Node, Status, iter_bits
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import WorkerKey, selects
 
 __all__ = ["OK_EMPTY", "ApplyResult", "Matches", "Node", "RadixTree", "Status", "iter_bits"]
 
@@ -445,7 +445,7 @@ class RadixTree:
 
     def remove_worker(self, worker_id: int, dp_rank: int | None = None) -> int:
         """Forget a worker (all its dp ranks, or one); returns the blocks it held. O(its blocks)."""
-        gone = [w for w in self._slots if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+        gone = [w for w in self._slots if selects((worker_id, dp_rank), w)]
         total = 0
         for w in gone:
             self.hash_mismatches.pop(w, None)

@@ -38,7 +38,7 @@ from itertools import count
 
 from kvctl.core.events import Removed, RouterEvent, Stored
 from kvctl.core.index import IndexMatches, KvIndex
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import WorkerKey, selects
 
 HEAP_REBUILD_FACTOR = 50
 """Rebuild the heap when it holds more than this many block entries per live timer (Dynamo's threshold)."""
@@ -155,7 +155,7 @@ class ApproxIndexer:
 
     def remove_worker(self, worker_id: int, dp_rank: int | None = None) -> int:
         """Forget a worker (all its dp ranks, or one) and its timers; returns the blocks it held."""
-        for worker in [w for w in self._timers if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]:
+        for worker in [w for w in self._timers if selects((worker_id, dp_rank), w)]:
             self._live -= len(self._timers.pop(worker))
         self._maybe_rebuild()
         return self._index.remove_worker(worker_id, dp_rank)

@@ -18,7 +18,7 @@ from typing import Any
 import zmq.asyncio
 
 from kvctl.core.events import Cleared, EventData
-from kvctl.core.names import WorkerKey, format_worker
+from kvctl.core.names import WorkerKey, format_worker, selects
 from kvctl.core.words import counted
 from kvctl.runtime import BurstTrimmer
 from kvctl.server.budget import SLICE_S
@@ -239,7 +239,7 @@ class Streams:
 
     async def stop(self, worker_id: int, dp_rank: int | None = None) -> int:
         """Stop a worker's streams; returns once what they had received is in the index."""
-        keys = [k for k in self._running if k[0] == worker_id and (dp_rank is None or k[1] == dp_rank)]
+        keys = [k for k in self._running if selects((worker_id, dp_rank), k)]
         for key in keys:
             source = self._running.pop(key)
             self._rates.pop(key, None)
