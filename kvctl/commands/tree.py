@@ -24,9 +24,9 @@ from kvctl.commands._nats import (
     NatsAuth,
     with_nats_credentials,
 )
-from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.commands._options import JsonOpt, OutputOpt, WorkerOpt, output_for, settings_for, worker_selector
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
-from kvctl.core.names import format_worker
+from kvctl.core.names import format_worker, selects
 from kvctl.core.words import counted
 from kvctl.errors import UsageError, not_found
 from kvctl.output import Column, Output, OutputFormat, View
@@ -138,8 +138,7 @@ def dump_command(
     ctx: typer.Context,
     source: SourceArg = None,
     model: ModelOpt = None,
-    worker: Annotated[str | None, typer.Option("--worker", show_default=False,
-                                               help="Only this worker: ID (every dp rank) or ID:DP.")] = None,
+    worker: WorkerOpt = None,
     fmt: Annotated[DumpFormat | None, typer.Option("--format", show_default=False,
                                                    help="tree (default), events (default with -o json) or stats.")]
     = None,
@@ -158,10 +157,10 @@ def dump_command(
     fmt = fmt or (DumpFormat.events if machine else DumpFormat.tree)
     if fmt is DumpFormat.tree and machine:
         raise UsageError(f"--format tree is drawn for people, not -o {out.format}", hint="use --format events or stats")
-    wanted = _worker_filter(worker)
+    selector = worker_selector(worker)
     reader = Reader(ctx, out, model, namespace, component, nats_auth)
     everything = reader.events(source)
-    events = [e for e in everything if wanted is None or wanted(e.worker_id, e.dp_rank)]
+    events = [e for e in everything if selector is None or selects(selector, e.worker)]
     if worker is not None and not events:
         raise not_found("worker", worker, f"the index of {source or settings_for(ctx).server}",
                         [format_worker(w) for w in sorted({(e.worker_id, e.dp_rank) for e in everything})])
@@ -178,18 +177,6 @@ def dump_command(
 
 def _holders(content: IndexContent) -> list[str]:
     return [format_worker(w) for w, blocks in sorted(content.held.items()) if blocks]
-
-
-def _worker_filter(spec: str | None) -> Any:
-    """`ID` or `ID:DP` as a predicate on (worker_id, dp_rank); None for no filter."""
-    if spec is None:
-        return None
-    wid, _, dp = spec.partition(":")
-    try:
-        worker_id, dp_rank = int(wid), (int(dp) if dp else None)
-    except ValueError:
-        raise UsageError(f"--worker wants ID or ID:DP, got {spec!r}") from None
-    return lambda w, d: w == worker_id and (dp_rank is None or d == dp_rank)
 
 
 def _emit_events(out: Output, events: list[RouterEvent]) -> None:
