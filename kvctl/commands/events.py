@@ -24,7 +24,7 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
-from kvctl.core.names import format_worker
+from kvctl.core.names import DEFAULT_MODEL, format_worker
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.exit_codes import ExitCode
@@ -315,7 +315,7 @@ def replay_command(
     source: Annotated[str, typer.Argument(help="A recorder, JSONL or dump file; - for stdin.")],
     speed: Annotated[float, typer.Option("--speed", help="Pace multiplier for recorded timestamps; 0: no "
                                                          "waiting.")] = 0.0,
-    model: Annotated[str, typer.Option("--model", help="The router's model.")] = "default",
+    model: Annotated[str, typer.Option("--model", help="The router's model.")] = DEFAULT_MODEL,
     allow_partial: Annotated[bool, typer.Option(
         "--allow-partial", help="Exit 0 when some events were rejected (a warning instead), as long as one "
                                 "applied; without it any rejection exits 1.")] = False,

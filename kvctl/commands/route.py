@@ -16,7 +16,7 @@ from kvctl.commands._input import parse_hash_text, read_numbers
 from kvctl.commands._options import JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
 from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number
 from kvctl.commands.hash import parse_token_text
-from kvctl.core.names import format_worker
+from kvctl.core.names import DEFAULT_MODEL, format_worker
 from kvctl.errors import UsageError
 from kvctl.output import Column, OutputFormat, View
 
@@ -92,7 +92,7 @@ def route_command(
                                               dir_okay=False)] = None,
     local_hashes: Annotated[bool, typer.Option("--local-hashes", help="The numbers are local block hashes "
                                                "(u64), not token ids.")] = False,
-    model: Annotated[str, typer.Option("--model", "-m", help="The model to route for.")] = "default",
+    model: Annotated[str, typer.Option("--model", "-m", help="The model to route for.")] = DEFAULT_MODEL,
     explain: Annotated[bool, typer.Option("--explain", help="Show every candidate's costs and the reason.")]
     = False,
     reserve: Annotated[bool, typer.Option("--reserve", help="Record the request as in flight on the chosen worker "

@@ -377,7 +377,7 @@ def serve_command(
     component: ComponentScopeOpt = None,
     endpoint: EndpointScopeOpt = None,
     nats_model: Annotated[str, typer.Option("--nats-model", envvar="KVCTL_NATS_MODEL", rich_help_panel=PANEL,
-                                            help="The model the event plane's workers serve.")] = "default",
+                                            help="The model the event plane's workers serve.")] = DEFAULT_MODEL,
     router_id: Annotated[int | None, typer.Option(
         "--router-id", envvar="KVCTL_ROUTER_ID", show_default=False, rich_help_panel=PANEL,
         help="This router's id (u64): its JetStream consumer and replica-sync identity. Default: an id kept "

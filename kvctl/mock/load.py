@@ -33,7 +33,7 @@ from typing import Any
 
 from kvctl.client import AsyncRouterClient, calls
 from kvctl.client.engine import EngineClient
-from kvctl.core.names import format_worker
+from kvctl.core.names import DEFAULT_MODEL, format_worker
 from kvctl.core.quantiles import percentile, percentiles
 from kvctl.core.words import counted
 from kvctl.errors import AllBusy, ApiError, KvctlError, Unreachable
@@ -231,7 +231,7 @@ class _RouterWatch:
 
 class LoadGenerator:
     def __init__(self, engines: Mapping[int, EngineClient], *, router: AsyncRouterClient | None = None,
-                 model: str = "default", seed: int = 0, give_up_s: float = GIVE_UP_S) -> None:
+                 model: str = DEFAULT_MODEL, seed: int = 0, give_up_s: float = GIVE_UP_S) -> None:
         """`engines`: worker id -> client; `router` is needed for the router policy only; a run stops with
         `Unreachable` once the router has refused connections for `give_up_s`. `seed` draws the baselines'
         placements and the Poisson arrivals."""

@@ -23,7 +23,7 @@ from kvctl.core.events.plane import (
     ForwardPass,
 )
 from kvctl.core.index import Status
-from kvctl.core.names import WorkerKey, format_worker, selects
+from kvctl.core.names import DEFAULT_MODEL, WorkerKey, format_worker, selects
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
 from kvctl.core.router.busy import (
     AllBusy,
@@ -40,7 +40,6 @@ from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
 from kvctl.core.words import counted
 from kvctl.errors import UnknownModel
 
-DEFAULT_MODEL = "default"
 _DEVICE = Tier.device
 _NO_THRESHOLDS = Thresholds()
 

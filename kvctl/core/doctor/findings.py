@@ -11,7 +11,6 @@ from typing import Any
 from kvctl.core.names import format_worker
 from kvctl.core.silence import SILENT_AFTER_S
 
-DEFAULT_MODEL = "default"
 SHOWN = 8
 """Workers named in one finding's evidence; the count says how many more there are."""
 

@@ -48,6 +48,7 @@ from kvctl.core.events.plane import (
     encode_sequence_event,
 )
 from kvctl.core.index.kv_index import events_of
+from kvctl.core.names import DEFAULT_MODEL
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
 from kvctl.nats_barrier import barrier
@@ -77,7 +78,7 @@ class NatsOptions:
     namespace: str = "dynamo"
     component: str | None = None  # None: every component of the namespace
     endpoint: str | None = None  # None: every endpoint
-    model: str = "default"
+    model: str = DEFAULT_MODEL
     router_id: int = 0
     shadow: bool = False
     jetstream: bool = False

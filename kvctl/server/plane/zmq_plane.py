@@ -38,7 +38,7 @@ from kvctl.core.events.errors import DecodeError, ErrorKind
 from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, TOPICS
 from kvctl.core.events.request_plane import namespace_sources_prefix
 from kvctl.core.events.zmq_wire import decode_zmq_message
-from kvctl.core.names import WorkerKey, format_worker
+from kvctl.core.names import DEFAULT_MODEL, WorkerKey, format_worker
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
 from kvctl.server.ingest.fd_limits import sized
@@ -68,7 +68,7 @@ class ZmqOptions:
     namespace: str = "dynamo"
     component: str | None = None  # None: every component of the namespace
     endpoint: str | None = None  # None: every endpoint
-    model: str = "default"
+    model: str = DEFAULT_MODEL
     router_id: int = 0
     replica_sync: bool = False  # take peers' in-flight requests and, unless shadow, share this router's own
     shadow: bool = False  # only read: register and publish nothing
