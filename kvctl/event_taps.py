@@ -26,6 +26,7 @@ from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import KV_EVENTS, PlaneScope
 from kvctl.core.events.publishers import Order, Sequence
 from kvctl.core.events.zmq_wire import decode_zmq_message
+from kvctl.core.names import WorkerKey
 from kvctl.core.words import counted
 from kvctl.errors import Unreachable
 from kvctl.nats_barrier import barrier
@@ -142,7 +143,7 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
         if jetstream or (where is not None and where[2] == KV_EVENTS):
             queue.put_nowait(msg.data)
 
-    sequences: dict[tuple[int, int], Sequence] = {}
+    sequences: dict[WorkerKey, Sequence] = {}
     try:
         if jetstream:
             from nats.js.api import DeliverPolicy
@@ -184,7 +185,7 @@ def _framed(frames: list[bytes]) -> Decoded:
     return _enveloped(decode_zmq_message(frames).envelope)
 
 
-def _tapped(decode: Callable[[T], Decoded], message: T, sequences: dict[tuple[int, int], Sequence],
+def _tapped(decode: Callable[[T], Decoded], message: T, sequences: dict[WorkerKey, Sequence],
             stats: TapStats) -> Iterator[Tapped]:
     """One message of a plane: counted, decoded (what is bad counted by kind), and its events, each preceded by
     the gap in its worker's event ids it follows, if any."""
@@ -239,7 +240,7 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
                 sock.connect(channel.address)
                 followed.add(channel.address)
 
-    sequences: dict[tuple[int, int], Sequence] = {}
+    sequences: dict[WorkerKey, Sequence] = {}
     try:
         try:
             await follow()

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvctl.core.names import WorkerSelector, parse_worker
 from kvctl.output import Output, OutputFormat
 
 if TYPE_CHECKING:
@@ -35,6 +36,23 @@ GiveUpOpt = Annotated[float, typer.Option(
     "--give-up-after", min=0.1, metavar="SECONDS",
     help="Stop the load with an error (exit 3) once the router has refused every connection this long; "
          "meanwhile its calls back off, up to 1 s apart.")]
+WorkerOpt = Annotated[str | None, typer.Option("--worker", show_default=False,
+                                              help="Only this worker: ID (every dp rank) or ID:DP.")]
+
+
+def worker_selector(text: str | None) -> WorkerSelector | None:
+    """--worker as (worker_id, dp_rank or None); None when not given. A worker that cannot be (not ID or ID:DP,
+    out of u64/u32) is a usage error (exit 2) before anything is asked of a router or read from a file."""
+    if text is None:
+        return None
+    from kvctl.errors import UsageError
+
+    try:
+        return parse_worker(text)
+    except ValueError as exc:
+        raise UsageError(f"--worker: {exc}", hint="e.g. --worker 3, or --worker 3:0 for one dp rank") from None
+
+
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Go ahead without asking (needed without a terminal).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Say what would be done; change nothing.")]
 

@@ -14,10 +14,6 @@ NAME_KEY = "name"
 """Rows of those tables carry `name` = "ID:DP": what `-o name` prints, and what `--worker` takes back."""
 
 
-def worker_name(worker_id: int, dp_rank: int) -> str:
-    return f"{worker_id}:{dp_rank}"
-
-
 def counts(by_kind: Mapping[str, int] | None) -> str | None:
     """A counter map as `kind=n, …` (only non-zero kinds); None (shown `-`) when nothing was counted."""
     shown = [f"{kind}={n}" for kind, n in sorted((by_kind or {}).items()) if n]

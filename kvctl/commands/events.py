@@ -24,6 +24,7 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
+from kvctl.core.names import DEFAULT_MODEL, format_worker
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.exit_codes import ExitCode
@@ -110,7 +111,7 @@ def _describe(tapped: Tapped) -> str:
         first, last = tapped.missing or (0, 0)
         return f"{when} GAP   {first}..{last} never arrived ({last - first + 1})"
     ev, data = tapped.event, tapped.event.data
-    head = f"{when} seq={tapped.seq} {ev.worker_id}:{ev.dp_rank}"
+    head = f"{when} seq={tapped.seq} {format_worker(ev.worker)}"
     if isinstance(data, Stored):
         parent = "root" if data.parent_hash is None else f"{data.parent_hash:#x}"
         return f"{head} stored  {counted(len(data.block_hashes), 'block')} under {parent} [{data.tier.value}]"
@@ -314,7 +315,7 @@ def replay_command(
     source: Annotated[str, typer.Argument(help="A recorder, JSONL or dump file; - for stdin.")],
     speed: Annotated[float, typer.Option("--speed", help="Pace multiplier for recorded timestamps; 0: no "
                                                          "waiting.")] = 0.0,
-    model: Annotated[str, typer.Option("--model", help="The router's model.")] = "default",
+    model: Annotated[str, typer.Option("--model", help="The router's model.")] = DEFAULT_MODEL,
     allow_partial: Annotated[bool, typer.Option(
         "--allow-partial", help="Exit 0 when some events were rejected (a warning instead), as long as one "
                                 "applied; without it any rejection exits 1.")] = False,

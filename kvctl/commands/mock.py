@@ -17,6 +17,7 @@ import typer
 
 from kvctl.commands._nats import ComponentOpt, EndpointOpt, NamespaceOpt
 from kvctl.commands._options import GiveUpOpt, JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.core.names import DEFAULT_MODEL
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.mock.load import CONCURRENCY, DRAIN_S, GIVE_UP_S, ROUTER_CALLS, Arrival
@@ -325,7 +326,7 @@ def _model_of(rows: list[dict[str, Any]]) -> str:
     """The one model the engines-file's engines serve, else `default`: the load asks the router for the model
     its engines are registered under."""
     models = {row["model"] for row in rows if row.get("model")}
-    return models.pop() if len(models) == 1 else "default"
+    return models.pop() if len(models) == 1 else DEFAULT_MODEL
 
 
 def _registered(out: Output, server: str, model: str, workers: list[str]) -> None:

@@ -14,8 +14,9 @@ import typer
 
 from kvctl.commands._input import parse_hash_text, read_numbers
 from kvctl.commands._options import JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
-from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number, worker_name
+from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number
 from kvctl.commands.hash import parse_token_text
+from kvctl.core.names import DEFAULT_MODEL, format_worker
 from kvctl.errors import UsageError
 from kvctl.output import Column, OutputFormat, View
 
@@ -35,7 +36,7 @@ EXAMPLES = (
 
 
 def _decision_row(answer: dict[str, Any]) -> dict[str, Any]:
-    return {**answer, NAME_KEY: worker_name(answer["worker_id"], answer["dp_rank"])}
+    return {**answer, NAME_KEY: format_worker((answer["worker_id"], answer["dp_rank"]))}
 
 
 _DECISION_VIEW = View(
@@ -49,7 +50,7 @@ _DECISION_VIEW = View(
 
 def _candidate_rows(answer: dict[str, Any]) -> list[dict[str, Any]]:
     chosen = (answer["worker_id"], answer["dp_rank"])
-    return [{**c, NAME_KEY: worker_name(c["worker_id"], c["dp_rank"]),
+    return [{**c, NAME_KEY: format_worker((c["worker_id"], c["dp_rank"])),
              "chosen": "*" if (c["worker_id"], c["dp_rank"]) == chosen else "",
              "overlap_by_tier": counts(c["overlap_by_tier"]),
              "credit_by_tier": ", ".join(f"{tier}={number(v)}" for tier, v in c["credit_by_tier"].items() if v) or None,
@@ -78,7 +79,7 @@ _CANDIDATE_COLUMNS = [
 
 def _explained_view(answer: dict[str, Any]) -> View:
     """Every candidate, the chosen one marked `*`, titled with the decision and its reason."""
-    title = (f"routed to {worker_name(answer['worker_id'], answer['dp_rank'])}: {answer['reason']} "
+    title = (f"routed to {format_worker((answer['worker_id'], answer['dp_rank']))}: {answer['reason']} "
              f"({answer['overlap_blocks']} of {answer['required_blocks']} blocks cached)")
     return View(rows=_candidate_rows, columns=_CANDIDATE_COLUMNS, name_key=NAME_KEY, title=title)
 
@@ -91,7 +92,7 @@ def route_command(
                                               dir_okay=False)] = None,
     local_hashes: Annotated[bool, typer.Option("--local-hashes", help="The numbers are local block hashes "
                                                "(u64), not token ids.")] = False,
-    model: Annotated[str, typer.Option("--model", "-m", help="The model to route for.")] = "default",
+    model: Annotated[str, typer.Option("--model", "-m", help="The model to route for.")] = DEFAULT_MODEL,
     explain: Annotated[bool, typer.Option("--explain", help="Show every candidate's costs and the reason.")]
     = False,
     reserve: Annotated[bool, typer.Option("--reserve", help="Record the request as in flight on the chosen worker "

@@ -10,10 +10,21 @@ from typing import Annotated, Any
 
 import typer
 
-from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
-from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number, worker_name
+from kvctl.commands._options import (
+    DryRunOpt,
+    JsonOpt,
+    OutputOpt,
+    WorkerOpt,
+    YesOpt,
+    confirm,
+    output_for,
+    router_client,
+    worker_selector,
+)
+from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
-from kvctl.errors import UsageError, not_found
+from kvctl.core.names import WorkerSelector, format_worker, parse_worker, selects
+from kvctl.errors import not_found
 from kvctl.output import Column, Output, OutputFormat, View
 from kvctl.output.words import age, stream_state
 
@@ -46,7 +57,7 @@ _RESET_VIEW = View(
 
 def _stream_row(stream: dict[str, Any]) -> dict[str, Any]:
     worker = stream["worker"]
-    return {**stream, **worker, NAME_KEY: worker_name(worker["worker_id"], worker["dp_rank"]),
+    return {**stream, **worker, NAME_KEY: format_worker((worker["worker_id"], worker["dp_rank"])),
             "state": stream_state(stream), "decode_errors": counts(stream.get("decode_errors")),
             "events_per_s": number(stream.get("events_per_s")), "last_event_age": age(stream.get("last_event_age_s"))}
 
@@ -109,31 +120,19 @@ _PUBLISHERS_VIEW = View(
     name_key="publisher", title="event plane publishers")
 
 
-def parse_worker(text: str) -> tuple[int, int | None]:
-    """`W` or `W:DP` as (worker_id, dp_rank or None for every rank)."""
-    wid, sep, dp = text.partition(":")
-    try:
-        worker_id, dp_rank = int(wid), (int(dp) if sep else None)
-    except ValueError:
-        raise UsageError(f"--worker wants W or W:DP (integers), got {text!r}", hint="e.g. --worker 3:0") from None
-    if not 0 <= worker_id < 2**64 or (dp_rank is not None and not 0 <= dp_rank < 2**32):
-        raise UsageError(f"--worker {text!r}: worker ids are u64 and dp ranks u32")
-    return worker_id, dp_rank
-
-
-def _would_clear(stats: dict[str, Any], worker_id: int | None, dp_rank: int | None) -> dict[str, Any]:
+def _would_clear(stats: dict[str, Any], selector: WorkerSelector | None) -> dict[str, Any]:
     """What POST /v1/reset would answer, worked out from GET /v1/tree/stats (device-tier blocks, as reset counts)."""
     cleared = []
     for model, model_stats in stats["models"].items():
-        held = {key: n for key, n in model_stats["workers"].items() if _selected(key, worker_id, dp_rank)}
+        held = {key: n for key, n in model_stats["workers"].items() if _selected(key, selector)}
         cleared.append({"model": model, "workers": list(held), "blocks": sum(held.values())})
     return {"cleared": cleared}
 
 
-def _selected(key: str, worker_id: int | None, dp_rank: int | None) -> bool:
-    """Whether the worker `ID:DP` is one that --worker (absent: every worker) names."""
-    wid, dp = parse_worker(key)
-    return worker_id is None or (wid == worker_id and dp_rank in (None, dp))
+def _selected(key: str, selector: WorkerSelector | None) -> bool:
+    """Whether the worker the router keys `ID:DP` is one that --worker (absent: every worker) names."""
+    key_id, key_dp = parse_worker(key)  # the router writes every key ID:DP
+    return selector is None or (key_dp is not None and selects(selector, (key_id, key_dp)))
 
 
 @app.command("reset", help=RESET_HELP, epilog=RESET_EXAMPLES)
@@ -141,8 +140,7 @@ def reset_command(
     ctx: typer.Context,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Only this model (default: every model).",
                                               show_default=False)] = None,
-    worker: Annotated[str | None, typer.Option("--worker", help="Only this worker: W (every dp rank) or W:DP.",
-                                               show_default=False)] = None,
+    worker: WorkerOpt = None,
     yes: YesOpt = False,
     dry_run: DryRunOpt = False,
     output: OutputOpt = None,
@@ -151,16 +149,17 @@ def reset_command(
     from kvctl.client import calls
 
     out = output_for(ctx, output, as_json)
-    worker_id, dp_rank = parse_worker(worker) if worker is not None else (None, None)
+    selector = worker_selector(worker)
+    worker_id, dp_rank = selector or (None, None)
     with router_client(ctx) as client:
-        if worker is not None:
+        if selector is not None:
             known = [(w["worker_id"], w["dp_rank"]) for w in client.send(calls.workers())["workers"]
                      if model in (None, w["model"])]
-            if not any(_selected(worker_name(*w), worker_id, dp_rank) for w in known):
-                raise not_found("worker", worker + (f" in model {model!r}" if model else ""), client.base_url,
-                                [worker_name(*w) for w in sorted(known)])
+            if not any(selects(selector, w) for w in known):
+                raise not_found("worker", f"{worker}" + (f" in model {model!r}" if model else ""), client.base_url,
+                                [format_worker(w) for w in sorted(known)])
         if dry_run:
-            result = {**_would_clear(client.send(calls.tree_stats(model)), worker_id, dp_rank), "dry_run": True}
+            result = {**_would_clear(client.send(calls.tree_stats(model)), selector), "dry_run": True}
             out.note("dry run: nothing was cleared")
         else:
             scope = " ".join(filter(None, [f"model {model}" if model else "every model",

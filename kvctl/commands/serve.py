@@ -19,6 +19,7 @@ from kvctl.commands._nats import (
     NatsAuth,
     with_nats_credentials,
 )
+from kvctl.core.names import DEFAULT_MODEL, parse_worker
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.output import Output
@@ -41,7 +42,7 @@ EXAMPLES = (
 
 DEFAULT_STATE_DIR = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "kvctl"
 
-_ENGINE = re.compile(r"^(?P<id>\d+)(?::(?P<dp>\d+))?=(?P<endpoint>[^,]+)(?P<opts>(,[a-z_]+=[^,]*)*)$")
+_ENGINE = re.compile(r"^(?P<worker>[^=,]+)=(?P<endpoint>[^,]+)(?P<opts>(,[a-z_]+=[^,]*)*)$")
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -63,15 +64,14 @@ def parse_engine(text: str) -> WorkerInfo:
         raise UsageError(f"--worker: unknown option {sorted(unknown)[0]!r}", hint="known: replay, model, topic")
     from kvctl.server.ingest.endpoint import check_endpoint
 
-    if len(m["id"]) > 20 or int(m["id"]) >= 2**64 or len(m["dp"] or "") > 10 or int(m["dp"] or 0) >= 2**32:
-        raise UsageError(f"--worker: the worker id is a u64 and the dp rank a u32, got {text!r}")
     try:
+        worker_id, dp_rank = parse_worker(m["worker"])
         for endpoint in (m["endpoint"], opts.get("replay")):
             if endpoint is not None:
                 check_endpoint(endpoint)
     except ValueError as exc:
         raise UsageError(f"--worker: {exc}") from None
-    return WorkerInfo(int(m["id"]), int(m["dp"] or 0), opts.get("model", "default"), endpoint=m["endpoint"],
+    return WorkerInfo(worker_id, dp_rank or 0, opts.get("model", DEFAULT_MODEL), endpoint=m["endpoint"],
                       replay_endpoint=opts.get("replay"), topic=opts.get("topic", ""))
 
 
@@ -377,7 +377,7 @@ def serve_command(
     component: ComponentScopeOpt = None,
     endpoint: EndpointScopeOpt = None,
     nats_model: Annotated[str, typer.Option("--nats-model", envvar="KVCTL_NATS_MODEL", rich_help_panel=PANEL,
-                                            help="The model the event plane's workers serve.")] = "default",
+                                            help="The model the event plane's workers serve.")] = DEFAULT_MODEL,
     router_id: Annotated[int | None, typer.Option(
         "--router-id", envvar="KVCTL_ROUTER_ID", show_default=False, rich_help_panel=PANEL,
         help="This router's id (u64): its JetStream consumer and replica-sync identity. Default: an id kept "

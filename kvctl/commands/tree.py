@@ -24,8 +24,9 @@ from kvctl.commands._nats import (
     NatsAuth,
     with_nats_credentials,
 )
-from kvctl.commands._options import JsonOpt, OutputOpt, output_for, settings_for
+from kvctl.commands._options import JsonOpt, OutputOpt, WorkerOpt, output_for, settings_for, worker_selector
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
+from kvctl.core.names import format_worker, selects
 from kvctl.core.words import counted
 from kvctl.errors import UsageError, not_found
 from kvctl.output import Column, Output, OutputFormat, View
@@ -137,8 +138,7 @@ def dump_command(
     ctx: typer.Context,
     source: SourceArg = None,
     model: ModelOpt = None,
-    worker: Annotated[str | None, typer.Option("--worker", show_default=False,
-                                               help="Only this worker: ID (every dp rank) or ID:DP.")] = None,
+    worker: WorkerOpt = None,
     fmt: Annotated[DumpFormat | None, typer.Option("--format", show_default=False,
                                                    help="tree (default), events (default with -o json) or stats.")]
     = None,
@@ -157,15 +157,13 @@ def dump_command(
     fmt = fmt or (DumpFormat.events if machine else DumpFormat.tree)
     if fmt is DumpFormat.tree and machine:
         raise UsageError(f"--format tree is drawn for people, not -o {out.format}", hint="use --format events or stats")
-    wanted = _worker_filter(worker)
+    selector = worker_selector(worker)
     reader = Reader(ctx, out, model, namespace, component, nats_auth)
     everything = reader.events(source)
-    events = [e for e in everything if wanted is None or wanted(e.worker_id, e.dp_rank)]
+    events = [e for e in everything if selector is None or selects(selector, e.worker)]
     if worker is not None and not events:
-        from kvctl.core.tree_diff import worker_name
-
         raise not_found("worker", worker, f"the index of {source or settings_for(ctx).server}",
-                        [worker_name(w) for w in sorted({(e.worker_id, e.dp_rank) for e in everything})])
+                        [format_worker(w) for w in sorted({(e.worker_id, e.dp_rank) for e in everything})])
     content = index_content(events)
     if out.format is OutputFormat.name:
         out.emit(content, _HOLDERS_VIEW)
@@ -178,21 +176,7 @@ def dump_command(
 
 
 def _holders(content: IndexContent) -> list[str]:
-    from kvctl.core.tree_diff import worker_name
-
-    return [worker_name(w) for w, blocks in sorted(content.held.items()) if blocks]
-
-
-def _worker_filter(spec: str | None) -> Any:
-    """`ID` or `ID:DP` as a predicate on (worker_id, dp_rank); None for no filter."""
-    if spec is None:
-        return None
-    wid, _, dp = spec.partition(":")
-    try:
-        worker_id, dp_rank = int(wid), (int(dp) if dp else None)
-    except ValueError:
-        raise UsageError(f"--worker wants ID or ID:DP, got {spec!r}") from None
-    return lambda w, d: w == worker_id and (dp_rank is None or d == dp_rank)
+    return [format_worker(w) for w, blocks in sorted(content.held.items()) if blocks]
 
 
 def _emit_events(out: Output, events: list[RouterEvent]) -> None:
@@ -233,8 +217,6 @@ def _draw(content: IndexContent, title: str, depth: int | None, *, wide: bool = 
 
 
 def _label(seg: Segment, trie: PathTrie, wide: bool) -> str:
-    from kvctl.core.tree_diff import worker_name
-
     n = seg.blocks(trie)
     first, last = trie.depths[seg.first], trie.depths[seg.last]
     span = f"block {first}  {trie.locals[seg.first]}" if n == 1 else (
@@ -242,7 +224,7 @@ def _label(seg: Segment, trie: PathTrie, wide: bool) -> str:
     by_tier: dict[str, list[str]] = {}
     for worker, tiers in seg.holders.items():
         for tier in sorted(tiers):
-            by_tier.setdefault(tier.value, []).append(worker_name(worker))
+            by_tier.setdefault(tier.value, []).append(format_worker(worker))
     held = "; ".join(f"{tier}: {' '.join(names)}" for tier, names in by_tier.items())
     sequence = f"  seq {trie.describe(seg.last)['sequence_hash']}" if wide else ""
     return f"{span}{sequence}  [{held}]" + (f"  (+{seg.hidden} below)" if seg.hidden else "")

@@ -12,8 +12,9 @@ from typing import Annotated, Any
 import typer
 
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, router_client
-from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, worker_name
+from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
+from kvctl.core.names import format_worker
 from kvctl.errors import not_found
 from kvctl.output import Column, View
 from kvctl.output.words import age
@@ -30,7 +31,7 @@ EXAMPLES = (
 def _row(worker: dict[str, Any]) -> dict[str, Any]:
     reported = worker.get("reported") or {}
     passed = worker.get("forward_pass") or {}
-    return {**worker, NAME_KEY: worker_name(worker["worker_id"], worker["dp_rank"]),
+    return {**worker, NAME_KEY: format_worker((worker["worker_id"], worker["dp_rank"])),
             "last_event_age": age(worker.get("last_event_age_s")),
             **{f"reported_{key}": value for key, value in reported.items()},
             "reported_age": age(reported.get("age_s")),

@@ -3,6 +3,7 @@ by, written `ID:DP` wherever a person reads or types it, and a request that name
 
 from __future__ import annotations
 
+import re
 from typing import TypeAlias
 
 WorkerKey: TypeAlias = tuple[int, int]
@@ -17,6 +18,10 @@ DEFAULT_MODEL = "default"
 MAX_WORKER_ID = 2**64 - 1  # Dynamo's worker ids are u64
 MAX_DP_RANK = 2**32 - 1  # and its data-parallel ranks u32
 
+# ASCII digits only: int() alone would also take "+3", "1_0", "3: 1" and other scripts' digits. A sign, and up
+# to 20 digits (2^64 has 20), are let through to the range checks, which say what the id or rank should be.
+_ID_DP = re.compile(r"(-?[0-9]{1,20})(?::(-?[0-9]{1,20}))?")
+
 
 def format_worker(worker: WorkerKey) -> str:
     """`ID:DP`, as the API's keys, the tables and the logs write a worker."""
@@ -25,11 +30,10 @@ def format_worker(worker: WorkerKey) -> str:
 
 def parse_worker(text: str) -> WorkerSelector:
     """`ID` or `ID:DP` as (worker_id, dp_rank or None); ValueError, saying what was wanted, for anything else."""
-    wid, sep, dp = text.strip().partition(":")
-    try:
-        worker_id, dp_rank = int(wid), (int(dp) if sep else None)
-    except ValueError:
-        raise ValueError(f"a worker is ID or ID:DP (integers), got {text!r}") from None
+    m = _ID_DP.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"a worker is ID or ID:DP (integers), got {text!r}")
+    worker_id, dp_rank = int(m[1]), (None if m[2] is None else int(m[2]))
     if not 0 <= worker_id <= MAX_WORKER_ID:
         raise ValueError(f"worker {text!r}: a worker id is 0..2^64-1")
     if dp_rank is not None and not 0 <= dp_rank <= MAX_DP_RANK:

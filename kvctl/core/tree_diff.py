@@ -20,16 +20,12 @@ from typing import Any
 
 from kvctl.core.events import RouterEvent, Stored, Tier
 from kvctl.core.hashing import sequence_hashes
-from kvctl.core.index import KvIndex, Worker
+from kvctl.core.index import KvIndex
+from kvctl.core.names import WorkerKey, format_worker
 
 ROOT = 0
 Block = tuple[Tier, int]
 """One block a worker holds: its tier and its path id in the shared trie."""
-
-
-def worker_name(worker: Worker) -> str:
-    """`ID:DP`, as the router's API names worker keys."""
-    return f"{worker[0]}:{worker[1]}"
 
 
 class PathTrie:
@@ -77,11 +73,11 @@ class IndexContent:
 
     index: KvIndex
     trie: PathTrie
-    held: dict[Worker, set[Block]] = field(default_factory=dict)
+    held: dict[WorkerKey, set[Block]] = field(default_factory=dict)
 
-    def holders(self) -> dict[int, dict[Worker, set[Tier]]]:
+    def holders(self) -> dict[int, dict[WorkerKey, set[Tier]]]:
         """Path id -> the workers holding that block, with the tiers each holds it on."""
-        out: dict[int, dict[Worker, set[Tier]]] = defaultdict(lambda: defaultdict(set))
+        out: dict[int, dict[WorkerKey, set[Tier]]] = defaultdict(lambda: defaultdict(set))
         for worker, blocks in self.held.items():
             for tier, pid in blocks:
                 out[pid][worker].add(tier)
@@ -93,7 +89,7 @@ def index_content(events: Iterable[RouterEvent], trie: PathTrie | None = None) -
     index = KvIndex()
     index.load(events)
     content = IndexContent(index, trie if trie is not None else PathTrie())
-    ends: dict[tuple[Worker, Tier], dict[int, int]] = defaultdict(dict)  # engine hash -> path id, per holder
+    ends: dict[tuple[WorkerKey, Tier], dict[int, int]] = defaultdict(dict)  # engine hash -> path id, per holder
     for event in index.dump():  # parents before children, one Stored per (edge, worker)
         data = event.data
         assert type(data) is Stored
@@ -113,7 +109,7 @@ def index_content(events: Iterable[RouterEvent], trie: PathTrie | None = None) -
 
 @dataclass(frozen=True)
 class WorkerDiff:
-    worker: Worker
+    worker: WorkerKey
     blocks_a: int
     blocks_b: int
     only_a: frozenset[Block]
@@ -132,7 +128,7 @@ class TreeDiff:
         return not any(w.only_a or w.only_b for w in self.workers)
 
     def summary(self) -> list[dict[str, Any]]:
-        return [{"worker": worker_name(w.worker), "worker_id": w.worker[0], "dp_rank": w.worker[1],
+        return [{"worker": format_worker(w.worker), "worker_id": w.worker[0], "dp_rank": w.worker[1],
                  "blocks_a": w.blocks_a, "blocks_b": w.blocks_b, "only_a": len(w.only_a), "only_b": len(w.only_b)}
                 for w in self.workers]
 
@@ -144,7 +140,7 @@ class TreeDiff:
             for tier, pid in sorted(blocks, key=lambda b: (b[0].value, self.trie.depths[b[1]], self.trie.locals[b[1]])):
                 if limit is not None and len(rows) >= limit:
                     return rows
-                rows.append({"side": side, "worker": worker_name(w.worker), "worker_id": w.worker[0],
+                rows.append({"side": side, "worker": format_worker(w.worker), "worker_id": w.worker[0],
                              "dp_rank": w.worker[1], "tier": tier.value, **self.trie.describe(pid)})
         return rows
 
@@ -185,7 +181,7 @@ def content_stats(content: IndexContent, *, top: int = 10) -> dict[str, Any]:
     return {
         "blocks": device.blocks,
         "nodes": device.nodes,
-        "workers": {worker_name(w): n for w, n in sorted(device.workers.items())},
+        "workers": {format_worker(w): n for w, n in sorted(device.workers.items())},
         "tiers": {t.value: {"blocks": s.blocks, "nodes": s.nodes} for t, s in tiers.items()},
         "paths": len(holders),
         "depths": _depth_histogram(content.trie, holders),
@@ -193,7 +189,7 @@ def content_stats(content: IndexContent, *, top: int = 10) -> dict[str, Any]:
     }
 
 
-def _depth_histogram(trie: PathTrie, holders: dict[int, dict[Worker, set[Tier]]]) -> list[dict[str, int]]:
+def _depth_histogram(trie: PathTrie, holders: dict[int, dict[WorkerKey, set[Tier]]]) -> list[dict[str, int]]:
     paths: Counter[int] = Counter()
     held: Counter[int] = Counter()
     for pid, workers in holders.items():
@@ -203,7 +199,7 @@ def _depth_histogram(trie: PathTrie, holders: dict[int, dict[Worker, set[Tier]]]
     return [{"min": 1 << (k - 1), "max": (1 << k) - 1, "blocks": paths[k], "held": held[k]} for k in sorted(paths)]
 
 
-def _shared_prefixes(trie: PathTrie, holders: dict[int, dict[Worker, set[Tier]]], top: int) -> list[dict[str, Any]]:
+def _shared_prefixes(trie: PathTrie, holders: dict[int, dict[WorkerKey, set[Tier]]], top: int) -> list[dict[str, Any]]:
     """Prefixes where sharing ends: held by 2+ workers, and every child of theirs by fewer of them.
 
     A worker holding a block holds its whole path, so holder counts only fall going down; these are
@@ -216,7 +212,7 @@ def _shared_prefixes(trie: PathTrie, holders: dict[int, dict[Worker, set[Tier]]]
     ends = [pid for pid, workers in holders.items() if len(workers) >= 2 and best_child.get(pid, 0) < len(workers)]
     ends.sort(key=lambda pid: (-len(holders[pid]), -trie.depths[pid], trie.locals[pid]))
     return [{**trie.describe(pid), "holders": len(holders[pid]),
-             "workers": [worker_name(w) for w in sorted(holders[pid])]} for pid in ends[:top]]
+             "workers": [format_worker(w) for w in sorted(holders[pid])]} for pid in ends[:top]]
 
 
 # ----- outline (the `tree dump` view) ----------------------------------------------------------------------
@@ -227,7 +223,7 @@ class Segment:
 
     first: int  # path id of the first block
     last: int
-    holders: dict[Worker, frozenset[Tier]]
+    holders: dict[WorkerKey, frozenset[Tier]]
     children: list[Segment] = field(default_factory=list)
     hidden: int = 0  # child segments left out below the depth limit
 
@@ -245,7 +241,7 @@ def outline(content: IndexContent, max_levels: int | None = None) -> list[Segmen
     for kids in children.values():
         kids.sort(key=lambda pid: (-len(holders[pid]), content.trie.locals[pid]))
 
-    def frozen(pid: int) -> dict[Worker, frozenset[Tier]]:
+    def frozen(pid: int) -> dict[WorkerKey, frozenset[Tier]]:
         return {w: frozenset(tiers) for w, tiers in sorted(holders[pid].items())}
 
     def segment(first: int, level: int) -> Segment:

@@ -30,6 +30,7 @@ from kvctl.child_process import kvctl_child
 from kvctl.client import AsyncRouterClient
 from kvctl.client.engine import EngineClient
 from kvctl.client.tier_sources import Auth, Scraper
+from kvctl.core.names import DEFAULT_MODEL
 from kvctl.core.quantiles import bucket_increase, histogram_quantile
 from kvctl.core.tiers import Sample
 from kvctl.errors import KvctlError
@@ -47,7 +48,6 @@ from kvctl.mock.load import (
 from kvctl.process_cpu import cpu_seconds
 from kvctl.runtime import tuned_gc
 
-MODEL = "default"
 POLICIES = (Policy.random, Policy.router)
 SPEEDUP = 1.0
 """The engines' timing model runs this many times faster than Dynamo's mocker defaults."""
@@ -110,12 +110,12 @@ async def run_demo(plan: DemoPlan, announce: Callable[[str, list[dict[str, Any]]
     with tempfile.TemporaryDirectory(prefix="kvctl-demo-") as state_dir, tuned_gc():  # the workload frozen
         async with router_process(Path(state_dir), plan.block_size) as (url, router_pid), \
                 engines_process(plan) as (infos, engines_pid), AsyncRouterClient(url) as router:
-            await register_engines(router, infos, MODEL)
+            await register_engines(router, infos, DEFAULT_MODEL)
             announce(url, infos)
             engines = {info["worker_id"]: EngineClient(info["url"]) for info in infos}
             costs = _Costs(url, {"load generator": os.getpid(), "engines": engines_pid, "router": router_pid})
             try:
-                load = LoadGenerator(engines, router=router, model=MODEL, seed=plan.seed,
+                load = LoadGenerator(engines, router=router, model=DEFAULT_MODEL, seed=plan.seed,
                                      give_up_s=plan.give_up_s)
                 result = await _phases(plan, load, workload, costs, progress, every_s)
             finally:
@@ -190,7 +190,7 @@ class _Costs:
         after = await self.start()
         seconds = after.at - before.at
         buckets = [] if before.router_metrics is None or after.router_metrics is None else bucket_increase(
-            "kvctl_route_duration_seconds", before.router_metrics, after.router_metrics, {"model": MODEL})
+            "kvctl_route_duration_seconds", before.router_metrics, after.router_metrics, {"model": DEFAULT_MODEL})
         decision = {f"p{round(100 * q)}": _ms(histogram_quantile(q, buckets)) for q in (0.5, 0.99)}
         cores = {name: None if was is None or (now := after.cpu[name]) is None else round((now - was) / seconds, 2)
                  for name, was in before.cpu.items()}

@@ -33,6 +33,7 @@ from typing import Any
 
 from kvctl.client import AsyncRouterClient, calls
 from kvctl.client.engine import EngineClient
+from kvctl.core.names import DEFAULT_MODEL, format_worker
 from kvctl.core.quantiles import percentile, percentiles
 from kvctl.core.words import counted
 from kvctl.errors import AllBusy, ApiError, KvctlError, Unreachable
@@ -230,7 +231,7 @@ class _RouterWatch:
 
 class LoadGenerator:
     def __init__(self, engines: Mapping[int, EngineClient], *, router: AsyncRouterClient | None = None,
-                 model: str = "default", seed: int = 0, give_up_s: float = GIVE_UP_S) -> None:
+                 model: str = DEFAULT_MODEL, seed: int = 0, give_up_s: float = GIVE_UP_S) -> None:
         """`engines`: worker id -> client; `router` is needed for the router policy only; a run stops with
         `Unreachable` once the router has refused connections for `give_up_s`. `seed` draws the baselines'
         placements and the Poisson arrivals."""
@@ -440,7 +441,7 @@ async def register_engines(router: AsyncRouterClient, engines: Sequence[Mapping[
             await router.send(calls.register_worker(row["worker_id"], row["endpoint"], model=model,
                                                     dp_rank=row.get("dp_rank", 0),
                                                     replay_endpoint=row["replay_endpoint"]))
-            registered.append(f"{row['worker_id']}:{row.get('dp_rank', 0)}")
+            registered.append(format_worker((row["worker_id"], row.get("dp_rank", 0))))
     return registered
 
 

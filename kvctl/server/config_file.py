@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.config.writer import toml_string
+from kvctl.core.names import DEFAULT_MODEL
 from kvctl.core.router.busy import THRESHOLD_FIELDS, Thresholds
 from kvctl.core.router.scoring import KNOBS, RouterConfig
 from kvctl.errors import ConfigError
@@ -136,7 +137,8 @@ def load(path: Path) -> ServeFile:
         w = _table(raw, where, _WORKER_KEYS, {"worker_id", "endpoint"})
         _check(where, "worker_id", w["worker_id"], _uint(w["worker_id"], 64), "an integer in [0, 2^64)")
         _check(where, "dp_rank", w.get("dp_rank", 0), _uint(w.get("dp_rank", 0), 32), "an integer in [0, 2^32)")
-        _check(where, "model", w.get("model", "default"), _name(w.get("model", "default")), "a non-empty string")
+        model = w.get("model", DEFAULT_MODEL)
+        _check(where, "model", model, _name(model), "a non-empty string")
         _check(where, "topic", w.get("topic", ""), isinstance(w.get("topic", ""), str), "a string")
         for key in ("endpoint", "replay_endpoint"):
             if key in w:
@@ -145,7 +147,7 @@ def load(path: Path) -> ServeFile:
                     check_endpoint(w[key])
                 except ValueError as exc:
                     raise ConfigError(f"{where}: {key}: {exc}") from None
-        workers.append(WorkerInfo(w["worker_id"], w.get("dp_rank", 0), w.get("model", "default"),
+        workers.append(WorkerInfo(w["worker_id"], w.get("dp_rank", 0), model,
                                   endpoint=w["endpoint"], replay_endpoint=w.get("replay_endpoint"),
                                   topic=w.get("topic", "")))
     return ServeFile(models, workers)

@@ -23,6 +23,7 @@ from kvctl.core.events.plane import (
     ForwardPass,
 )
 from kvctl.core.index import Status
+from kvctl.core.names import DEFAULT_MODEL, WorkerKey, format_worker, selects
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
 from kvctl.core.router.busy import (
     AllBusy,
@@ -39,8 +40,6 @@ from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
 from kvctl.core.words import counted
 from kvctl.errors import UnknownModel
 
-Worker = tuple[int, int]
-DEFAULT_MODEL = "default"
 _DEVICE = Tier.device
 _NO_THRESHOLDS = Thresholds()
 
@@ -93,7 +92,7 @@ class WorkerInfo:
     routes: int = 0  # decisions that chose this worker: its share of the traffic
 
     @property
-    def key(self) -> Worker:
+    def key(self) -> WorkerKey:
         return (self.worker_id, self.dp_rank)
 
 
@@ -139,19 +138,19 @@ class Fleet:
         self.limits = limits or RouteLimits()
         self.over_limit: Counter[str] = Counter()  # routes refused, by `RouteLimits` field
         self.all_busy: Counter[str] = Counter()  # routes refused (503) with every worker busy, by model
-        self.joined: dict[tuple[str, Worker], JoinedHits] = {}  # (model, worker) -> predicted vs engine-reported
+        self.joined: dict[tuple[str, WorkerKey], JoinedHits] = {}  # (model, worker) -> predicted vs engine-reported
         self.default_block_size = block_size
         self.default_config = config or RouterConfig()
         self.approx = approx
         self.request_expiry_s = request_expiry_s
         self._rng = random.Random(seed)
         self.models: dict[str, ModelState] = {}
-        self.workers: dict[Worker, WorkerInfo] = {}
-        self._candidates: dict[str, list[Worker]] = {}
+        self.workers: dict[WorkerKey, WorkerInfo] = {}
+        self._candidates: dict[str, list[WorkerKey]] = {}
         self.thresholds = BusyThresholds(thresholds or Thresholds())
         self.busy = BusyTracker()
-        self.reported: dict[Worker, tuple[ActiveLoad, float]] = {}  # load reports from the event plane
-        self.forward_passes: dict[Worker, tuple[ForwardPass, float]] = {}  # the last one of each worker
+        self.reported: dict[WorkerKey, tuple[ActiveLoad, float]] = {}  # load reports from the event plane
+        self.forward_passes: dict[WorkerKey, tuple[ForwardPass, float]] = {}  # the last one of each worker
         self.sequence_listener: SequenceListener | None = None  # told of local add / prefill / free
         self.last_route_at = float("-inf")  # housekeeping that can wait does so while routes come in
         self.add_model(DEFAULT_MODEL)
@@ -182,16 +181,16 @@ class Fleet:
             self._candidates.pop(previous.model, None)
         return info
 
-    def candidates(self, model: str) -> list[Worker]:
+    def candidates(self, model: str) -> list[WorkerKey]:
         """The model's registered (worker, dp_rank)s, sorted; kept until the registry changes."""
         cached = self._candidates.get(model)
         if cached is None:
             cached = self._candidates[model] = sorted(w for w, info in self.workers.items() if info.model == model)
         return cached
 
-    def check_worker(self, worker_id: int, dp_rank: int | None = None) -> list[Worker]:
+    def check_worker(self, worker_id: int, dp_rank: int | None = None) -> list[WorkerKey]:
         """The registered keys of a worker (all its ranks, or one); raises UnknownWorker when none."""
-        keys = [w for w in self.workers if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+        keys = [w for w in self.workers if selects((worker_id, dp_rank), w)]
         if not keys:
             raise UnknownWorker(worker_id)
         return keys
@@ -223,11 +222,11 @@ class Fleet:
             applied += self._apply_run(state, worker, (event.data for event in run), now, rejected)
         return applied, rejected
 
-    def apply_engine_batch(self, model: str, worker: Worker, events: Sequence[EventData], now: float) -> None:
+    def apply_engine_batch(self, model: str, worker: WorkerKey, events: Sequence[EventData], now: float) -> None:
         if events:  # an empty batch (the writer's marker) makes no worker known
             self._apply_run(self.add_model(model), worker, events, now, None)
 
-    def _apply_run(self, state: ModelState, worker: Worker, events: Iterable[EventData], now: float,
+    def _apply_run(self, state: ModelState, worker: WorkerKey, events: Iterable[EventData], now: float,
                    rejected: Counter[str] | None) -> int:
         """Apply one worker's events in order; returns how many applied, adds the others to `rejected`."""
         info = self.workers.get(worker)
@@ -249,7 +248,7 @@ class Fleet:
 
     # ----- routing ------------------------------------------------------------------------------------
 
-    def rank_busy(self, model: str) -> dict[Worker, RankBusy]:
+    def rank_busy(self, model: str) -> dict[WorkerKey, RankBusy]:
         state = self.model(model)
         thresholds = self.thresholds.get(model)
         sequences = state.router.sequences
@@ -258,7 +257,7 @@ class Fleet:
             ranks[w] = self.busy.update(w, self._load(w, sequences), thresholds)
         return ranks
 
-    def _load(self, worker: Worker, sequences: ActiveSequences) -> WorkerLoad:
+    def _load(self, worker: WorkerKey, sequences: ActiveSequences) -> WorkerLoad:
         """The router's own view of a rank, plus the KV usage the worker last reported (if it did)."""
         load = sequences.load(worker)
         report = self.reported.get(worker)
@@ -342,7 +341,7 @@ class Fleet:
         self.forward_passes[worker] = (report, now)
         self._heard_of(worker, model)
 
-    def _heard_of(self, worker: Worker, model: str) -> None:
+    def _heard_of(self, worker: WorkerKey, model: str) -> None:
         """A worker the event plane speaks of is a candidate before its first KV event, as Dynamo's routers
         know it from discovery: an idle worker that has stored nothing yet must still get requests."""
         if worker not in self.workers:
@@ -424,7 +423,7 @@ class Fleet:
                 "block_size": self.models[name].block_size,
                 "blocks": device.blocks,
                 "nodes": device.nodes,
-                "workers": {f"{w[0]}:{w[1]}": n for w, n in sorted(device.workers.items())},
+                "workers": {format_worker(w): n for w, n in sorted(device.workers.items())},
                 "tiers": {t.value: {"blocks": s.blocks, "nodes": s.nodes} for t, s in tiers.items()},
             }
             if self.approx is not None:  # the cap the index is pruned at: blocks near it mean churn
@@ -442,13 +441,13 @@ class Fleet:
             if worker_id is None:
                 workers = index.workers()
             else:
-                workers = [w for w in index.workers() if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+                workers = [w for w in index.workers() if selects((worker_id, dp_rank), w)]
             for w in workers:
                 index.apply(RouterEvent(w[0], Cleared(), w[1]))
                 if (info := self.workers.get(w)) is not None:
                     info.rejected.clear()  # a fresh start: what doctor reports from here is new
             after = index.stats()[_DEVICE]
-            cleared.append({"model": name, "workers": [f"{w[0]}:{w[1]}" for w in sorted(workers)],
+            cleared.append({"model": name, "workers": [format_worker(w) for w in sorted(workers)],
                             "blocks": before.blocks - after.blocks})
         return {"cleared": cleared}
 

@@ -14,6 +14,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Footer, HelpPanel, Input
 
+from kvctl.core.names import DEFAULT_MODEL
 from kvctl.errors import KvctlError
 from kvctl.tui.frame import SORTS, Frame, FrameBuilder, WorkerRow, arrange, next_sort
 from kvctl.tui.screens import ConfirmReset, PrefixTree, WorkerDetail
@@ -192,7 +193,7 @@ class TopApp(App[None]):
     def action_tree(self) -> None:
         row = self.selected_row()
         models = self.frame.header.models if self.frame else ()
-        model = row.model if row is not None else (models[0] if models else "default")
+        model = row.model if row is not None else (models[0] if models else DEFAULT_MODEL)
         self.push_screen(PrefixTree(self.source, model))
 
     def action_help(self) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.silence import is_silent
 from kvctl.core.tiers import counter_increase, ratio
 from kvctl.output.words import stream_state
@@ -50,7 +51,7 @@ class WorkerRow:
 
     @property
     def key(self) -> str:
-        return f"{self.worker_id}:{self.dp_rank}"
+        return format_worker((self.worker_id, self.dp_rank))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.key, "worker_id": self.worker_id, "dp_rank": self.dp_rank, "model": self.model,
@@ -136,7 +137,7 @@ def _marks(worker: dict[str, Any], stream: dict[str, Any] | None) -> tuple[Mark,
     return tuple(marks)
 
 
-def _shares(before: Poll | None, after: Poll) -> dict[tuple[int, int], float]:
+def _shares(before: Poll | None, after: Poll) -> dict[WorkerKey, float]:
     """Each worker's share of the routes decided between two polls, from a cumulative per-worker `routes`
     count when the router gives one (`kvctl serve` does not yet: every share is then unknown)."""
     if before is None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvctl.core.events import RouterEvent
 from kvctl.core.index import Edge, KvIndex, edges
+from kvctl.core.names import format_worker
 from kvctl.core.words import counted
 
 WIDTH = 8
@@ -41,7 +42,7 @@ def _steps(below: tuple[Edge, ...], above: int, width: int) -> tuple[tuple[Prefi
     for edge in below:
         depth = above + edge.blocks
         children, more = _steps(edge.children, depth, width)
-        holders = tuple(sorted(f"{w}:{dp}" for w, dp in edge.holders))
+        holders = tuple(sorted(map(format_worker, edge.holders)))
         found.append(Prefix(edge.blocks, depth, holders, edge.partial, children, more))
     found.sort(key=lambda p: (-len(p.holders), -p.depth, p.holders))
     return tuple(found[:width]), max(0, len(found) - width)

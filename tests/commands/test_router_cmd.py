@@ -59,8 +59,9 @@ def test_reset_refuses_without_a_terminal_or_yes(router: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["router", "reset", "--worker", "x", "--yes"], "--worker wants W or W:DP"),
-    (["router", "reset", "--worker", "1:-1", "--yes"], "u32"),
+    (["router", "reset", "--worker", "x", "--yes"], "--worker: a worker is ID or ID:DP"),
+    (["router", "reset", "--worker", "+2", "--yes"], "--worker: a worker is ID or ID:DP"),  # int() took it
+    (["router", "reset", "--worker", "1:-1", "--yes"], "0..2^32-1"),
     (["router", "status", "--interval", "0"], "--interval must be > 0"),
     (["router", "reset", "--bogus"], "--bogus"),
 ])

@@ -207,6 +207,13 @@ def test_failures_exit_with_their_code_and_one_line(args: tuple[str, ...], code:
         assert "127.0.0.1:1" in err
 
 
+@pytest.mark.parametrize("worker", ["2:", "+2", "-1", str(2**64), f"2:{2**32}"])
+def test_a_worker_that_cannot_be_is_refused_naming_the_flag(worker: str) -> None:
+    """As every --worker: `2:` no longer reads as worker 2, nor an id past u64 as a worker the dump lacks."""
+    code, _, err = kvctl("tree", "dump", str(DUMP_FILE), "--worker", worker)
+    assert code == 2 and len(err.splitlines()) == 1 and "--worker: " in err, err
+
+
 def test_file_sources_in_every_output_format() -> None:
     code, out, _ = kvctl("tree", "stats", str(DUMP_FILE), "-o", "yaml")
     assert code == 0 and "shared_prefixes" in out

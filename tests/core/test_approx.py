@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
+from kvctl.core.names import WorkerKey
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer, ApproxStats
 
-Worker = tuple[int, int]
-Key = tuple[Worker, int, int]  # (worker, sequence hash, position)
+Key = tuple[WorkerKey, int, int]  # (worker, sequence hash, position)
 
-W1: Worker = (1, 0)
-W2: Worker = (2, 0)
+W1: WorkerKey = (1, 0)
+W2: WorkerKey = (2, 0)
 EMPTY = ApproxStats(blocks=0, nodes=0, timers=0, heap=0)
 
 
@@ -32,11 +32,11 @@ def hashes(tokens: list[int], block_size: int = 4) -> tuple[list[int], list[int]
     return local, sequence_hashes(local)
 
 
-def record(ix: ApproxIndexer, worker: Worker, local: list[int], now: float) -> int:
+def record(ix: ApproxIndexer, worker: WorkerKey, local: list[int], now: float) -> int:
     return ix.record(worker, local, sequence_hashes(local), now)
 
 
-def depth(ix: ApproxIndexer, worker: Worker, local: list[int]) -> int:
+def depth(ix: ApproxIndexer, worker: WorkerKey, local: list[int]) -> int:
     return ix.find_matches(local).scores.get(worker, 0)
 
 
@@ -171,7 +171,7 @@ ops = st.lists(
 )
 
 
-def entry_order(item: tuple[Key, float]) -> tuple[float, int, int, Worker]:
+def entry_order(item: tuple[Key, float]) -> tuple[float, int, int, WorkerKey]:
     """Dynamo's pop order: earliest expiry first, then the largest (position, hash, worker) first."""
     (worker, key, pos), expiry = item
     return (expiry, -pos, -key, (-worker[0], -worker[1]))
@@ -192,7 +192,7 @@ def check(ix: ApproxIndexer, model: dict[Key, float], seen: list[list[int]]) -> 
     assert ix.next_expiry() == (min(model.values()) if model else None)
     for local in seen:
         seq = sequence_hashes(local)
-        expected: dict[Worker, int] = {}
+        expected: dict[WorkerKey, int] = {}
         for worker in WORKERS:
             d = 0
             while d < len(seq) and (worker, seq[d], d) in model:

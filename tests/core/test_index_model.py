@@ -21,10 +21,10 @@ from xxhash import xxh3_64_intdigest
 from kvctl.core.events import Cleared, Removed, RouterEvent, Stored, Tier
 from kvctl.core.index import KvIndex, Status, removal
 from kvctl.core.index.kv_index import DumpEdge, events_of
+from kvctl.core.names import WorkerKey
 from tests.core.index_checks import assert_lookups_consistent
 
 Path = tuple[int, ...]
-Worker = tuple[int, int]
 
 # Local hashes: a small alphabet so prefixes collide across workers, with values across the u64 range.
 ALPHABET = (3, 2**63 + 11, 2**64 - 1)
@@ -37,7 +37,7 @@ def engine_hash(path: Path) -> int:
     return xxh3_64_intdigest(b"".join(h.to_bytes(8, "little") for h in path), seed=99)
 
 
-def stored(worker: Worker, parent: Path | None, paths: list[Path]) -> RouterEvent:
+def stored(worker: WorkerKey, parent: Path | None, paths: list[Path]) -> RouterEvent:
     data = Stored(
         None if parent is None else engine_hash(parent),
         [engine_hash(p) for p in paths],
@@ -46,7 +46,7 @@ def stored(worker: Worker, parent: Path | None, paths: list[Path]) -> RouterEven
     return RouterEvent(worker[0], data, worker[1])
 
 
-def removed(worker: Worker, hashes: list[int], packed: bool = False) -> RouterEvent:
+def removed(worker: WorkerKey, hashes: list[int], packed: bool = False) -> RouterEvent:
     """`packed`: the hashes as an `array('Q')`, as the router's decode process hands them over."""
     return RouterEvent(worker[0], Removed(array("Q", hashes) if packed else hashes), worker[1])
 
@@ -87,16 +87,16 @@ class IndexModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.index = KvIndex()
-        self.model: dict[Worker, set[Path]] = {w: set() for w in WORKERS}
+        self.model: dict[WorkerKey, set[Path]] = {w: set() for w in WORKERS}
         self.extra_queries: list[list[int]] = []
         self.captures: list[tuple[list[DumpEdge], list[RouterEvent]]] = []
 
     # ----- helpers -------------------------------------------------------------------------------------
 
-    def holders(self) -> list[Worker]:
+    def holders(self) -> list[WorkerKey]:
         return [w for w in WORKERS if self.model[w]]
 
-    def snapshot(self) -> dict[Worker, frozenset[Path]]:
+    def snapshot(self) -> dict[WorkerKey, frozenset[Path]]:
         return {w: frozenset(p) for w, p in self.model.items()}
 
     def queries(self) -> list[list[int]]:
@@ -109,7 +109,7 @@ class IndexModel(RuleBasedStateMachine):
         qs.extend(self.extra_queries)
         return qs
 
-    def expected(self, query: list[int]) -> dict[Worker, int]:
+    def expected(self, query: list[int]) -> dict[WorkerKey, int]:
         out = {}
         for w, held in self.model.items():
             depth = longest_held_prefix(held, query)
@@ -120,7 +120,7 @@ class IndexModel(RuleBasedStateMachine):
     # ----- rules ---------------------------------------------------------------------------------------
 
     @rule(worker=st.sampled_from(WORKERS), syms=symbols)
-    def store_at_root(self, worker: Worker, syms: list[int]) -> None:
+    def store_at_root(self, worker: WorkerKey, syms: list[int]) -> None:
         paths = chain((), syms)
         result = self.index.apply(stored(worker, None, paths))
         assert result.status is Status.ok
@@ -212,7 +212,7 @@ class IndexModel(RuleBasedStateMachine):
         self.model[worker] = held
 
     @rule(worker=st.sampled_from(WORKERS), syms=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=3))
-    def remove_unknown(self, worker: Worker, syms: list[int]) -> None:
+    def remove_unknown(self, worker: WorkerKey, syms: list[int]) -> None:
         """A hash the worker does not hold (maybe another worker does): counted, nothing changes."""
         path = tuple(syms)
         if path in self.model[worker]:
@@ -224,7 +224,7 @@ class IndexModel(RuleBasedStateMachine):
         assert self.snapshot() == before
 
     @rule(worker=st.sampled_from(WORKERS))
-    def clear(self, worker: Worker) -> None:
+    def clear(self, worker: WorkerKey) -> None:
         result = self.index.apply(RouterEvent(worker[0], Cleared(), worker[1]))
         assert result.status is Status.ok
         self.model[worker] = set()

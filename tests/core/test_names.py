@@ -24,6 +24,8 @@ def test_an_id_selects_every_rank_and_id_dp_one(worker_id: int, dp_rank: int, ot
 
 @pytest.mark.parametrize(("text", "says"), [
     ("x", "ID or ID:DP"), ("3:", "ID or ID:DP"), ("3:0:1", "ID or ID:DP"), ("", "ID or ID:DP"),
+    ("+3", "ID or ID:DP"), ("1_0", "ID or ID:DP"), ("3: 1", "ID or ID:DP"), ("\u0663", "ID or ID:DP"),
+    ("9" * 5000, "ID or ID:DP"),
     ("-1", "0..2^64-1"), (str(2**64), "0..2^64-1"), ("3:-1", "0..2^32-1"), (f"3:{2**32}", "0..2^32-1"),
 ])
 def test_a_bad_worker_is_refused_saying_what_is_wanted(text: str, says: str) -> None:

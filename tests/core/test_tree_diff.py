@@ -12,11 +12,11 @@ from xxhash import xxh3_64_intdigest
 from kvctl.core.events import Removed, RouterEvent, Stored, Tier
 from kvctl.core.events.dump_file import read_router_events
 from kvctl.core.hashing import sequence_hashes
+from kvctl.core.names import WorkerKey
 from kvctl.core.tree_diff import diff_events, index_content, outline, tree_stats
 from tests.fixtures_path import FIXTURES
 
 Path = tuple[int, ...]
-Worker = tuple[int, int]
 
 ALPHABET = (3, 2**63 + 11, 2**64 - 1)  # few symbols: prefixes are shared across workers
 WORKERS = [(1, 0), (2, 0), (2, 1), (2**63 + 7, 0)]
@@ -28,7 +28,7 @@ def engine_hash(path: Path, salt: int) -> int:
     return xxh3_64_intdigest(b"".join(h.to_bytes(8, "little") for h in path), seed=salt)
 
 
-def stores(worker: Worker, sequence: Path, cuts: list[int], salt: int) -> list[RouterEvent]:
+def stores(worker: WorkerKey, sequence: Path, cuts: list[int], salt: int) -> list[RouterEvent]:
     """`sequence` stored from the root as a chain of Storeds, split at `cuts`."""
     events = []
     bounds = [0, *sorted({c for c in cuts if 0 < c < len(sequence)}), len(sequence)]
@@ -43,11 +43,11 @@ sequences = st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=7).map(tupl
 contents = st.dictionaries(st.sampled_from(WORKERS), st.lists(sequences, min_size=1, max_size=5), min_size=1)
 
 
-def as_stream(content: dict[Worker, list[Path]], salt: int, rng: random.Random) -> list[RouterEvent]:
+def as_stream(content: dict[WorkerKey, list[Path]], salt: int, rng: random.Random) -> list[RouterEvent]:
     """The content as raw events, each sequence chunked at random, in a shuffled worker order, renumbered."""
     events = [e for w, seqs in content.items() for seq in seqs
               for e in stores(w, seq, rng.sample(range(1, 8), rng.randint(0, 3)), salt)]
-    by_worker: dict[Worker, list[RouterEvent]] = {}
+    by_worker: dict[WorkerKey, list[RouterEvent]] = {}
     for e in events:
         by_worker.setdefault(e.worker, []).append(e)
     order = list(by_worker)
@@ -58,7 +58,7 @@ def as_stream(content: dict[Worker, list[Path]], salt: int, rng: random.Random) 
 
 @settings(max_examples=150, deadline=None)
 @given(contents, st.randoms(use_true_random=False))
-def test_the_same_content_rechunked_and_rehashed_is_equal(content: dict[Worker, list[Path]],
+def test_the_same_content_rechunked_and_rehashed_is_equal(content: dict[WorkerKey, list[Path]],
                                                           rng: random.Random) -> None:
     dump = index_content(as_stream(content, 1, rng)).index.dump()  # a dump: one Stored per edge
     other = as_stream(content, 2, rng)  # raw chained stores, other engine hashes and event ids
@@ -69,7 +69,7 @@ def test_the_same_content_rechunked_and_rehashed_is_equal(content: dict[Worker, 
 
 @settings(max_examples=150, deadline=None)
 @given(contents, st.randoms(use_true_random=False), st.data())
-def test_one_removed_block_is_named_exactly(content: dict[Worker, list[Path]], rng: random.Random,
+def test_one_removed_block_is_named_exactly(content: dict[WorkerKey, list[Path]], rng: random.Random,
                                             data: st.DataObject) -> None:
     worker = data.draw(st.sampled_from(sorted(content)))
     held = {seq[:i] for seq in content[worker] for i in range(1, len(seq) + 1)}

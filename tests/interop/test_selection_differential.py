@@ -37,6 +37,7 @@ from kvctl.core.events.engine import decode_engine_batch
 from kvctl.core.events.engine_encode import VLLM, AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, encode_batch
 from kvctl.core.events.types import Tier
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
+from kvctl.core.names import WorkerKey
 from kvctl.core.router.policy_config import PolicyConfigError, parse_policy_config
 from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import RouterConfig, score
@@ -50,7 +51,6 @@ except ImportError:  # the oracle extra: under KVCTL_REQUIRE_INTEROP=1 the tier 
     pytest.skip("needs the oracle extra (ai-dynamo-runtime==1.6.1)", allow_module_level=True)
 pytestmark = pytest.mark.interop
 
-Worker = tuple[int, int]
 MODEL = "m"
 ENV = {"overlap_score_credit": "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",
        "overlap_score_credit_decay": "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY",
@@ -93,7 +93,7 @@ def removed(prompt: list[int], first: int, last: int, medium: str = "GPU") -> Bl
 class Scenario:
     name: str
     workers: dict[int, int]  # worker id -> dp ranks
-    events: list[tuple[Worker, list[EngineEvent]]]
+    events: list[tuple[WorkerKey, list[EngineEvent]]]
     prompt: list[int]
     block_size: int = 4
     knobs: dict[str, float | bool] = field(default_factory=dict)  # the service's config (DYN_ROUTER_*)
@@ -101,7 +101,7 @@ class Scenario:
     # weights and temperature are fixed when it starts), so that is the one knob a scenario overrides.
     override: dict[str, bool] = field(default_factory=dict)
     policy: str | None = None  # --router-policy-config YAML
-    reserve: list[tuple[str, list[int], Worker]] = field(default_factory=list)
+    reserve: list[tuple[str, list[int], WorkerKey]] = field(default_factory=list)
     prefill_done: list[str] = field(default_factory=list)
     free: list[str] = field(default_factory=list)
     draws: int = 3
@@ -254,7 +254,7 @@ class Side:
         self.sc, self.service, self.log = sc, service, log
         self.router = Router(block_size=sc.block_size, config=kvctl_config(sc), rng=random.Random(0))
         self.ctx = zmq.Context()
-        self.sockets: dict[Worker, zmq.Socket] = {}
+        self.sockets: dict[WorkerKey, zmq.Socket] = {}
         self.candidates = sorted((w, r) for w, n in sc.workers.items() for r in range(n))
         self.draw = 0
 
@@ -291,7 +291,7 @@ class Side:
             body["router_config_override"] = dict(self.sc.override)
         return body
 
-    async def overlaps(self, prompt: list[int]) -> dict[Worker, tuple[int, int, int]]:
+    async def overlaps(self, prompt: list[int]) -> dict[WorkerKey, tuple[int, int, int]]:
         """Dynamo's (device, host extension, disk extension) per rank."""
         answer = await self.service.overlap_scores(self.request(prompt))
         got = {(w["worker_id"], w["dp_rank"]): (w["device_blocks"], w["host_pinned_extension_blocks"],
@@ -306,7 +306,7 @@ class Side:
             assert time.monotonic() < deadline, "the service did not apply the events"
             await asyncio.sleep(0.01)
 
-    def kvctl_overlaps(self, prompt: list[int]) -> dict[Worker, tuple[int, int, int]]:
+    def kvctl_overlaps(self, prompt: list[int]) -> dict[WorkerKey, tuple[int, int, int]]:
         m = self.router.index.find_matches(local_block_hashes(prompt, self.sc.block_size))
         tiers = [m.by_tier.get(t, {}) for t in (Tier.host_pinned, Tier.disk, Tier.external)]
         out = {w: (m.scores.get(w, 0), tiers[0].get(w, 0), tiers[1].get(w, 0) + tiers[2].get(w, 0))
@@ -328,7 +328,7 @@ class Side:
             await self.service.free_reservation(sid)
             assert self.router.sequences.free(sid)
 
-    def kvctl_scores(self, candidates: list[Worker]) -> tuple[dict[Worker, float], dict[Worker, float]]:
+    def kvctl_scores(self, candidates: list[WorkerKey]) -> tuple[dict[WorkerKey, float], dict[WorkerKey, float]]:
         """kvctl's logits and effective overlaps over `candidates`, priced as its router prices a route."""
         r, sc = self.router, self.sc
         local = self.local()
@@ -339,7 +339,7 @@ class Side:
                   block_size=sc.block_size, config=config)
         return dict(zip(candidates, s.logit, strict=True)), dict(zip(candidates, s.effective, strict=True))
 
-    async def pinned(self, worker: Worker) -> tuple[float, float]:
+    async def pinned(self, worker: WorkerKey) -> tuple[float, float]:
         tag = self.tag()
         await self.service.select(self.request(self.sc.prompt, selection_id=tag, pinned_worker={
             "worker_id": worker[0], "dp_rank": worker[1]}))
@@ -347,7 +347,7 @@ class Side:
         assert (int(m.group(1)), int(m.group(2))) == worker
         return float(m.group(3)), float(m.group(4))
 
-    async def chosen(self, allowed: list[int] | None = None) -> tuple[Worker, float]:
+    async def chosen(self, allowed: list[int] | None = None) -> tuple[WorkerKey, float]:
         tag = self.tag()
         extra: dict[str, Any] = {"selection_id": tag}
         if allowed is not None:

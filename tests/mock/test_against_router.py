@@ -18,12 +18,13 @@ import pytest
 
 from kvctl.core.events import Tier
 from kvctl.core.events.engine_encode import FORMATS as ENGINE_FORMATS
+from kvctl.core.names import DEFAULT_MODEL
 from kvctl.mock.engine import MOCK_FORMATS, EngineConfig, Faults, MockEngine
 from kvctl.mock.fleet import Fleet as EngineFleet
 from kvctl.mock.fleet import fleet_configs
 from kvctl.server.http.api import create_app
 from kvctl.server.ingest.streams import Streams
-from kvctl.server.state import DEFAULT_MODEL, Fleet
+from kvctl.server.state import Fleet
 from tests.mock.conftest import generate, metric
 from tests.support import eventually_async, joined
 

@@ -20,10 +20,9 @@ from kvctl.core.doctor.checks import (
     odd_hashers,
 )
 from kvctl.core.doctor.events import check_event_plane, check_silent, check_streams
-from kvctl.core.doctor.findings import DEFAULT_MODEL, SHOWN, Finding, Limits, PeerDiff, Severity, worst, worst_first
+from kvctl.core.doctor.findings import SHOWN, Finding, Limits, PeerDiff, Severity, worst, worst_first
 
 __all__ = [
-    "DEFAULT_MODEL",
     "SHOWN",
     "Finding",
     "Limits",

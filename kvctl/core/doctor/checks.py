@@ -8,7 +8,6 @@ from typing import Any
 
 from kvctl.core.doctor.events import check_event_plane, check_silent, check_streams
 from kvctl.core.doctor.findings import (
-    DEFAULT_MODEL,
     SHOWN,
     Finding,
     Limits,
@@ -21,6 +20,7 @@ from kvctl.core.doctor.findings import (
     worst,
     worst_first,
 )
+from kvctl.core.names import DEFAULT_MODEL
 from kvctl.core.router.busy import THRESHOLD_FIELDS, BusyTracker, Thresholds, WorkerLoad
 from kvctl.core.words import counted
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from kvctl.core.names import format_worker
 from kvctl.core.silence import SILENT_AFTER_S
 
-DEFAULT_MODEL = "default"
 SHOWN = 8
 """Workers named in one finding's evidence; the count says how many more there are."""
 
@@ -74,7 +74,8 @@ def worst_first(findings: Iterable[Finding]) -> list[Finding]:
 
 
 def worker_name(row: Mapping[str, Any]) -> str:
-    return f"{row['worker_id']}:{row['dp_rank']}"
+    """A /v1/workers (or stream) row's worker, as every finding names it."""
+    return format_worker((row["worker_id"], row["dp_rank"]))
 
 
 def named(names: Sequence[str]) -> dict[str, Any]:

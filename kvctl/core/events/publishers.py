@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from kvctl.core.names import WorkerKey, format_worker
+
 MAX_PUBLISHERS = 4096
 """Publishers remembered at once; past it the one heard from longest ago is forgotten (a fleet's restarts
 are new identities, so ids accumulate)."""
@@ -109,14 +111,14 @@ class Publisher:
     first_seen: float
     last_seen: float
     sequence: Sequence = field(default_factory=Sequence)
-    workers: set[tuple[int, int]] = field(default_factory=set)  # (worker_id, dp_rank) its messages spoke for
+    workers: set[WorkerKey] = field(default_factory=set)  # the workers its messages spoke for
 
     def as_dict(self, now: float) -> dict[str, Any]:
         return {
             "publisher_id": self.publisher_id, "topic": self.topic, "component": self.component,
             "endpoint": self.endpoint, "last_sequence": self.sequence.last, "messages": self.sequence.messages,
             **self.sequence.counts(), "last_seen_age_s": round(now - self.last_seen, 3),
-            "workers": [f"{w}:{d}" for w, d in sorted(self.workers)],
+            "workers": [format_worker(w) for w in sorted(self.workers)],
         }
 
 

@@ -29,6 +29,7 @@ import msgspec
 from kvctl.core.events.dynamo import decode_router_events
 from kvctl.core.events.errors import DecodeError, ErrorKind, describe, parse_json, parse_msgpack, require
 from kvctl.core.events.types import RouterEvent
+from kvctl.core.names import WorkerKey
 
 SOURCES_BUCKET = "v1/event_sources"
 _TCP = re.compile(r"^([^\s/:]+|\[[0-9a-fA-F:]+\]):(\d{1,5})/(\S+)$")
@@ -56,7 +57,7 @@ class RecoveryTarget:
     transport: str = "tcp"  # another (nats): a request plane kvctl does not speak; host, port and path empty
 
     @property
-    def worker(self) -> tuple[int, int]:
+    def worker(self) -> WorkerKey:
         return (self.worker_id, self.dp_rank)
 
     @property

@@ -14,6 +14,8 @@ from enum import StrEnum
 
 import msgspec
 
+from kvctl.core.names import WorkerKey
+
 
 class Tier(StrEnum):
     """Where a block lives; the values are Dynamo's `storage_tier` strings."""
@@ -56,5 +58,5 @@ class RouterEvent(msgspec.Struct, frozen=True, gc=False):
     event_id: int = 0
 
     @property
-    def worker(self) -> tuple[int, int]:
+    def worker(self) -> WorkerKey:
         return (self.worker_id, self.dp_rank)

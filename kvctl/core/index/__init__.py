@@ -1,6 +1,6 @@
 from kvctl.core.index.edges import Edge, edges
 from kvctl.core.index.kv_index import IndexMatches, KvIndex, TierStats
-from kvctl.core.index.radix import ApplyResult, Matches, RadixTree, Status, Worker
+from kvctl.core.index.radix import ApplyResult, Matches, RadixTree, Status
 
 __all__ = [
     "ApplyResult",
@@ -11,6 +11,5 @@ __all__ = [
     "RadixTree",
     "Status",
     "TierStats",
-    "Worker",
     "edges",
 ]

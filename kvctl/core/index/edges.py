@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvctl.core.index.node import Node, Worker, iter_bits
+from kvctl.core.index.node import Node, iter_bits
 from kvctl.core.index.radix import RadixTree
+from kvctl.core.names import WorkerKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +18,7 @@ class Edge:
     """One edge: a run of blocks that the same workers hold whole."""
 
     blocks: int  # blocks on this edge
-    holders: tuple[Worker, ...]  # workers holding the whole edge, in slot order
+    holders: tuple[WorkerKey, ...]  # workers holding the whole edge, in slot order
     partial: int  # workers holding only its first blocks
     children: tuple[Edge, ...]  # the edges below it (empty past the walk's depth)
 

@@ -14,16 +14,17 @@ from typing import NamedTuple
 
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
 from kvctl.core.index.lower_tier import Continuation, LowerTier
-from kvctl.core.index.radix import OK_EMPTY, ApplyResult, Matches, Node, RadixTree, Worker, iter_bits
+from kvctl.core.index.radix import OK_EMPTY, ApplyResult, Matches, Node, RadixTree, iter_bits
+from kvctl.core.names import WorkerKey
 
 
 @dataclass(slots=True)
 class IndexMatches:
-    scores: dict[Worker, int] = field(default_factory=dict)  # device tier: Dynamo's overlap scores
-    tree_sizes: dict[Worker, int] = field(default_factory=dict)
+    scores: dict[WorkerKey, int] = field(default_factory=dict)  # device tier: Dynamo's overlap scores
+    tree_sizes: dict[WorkerKey, int] = field(default_factory=dict)
     # Blocks each tier adds to a worker's match (device: its depth; a slower tier: its extension beyond the
     # faster ones). Empty when the model has no slower tier.
-    by_tier: dict[Tier, dict[Worker, int]] = field(default_factory=dict)
+    by_tier: dict[Tier, dict[WorkerKey, int]] = field(default_factory=dict)
 
 
 LOWER_TIERS = (Tier.host_pinned, Tier.disk, Tier.external)
@@ -34,7 +35,7 @@ class DumpEdge(NamedTuple):
     """One (edge, worker) of a dump: the first `length` blocks of an edge's (grow-only) arrays."""
 
     tier: Tier
-    worker: Worker
+    worker: WorkerKey
     parent_hash: int | None
     block_hashes: list[int]
     tokens_hashes: array[int]
@@ -53,7 +54,7 @@ def events_of(edges: Iterable[DumpEdge], first_id: int = 0) -> Iterator[RouterEv
 class TierStats:
     blocks: int
     nodes: int
-    workers: dict[Worker, int]
+    workers: dict[WorkerKey, int]
 
 
 def _path_holders(parent: Node, root: Node, inherited: dict[int, tuple[Node, int]]) -> int:
@@ -86,7 +87,7 @@ class KvIndex:
     def apply(self, event: RouterEvent) -> ApplyResult:
         return self.apply_data((event.worker_id, event.dp_rank), event.data)
 
-    def apply_data(self, worker: Worker, data: EventData) -> ApplyResult:
+    def apply_data(self, worker: WorkerKey, data: EventData) -> ApplyResult:
         """One event of `worker`'s, without the RouterEvent around it (engine batches come per worker)."""
         if type(data) is Stored:
             return self._tier(data.tier).store(worker, data.parent_hash, data.block_hashes, data.tokens_hashes)
@@ -120,19 +121,19 @@ class KvIndex:
                 at = after
         return result
 
-    def workers(self) -> list[Worker]:
+    def workers(self) -> list[WorkerKey]:
         seen = dict.fromkeys(self.device.workers())
         for tier in self.lower.values():
             seen.update(dict.fromkeys(tier.workers()))
         return list(seen)
 
-    def hash_mismatches(self) -> dict[Worker, int]:
+    def hash_mismatches(self) -> dict[WorkerKey, int]:
         """Per worker, device blocks stored on token paths indexed under other engine hashes.
 
         The slower tiers have none to report: their edges are keyed by engine hash, not by token path."""
         return dict(self.device.hash_mismatches)
 
-    def hash_agreements(self) -> dict[Worker, int]:
+    def hash_agreements(self) -> dict[WorkerKey, int]:
         """Per worker, device blocks stored on token paths indexed under the same engine hashes."""
         return dict(self.device.hash_agreements)
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvctl.core.index.radix import OK_EMPTY, ApplyResult, Status, Worker
+from kvctl.core.index.radix import OK_EMPTY, ApplyResult, Status
+from kvctl.core.names import WorkerKey, selects
 
 Key = tuple[int | None, int]
 """An edge: (parent engine hash, or None at the root; local hash of the block)."""
@@ -26,7 +27,7 @@ Key = tuple[int | None, int]
 @dataclass(slots=True)
 class _Edge:
     child: int
-    owners: set[Worker] = field(default_factory=set)
+    owners: set[WorkerKey] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +43,9 @@ class LowerTier:
 
     def __init__(self) -> None:
         self._edges: dict[Key, _Edge] = {}
-        self._held: dict[Worker, dict[int, Key]] = {}  # worker -> engine hash -> its edge
+        self._held: dict[WorkerKey, dict[int, Key]] = {}  # worker -> engine hash -> its edge
 
-    def store(self, worker: Worker, parent_hash: int | None, block_hashes: Sequence[int],
+    def store(self, worker: WorkerKey, parent_hash: int | None, block_hashes: Sequence[int],
               tokens_hashes: Sequence[int]) -> ApplyResult:
         held = self._held.setdefault(worker, {})
         edges = self._edges
@@ -67,7 +68,7 @@ class LowerTier:
             del self._held[worker]
         return ApplyResult(Status.ok, stored)
 
-    def remove(self, worker: Worker, block_hashes: Sequence[int]) -> ApplyResult:
+    def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> ApplyResult:
         held = self._held.get(worker, {})
         removed = 0
         for block in block_hashes:
@@ -85,7 +86,7 @@ class LowerTier:
             return ApplyResult(Status.block_not_found, removed, len(block_hashes) - removed)
         return ApplyResult(Status.ok, removed)
 
-    def clear(self, worker: Worker) -> ApplyResult:
+    def clear(self, worker: WorkerKey) -> ApplyResult:
         for key in self._held.pop(worker, {}).values():
             edge = self._edges[key]
             edge.owners.discard(worker)
@@ -94,21 +95,22 @@ class LowerTier:
         return OK_EMPTY
 
     def remove_worker(self, worker_id: int, dp_rank: int | None = None) -> int:
-        gone = [w for w in self._held if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+        gone = [w for w in self._held if selects((worker_id, dp_rank), w)]
         blocks = sum(len(self._held[w]) for w in gone)
         for w in gone:
             self.clear(w)
         return blocks
 
-    def root_workers(self, local_hash: int) -> set[Worker]:
+    def root_workers(self, local_hash: int) -> set[WorkerKey]:
         edge = self._edges.get((None, local_hash))
         return set(edge.owners) if edge is not None else set()
 
-    def extend(self, local_hashes: Sequence[int], start: Mapping[Worker, Continuation]) -> dict[Worker, Continuation]:
+    def extend(self, local_hashes: Sequence[int],
+               start: Mapping[WorkerKey, Continuation]) -> dict[WorkerKey, Continuation]:
         """Every worker's continuation after walking this tier's edges it holds, from where `start` left it."""
         edges = self._edges
         n = len(local_hashes)
-        out: dict[Worker, Continuation] = {}
+        out: dict[WorkerKey, Continuation] = {}
         for worker, at in start.items():
             pos, last = at.pos, at.last_hash
             while pos < n:
@@ -120,13 +122,13 @@ class LowerTier:
             out[worker] = at if pos == at.pos else Continuation(pos, last)
         return out
 
-    def workers(self) -> list[Worker]:
+    def workers(self) -> list[WorkerKey]:
         return list(self._held)
 
-    def size(self, worker: Worker) -> int:
+    def size(self, worker: WorkerKey) -> int:
         return len(self._held.get(worker, ()))
 
-    def sizes(self) -> dict[Worker, int]:
+    def sizes(self) -> dict[WorkerKey, int]:
         return {w: len(held) for w, held in self._held.items()}
 
     @property
@@ -137,7 +139,7 @@ class LowerTier:
     def nodes(self) -> int:
         return len(self._edges)
 
-    def held_edges(self) -> Iterator[tuple[Worker, int | None, int, int]]:
+    def held_edges(self) -> Iterator[tuple[WorkerKey, int | None, int, int]]:
         """Every (worker, parent hash, block hash, local hash) held: what a dump replays, one block a store.
 
         Each worker's blocks are copied as it is reached (in C, ~20 ns a block), so that the iteration may be

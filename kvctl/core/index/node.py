@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
 
-Worker = tuple[int, int]  # (worker_id, dp_rank)
-
 # Bit positions of every byte value: turns a bitmask into slot numbers without a per-bit Python loop.
 _BYTE_BITS: tuple[tuple[int, ...], ...] = tuple(tuple(b for b in range(8) if v >> b & 1) for v in range(256))
 

@@ -30,17 +30,18 @@ from dataclasses import dataclass, field
 from itertools import repeat
 
 from kvctl.core.index import removal
-from kvctl.core.index.node import OK_EMPTY, ApplyResult, Deferred, Node, Status, Worker, iter_bits
+from kvctl.core.index.node import OK_EMPTY, ApplyResult, Deferred, Node, Status, iter_bits
+from kvctl.core.names import WorkerKey, selects
 
-__all__ = ["OK_EMPTY", "ApplyResult", "Matches", "Node", "RadixTree", "Status", "Worker", "iter_bits"]
+__all__ = ["OK_EMPTY", "ApplyResult", "Matches", "Node", "RadixTree", "Status", "iter_bits"]
 
 
 @dataclass(slots=True)
 class Matches:
     """find_matches' answer: contiguous matched depth per worker, and its tree size."""
 
-    scores: dict[Worker, int] = field(default_factory=dict)
-    tree_sizes: dict[Worker, int] = field(default_factory=dict)
+    scores: dict[WorkerKey, int] = field(default_factory=dict)
+    tree_sizes: dict[WorkerKey, int] = field(default_factory=dict)
 
 
 class RadixTree:
@@ -49,14 +50,14 @@ class RadixTree:
     def __init__(self) -> None:
         self.root = Node(array("Q"), [], None, 0)
         self.root.internal = True
-        self._slots: dict[Worker, int] = {}
-        self._workers: list[Worker | None] = []  # slot -> worker key; None once removed
+        self._slots: dict[WorkerKey, int] = {}
+        self._workers: list[WorkerKey | None] = []  # slot -> worker key; None once removed
         self._retired = 0
         # Slots whose lookup once lost track of a node that still carries their bit (a worker that
         # stored one block hash at two places). Dynamo keeps crediting such a node to the
         # worker, even after remove_worker and back, so those slots keep their worker's identity.
         self._shadows: set[int] = set()
-        self._ghosts: dict[Worker, int] = {}  # removed workers whose bits may linger -> their slot
+        self._ghosts: dict[WorkerKey, int] = {}  # removed workers whose bits may linger -> their slot
         self._lookup: list[dict[int, Node] | None] = []  # slot -> engine block hash -> node
         self._deferred: list[Deferred] = []  # slot -> what its lookup still holds of freed nodes: see `remove`
         self._garbage: list[dict[int, Node]] = []  # lookups of workers that let go of everything: see `reclaim`
@@ -64,15 +65,15 @@ class RadixTree:
         # Blocks a worker stored on a token path already indexed under other engine hashes: engines
         # that hash the same tokens differently (Dynamo's "block_hash mismatch"), whose removals then
         # miss and whose blocks other workers' lookups cannot find. Counted since the worker's last clear.
-        self.hash_mismatches: dict[Worker, int] = {}
+        self.hash_mismatches: dict[WorkerKey, int] = {}
         # Blocks a worker stored on a token path already indexed under the same engine hashes: it hashes as
         # some other worker does. A worker with mismatches and no agreements, among workers that agree, is the
         # odd hasher (`kvctl doctor` names it). Counted since the worker's last clear.
-        self.hash_agreements: dict[Worker, int] = {}
+        self.hash_agreements: dict[WorkerKey, int] = {}
 
     # ----- workers -------------------------------------------------------------------------------------
 
-    def _slot(self, worker: Worker) -> int:
+    def _slot(self, worker: WorkerKey) -> int:
         slot = self._slots.get(worker)
         if slot is None:
             slot = self._ghosts.pop(worker, None)
@@ -87,10 +88,10 @@ class RadixTree:
             self._slots[worker] = slot
         return slot
 
-    def workers(self) -> list[Worker]:
+    def workers(self) -> list[WorkerKey]:
         return list(self._slots)
 
-    def size(self, worker: Worker) -> int:
+    def size(self, worker: WorkerKey) -> int:
         slot = self._slots.get(worker)
         return 0 if slot is None else self._held(slot)
 
@@ -98,7 +99,7 @@ class RadixTree:
         """Blocks the slot holds: Dynamo's per-worker lookup size, less the entries kvctl lets go lazily."""
         return len(self._lookup[slot] or ()) - self._deferred[slot].dead
 
-    def sizes(self) -> dict[Worker, int]:
+    def sizes(self) -> dict[WorkerKey, int]:
         return {w: self._held(s) for w, s in self._slots.items()}
 
     @property
@@ -185,7 +186,7 @@ class RadixTree:
 
     # ----- mutation ------------------------------------------------------------------------------------
 
-    def store(self, worker: Worker, parent_hash: int | None, block_hashes: Sequence[int],
+    def store(self, worker: WorkerKey, parent_hash: int | None, block_hashes: Sequence[int],
               tokens_hashes: Sequence[int]) -> ApplyResult:
         slot = self._slot(worker)
         bit = 1 << slot
@@ -396,7 +397,7 @@ class RadixTree:
             node.children = None  # nobody holds the suffix: it is not kept (Dynamo keeps it, dead)
         return suffix
 
-    def remove(self, worker: Worker, block_hashes: Sequence[int]) -> ApplyResult:
+    def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> ApplyResult:
         """Let the worker go of blocks, Dynamo's way; a node nobody holds any more is freed (`removal.remove`)."""
         return removal.remove(self, worker, block_hashes)
 
@@ -429,7 +430,7 @@ class RadixTree:
                         parent.children = None
                 node.parent = None
 
-    def clear(self, worker: Worker) -> ApplyResult:
+    def clear(self, worker: WorkerKey) -> ApplyResult:
         """Drop every block of one (worker_id, dp_rank); the worker stays known (Dynamo's Cleared)."""
         slot = self._slots.get(worker)
         if slot is None:
@@ -444,7 +445,7 @@ class RadixTree:
 
     def remove_worker(self, worker_id: int, dp_rank: int | None = None) -> int:
         """Forget a worker (all its dp ranks, or one); returns the blocks it held. O(its blocks)."""
-        gone = [w for w in self._slots if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+        gone = [w for w in self._slots if selects((worker_id, dp_rank), w)]
         total = 0
         for w in gone:
             self.hash_mismatches.pop(w, None)
@@ -517,7 +518,7 @@ class RadixTree:
                 tail = node.hashes[-1]
                 queue.extend((c, tail) for c in node.children.values())
 
-    def worker_of(self, slot: int) -> Worker:
+    def worker_of(self, slot: int) -> WorkerKey:
         worker = self._workers[slot]
         assert worker is not None
         return worker

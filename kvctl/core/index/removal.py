@@ -13,7 +13,8 @@ from itertools import repeat
 from operator import is_
 from typing import TYPE_CHECKING
 
-from kvctl.core.index.node import ApplyResult, Deferred, Node, Status, Worker
+from kvctl.core.index.node import ApplyResult, Deferred, Node, Status
+from kvctl.core.names import WorkerKey
 
 if TYPE_CHECKING:
     from kvctl.core.index.radix import RadixTree
@@ -26,7 +27,7 @@ dead ones, before `remove` pops dead ones itself instead of leaving them to `rec
 _RELEASED = array("Q")
 
 
-def remove(tree: RadixTree, worker: Worker, block_hashes: Sequence[int]) -> ApplyResult:
+def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> ApplyResult:
     """Let the worker go of blocks, Dynamo's way; a node nobody holds any more is freed.
 
     Most removals free the node they empty (engines evict whole requests, leaf first). Popping each

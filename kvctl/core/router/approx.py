@@ -37,13 +37,14 @@ from dataclasses import dataclass
 from itertools import count
 
 from kvctl.core.events import Removed, RouterEvent, Stored
-from kvctl.core.index import IndexMatches, KvIndex, Worker
+from kvctl.core.index import IndexMatches, KvIndex
+from kvctl.core.names import WorkerKey, selects
 
 HEAP_REBUILD_FACTOR = 50
 """Rebuild the heap when it holds more than this many block entries per live timer (Dynamo's threshold)."""
 
 # One recorded request in the heap: (expiry, tie-break counter, (worker, sequence hashes, their positions)).
-_Batch = tuple[Worker, list[int], Sequence[int]]
+_Batch = tuple[WorkerKey, list[int], Sequence[int]]
 _HeapItem = tuple[float, int, _Batch]
 
 
@@ -90,7 +91,7 @@ class ApproxIndexer:
         self.config = config if config is not None else ApproxConfig()
         self._index = KvIndex()
         self._tree = self._index.device
-        self._timers: dict[Worker, dict[tuple[int, int], float]] = {}  # worker -> (seq hash, position) -> expiry
+        self._timers: dict[WorkerKey, dict[tuple[int, int], float]] = {}  # worker -> (seq hash, position) -> expiry
         self._live = 0  # timers over all workers
         self._heap: list[_HeapItem] = []
         self._heap_blocks = 0  # block entries over all heap items, live and stale
@@ -108,7 +109,7 @@ class ApproxIndexer:
 
     # ----- writes --------------------------------------------------------------------------------------
 
-    def record(self, worker: Worker, local_hashes: Sequence[int], sequence_hashes: Sequence[int], now: float) -> int:
+    def record(self, worker: WorkerKey, local_hashes: Sequence[int], sequence_hashes: Sequence[int], now: float) -> int:
         """Assume `worker` now caches this request's blocks; returns the (worker, block) pairs the cap pruned.
 
         Every block's timer is set (or refreshed) to `now + ttl`. An empty request changes nothing.
@@ -154,7 +155,7 @@ class ApproxIndexer:
 
     def remove_worker(self, worker_id: int, dp_rank: int | None = None) -> int:
         """Forget a worker (all its dp ranks, or one) and its timers; returns the blocks it held."""
-        for worker in [w for w in self._timers if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]:
+        for worker in [w for w in self._timers if selects((worker_id, dp_rank), w)]:
             self._live -= len(self._timers.pop(worker))
         self._maybe_rebuild()
         return self._index.remove_worker(worker_id, dp_rank)
@@ -199,7 +200,7 @@ class ApproxIndexer:
         """
         heap = self._heap
         pop = heapq.heappop
-        fired: dict[Worker, list[int]] = {}
+        fired: dict[WorkerKey, list[int]] = {}
         n = 0
         while heap and heap[0][0] <= until and n < budget:
             expiry = heap[0][0]
@@ -226,7 +227,7 @@ class ApproxIndexer:
             self._index.apply(RouterEvent(worker_id, Removed(keys), dp_rank, self._event_id))
         self._maybe_rebuild()
 
-    def _take(self, worker: Worker, key: int, pos: int, expiry: float) -> bool:
+    def _take(self, worker: WorkerKey, key: int, pos: int, expiry: float) -> bool:
         """Drop one due block's timer if it is still this one (not refreshed since, nor its worker removed)."""
         timers = self._timers.get(worker)
         if timers is None or timers.get((key, pos)) != expiry:
@@ -249,7 +250,7 @@ class ApproxIndexer:
         """
         if self._heap_blocks <= HEAP_REBUILD_FACTOR * self._live:
             return
-        groups: dict[tuple[Worker, float], tuple[list[int], list[int]]] = {}
+        groups: dict[tuple[WorkerKey, float], tuple[list[int], list[int]]] = {}
         for worker, timers in self._timers.items():
             for (key, pos), expiry in timers.items():
                 keys, positions = groups.setdefault((worker, expiry), ([], []))

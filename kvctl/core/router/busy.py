@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.words import counted
-
-Worker = tuple[int, int]  # (worker_id, dp_rank)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 10_000_000
 """Used when a worker reports no max_num_batched_tokens (Dynamo's DEFAULT_MAX_TOKENS): high enough
@@ -235,9 +234,9 @@ class BusyTracker:
     """
 
     def __init__(self) -> None:
-        self._kv_used: dict[Worker, int] = {}
+        self._kv_used: dict[WorkerKey, int] = {}
 
-    def update(self, worker: Worker, load: WorkerLoad, thresholds: Thresholds) -> RankBusy:
+    def update(self, worker: WorkerKey, load: WorkerLoad, thresholds: Thresholds) -> RankBusy:
         """Record `load` for the rank and judge it: busy if any check trips (Dynamo's OR across checks)."""
         if load.kv_used_blocks is not None:
             self._kv_used[worker] = load.kv_used_blocks
@@ -248,7 +247,7 @@ class BusyTracker:
         for worker in [worker for worker in self._kv_used if worker[0] == worker_id]:
             del self._kv_used[worker]
 
-    def _decode_reasons(self, worker: Worker, load: WorkerLoad, thresholds: Thresholds) -> list[BusyReason]:
+    def _decode_reasons(self, worker: WorkerKey, load: WorkerLoad, thresholds: Thresholds) -> list[BusyReason]:
         threshold = thresholds.active_decode_blocks_threshold
         total = load.total_blocks
         if threshold is None or not total:
@@ -262,7 +261,7 @@ class BusyTracker:
         return [BusyReason(signal, used / total, threshold) for signal, used in signals if used > threshold * total]
 
 
-def worker_busy(ranks: Mapping[Worker, RankBusy]) -> dict[int, bool]:
+def worker_busy(ranks: Mapping[WorkerKey, RankBusy]) -> dict[int, bool]:
     """Busy per worker id: a worker is busy only when ALL its dp ranks are (one free rank can serve).
 
     A rank absent from `ranks` counts for nothing: callers pass every rank they know, free or not.
@@ -280,14 +279,14 @@ class AllBusy(Exception):
     model's thresholds and how to change them, since an operator meeting a 503 needs all three.
     """
 
-    def __init__(self, model: str, thresholds: Thresholds, tripped: Mapping[Worker, tuple[BusyReason, ...]]) -> None:
+    def __init__(self, model: str, thresholds: Thresholds, tripped: Mapping[WorkerKey, tuple[BusyReason, ...]]) -> None:
         self.model = model
         self.thresholds = thresholds
         self.tripped = dict(sorted(tripped.items()))
         workers = len({worker_id for worker_id, _ in self.tripped})
         loads = ", ".join(
-            f"{reason} on {worker_id}:{dp_rank}"
-            for (worker_id, dp_rank), reasons in self.tripped.items()
+            f"{reason} on {format_worker(worker)}"
+            for worker, reasons in self.tripped.items()
             for reason in reasons
         )
         values = {name: getattr(thresholds, name) for name in THRESHOLD_FIELDS}
@@ -300,7 +299,7 @@ class AllBusy(Exception):
         )
 
 
-def check_admission(model: str, ranks: Mapping[Worker, RankBusy], thresholds: Thresholds) -> None:
+def check_admission(model: str, ranks: Mapping[WorkerKey, RankBusy], thresholds: Thresholds) -> None:
     """Raise AllBusy when the model has workers and every one of them is busy; otherwise admit.
 
     A model with no workers is not refused here: that is a different failure (nothing to route to).

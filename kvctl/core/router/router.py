@@ -11,11 +11,10 @@ from collections.abc import Mapping, Sequence
 
 from kvctl.core.hashing import packed_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
+from kvctl.core.names import WorkerKey
 from kvctl.core.router.approx import ApproxIndexer
 from kvctl.core.router.scoring import Decision, RouterConfig, booked_prefill_tokens, decide, score
 from kvctl.core.router.sequences import ActiveSequences
-
-Worker = tuple[int, int]
 
 
 class Router:
@@ -36,7 +35,7 @@ class Router:
 
     def route(
         self,
-        candidates: Sequence[Worker],
+        candidates: Sequence[WorkerKey],
         *,
         token_ids: Sequence[int] | None = None,
         local_hashes: Sequence[int] | None = None,
@@ -44,7 +43,7 @@ class Router:
         request_id: str | None = None,
         reserve: bool = False,
         overrides: Mapping[str, float | bool | None] | None = None,
-        busy: Mapping[Worker, bool] | None = None,
+        busy: Mapping[WorkerKey, bool] | None = None,
         now: float = 0.0,
     ) -> Decision:
         """Choose a worker for a prompt given as token ids or as Dynamo local hashes (then ISL = blocks x B).

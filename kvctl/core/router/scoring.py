@@ -32,9 +32,8 @@ from typing import Any
 
 from kvctl.core.events import Tier
 from kvctl.core.index import IndexMatches
+from kvctl.core.names import WorkerKey
 from kvctl.core.router.sequences import Load, LoadView
-
-Worker = tuple[int, int]
 
 CREDITED_TIERS = (Tier.device, Tier.host_pinned, Tier.disk, Tier.external)
 """The tiers the cost function credits; external blocks earn the disk weight (Dynamo counts them as disk)."""
@@ -113,7 +112,7 @@ class RouterConfig:
 class Candidate:
     """One row of the explanation: every number that went into a candidate's logit."""
 
-    worker: Worker
+    worker: WorkerKey
     overlap_blocks: int
     overlap_by_tier: Mapping[Tier, int]
     credit_by_tier: Mapping[Tier, float]
@@ -151,7 +150,7 @@ class Candidate:
 class Scores:
     """Every candidate's numbers as columns: cheap to compute for every request, rows only on demand."""
 
-    workers: Sequence[Worker]
+    workers: Sequence[WorkerKey]
     overlap: list[int]
     host: list[int]
     disk: list[int]  # external blocks included
@@ -164,7 +163,7 @@ class Scores:
     requests: list[int]
     logit: list[float]
     busy: list[bool]
-    by_tier: Mapping[Tier, Mapping[Worker, int]]
+    by_tier: Mapping[Tier, Mapping[WorkerKey, int]]
     config: RouterConfig
 
     def rows(self) -> list[Candidate]:
@@ -187,7 +186,7 @@ class Scores:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    worker: Worker
+    worker: WorkerKey
     overlap_blocks: int
     effective_overlap: float
     required_blocks: int
@@ -209,15 +208,15 @@ def booked_prefill_tokens(isl_tokens: int, effective_overlap: float, block_size:
 
 
 def score(
-    candidates: Sequence[Worker],
+    candidates: Sequence[WorkerKey],
     matches: IndexMatches,
-    loads: Mapping[Worker, LoadView],
-    new_blocks: Callable[[Worker], int] | int,
+    loads: Mapping[WorkerKey, LoadView],
+    new_blocks: Callable[[WorkerKey], int] | int,
     *,
     isl_tokens: int,
     block_size: int,
     config: RouterConfig,
-    busy: Mapping[Worker, bool] | None = None,
+    busy: Mapping[WorkerKey, bool] | None = None,
 ) -> Scores:
     """Price every candidate, matched or not. `loads` may omit idle workers; `new_blocks(w)` is the
     number of the prompt's full blocks not already among w's in-flight blocks (an int: the same for all)."""
@@ -257,8 +256,8 @@ def score(
                   [bool(busy.get(w)) for w in candidates] if busy else [False] * n, by_tier, config)
 
 
-def _priced(candidates: Sequence[Worker], overlap: list[int], host: list[int], disk: list[int],
-            loads: Mapping[Worker, LoadView], new_blocks: Callable[[Worker], int] | int, config: RouterConfig,
+def _priced(candidates: Sequence[WorkerKey], overlap: list[int], host: list[int], disk: list[int],
+            loads: Mapping[WorkerKey, LoadView], new_blocks: Callable[[WorkerKey], int] | int, config: RouterConfig,
             isl_tokens: int, block_size: int) -> tuple[list[float], list[float], list[float], list[int], list[int],
                                                        list[float]]:
     """`score`'s columns with requests in flight: decay, raw prefill, prefill, decode, requests, logit."""

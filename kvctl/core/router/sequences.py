@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-Worker = tuple[int, int]
+from kvctl.core.names import WorkerKey
 
 EXPIRY_S = 300.0
 """Requests older than this are force-freed (Dynamo's EXPIRY_DURATION): their free was lost."""
@@ -22,7 +22,7 @@ EXPIRY_S = 300.0
 @dataclass(slots=True)
 class ActiveRequest:
     request_id: str
-    worker: Worker
+    worker: WorkerKey
     block_hashes: tuple[int, ...]  # the prompt's sequence hashes
     prefill_tokens: int
     added_at: float
@@ -67,10 +67,10 @@ class ActiveSequences:
             raise ValueError(f"expiry_s must be > 0, got {expiry_s}")
         self.expiry_s = expiry_s
         self._requests: dict[str, ActiveRequest] = {}
-        self._workers: dict[Worker, _WorkerState] = {}
+        self._workers: dict[WorkerKey, _WorkerState] = {}
         self.blocks = 0  # prompt blocks of the requests in flight, shared ones counted each time: what they hold
 
-    def add(self, request_id: str, worker: Worker, block_hashes: Sequence[int], prefill_tokens: int,
+    def add(self, request_id: str, worker: WorkerKey, block_hashes: Sequence[int], prefill_tokens: int,
             now: float, overlap_blocks: int = 0) -> bool:
         """Track a routed request; False (and nothing changes) when the id is already in flight."""
         if request_id in self._requests:
@@ -136,17 +136,17 @@ class ActiveSequences:
             self.free(rid)
         return gone
 
-    def load(self, worker: Worker) -> Load:
+    def load(self, worker: WorkerKey) -> Load:
         state = self._workers.get(worker)
         if state is None:
             return Load()
         return Load(len(state.refcounts), state.active_prefill_tokens, state.requests)
 
-    def loads(self) -> Mapping[Worker, LoadView]:
+    def loads(self) -> Mapping[WorkerKey, LoadView]:
         """Live view of every worker with requests in flight (idle workers are absent)."""
         return MappingProxyType(self._workers)
 
-    def new_prompt_blocks(self, worker: Worker, block_hashes: Sequence[int]) -> int:
+    def new_prompt_blocks(self, worker: WorkerKey, block_hashes: Sequence[int]) -> int:
         """Blocks of a prompt that would add decode load on `worker`: all but the prefix it already runs."""
         state = self._workers.get(worker)
         if state is None:
@@ -162,7 +162,7 @@ class ActiveSequences:
     def get(self, request_id: str) -> ActiveRequest | None:
         return self._requests.get(request_id)
 
-    def requests(self, worker: Worker | None = None) -> Iterable[ActiveRequest]:
+    def requests(self, worker: WorkerKey | None = None) -> Iterable[ActiveRequest]:
         return [r for r in self._requests.values() if worker is None or r.worker == worker]
 
     def __len__(self) -> int:

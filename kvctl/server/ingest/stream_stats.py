@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvctl.core.names import WorkerKey
 from kvctl.server.ingest.schema_seen import SchemaSeen
-
-WorkerKey = tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from typing import Any
 import zmq.asyncio
 
 from kvctl.core.events import Cleared, EventData
+from kvctl.core.names import WorkerKey, format_worker, selects
 from kvctl.core.words import counted
 from kvctl.runtime import BurstTrimmer
 from kvctl.server.budget import SLICE_S
@@ -27,8 +28,7 @@ from kvctl.server.plane.tasks import error_text
 from kvctl.server.state import Fleet, WorkerInfo
 
 log = logging.getLogger("kvctl.serve")
-Worker = tuple[int, int]
-_NOBODY: Worker = (0, 0)  # the worker of an empty batch (a marker): applying it touches nothing
+_NOBODY: WorkerKey = (0, 0)  # the worker of an empty batch (a marker): applying it touches nothing
 
 
 RESTART_MIN_S = 0.5
@@ -52,7 +52,7 @@ class ModelWriter:
                  ) -> None:
         self.fleet = fleet
         self.model = model
-        self.queue: asyncio.Queue[tuple[Worker, list[EventData], Callable[[], None] | None]] = asyncio.Queue(maxsize)
+        self.queue: asyncio.Queue[tuple[WorkerKey, list[EventData], Callable[[], None] | None]] = asyncio.Queue(maxsize)
         self.dropped_batches = 0
         self.dropped_events = 0
         self._decoder: Decoder = InlineDecoder() if decoder is None else decoder
@@ -78,7 +78,7 @@ class ModelWriter:
             self._has_room.clear()
             await self._has_room.wait()
 
-    def put(self, worker: Worker, events: list[EventData]) -> bool:
+    def put(self, worker: WorkerKey, events: list[EventData]) -> bool:
         """Queue a batch; False when the queue was full and it was dropped (and counted)."""
         try:
             self.queue.put_nowait((worker, events, None))
@@ -88,7 +88,7 @@ class ModelWriter:
             return False
         return True
 
-    async def put_wait(self, worker: Worker, events: list[EventData]) -> None:
+    async def put_wait(self, worker: WorkerKey, events: list[EventData]) -> None:
         """Queue a batch, waiting for room: for durable sources, which must not drop."""
         await self.queue.put((worker, events, None))
 
@@ -117,7 +117,7 @@ class ModelWriter:
             if not self._decoder.in_flight:
                 self._trimmer.idle()
 
-    def _apply(self, worker: Worker, events: list[EventData], on_applied: Callable[[], None] | None) -> None:
+    def _apply(self, worker: WorkerKey, events: list[EventData], on_applied: Callable[[], None] | None) -> None:
         self.fleet.apply_engine_batch(self.model, worker, events, time.monotonic())
         if on_applied is not None:
             on_applied()
@@ -176,10 +176,10 @@ class Streams:
         self.decoder: Decoder = InlineDecoder() if decoder is None else decoder
         self.context = context
         self.restart_min_s = restart_min_s
-        self._running: dict[Worker, _Source] = {}
+        self._running: dict[WorkerKey, _Source] = {}
         self.writers: dict[str, ModelWriter] = {}
-        self._rates: dict[Worker, float] = {}  # events/s over the last sampling interval
-        self._last_sample: dict[Worker, tuple[float, int]] = {}
+        self._rates: dict[WorkerKey, float] = {}  # events/s over the last sampling interval
+        self._last_sample: dict[WorkerKey, tuple[float, int]] = {}
 
     def writer(self, model: str) -> ModelWriter:
         writer = self.writers.get(model)
@@ -203,14 +203,14 @@ class Streams:
             return False
         if not self.admit(info):
             assert self.max_engines is not None  # only a limit refuses
-            log.error("engine %s:%s at %s not followed: %s already (--max-engines)", *info.key,
+            log.error("engine %s at %s not followed: %s already (--max-engines)", format_worker(info.key),
                       info.endpoint, counted(self.max_engines, "engine"))
             return False
         model = info.model
         writer = self.writer(model)
 
-        def on_restart(worker: Worker) -> None:
-            log.warning("engine %s:%s restarted (its seq went back): clearing its blocks", *worker)
+        def on_restart(worker: WorkerKey) -> None:
+            log.warning("engine %s restarted (its seq went back): clearing its blocks", format_worker(worker))
             writer.put(worker, [Cleared()])  # in order with the batches already queued
 
         stream = EngineStream(worker=info.key, endpoint=info.endpoint, replay_endpoint=info.replay_endpoint,
@@ -239,7 +239,7 @@ class Streams:
 
     async def stop(self, worker_id: int, dp_rank: int | None = None) -> int:
         """Stop a worker's streams; returns once what they had received is in the index."""
-        keys = [k for k in self._running if k[0] == worker_id and (dp_rank is None or k[1] == dp_rank)]
+        keys = [k for k in self._running if selects((worker_id, dp_rank), k)]
         for key in keys:
             source = self._running.pop(key)
             self._rates.pop(key, None)

@@ -57,11 +57,12 @@ from kvctl.core.events import (
     live_seq,
 )
 from kvctl.core.events.publishers import Order, Sequence
+from kvctl.core.names import WorkerKey, format_worker
 from kvctl.server.budget import SLICE_S
 from kvctl.server.ingest.decode_process.parent import Backpressure, Decoder, InlineDecoder, NeverFull, Subscription
 from kvctl.server.ingest.gap_log import GapLog
 from kvctl.server.ingest.schema_seen import Schema, SchemaSeen, sampled
-from kvctl.server.ingest.stream_stats import StreamStats, WorkerKey
+from kvctl.server.ingest.stream_stats import StreamStats
 
 __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
 
@@ -587,7 +588,7 @@ class EngineStream:
         self._decode_errors[label] = self._decode_errors.get(label, 0) + 1
 
     def _name(self) -> str:
-        return f"engine stream {self.worker[0]}:{self.worker[1]} ({self.endpoint})"
+        return f"engine stream {format_worker(self.worker)} ({self.endpoint})"
 
 
 def _current_task() -> asyncio.Task[Any] | None:

@@ -36,13 +36,13 @@ from kvctl.core.events.plane import (
 )
 from kvctl.core.events.publishers import Order, Publisher, PublisherBook, Sequence
 from kvctl.core.events.request_plane import Recovered
+from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.server.ingest.streams import ModelWriter
 from kvctl.server.plane.recovery import Recovery
 from kvctl.server.state import ADD, Fleet
 
 log = logging.getLogger("kvctl.serve")
-Worker = tuple[int, int]
 
 Handler = Callable[[bytes, Order, Publisher, float], Awaitable[None]]
 
@@ -83,9 +83,9 @@ class PlaneIngest:
         self.counts: Counter[str] = Counter()  # messages, events, lost_events, restarts, load_reports, ...
         self.errors: Counter[str] = Counter()  # decode errors by kind
         self.topics: Counter[str] = Counter()  # messages received, by topic
-        self.cursors: dict[Worker, _Cursor] = {}
+        self.cursors: dict[WorkerKey, _Cursor] = {}
         self.publishers = PublisherBook()
-        self.endpoints: dict[Worker, tuple[str, str]] = {}  # (component, endpoint) each worker publishes under
+        self.endpoints: dict[WorkerKey, tuple[str, str]] = {}  # (component, endpoint) each worker publishes under
         self.recovery: Recovery | None = None  # the ZMQ plane's: holds a worker's live events while it is recovered
         self._handlers: dict[str, Handler] = {KV_EVENTS: self._on_kv_events, KV_METRICS: self._on_load,
                                               ACTIVE_SEQUENCES: self._on_sequence, FORWARD_PASS: self._on_forward_pass}
@@ -113,7 +113,7 @@ class PlaneIngest:
                         publisher.publisher_id, topic, component, endpoint, envelope.sequence)
         await handler(envelope.payload, order, publisher, now)
 
-    def _spoke_for(self, publisher: Publisher, worker: Worker) -> None:
+    def _spoke_for(self, publisher: Publisher, worker: WorkerKey) -> None:
         publisher.workers.add(worker)
         self.endpoints[worker] = (publisher.component, publisher.endpoint)
 
@@ -139,15 +139,15 @@ class PlaneIngest:
             # Wait for room rather than drop: the transport's own buffer holds the backlog meanwhile.
             await self.writer.put_wait(worker, self._in_order(event, order, publisher.publisher_id))
 
-    def _cursor(self, worker: Worker, *, redelivered: bool = False) -> _Cursor:
+    def _cursor(self, worker: WorkerKey, *, redelivered: bool = False) -> _Cursor:
         cursor = self.cursors.get(worker)
         if cursor is None:
             cursor = self.cursors[worker] = _Cursor(redelivered)
         return cursor
 
-    def _restarted(self, worker: Worker, event: RouterEvent, last: int | None) -> list[EventData]:
+    def _restarted(self, worker: WorkerKey, event: RouterEvent, last: int | None) -> list[EventData]:
         self.counts["restarts"] += 1
-        log.warning("event plane: worker %s:%s restarted (event id %d after %s): clearing it", *worker,
+        log.warning("event plane: worker %s restarted (event id %d after %s): clearing it", format_worker(worker),
                     event.event_id, last)
         return [Cleared(), event.data]
 
@@ -176,7 +176,7 @@ class PlaneIngest:
         self._count(ids, last, got)
         return [event.data]
 
-    async def apply_recovered(self, worker: Worker, recovered: Recovered, held: list[tuple[RouterEvent, Order, int]]
+    async def apply_recovered(self, worker: WorkerKey, recovered: Recovered, held: list[tuple[RouterEvent, Order, int]]
                               ) -> None:
         """A worker's recovered events, then the live ones held meanwhile: a tree dump replaces the worker's
         index; events (a gap's) are applied past its last event id; held events the answer already holds (ids

@@ -48,6 +48,7 @@ from kvctl.core.events.plane import (
     encode_sequence_event,
 )
 from kvctl.core.index.kv_index import events_of
+from kvctl.core.names import DEFAULT_MODEL
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
 from kvctl.nats_barrier import barrier
@@ -58,7 +59,6 @@ from kvctl.server.plane.tasks import PlaneTasks, error_text
 from kvctl.server.state import Fleet
 
 log = logging.getLogger("kvctl.serve")
-Worker = tuple[int, int]
 
 STREAM_MAX_AGE_S = 3600.0  # Dynamo's default retention (DYN_NATS_STREAM_MAX_AGE)
 CONSUMER_INACTIVE_S = 300.0  # Dynamo's inactive_threshold: consumers of routers that are gone go away
@@ -78,7 +78,7 @@ class NatsOptions:
     namespace: str = "dynamo"
     component: str | None = None  # None: every component of the namespace
     endpoint: str | None = None  # None: every endpoint
-    model: str = "default"
+    model: str = DEFAULT_MODEL
     router_id: int = 0
     shadow: bool = False
     jetstream: bool = False

@@ -40,12 +40,12 @@ from kvctl.core.events.request_plane import (
     parse_event_source,
 )
 from kvctl.core.events.types import RouterEvent
+from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.words import counted
 
 log = logging.getLogger("kvctl.serve")
-Worker = tuple[int, int]
 Held = tuple[RouterEvent, Order, int]  # a live event, its order, its publisher id
-Apply = Callable[[Worker, Recovered, list[Held]], Awaitable[None]]
+Apply = Callable[[WorkerKey, Recovered, list[Held]], Awaitable[None]]
 
 RECOVERY_TIMEOUT_S = 30.0
 """How long one query may take, the worker's connection back included (a large worker's dump is a few MiB)."""
@@ -159,7 +159,7 @@ class Recovery:
         """`counts`: the plane's (status and /metrics show them), counted under `recovery_*` names."""
         self.client = client
         self._apply = apply
-        self.workers: dict[Worker, _Worker] = {}
+        self.workers: dict[WorkerKey, _Worker] = {}
         self.counts = counts
         self.record_errors: Counter[str] = Counter()
         self._seen: dict[str, bytes] = {}
@@ -200,7 +200,7 @@ class Recovery:
             return True
         return False
 
-    def forget(self, worker: Worker) -> None:
+    def forget(self, worker: WorkerKey) -> None:
         known = self.workers.pop(worker, None)
         if known is not None and known.task is not None:
             known.task.cancel()
@@ -234,18 +234,19 @@ class Recovery:
             where = target.address if target.transport == "tcp" else target.transport
             entry.state, entry.reason = "partial", f"recovery from {where} failed: {why}"
             self.counts["recovery_failures"] += 1
-            log.warning("recovery: worker %d:%d: %s; following its live events only", *target.worker, entry.reason)
+            log.warning("recovery: worker %s: %s; following its live events only", format_worker(target.worker),
+                        entry.reason)
         else:
             entry.state, entry.events, entry.last_event_id = "recovered", len(recovered.events), recovered.last_event_id
             self.counts["recovered_workers"] += 1
             self.counts["recovery_decode_errors"] += len(recovered.errors)
-            log.info("recovery: worker %d:%d: %s up to event id %d from %s in %.3f s", *target.worker,
+            log.info("recovery: worker %s: %s up to event id %d from %s in %.3f s", format_worker(target.worker),
                      counted(len(recovered.events), "event"), recovered.last_event_id, target.address,
                      time.monotonic() - started)
         held, entry.held = entry.held, []
         await self._apply(target.worker, recovered, held)
 
-    def state(self, worker: Worker) -> dict[str, Any] | None:
+    def state(self, worker: WorkerKey) -> dict[str, Any] | None:
         known = self.workers.get(worker)
         return None if known is None else known.row()
 

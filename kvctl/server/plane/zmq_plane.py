@@ -38,6 +38,7 @@ from kvctl.core.events.errors import DecodeError, ErrorKind
 from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, TOPICS
 from kvctl.core.events.request_plane import namespace_sources_prefix
 from kvctl.core.events.zmq_wire import decode_zmq_message
+from kvctl.core.names import DEFAULT_MODEL, WorkerKey, format_worker
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
 from kvctl.server.ingest.fd_limits import sized
@@ -67,7 +68,7 @@ class ZmqOptions:
     namespace: str = "dynamo"
     component: str | None = None  # None: every component of the namespace
     endpoint: str | None = None  # None: every endpoint
-    model: str = "default"
+    model: str = DEFAULT_MODEL
     router_id: int = 0
     replica_sync: bool = False  # take peers' in-flight requests and, unless shadow, share this router's own
     shadow: bool = False  # only read: register and publish nothing
@@ -276,7 +277,7 @@ class ZmqPlane(PlaneTasks):
         goes: a stopped worker (and a restarted one, a new identity) must not keep its blocks in the index."""
         book = self.ingest.publishers.publishers
 
-        def spoken(links: list[_Link]) -> set[tuple[int, int]]:
+        def spoken(links: list[_Link]) -> set[WorkerKey]:
             return {w for link in links for pid in link.publisher_ids if pid in book for w in book[pid].workers}
 
         staying = [link for link in self.links.values() if link not in going]
@@ -284,12 +285,12 @@ class ZmqPlane(PlaneTasks):
         if not orphans:
             return
         await self.writer.applied()  # what it sent before it went is in the index: then remove it all
-        for worker_id, dp_rank in orphans:
+        for worker in orphans:
             with contextlib.suppress(UnknownWorker):
-                removed = self.fleet.unregister(worker_id, dp_rank)
-                self.recovery.forget((worker_id, dp_rank))
+                removed = self.fleet.unregister(*worker)
+                self.recovery.forget(worker)
                 self.counts["workers_removed"] += 1
-                log.warning("event plane: worker %d:%d gone from discovery: removed (%s)", worker_id, dp_rank,
+                log.warning("event plane: worker %s gone from discovery: removed (%s)", format_worker(worker),
                             counted(removed["blocks"], "block"))
 
     # ----- sockets ------------------------------------------------------------------------------------
