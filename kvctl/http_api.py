@@ -185,8 +185,8 @@ class Freed(Struct):
 class Reported(Struct):
     """A worker's load as it reported it on an event plane."""
 
-    active_decode_blocks: int
-    active_prefill_tokens: int
+    active_decode_blocks: int | None
+    active_prefill_tokens: int | None
     kv_used_blocks: int | None
     age_s: float
 

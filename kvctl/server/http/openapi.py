@@ -110,6 +110,13 @@ TREE = {"application/json": {"schema": {"type": "array", "items": ref("RouterEve
         "application/x-ndjson": {"schema": {"type": "string", "description": "one RouterEvent per line"}}}
 
 
+def body_of(kind: type, *, required: bool = True) -> dict[str, Any]:
+    """The `requestBody` of an operation whose body is `kind` (a Struct of `kvctl.http_api`)."""
+    _, components = msgspec.json.schema_components([kind], ref_template=_REF)
+    schema = components[kind.__name__]
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
+
+
 def replies(*errors: int, ok: dict[str, Any] | None = None, status: int = 200,
             content: dict[str, Any] | None = None) -> dict[int | str, dict[str, Any]]:
     """The `responses` of a route: its success body (`ok`, a JSON schema, or `content` by media type) and the
