@@ -25,7 +25,7 @@ from kvctl.core.names import parse_worker as parse_worker
 _U32_MAX = 2**32 - 1
 
 U32 = Annotated[int, Meta(ge=0, le=MAX_DP_RANK)]
-U64 = Annotated[int, Meta(ge=0)]
+U64 = Annotated[int, Meta(ge=0, extra_json_schema={"maximum": MAX_WORKER_ID})]
 """A u64 (hashes, worker ids): msgspec's bounds stop at int64, so the upper one (`MAX_WORKER_ID`) is checked
 where one is read (`over_u64`)."""
 Count = Annotated[int, Meta(ge=0)]

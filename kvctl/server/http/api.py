@@ -48,7 +48,7 @@ from kvctl.server.http.bodies import (
     read_route_body,
 )
 from kvctl.server.http.metrics import Metrics, Plane
-from kvctl.server.http.openapi import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE, body_of, complete, ref, replies
+from kvctl.server.http.openapi import document
 from kvctl.server.http.route_protocol import Connections, missing_internals, route_protocol
 from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.ingest.streams import Streams
@@ -333,7 +333,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
 
     started = clock()
 
-    @app.get("/v1/status", responses=replies(ok={"type": "object", "required": ["version", "models"]}))
+    @app.get("/v1/status")
     async def status() -> Response:
         return _json(api.Status(
             version=__version__, native_speedups=native.IMPLEMENTATION, uptime_s=round(clock() - started, 3),
@@ -346,12 +346,11 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             connections=api.ConnectionStats(**dataclasses.asdict(metrics.connections)),
             limits=api.Limits(**dataclasses.asdict(fleet.limits), refused=dict(fleet.over_limit))))
 
-    @app.get("/healthz", responses=replies(ok={"type": "object", "required": ["status", "version"]}))
+    @app.get("/healthz")
     async def healthz() -> Response:
         return _json(api.Health("ok", __version__))
 
-    @app.get("/v1/workers", responses=replies(ok={"type": "object", "required": ["workers"], "properties": {
-        "workers": {"type": "array", "items": ref("Worker")}}}))
+    @app.get("/v1/workers")
     async def list_workers() -> Response:
         rows = fleet.worker_rows(clock())
         if plane is not None:  # where each worker's events come from on the event plane
@@ -362,8 +361,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                     k: v for k, v in source.items() if k not in ("worker_id", "dp_rank")}
         return _json(api.Workers(rows))
 
-    @app.post("/v1/workers", status_code=201, responses=replies(400, 409, 422, ok=ref("Worker"), status=201),
-              openapi_extra=body_of(api.WorkerBody))
+    @app.post("/v1/workers", status_code=201)
     async def register_worker(request: Request) -> Response:
         body = decode_body(await request.body(), api.WorkerBody)
         for name in ("endpoint", "replay_endpoint"):
@@ -385,7 +383,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         row = next(r for r in fleet.worker_rows(clock()) if (r.worker_id, r.dp_rank) == info.key)
         return _json(row, 201)
 
-    @app.delete("/v1/workers/{worker_id}", responses=replies(404, 422, ok={"type": "object", "required": ["removed"]}))
+    @app.delete("/v1/workers/{worker_id}")
     async def remove_worker(worker_id: int, dp_rank: int | None = None) -> Response:
         try:
             fleet.check_worker(worker_id, dp_rank)
@@ -397,8 +395,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         except UnknownWorker:
             return _error(404, f"unknown worker {worker_id}" + ("" if dp_rank is None else f":{dp_rank}"))
 
-    @app.post("/v1/events", responses=replies(400, 404, 409, 422, ok=EVENTS_APPLIED),
-              openapi_extra={"requestBody": EVENTS_BODY})
+    @app.post("/v1/events")
     async def post_events(request: Request, model: str = DEFAULT_MODEL) -> Response:
         if fleet.approx is not None:
             return _error(409, "this router runs in approximate mode: it indexes its own routing decisions, "
@@ -420,8 +417,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             rejected[kind] = rejected.get(kind, 0) + n
         return _json(api.EventsApplied(applied, rejected))
 
-    @app.post("/v1/requests/{request_id}/prefill_complete", responses=replies(400, 404, 422, ok=OBJECT),
-              openapi_extra=body_of(api.PrefillBody, required=False))
+    @app.post("/v1/requests/{request_id}/prefill_complete")
     async def prefill_complete(request: Request, request_id: str, model: str = DEFAULT_MODEL) -> Response:
         raw = await request.body()
         body = None if raw.strip() in (b"", b"null") else decode_body(raw, api.PrefillBody)
@@ -429,13 +425,13 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             return _error(404, f"request {request_id!r} is not in flight")
         return _json(api.PrefillCompleted(request_id))
 
-    @app.delete("/v1/requests/{request_id}", responses=replies(404, 422, ok=OBJECT))
+    @app.delete("/v1/requests/{request_id}")
     async def free_request(request_id: str, model: str = DEFAULT_MODEL) -> Response:
         if not fleet.free(model, request_id):
             return _error(404, f"request {request_id!r} is not in flight (already freed?)")
         return _json(api.Freed(request_id))
 
-    @app.get("/v1/tree", responses=replies(400, 404, 422, content=TREE))
+    @app.get("/v1/tree")
     async def tree(model: str = DEFAULT_MODEL, worker: str | None = None,
                    format: Annotated[str, Query(pattern="^(json|jsonl)$")] = "json") -> Response:
         wanted = _worker_filter(worker) if worker is not None else None
@@ -446,24 +442,21 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         return StreamingResponse(_encode_dump(slices, wanted or None, jsonl),
                                  media_type="application/x-ndjson" if jsonl else "application/json")
 
-    @app.get("/v1/tree/stats", responses=replies(404, 422, ok={"type": "object", "required": ["models"]}))
+    @app.get("/v1/tree/stats")
     async def tree_stats(model: str | None = None) -> Response:
         return _json(fleet.stats(model))
 
-    @app.post("/v1/reset", responses=replies(400, 404, 422, ok={"type": "object", "required": ["cleared"]}),
-              openapi_extra=body_of(api.ResetBody))
+    @app.post("/v1/reset")
     async def reset(request: Request) -> Response:
         body = decode_body(await request.body(), api.ResetBody)
         return _json(fleet.reset(body.model, body.worker_id, body.dp_rank))
 
-    @app.get("/busy_threshold", responses=replies(ok={"type": "object", "required": ["thresholds"], "properties": {
-        "thresholds": {"type": "array", "items": ref("Thresholds")}}}))
+    @app.get("/busy_threshold")
     async def get_thresholds() -> Response:
         models = sorted(set(fleet.models) | set(fleet.thresholds.all()))
         return _json(api.ThresholdsList([_thresholds(fleet.thresholds.get(m), m) for m in models]))
 
-    @app.post("/busy_threshold", responses=replies(400, 404, 415, 422, ok=ref("Thresholds")),
-              openapi_extra=body_of(api.BusyBody))
+    @app.post("/busy_threshold")
     async def post_thresholds(request: Request) -> Response:
         """Set a model's busy thresholds, as Dynamo's frontend does: 415 without a JSON content type, 400 for a
         body that is not JSON, 422 for JSON of the wrong shape (a negative token threshold included)."""
@@ -489,7 +482,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             return _error(400, str(exc))
         return _json(_thresholds(thresholds, body.model))
 
-    @app.delete("/busy_threshold", responses=replies(400, 422, ok=ref("Thresholds")))
+    @app.delete("/busy_threshold")
     async def unset_thresholds(model: str, field: Annotated[list[str] | None, Query()] = None) -> Response:
         """Turn a model's thresholds off: those named by `field`, else all of them. Not in Dynamo's API, whose
         POST can only set a threshold."""
@@ -499,7 +492,8 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             return _error(400, str(exc))
         return _json(_thresholds(thresholds, model))
 
-    app.openapi_schema = complete(app.openapi(), api.RouteBody, _needs_admin)
+    app.openapi()  # records the routes FastAPI documented: it keeps the document below while they stay
+    app.openapi_schema = document(_needs_admin)
     return _Front(app, routing, admin_token=admin_token, max_body_bytes=max_body_bytes)
 
 
