@@ -147,7 +147,7 @@ class _Routing:
     def reply(self, raw: bytes) -> tuple[int, bytes]:
         try:
             body, token_ids = read_route_body(raw)
-        # ValidationError included: say which field, like a 422 from pydantic. Bad UTF-8 inside a JSON string
+        # ValidationError included: it says which field. Bad UTF-8 inside a JSON string
         # raises UnicodeDecodeError, and a bad token id ValueError; both are as undecodable as any malformed
         # body, so the same 422.
         except (msgspec.DecodeError, ValueError) as exc:
