@@ -57,5 +57,5 @@ async def test_an_unknown_model_is_not_found_and_a_404_naming_the_models() -> No
     app_ = create_app(fleet)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_), base_url="http://kvctl") as client:
         for answer in (await client.post("/v1/route", json={"model": "nope", "token_ids": [1]}),  # the fast path
-                       await client.get("/v1/tree/stats", params={"model": "nope"})):  # FastAPI's handler
+                       await client.get("/v1/tree/stats", params={"model": "nope"})):  # the app's handler
             assert answer.status_code == 404 and answer.json() == {"error": UNKNOWN, "models": ["default"]}

@@ -291,7 +291,7 @@ class ZmqPlane(PlaneTasks):
                 self.recovery.forget(worker)
                 self.counts["workers_removed"] += 1
                 log.warning("event plane: worker %s gone from discovery: removed (%s)", format_worker(worker),
-                            counted(removed["blocks"], "block"))
+                            counted(removed.blocks, "block"))
 
     # ----- sockets ------------------------------------------------------------------------------------
 
