@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvctl.natsconn import NatsConnection
+from kvctl.nats.connection import NatsConnection
 from kvctl.server.daemon import ServeOptions
 from kvctl.server.plane.nats_plane import NatsOptions
 
