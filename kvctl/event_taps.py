@@ -26,7 +26,7 @@ from kvctl.core.events.plane import KV_EVENTS, PlaneScope
 from kvctl.core.events.publishers import Order, Sequence
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.core.words import counted
-from kvctl.errors import Unreachable
+from kvctl.errors import DiscoveryError, Unreachable
 
 POLL_MS = 200
 T = TypeVar("T")
@@ -164,7 +164,7 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
     import zmq.asyncio
 
     from kvctl.core.events.discovery import namespace_prefix, parse_channel_key, parse_event_channel
-    from kvctl.server.plane.dynamo_discovery import DiscoveryError, open_discovery
+    from kvctl.server.plane.dynamo_discovery import open_discovery
 
     store = open_discovery(discovery_url)
     ctx = zmq.asyncio.Context()

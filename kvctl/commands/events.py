@@ -142,8 +142,9 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, discovery: str | None,
           scope: Any, jetstream: bool, worker_id: int, topic: str, block_size: int | None, until: _Until,
           stats: TapStats, listening: Callable[[str], None]) -> Iterator[Tapped]:
     """The events of whichever source was named (exactly one); `listening` hears when the tap is live."""
+    from kvctl.errors import DiscoveryError
     from kvctl.event_taps import tap_dynamo_zmq, tap_zmq
-    from kvctl.server.plane.dynamo_discovery import DiscoveryError, open_discovery
+    from kvctl.server.plane.dynamo_discovery import open_discovery
 
     if [zmq_endpoint, nats_url, discovery].count(None) != 2:
         raise UsageError("give exactly one source: --zmq tcp://HOST:PORT, --nats nats://HOST:PORT or "

@@ -32,8 +32,9 @@ from kvctl.core.events.discovery import ChannelKey, encode_file_name, namespace_
 from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch
 from kvctl.core.events.plane import KV_EVENTS, TOPICS, AddRequest, decode_sequence_events
 from kvctl.core.events.zmq_wire import decode_zmq_message
+from kvctl.errors import DiscoveryError
 from kvctl.server.ingest.streams import Streams
-from kvctl.server.plane.dynamo_discovery import KEY_TTL_S, DiscoveryError, EtcdDiscovery, FileDiscovery, open_discovery
+from kvctl.server.plane.dynamo_discovery import KEY_TTL_S, EtcdDiscovery, FileDiscovery, open_discovery
 from kvctl.server.plane.zmq_plane import ZmqOptions, ZmqPlane
 from kvctl.server.state import Fleet
 from tests.etcd_server import EtcdServer

@@ -40,9 +40,10 @@ from kvctl.core.events.request_plane import namespace_sources_prefix
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
+from kvctl.errors import DiscoveryError
 from kvctl.server.ingest.fd_limits import sized
 from kvctl.server.ingest.streams import ModelWriter, Streams
-from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, DiscoveryError, open_discovery
+from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, open_discovery
 from kvctl.server.plane.ingest import PlaneIngest
 from kvctl.server.plane.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
 from kvctl.server.plane.tasks import PlaneTasks
