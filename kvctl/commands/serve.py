@@ -173,9 +173,9 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
         raise UsageError(f"--replica-sync cannot share this router's requests through {store.url} (Dynamo counts "
                          "a DynamoWorkerMetadata only for a ready pod in its EndpointSlices): add --shadow to only "
                          "take Dynamo routers' requests, or use file: or etcd: discovery")
-    return ZmqOptions(discovery, namespace, component, endpoint, model,
-                      _router_id(router_id, state_dir), replica_sync, shadow, advertise_host,
-                      recovery_timeout_s=recovery_timeout)
+    return ZmqOptions(discovery=discovery, namespace=namespace, component=component, endpoint=endpoint, model=model,
+                      router_id=_router_id(router_id, state_dir), replica_sync=replica_sync, shadow=shadow,
+                      advertise_host=advertise_host, recovery_timeout_s=recovery_timeout)
 
 
 def _token_from(path: Path, given: str | None) -> str:

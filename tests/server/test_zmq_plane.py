@@ -128,7 +128,7 @@ class Bench:
     async def start(self, **options: Any) -> ZmqPlane:
         if self.etcd is None:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh())
-        self.plane = ZmqPlane(self.fleet, self.streams, ZmqOptions(self.url, router_id=1, **{"poll_s": POLL_S,
+        self.plane = ZmqPlane(self.fleet, self.streams, ZmqOptions(discovery=self.url, router_id=1, **{"poll_s": POLL_S,
                                                                                              **options}))
         self.plane.start()
         assert await self.plane.ready(10), self.plane.status()
@@ -294,7 +294,7 @@ async def test_a_store_not_there_yet_is_retried_until_it_is(tmp_path: Path) -> N
     root = tmp_path / "not-yet"
     fleet = Fleet(block_size=16, seed=0)
     streams = Streams(fleet)
-    plane = ZmqPlane(fleet, streams, ZmqOptions(f"file:{root}", poll_s=POLL_S))
+    plane = ZmqPlane(fleet, streams, ZmqOptions(discovery=f"file:{root}", poll_s=POLL_S))
     plane.start()
     try:
         assert not await plane.ready(0.3) and "not a directory" in (plane.status()["last_error"] or "")

@@ -62,9 +62,12 @@ RCVHWM = 100_000
 _WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ZmqOptions:
-    discovery: str  # file:DIR
+    """`kvctl serve --dynamo-discovery`'s plane. Keyword-only, as `ServeOptions` and `NatsOptions`: several strings
+    and flags in a row must not be passed by position."""
+
+    discovery: str  # file:DIR, etcd:URL, kubernetes[:NAMESPACE]
     namespace: str = "dynamo"
     component: str | None = None  # None: every component of the namespace
     endpoint: str | None = None  # None: every endpoint
