@@ -125,9 +125,8 @@ async def connect(conn: NatsConnection, *, reconnect: Reconnect | None = None, n
         cause = failures[-1] if failures else exc  # "no servers available" says less than why
         raise unreachable(conn, str(cause) or type(cause).__name__) from None
     connected = True
-    # nats-py reads these when the connection drops, not only when it is opened
-    nc.options.update(allow_reconnect=reconnect is not None, max_reconnect_attempts=-1,
-                      reconnect_time_wait=reconnect.first_s if reconnect else FIRST_RETRY_S)
+    if reconnect is not None:  # nats-py reads these when the connection drops, not only when it is opened
+        nc.options.update(allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=reconnect.first_s)
     return nc
 
 
