@@ -73,7 +73,7 @@ from kvctl.core.events.dynamo import (  # noqa: E402
 )
 from kvctl.core.events.plane import PlaneNames  # noqa: E402
 from kvctl.core.hashing import local_block_hashes, sequence_hashes  # noqa: E402
-from kvctl.nats_barrier import barrier  # noqa: E402
+from kvctl.nats.barrier import barrier  # noqa: E402
 from tests.nats_server import NatsServer  # noqa: E402
 
 BLOCK = 16

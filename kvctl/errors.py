@@ -2,8 +2,11 @@
 
     KvctlError                      exit 1
     ├── UsageError                  exit 2   a bad argument, option or input value
+    │   ├── StateDirError                    a `serve --state-dir` that cannot be used (not writable, in use)
+    │   └── CannotListen                     a `serve --listen` address that cannot be had
     ├── ConfigError                 exit 2   a bad config file (`kvctl serve --config` too) or context
-    ├── Unreachable                 exit 3   cannot connect to the server
+    ├── Unreachable                 exit 3   cannot connect to the server (a router, NATS, a discovery store)
+    │   └── DiscoveryError                   Dynamo's discovery store cannot be read now (the next poll retries)
     ├── SnapshotError               exit 1   a damaged router snapshot (the router starts without it)
     └── ApiError(status)            exit 1   an error with an HTTP status: the server's answer, or its reason
         ├── NotFound                         (also a --worker or --model that names nothing: `not_found`)
@@ -13,7 +16,9 @@
 The router answers an `ApiError` raised while serving a request with its status, message and `fields`.
 
 Decode errors of the core (`kvctl.core.events.DecodeError`) are not CLI errors: the core reports
-them per event so a batch loses only its bad events.
+them per event so a batch loses only its bad events. The core's refusals of a value (`ThresholdError`,
+`BadKnob`, `PolicyConfigError`: `ValueError`s, as the core imports nothing of kvctl) become a `UsageError`
+(or a 400 `ApiError`) where the layer above read the value.
 """
 
 from __future__ import annotations
@@ -43,8 +48,24 @@ class ConfigError(KvctlError):
     exit_code = ExitCode.USAGE
 
 
+class StateDirError(UsageError):
+    """The message names --state-dir and the hint says what to do: one line, exit 2."""
+
+
+class CannotListen(UsageError):
+    """The listening socket could not be had (address in use, not ours, bad host): the operator's choice of
+    address, unlike any other OSError of the router's life."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"cannot listen on {address}: {reason}", hint="pick another --listen port")
+
+
 class Unreachable(KvctlError):
     exit_code = ExitCode.UNREACHABLE
+
+
+class DiscoveryError(Unreachable):
+    """The store cannot be read now (gone, unreachable, refused); a router's next poll tries again."""
 
 
 class SnapshotError(KvctlError):

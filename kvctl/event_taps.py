@@ -1,5 +1,5 @@
-"""Listening to KV events without a router: an engine's ZMQ PUB socket, or a Dynamo event plane (NATS, or its
-default ZMQ plane found through its discovery store).
+"""Listening to KV events without a router: an engine's ZMQ PUB socket, or a Dynamo event plane (its default ZMQ
+plane found through its discovery store here; NATS in `kvctl.nats.tap`).
 
 What `kvctl events tail` and `events record` read. Each message is decoded as the router would, and its
 seq (ZMQ) or event id (NATS, per worker) judged by the router's own rules (`Sequence`): what arrives is
@@ -9,18 +9,17 @@ command prints on exit: the answer to "are events arriving at all, and whole?".
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import zmq
 
 from kvctl.core.events import RouterEvent
-from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch, decode_router_event_json
+from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch
 from kvctl.core.events.engine import decode_engine_message
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import KV_EVENTS, PlaneScope
@@ -28,13 +27,7 @@ from kvctl.core.events.publishers import Order, Sequence
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.core.names import WorkerKey
 from kvctl.core.words import counted
-from kvctl.errors import Unreachable
-from kvctl.nats_barrier import barrier
-from kvctl.natsconn import UNREACHABLE_HINT, NatsConnection, connect
-
-if TYPE_CHECKING:
-    import nats
-    from nats.aio.msg import Msg
+from kvctl.errors import DiscoveryError, Unreachable
 
 POLL_MS = 200
 T = TypeVar("T")
@@ -86,12 +79,12 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _unheard(_: str) -> None:
+def unheard(_: str) -> None:
     pass
 
 
 def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: str = "", worker_id: int = 0,
-            block_size: int | None = None, listening: Callable[[str], None] = _unheard) -> Iterator[Tapped]:
+            block_size: int | None = None, listening: Callable[[str], None] = unheard) -> Iterator[Tapped]:
     """An engine's live batches, as RouterEvents of `worker_id` (engines do not say who they are).
 
     `listening` is told once the SUB socket is connecting; ZMQ joins in the background, so an engine's
@@ -126,66 +119,20 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
         sub.close(0)
 
 
-async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[], bool], stats: TapStats,
-                   jetstream: bool = False,
-                   listening: Callable[[str], None] = _unheard) -> AsyncGenerator[Tapped, None]:
-    """A Dynamo event plane: `kv-events` envelopes on NATS Core in the scope's components and endpoints, or
-    kvctl's JetStream stream's JSON (new messages only, through an ephemeral consumer: tailing never moves
-    a router's place).
-
-    `listening` is told once the server has the subscription: nothing published after that is missed."""
-
-    nc = await _connect_unless_stopped(conn, stop)
-    queue: asyncio.Queue[bytes] = asyncio.Queue()
-
-    async def on(msg: Msg) -> None:
-        where = scope.match(msg.subject)
-        if jetstream or (where is not None and where[2] == KV_EVENTS):
-            queue.put_nowait(msg.data)
-
-    sequences: dict[WorkerKey, Sequence] = {}
-    try:
-        if jetstream:
-            from nats.js.api import DeliverPolicy
-
-            names = scope.names()
-            await nc.jetstream().subscribe(names.stream_subject, cb=on, ordered_consumer=True,
-                                           deliver_policy=DeliverPolicy.NEW)
-            listening(f"listening on stream {names.stream} ({names.stream_subject}) at {conn.shown_url}")
-        else:
-            await nc.subscribe(scope.subscription, cb=on)
-            await barrier(nc)
-            listening(f"listening on {scope.pattern(KV_EVENTS)} at {conn.shown_url}")
-        while not stop():
-            try:
-                data = await asyncio.wait_for(queue.get(), POLL_MS / 1000)
-            except TimeoutError:
-                continue
-            for tapped in _tapped(_durable if jetstream else _enveloped, data, sequences, stats):
-                yield tapped
-    finally:
-        await nc.close()
-
-
 Decoded = tuple[list[RouterEvent], list[DecodeError]]
 
 
-def _enveloped(data: bytes) -> Decoded:
+def enveloped(data: bytes) -> Decoded:
     """A `kv-events` message of Dynamo's plane: the envelope around an array of events."""
     return decode_router_event_batch(decode_envelope(data).payload)
 
 
-def _durable(data: bytes) -> Decoded:
-    """A message of kvctl's JetStream stream: one event as JSON."""
-    return [decode_router_event_json(data)], []
-
-
 def _framed(frames: list[bytes]) -> Decoded:
     """A message of Dynamo's ZMQ plane: four frames around the envelope."""
-    return _enveloped(decode_zmq_message(frames).envelope)
+    return enveloped(decode_zmq_message(frames).envelope)
 
 
-def _tapped(decode: Callable[[T], Decoded], message: T, sequences: dict[WorkerKey, Sequence],
+def tapped_events(decode: Callable[[T], Decoded], message: T, sequences: dict[WorkerKey, Sequence],
             stats: TapStats) -> Iterator[Tapped]:
     """One message of a plane: counted, decoded (what is bad counted by kind), and its events, each preceded by
     the gap in its worker's event ids it follows, if any."""
@@ -211,14 +158,14 @@ RELIST_S = 1.0
 
 
 async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callable[[], bool], stats: TapStats,
-                         listening: Callable[[str], None] = _unheard) -> AsyncGenerator[Tapped, None]:
+                         listening: Callable[[str], None] = unheard) -> AsyncGenerator[Tapped, None]:
     """A default Dynamo fleet's `kv-events`: every publisher in the scope's records in the discovery store,
     through one SUB socket connected to each (and to those that register later). Raises Unreachable when the
     store cannot be read at the start."""
     import zmq.asyncio
 
     from kvctl.core.events.discovery import namespace_prefix, parse_channel_key, parse_event_channel
-    from kvctl.server.plane.dynamo_discovery import DiscoveryError, open_discovery
+    from kvctl.server.plane.dynamo_discovery import open_discovery
 
     store = open_discovery(discovery_url)
     ctx = zmq.asyncio.Context()
@@ -256,23 +203,9 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
                 relisted = time.monotonic()
             if not await sock.poll(POLL_MS):
                 continue
-            for tapped in _tapped(_framed, await sock.recv_multipart(), sequences, stats):
+            for tapped in tapped_events(_framed, await sock.recv_multipart(), sequences, stats):
                 yield tapped
     finally:
         sock.close(linger=0)
         ctx.term()
         await store.close()
-
-
-async def _connect_unless_stopped(conn: NatsConnection, stop: Callable[[], bool]) -> nats.NATS:
-    """The tap's connection. A server that accepts but never speaks takes two connect timeouts to fail; a stop
-    meanwhile (--duration, a signal) ends the attempt, as a failure: the server was not reached."""
-    connecting = asyncio.ensure_future(connect(conn, follow=True))
-    while not (await asyncio.wait({connecting}, timeout=POLL_MS / 1000))[0]:
-        if stop():
-            connecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await connecting
-            raise Unreachable(f"cannot reach NATS at {conn.shown_url}: not connected when told to stop",
-                              hint=UNREACHABLE_HINT)
-    return connecting.result()

@@ -11,7 +11,7 @@ class ExitCode(IntEnum):
     OK = 0
     ERROR = 1  # runtime or server error; also "different" for diff commands run with --exit-code
     USAGE = 2  # bad argument or option
-    UNREACHABLE = 3  # cannot reach the server
+    UNREACHABLE = 3  # cannot reach the server: a router, NATS, a discovery store
     NOTHING_RECEIVED = 4  # a tap (`events tail`/`record`) ended without one message: a quiet or wrong source
 
 

@@ -1,5 +1,5 @@
-"""Dumps of a radix index read from where they live: a kvctl router, Dynamo's standalone indexer, or the
-JetStream snapshot a durable router leaves in its object store (the sources `kvctl tree` takes).
+"""Dumps of a radix index read over HTTP from where they live: a kvctl router or Dynamo's standalone indexer
+(the sources `kvctl tree` takes, with the JetStream snapshot of `kvctl.nats.jetstream`).
 
 Each returns the dump's RouterEvents; every failure is one of kvctl's errors naming the place, so
 `kvctl tree` can take any two sources without caring which is which.
@@ -8,7 +8,7 @@ Each returns the dump's RouterEvents; every failure is one of kvctl's errors nam
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -17,10 +17,6 @@ from kvctl.client.deadline import deadline_transport, within
 from kvctl.core.events import DecodeError, RouterEvent, decode_router_event_json
 from kvctl.core.events.dump_file import DumpFileError, read_router_events
 from kvctl.errors import KvctlError, NotFound, UsageError
-
-if TYPE_CHECKING:  # NATS is loaded only by the snapshot source: an HTTP dump is the common case
-    from kvctl.core.events.plane import PlaneNames
-    from kvctl.natsconn import NatsConnection
 
 
 def router_events(url: str, *, model: str | None, token: str | None, timeout: float) -> list[RouterEvent]:
@@ -57,19 +53,6 @@ def dynamo_indexer_events(url: str, *, model: str | None, timeout: float) -> lis
     return [_decode(item, url) for entry in chosen for item in _events_of(entry, url)]
 
 
-def nats_snapshot_events(conn: NatsConnection, names: PlaneNames) -> list[RouterEvent]:
-    """The `radix-state` object of a durable router's snapshot bucket: RouterEvent JSON lines."""
-    import asyncio
-
-    from kvctl.core.events.plane import RADIX_STATE_OBJECT
-
-    data = asyncio.run(_read_object(conn, names.bucket))
-    try:
-        return read_router_events(data.decode())
-    except (DumpFileError, UnicodeDecodeError) as exc:
-        raise KvctlError(f"{names.bucket}/{RADIX_STATE_OBJECT} on {conn.shown_url} is not a dump: {exc}") from None
-
-
 def _get(url: str, call: Call, token: str | None, timeout: float) -> str:
     """One GET, the whole of it (a dump of millions of blocks too) within `timeout`."""
     transport = deadline_transport(verify=verify_tls(url), limits=pool_limits())
@@ -95,22 +78,3 @@ def _decode(item: Any, url: str) -> RouterEvent:
         return decode_router_event_json(item)
     except DecodeError as exc:
         raise KvctlError(f"{url}/dump: {exc.field}: {exc.detail}") from None
-
-
-async def _read_object(conn: NatsConnection, bucket: str) -> bytes:
-    import nats
-    import nats.js.errors
-
-    from kvctl.core.events.plane import RADIX_STATE_OBJECT
-    from kvctl.natsconn import connect
-
-    nc = await connect(conn)
-    try:
-        store = await nc.jetstream().object_store(bucket)
-        return (await store.get(RADIX_STATE_OBJECT)).data or b""
-    except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError, nats.js.errors.ObjectNotFoundError):
-        raise NotFound(f"no snapshot {bucket}/{RADIX_STATE_OBJECT} on {conn.shown_url}", status=404,
-                       hint="a durable router writes one only once its stream passes --snapshot-threshold") from None
-    finally:
-        await nc.close()
-

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from kvctl.errors import UsageError
-from kvctl.natsconn import NatsConnection
+from kvctl.nats.connection import NatsConnection
 
 PANEL = "NATS event plane (Dynamo)"
 

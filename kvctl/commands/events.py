@@ -90,7 +90,7 @@ def publish_command(
                "dry_run": dry_run}
     if not dry_run:
         confirm(f"publish {counted(len(events), 'event')} to {subject} on {conn.shown_url}", yes)
-        from kvctl.plane_publisher import publish
+        from kvctl.nats.publisher import publish
 
         summary["published"] = publish(conn, names, events, jetstream=jetstream, publisher_id=publisher_id)
     out.emit(summary, _VIEW)
@@ -143,8 +143,9 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, discovery: str | None,
           scope: Any, jetstream: bool, worker_id: int, topic: str, block_size: int | None, until: _Until,
           stats: TapStats, listening: Callable[[str], None]) -> Iterator[Tapped]:
     """The events of whichever source was named (exactly one); `listening` hears when the tap is live."""
-    from kvctl.event_taps import tap_dynamo_zmq, tap_nats, tap_zmq
-    from kvctl.server.plane.dynamo_discovery import DiscoveryError, open_discovery
+    from kvctl.errors import DiscoveryError
+    from kvctl.event_taps import tap_dynamo_zmq, tap_zmq
+    from kvctl.server.plane.dynamo_discovery import open_discovery
 
     if [zmq_endpoint, nats_url, discovery].count(None) != 2:
         raise UsageError("give exactly one source: --zmq tcp://HOST:PORT, --nats nats://HOST:PORT or "
@@ -164,6 +165,8 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, discovery: str | None,
             raise UsageError(str(exc)) from None
         yield from _run_async(tap_dynamo_zmq(discovery, scope, stop=until, stats=stats, listening=listening))
         return
+    from kvctl.nats.tap import tap_nats
+
     assert nats_url is not None
     assert nats_auth is not None
     yield from _run_async(tap_nats(nats_auth(nats_url), scope, stop=until, stats=stats, jetstream=jetstream,

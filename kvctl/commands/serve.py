@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -158,7 +157,8 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
                  router_id: int | None, state_dir: Path, replica_sync: bool, shadow: bool, jetstream: bool,
                  advertise_host: str | None, recovery_timeout: float) -> ZmqOptions:
     """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
-    from kvctl.server.plane.dynamo_discovery import DiscoveryError, open_discovery
+    from kvctl.errors import DiscoveryError
+    from kvctl.server.plane.dynamo_discovery import open_discovery
     from kvctl.server.plane.zmq_plane import ZmqOptions
 
     if jetstream:
@@ -173,9 +173,9 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
         raise UsageError(f"--replica-sync cannot share this router's requests through {store.url} (Dynamo counts "
                          "a DynamoWorkerMetadata only for a ready pod in its EndpointSlices): add --shadow to only "
                          "take Dynamo routers' requests, or use file: or etcd: discovery")
-    return ZmqOptions(discovery, namespace, component, endpoint, model,
-                      _router_id(router_id, state_dir), replica_sync, shadow, advertise_host,
-                      recovery_timeout_s=recovery_timeout)
+    return ZmqOptions(discovery=discovery, namespace=namespace, component=component, endpoint=endpoint, model=model,
+                      router_id=_router_id(router_id, state_dir), replica_sync=replica_sync, shadow=shadow,
+                      advertise_host=advertise_host, recovery_timeout_s=recovery_timeout)
 
 
 def _token_from(path: Path, given: str | None) -> str:
@@ -486,11 +486,9 @@ def serve_command(
                            limits=RouteLimits(max_request_tokens, max_reservations, max_reserved_tokens))
     import asyncio
 
-    from kvctl.server.daemon import CannotListen
     from kvctl.server.state_dir import claim
 
-    with _state_dir_usage():
-        held = claim(state_dir, listen)  # before anything reads or writes the state dir, held until exit
+    held = claim(state_dir, listen)  # before anything reads or writes the state dir, held until exit
 
     def announce(url: str) -> None:
         held.record(url)  # for the line a second router on this state dir exits with
@@ -499,8 +497,6 @@ def serve_command(
     try:
         with held, asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(run(options, announce))
-    except CannotListen as exc:
-        raise UsageError(f"cannot listen on {listen}: {exc.reason}", hint="pick another --listen port") from None
     except OSError as exc:  # not the operator's choice of port: a failure of the router itself
         raise KvctlError(f"kvctl serve stopped: {exc}") from exc
     except KeyboardInterrupt:
@@ -513,16 +509,4 @@ def _router_id(given: int | None, state_dir: Path) -> int:
 
     if given is not None:
         return given
-    with _state_dir_usage():
-        return stable_router_id(state_dir)
-
-
-@contextlib.contextmanager
-def _state_dir_usage() -> Iterator[None]:
-    """A state dir that cannot be used is the operator's to fix: exit 2, one line naming --state-dir."""
-    from kvctl.server.state_dir import StateDirError
-
-    try:
-        yield
-    except StateDirError as exc:
-        raise UsageError(exc.message, hint=exc.hint) from None
+    return stable_router_id(state_dir)

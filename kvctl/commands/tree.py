@@ -76,9 +76,10 @@ class Reader:
                                                  timeout=settings.timeout)
         if source.startswith("nats://"):
             from kvctl.core.events.plane import PlaneNames
+            from kvctl.nats.jetstream import snapshot_events
 
             assert self.nats_auth is not None
-            return sources.nats_snapshot_events(self.nats_auth(source), PlaneNames(self.namespace, self.component))
+            return snapshot_events(self.nats_auth(source), PlaneNames(self.namespace, self.component))
         if "://" in source:
             raise UsageError(f"unknown source {source!r}", hint="http://, dynamo+http://, nats:// or a file path")
         return self._file(source)

@@ -53,6 +53,7 @@ from kvctl.mock.nats_publisher import EngineGauges, NatsEventPublisher
 from kvctl.mock.publisher import Publisher
 from kvctl.mock.scheduler import StepScheduler
 from kvctl.mock.timing import TimingModel
+from kvctl.nats.connection import NatsConnection
 
 MOCK_FORMATS = ("vllm", "vllm-legacy", "sglang", "dynamo-nats")
 """The wire formats a mock engine can speak: engine ZMQ (names of `engine_encode.FORMATS`), or a Dynamo
@@ -217,8 +218,8 @@ class MockEngine:
         if c.format == DYNAMO_NATS:
             assert c.nats_url is not None
             gauges = EngineGauges(lambda: self.cache.used_blocks, lambda: self.running, lambda: self.waiting)
-            self.nats = NatsEventPublisher(c.nats_url, PlaneNames(c.namespace, c.component, c.endpoint), c.worker_id,
-                                           c.dp_rank, self.block_size, gauges)
+            self.nats = NatsEventPublisher(NatsConnection(c.nats_url), PlaneNames(c.namespace, c.component, c.endpoint),
+                                           c.worker_id, c.dp_rank, self.block_size, gauges)
             await self.nats.start()
         self._socket = socket.create_server((c.host, c.http_port))
         self._url = f"http://{c.host}:{self._socket.getsockname()[1]}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -34,8 +35,12 @@ from kvctl.core.events.plane import (
 )
 from kvctl.core.hashing import local_block_hashes
 from kvctl.mock.cache import CacheCleared, CacheEvent, CacheStored
+from kvctl.nats.connection import NatsConnection, Reconnect, connect
 
+log = logging.getLogger("kvctl.mock")
 FORWARD_PASS_S = 1.0
+RECONNECT = Reconnect(first_s=0.5, max_s=0.5)
+"""An engine whose NATS server restarts publishes again as soon as it is back: a try every 0.5 s."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +53,9 @@ class EngineGauges:
 
 
 class NatsEventPublisher:
-    def __init__(self, url: str, names: PlaneNames, worker_id: int, dp_rank: int, block_size: int,
+    def __init__(self, conn: NatsConnection, names: PlaneNames, worker_id: int, dp_rank: int, block_size: int,
                  gauges: EngineGauges) -> None:
-        self.url = url
+        self.conn = conn
         self.names = names
         self.worker_id, self.dp_rank, self.block_size = worker_id, dp_rank, block_size
         self.gauges = gauges
@@ -64,9 +69,13 @@ class NatsEventPublisher:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        self._nc = await nats.connect(self.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        """Connected, or `Unreachable` (the mock exits 3 with one line)."""
+        self._nc = await connect(self.conn, reconnect=RECONNECT, on_error=self._error)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._send()), loop.create_task(self._report_passes())]
+
+    async def _error(self, exc: Exception) -> None:
+        log.warning("engine %d: NATS at %s: %s", self.worker_id, self.conn.shown_url, exc or type(exc).__name__)
 
     def publish(self, changes: Sequence[CacheEvent]) -> None:
         events = []

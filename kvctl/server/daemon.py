@@ -30,7 +30,7 @@ from kvctl.core.router.busy import Thresholds
 from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.core.words import counted
-from kvctl.errors import KvctlError
+from kvctl.errors import CannotListen, KvctlError
 from kvctl.runtime import survivors_frozen, trim_heap
 from kvctl.server import snapshot
 from kvctl.server.budget import RECLAIM_ENTRIES
@@ -142,15 +142,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class CannotListen(Exception):
-    """The listening socket could not be had (address in use, not ours, bad host): a usage error, unlike
-    any other OSError of the router's life."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for TCP-typed listeners;
@@ -162,7 +153,8 @@ def bind(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise CannotListen(exc.strerror or str(exc)) from exc
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise CannotListen(address, exc.strerror or str(exc)) from None
     sock.set_inheritable(True)
     return sock
 

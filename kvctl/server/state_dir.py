@@ -17,21 +17,14 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
+from kvctl.errors import StateDirError
+
 LOCK = "router.lock"
-
-
-class StateDirError(Exception):
-    """The state dir cannot be used; `kvctl serve` exits 2 with the message and the hint on one line."""
-
-    def __init__(self, message: str, hint: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
 
 
 def unwritable(state_dir: Path, exc: OSError) -> StateDirError:
     return StateDirError(f"--state-dir {state_dir} is not a writable directory: {exc.strerror or exc}",
-                         "pass a writable --state-dir")
+                         hint="pass a writable --state-dir")
 
 
 class StateDirLock:
@@ -69,7 +62,7 @@ def claim(state_dir: Path, listen: str) -> StateDirLock:
         pid, url = _holder(fd)
         os.close(fd)
         raise StateDirError(f"--state-dir {state_dir} is in use by kvctl serve pid {pid} ({url})",
-                            f"pass another --state-dir, or stop pid {pid}") from None
+                            hint=f"pass another --state-dir, or stop pid {pid}") from None
     held = StateDirLock(state_dir, fd)
     try:
         held.record(listen)

@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from kvctl.core.events import RouterEvent
 from kvctl.core.events.plane import PlaneNames
-from kvctl.nats_barrier import barrier
+from kvctl.nats.barrier import barrier
 from tests.commands.live_router import DUMP
 from tests.doctor.rig import doctor, findings
 from tests.fixtures_path import FIXTURES

@@ -28,7 +28,7 @@ import pytest
 from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import encode_router_event_json
 from kvctl.core.events.plane import PlaneNames, PlaneScope
-from kvctl.nats_barrier import barrier
+from kvctl.nats.barrier import barrier
 from tests.nats_server import NatsServer, free_port
 from tests.server.test_nats_plane import Router, envelope, expected_blocks, options, store
 from tests.support import eventually_async

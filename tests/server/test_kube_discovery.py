@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from kvctl.core.events.discovery import CHANNELS_BUCKET, encode_file_name, namespace_prefix, parse_event_channel
-from kvctl.server.plane.dynamo_discovery import DiscoveryError, FileDiscovery, open_discovery
+from kvctl.errors import DiscoveryError
+from kvctl.server.plane.dynamo_discovery import FileDiscovery, open_discovery
 from kvctl.server.plane.kube_discovery import KubernetesDiscovery
 from tests.commands.test_events_tail_record_replay import kvctl
 from tests.fixtures_path import FIXTURES

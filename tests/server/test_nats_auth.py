@@ -12,7 +12,7 @@ from pathlib import Path
 import nkeys
 import pytest
 
-from kvctl.natsconn import NatsConnection
+from kvctl.nats.connection import NatsConnection
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet

@@ -34,8 +34,8 @@ from kvctl.core.events.plane import (
 )
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
-from kvctl.nats_barrier import barrier
-from kvctl.natsconn import NatsConnection
+from kvctl.nats.barrier import barrier
+from kvctl.nats.connection import NatsConnection
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
 from kvctl.server.state import Fleet, WorkerInfo

@@ -1,13 +1,14 @@
-"""`ServeOptions` and `NatsOptions` are keyword-only: with ten and twenty-odd fields, many of one type, a
+"""`ServeOptions`, `NatsOptions` and `ZmqOptions` are keyword-only: with ten and twenty-odd fields, many of one type, a
 positional call that shifts by one would still type-check and start a router that does something else."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvctl.natsconn import NatsConnection
+from kvctl.nats.connection import NatsConnection
 from kvctl.server.daemon import ServeOptions
 from kvctl.server.plane.nats_plane import NatsOptions
+from kvctl.server.plane.zmq_plane import ZmqOptions
 
 
 def test_serve_options_refuse_positional_arguments() -> None:
@@ -21,3 +22,9 @@ def test_nats_options_refuse_positional_arguments() -> None:
     with pytest.raises(TypeError, match="positional"):
         NatsOptions(connection, "dynamo")  # type: ignore[misc]
     assert NatsOptions(connection=connection, namespace="ns").namespace == "ns"
+
+
+def test_zmq_options_refuse_positional_arguments() -> None:
+    with pytest.raises(TypeError, match="positional"):
+        ZmqOptions("file:/tmp/discovery", "dynamo")  # type: ignore[misc]
+    assert ZmqOptions(discovery="file:/tmp/discovery", namespace="ns").namespace == "ns"

@@ -32,8 +32,9 @@ from kvctl.core.events.discovery import ChannelKey, encode_file_name, namespace_
 from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch
 from kvctl.core.events.plane import KV_EVENTS, TOPICS, AddRequest, decode_sequence_events
 from kvctl.core.events.zmq_wire import decode_zmq_message
+from kvctl.errors import DiscoveryError
 from kvctl.server.ingest.streams import Streams
-from kvctl.server.plane.dynamo_discovery import KEY_TTL_S, DiscoveryError, EtcdDiscovery, FileDiscovery, open_discovery
+from kvctl.server.plane.dynamo_discovery import KEY_TTL_S, EtcdDiscovery, FileDiscovery, open_discovery
 from kvctl.server.plane.zmq_plane import ZmqOptions, ZmqPlane
 from kvctl.server.state import Fleet
 from tests.etcd_server import EtcdServer
@@ -127,7 +128,7 @@ class Bench:
     async def start(self, **options: Any) -> ZmqPlane:
         if self.etcd is None:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh())
-        self.plane = ZmqPlane(self.fleet, self.streams, ZmqOptions(self.url, router_id=1, **{"poll_s": POLL_S,
+        self.plane = ZmqPlane(self.fleet, self.streams, ZmqOptions(discovery=self.url, router_id=1, **{"poll_s": POLL_S,
                                                                                              **options}))
         self.plane.start()
         assert await self.plane.ready(10), self.plane.status()
@@ -293,7 +294,7 @@ async def test_a_store_not_there_yet_is_retried_until_it_is(tmp_path: Path) -> N
     root = tmp_path / "not-yet"
     fleet = Fleet(block_size=16, seed=0)
     streams = Streams(fleet)
-    plane = ZmqPlane(fleet, streams, ZmqOptions(f"file:{root}", poll_s=POLL_S))
+    plane = ZmqPlane(fleet, streams, ZmqOptions(discovery=f"file:{root}", poll_s=POLL_S))
     plane.start()
     try:
         assert not await plane.ready(0.3) and "not a directory" in (plane.status()["last_error"] or "")

@@ -30,11 +30,7 @@ import httpx
 
 from kvctl.core.events.discovery import CHANNELS_BUCKET, decode_file_name, encode_file_name
 from kvctl.core.events.errors import DecodeError
-
-
-class DiscoveryError(Exception):
-    """The store cannot be read now (gone, unreachable, refused); the next poll tries again."""
-
+from kvctl.errors import DiscoveryError
 
 KEY_TTL_S = 10.0
 """Dynamo's: a record whose owner has not refreshed it (touched the file, renewed the lease) for this long is

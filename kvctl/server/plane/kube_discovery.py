@@ -32,7 +32,8 @@ import yaml
 from kvctl.core.events.discovery import CHANNELS_BUCKET, parse_channel_key
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.request_plane import SOURCES_BUCKET
-from kvctl.server.plane.dynamo_discovery import DiscoveryError, polled
+from kvctl.errors import DiscoveryError
+from kvctl.server.plane.dynamo_discovery import polled
 
 GROUP, VERSION, PLURAL = "nvidia.com", "v1alpha1", "dynamoworkermetadatas"
 API_TIMEOUT_S = 5.0

@@ -32,9 +32,8 @@ from typing import Any
 import nats
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Server
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import EnvelopeWriter, decode_router_event_json, encode_router_event_json
@@ -51,8 +50,10 @@ from kvctl.core.index.kv_index import events_of
 from kvctl.core.names import DEFAULT_MODEL
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
-from kvctl.nats_barrier import barrier
-from kvctl.natsconn import NatsConnection
+from kvctl.errors import Unreachable
+from kvctl.nats.barrier import barrier
+from kvctl.nats.connection import NatsConnection, Reconnect, connect
+from kvctl.nats.jetstream import ensure_stream, radix_state
 from kvctl.server.ingest.streams import ModelWriter, Streams
 from kvctl.server.plane.ingest import PlaneIngest
 from kvctl.server.plane.tasks import PlaneTasks, error_text
@@ -60,7 +61,6 @@ from kvctl.server.state import Fleet
 
 log = logging.getLogger("kvctl.serve")
 
-STREAM_MAX_AGE_S = 3600.0  # Dynamo's default retention (DYN_NATS_STREAM_MAX_AGE)
 CONSUMER_INACTIVE_S = 300.0  # Dynamo's inactive_threshold: consumers of routers that are gone go away
 FETCH_BATCH = 512
 SNAPSHOT_CHECK_S = 1.0
@@ -93,9 +93,8 @@ class NatsOptions:
         return self.connection.shown_url
 
 
-def _backoff(servers: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
-    """nats-py's reconnect hook: the (only) server again, after 0.1 s doubling up to 10 s per failed try."""
-    return servers[0], min(0.1 * 2 ** servers[0].reconnects, 10.0)
+BACKOFF = Reconnect(first_s=0.1, max_s=10.0)
+"""The router waits for NATS for ever, at first and after losing it: 0.1 s doubling up to 10 s per failed try."""
 
 
 class EventPlane(PlaneTasks):
@@ -151,18 +150,17 @@ class EventPlane(PlaneTasks):
                  f" (KV events from JetStream stream {self.names.stream})" if self.options.jetstream else "")
 
     async def _connect(self) -> nats.NATS:
-        delay = 0.1
+        tries = 0
         while True:
             try:
-                nc = await nats.connect(
-                    self.options.connection.url, name=f"kvctl-router-{self.options.router_id}",
-                    max_reconnect_attempts=-1, reconnect_time_wait=1, reconnect_to_server_handler=_backoff,
-                    disconnected_cb=self._disconnected, reconnected_cb=self._reconnected, closed_cb=self._closed,
-                    error_cb=self._error, **self.options.connection.connect_kwargs())
-            except (OSError, nats.errors.Error, TimeoutError) as exc:
-                self._report(exc, f"cannot connect to {self.options.url}", "retrying with backoff up to 10 s")
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+                nc = await connect(self.options.connection, reconnect=BACKOFF,
+                                   name=f"kvctl-router-{self.options.router_id}", on_error=self._error,
+                                   on_disconnected=self._disconnected, on_reconnected=self._reconnected,
+                                   on_closed=self._closed)
+            except Unreachable as exc:
+                self._report(exc.message, "retrying with backoff up to 10 s")
+                await asyncio.sleep(BACKOFF.delay(tries))
+                tries += 1
                 continue
             self.connects += 1
             self.state = "connected"
@@ -187,15 +185,15 @@ class EventPlane(PlaneTasks):
             self.counts["slow_consumer_drops"] += 1  # a message nats-py dropped: we could not keep up
             self.last_error = error_text(exc)
             return
-        self._report(exc, f"NATS at {self.options.url} reports", "retrying")
+        self._report(f"NATS at {self.options.url} reports {error_text(exc)}", "retrying")
 
-    def _report(self, exc: BaseException, what: str, then: str) -> None:
+    def _report(self, error: str, then: str) -> None:
         """Status always shows the last error; the log says each different one once (a wrong password is
         refused on every retry: one line, not one a second), and again after a successful connection."""
-        self.last_error = error = error_text(exc)
+        self.last_error = error
         if error not in self._logged_errors and len(self._logged_errors) < LOGGED_ERRORS_MAX:
             self._logged_errors.add(error)
-            log.warning("event plane: %s: %s; %s", what, error, then)
+            log.warning("event plane: %s; %s", error, then)
 
     # ----- messages -----------------------------------------------------------------------------------
 
@@ -216,12 +214,13 @@ class EventPlane(PlaneTasks):
         assert self.nc is not None
         js = self.nc.jetstream()
         stream = self.names.stream
-        try:
-            await js.stream_info(stream)
-        except nats.js.errors.NotFoundError:
-            if self.options.shadow:
+        if self.options.shadow:
+            try:
+                await js.stream_info(stream)
+            except nats.js.errors.NotFoundError:
                 raise RuntimeError(f"stream {stream} does not exist (a shadow router creates nothing)") from None
-            await js.add_stream(StreamConfig(name=stream, subjects=[f"{stream}.*"], max_age=STREAM_MAX_AGE_S))
+        else:
+            await ensure_stream(js, stream)
         if self.options.reset_states and not self.options.shadow:
             await js.purge_stream(stream)
             with contextlib.suppress(nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
@@ -268,16 +267,12 @@ class EventPlane(PlaneTasks):
                 await msgs[-1].ack()
 
     async def _load_snapshot(self, js: Any) -> None:
-        try:
-            store = await js.object_store(self.names.bucket)
-        except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
-            log.info("event plane: no snapshot bucket %s; reading the whole stream", self.names.bucket)
-            return
         previous: bytes | None = None
         for _ in range(SNAPSHOT_READS):  # an upload in progress reads differently twice in a row
-            try:
-                data = (await store.get(RADIX_STATE_OBJECT)).data or b""
-            except nats.js.errors.ObjectNotFoundError:
+            data = await radix_state(js, self.names.bucket)
+            if data is None:
+                log.info("event plane: no snapshot %s/%s; reading the whole stream", self.names.bucket,
+                         RADIX_STATE_OBJECT)
                 return
             if data == previous:
                 break

@@ -41,9 +41,10 @@ from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.core.names import DEFAULT_MODEL, WorkerKey, format_worker
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
+from kvctl.errors import DiscoveryError
 from kvctl.server.ingest.fd_limits import sized
 from kvctl.server.ingest.streams import ModelWriter, Streams
-from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, DiscoveryError, open_discovery
+from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, open_discovery
 from kvctl.server.plane.ingest import PlaneIngest
 from kvctl.server.plane.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
 from kvctl.server.plane.tasks import PlaneTasks
@@ -62,9 +63,12 @@ RCVHWM = 100_000
 _WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ZmqOptions:
-    discovery: str  # file:DIR
+    """`kvctl serve --dynamo-discovery`'s plane. Keyword-only, as `ServeOptions` and `NatsOptions`: several strings
+    and flags in a row must not be passed by position."""
+
+    discovery: str  # file:DIR, etcd:URL, kubernetes[:NAMESPACE]
     namespace: str = "dynamo"
     component: str | None = None  # None: every component of the namespace
     endpoint: str | None = None  # None: every endpoint

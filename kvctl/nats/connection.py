@@ -1,14 +1,17 @@
-"""How to reach a NATS server: URL, credentials, TLS. Shared by `serve --nats` and the CLI's NATS commands.
+"""How to reach a NATS server (URL, credentials, TLS), and the one way kvctl connects to one.
 
 `NatsConnection` is plain configuration: `connect_kwargs` turns it into nats-py's `connect()` arguments.
 Secrets are kept out of `repr`, so a logged or printed connection never shows them. `connect` is how every
-command opens one (the router's event plane keeps its own, which retries for ever by design).
+part of kvctl opens a connection (the CLI's commands, `serve --nats`, `mock --format dynamo-nats`): a failure
+is `Unreachable` in one line, never nats-py's traceback; a long-lived caller says how it wants a lost
+server got back (`Reconnect`) instead of configuring nats-py itself.
 """
 
 from __future__ import annotations
 
 import ssl
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,9 +20,9 @@ from kvctl.errors import Unreachable
 
 if TYPE_CHECKING:
     import nats
+    from nats.aio.client import Server
 
 FIRST_RETRY_S = 0.1  # between the two attempts of a first connect
-RECONNECT_WAIT_S = 2.0  # between attempts to get a dropped connection back (nats-py's default)
 UNREACHABLE_HINT = "is nats-server running there, and is --nats right?"
 
 
@@ -66,31 +69,70 @@ class NatsConnection:
         return kwargs
 
 
-async def connect(conn: NatsConnection, *, follow: bool = False) -> nats.NATS:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reconnect:
+    """How a long-lived connection gets its server back once it was connected: for ever, the first try after
+    `first_s`, each next one after twice the wait of the one before, up to `max_s` (equal: a steady pace)."""
+
+    first_s: float
+    max_s: float
+
+    def delay(self, tries: int) -> float:
+        """The wait before try number `tries` (from 0) since the connection was lost or last refused."""
+        return min(self.first_s * 2 ** min(tries, 64), self.max_s)
+
+    def choose(self, servers: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
+        """nats-py's reconnect hook: the first server it offers, after this policy's wait for it."""
+        return servers[0], self.delay(servers[0].reconnects)
+
+
+ErrorCallback = Callable[[Exception], Awaitable[None]]
+Callback = Callable[[], Awaitable[None]]
+
+
+async def connect(conn: NatsConnection, *, reconnect: Reconnect | None = None, name: str | None = None,
+                  on_error: ErrorCallback | None = None, on_disconnected: Callback | None = None,
+                  on_reconnected: Callback | None = None, on_closed: Callback | None = None) -> nats.NATS:
     """Two quick attempts per server (nats-py's fewest; each bounded by the connection's timeout), then
     `Unreachable`: one line, exit 3.
 
     nats-py would otherwise try an unreachable server 60 times 2 s apart (for ever with reconnects
-    unlimited), reporting each attempt through its logger with a traceback; its error callback is silenced
-    here (the last failure is what is raised). `follow`: a tap that outlives a server restart, reconnecting
-    for ever once connected."""
+    unlimited), reporting each attempt through its logger with a traceback: here the attempts' errors are
+    kept (the last one is what is raised) and only later ones reach `on_error` (none: dropped). `reconnect`:
+    a connection that outlives a server restart, getting it back by that policy once connected; the
+    callbacks are nats-py's, for a caller that shows the connection's state."""
     import nats
 
     failures: deque[Exception] = deque(maxlen=1)  # the last one: the callback outlives the connect
+    connected = False
 
-    async def keep(exc: Exception) -> None:
-        failures.append(exc)
+    async def error(exc: Exception) -> None:
+        if not connected:
+            failures.append(exc)
+        elif on_error is not None:
+            await on_error(exc)
 
+    nc = nats.NATS()
     try:
-        nc = await nats.connect(conn.url, allow_reconnect=False, max_reconnect_attempts=1,
-                                reconnect_time_wait=FIRST_RETRY_S, error_cb=keep, **conn.connect_kwargs())
+        await nc.connect(conn.url, name=name, allow_reconnect=False, max_reconnect_attempts=1,
+                         reconnect_time_wait=FIRST_RETRY_S,  # type: ignore[arg-type]  # seconds: nats-py sleeps them
+                         error_cb=error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,
+                         closed_cb=on_closed, reconnect_to_server_handler=reconnect.choose if reconnect else None,
+                         **conn.connect_kwargs())
     except (OSError, TimeoutError, nats.errors.Error) as exc:
+        if nc._transport is not None:  # a refusal (a wrong password, an untrusted certificate) leaves it open, and
+            nc._transport.close()  # nats-py's close() would wait for ever on one that failed its TLS handshake
         cause = failures[-1] if failures else exc  # "no servers available" says less than why
-        raise Unreachable(f"cannot reach NATS at {conn.shown_url}: {cause or type(cause).__name__}",
-                          hint=UNREACHABLE_HINT) from None
-    if follow:  # nats-py reads these when the connection drops, not only when it is opened
-        nc.options.update(allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=RECONNECT_WAIT_S)
+        raise unreachable(conn, str(cause) or type(cause).__name__) from None
+    connected = True
+    if reconnect is not None:  # nats-py reads these when the connection drops, not only when it is opened
+        nc.options.update(allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=reconnect.first_s)
     return nc
+
+
+def unreachable(conn: NatsConnection, why: str) -> Unreachable:
+    """The one line every NATS connection that failed ends in, saying `why`."""
+    return Unreachable(f"cannot reach NATS at {conn.shown_url}: {why}", hint=UNREACHABLE_HINT)
 
 
 def redact_url(url: str) -> str:

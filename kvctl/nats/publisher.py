@@ -12,17 +12,15 @@ import asyncio
 import time
 
 import nats
-import nats.js.errors
-from nats.js.api import StreamConfig
 
 from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import EnvelopeWriter, encode_router_event_batch, encode_router_event_json
 from kvctl.core.events.plane import KV_EVENTS, PlaneNames
 from kvctl.errors import KvctlError
-from kvctl.nats_barrier import barrier
-from kvctl.natsconn import NatsConnection, connect
+from kvctl.nats.barrier import barrier
+from kvctl.nats.connection import NatsConnection, connect
+from kvctl.nats.jetstream import ensure_stream
 
-STREAM_MAX_AGE_S = 3600.0
 ACK_WINDOW = 256  # JetStream publishes in flight at once
 
 
@@ -50,10 +48,7 @@ async def _publish(conn: NatsConnection, names: PlaneNames, events: list[RouterE
 
 async def _publish_jetstream(nc: nats.NATS, names: PlaneNames, events: list[RouterEvent]) -> None:
     js = nc.jetstream()
-    try:
-        await js.stream_info(names.stream)
-    except nats.js.errors.NotFoundError:
-        await js.add_stream(StreamConfig(name=names.stream, subjects=[f"{names.stream}.*"], max_age=STREAM_MAX_AGE_S))
+    await ensure_stream(js, names.stream)
     for start in range(0, len(events), ACK_WINDOW):  # in order: a window is acked before the next goes
         window = events[start:start + ACK_WINDOW]
         try:
