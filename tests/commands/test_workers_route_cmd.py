@@ -19,6 +19,7 @@ from tests.commands.live_router import (
     loaded_router,
     one_line_error,
 )
+from tests.support.served import on_both_route_paths
 
 TOKENS = [str(t) for t in PROMPT]
 
@@ -56,6 +57,7 @@ def test_workers_watch_streams_json_lines(router: httpx.Client, monkeypatch: pyt
     assert [len(json.loads(line)["workers"]) for line in result.stdout.splitlines()] == [4, 4]
 
 
+@on_both_route_paths
 def test_route_explain_lists_every_candidate(router: httpx.Client) -> None:
     answer = json_of(kvctl(router, "route", "--explain", "-o", "json", *TOKENS))
     by_name = {_name(c): c for c in answer["candidates"]}
@@ -72,6 +74,7 @@ def test_route_explain_lists_every_candidate(router: httpx.Client) -> None:
     assert kvctl(router, "-o", "name", "route", "--explain", *TOKENS).stdout.strip() in {"1:0", "2:1"}
 
 
+@on_both_route_paths
 def test_tokens_from_arguments_file_stdin_or_local_hashes_agree(router: httpx.Client, tmp_path: Path) -> None:
     prompt = tmp_path / "prompt.json"
     prompt.write_text(str(PROMPT))
@@ -84,6 +87,7 @@ def test_tokens_from_arguments_file_stdin_or_local_hashes_agree(router: httpx.Cl
     assert {(a["overlap_blocks"], a["required_blocks"]) for a in answers} == {(4, 4)}
 
 
+@on_both_route_paths
 def test_reserve_asks_first_and_with_yes_shows_as_active_load(router: httpx.Client) -> None:
     reserve = ("route", "--reserve", "--request-id", "r1", "-o", "json", *TOKENS)
     one_line_error(kvctl(router, *reserve), 2, "refusing without --yes")  # no terminal to ask on
@@ -125,5 +129,6 @@ def test_text_without_transformers_names_what_to_install(router: httpx.Client) -
     one_line_error(kvctl(router, "route", "--text", "hello", "--tokenizer", "gpt2"), 2, "pip install transformers")
 
 
+@on_both_route_paths
 def test_route_for_an_unknown_model_is_a_server_error(router: httpx.Client) -> None:
     one_line_error(kvctl(router, "route", "--model", "nope", "1", "2"), 1, "unknown model 'nope'")
