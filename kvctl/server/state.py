@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
 
+from kvctl import http_api as api
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
 from kvctl.core.events.plane import (
     FREE,
@@ -23,6 +24,7 @@ from kvctl.core.events.plane import (
     ForwardPass,
 )
 from kvctl.core.index import Status
+from kvctl.core.names import DEFAULT_MODEL, format_worker, selects
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
 from kvctl.core.router.busy import (
     AllBusy,
@@ -40,7 +42,6 @@ from kvctl.core.words import counted
 from kvctl.errors import UnknownModel
 
 Worker = tuple[int, int]
-DEFAULT_MODEL = "default"
 _DEVICE = Tier.device
 _NO_THRESHOLDS = Thresholds()
 
@@ -196,7 +197,7 @@ class Fleet:
             raise UnknownWorker(worker_id)
         return keys
 
-    def unregister(self, worker_id: int, dp_rank: int | None = None) -> dict[str, Any]:
+    def unregister(self, worker_id: int, dp_rank: int | None = None) -> api.Removed:
         gone = self.check_worker(worker_id, dp_rank)
         blocks = 0
         self._candidates.clear()
@@ -210,7 +211,7 @@ class Fleet:
                 router.sequences.free(request.request_id)
         if not any(w[0] == worker_id for w in self.workers):
             self.busy.forget(worker_id)
-        return {"removed": [{"worker_id": w[0], "dp_rank": w[1]} for w in gone], "blocks": blocks}
+        return api.Removed([api.WorkerRef(w[0], w[1]) for w in gone], blocks)
 
     # ----- events -------------------------------------------------------------------------------------
 
@@ -385,7 +386,7 @@ class Fleet:
 
     # ----- views and levers ---------------------------------------------------------------------------
 
-    def worker_rows(self, now: float) -> list[dict[str, Any]]:
+    def worker_rows(self, now: float) -> list[api.Worker]:
         rows = []
         mismatches = {name: state.router.index.hash_mismatches() for name, state in self.models.items()}
         agreements = {name: state.router.index.hash_agreements() for name, state in self.models.items()}
@@ -395,70 +396,64 @@ class Fleet:
             rank = self.busy.update(w, self._load(w, router.sequences), self.thresholds.get(info.model))
             report = self.reported.get(w)
             passed = self.forward_passes.get(w)
-            rows.append({
-                "worker_id": info.worker_id, "dp_rank": info.dp_rank, "model": info.model,
-                "endpoint": info.endpoint, "replay_endpoint": info.replay_endpoint, "topic": info.topic,
-                "blocks": router.index.device.size(w),
-                "active_decode_blocks": load.active_blocks, "active_prefill_tokens": load.active_prefill_tokens,
-                "active_requests": load.requests, "busy": rank.busy,
-                "last_event_age_s": None if info.last_event_at is None else round(now - info.last_event_at, 3),
-                "total_blocks": info.total_blocks, "rejected_events": dict(info.rejected),
-                "hash_mismatches": mismatches[info.model].get(w, 0),
-                "hash_agreements": agreements[info.model].get(w, 0), "routes": info.routes,
-                "reported": None if report is None else {
-                    "active_decode_blocks": report[0].active_decode_blocks,
-                    "active_prefill_tokens": report[0].active_prefill_tokens,
-                    "kv_used_blocks": report[0].kv_used_blocks, "age_s": round(now - report[1], 3)},
-                "forward_pass": None if passed is None else _forward_pass_row(*passed, now),
-            })
+            rows.append(api.Worker(
+                worker_id=info.worker_id, dp_rank=info.dp_rank, model=info.model,
+                endpoint=info.endpoint, replay_endpoint=info.replay_endpoint, topic=info.topic,
+                blocks=router.index.device.size(w),
+                active_decode_blocks=load.active_blocks, active_prefill_tokens=load.active_prefill_tokens,
+                active_requests=load.requests, busy=rank.busy,
+                last_event_age_s=None if info.last_event_at is None else round(now - info.last_event_at, 3),
+                total_blocks=info.total_blocks, rejected_events=dict(info.rejected),
+                hash_mismatches=mismatches[info.model].get(w, 0),
+                hash_agreements=agreements[info.model].get(w, 0), routes=info.routes,
+                reported=None if report is None else api.Reported(
+                    report[0].active_decode_blocks, report[0].active_prefill_tokens, report[0].kv_used_blocks,
+                    round(now - report[1], 3)),
+                forward_pass=None if passed is None else _forward_pass_row(*passed, now),
+            ))
         return rows
 
-    def stats(self, model: str | None = None) -> dict[str, Any]:
+    def stats(self, model: str | None = None) -> api.TreeStats:
         names = [model] if model is not None else sorted(self.models)
-        out: dict[str, Any] = {}
+        out: dict[str, api.ModelStats] = {}
         for name in names:
             index = self.model(name).router.index
             tiers = index.stats()
             device = tiers[_DEVICE]
-            out[name] = {
-                "block_size": self.models[name].block_size,
-                "blocks": device.blocks,
-                "nodes": device.nodes,
-                "workers": {f"{w[0]}:{w[1]}": n for w, n in sorted(device.workers.items())},
-                "tiers": {t.value: {"blocks": s.blocks, "nodes": s.nodes} for t, s in tiers.items()},
-            }
+            out[name] = api.ModelStats(
+                block_size=self.models[name].block_size, blocks=device.blocks, nodes=device.nodes,
+                workers={format_worker(w): n for w, n in sorted(device.workers.items())},
+                tiers={t.value: api.TierStats(s.blocks, s.nodes) for t, s in tiers.items()})
             if self.approx is not None:  # the cap the index is pruned at: blocks near it mean churn
-                out[name]["approximate"] = {"max_tree_size": self.approx.max_tree_size, "ttl_s": self.approx.ttl_s,
-                                            "prune_target_ratio": self.approx.prune_target_ratio}
-        return {"models": out}
+                out[name].approximate = api.Approximate(self.approx.max_tree_size, self.approx.ttl_s,
+                                                    self.approx.prune_target_ratio)
+        return api.TreeStats(out)
 
-    def reset(self, model: str | None, worker_id: int | None, dp_rank: int | None) -> dict[str, Any]:
+    def reset(self, model: str | None, worker_id: int | None, dp_rank: int | None) -> api.Cleared:
         """Clear state: every model, one model, or one worker (optionally one rank) of it."""
         names = [model] if model is not None else sorted(self.models)
-        cleared: list[dict[str, Any]] = []
+        cleared: list[api.ClearedModel] = []
         for name in names:
             index = self.model(name).router.index
             before = index.stats()[_DEVICE]
-            if worker_id is None:
-                workers = index.workers()
-            else:
-                workers = [w for w in index.workers() if w[0] == worker_id and (dp_rank is None or w[1] == dp_rank)]
+            workers = index.workers()
+            if worker_id is not None:
+                workers = [w for w in workers if selects((worker_id, dp_rank), w)]
             for w in workers:
                 index.apply(RouterEvent(w[0], Cleared(), w[1]))
                 if (info := self.workers.get(w)) is not None:
                     info.rejected.clear()  # a fresh start: what doctor reports from here is new
             after = index.stats()[_DEVICE]
-            cleared.append({"model": name, "workers": [f"{w[0]}:{w[1]}" for w in sorted(workers)],
-                            "blocks": before.blocks - after.blocks})
-        return {"cleared": cleared}
+            cleared.append(api.ClearedModel(name, [format_worker(w) for w in sorted(workers)],
+                                        before.blocks - after.blocks))
+        return api.Cleared(cleared)
 
 
-def _forward_pass_row(report: ForwardPass, at: float, now: float) -> dict[str, Any]:
+def _forward_pass_row(report: ForwardPass, at: float, now: float) -> api.ForwardPass:
     """A worker's last forward pass as `workers` shows it: what ran in it and what still waits."""
     scheduled, queued = report.scheduled, report.queued
-    return {"scheduled_prefill_requests": scheduled.prefill_requests,
-            "scheduled_prefill_tokens": scheduled.prefill_tokens,
-            "scheduled_decode_requests": scheduled.decode_requests,
-            "queued_prefill_requests": queued.prefill_requests, "queued_prefill_tokens": queued.prefill_tokens,
-            "queued_decode_requests": queued.decode_requests, "wall_time_s": report.wall_time,
-            "counter_id": report.counter_id, "age_s": round(now - at, 3)}
+    return api.ForwardPass(
+        scheduled_prefill_requests=scheduled.prefill_requests, scheduled_prefill_tokens=scheduled.prefill_tokens,
+        scheduled_decode_requests=scheduled.decode_requests, queued_prefill_requests=queued.prefill_requests,
+        queued_prefill_tokens=queued.prefill_tokens, queued_decode_requests=queued.decode_requests,
+        wall_time_s=report.wall_time, counter_id=report.counter_id, age_s=round(now - at, 3))

@@ -53,6 +53,6 @@ def _unsound(state_dir: Path, held: int, signalled: float, log: str) -> list[str
     problems += damaged
     if restored is None or restored.path.name != snapshot.FILENAME:
         problems.append(f"restored from {restored and restored.path.name}")
-    elif (got := fleet.stats()["models"]["default"]["blocks"]) != held:
+    elif (got := fleet.stats().models["default"].blocks) != held:
         problems.append(f"restored {got} of {held} blocks")
     return problems

@@ -226,7 +226,8 @@ async def test_load_reports_are_shown_and_feed_the_busy_check(server: NatsServer
         await barrier(nc)
         await eventually_async(lambda: (3, 0) in router.fleet.reported, "the load report")
         row = router.fleet.worker_rows(time.monotonic())[0]
-        assert row["reported"]["kv_used_blocks"] == 95 and row["reported"]["active_prefill_tokens"] == 128
+        assert row.reported is not None
+        assert row.reported.kv_used_blocks == 95 and row.reported.active_prefill_tokens == 128
         router.fleet.thresholds.set("default", active_decode_blocks_threshold=0.9)
         assert router.fleet.rank_busy("default")[(3, 0)].busy  # 95 of 100 blocks used > 0.9
         await eventually_async(lambda: sum(router.plane.errors.values()) == 2, "both bad messages counted")
@@ -240,11 +241,12 @@ async def test_forward_passes_make_a_worker_known_and_are_shown(server: NatsServ
         await barrier(nc)
         await eventually_async(lambda: router.plane.counts["forward_passes"] == 1, "the forward pass")
         [row] = router.fleet.worker_rows(time.monotonic())
-        assert (row["worker_id"], row["dp_rank"]) == (2**63 + 9, 1)  # a routing candidate before any KV event
+        assert (row.worker_id, row.dp_rank) == (2**63 + 9, 1)  # a routing candidate before any KV event
         assert router.fleet.candidates("default") == [(2**63 + 9, 1)]
-        shown = row["forward_pass"]
-        assert (shown["scheduled_prefill_requests"], shown["scheduled_decode_requests"],
-                shown["queued_prefill_requests"], shown["queued_prefill_tokens"]) == (1, 3, 2, 130)
+        shown = row.forward_pass
+        assert shown is not None
+        assert (shown.scheduled_prefill_requests, shown.scheduled_decode_requests,
+                shown.queued_prefill_requests, shown.queued_prefill_tokens) == (1, 3, 2, 130)
 
 
 async def test_only_the_named_component_and_endpoint_are_followed(server: NatsServer, names: PlaneNames) -> None:

@@ -30,7 +30,7 @@ async def test_freed_memory_is_given_back_when_nothing_waits() -> None:
     assert fleet.reclaim_debt() == 30 * 63
     await daemon.reclaim_when_idle(fleet, streams)
     assert fleet.reclaim_debt() == 0
-    assert fleet.stats("default")["models"]["default"]["blocks"] == 10 * 64
+    assert fleet.stats("default").models["default"].blocks == 10 * 64
 
 
 async def test_nothing_is_reclaimed_while_events_wait() -> None:

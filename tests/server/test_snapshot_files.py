@@ -33,7 +33,7 @@ def fleet_with(events: int) -> Fleet:
 
 
 def blocks(fleet: Fleet) -> int:
-    return int(fleet.stats()["models"]["default"]["blocks"])
+    return fleet.stats().models["default"].blocks
 
 
 def write(fleet: Fleet, state_dir: Path, taken_at: float) -> None:

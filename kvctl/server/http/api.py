@@ -1,7 +1,7 @@
 """The HTTP API of `kvctl serve` (docs/http-api.md): thin handlers over `Fleet`, one place mapping errors to statuses.
 
-Integers in bodies exceed 2^53 (hashes, worker ids): requests are parsed by Python's json (exact ints)
-and answers are written with `json.dumps`, never through floats.
+Every body is a `kvctl.http_api` Struct, decoded and encoded by msgspec. Integers in bodies exceed 2^53 (hashes,
+worker ids): msgspec reads and writes them exactly, never through floats.
 """
 
 from __future__ import annotations
@@ -26,30 +26,31 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp
 
 from kvctl import __version__
+from kvctl import http_api as api
 from kvctl.core import native
 from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.index.kv_index import DumpEdge, events_of
-from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError
+from kvctl.core.names import format_worker
+from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError, Thresholds
 from kvctl.core.router.scoring import BadKnob, NoCandidates
 from kvctl.core.words import counted
 from kvctl.errors import ApiError
 from kvctl.server.budget import SLICE_S
 from kvctl.server.http.bodies import (
     OVERRIDES,
-    BusyBody,
-    PrefillBody,
-    ResetBody,
-    RouteBody,
-    WorkerBody,
+    Invalid,
+    decode_body,
+    invalid,
     json_content_type,
     parse_events,
     read_route_body,
 )
 from kvctl.server.http.metrics import Metrics, Plane
-from kvctl.server.http.openapi import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE, complete, ref, replies
+from kvctl.server.http.openapi import document
 from kvctl.server.http.route_protocol import Connections, missing_internals, route_protocol
+from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.state import DEFAULT_MODEL, Fleet, OverLimit, UnknownWorker, WorkerInfo
 
@@ -59,17 +60,22 @@ _dumps = msgspec.json.Encoder().encode
 """Compact JSON, ten times faster than the json module's; NaN and infinities (never in a reply) would be null."""
 
 
-def _json(body: Any, status: int = 200) -> Response:
+def _json(body: msgspec.Struct, status: int = 200) -> Response:
     return Response(_dumps(body), status_code=status, media_type="application/json")
 
 
-def _error_bytes(status: int, message: str, extra: dict[str, Any] | None = None) -> tuple[int, bytes]:
-    return status, _dumps({"error": message, **(extra or {})})
+def _error_bytes(status: int, message: str, **context: Any) -> tuple[int, bytes]:
+    """An `api.Error`: the message, and the fields that give its context (`api.Error`'s optional ones)."""
+    return status, _dumps(api.Error(message, **context))
 
 
-def _error(status: int, message: str, extra: dict[str, Any] | None = None) -> Response:
-    status, body = _error_bytes(status, message, extra)
+def _error(status: int, message: str, **context: Any) -> Response:
+    status, body = _error_bytes(status, message, **context)
     return Response(body, status_code=status, media_type="application/json")
+
+
+def _thresholds(thresholds: Thresholds, model: str) -> api.Thresholds:
+    return msgspec.convert(thresholds.as_dict(model), api.Thresholds)
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -89,19 +95,21 @@ def _needs_admin(method: str, path: str) -> bool:
         method == m and pattern.fullmatch(path) for m, pattern in _OPEN_MUTATIONS)
 
 
-def _refusal(exc: Exception) -> tuple[int, str, dict[str, Any]]:
-    """(status, message, extra fields) for the errors raised while answering a request."""
+def _refusal(exc: Exception) -> tuple[int, bytes]:
+    """(status, `api.Error` body) for the errors raised while answering a request."""
     if isinstance(exc, ApiError):  # the error tree's own (e.g. UnknownModel): it knows its status
-        return exc.status, exc.message, exc.fields
+        return _error_bytes(exc.status, exc.message, **exc.fields)
     if isinstance(exc, _BodyTooLarge):
-        return 413, str(exc), {}
+        return _error_bytes(413, str(exc))
     if isinstance(exc, OverLimit):
-        return 429, str(exc), {"limit": exc.limit, "flag": exc.flag}
+        return _error_bytes(429, str(exc), limit=exc.limit, flag=exc.flag)
     if isinstance(exc, AllBusy):
-        tripped = {f"{w[0]}:{w[1]}": [str(r) for r in reasons] for w, reasons in sorted(exc.tripped.items())}
-        return 503, str(exc), {"thresholds": exc.thresholds.as_dict(exc.model), "tripped": tripped}
+        tripped = {format_worker(w): [str(r) for r in reasons] for w, reasons in sorted(exc.tripped.items())}
+        return _error_bytes(503, str(exc), thresholds=_thresholds(exc.thresholds, exc.model), tripped=tripped)
     if isinstance(exc, NoCandidates):
-        return 503, "no workers registered for this model; register one with POST /v1/workers", {}
+        return _error_bytes(503, "no workers registered for this model; register one with POST /v1/workers")
+    if isinstance(exc, Invalid):
+        return 422, _dumps(api.Invalid(exc.fields))
     raise TypeError(f"no HTTP status for {type(exc).__name__}") from exc
 
 
@@ -153,18 +161,15 @@ class _Routing:
                 body.model, now=self.clock(), token_ids=token_ids, local_hashes=body.local_hashes,
                 lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve, overrides=overrides)
         except (ApiError, OverLimit, AllBusy, NoCandidates) as exc:
-            return _error_bytes(*_refusal(exc))
+            return _refusal(exc)
         except BadKnob as exc:  # finite and >= 0 passed msgspec; a number too large for a float did not
             return _error_bytes(422, f"invalid route request: {exc}")
         self._unobserved.append((body.model, time.perf_counter() - started, min(
             1.0, decision.overlap_blocks / decision.required_blocks) if decision.required_blocks else None))
-        out: dict[str, Any] = {
-            "worker_id": decision.worker[0], "dp_rank": decision.worker[1],
-            "overlap_blocks": decision.overlap_blocks, "required_blocks": decision.required_blocks,
-            "request_id": body.request_id, "reason": decision.reason.value,
-        }
+        out = api.Decision(decision.worker[0], decision.worker[1], decision.overlap_blocks, decision.required_blocks,
+                           body.request_id, decision.reason.value)
         if body.explain:
-            out["candidates"] = [c.as_dict() for c in decision.candidates]
+            out.candidates = [api.Candidate(**c.as_dict()) for c in decision.candidates]
         return 200, _dumps(out)
 
 
@@ -276,7 +281,7 @@ async def _invalid(_: Request, exc: Exception) -> Response:
     """FastAPI's 422 without the offending input echoed back: it may hold NaN or Infinity, which are not JSON (the
     default handler failed on them with a 500), or be most of a 64 MB body."""
     assert isinstance(exc, RequestValidationError)
-    return _json({"detail": [{"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]}, 422)
+    return _json(api.Invalid([api.InvalidField(e["type"], list(e["loc"]), e["msg"]) for e in exc.errors()]), 422)
 
 
 def http_protocol(app: ASGIApp, *, fast_path: bool = True) -> type[asyncio.Protocol] | Literal["httptools"]:
@@ -314,9 +319,10 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     routing = _Routing(fleet, metrics, clock)
 
     async def refuse(_: Request, exc: Exception) -> Response:
-        return _error(*_refusal(exc))
+        status, body = _refusal(exc)
+        return Response(body, status_code=status, media_type="application/json")
 
-    for exc_type in (_BodyTooLarge, ApiError, OverLimit, AllBusy, NoCandidates):
+    for exc_type in (_BodyTooLarge, ApiError, OverLimit, AllBusy, NoCandidates, Invalid):
         app.add_exception_handler(exc_type, refuse)
     app.add_exception_handler(RequestValidationError, _invalid)
 
@@ -327,37 +333,43 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
 
     started = clock()
 
-    @app.get("/v1/status", responses=replies(ok={"type": "object", "required": ["version", "models"]}))
+    @app.get("/v1/status")
     async def status() -> Response:
-        return _json({"version": __version__, "native_speedups": native.IMPLEMENTATION,
-                      "uptime_s": round(clock() - started, 3), "rss_bytes": rss_bytes(),
-                      "models": fleet.stats()["models"],
-                      "streams": streams.status() if streams is not None else [],
-                      "queues": streams.queues() if streams is not None else [],
-                      "engines": streams.engines() if streams is not None else None,
-                      "decoder": streams.decoder.status() if streams is not None else None,
-                      "event_plane": plane.status() if plane is not None else None, "restore": restored,
-                      "connections": dataclasses.asdict(metrics.connections),
-                      "limits": {**dataclasses.asdict(fleet.limits), "refused": dict(fleet.over_limit)}})
+        return _json(api.Status(
+            version=__version__, native_speedups=native.IMPLEMENTATION, uptime_s=round(clock() - started, 3),
+            rss_bytes=rss_bytes(), models=fleet.stats().models,
+            streams=streams.status() if streams is not None else [],
+            queues=streams.queues() if streams is not None else [],
+            engines=streams.engines() if streams is not None else None,
+            decoder=streams.decoder.status() if streams is not None else None,
+            event_plane=plane.status() if plane is not None else None, restore=restored,
+            connections=api.ConnectionStats(**dataclasses.asdict(metrics.connections)),
+            limits=api.Limits(**dataclasses.asdict(fleet.limits), refused=dict(fleet.over_limit))))
 
-    @app.get("/healthz", responses=replies(ok={"type": "object", "required": ["status", "version"]}))
+    @app.get("/healthz")
     async def healthz() -> Response:
-        return _json({"status": "ok", "version": __version__})
+        return _json(api.Health("ok", __version__))
 
-    @app.get("/v1/workers", responses=replies(ok={"type": "object", "required": ["workers"], "properties": {
-        "workers": {"type": "array", "items": ref("Worker")}}}))
+    @app.get("/v1/workers")
     async def list_workers() -> Response:
         rows = fleet.worker_rows(clock())
         if plane is not None:  # where each worker's events come from on the event plane
             sources = {(r["worker_id"], r["dp_rank"]): r for r in plane.worker_sources()}
             for row in rows:
-                source = sources.get((row["worker_id"], row["dp_rank"]))
-                row["event_plane"] = None if source is None else {
+                source = sources.get((row.worker_id, row.dp_rank))
+                row.event_plane = None if source is None else {
                     k: v for k, v in source.items() if k not in ("worker_id", "dp_rank")}
-        return _json({"workers": rows})
+        return _json(api.Workers(rows))
 
-    @app.post("/v1/workers", status_code=201, responses=replies(400, 409, 422, ok=ref("Worker"), status=201))
-    async def register_worker(body: WorkerBody) -> Response:
+    @app.post("/v1/workers", status_code=201)
+    async def register_worker(request: Request) -> Response:
+        body = decode_body(await request.body(), api.WorkerBody)
+        for name in ("endpoint", "replay_endpoint"):
+            if (endpoint := getattr(body, name)) is not None:
+                try:
+                    check_endpoint(endpoint)
+                except ValueError as exc:
+                    raise invalid("body", name, str(exc)) from None
         info = WorkerInfo(body.worker_id, body.dp_rank, body.model, body.endpoint, body.replay_endpoint, body.topic,
                           total_blocks=body.total_blocks)
         if streams is not None and streams.max_engines is not None and not streams.admit(info):  # refused now
@@ -368,23 +380,22 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         info = fleet.register(info)
         if streams is not None:
             streams.start(info)
-        row = next(r for r in fleet.worker_rows(clock()) if (r["worker_id"], r["dp_rank"]) == info.key)
+        row = next(r for r in fleet.worker_rows(clock()) if (r.worker_id, r.dp_rank) == info.key)
         return _json(row, 201)
 
-    @app.delete("/v1/workers/{worker_id}", responses=replies(404, 422, ok={"type": "object", "required": ["removed"]}))
+    @app.delete("/v1/workers/{worker_id}")
     async def remove_worker(worker_id: int, dp_rank: int | None = None) -> Response:
         try:
             fleet.check_worker(worker_id, dp_rank)
             stopped = await streams.stop(worker_id, dp_rank) if streams is not None else None
             removed = fleet.unregister(worker_id, dp_rank)  # after the streams' last batches are in
             if stopped is not None:
-                removed["streams_stopped"] = stopped
+                removed.streams_stopped = stopped
             return _json(removed)
         except UnknownWorker:
             return _error(404, f"unknown worker {worker_id}" + ("" if dp_rank is None else f":{dp_rank}"))
 
-    @app.post("/v1/events", responses=replies(400, 404, 409, 422, ok=EVENTS_APPLIED),
-              openapi_extra={"requestBody": EVENTS_BODY})
+    @app.post("/v1/events")
     async def post_events(request: Request, model: str = DEFAULT_MODEL) -> Response:
         if fleet.approx is not None:
             return _error(409, "this router runs in approximate mode: it indexes its own routing decisions, "
@@ -404,22 +415,23 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         applied, statuses = fleet.apply(model, events, clock())
         for kind, n in statuses.items():
             rejected[kind] = rejected.get(kind, 0) + n
-        return _json({"applied": applied, "rejected": rejected})
+        return _json(api.EventsApplied(applied, rejected))
 
-    @app.post("/v1/requests/{request_id}/prefill_complete", responses=replies(400, 404, 422, ok=OBJECT))
-    async def prefill_complete(request_id: str, model: str = DEFAULT_MODEL,
-                               body: PrefillBody | None = None) -> Response:
+    @app.post("/v1/requests/{request_id}/prefill_complete")
+    async def prefill_complete(request: Request, request_id: str, model: str = DEFAULT_MODEL) -> Response:
+        raw = await request.body()
+        body = None if raw.strip() in (b"", b"null") else decode_body(raw, api.PrefillBody)
         if not fleet.prefill_complete(model, request_id, None if body is None else body.cached_tokens):
             return _error(404, f"request {request_id!r} is not in flight")
-        return _json({"request_id": request_id, "prefill_complete": True})
+        return _json(api.PrefillCompleted(request_id))
 
-    @app.delete("/v1/requests/{request_id}", responses=replies(404, 422, ok=OBJECT))
+    @app.delete("/v1/requests/{request_id}")
     async def free_request(request_id: str, model: str = DEFAULT_MODEL) -> Response:
         if not fleet.free(model, request_id):
             return _error(404, f"request {request_id!r} is not in flight (already freed?)")
-        return _json({"request_id": request_id, "freed": True})
+        return _json(api.Freed(request_id))
 
-    @app.get("/v1/tree", responses=replies(400, 404, 422, content=TREE))
+    @app.get("/v1/tree")
     async def tree(model: str = DEFAULT_MODEL, worker: str | None = None,
                    format: Annotated[str, Query(pattern="^(json|jsonl)$")] = "json") -> Response:
         wanted = _worker_filter(worker) if worker is not None else None
@@ -430,49 +442,47 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         return StreamingResponse(_encode_dump(slices, wanted or None, jsonl),
                                  media_type="application/x-ndjson" if jsonl else "application/json")
 
-    @app.get("/v1/tree/stats", responses=replies(404, 422, ok={"type": "object", "required": ["models"]}))
+    @app.get("/v1/tree/stats")
     async def tree_stats(model: str | None = None) -> Response:
         return _json(fleet.stats(model))
 
-    @app.post("/v1/reset", responses=replies(400, 404, 422, ok={"type": "object", "required": ["cleared"]}))
-    async def reset(body: ResetBody) -> Response:
+    @app.post("/v1/reset")
+    async def reset(request: Request) -> Response:
+        body = decode_body(await request.body(), api.ResetBody)
         return _json(fleet.reset(body.model, body.worker_id, body.dp_rank))
 
-    @app.get("/busy_threshold", responses=replies(ok={"type": "object", "required": ["thresholds"], "properties": {
-        "thresholds": {"type": "array", "items": ref("Thresholds")}}}))
+    @app.get("/busy_threshold")
     async def get_thresholds() -> Response:
         models = sorted(set(fleet.models) | set(fleet.thresholds.all()))
-        return _json({"thresholds": [fleet.thresholds.get(m).as_dict(m) for m in models]})
+        return _json(api.ThresholdsList([_thresholds(fleet.thresholds.get(m), m) for m in models]))
 
-    @app.post("/busy_threshold", responses=replies(400, 404, 415, 422, ok=ref("Thresholds")),
-              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                  "schema": BusyBody.model_json_schema()}}}})
+    @app.post("/busy_threshold")
     async def post_thresholds(request: Request) -> Response:
         """Set a model's busy thresholds, as Dynamo's frontend does: 415 without a JSON content type, 400 for a
         body that is not JSON, 422 for JSON of the wrong shape (a negative token threshold included)."""
         # The statuses and messages are those of axum's Json extractor, which Dynamo's frontend uses.
         if not json_content_type(request.headers.get("content-type", "")):
             return _error(415, "Expected request with `Content-Type: application/json`")
-        try:
+        try:  # JSON first, then its shape: a body that is not JSON is a 400 whatever it holds
             data = msgspec.json.decode(await request.body())
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:  # serde_json refuses deep
             return _error(400, f"Failed to parse the request body as JSON: {exc}")  # nesting and bad UTF-8 alike
         try:
-            body = BusyBody.model_validate(data)
-        except ValueError as exc:
+            body = msgspec.convert(data, api.BusyBody)
+        except msgspec.ValidationError as exc:
             return _error(422, f"Failed to deserialize the JSON body into the target type: {exc}")
-        fields = body.model_dump(exclude={"model"})
+        fields = {name: getattr(body, name) for name in THRESHOLD_FIELDS}
         setting = any(v is not None for v in fields.values())
         if setting and body.model not in fleet.models:
             return _error(404, f"Model '{body.model}' not found. Thresholds can only be set for discovered models.",
-                          {"models": sorted(fleet.models)})
+                          models=sorted(fleet.models))
         try:
             thresholds = fleet.thresholds.apply_request(body.model, fields)
         except ThresholdError as exc:
             return _error(400, str(exc))
-        return _json(thresholds.as_dict(body.model))
+        return _json(_thresholds(thresholds, body.model))
 
-    @app.delete("/busy_threshold", responses=replies(400, 422, ok=ref("Thresholds")))
+    @app.delete("/busy_threshold")
     async def unset_thresholds(model: str, field: Annotated[list[str] | None, Query()] = None) -> Response:
         """Turn a model's thresholds off: those named by `field`, else all of them. Not in Dynamo's API, whose
         POST can only set a threshold."""
@@ -480,9 +490,10 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             thresholds = fleet.thresholds.unset(model, *(field or THRESHOLD_FIELDS))
         except ThresholdError as exc:
             return _error(400, str(exc))
-        return _json(thresholds.as_dict(model))
+        return _json(_thresholds(thresholds, model))
 
-    app.openapi_schema = complete(app.openapi(), RouteBody, _needs_admin)
+    app.openapi()  # records the routes FastAPI documented: it keeps the document below while they stay
+    app.openapi_schema = document(_needs_admin)
     return _Front(app, routing, admin_token=admin_token, max_body_bytes=max_body_bytes)
 
 

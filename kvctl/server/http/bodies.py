@@ -1,83 +1,80 @@
-"""The bodies `kvctl serve`'s API reads (docs/http-api.md), and the readers of the ones parsed by hand.
+"""How `kvctl serve`'s API reads its request bodies (the bodies themselves are `kvctl.http_api`'s Structs).
 
-Apart from the handlers so that what a request may hold is read in one place, and the route's body,
-read on every routing decision, can be timed and tested alone (benchmarks/native_bench.py).
+Apart from the handlers so that a body that does not fit is worded the same on every route (`Invalid`, 422), and
+the route's body, read on every routing decision, can be timed and tested alone (benchmarks/native_bench.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from array import array
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Any, TypeVar
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvctl.core.router.scoring import KNOBS
 from kvctl.core.token_json import token_ids_at_head, token_ids_from_json
-from kvctl.server.ingest.endpoint import check_endpoint
-from kvctl.server.state import DEFAULT_MODEL
+from kvctl.http_api import InvalidField, RouteBody, over_u64
 
-U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
-U32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
+Body = TypeVar("Body", bound=msgspec.Struct)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Invalid(Exception):
+    """A request whose body or query does not fit its schema: answered 422 with one `InvalidField` per problem."""
+
+    def __init__(self, *fields: InvalidField) -> None:
+        super().__init__("; ".join(f.msg for f in fields))
+        self.fields = list(fields)
 
 
-class WorkerBody(_Body):
-    worker_id: U64
-    dp_rank: U32 = 0
-    endpoint: str | None = Field(None, description="The engine's PUB socket: tcp://HOST:PORT, ipc://PATH or inproc://NAME")
-    replay_endpoint: str | None = Field(None, description="Its replay ROUTER socket, in the same forms")
-    model: str = DEFAULT_MODEL
-    topic: str = ""
-    total_blocks: Annotated[int, Field(gt=0)] | None = None
-
-    @field_validator("endpoint", "replay_endpoint")
-    @classmethod
-    def _connectable(cls, value: str | None) -> str | None:
-        return None if value is None else check_endpoint(value)
+def invalid(where: str, name: str | int | None, message: str, kind: str = "value_error") -> Invalid:
+    """An `Invalid` for one field (`name`) of the body or the query (`where`), or the whole body (None)."""
+    return Invalid(InvalidField(kind, [where] if name is None else [where, name], message))
 
 
-# Kept raw by msgspec and read by `token_ids_from_json`; the schema says what it must hold.
-_TOKEN_IDS = Annotated[msgspec.Raw, msgspec.Meta(extra_json_schema={
-    "anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}}, {"type": "null"}]})]
-_JSON_NULL = msgspec.Raw(b"null")
-_MU64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec bounds stop at int64: the upper bound is checked below
-_WEIGHT = Annotated[float, msgspec.Meta(ge=0)]
+_PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_NAMED_FIELD = re.compile(r"^Object (?:contains unknown|missing required) field `([^`]+)`")
 
 
-# Decoded with msgspec, not pydantic, and the token ids by a C reader: a 2048-token prompt validates in ~25 µs
-# instead of ~190 µs, on the hot path of every routing decision. The docstring is the API's description.
-class RouteBody(msgspec.Struct, forbid_unknown_fields=True):
-    """A request to route: the prompt's `token_ids` (or its blocks' `local_hashes`) for a `model`, and optionally
-    this request's own router settings, by their Dynamo names. Unknown fields are refused (422)."""
+def _located(exc: msgspec.ValidationError) -> Invalid:
+    """msgspec's error (`Expected int >= 0 - at $.worker_id`) as an `Invalid` whose `loc` names the field."""
+    message, _, path = str(exc).partition(" - at `")
+    loc: list[str | int] = ["body"]
+    for name, index in _PATH_PART.findall(path.rstrip("`").removeprefix("$")):
+        loc.append(name or int(index))
+    if (named := _NAMED_FIELD.match(message)) is not None:
+        loc.append(named.group(1))
+    return Invalid(InvalidField("value_error", loc, message))
 
-    model: str = DEFAULT_MODEL
-    token_ids: _TOKEN_IDS | msgspec.UnsetType = msgspec.UNSET
-    local_hashes: list[_MU64] | None = None
-    lora_name: str | None = None
-    request_id: str | None = None
-    reserve: bool = False
-    explain: bool = False
-    # This request's own router knobs (docs/contract.md), by their Dynamo names; the last two are legacy aliases.
-    overlap_score_credit: _WEIGHT | None = None
-    overlap_score_credit_decay: _WEIGHT | None = None
-    prefill_load_scale: _WEIGHT | None = None
-    decode_active_request_weight: _WEIGHT | None = None
-    host_cache_hit_weight: _WEIGHT | None = None
-    disk_cache_hit_weight: _WEIGHT | None = None
-    router_temperature: _WEIGHT | None = None
-    track_prefill_tokens: bool | None = None
-    overlap_score_weight: _WEIGHT | None = None
-    temperature: _WEIGHT | None = None
+
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
+def decode_body(raw: bytes, kind: type[Body]) -> Body:
+    """A request body read into its Struct; `Invalid` (422) saying what is wrong when it does not fit.
+
+    Numbers must be JSON numbers and u64 fields are checked against 2^64 here (msgspec's bounds stop at int64)."""
+    if not raw.strip():
+        raise invalid("body", None, "a JSON body is required", "missing")
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        body = decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise _located(exc) from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise invalid("body", None, f"body is not JSON: {exc}", "json_invalid") from None
+    if over_u64(getattr(body, "worker_id", None)):
+        raise invalid("body", "worker_id", "Expected `int` <= 18446744073709551615")
+    return body
 
 
 OVERRIDES = (*KNOBS, "overlap_score_weight", "temperature")
 _ROUTE_BODY = msgspec.json.Decoder(RouteBody)
+_JSON_NULL = msgspec.Raw(b"null")
 
 
 def read_route_body(raw: bytes) -> tuple[RouteBody, array | None]:
@@ -104,29 +101,6 @@ def read_route_body_whole(raw: bytes) -> tuple[RouteBody, array | None]:
     body = _ROUTE_BODY.decode(raw)
     raw_ids = body.token_ids
     return body, None if raw_ids is msgspec.UNSET or raw_ids == _JSON_NULL else token_ids_from_json(raw_ids)
-
-
-class PrefillBody(_Body):
-    cached_tokens: Annotated[int, Field(ge=0, description="Prompt tokens the engine found cached (its usage's "
-                                        "prompt_tokens_details.cached_tokens)")] | None = None
-
-
-class ResetBody(_Body):
-    model: str | None = None
-    worker_id: U64 | None = None
-    dp_rank: U32 | None = None
-
-
-# Read as Dynamo's frontend reads it (serde): unknown fields ignored, no string-to-number coercion.
-class BusyBody(BaseModel):
-    """A model and the thresholds to set (a threshold not named keeps its value). Unknown fields are ignored;
-    numbers must be JSON numbers, not strings."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-    model: str
-    active_decode_blocks_threshold: float | None = None
-    active_prefill_tokens_threshold: Annotated[int, Field(ge=0)] | None = None
-    active_prefill_tokens_threshold_frac: float | None = None
 
 
 def json_content_type(value: str) -> bool:

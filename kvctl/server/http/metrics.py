@@ -51,11 +51,11 @@ class FleetCollector(Collector):
         routes = CounterMetricFamily("kvctl_worker_routes", "routes answered with this worker",
                                      labels=["model", "worker_id", "dp_rank"])
         for row in fleet.worker_rows(0.0):
-            labels = [row["model"], str(row["worker_id"]), str(row["dp_rank"])]
-            worker_blocks.add_metric(labels, row["blocks"])
-            decode.add_metric(labels, row["active_decode_blocks"])
-            prefill.add_metric(labels, row["active_prefill_tokens"])
-            routes.add_metric(labels, row["routes"])
+            labels = [row.model, str(row.worker_id), str(row.dp_rank)]
+            worker_blocks.add_metric(labels, row.blocks)
+            decode.add_metric(labels, row.active_decode_blocks)
+            prefill.add_metric(labels, row.active_prefill_tokens)
+            routes.add_metric(labels, row.routes)
         over_limit = CounterMetricFamily("kvctl_route_over_limit", "routes refused (429) by a cap: "
                                          "--max-request-tokens, --max-reservations, --max-reserved-tokens",
                                          labels=["limit"])

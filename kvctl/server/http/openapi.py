@@ -1,143 +1,171 @@
-"""What /openapi.json says the router answers, beyond what FastAPI infers from the handlers' signatures.
+"""`/openapi.json`, generated: the bodies' schemas from `kvctl.http_api`'s Structs, and one table (`OPERATIONS`) of
+the routes, their parameters, their answers and the error statuses each can give.
 
-Most handlers write their own JSON (`Response`), so FastAPI knows neither their bodies nor their error statuses,
-and `POST /v1/route` is answered before FastAPI sees it. Here: the schemas of the answers, the statuses each
-operation can give (`replies()`, used in the route decorators), and `complete()`, which adds what the outer layer
-(`_Front`) answers for every operation (401 without the admin token, 413 over the body cap) and the route
-operation. A client generated from the document, or schemathesis, then meets no status and no body it was not
-told about.
+What the outer layer answers for every operation is added from the table too: 401 where the admin token is
+needed, 413 where a body can be sent. A client generated from the document, or schemathesis, then meets no status
+and no body it was not told about.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 import msgspec
 
+from kvctl import __version__
+from kvctl import http_api as api
 from kvctl.core.events import Tier
+from kvctl.core.names import DEFAULT_MODEL
 
 _REF = "#/components/schemas/{name}"
-U64 = {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}
-U32 = {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}
-_COUNT = {"type": "integer", "minimum": 0}
-_NULLABLE_NUMBER = {"anyOf": [{"type": "number"}, {"type": "null"}]}
+_U64 = {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}
+_U32 = {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}
 
 
 def ref(name: str) -> dict[str, str]:
     return {"$ref": _REF.format(name=name)}
 
 
-SCHEMAS: dict[str, dict[str, Any]] = {
-    "Problem": {
-        "title": "Problem",
-        # `error` is kvctl's own message; `detail` is FastAPI's (request validation).
-        "description": "What is wrong: `error`, a message (with fields beside it that give the context), or "
-                       "`detail`, a message or one item per invalid field.",
-        "type": "object",
-        "anyOf": [{"required": ["error"]}, {"required": ["detail"]}],
-        "properties": {
-            "error": {"type": "string", "minLength": 1},
-            "detail": {"anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["loc", "msg", "type"],
-                    "properties": {"loc": {"type": "array"}, "msg": {"type": "string"}, "type": {"type": "string"}}}},
+_ROUTER_EVENT: dict[str, Any] = {
+    "title": "RouterEvent",
+    "description": "Dynamo's RouterEvent JSON (also the dump format); unknown keys are ignored.",
+    "type": "object",
+    "required": ["worker_id", "event"],
+    "properties": {
+        "worker_id": _U64,
+        "storage_tier": {"enum": [t.value for t in Tier]},
+        "event": {"type": "object", "required": ["event_id", "data"], "properties": {
+            "event_id": _U64,
+            "dp_rank": _U32,
+            "data": {"anyOf": [
+                {"const": "cleared"},
+                {"type": "object", "required": ["stored"], "properties": {"stored": {
+                    "type": "object", "required": ["blocks"], "properties": {
+                        "parent_hash": {"anyOf": [_U64, {"type": "null"}]},
+                        "blocks": {"type": "array", "items": {
+                            "type": "object", "required": ["block_hash", "tokens_hash"],
+                            "properties": {"block_hash": _U64, "tokens_hash": _U64}}}}}}},
+                {"type": "object", "required": ["removed"], "properties": {"removed": {
+                    "type": "object", "required": ["block_hashes"],
+                    "properties": {"block_hashes": {"type": "array", "items": _U64}}}}},
             ]},
-        },
-    },
-    "RouterEvent": {
-        "title": "RouterEvent",
-        "description": "Dynamo's RouterEvent JSON (also the dump format); unknown keys are ignored.",
-        "type": "object",
-        "required": ["worker_id", "event"],
-        "properties": {
-            "worker_id": U64,
-            "storage_tier": {"enum": [t.value for t in Tier]},
-            "event": {"type": "object", "required": ["event_id", "data"], "properties": {
-                "event_id": U64,
-                "dp_rank": U32,
-                "data": {"anyOf": [
-                    {"const": "cleared"},
-                    {"type": "object", "required": ["stored"], "properties": {"stored": {
-                        "type": "object", "required": ["blocks"], "properties": {
-                            "parent_hash": {"anyOf": [U64, {"type": "null"}]},
-                            "blocks": {"type": "array", "items": {
-                                "type": "object", "required": ["block_hash", "tokens_hash"],
-                                "properties": {"block_hash": U64, "tokens_hash": U64}}}}}}},
-                    {"type": "object", "required": ["removed"], "properties": {"removed": {
-                        "type": "object", "required": ["block_hashes"],
-                        "properties": {"block_hashes": {"type": "array", "items": U64}}}}},
-                ]},
-            }},
-        },
-    },
-    "Worker": {
-        "title": "Worker",
-        "type": "object",
-        "required": ["worker_id", "dp_rank", "model", "blocks", "busy"],
-        "properties": {"worker_id": U64, "dp_rank": U32, "model": {"type": "string"}, "blocks": _COUNT,
-                       "busy": {"type": "boolean"}},
-    },
-    "Thresholds": {
-        "title": "Thresholds",
-        "type": "object",
-        "required": ["model", "active_decode_blocks_threshold", "active_prefill_tokens_threshold",
-                     "active_prefill_tokens_threshold_frac"],
-        "properties": {"model": {"type": "string"}, "active_decode_blocks_threshold": _NULLABLE_NUMBER,
-                       "active_prefill_tokens_threshold": {"anyOf": [U64, {"type": "null"}]},
-                       "active_prefill_tokens_threshold_frac": _NULLABLE_NUMBER},
-    },
-    "Decision": {
-        "title": "Decision",
-        "type": "object",
-        "required": ["worker_id", "dp_rank", "overlap_blocks", "required_blocks", "request_id", "reason"],
-        "properties": {"worker_id": U64, "dp_rank": U32, "overlap_blocks": _COUNT, "required_blocks": _COUNT,
-                       "request_id": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-                       "reason": {"type": "string"}, "candidates": {"type": "array", "items": {"type": "object"}}},
+        }},
     },
 }
+_PROBLEM: dict[str, Any] = {
+    "title": "Problem",
+    "description": "What is wrong: an `Error`, or, for a body or query that does not fit its schema, an `Invalid`.",
+    "anyOf": [ref("Error"), ref("Invalid")],
+}
+_LINES = {"type": "string", "description": "one RouterEvent per line"}
+_EVENT_LIST = {"type": "array", "items": ref("RouterEvent")}
+_EVENTS = {"application/json": {"schema": {"anyOf": [ref("RouterEvent"), _EVENT_LIST]}},
+           "application/x-ndjson": {"schema": _LINES}}
+_TREE = {"application/json": {"schema": _EVENT_LIST}, "application/x-ndjson": {"schema": _LINES}}
+_METRICS = {"text/plain": {"schema": {"type": "string"}}}
 
-OBJECT = {"type": "object"}
-EVENTS_APPLIED = {"type": "object", "required": ["applied", "rejected"],
-                  "properties": {"applied": _COUNT, "rejected": {"type": "object", "additionalProperties": _COUNT}}}
-EVENTS_BODY = {"required": True, "content": {
-    "application/json": {"schema": {"anyOf": [ref("RouterEvent"), {"type": "array", "items": ref("RouterEvent")}]}},
-    "application/x-ndjson": {"schema": {"type": "string", "description": "one RouterEvent per line"}},
-}}
-TREE = {"application/json": {"schema": {"type": "array", "items": ref("RouterEvent")}},
-        "application/x-ndjson": {"schema": {"type": "string", "description": "one RouterEvent per line"}}}
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    schema: dict[str, Any]
+    where: str = "query"
+    required: bool = False
+    description: str | None = None
 
 
-def replies(*errors: int, ok: dict[str, Any] | None = None, status: int = 200,
-            content: dict[str, Any] | None = None) -> dict[int | str, dict[str, Any]]:
-    """The `responses` of a route: its success body (`ok`, a JSON schema, or `content` by media type) and the
-    error statuses it answers itself, each with a Problem body."""
-    out: dict[int | str, dict[str, Any]] = {
-        code: {"description": HTTPStatus(code).phrase, "content": {"application/json": {"schema": ref("Problem")}}}
-        for code in errors}
-    if ok is not None or content is not None:
-        out[status] = {"content": content if content is not None else {"application/json": {"schema": ok}}}
+_MODEL = Param("model", {"type": "string", "default": DEFAULT_MODEL}, description="the model")
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One route: `ok` the answer's Struct (or its `content` by media type), `errors` the statuses it answers
+    itself, `body` the request body's Struct (or its content by media type)."""
+
+    method: str
+    path: str
+    summary: str
+    ok: type[msgspec.Struct] | dict[str, Any]
+    errors: tuple[int, ...] = ()
+    params: tuple[Param, ...] = ()
+    body: type[msgspec.Struct] | dict[str, Any] | None = None
+    body_required: bool = True
+    status: int = 200
+
+
+OPERATIONS = (
+    Operation("GET", "/metrics", "Prometheus metrics", _METRICS),
+    Operation("GET", "/v1/status", "The router's status", api.Status),
+    Operation("GET", "/healthz", "Liveness", api.Health),
+    Operation("GET", "/v1/workers", "List workers", api.Workers),
+    Operation("POST", "/v1/workers", "Register a worker", api.Worker, (400, 409, 422), body=api.WorkerBody,
+              status=201),
+    Operation("DELETE", "/v1/workers/{worker_id}", "Remove a worker", api.Removed, (404, 422),
+              (Param("worker_id", {"type": "integer"}, "path", True),
+               Param("dp_rank", {"type": "integer"}, description="one rank (all when left out)"))),
+    Operation("POST", "/v1/events", "Apply RouterEvents", api.EventsApplied, (400, 404, 409, 422), (_MODEL,),
+              body=_EVENTS),
+    Operation("POST", "/v1/requests/{request_id}/prefill_complete", "Mark a request's prefill done",
+              api.PrefillCompleted, (400, 404, 422), (Param("request_id", {"type": "string"}, "path", True), _MODEL),
+              body=api.PrefillBody, body_required=False),
+    Operation("DELETE", "/v1/requests/{request_id}", "Free a request", api.Freed, (404, 422),
+              (Param("request_id", {"type": "string"}, "path", True), _MODEL)),
+    Operation("GET", "/v1/tree", "The index as RouterEvents", _TREE, (400, 404, 422),
+              (_MODEL, Param("worker", {"type": "string"}, description="ID or ID:DP"),
+               Param("format", {"enum": ["json", "jsonl"], "default": "json"}))),
+    Operation("GET", "/v1/tree/stats", "The index's size", api.TreeStats, (404, 422),
+              (Param("model", {"type": "string"}, description="the model (every model when left out)"),)),
+    Operation("POST", "/v1/reset", "Clear the index", api.Cleared, (400, 404, 422), body=api.ResetBody),
+    Operation("GET", "/busy_threshold", "Every model's busy thresholds", api.ThresholdsList),
+    Operation("POST", "/busy_threshold", "Set a model's busy thresholds", api.Thresholds, (400, 404, 415, 422),
+              body=api.BusyBody),
+    Operation("DELETE", "/busy_threshold", "Turn a model's busy thresholds off", api.Thresholds, (400, 422),
+              (Param("model", {"type": "string"}, required=True),
+               Param("field", {"type": "array", "items": {"type": "string"}},
+                     description="a threshold to turn off (all three when left out)"))),
+    Operation("POST", "/v1/route", "Route a request", api.Decision, (400, 404, 422, 429, 503), body=api.RouteBody),
+)
+
+
+def _structs() -> list[type[msgspec.Struct]]:
+    kinds = [api.Error, api.Invalid]
+    for op in OPERATIONS:
+        kinds += [kind for kind in (op.ok, op.body) if isinstance(kind, type)]
+    return list(dict.fromkeys(kinds))
+
+
+def _content(kind: type[msgspec.Struct] | dict[str, Any]) -> dict[str, Any]:
+    return kind if isinstance(kind, dict) else {"application/json": {"schema": ref(kind.__name__)}}
+
+
+def _replies(*codes: int) -> dict[str, Any]:
+    return {str(code): {"description": HTTPStatus(code).phrase, "content": {"application/json": {
+        "schema": ref("Problem")}}} for code in codes}
+
+
+def _operation(op: Operation, needs_admin: Callable[[str, str], bool]) -> dict[str, Any]:
+    name = re.sub(r"\W+", "_", f"{op.method} {op.path}").strip("_").lower()
+    out: dict[str, Any] = {"summary": op.summary, "operationId": name}
+    if op.params:
+        out["parameters"] = [{"name": p.name, "in": p.where, "required": p.required, "schema": p.schema,
+                              **({"description": p.description} if p.description else {})} for p in op.params]
+    if op.body is not None:
+        out["requestBody"] = {"required": op.body_required, "content": _content(op.body)}
+    extra = ([401] if needs_admin(op.method, op.path) else []) + ([413] if op.body is not None else [])
+    out["responses"] = {str(op.status): {"description": HTTPStatus(op.status).phrase, "content": _content(op.ok)},
+                        **_replies(*sorted({*op.errors, *extra}))}
     return out
 
 
-def complete(document: dict[str, Any], route: type, needs_admin: Callable[[str, str], bool]) -> dict[str, Any]:
-    """Add the components, the route operation (`route`: its msgspec body type), and what the outer layer answers:
-    401 where the admin token is needed, 413 where a body can be sent."""
-    body_schema, components = msgspec.json.schema_components([route], ref_template=_REF)
-    schemas = document.setdefault("components", {}).setdefault("schemas", {})
-    schemas.update(components)
-    schemas.update(SCHEMAS)
-    document["paths"]["/v1/route"] = {"post": {
-        "summary": "Route", "operationId": "route",
-        "requestBody": {"required": True, "content": {"application/json": {"schema": body_schema[0]}}},
-        "responses": {str(k): v for k, v in replies(400, 404, 422, 429, 503, ok=ref("Decision")).items()},
-    }}
-    for path, item in document["paths"].items():
-        for method, operation in item.items():
-            responses = operation.setdefault("responses", {})
-            extra = ([401] if needs_admin(method.upper(), path) else []) + ([413] if "requestBody" in operation else [])
-            for code, reply in replies(*extra).items():
-                responses.setdefault(str(code), reply)
-    return document
+def document(needs_admin: Callable[[str, str], bool]) -> dict[str, Any]:
+    """The OpenAPI document of every route; `needs_admin(method, path)`: whether it needs the admin token."""
+    _, schemas = msgspec.json.schema_components(_structs(), ref_template=_REF)
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPERATIONS:
+        paths.setdefault(op.path, {})[op.method.lower()] = _operation(op, needs_admin)
+    return {"openapi": "3.1.0", "info": {"title": "kvctl router", "version": __version__}, "paths": paths,
+            "components": {"schemas": {**schemas, "RouterEvent": _ROUTER_EVENT, "Problem": _PROBLEM}}}

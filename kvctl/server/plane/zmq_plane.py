@@ -290,7 +290,7 @@ class ZmqPlane(PlaneTasks):
                 self.recovery.forget((worker_id, dp_rank))
                 self.counts["workers_removed"] += 1
                 log.warning("event plane: worker %d:%d gone from discovery: removed (%s)", worker_id, dp_rank,
-                            counted(removed["blocks"], "block"))
+                            counted(removed.blocks, "block"))
 
     # ----- sockets ------------------------------------------------------------------------------------
 

@@ -1,0 +1,86 @@
+"""Every answer of the router is the encoding of its `kvctl.http_api` Struct: decoded into it and encoded again,
+it gives the same bytes (no field the Struct lacks, none missing, same JSON types), so the Structs the clients
+decode with are the API itself."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import msgspec
+import pytest
+
+from kvctl import http_api as api
+from kvctl.core.router.approx import ApproxConfig
+from kvctl.core.router.busy import Thresholds
+from kvctl.server.http.api import create_app
+from kvctl.server.state import Fleet
+
+BIG = 2**63 + 7
+TOKENS = list(range(100, 164))
+
+
+@pytest.fixture(params=["exact", "approximate"])
+async def client(request: pytest.FixtureRequest) -> AsyncIterator[httpx.AsyncClient]:
+    approx = ApproxConfig() if request.param == "approximate" else None
+    app = create_app(Fleet(block_size=16, seed=0, approx=approx))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvctl") as c:
+        yield c
+
+
+def exactly(response: httpx.Response, status: int, kind: type[msgspec.Struct]) -> msgspec.Struct:
+    assert response.status_code == status, response.text
+    decoded = msgspec.json.decode(response.content, type=kind)
+    assert msgspec.json.encode(decoded) == response.content, (kind.__name__, response.text)
+    return decoded
+
+
+async def test_every_answer_is_its_struct(client: httpx.AsyncClient) -> None:
+    exactly(await client.get("/healthz"), 200, api.Health)
+    exactly(await client.post("/v1/workers", json={"worker_id": BIG, "dp_rank": 1, "model": "m"}), 201, api.Worker)
+    exactly(await client.post("/v1/workers", json={"worker_id": 2, "model": "m"}), 201, api.Worker)
+    exactly(await client.get("/v1/workers"), 200, api.Workers)
+    decision = exactly(await client.post("/v1/route", json={"token_ids": TOKENS, "model": "m", "explain": True,
+                                                             "request_id": "r1", "reserve": True}), 200, api.Decision)
+    assert isinstance(decision, api.Decision) and len(decision.candidates or []) == 2
+    exactly(await client.post("/v1/requests/r1/prefill_complete?model=m", json={"cached_tokens": 16}), 200,
+            api.PrefillCompleted)
+    exactly(await client.delete("/v1/requests/r1?model=m"), 200, api.Freed)
+    stats = exactly(await client.get("/v1/tree/stats"), 200, api.TreeStats)
+    assert isinstance(stats, api.TreeStats) and set(stats.models) == {"default", "m"}
+    exactly(await client.get("/v1/status"), 200, api.Status)
+    exactly(await client.post("/v1/reset", json={"model": "m"}), 200, api.Cleared)
+    exactly(await client.post("/busy_threshold", json={"model": "m", "active_decode_blocks_threshold": 0.5}), 200,
+            api.Thresholds)
+    exactly(await client.get("/busy_threshold"), 200, api.ThresholdsList)
+    exactly(await client.delete("/busy_threshold", params={"model": "m"}), 200, api.Thresholds)
+    exactly(await client.delete(f"/v1/workers/{BIG}"), 200, api.Removed)
+
+
+async def test_every_error_is_an_error_struct(client: httpx.AsyncClient) -> None:
+    unknown = exactly(await client.get("/v1/tree/stats", params={"model": "nope"}), 404, api.Error)
+    assert isinstance(unknown, api.Error) and unknown.models == ["default"]
+    exactly(await client.post("/v1/route", json={"token_ids": TOKENS}), 503, api.Error)
+    exactly(await client.post("/v1/workers", json={"worker_id": -1}), 422, api.Invalid)
+    exactly(await client.post("/busy_threshold", json={"model": "default", "active_decode_blocks_threshold": 2}),
+            400, api.Error)
+
+
+async def test_a_busy_refusal_carries_the_thresholds_and_what_tripped() -> None:
+    fleet = Fleet(block_size=16, seed=0, thresholds=Thresholds(active_prefill_tokens_threshold=0))
+    app = create_app(fleet)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvctl") as client:
+        assert (await client.post("/v1/workers", json={"worker_id": BIG})).status_code == 201
+        route = {"token_ids": TOKENS, "request_id": "r1", "reserve": True}
+        assert (await client.post("/v1/route", json=route)).status_code == 200
+        busy = exactly(await client.post("/v1/route", json={"token_ids": TOKENS}), 503, api.Error)
+    assert isinstance(busy, api.Error) and isinstance(busy.thresholds, api.Thresholds)
+    assert busy.thresholds.active_prefill_tokens_threshold == 0 and list(busy.tripped or {}) == [f"{BIG}:0"]
+
+
+@pytest.mark.parametrize("body", [{"worker_id": "1"}, {"worker_id": 1, "dp_rank": "0"}, {"worker_id": 1.5}])
+async def test_a_number_sent_as_a_string_is_refused_naming_the_field(client: httpx.AsyncClient, body: dict) -> None:
+    invalid = exactly(await client.post("/v1/workers", json=body), 422, api.Invalid)
+    assert isinstance(invalid, api.Invalid)
+    [field] = invalid.detail
+    assert field.loc == ["body", next(k for k, v in body.items() if not isinstance(v, int))] and "int" in field.msg
