@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvctl import http_api as api
 from kvctl.client import AsyncRouterClient, RouterClient, calls
 from kvctl.client._base import Call
 from kvctl.errors import AllBusy, ApiError, KvctlError, NotFound, Refused, Unreachable
@@ -48,9 +49,9 @@ async def send(request: pytest.FixtureRequest, module_route_path: str) -> AsyncI
 
 async def test_an_answer_decodes(send: Send) -> None:
     row = await send(calls.register_worker(7, model="decodes"))
-    assert (row["worker_id"], row["model"]) == (7, "decodes")
+    assert type(row) is api.Worker and (row.worker_id, row.model) == (7, "decodes")
     decision = await send(calls.route(token_ids=list(range(32)), model="decodes"))
-    assert decision["worker_id"] == 7
+    assert type(decision) is api.Decision and decision.worker_id == 7
 
 
 async def test_an_unknown_model_is_not_found_and_the_hint_names_the_routers_models(send: Send) -> None:
@@ -95,7 +96,7 @@ async def test_without_the_admin_token_the_hint_says_how_to_pass_it() -> None:
             await client.send(calls.register_worker(1))
     assert caught.value.status == 401 and caught.value.hint is not None and "--token" in caught.value.hint
     async with AsyncRouterClient("http://router", transport=transport, token="s3cret") as client:
-        assert (await client.send(calls.register_worker(1)))["worker_id"] == 1
+        assert (await client.send(calls.register_worker(1))).worker_id == 1
 
 
 @pytest.fixture

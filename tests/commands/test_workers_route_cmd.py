@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -132,3 +134,37 @@ def test_text_without_transformers_names_what_to_install(router: httpx.Client) -
 @on_both_route_paths
 def test_route_for_an_unknown_model_is_a_server_error(router: httpx.Client) -> None:
     one_line_error(kvctl(router, "route", "--model", "nope", "1", "2"), 1, "unknown model 'nope'")
+
+
+class _OtherVersion(BaseHTTPRequestHandler):
+    """A router of another version: every answer is JSON that kvctl's API (kvctl/http_api.py) does not describe."""
+
+    def do_GET(self) -> None:
+        body = b'{"worker": 1, "workers": {"1": "x"}}'
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def other_version() -> Iterator[str]:
+    with ThreadingHTTPServer(("127.0.0.1", 0), _OtherVersion) as server:
+        thread = threading.Thread(target=server.serve_forever)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+            thread.join()
+
+
+@pytest.mark.parametrize(("args", "call"), [(["route", "1", "2"], "POST /v1/route"), (["workers"], "GET /v1/workers")])
+def test_an_answer_of_another_shape_is_one_line_naming_the_call(other_version: str, args: list[str], call: str) -> None:
+    one_line_error(kvctl(other_version, *args), 1, f"{call}: the router's answer is not what kvctl ")
