@@ -27,11 +27,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
+import msgspec
 import uvicorn
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from kvctl.core.events.engine_encode import (
     FORMATS,
@@ -124,10 +126,13 @@ class EngineConfig:
         return self.faults.block_size or self.block_size
 
 
-class GenerateRequest(BaseModel):
-    token_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1, le=1_000_000)
+class GenerateRequest(msgspec.Struct):
+    token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=2**32)]], msgspec.Meta(min_length=1)]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 16
     request_id: str | None = None
+
+
+_GENERATE_REQUEST = msgspec.json.Decoder(GenerateRequest)
 
 
 class _Server(uvicorn.Server):
@@ -326,41 +331,39 @@ class MockEngine:
         await asyncio.sleep(delay)
         self.restart()
 
-    def _app(self) -> FastAPI:
-        app = FastAPI(title=f"kvctl mock engine {self.config.worker_id}", docs_url=None, redoc_url=None,
-                      openapi_url=None)
-
-        @app.post("/v1/generate", response_model=None)
-        async def generate(body: GenerateRequest) -> Response:
+    def _app(self) -> Starlette:
+        async def generate(request: Request) -> Response:
+            try:
+                body = _GENERATE_REQUEST.decode(await request.body())
+            except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # msgspec.ValidationError included
+                return JSONResponse({"error": f"invalid generate request: {exc}"}, status_code=422)
             if self.waiting >= self.config.max_waiting:
                 return JSONResponse({"error": "the waiting queue is full"}, status_code=503)
             return StreamingResponse(self.generate(body), media_type="application/x-ndjson")
 
-        @app.post("/v1/restart")
-        async def restart() -> dict[str, Any]:
+        async def restart(_: Request) -> Response:
             """A crash and restart on demand: cold cache, seq from 0, nothing published about it."""
             self.restart()
-            return {"worker_id": self.config.worker_id, "restarts": self.restarts}
+            return JSONResponse({"worker_id": self.config.worker_id, "restarts": self.restarts})
 
-        @app.post("/v1/clear")
-        async def clear() -> dict[str, Any]:
+        async def clear(_: Request) -> Response:
             """A cache reset, as vLLM's POST /reset_prefix_cache: cold cache, announced (AllBlocksCleared)."""
             self.clear_cache()
-            return {"worker_id": self.config.worker_id, "clears": self.clears}
+            return JSONResponse({"worker_id": self.config.worker_id, "clears": self.clears})
 
-        @app.get("/metrics")
-        async def metrics() -> Response:
+        async def metrics(_: Request) -> Response:
             return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-        @app.get("/healthz")
-        async def healthz() -> dict[str, str]:
-            return {"status": "ok"}
+        async def healthz(_: Request) -> Response:
+            return JSONResponse({"status": "ok"})
 
-        @app.get("/v1/info")
-        async def info() -> dict[str, Any]:
-            return self.info()
+        async def info(_: Request) -> Response:
+            return JSONResponse(self.info())
 
-        return app
+        return Starlette(routes=[
+            Route("/v1/generate", generate, methods=["POST"]), Route("/v1/restart", restart, methods=["POST"]),
+            Route("/v1/clear", clear, methods=["POST"]), Route("/metrics", metrics, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]), Route("/v1/info", info, methods=["GET"])])
 
 
 def _line(**fields: Any) -> bytes:

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvctl.core.events.dynamo import decode_router_event_json
-from kvctl.server.http.api import create_app
+from kvctl.server.http.api import create_app, openapi_document
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.state import Fleet, WorkerInfo
 from tests.fixtures_path import FIXTURES
@@ -42,7 +42,7 @@ def _app() -> Any:
 
 def _operations() -> list[tuple[str, str, list[str]]]:
     """(method, path, the keys its documented body has) of every operation that takes a body."""
-    document = _app().app.openapi()
+    document = openapi_document()
     out = []
     for path, item in sorted(document["paths"].items()):
         for method, operation in sorted(item.items()):
@@ -108,7 +108,7 @@ def _says_what_is_wrong(response: httpx.Response) -> None:
     assert isinstance(body, dict), body
     message = body.get("error") or body.get("detail")
     assert message, body
-    if isinstance(message, list):  # FastAPI's validation errors: each names where and what
+    if isinstance(message, list):  # an invalid body or query: each item names where and what
         assert all(item.get("loc") and item.get("msg") for item in message), message
 
 

@@ -64,6 +64,9 @@ async def test_every_error_is_an_error_struct(client: httpx.AsyncClient) -> None
     exactly(await client.post("/v1/workers", json={"worker_id": -1}), 422, api.Invalid)
     exactly(await client.post("/busy_threshold", json={"model": "default", "active_decode_blocks_threshold": 2}),
             400, api.Error)
+    for method, path, status in (("GET", "/nope", 404), ("PUT", "/v1/workers", 405)):
+        wrong = exactly(await client.request(method, path), status, api.Error)
+        assert isinstance(wrong, api.Error) and f"{method} {path}" in wrong.error and "/openapi.json" in wrong.error
 
 
 async def test_a_busy_refusal_carries_the_thresholds_and_what_tripped() -> None:

@@ -56,5 +56,5 @@ async def test_an_unknown_model_is_not_found_and_a_404_naming_the_models(route_p
     assert (caught.value.message, caught.value.hint) == (UNKNOWN, "models there: default")
     async with served(create_app(fleet), route_path) as client:
         for answer in (await client.post("/v1/route", json={"model": "nope", "token_ids": [1]}),  # `route_path`
-                       await client.get("/v1/tree/stats", params={"model": "nope"})):  # FastAPI's handler
+                       await client.get("/v1/tree/stats", params={"model": "nope"})):  # the app's handler
             assert answer.status_code == 404 and answer.json() == {"error": UNKNOWN, "models": ["default"]}

@@ -13,16 +13,18 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 import uvicorn
-from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from kvctl import __version__
@@ -32,7 +34,7 @@ from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.index.kv_index import DumpEdge, events_of
-from kvctl.core.names import format_worker
+from kvctl.core.names import DEFAULT_MODEL, WorkerSelector, format_worker, parse_worker, selects
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError, Thresholds
 from kvctl.core.router.scoring import BadKnob, NoCandidates
 from kvctl.core.words import counted
@@ -41,18 +43,20 @@ from kvctl.server.budget import SLICE_S
 from kvctl.server.http.bodies import (
     OVERRIDES,
     Invalid,
+    choice_param,
     decode_body,
+    int_param,
     invalid,
     json_content_type,
     parse_events,
     read_route_body,
 )
 from kvctl.server.http.metrics import Metrics, Plane
-from kvctl.server.http.openapi import document
+from kvctl.server.http.openapi import OPERATIONS, document, pages
 from kvctl.server.http.route_protocol import Connections, missing_internals, route_protocol
 from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.ingest.streams import Streams
-from kvctl.server.state import DEFAULT_MODEL, Fleet, OverLimit, UnknownWorker, WorkerInfo
+from kvctl.server.state import Fleet, OverLimit, UnknownWorker, WorkerInfo
 
 log = logging.getLogger("kvctl.serve")
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -143,7 +147,7 @@ class _Routing:
     def reply(self, raw: bytes) -> tuple[int, bytes]:
         try:
             body, token_ids = read_route_body(raw)
-        # ValidationError included: say which field, like a 422 from pydantic. Bad UTF-8 inside a JSON string
+        # ValidationError included: it says which field. Bad UTF-8 inside a JSON string
         # raises UnicodeDecodeError, and a bad token id ValueError; both are as undecodable as any malformed
         # body, so the same 422.
         except (msgspec.DecodeError, ValueError) as exc:
@@ -176,7 +180,7 @@ class _Routing:
 class _Front:
     """The outermost ASGI layer: body size cap, admin token, and POST /v1/route answered directly.
 
-    Plain ASGI because every framework layer costs on every request: FastAPI's middleware stack and
+    Plain ASGI because every framework layer costs on every request: a framework's middleware stack and
     request handling were a third of a route's server time. Bodies announced too large are refused from
     their Content-Length; bodies sent without one (chunked) are counted as they arrive and cut off at the
     cap.
@@ -212,8 +216,8 @@ class _Front:
             self.routing.observe()
             return
         if b"content-length" not in headers and b"transfer-encoding" in headers:
-            # Read here, not by the framework: FastAPI turns any error while it reads a body for a model
-            # parameter into a 400, so a chunked body over the cap must be refused before it gets there.
+            # Read here, before the app: a body sent without its length and over the cap is refused (413) like
+            # one announced too large, whatever the handler would have answered without reading it.
             try:
                 raw = await self._body(receive)
             except _BodyTooLarge as exc:
@@ -277,13 +281,6 @@ class _BodyTooLarge(Exception):
         self.limit = limit
 
 
-async def _invalid(_: Request, exc: Exception) -> Response:
-    """FastAPI's 422 without the offending input echoed back: it may hold NaN or Infinity, which are not JSON (the
-    default handler failed on them with a 500), or be most of a 64 MB body."""
-    assert isinstance(exc, RequestValidationError)
-    return _json(api.Invalid([api.InvalidField(e["type"], list(e["loc"]), e["msg"]) for e in exc.errors()]), 422)
-
-
 def http_protocol(app: ASGIApp, *, fast_path: bool = True) -> type[asyncio.Protocol] | Literal["httptools"]:
     """The uvicorn HTTP protocol to serve `app` (from `create_app`) with: plain routes answered in it unless
     `fast_path` is False. "httptools" (uvicorn's own, every request through the app, no connection limits of
@@ -313,28 +310,15 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     """The router's ASGI app. `streams`: engine subscriptions to start and stop with worker registration
     (None: HTTP events only). `restored`: which snapshot the start restored and why (shown in status).
     `connections`: the limits its `http_protocol` keeps."""
-    app = FastAPI(title="kvctl router", version=__version__)
-    app.state.fleet = fleet
     metrics = Metrics(fleet, streams, plane, connections)
     routing = _Routing(fleet, metrics, clock)
+    started = clock()
 
-    async def refuse(_: Request, exc: Exception) -> Response:
-        status, body = _refusal(exc)
-        return Response(body, status_code=status, media_type="application/json")
-
-    for exc_type in (_BodyTooLarge, ApiError, OverLimit, AllBusy, NoCandidates, Invalid):
-        app.add_exception_handler(exc_type, refuse)
-    app.add_exception_handler(RequestValidationError, _invalid)
-
-    @app.get("/metrics", response_class=PlainTextResponse)  # documented as text/plain, as it is
-    async def prometheus() -> Response:
+    async def prometheus(_: Request) -> Response:
         routing.observe()  # normally done already, once each answer was written
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    started = clock()
-
-    @app.get("/v1/status")
-    async def status() -> Response:
+    async def status(_: Request) -> Response:
         return _json(api.Status(
             version=__version__, native_speedups=native.IMPLEMENTATION, uptime_s=round(clock() - started, 3),
             rss_bytes=rss_bytes(), models=fleet.stats().models,
@@ -346,12 +330,10 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             connections=api.ConnectionStats(**dataclasses.asdict(metrics.connections)),
             limits=api.Limits(**dataclasses.asdict(fleet.limits), refused=dict(fleet.over_limit))))
 
-    @app.get("/healthz")
-    async def healthz() -> Response:
+    async def healthz(_: Request) -> Response:
         return _json(api.Health("ok", __version__))
 
-    @app.get("/v1/workers")
-    async def list_workers() -> Response:
+    async def list_workers(_: Request) -> Response:
         rows = fleet.worker_rows(clock())
         if plane is not None:  # where each worker's events come from on the event plane
             sources = {(r["worker_id"], r["dp_rank"]): r for r in plane.worker_sources()}
@@ -361,7 +343,6 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                     k: v for k, v in source.items() if k not in ("worker_id", "dp_rank")}
         return _json(api.Workers(rows))
 
-    @app.post("/v1/workers", status_code=201)
     async def register_worker(request: Request) -> Response:
         body = decode_body(await request.body(), api.WorkerBody)
         for name in ("endpoint", "replay_endpoint"):
@@ -383,8 +364,9 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         row = next(r for r in fleet.worker_rows(clock()) if (r.worker_id, r.dp_rank) == info.key)
         return _json(row, 201)
 
-    @app.delete("/v1/workers/{worker_id}")
-    async def remove_worker(worker_id: int, dp_rank: int | None = None) -> Response:
+    async def remove_worker(request: Request) -> Response:
+        worker_id = int_param(request.path_params["worker_id"], "path", "worker_id")
+        dp_rank = int_param(request.query_params.get("dp_rank"), "query", "dp_rank")
         try:
             fleet.check_worker(worker_id, dp_rank)
             stopped = await streams.stop(worker_id, dp_rank) if streams is not None else None
@@ -395,8 +377,8 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         except UnknownWorker:
             return _error(404, f"unknown worker {worker_id}" + ("" if dp_rank is None else f":{dp_rank}"))
 
-    @app.post("/v1/events")
-    async def post_events(request: Request, model: str = DEFAULT_MODEL) -> Response:
+    async def post_events(request: Request) -> Response:
+        model = request.query_params.get("model", DEFAULT_MODEL)
         if fleet.approx is not None:
             return _error(409, "this router runs in approximate mode: it indexes its own routing decisions, "
                                "not KV events (restart without --approximate to accept them)")
@@ -417,46 +399,43 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             rejected[kind] = rejected.get(kind, 0) + n
         return _json(api.EventsApplied(applied, rejected))
 
-    @app.post("/v1/requests/{request_id}/prefill_complete")
-    async def prefill_complete(request: Request, request_id: str, model: str = DEFAULT_MODEL) -> Response:
+    async def prefill_complete(request: Request) -> Response:
+        request_id, model = request.path_params["request_id"], request.query_params.get("model", DEFAULT_MODEL)
         raw = await request.body()
         body = None if raw.strip() in (b"", b"null") else decode_body(raw, api.PrefillBody)
         if not fleet.prefill_complete(model, request_id, None if body is None else body.cached_tokens):
             return _error(404, f"request {request_id!r} is not in flight")
         return _json(api.PrefillCompleted(request_id))
 
-    @app.delete("/v1/requests/{request_id}")
-    async def free_request(request_id: str, model: str = DEFAULT_MODEL) -> Response:
+    async def free_request(request: Request) -> Response:
+        request_id, model = request.path_params["request_id"], request.query_params.get("model", DEFAULT_MODEL)
         if not fleet.free(model, request_id):
             return _error(404, f"request {request_id!r} is not in flight (already freed?)")
         return _json(api.Freed(request_id))
 
-    @app.get("/v1/tree")
-    async def tree(model: str = DEFAULT_MODEL, worker: str | None = None,
-                   format: Annotated[str, Query(pattern="^(json|jsonl)$")] = "json") -> Response:
-        wanted = _worker_filter(worker) if worker is not None else None
-        if wanted is False:
-            return _error(400, f"worker must be ID or ID:DP, got {worker!r}")
-        slices = fleet.model(model).router.index.capture_in_slices(TREE_SLICE_NODES)
-        jsonl = format == "jsonl"
-        return StreamingResponse(_encode_dump(slices, wanted or None, jsonl),
+    async def tree(request: Request) -> Response:
+        query = request.query_params
+        jsonl = choice_param(query.get("format", "json"), "format", ("json", "jsonl")) == "jsonl"
+        worker = query.get("worker")
+        try:
+            wanted = parse_worker(worker) if worker is not None else None
+        except ValueError as exc:
+            return _error(400, str(exc))
+        slices = fleet.model(query.get("model", DEFAULT_MODEL)).router.index.capture_in_slices(TREE_SLICE_NODES)
+        return StreamingResponse(_encode_dump(slices, wanted, jsonl),
                                  media_type="application/x-ndjson" if jsonl else "application/json")
 
-    @app.get("/v1/tree/stats")
-    async def tree_stats(model: str | None = None) -> Response:
-        return _json(fleet.stats(model))
+    async def tree_stats(request: Request) -> Response:
+        return _json(fleet.stats(request.query_params.get("model")))
 
-    @app.post("/v1/reset")
     async def reset(request: Request) -> Response:
         body = decode_body(await request.body(), api.ResetBody)
         return _json(fleet.reset(body.model, body.worker_id, body.dp_rank))
 
-    @app.get("/busy_threshold")
-    async def get_thresholds() -> Response:
+    async def get_thresholds(_: Request) -> Response:
         models = sorted(set(fleet.models) | set(fleet.thresholds.all()))
         return _json(api.ThresholdsList([_thresholds(fleet.thresholds.get(m), m) for m in models]))
 
-    @app.post("/busy_threshold")
     async def post_thresholds(request: Request) -> Response:
         """Set a model's busy thresholds, as Dynamo's frontend does: 415 without a JSON content type, 400 for a
         body that is not JSON, 422 for JSON of the wrong shape (a negative token threshold included)."""
@@ -482,35 +461,60 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             return _error(400, str(exc))
         return _json(_thresholds(thresholds, body.model))
 
-    @app.delete("/busy_threshold")
-    async def unset_thresholds(model: str, field: Annotated[list[str] | None, Query()] = None) -> Response:
+    async def unset_thresholds(request: Request) -> Response:
         """Turn a model's thresholds off: those named by `field`, else all of them. Not in Dynamo's API, whose
         POST can only set a threshold."""
+        model = request.query_params.get("model")
+        if model is None:
+            raise invalid("query", "model", "the model is required: ?model=NAME", "missing")
         try:
-            thresholds = fleet.thresholds.unset(model, *(field or THRESHOLD_FIELDS))
+            thresholds = fleet.thresholds.unset(model, *(request.query_params.getlist("field") or THRESHOLD_FIELDS))
         except ThresholdError as exc:
             return _error(400, str(exc))
         return _json(_thresholds(thresholds, model))
 
-    app.openapi()  # records the routes FastAPI documented: it keeps the document below while they stay
-    app.openapi_schema = document(_needs_admin)
+    handlers: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {
+        ("GET", "/metrics"): prometheus, ("GET", "/v1/status"): status, ("GET", "/healthz"): healthz,
+        ("GET", "/v1/workers"): list_workers, ("POST", "/v1/workers"): register_worker,
+        ("DELETE", "/v1/workers/{worker_id}"): remove_worker, ("POST", "/v1/events"): post_events,
+        ("POST", "/v1/requests/{request_id}/prefill_complete"): prefill_complete,
+        ("DELETE", "/v1/requests/{request_id}"): free_request, ("GET", "/v1/tree"): tree,
+        ("GET", "/v1/tree/stats"): tree_stats, ("POST", "/v1/reset"): reset,
+        ("GET", "/busy_threshold"): get_thresholds, ("POST", "/busy_threshold"): post_thresholds,
+        ("DELETE", "/busy_threshold"): unset_thresholds,
+    }
+    # POST /v1/route is answered by `_Front`, ahead of the app, on either path (`http_protocol`).
+    assert {*handlers, ("POST", "/v1/route")} == {(op.method, op.path) for op in OPERATIONS}, "the routes and the " \
+        "table of the document disagree"
+    refusals = dict.fromkeys((_BodyTooLarge, ApiError, OverLimit, AllBusy, NoCandidates, Invalid), _refuse)
+    app = Starlette(routes=[Route(path, handler, methods=[method]) for (method, path), handler in handlers.items()]
+                    + pages(document(_needs_admin)), exception_handlers={**refusals, HTTPException: _no_route})
     return _Front(app, routing, admin_token=admin_token, max_body_bytes=max_body_bytes)
 
 
-def _worker_filter(text: str) -> Callable[[tuple[int, int]], bool] | Literal[False]:
-    try:
-        wid, _, dp = text.partition(":")
-        worker_id, dp_rank = int(wid), (int(dp) if dp else None)
-    except ValueError:
-        return False
-    return lambda worker: worker[0] == worker_id and (dp_rank is None or worker[1] == dp_rank)
+def openapi_document() -> dict[str, Any]:
+    """What `/openapi.json` serves."""
+    return document(_needs_admin)
+
+
+async def _refuse(_: Request, exc: Exception) -> Response:
+    status, body = _refusal(exc)
+    return Response(body, status_code=status, media_type="application/json")
+
+
+async def _no_route(request: Request, exc: Exception) -> Response:
+    """404 for a path the router does not have, 405 for a method it does not answer there."""
+    assert isinstance(exc, HTTPException)
+    status, body = _error_bytes(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}; the routes "
+                                                 "are listed in GET /openapi.json")
+    return Response(body, status_code=status, media_type="application/json", headers=exc.headers)
 
 
 TREE_SLICE_NODES = 256
 """Index nodes a `GET /v1/tree` walks before it lets the loop go: ~1 ms (a node is 2-4 µs)."""
 
 
-async def _encode_dump(slices: Iterator[list[DumpEdge]], wanted: Callable[[tuple[int, int]], bool] | None,
+async def _encode_dump(slices: Iterator[list[DumpEdge]], wanted: WorkerSelector | None,
                        jsonl: bool) -> AsyncIterator[bytes]:
     """A dump as a JSON list or JSONL, captured and sent a slice of the event loop at a time: neither the
     walk of a large index nor its encoding holds the loop, and only a slice of it is held in memory at a
@@ -519,7 +523,7 @@ async def _encode_dump(slices: Iterator[list[DumpEdge]], wanted: Callable[[tuple
     end = time.perf_counter() + SLICE_S
     n = 0
     for edges in slices:
-        for event in events_of([e for e in edges if wanted(e.worker)] if wanted is not None else edges, n):
+        for event in events_of([e for e in edges if selects(wanted, e.worker)] if wanted is not None else edges, n):
             encoded = encode_router_event_json(event)
             parts += (encoded, b"\n") if jsonl else (b"," if n else b"", encoded)
             n += 1

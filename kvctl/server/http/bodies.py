@@ -10,7 +10,7 @@ import json
 import re
 from array import array
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import msgspec
 
@@ -101,6 +101,29 @@ def read_route_body_whole(raw: bytes) -> tuple[RouteBody, array | None]:
     body = _ROUTE_BODY.decode(raw)
     raw_ids = body.token_ids
     return body, None if raw_ids is msgspec.UNSET or raw_ids == _JSON_NULL else token_ids_from_json(raw_ids)
+
+
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
+@overload
+def int_param(value: str, where: str, name: str) -> int: ...
+@overload
+def int_param(value: str | None, where: str, name: str) -> int | None: ...
+def int_param(value: str | None, where: str, name: str) -> int | None:
+    """An integer path or query parameter (None: not given); `Invalid` (422) naming it for anything else."""
+    if value is None:
+        return None
+    if _INTEGER.fullmatch(value) is None or len(value) > 40:
+        raise invalid(where, name, f"{name} must be an integer, got {value[:40]!r}")
+    return int(value)
+
+
+def choice_param(value: str, name: str, choices: tuple[str, ...]) -> str:
+    """A query parameter that is one of `choices`; `Invalid` (422) naming them otherwise."""
+    if value not in choices:
+        raise invalid("query", name, f"{name} must be one of {', '.join(choices)}, got {value[:40]!r}")
+    return value
 
 
 def json_content_type(value: str) -> bool:

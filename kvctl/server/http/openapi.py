@@ -9,12 +9,15 @@ and no body it was not told about.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from kvctl import __version__
 from kvctl import http_api as api
@@ -132,7 +135,7 @@ OPERATIONS = (
 
 
 def _structs() -> list[type[msgspec.Struct]]:
-    kinds = [api.Error, api.Invalid]
+    kinds: list[type[msgspec.Struct]] = [api.Error, api.Invalid]
     for op in OPERATIONS:
         kinds += [kind for kind in (op.ok, op.body) if isinstance(kind, type)]
     return list(dict.fromkeys(kinds))
@@ -169,3 +172,33 @@ def document(needs_admin: Callable[[str, str], bool]) -> dict[str, Any]:
         paths.setdefault(op.path, {})[op.method.lower()] = _operation(op, needs_admin)
     return {"openapi": "3.1.0", "info": {"title": "kvctl router", "version": __version__}, "paths": paths,
             "components": {"schemas": {**schemas, "RouterEvent": _ROUTER_EVENT, "Problem": _PROBLEM}}}
+
+
+_SWAGGER_UI = """<!doctype html>
+<html><head><title>kvctl router: API</title>
+<link rel="stylesheet" href="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"></head>
+<body><div id="swagger-ui"></div>
+<script src="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
+<script>SwaggerUIBundle({url: "/openapi.json", dom_id: "#swagger-ui"})</script></body></html>
+"""
+_REDOC = """<!doctype html>
+<html><head><title>kvctl router: API</title></head>
+<body><redoc spec-url="/openapi.json"></redoc>
+<script src="https://cdn.jsdelivr.net/npm/redoc@2/bundles/redoc.standalone.js"></script></body></html>
+"""
+
+
+def pages(openapi: dict[str, Any]) -> list[Route]:
+    """The documentation routes: the document itself, and Swagger UI and ReDoc over it (for people exploring the
+    API; their scripts come from a CDN, as the browser that shows them can reach one)."""
+    body = msgspec.json.encode(openapi)
+
+    def page(content: bytes | str, media_type: str) -> Callable[[Request], Awaitable[Response]]:
+        async def serve(_: Request) -> Response:
+            return Response(content, media_type=media_type)
+
+        return serve
+
+    return [Route("/openapi.json", page(body, "application/json"), methods=["GET"]),
+            Route("/docs", page(_SWAGGER_UI, "text/html"), methods=["GET"]),
+            Route("/redoc", page(_REDOC, "text/html"), methods=["GET"])]
