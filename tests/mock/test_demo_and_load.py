@@ -40,6 +40,7 @@ def _listening(url: str) -> bool:
 
 
 @pytest.mark.slow
+@on_both_route_paths
 def test_demo_headless_measures_both_policies_at_equal_load_and_leaves_nothing_running() -> None:
     result = _kvctl("demo", "--duration", "16", "--ttft-slo", "1000", "-o", "json", timeout=120)  # 4 s a phase
     assert result.returncode == 0, result.stderr
