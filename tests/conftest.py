@@ -1,5 +1,5 @@
-"""Shared fixtures: the real third-party fixtures folder, an environment free of KVCTL_* settings, and each
-implementation of kvctl's native functions in turn."""
+"""Shared fixtures: the real third-party fixtures folder, an environment free of KVCTL_* settings, each
+implementation of kvctl's native functions in turn, and each path a route may take."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from kvctl.core import _native_py, native
 from tests.fixtures_path import FIXTURES
+from tests.support.served import ROUTE_PATHS, route_on
 
 __all__ = ["FIXTURES"]
 
@@ -49,3 +50,20 @@ def native_impl(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
         for name in native.FUNCTIONS:
             patch.setattr(native, name, getattr(module, name))
         yield module
+
+
+@pytest.fixture(params=ROUTE_PATHS)
+def route_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test that routes on both paths a POST /v1/route may take (the fast path, the ASGI app): they must
+    agree. An app in-process is served with `served(app, route_path)`; a `kvctl serve` started in the test
+    takes the path from the environment."""
+    route_on(monkeypatch, request.param)
+    return str(request.param)
+
+
+@pytest.fixture(scope="module", params=ROUTE_PATHS)
+def module_route_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """`route_path` for a router shared by a module's tests."""
+    with pytest.MonkeyPatch.context() as patch:
+        route_on(patch, request.param)
+        yield str(request.param)

@@ -14,6 +14,7 @@ from kvctl import __version__
 from tests.commands.live_router import PROMPT, loaded_router
 from tests.conftest import implementation
 from tests.core.test_hashing import VECTORS
+from tests.support.served import on_both_route_paths
 
 PATHS = {"C": "C", "Python": "none, pure Python"}  # implementation: what --version and /v1/status call it
 
@@ -69,6 +70,7 @@ def _routes(path: str, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> list
         return answers
 
 
+@on_both_route_paths
 def test_a_router_routes_the_same_on_both_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     routes = {path: _routes(path, tmp_path / path, monkeypatch) for path in PATHS}
     assert routes["Python"] == routes["C"]

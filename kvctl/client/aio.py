@@ -4,11 +4,10 @@ call bounded by `timeout` (a deadline, not a per-read limit: see `kvctl.client.d
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import httpx
 
-from kvctl.client._base import Call, headers, interpret, pool_limits, request_args, translate, verify_tls
+from kvctl.client._base import Call, T, headers, interpret, pool_limits, request_args, translate, verify_tls
 from kvctl.client.deadline import within
 
 
@@ -21,7 +20,7 @@ class AsyncRouterClient:
                                        transport=transport, limits=pool_limits(max_connections),
                                        verify=verify_tls(base_url))
 
-    async def send(self, call: Call) -> Any:
+    async def send(self, call: Call[T]) -> T:
         with translate(self.base_url), within(self._timeout) as ends:
             async with asyncio.timeout_at(ends):
                 response = await self._http.request(call.method, call.path, **request_args(call))

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from kvctl.client._base import Call, interpret, pool_limits, request_args, translate
+from kvctl.client._base import Request, check, pool_limits, request_args, translate
 
 
 class EngineClient:
@@ -24,29 +24,29 @@ class EngineClient:
 
     async def generate(self, token_ids: list[int], max_tokens: int,
                        request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        call = Call("POST", "/v1/generate", json={"token_ids": token_ids, "max_tokens": max_tokens,
-                                                 "request_id": request_id})
+        request = Request("POST", "/v1/generate", json={"token_ids": token_ids, "max_tokens": max_tokens,
+                                                       "request_id": request_id})
         with translate(self.base_url):
-            async with self._http.stream(call.method, call.path, **request_args(call)) as response:
+            async with self._http.stream(request.method, request.path, **request_args(request)) as response:
                 if not response.is_success:
                     await response.aread()
-                    interpret(call, response)
+                    check(request, response)
                 async for line in response.aiter_lines():
                     if line.strip():
                         yield msgspec.json.decode(line)
 
     async def restart(self) -> None:
         """Cold cache and seq from 0, unannounced, as after a crash."""
-        await self._post(Call("POST", "/v1/restart"))
+        await self._post(Request("POST", "/v1/restart"))
 
     async def clear_cache(self) -> None:
         """Cold cache, announced to the router (AllBlocksCleared) as vLLM's reset_prefix_cache does: what a fair
         comparison between policies starts from, with nothing that looks like a crash."""
-        await self._post(Call("POST", "/v1/clear"))
+        await self._post(Request("POST", "/v1/clear"))
 
-    async def _post(self, call: Call) -> None:
+    async def _post(self, request: Request) -> None:
         with translate(self.base_url):
-            interpret(call, await self._http.post(call.path))
+            check(request, await self._http.post(request.path))
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -12,16 +12,17 @@ from typing import Any
 
 import httpx
 
-from kvctl.client._base import DEFAULT_MODEL, Call, headers, interpret, pool_limits, translate, verify_tls
+from kvctl.client._base import Request, check, headers, pool_limits, translate, verify_tls
 from kvctl.client.deadline import deadline_transport, within
 from kvctl.core.events import DecodeError, RouterEvent, decode_router_event_json
 from kvctl.core.events.dump_file import DumpFileError, read_router_events
+from kvctl.core.names import DEFAULT_MODEL
 from kvctl.errors import KvctlError, NotFound, UsageError
 
 
 def router_events(url: str, *, model: str | None, token: str | None, timeout: float) -> list[RouterEvent]:
     """A kvctl router's index of one model (`GET /v1/tree?format=jsonl`)."""
-    text = _get(url, Call("GET", "/v1/tree", params={"model": model or DEFAULT_MODEL, "format": "jsonl"}),
+    text = _get(url, Request("GET", "/v1/tree", params={"model": model or DEFAULT_MODEL, "format": "jsonl"}),
                 token, timeout)
     try:
         return read_router_events(text)
@@ -36,7 +37,7 @@ def dynamo_indexer_events(url: str, *, model: str | None, timeout: float) -> lis
     with or without its routing group.
     """
     try:
-        dump = json.loads(_get(url, Call("GET", "/dump"), None, timeout) or "{}")
+        dump = json.loads(_get(url, Request("GET", "/dump"), None, timeout) or "{}")
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise KvctlError(f"{url}/dump is not JSON: {exc}") from None
     if not isinstance(dump, dict):
@@ -53,14 +54,13 @@ def dynamo_indexer_events(url: str, *, model: str | None, timeout: float) -> lis
     return [_decode(item, url) for entry in chosen for item in _events_of(entry, url)]
 
 
-def _get(url: str, call: Call, token: str | None, timeout: float) -> str:
+def _get(url: str, request: Request, token: str | None, timeout: float) -> str:
     """One GET, the whole of it (a dump of millions of blocks too) within `timeout`."""
     transport = deadline_transport(verify=verify_tls(url), limits=pool_limits())
     with (translate(url), within(timeout),
           httpx.Client(base_url=url, headers=headers(token), timeout=timeout, transport=transport) as http):
-        response = http.request(call.method, call.path, params=call.params)
-    if not response.is_success:
-        interpret(call, response)  # raises the error the status stands for
+        response = http.request(request.method, request.path, params=request.params)
+    check(request, response)
     return response.text
 
 

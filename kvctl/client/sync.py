@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
 
-from kvctl.client._base import Call, headers, interpret, pool_limits, request_args, translate, verify_tls
+from kvctl.client._base import Call, T, headers, interpret, pool_limits, request_args, translate, verify_tls
 from kvctl.client.deadline import deadline_transport, within
 
 
@@ -17,7 +15,7 @@ class RouterClient:
         self._http = httpx.Client(base_url=base_url, headers=headers(token), timeout=timeout,
                                   transport=deadline_transport(verify=verify_tls(base_url), limits=pool_limits()))
 
-    def send(self, call: Call) -> Any:
+    def send(self, call: Call[T]) -> T:
         with translate(self.base_url), within(self._timeout):
             response = self._http.request(call.method, call.path, **request_args(call))
         return interpret(call, response)

@@ -18,6 +18,7 @@ from kvctl.output import Column, View
 
 if TYPE_CHECKING:
     from kvctl.client import RouterClient
+    from kvctl.http_api import Thresholds, ThresholdsList
 
 app = typer.Typer(help="Busy thresholds per model (Dynamo's /busy_threshold; works against a Dynamo frontend).",
                   no_args_is_help=True)
@@ -57,12 +58,14 @@ def get_command(
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
+    import msgspec
+
     out = output_for(ctx, output, as_json)
     with router_client(ctx) as client:
 
-        def fetch() -> dict[str, Any]:
+        def fetch() -> ThresholdsList:
             answer = _all_thresholds(client)
-            return answer if model is None else {"thresholds": [_one(answer, model)]}
+            return answer if model is None else msgspec.structs.replace(answer, thresholds=[_one(answer, model)])
 
         show(out, fetch, lambda answer: out.emit(answer, _LIST_VIEW), watch=watch, interval=interval)
 
@@ -101,11 +104,11 @@ def set_command(
         raise UsageError(f"{sorted(set(changes) & set(cleared))[0]} is both set and unset")
     with router_client(ctx) as client:
         if dry_run:
-            current = _one(_all_thresholds(client), model, missing_ok=True)
+            current = _find(_all_thresholds(client), model)
             out.note("dry run: nothing was changed")
             out.emit({**_merged(model, current, changes, cleared), "dry_run": True}, _ONE_VIEW)
             return
-        _merged(model, {}, changes, cleared)  # validates before asking or sending: a bad value is a usage error
+        _merged(model, None, changes, cleared)  # validates before asking or sending: a bad value is a usage error
         summary = "; ".join([*(f"{k}={v}" for k, v in changes.items()), *(f"unset {k}" for k in cleared)])
         confirm(f"change the busy thresholds of model {model} on {client.base_url}: {summary}", yes)
         result = client.send(calls.set_busy_thresholds(model, changes)) if changes else None
@@ -114,21 +117,23 @@ def set_command(
     out.emit(result, _ONE_VIEW)
 
 
-def _all_thresholds(client: RouterClient) -> dict[str, Any]:
+def _all_thresholds(client: RouterClient) -> ThresholdsList:
     from kvctl.client import calls
 
     return client.send(calls.busy_thresholds())
 
 
-def _one(answer: dict[str, Any], model: str, *, missing_ok: bool = False) -> dict[str, Any]:
-    """One model's object out of GET /busy_threshold's list (Dynamo has no per-model GET)."""
-    for thresholds in answer["thresholds"]:
-        if thresholds["model"] == model:
-            return thresholds
-    if missing_ok:
-        return {}
-    raise KvctlError(f"the router has no busy thresholds for model {model!r}",
-                     hint=there("model", (t["model"] for t in answer["thresholds"])))
+def _find(answer: ThresholdsList, model: str) -> Thresholds | None:
+    """One model's thresholds out of GET /busy_threshold's list (Dynamo has no per-model GET)."""
+    return next((thresholds for thresholds in answer.thresholds if thresholds.model == model), None)
+
+
+def _one(answer: ThresholdsList, model: str) -> Thresholds:
+    """`_find`, or an error naming the models that have thresholds."""
+    if (thresholds := _find(answer, model)) is None:
+        raise KvctlError(f"the router has no busy thresholds for model {model!r}",
+                         hint=there("model", (t.model for t in answer.thresholds)))
+    return thresholds
 
 
 def _field_name(name: str, fields: tuple[str, ...]) -> str:
@@ -139,20 +144,22 @@ def _field_name(name: str, fields: tuple[str, ...]) -> str:
     return normalized
 
 
-def _merged(model: str, current: dict[str, Any], changes: dict[str, float | int], cleared: list[str]) -> dict[str, Any]:
+def _merged(model: str, current: Thresholds | None, changes: dict[str, float | int],
+            cleared: list[str]) -> dict[str, Any]:
     """The thresholds the router will hold after this change, worked out by the core's own merge rules
     (which also validate each value, as the server does)."""
-    from kvctl.core.router.busy import THRESHOLD_FIELDS, BusyThresholds, ThresholdError, Thresholds
+    from kvctl.core.router import busy
 
+    held = {} if current is None else {k: getattr(current, k) for k in busy.THRESHOLD_FIELDS}
     try:
-        registry = BusyThresholds(Thresholds(**{k: current[k] for k in THRESHOLD_FIELDS if current.get(k) is not None}))
+        registry = busy.BusyThresholds(busy.Thresholds(**{k: v for k, v in held.items() if v is not None}))
         registry.set(model, **changes)
         return registry.unset(model, *cleared).as_dict(model)
-    except ThresholdError as exc:
+    except busy.ThresholdError as exc:
         raise UsageError(str(exc), hint=f"see 'kvctl busy set --help' for {exc.field}") from None
 
 
-def _unset(client: RouterClient, model: str, fields: list[str]) -> dict[str, Any]:
+def _unset(client: RouterClient, model: str, fields: list[str]) -> Thresholds:
     from kvctl.client import calls
 
     try:

@@ -156,7 +156,10 @@ Gathered = tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]
 def _gather(ctx: typer.Context, model: str | None) -> Gathered | Finding:
     """The router's own view: status, workers, busy thresholds (restricted to `model` when given); or, when the
     router cannot be asked, the finding that says so: CRITICAL when nothing answers (or not in time), UNKNOWN
-    when something answers with an error (not a kvctl router, or one that refuses doctor's questions)."""
+    when something answers with an error (not a kvctl router, or one that refuses doctor's questions). The core's
+    checks read them as the JSON they are (`kvctl.core` knows nothing of `kvctl.http_api`)."""
+    import msgspec
+
     from kvctl.client import calls
     from kvctl.errors import ApiError, KvctlError
 
@@ -164,8 +167,8 @@ def _gather(ctx: typer.Context, model: str | None) -> Gathered | Finding:
     try:
         with router_client(ctx) as client:
             status = client.send(calls.status())
-            workers = client.send(calls.workers())["workers"]
-            thresholds = client.send(calls.busy_thresholds())["thresholds"]
+            workers = client.send(calls.workers()).workers
+            thresholds = client.send(calls.busy_thresholds()).thresholds
     except ApiError as exc:
         return Finding("router", Severity.UNKNOWN, f"the router at {url} answered with an error: cannot diagnose it",
                        {"error": exc.message, "http_status": exc.status},
@@ -174,20 +177,22 @@ def _gather(ctx: typer.Context, model: str | None) -> Gathered | Finding:
         return Finding("router", Severity.CRITICAL, f"router unreachable at {url}", {"error": exc.message},
                        f"is `kvctl serve` running there? (--server / KVCTL_SERVER); curl {url}/healthz")
     if model is not None:
-        if model not in status.get("models", {}):  # Nagios: a check asked about nothing it can see is UNKNOWN
-            models = sorted(status.get("models", {}))
+        if model not in status.models:  # Nagios: a check asked about nothing it can see is UNKNOWN
+            models = sorted(status.models)
             return Finding("router", Severity.UNKNOWN, f"the router at {url} has no model {model!r}",
                            {"models": models}, f"pick one with --model: {', '.join(models) or 'none'}")
-        workers = [w for w in workers if w["model"] == model]
-        status = {**status, "models": {m: s for m, s in status.get("models", {}).items() if m == model}}
-        thresholds = [t for t in thresholds if t["model"] == model]
-    return status, workers, thresholds
+        workers = [w for w in workers if w.model == model]
+        status = msgspec.structs.replace(status, models={m: s for m, s in status.models.items() if m == model})
+        thresholds = [t for t in thresholds if t.model == model]
+    return msgspec.to_builtins(status), msgspec.to_builtins(workers), msgspec.to_builtins(thresholds)
 
 
 def _peers(ctx: typer.Context, urls: list[str], mine: dict[str, Any],
            model: str | None) -> tuple[list[PeerDiff], list[Finding]]:
     """Each peer compared with this router (`mine`: its status' models), and a WARNING finding for each peer
     that could not be read."""
+    import msgspec
+
     from kvctl.client import RouterClient, calls
     from kvctl.errors import KvctlError
 
@@ -197,7 +202,8 @@ def _peers(ctx: typer.Context, urls: list[str], mine: dict[str, Any],
         for url in urls:
             try:
                 with RouterClient(url.rstrip("/"), token=settings.token, timeout=settings.timeout) as peer:
-                    theirs = {m: s for m, s in peer.send(calls.status())["models"].items() if model in (None, m)}
+                    theirs = {m: msgspec.to_builtins(s) for m, s in peer.send(calls.status()).models.items()
+                              if model in (None, m)}
                     rows = _compare(own, peer, mine, theirs)
             except KvctlError as exc:
                 not_compared.append(Finding("divergence", Severity.WARNING, f"peer {url} not compared: {exc.message}",

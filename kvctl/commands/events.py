@@ -349,8 +349,8 @@ def replay_command(
             for batch in _paced(timed, speed):
                 answer = client.send(calls.post_events([_event_obj(e) for e in batch], model))
                 summary["sent"] += len(batch)
-                summary["applied"] += answer["applied"]
-                for kind, n in answer["rejected"].items():
+                summary["applied"] += answer.applied
+                for kind, n in answer.rejected.items():
                     summary["rejected"][kind] = summary["rejected"].get(kind, 0) + n
                 line.update(row, summary["sent"], applied=summary["applied"],
                             rejected=sum(summary["rejected"].values()))

@@ -8,7 +8,7 @@ bad routing decision came from the cache view or the load.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -19,6 +19,9 @@ from kvctl.commands.hash import parse_token_text
 from kvctl.core.names import DEFAULT_MODEL, format_worker
 from kvctl.errors import UsageError
 from kvctl.output import Column, OutputFormat, View
+
+if TYPE_CHECKING:
+    from kvctl.http_api import Decision
 
 HELP = (
     "Ask a router which worker a request's token ids would go to, and why. (read-only; read-write with --reserve)\n\n"
@@ -77,10 +80,10 @@ _CANDIDATE_COLUMNS = [
 ]
 
 
-def _explained_view(answer: dict[str, Any]) -> View:
+def _explained_view(answer: Decision) -> View:
     """Every candidate, the chosen one marked `*`, titled with the decision and its reason."""
-    title = (f"routed to {format_worker((answer['worker_id'], answer['dp_rank']))}: {answer['reason']} "
-             f"({answer['overlap_blocks']} of {answer['required_blocks']} blocks cached)")
+    title = (f"routed to {format_worker((answer.worker_id, answer.dp_rank))}: {answer.reason} "
+             f"({answer.overlap_blocks} of {answer.required_blocks} blocks cached)")
     return View(rows=_candidate_rows, columns=_CANDIDATE_COLUMNS, name_key=NAME_KEY, title=title)
 
 
@@ -108,6 +111,8 @@ def route_command(
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
+    import msgspec
+
     from kvctl.client import calls
 
     out = output_for(ctx, output, as_json)
@@ -126,10 +131,9 @@ def route_command(
         elif dry_run:
             out.note("dry run: nothing was reserved")
         answer = client.send(call)
-    if dry_run:
-        answer = {**answer, "dry_run": True}
+    shown = {**msgspec.to_builtins(answer), "dry_run": True} if dry_run else answer
     explained = explain and out.format is not OutputFormat.name  # -o name prints the chosen worker only
-    out.emit(answer, _explained_view(answer) if explained else _DECISION_VIEW)
+    out.emit(shown, _explained_view(answer) if explained else _DECISION_VIEW)
 
 
 def _request_numbers(tokens: list[str] | None, file: Path | None, local_hashes: bool, text: str | None,

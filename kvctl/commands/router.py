@@ -6,7 +6,7 @@ events arriving at all, and has any been lost (gaps, failed replays, restarts, d
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -27,6 +27,9 @@ from kvctl.core.names import WorkerSelector, format_worker, parse_worker, select
 from kvctl.errors import not_found
 from kvctl.output import Column, Output, OutputFormat, View
 from kvctl.output.words import age, stream_state
+
+if TYPE_CHECKING:
+    from kvctl.http_api import Cleared, Status, TreeStats
 
 app = typer.Typer(help="Reset a router's state, or show the health of its event streams.", no_args_is_help=True)
 
@@ -120,13 +123,15 @@ _PUBLISHERS_VIEW = View(
     name_key="publisher", title="event plane publishers")
 
 
-def _would_clear(stats: dict[str, Any], selector: WorkerSelector | None) -> dict[str, Any]:
+def _would_clear(stats: TreeStats, selector: WorkerSelector | None) -> Cleared:
     """What POST /v1/reset would answer, worked out from GET /v1/tree/stats (device-tier blocks, as reset counts)."""
+    from kvctl.http_api import Cleared, ClearedModel
+
     cleared = []
-    for model, model_stats in stats["models"].items():
-        held = {key: n for key, n in model_stats["workers"].items() if _selected(key, selector)}
-        cleared.append({"model": model, "workers": list(held), "blocks": sum(held.values())})
-    return {"cleared": cleared}
+    for model, model_stats in stats.models.items():
+        held = {key: n for key, n in model_stats.workers.items() if _selected(key, selector)}
+        cleared.append(ClearedModel(model, list(held), sum(held.values())))
+    return Cleared(cleared)
 
 
 def _selected(key: str, selector: WorkerSelector | None) -> bool:
@@ -146,6 +151,8 @@ def reset_command(
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
+    import msgspec
+
     from kvctl.client import calls
 
     out = output_for(ctx, output, as_json)
@@ -153,22 +160,22 @@ def reset_command(
     worker_id, dp_rank = selector or (None, None)
     with router_client(ctx) as client:
         if selector is not None:
-            known = [(w["worker_id"], w["dp_rank"]) for w in client.send(calls.workers())["workers"]
-                     if model in (None, w["model"])]
+            known = [(w.worker_id, w.dp_rank) for w in client.send(calls.workers()).workers
+                     if model in (None, w.model)]
             if not any(selects(selector, w) for w in known):
                 raise not_found("worker", f"{worker}" + (f" in model {model!r}" if model else ""), client.base_url,
                                 [format_worker(w) for w in sorted(known)])
         if dry_run:
-            result = {**_would_clear(client.send(calls.tree_stats(model)), selector), "dry_run": True}
+            result = _would_clear(client.send(calls.tree_stats(model)), selector)
             out.note("dry run: nothing was cleared")
         else:
             scope = " ".join(filter(None, [f"model {model}" if model else "every model",
                                            f"worker {worker}" if worker else None]))
             confirm(f"clear the index of {scope} on {client.base_url}", yes)
             result = client.send(calls.reset(model=model, worker_id=worker_id, dp_rank=dp_rank))
-    if worker is not None and not any(c["workers"] for c in result["cleared"]):
+    if worker is not None and not any(c.workers for c in result.cleared):
         out.warn(f"no worker {worker} holds blocks" + (f" in model {model}" if model else ""))
-    out.emit(result, _RESET_VIEW)
+    out.emit({**msgspec.to_builtins(result), "dry_run": True} if dry_run else result, _RESET_VIEW)
 
 
 @app.command("status", help=STATUS_HELP, epilog=STATUS_EXAMPLES)
@@ -187,12 +194,12 @@ def status_command(
              watch=watch, interval=interval)
 
 
-def _render_status(out: Output, status: dict[str, Any]) -> None:
+def _render_status(out: Output, status: Status) -> None:
     """The whole /v1/status object in json/yaml; as tables, the streams and then the event plane's block."""
-    if not status["streams"] and out.format in (OutputFormat.table, OutputFormat.wide):
+    if not status.streams and out.format in (OutputFormat.table, OutputFormat.wide):
         out.note("no engine streams: this router gets its events over HTTP or the event plane")
     out.emit(status, _STREAMS_VIEW)
-    if status.get("event_plane") and out.format in (OutputFormat.table, OutputFormat.wide):
-        out.emit(status["event_plane"], _PLANE_VIEW)
-        if status["event_plane"].get("publishers"):
-            out.emit(status["event_plane"], _PUBLISHERS_VIEW)
+    if status.event_plane and out.format in (OutputFormat.table, OutputFormat.wide):
+        out.emit(status.event_plane, _PLANE_VIEW)
+        if status.event_plane.get("publishers"):
+            out.emit(status.event_plane, _PUBLISHERS_VIEW)

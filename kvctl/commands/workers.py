@@ -7,7 +7,7 @@ with the router's own view of its load.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -18,6 +18,9 @@ from kvctl.core.names import format_worker
 from kvctl.errors import not_found
 from kvctl.output import Column, View
 from kvctl.output.words import age
+
+if TYPE_CHECKING:
+    from kvctl.http_api import Workers
 
 HELP = "List a router's workers: blocks held, active load, busy flag, last event age. (read-only)"
 EXAMPLES = (
@@ -94,18 +97,20 @@ def workers_command(
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
+    import msgspec
+
     from kvctl.client import calls
 
     out = output_for(ctx, output, as_json)
     with router_client(ctx) as client:
 
-        def fetch() -> dict[str, Any]:
+        def fetch() -> Workers:
             answer = client.send(calls.workers())
             if model is None:
                 return answer
-            chosen = [w for w in answer["workers"] if w["model"] == model]
-            if not chosen and model not in (models := client.send(calls.status())["models"]):
+            chosen = [w for w in answer.workers if w.model == model]
+            if not chosen and model not in (models := client.send(calls.status()).models):
                 raise not_found("model", repr(model), client.base_url, sorted(models))
-            return {**answer, "workers": chosen}
+            return msgspec.structs.replace(answer, workers=chosen)
 
         show(out, fetch, lambda answer: out.emit(answer, _VIEW), watch=watch, interval=interval)

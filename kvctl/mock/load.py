@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvctl.client import AsyncRouterClient, calls
 from kvctl.client.engine import EngineClient
@@ -51,6 +51,8 @@ CONCURRENCY = 16
 DRAIN_S = 30.0
 """Open loop: how long a run waits, once it stops sending, for the requests still in flight; those left then
 are cancelled and counted as `drain_timeout` errors (--drain-timeout)."""
+T = TypeVar("T")
+
 ROUTER_CALLS = ("route", "prefill_complete", "free")
 """The router calls of a request's lifecycle, timed one by one as the load generator makes them."""
 
@@ -396,15 +398,15 @@ class LoadGenerator:
             return next(self._turn)
         decision = await self._ask(calls.route(token_ids=request.tokens, model=self.model, request_id=request_id,
                                                reserve=True), "route", stats)
-        return int(decision["worker_id"])
+        return decision.worker_id
 
-    async def _router_call(self, call: calls.Call, name: str, stats: LoadStats) -> None:
+    async def _router_call(self, call: calls.Call[Any], name: str, stats: LoadStats) -> None:
         try:
             await self._ask(call, name, stats)
         except KvctlError as exc:
             stats.fail(f"router_{type(exc).__name__}", exc)
 
-    async def _ask(self, call: calls.Call, name: str, stats: LoadStats) -> Any:
+    async def _ask(self, call: calls.Call[T], name: str, stats: LoadStats) -> T:
         """A router call, after the watch's backoff while the router refuses connections; its wall time (answered
         or not, the backoff left out) counted under `name`."""
         assert self.router is not None
@@ -434,7 +436,7 @@ class LoadGenerator:
 async def register_engines(router: AsyncRouterClient, engines: Sequence[Mapping[str, Any]], model: str) -> list[str]:
     """Tell the router about engines (rows of `kvctl mock -o json`) it does not know yet, with their KV-event
     endpoints, so that it subscribes to them; returns those it registered (WORKER:DP), for the user to know."""
-    known = {(w["worker_id"], w["dp_rank"]) for w in (await router.send(calls.workers()))["workers"]}
+    known = {(w.worker_id, w.dp_rank) for w in (await router.send(calls.workers())).workers}
     registered = []
     for row in engines:
         if (row["worker_id"], row.get("dp_rank", 0)) not in known:

@@ -1,6 +1,7 @@
 """The one output sink: data to stdout in the chosen format, everything else to stderr.
 
 JSON and YAML print the API object itself (not the table's columns), an empty list prints `[]`,
+a router's answer (a `kvctl.http_api` Struct) prints as the JSON the router sent, and its view reads that,
 `-o name` prints one id per line (control characters escaped, as in a table: an id never adds a line).
 Commands describe their table with a `View` and never print.
 """
@@ -13,6 +14,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TextIO
+
+import msgspec
 
 from kvctl.output.table import printable, render_table, render_wrapped
 
@@ -55,6 +58,8 @@ class Output:
     stderr: TextIO = field(default_factory=lambda: sys.stderr)
 
     def emit(self, data: Any, view: View) -> None:
+        if isinstance(data, msgspec.Struct):
+            data = msgspec.to_builtins(data)
         if self.format is OutputFormat.json:
             self._write(json.dumps(data, separators=(",", ":")) + "\n")
         elif self.format is OutputFormat.yaml:

@@ -221,5 +221,5 @@ class TopApp(App[None]):
             hint = f" ({exc.hint})" if exc.hint else ""
             self.notify(exc.message + hint, title="reset failed", severity="error")
             return
-        blocks = sum(c["blocks"] for c in result["cleared"])
+        blocks = sum(c.blocks for c in result.cleared)
         self.notify(f"cleared {blocks:,} blocks of worker {row.key}", title="reset")

@@ -12,12 +12,15 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
+
+import msgspec
 
 from kvctl.client import AsyncRouterClient, calls
 from kvctl.client.tier_sources import Auth, Scraper, metrics_url, prometheus_windows
 from kvctl.core.tiers import CHECK_TIERS, Sample, Window, hit_rates, increases, report
 from kvctl.errors import KvctlError, UsageError
+from kvctl.http_api import Cleared
 from kvctl.tui.poll import Poll, TierRate, router_counters
 from kvctl.tui.prefixes import Prefix, shared_prefixes
 
@@ -34,7 +37,7 @@ class Source(Protocol):
 
     async def poll(self) -> Poll: ...
 
-    async def reset(self, model: str, worker_id: int, dp_rank: int) -> dict[str, Any]: ...
+    async def reset(self, model: str, worker_id: int, dp_rank: int) -> Cleared: ...
 
     async def prefixes(self, model: str) -> tuple[Prefix, ...]: ...
 
@@ -130,7 +133,10 @@ class LiveSource:
         if isinstance(samples, BaseException):
             raise samples
         tiers, tiers_error = await self._tier_rates()
-        return Poll(at=at, status=status, workers=workers["workers"], counters=router_counters(samples),
+        # Decoded into their Structs (a router of another version is an error saying so), kept as their JSON: a
+        # poll is what a recording holds, and replays into the same frames whichever kvctl reads it.
+        return Poll(at=at, status=msgspec.to_builtins(status), workers=msgspec.to_builtins(workers.workers),
+                    counters=router_counters(samples),
                     tiers=tiers, tiers_error=tiers_error, tiers_note=self.tiers.note if self.tiers else None)
 
     async def _tier_rates(self) -> tuple[tuple[TierRate, ...] | None, str | None]:
@@ -142,7 +148,7 @@ class LiveSource:
         except KvctlError as exc:
             return (), exc.message
 
-    async def reset(self, model: str, worker_id: int, dp_rank: int) -> dict[str, Any]:
+    async def reset(self, model: str, worker_id: int, dp_rank: int) -> Cleared:
         return await self.client.send(calls.reset(model=model, worker_id=worker_id, dp_rank=dp_rank))
 
     async def prefixes(self, model: str) -> tuple[Prefix, ...]:
@@ -175,7 +181,7 @@ class Recorder:
         self._file.flush()
         return poll
 
-    async def reset(self, model: str, worker_id: int, dp_rank: int) -> dict[str, Any]:
+    async def reset(self, model: str, worker_id: int, dp_rank: int) -> Cleared:
         return await self.source.reset(model, worker_id, dp_rank)
 
     async def prefixes(self, model: str) -> tuple[Prefix, ...]:
@@ -213,7 +219,7 @@ class ReplaySource:
         except (ValueError, KeyError, TypeError) as exc:
             raise KvctlError(f"a malformed poll in the recording: {exc}") from None
 
-    async def reset(self, model: str, worker_id: int, dp_rank: int) -> dict[str, Any]:
+    async def reset(self, model: str, worker_id: int, dp_rank: int) -> Cleared:
         raise UsageError("a recording cannot be reset")
 
     async def prefixes(self, model: str) -> tuple[Prefix, ...]:

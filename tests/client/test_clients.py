@@ -1,6 +1,7 @@
-"""Both router clients against a real router: the sync one against a `kvctl serve` process, the async one against
-the same app through httpx's ASGI transport. Each answer the router can give becomes the same error class with
-the router's own message, and a silent or absent router becomes a timeout or `Unreachable` naming the URL."""
+"""Both router clients against a real router, its routes on each path (the fast path, the ASGI app): the sync one
+against a `kvctl serve` process, the async one against the same app served in the test's loop. Each answer the
+router can give becomes the same error class with the router's own message, and a silent or absent router becomes
+a timeout or `Unreachable` naming the URL."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvctl import http_api as api
 from kvctl.client import AsyncRouterClient, RouterClient, calls
 from kvctl.client._base import Call
 from kvctl.errors import AllBusy, ApiError, KvctlError, NotFound, Refused, Unreachable
@@ -19,36 +21,37 @@ from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet
 from tests.nats_server import free_port
 from tests.server.test_serve_process import serving
+from tests.support.served import served
 
 Send = Callable[[Call], Awaitable[Any]]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def router_url(module_route_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One `kvctl serve` for the module: each test uses a model of its own, or none (`default` keeps no worker)."""
     with serving(tmp_path_factory.mktemp("router"), "--no-restore") as (_, client):
         yield str(client.base_url).rstrip("/")
 
 
 @pytest.fixture(params=["sync", "async"])
-async def send(request: pytest.FixtureRequest) -> AsyncIterator[Send]:
+async def send(request: pytest.FixtureRequest, module_route_path: str) -> AsyncIterator[Send]:
     if request.param == "sync":
-        with RouterClient(request.getfixturevalue("served")) as client:
+        with RouterClient(request.getfixturevalue("router_url")) as client:
             async def send_sync(call: Call) -> Any:
                 return client.send(call)
 
             yield send_sync
     else:
-        transport = httpx.ASGITransport(app=create_app(Fleet()))
-        async with AsyncRouterClient("http://router", transport=transport) as aclient:
+        async with served(create_app(Fleet()), module_route_path) as app_client, \
+                AsyncRouterClient(str(app_client.base_url)) as aclient:
             yield aclient.send
 
 
 async def test_an_answer_decodes(send: Send) -> None:
     row = await send(calls.register_worker(7, model="decodes"))
-    assert (row["worker_id"], row["model"]) == (7, "decodes")
+    assert type(row) is api.Worker and (row.worker_id, row.model) == (7, "decodes")
     decision = await send(calls.route(token_ids=list(range(32)), model="decodes"))
-    assert decision["worker_id"] == 7
+    assert type(decision) is api.Decision and decision.worker_id == 7
 
 
 async def test_an_unknown_model_is_not_found_and_the_hint_names_the_routers_models(send: Send) -> None:
@@ -93,7 +96,7 @@ async def test_without_the_admin_token_the_hint_says_how_to_pass_it() -> None:
             await client.send(calls.register_worker(1))
     assert caught.value.status == 401 and caught.value.hint is not None and "--token" in caught.value.hint
     async with AsyncRouterClient("http://router", transport=transport, token="s3cret") as client:
-        assert (await client.send(calls.register_worker(1)))["worker_id"] == 1
+        assert (await client.send(calls.register_worker(1))).worker_id == 1
 
 
 @pytest.fixture

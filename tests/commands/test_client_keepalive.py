@@ -19,7 +19,8 @@ from kvctl.client.engine import EngineClient
 from kvctl.client.sync import RouterClient
 from kvctl.server.http.route_protocol import IDLE_TIMEOUT_S
 
-ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 14\r\n\r\n{\"workers\":[]}"
+"""A router's answer to `GET /v1/workers` (and an engine's to anything: its client reads none)."""
 
 
 class CountingServer:
@@ -58,11 +59,11 @@ class CountingServer:
 async def test_the_async_router_client_reuses_a_busy_connection_and_drops_an_idle_one() -> None:
     counting = CountingServer()
     async with counting as url, AsyncRouterClient(url) as client:
-        await client.send(calls.status())
-        await client.send(calls.status())
+        await client.send(calls.workers())
+        await client.send(calls.workers())
         assert counting.connections == 1  # keep-alive works
         await asyncio.sleep(KEEPALIVE_EXPIRY_S + 0.3)
-        await client.send(calls.status())
+        await client.send(calls.workers())
         assert counting.connections == 2  # the idle one was not reused
 
 

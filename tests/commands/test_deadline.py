@@ -16,14 +16,19 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import msgspec
 import pytest
 
+from kvctl import http_api as api
 from kvctl.client import AsyncRouterClient, calls
 from kvctl.errors import KvctlError
 from kvctl.exit_codes import CheckStatus, ExitCode
 
 TIMEOUT_S = 2
-BODY = b'{"models": {}, "workers": [], "thresholds": []}'  # enough of each answer doctor reads first
+_STATUS = api.Status("0", "C", 0.0, None, {}, [], [], None, None, None, None, api.ConnectionStats(5.0, 1, 0, 0, 0),
+                     api.Limits(1, 1, 1, {}))
+BODY = msgspec.json.encode({**msgspec.to_builtins(_STATUS), "workers": [], "thresholds": []})
+"""Each of the answers doctor reads first (/v1/status, /v1/workers, /busy_threshold), in one."""
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(BODY)
 
 

@@ -18,7 +18,7 @@ THE_WORKERS = "workers there: 1:0, 2:0, 2:1, 9223372036854775815:0"  # numerical
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+def router(module_route_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     with loaded_router(tmp_path_factory.mktemp("router")) as client:
         assert client.post("/v1/workers", json={"worker_id": 5, "model": "default"}).status_code == 201
         yield client  # the dump's workers, and 5:0: registered, holding no blocks

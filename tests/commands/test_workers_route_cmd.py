@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -19,6 +21,7 @@ from tests.commands.live_router import (
     loaded_router,
     one_line_error,
 )
+from tests.support.served import on_both_route_paths
 
 TOKENS = [str(t) for t in PROMPT]
 
@@ -56,6 +59,7 @@ def test_workers_watch_streams_json_lines(router: httpx.Client, monkeypatch: pyt
     assert [len(json.loads(line)["workers"]) for line in result.stdout.splitlines()] == [4, 4]
 
 
+@on_both_route_paths
 def test_route_explain_lists_every_candidate(router: httpx.Client) -> None:
     answer = json_of(kvctl(router, "route", "--explain", "-o", "json", *TOKENS))
     by_name = {_name(c): c for c in answer["candidates"]}
@@ -72,6 +76,7 @@ def test_route_explain_lists_every_candidate(router: httpx.Client) -> None:
     assert kvctl(router, "-o", "name", "route", "--explain", *TOKENS).stdout.strip() in {"1:0", "2:1"}
 
 
+@on_both_route_paths
 def test_tokens_from_arguments_file_stdin_or_local_hashes_agree(router: httpx.Client, tmp_path: Path) -> None:
     prompt = tmp_path / "prompt.json"
     prompt.write_text(str(PROMPT))
@@ -84,6 +89,7 @@ def test_tokens_from_arguments_file_stdin_or_local_hashes_agree(router: httpx.Cl
     assert {(a["overlap_blocks"], a["required_blocks"]) for a in answers} == {(4, 4)}
 
 
+@on_both_route_paths
 def test_reserve_asks_first_and_with_yes_shows_as_active_load(router: httpx.Client) -> None:
     reserve = ("route", "--reserve", "--request-id", "r1", "-o", "json", *TOKENS)
     one_line_error(kvctl(router, *reserve), 2, "refusing without --yes")  # no terminal to ask on
@@ -125,5 +131,40 @@ def test_text_without_transformers_names_what_to_install(router: httpx.Client) -
     one_line_error(kvctl(router, "route", "--text", "hello", "--tokenizer", "gpt2"), 2, "pip install transformers")
 
 
+@on_both_route_paths
 def test_route_for_an_unknown_model_is_a_server_error(router: httpx.Client) -> None:
     one_line_error(kvctl(router, "route", "--model", "nope", "1", "2"), 1, "unknown model 'nope'")
+
+
+class _OtherVersion(BaseHTTPRequestHandler):
+    """A router of another version: every answer is JSON that kvctl's API (kvctl/http_api.py) does not describe."""
+
+    def do_GET(self) -> None:
+        body = b'{"worker": 1, "workers": {"1": "x"}}'
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def other_version() -> Iterator[str]:
+    with ThreadingHTTPServer(("127.0.0.1", 0), _OtherVersion) as server:
+        thread = threading.Thread(target=server.serve_forever)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+            thread.join()
+
+
+@pytest.mark.parametrize(("args", "call"), [(["route", "1", "2"], "POST /v1/route"), (["workers"], "GET /v1/workers")])
+def test_an_answer_of_another_shape_is_one_line_naming_the_call(other_version: str, args: list[str], call: str) -> None:
+    one_line_error(kvctl(other_version, *args), 1, f"{call}: the router's answer is not what kvctl ")

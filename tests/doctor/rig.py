@@ -12,6 +12,7 @@ from typing import Any
 
 from typer.testing import CliRunner
 
+from kvctl import http_api as api
 from kvctl.cli import app
 from kvctl.client import AsyncRouterClient, calls
 from kvctl.client.engine import EngineClient
@@ -53,14 +54,14 @@ class Rig:
     async def doctor(self, *args: str) -> tuple[int, dict[str, Any]]:
         return await asyncio.to_thread(doctor, self.url, *args)
 
-    async def status(self) -> dict[str, Any]:
-        return await self.router.send(calls.status())  # type: ignore[no-any-return]
+    async def status(self) -> api.Status:
+        return await self.router.send(calls.status())
 
-    async def until(self, predicate: Callable[[list[dict[str, Any]]], bool], what: str,
-                    timeout: float = 10.0) -> list[dict[str, Any]]:
+    async def until(self, predicate: Callable[[list[api.Worker]], bool], what: str,
+                    timeout: float = 10.0) -> list[api.Worker]:
         """Poll the router's workers until `predicate` holds on them."""
-        async def workers() -> list[dict[str, Any]]:
-            return (await self.router.send(calls.workers()))["workers"]  # type: ignore[no-any-return]
+        async def workers() -> list[api.Worker]:
+            return (await self.router.send(calls.workers())).workers
 
         return await eventually_async(workers, what, until=predicate, timeout=timeout)
 

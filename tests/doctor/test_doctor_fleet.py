@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvctl import http_api as api
 from kvctl.client import calls
 from kvctl.client.engine import EngineClient
 from kvctl.mock.engine import Faults
@@ -24,7 +25,7 @@ def severities(report: dict[str, object]) -> set[str]:
 async def test_a_healthy_fleet_is_ok(tmp_path: Path) -> None:
     async with engines_behind_router(tmp_path) as rig:
         await rig.load()
-        await rig.until(lambda ws: all(w["blocks"] for w in ws), "every engine's blocks")
+        await rig.until(lambda ws: all(w.blocks for w in ws), "every engine's blocks")
         code, report = await rig.doctor()
     assert "CRITICAL" not in severities(report) and "WARNING" not in severities(report), report
     assert code == 0 and report["status"] == "OK"
@@ -49,7 +50,7 @@ def test_a_router_without_workers_is_critical(tmp_path: Path) -> None:
 async def test_a_silent_engine_is_named(tmp_path: Path) -> None:
     async with engines_behind_router(tmp_path, faults=Faults(silent=True), fault_engines=[0]) as rig:
         await rig.load()
-        await rig.until(lambda ws: sum(bool(w["blocks"]) for w in ws) == 2, "the other engines' blocks")
+        await rig.until(lambda ws: sum(bool(w.blocks) for w in ws) == 2, "the other engines' blocks")
         code, report = await rig.doctor()
     [finding] = findings(report, "silent")
     assert code == 1 and finding["severity"] == "WARNING"
@@ -69,7 +70,7 @@ async def test_engines_that_serve_but_never_publish_are_critical(tmp_path: Path)
 async def test_a_fleet_quiet_for_longer_than_silent_after_is_a_warning_not_critical(tmp_path: Path) -> None:
     async with engines_behind_router(tmp_path) as rig:
         await rig.load()
-        await rig.until(lambda ws: all((w["last_event_age_s"] or 0) > 0.5 for w in ws), "every worker quiet 0.5 s")
+        await rig.until(lambda ws: all((w.last_event_age_s or 0) > 0.5 for w in ws), "every worker quiet 0.5 s")
         code, report = await rig.doctor("--silent-after", "0.5")
     [finding] = findings(report, "silent")
     assert code == 1 and finding["severity"] == "WARNING" and "3 quiet for over 0.5 s" in finding["cause"]
@@ -79,7 +80,7 @@ async def test_a_fleet_quiet_for_longer_than_silent_after_is_a_warning_not_criti
 async def test_a_block_size_mismatch_is_critical(tmp_path: Path) -> None:
     async with engines_behind_router(tmp_path, faults=Faults(block_size=32), fault_engines=[1]) as rig:
         await rig.load()
-        await rig.until(lambda ws: all(w["blocks"] for w in ws), "every engine's blocks")
+        await rig.until(lambda ws: all(w.blocks for w in ws), "every engine's blocks")
         code, report = await rig.doctor()
     [finding] = findings(report, "block_size")
     assert code == 2 and finding["severity"] == "CRITICAL"
@@ -89,7 +90,7 @@ async def test_a_block_size_mismatch_is_critical(tmp_path: Path) -> None:
 async def test_engines_hashing_differently_are_named(tmp_path: Path) -> None:
     async with engines_behind_router(tmp_path, faults=Faults(nondeterministic_hash=True)) as rig:
         await rig.load()
-        await rig.until(lambda ws: any(w["hash_mismatches"] for w in ws), "a hash mismatch")
+        await rig.until(lambda ws: any(w.hash_mismatches for w in ws), "a hash mismatch")
         code, report = await rig.doctor()
     [finding] = findings(report, "hashing")
     assert code == 2 and finding["severity"] == "CRITICAL" and "non-deterministic" in finding["cause"]
@@ -122,8 +123,8 @@ async def test_one_engine_hashing_unlike_the_rest_is_named_alone(tmp_path: Path)
     assert finding["next_step"].startswith("worker 3's engine")
 
 
-def _blocks(workers: list[dict[str, Any]], worker_id: int) -> int:
-    return next(w["blocks"] for w in workers if w["worker_id"] == worker_id)
+def _blocks(workers: list[api.Worker], worker_id: int) -> int:
+    return next(w.blocks for w in workers if w.worker_id == worker_id)
 
 
 async def test_batches_lost_without_a_replay_endpoint_are_named(tmp_path: Path) -> None:
@@ -170,7 +171,7 @@ async def test_a_cache_cleared_as_vllm_does_empties_that_worker_and_is_no_restar
         try:
             for engine in engines:
                 await _generate(engine, list(range(64)))
-            await rig.until(lambda ws: all(w["blocks"] == 4 for w in ws), "every engine indexed")
+            await rig.until(lambda ws: all(w.blocks == 4 for w in ws), "every engine indexed")
             await engines[2].clear_cache()
             await rig.until(lambda ws: _blocks(ws, 3) == 0, "worker 3 emptied")
             await _generate(engines[2], list(range(100, 164)))
@@ -180,7 +181,7 @@ async def test_a_cache_cleared_as_vllm_does_empties_that_worker_and_is_no_restar
         code, report = await rig.doctor()
         status = await rig.status()
     assert _blocks(workers, 1) == _blocks(workers, 2) == 4  # a worker's Cleared is its own (Dynamo's semantics)
-    assert [s["restarts"] for s in status["streams"] if s["worker"]["worker_id"] == 3] == [0]
+    assert [s["restarts"] for s in status.streams if s["worker"]["worker_id"] == 3] == [0]
     assert findings(report, "restarts") == [] and findings(report, "streams")[0]["severity"] == "OK"
     assert code == 0, report
 
@@ -191,7 +192,7 @@ async def test_a_fleet_that_is_all_busy_is_critical_and_names_the_threshold(tmp_
         await rig.router.send(calls.set_busy_thresholds("default", {"active_prefill_tokens_threshold": 1}))
         load = asyncio.create_task(rig.load(requests=30, concurrency=6))
         try:
-            await rig.until(lambda ws: all(w["busy"] for w in ws), "every worker busy")
+            await rig.until(lambda ws: all(w.busy for w in ws), "every worker busy")
             code, report = await rig.doctor()
         finally:
             await load  # to the end: a cancelled load would leave engine streams open
@@ -209,13 +210,13 @@ async def _generate(engine: EngineClient, tokens: list[int]) -> None:
 
 async def _stream_of(rig: Rig, worker_id: int, predicate: Callable[[dict[str, Any]], bool]) -> bool:
     status = await rig.status()
-    return any(predicate(s) for s in status["streams"] if s["worker"]["worker_id"] == worker_id)
+    return any(predicate(s) for s in status.streams if s["worker"]["worker_id"] == worker_id)
 
 
 async def test_engines_hitting_their_cache_while_the_router_predicts_none_is_critical(tmp_path: Path) -> None:
     async with engines_behind_router(tmp_path, faults=Faults(block_size=32)) as rig:  # every engine: 32
         await rig.load()
-        await rig.until(lambda ws: all(w["blocks"] for w in ws), "every engine's blocks")
+        await rig.until(lambda ws: all(w.blocks for w in ws), "every engine's blocks")
         code, report = await rig.doctor(*(arg for e in rig.fleet.engines for arg in ("--metrics", e.url)))
     [finding] = findings(report, "hit_rate")
     assert code == 2 and finding["severity"] == "CRITICAL"

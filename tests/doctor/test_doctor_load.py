@@ -14,6 +14,7 @@ import httpx
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from tests.doctor.rig import doctor, findings
 from tests.server.test_serve_process import serving
+from tests.support.served import on_both_route_paths
 
 BLOCK = 16
 
@@ -50,6 +51,7 @@ def reserve(client: httpx.Client, request_id: str, tokens: int) -> int:
     return int(answer.json()["worker_id"])
 
 
+@on_both_route_paths
 def test_most_workers_busy_is_a_warning_naming_the_threshold_that_trips(tmp_path: Path) -> None:
     with publishing_workers(tmp_path, 3) as client:
         client.post("/busy_threshold", json={"model": "default", "active_prefill_tokens_threshold": 10})
@@ -62,6 +64,7 @@ def test_most_workers_busy_is_a_warning_naming_the_threshold_that_trips(tmp_path
     assert finding["evidence"]["tripped"] == {f"{w}:0": ["active_prefill_tokens 64 > 10"] for w in sorted(loaded)}
 
 
+@on_both_route_paths
 def test_a_full_cache_without_any_threshold_is_a_warning(tmp_path: Path) -> None:
     with publishing_workers(tmp_path, 2, total_blocks=10) as client:
         worker = reserve(client, "long", 10 * BLOCK)  # 10 blocks of decode on a 10-block worker

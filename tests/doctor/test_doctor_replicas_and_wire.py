@@ -23,6 +23,7 @@ from tests.nats_server import NatsServer
 from tests.server.test_nats_plane import envelope, store
 from tests.server.test_serve_process import serving
 from tests.server.zmq_engine import Engine
+from tests.support.served import on_both_route_paths
 
 VLLM = FIXTURES / "vllm-0.33"
 LEGACY = FIXTURES / "vllm-legacy" / "0.23.0"
@@ -115,6 +116,7 @@ async def test_a_replay_that_fails_is_named_with_the_lost_batches(tmp_path: Path
     assert "replay buffer" in finding["next_step"]
 
 
+@on_both_route_paths
 def test_an_approximate_index_at_its_cap_is_named(tmp_path: Path) -> None:
     with serving(tmp_path, "--no-restore", "--approximate", "--max-tree-size", "100") as (_, client):
         for worker_id in (1, 2):

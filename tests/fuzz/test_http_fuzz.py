@@ -1,4 +1,5 @@
-"""Hostile request bodies on every operation of the router's HTTP API that can take one, in-process over ASGI.
+"""Hostile request bodies on every operation of the router's HTTP API that can take one, served in-process on
+each route path.
 
 The operations are read from the app's own OpenAPI document (so an endpoint added later is fuzzed too), and
 each gets random bytes, random JSON (NaN/Infinity literals, ints past 2^64, negatives), objects with the
@@ -25,6 +26,7 @@ from kvctl.server.ingest.streams import Streams
 from kvctl.server.state import Fleet, WorkerInfo
 from tests.fixtures_path import FIXTURES
 from tests.fuzz.junk import DEPTHS, JSON_JUNK, JSON_SCALARS, NAMES, Blob, deep_json, hostile
+from tests.support.served import served
 
 MAX_BODY = 1 << 20
 DUMP_LINES = (FIXTURES / "dynamo-1.6.1" / "dump.jsonl").read_text().splitlines()
@@ -95,8 +97,9 @@ PATH_VALUES = st.sampled_from(["1", "0", "-1", "18446744073709551616", "x", "%00
 
 
 @pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=_app()), base_url="http://kvctl") as c:
+async def client(route_path: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The app served on each route path: a hostile route body must get the same 4xx on both."""
+    async with served(_app(), route_path) as c:
         yield c
 
 

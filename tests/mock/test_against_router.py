@@ -1,8 +1,9 @@
 """Mock engines against a real router (issue 6): their ZMQ events feed a `kvctl serve` app in-process.
 
-The router here is the real thing minus the HTTP server: `Fleet` + `Streams` (real SUB/DEALER sockets)
-+ `create_app`, called through httpx's ASGI transport. Engines are registered with `POST /v1/workers`
-from the first six keys of their `/v1/info`, exactly as an operator would.
+The router here is the real thing in the test's own loop: `Fleet` + `Streams` (real SUB/DEALER sockets)
++ `create_app`, served by uvicorn as `kvctl serve` serves it, its routes on the path a test asks for. Engines
+are registered with `POST /v1/workers` from the first six keys of their `/v1/info`, exactly as an operator
+would.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvctl.server.ingest.streams import Streams
 from kvctl.server.state import Fleet
 from tests.mock.conftest import generate, metric
 from tests.support import eventually_async, joined
+from tests.support.served import ROUTE_PATHS, served
 
 ROUTER_BLOCK_SIZE = 16
 SETTLE_S = 5.0
@@ -53,7 +55,7 @@ class Rig:
     client: httpx.AsyncClient
     streams: Streams
     engines: dict[int, MockEngine]
-    transport: httpx.AsyncBaseTransport  # the router app's, for another client (the load generator's)
+    url: str  # the router's, for another client (the load generator's)
 
     async def stream(self, worker_id: int) -> dict[str, Any]:
         """The router's `/v1/status` stream row of one worker."""
@@ -95,20 +97,20 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def rig(configs: Sequence[EngineConfig]) -> AsyncIterator[Rig]:
-    """Engines plus a router subscribed to each of them; everything closed on the way out."""
+async def rig(configs: Sequence[EngineConfig], route_path: str = ROUTE_PATHS[0]) -> AsyncIterator[Rig]:
+    """Engines plus a router subscribed to each of them, routing on `route_path`; everything closed on the way
+    out."""
     fleet = Fleet(block_size=ROUTER_BLOCK_SIZE)
     streams = Streams(fleet)
-    transport = httpx.ASGITransport(app=create_app(fleet, streams=streams))
     async with contextlib.AsyncExitStack() as stack:
         engines = await stack.enter_async_context(EngineFleet(configs))
-        client = await stack.enter_async_context(httpx.AsyncClient(transport=transport, base_url="http://router"))
+        client = await stack.enter_async_context(served(create_app(fleet, streams=streams), route_path))
         stack.push_async_callback(streams.close)  # closed first: the router lets go before the engines stop
         for info in engines.infos():
             response = await client.post("/v1/workers", json=dict(list(info.items())[:6]))
             assert response.status_code == 201, response.text
         await joined(engines.engines)  # the router's SUBs have joined: nothing published from here on is lost
-        yield Rig(client, streams, {e.config.worker_id: e for e in engines.engines}, transport)
+        yield Rig(client, streams, {e.config.worker_id: e for e in engines.engines}, str(client.base_url))
 
 
 def engine_blocks(engine: MockEngine) -> set[int]:
@@ -220,10 +222,10 @@ async def test_a_restart_after_a_single_batch_is_still_detected() -> None:
     assert old - engine_blocks(engine)  # pre-restart blocks the engine lost are gone from the index too
 
 
-async def test_a_foreign_block_size_is_visible_in_the_schema_and_never_matches() -> None:
+async def test_a_foreign_block_size_is_visible_in_the_schema_and_never_matches(route_path: str) -> None:
     configs = fleet_configs(2, BASE, faults=Faults(block_size=2 * ROUTER_BLOCK_SIZE), fault_engines=[1])
     tokens = prompt(4, 0, blocks=4, shared=4)
-    async with rig(configs) as r:
+    async with rig(configs, route_path) as r:
         for engine in r.engines.values():
             await run_all(engine, [tokens])
         rows = await r.settle()
@@ -299,7 +301,7 @@ async def _load(engine: MockEngine) -> tuple[float, float]:
 # ----- Dynamo's semantics where engines disagree on hashes ---------------------------------------------
 
 
-async def test_engines_hashing_the_same_tokens_differently_show_as_failed_removals() -> None:
+async def test_engines_hashing_the_same_tokens_differently_show_as_failed_removals(route_path: str) -> None:
     """Dynamo 1.6.1's tree keeps one engine hash per edge (the first writer's): a worker with other hashes for
     the same tokens cannot remove its blocks there (Dynamo itself fails with "Failed to find block"). kvctl
     keeps those semantics and makes the symptom visible: removals counted as block_not_found, and the
@@ -307,7 +309,7 @@ async def test_engines_hashing_the_same_tokens_differently_show_as_failed_remova
     configs = fleet_configs(2, replace(BASE, seed=11, capacity=8), faults=Faults(nondeterministic_hash=True),
                             fault_engines=[1])
     shared = prompt(7, 0, blocks=4, shared=4)
-    async with rig(configs) as r:
+    async with rig(configs, route_path) as r:
         for engine in r.engines.values():  # the healthy engine stores the shared prefix first
             await run_all(engine, [shared])
         await run_all(r.engines[2], [prompt(8, s, blocks=4, shared=0) for s in range(3)])  # and worker 2 evicts it

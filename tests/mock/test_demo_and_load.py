@@ -20,6 +20,7 @@ import pytest
 
 from kvctl.mock.load import mooncake_trace, shared_prefix
 from tests.fixtures_path import FIXTURES
+from tests.support.served import on_both_route_paths
 
 TRACE = FIXTURES / "traces" / "conversation_trace.jsonl"
 
@@ -39,6 +40,7 @@ def _listening(url: str) -> bool:
 
 
 @pytest.mark.slow
+@on_both_route_paths
 def test_demo_headless_measures_both_policies_at_equal_load_and_leaves_nothing_running() -> None:
     result = _kvctl("demo", "--duration", "16", "--ttft-slo", "1000", "-o", "json", timeout=120)  # 4 s a phase
     assert result.returncode == 0, result.stderr
@@ -79,6 +81,7 @@ def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
             proc.wait(10)
 
 
+@on_both_route_paths
 def test_mock_load_runs_the_router_lifecycle_and_a_baseline(tmp_path: Path) -> None:
     """Against a router with an admin token: registering the engines needs it, routing does not."""
     with _process("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--no-restore",
@@ -103,6 +106,7 @@ def test_mock_load_runs_the_router_lifecycle_and_a_baseline(tmp_path: Path) -> N
         assert all(w["active_requests"] == 0 and w["blocks"] > 0 for w in workers)
 
 
+@on_both_route_paths
 def test_mock_load_open_loop_reports_latencies_goodput_and_router_calls(tmp_path: Path) -> None:
     """--request-rate offers the same arrivals to each policy, --concurrency caps them; --ttft-slo adds goodput
     (all within a loose SLO); each router call is timed once per request."""

@@ -43,10 +43,11 @@ async def _engines(count: int = 1, **config: object) -> AsyncIterator[dict[int, 
 
 
 @contextlib.asynccontextmanager
-async def _routed(count: int = 2, **config: object) -> AsyncIterator[tuple[LoadGenerator, Rig]]:
-    """A load generator whose router is the real app, following `count` real engines; and that rig."""
-    async with rig([replace(BASE, worker_id=i + 1, **config) for i in range(count)]) as r, \
-            AsyncRouterClient("http://router", transport=r.transport) as router:
+async def _routed(route_path: str, count: int = 2, **config: object) -> AsyncIterator[tuple[LoadGenerator, Rig]]:
+    """A load generator whose router is the real app (routing on `route_path`), following `count` real engines;
+    and that rig."""
+    async with rig([replace(BASE, worker_id=i + 1, **config) for i in range(count)], route_path) as r, \
+            AsyncRouterClient(r.url) as router:
         clients = {w: EngineClient(e.url) for w, e in r.engines.items()}
         try:
             yield LoadGenerator(clients, router=router), r
@@ -119,8 +120,8 @@ async def test_an_open_loop_window_stops_sending_then_drains_and_counts_what_out
     assert stats.errors["drain_timeout"] == 20 - stats.completed > 0
 
 
-async def test_latencies_are_the_client_s_and_each_router_call_is_counted_once() -> None:
-    async with _routed() as (load, r):
+async def test_latencies_are_the_client_s_and_each_router_call_is_counted_once(route_path: str) -> None:
+    async with _routed(route_path) as (load, r):
         stats = await load.run(_workload(8), Policy.router, concurrency=2)
         baseline = await load.run(_workload(4), Policy.random, concurrency=2)
         exposition = (await r.client.get("/metrics")).text
@@ -154,10 +155,10 @@ async def test_goodput_counts_only_requests_within_the_ttft_slo(slo_ms: float, g
 
 
 @pytest.mark.parametrize("policy", [Policy.random, Policy.router])
-async def test_capacity_climbs_while_the_slo_holds_and_throughput_grows(policy: Policy) -> None:
+async def test_capacity_climbs_while_the_slo_holds_and_throughput_grows(policy: Policy, route_path: str) -> None:
     """Two slots: two in flight serve about twice what one does, four no more than two (min_growth 50%, well
     clear of the client's and router's share). A loose SLO: every step met it, the capacity is the best."""
-    async with _routed(1, **TWO_SLOTS) as (load, _):
+    async with _routed(route_path, 1, **TWO_SLOTS) as (load, _):
         result = await capacity(load, _workload(8), policy, ttft_slo_ms=60_000.0, step_s=0.5,
                                 concurrencies=(1, 2, 4, 8), min_growth=0.5)
     assert [step.concurrency for step in result.steps] == [1, 2, 4]

@@ -21,6 +21,7 @@ import httpx
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from tests.reliability.test_engine_faults import router
 from tests.support import eventually
+from tests.support.served import on_both_route_paths
 
 LIMIT = 64 * 1024  # bytes: far below a snapshot of the index below, far above the log file
 FAILED = "snapshot to {state} failed: [Errno 27] File too large"
@@ -68,6 +69,7 @@ def set_file_limit(pid: int, limit: int) -> None:
     resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit, hard))
 
 
+@on_both_route_paths
 def test_full_state_dir_fails_snapshots_loudly_and_the_router_keeps_serving(tmp_path: Path) -> None:
     state = tmp_path / "state"
     failed = FAILED.format(state=state)

@@ -48,6 +48,7 @@ from kvctl.server.ingest.zmq_source import EngineStream
 from kvctl.server.state import Fleet
 from tests.nats_server import stop_process
 from tests.support import eventually, eventually_async
+from tests.support.served import on_both_route_paths
 
 BLOCK = 16
 Block = tuple[int, int]  # (engine block hash, tokens hash): what the router's dump shows of a block
@@ -491,6 +492,7 @@ async def async_router(state_dir: Path, *args: str
                 await proc.wait()
 
 
+@on_both_route_paths
 async def test_replay_endpoint_dying_mid_replay(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     """A gap of 10 batches; the engine's replay socket sends 4 of them and dies. The router gives the
     replay up (its 2 s timeout), counts exactly the 6 it could not get as lost, and keeps serving. The

@@ -39,6 +39,7 @@ from kvctl.server.state import Fleet
 from tests.nats_server import NatsServer, free_port
 from tests.server.test_serve_process import refused
 from tests.support import eventually
+from tests.support.served import on_both_route_paths
 
 TOKEN = "adm-" + secrets.token_hex(12)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
@@ -247,6 +248,7 @@ def _chunks(total: int, size: int = 256) -> Iterator[bytes]:
         sent += size
 
 
+@on_both_route_paths
 def test_bodies_over_the_cap_get_413_naming_it_and_the_router_keeps_serving(tmp_path: Path) -> None:
     auth = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
     with serve(tmp_path, "127.0.0.1:0", "--max-body-bytes", "1000", "--admin-token", TOKEN) as served, \

@@ -15,7 +15,7 @@ from kvctl.core.index import KvIndex
 from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
 from tests.fixtures_path import FIXTURES
-from tests.support.served import ROUTE_PATHS, served
+from tests.support.served import served
 
 BIG = 2**63 + 7  # worker ids and hashes beyond 2^53 must survive JSON both ways
 TOKENS = list(range(100, 164))  # 4 blocks of 16
@@ -27,12 +27,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(params=ROUTE_PATHS)
-def route_path(request: pytest.FixtureRequest) -> str:
-    """Every test here runs on both paths a route may take (the fast path and the ASGI app): they must agree."""
-    return request.param
 
 
 @pytest.fixture

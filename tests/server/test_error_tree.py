@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -26,6 +25,7 @@ from kvctl.server.plane.dynamo_discovery import FileDiscovery
 from kvctl.server.state import Fleet
 from kvctl.server.state_dir import claim
 from tests.server.test_serve_process import _stop, serving
+from tests.support.served import served
 
 UNKNOWN = ("unknown model 'nope': a model is declared in `kvctl serve --config` ([[models]]) or made by "
            "registering a worker for it (POST /v1/workers)")
@@ -56,15 +56,14 @@ def test_a_damaged_snapshot_is_a_snapshot_error_and_one_log_line_at_start(tmp_pa
     assert len(told) == 1 and told[0].endswith(f"ERROR kvctl.serve: damaged snapshot: {problem}"), log
 
 
-async def test_an_unknown_model_is_not_found_and_a_404_naming_the_models() -> None:
+async def test_an_unknown_model_is_not_found_and_a_404_naming_the_models(route_path: str) -> None:
     fleet = Fleet(block_size=16)
     with pytest.raises(KvctlError) as caught:
         fleet.model("nope")
     assert isinstance(caught.value, errors.NotFound) and caught.value.status == 404
     assert (caught.value.message, caught.value.hint) == (UNKNOWN, "models there: default")
-    app_ = create_app(fleet)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_), base_url="http://kvctl") as client:
-        for answer in (await client.post("/v1/route", json={"model": "nope", "token_ids": [1]}),  # the fast path
+    async with served(create_app(fleet), route_path) as client:
+        for answer in (await client.post("/v1/route", json={"model": "nope", "token_ids": [1]}),  # `route_path`
                        await client.get("/v1/tree/stats", params={"model": "nope"})):  # the app's handler
             assert answer.status_code == 404 and answer.json() == {"error": UNKNOWN, "models": ["default"]}
 

@@ -14,6 +14,7 @@ from kvctl.core.router.approx import ApproxConfig
 from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet
 from tests.server.test_api import TOKENS, _store_event
+from tests.support.served import served
 
 WORKER = (("dp_rank", "0"), ("model", "default"), ("worker_id", "1"))
 
@@ -25,9 +26,9 @@ async def samples(client: httpx.AsyncClient) -> dict[tuple[str, tuple[tuple[str,
 
 
 @pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(Fleet(block_size=16, seed=0))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvctl") as c:
+async def client(route_path: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The router's app served on each route path: both must count the same."""
+    async with served(create_app(Fleet(block_size=16, seed=0)), route_path) as c:
         await c.post("/v1/workers", json={"worker_id": 1})
         yield c
 

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.test_serve_process import _stop, serving
 from tests.support import eventually
+from tests.support.served import on_both_route_paths
 
 WAIT_S = 15.0
 """A real process on a loaded machine: wider than `eventually`'s default."""
@@ -23,7 +24,7 @@ HALF_SENT = {
     "idle": b"",
     "partial head": b"GET /healthz HTTP/1.1\r\nhost: x",
     "partial body (app)": b"POST /v1/events HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n[",
-    "partial body (route fast path)": b"POST /v1/route HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{",
+    "partial body (route)": b"POST /v1/route HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{",
 }
 
 
@@ -67,6 +68,7 @@ def _metric(client: httpx.Client, name: str) -> float:
 
 
 @pytest.mark.slow
+@on_both_route_paths  # a half-sent route body on either path
 def test_idle_and_half_sent_connections_are_closed_after_the_idle_timeout(tmp_path: Path) -> None:
     with serving(tmp_path, "--idle-timeout", "1") as (_, client), ExitStack() as stack:
         socks = {name: stack.enter_context(_connected(client, data)) for name, data in HALF_SENT.items()}
@@ -169,7 +171,8 @@ def test_a_second_sigterm_forces_the_exit_and_the_snapshot_is_still_written(tmp_
     assert (tmp_path / "snapshot.jsonl").exists()
 
 
-def test_reservations_past_the_cap_get_429_on_the_fast_route_path(tmp_path: Path) -> None:
+@on_both_route_paths
+def test_reservations_past_the_cap_get_429_on_either_route_path(tmp_path: Path) -> None:
     with serving(tmp_path, "--max-reservations", "1") as (_, client):
         assert client.post("/v1/workers", json={"worker_id": 1}).status_code == 201
         answers = [client.post("/v1/route", json={"token_ids": list(range(64)), "reserve": True, "request_id": rid})

@@ -23,6 +23,7 @@ from kvctl.cli import app
 from kvctl.server.daemon import bind
 from tests.fixtures_path import FIXTURES
 from tests.support import eventually
+from tests.support.served import on_both_route_paths
 
 DUMP = (FIXTURES / "dynamo-1.6.1" / "dump.jsonl").read_text()
 
@@ -185,6 +186,7 @@ def test_snapshot_header_is_versioned(tmp_path: Path) -> None:
     assert trailer["end"]["lines"] == len(lines) - 1 and len(trailer["end"]["sha256"]) == 64
 
 
+@on_both_route_paths
 def test_router_knobs_and_approximate_mode(tmp_path: Path) -> None:
     tokens = list(range(64))
     with serving(tmp_path, "--approximate", "--active-prefill-tokens-threshold", "1000",

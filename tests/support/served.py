@@ -1,5 +1,5 @@
 """The router's app served by uvicorn in the test's own loop, on a free loopback port, with the route fast path
-on or off: the conformance tests run every route test on both paths (`ROUTE_PATHS`)."""
+on or off: the conformance tests run every route test on both paths (`ROUTE_PATHS`, the `route_path` fixture)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 
 from kvctl.server.daemon import bind
@@ -16,6 +17,16 @@ from kvctl.server.http.api import http_protocol
 from tests.support.eventually import eventually_async
 
 ROUTE_PATHS = ("fast path", "asgi")
+
+on_both_route_paths = pytest.mark.usefixtures("route_path")
+"""Marks a test that routes to run on each path (the `route_path` fixture, in conftest.py). Fixtures a mark names
+are set up before the test's own, so a `kvctl serve` those start takes the path too."""
+
+
+def route_on(patch: pytest.MonkeyPatch, path: str) -> None:
+    """Sends the routes of every `kvctl serve` started from here on (a process, or the CLI in-process) down
+    `path`, by the switch an operator would use (KVCTL_ROUTE_FAST_PATH): no test passes a flag of its own."""
+    patch.setenv("KVCTL_ROUTE_FAST_PATH", "1" if path == "fast path" else "0")
 
 
 @asynccontextmanager

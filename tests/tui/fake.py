@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvctl.errors import Unreachable
+from kvctl.http_api import Cleared, ClearedModel
 from kvctl.tui.poll import EVENTS, PREDICTED_COUNT, PREDICTED_SUM, ROUTES, Poll, TierRate
 from kvctl.tui.prefixes import Prefix
 
@@ -37,9 +38,9 @@ class FakeSource:
         self.polled += 1
         return poll
 
-    async def reset(self, model: str, worker_id: int, dp_rank: int) -> dict[str, Any]:
+    async def reset(self, model: str, worker_id: int, dp_rank: int) -> Cleared:
         self.resets.append((model, worker_id, dp_rank))
-        return {"cleared": [{"model": model, "workers": [f"{worker_id}:{dp_rank}"], "blocks": 0}]}
+        return Cleared([ClearedModel(model, [f"{worker_id}:{dp_rank}"], 0)])
 
     async def prefixes(self, model: str) -> tuple[Prefix, ...]:
         return self._prefixes
