@@ -337,7 +337,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                       "engines": streams.engines() if streams is not None else None,
                       "decoder": streams.decoder.status() if streams is not None else None,
                       "event_plane": plane.status() if plane is not None else None, "restore": restored,
-                      "connections": dataclasses.asdict(metrics.connections),
+                      "connections": dataclasses.asdict(metrics.connections), "loop": metrics.loop_lag.status(),
                       "limits": {**dataclasses.asdict(fleet.limits), "refused": dict(fleet.over_limit)}})
 
     @app.get("/healthz", responses=replies(ok={"type": "object", "required": ["status", "version"]}))
