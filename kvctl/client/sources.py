@@ -33,6 +33,19 @@ def router_events(url: str, *, model: str | None, token: str | None, timeout: fl
         raise KvctlError(f"{url} answered a malformed dump: {exc}") from None
 
 
+def router_tree_stats(url: str, *, model: str | None, top: int, token: str | None,
+                      timeout: float) -> dict[str, Any] | None:
+    """One model's `kvctl tree stats` object computed by the router itself (`GET /v1/tree/stats?shape=true`);
+    None from a router too old to compute it, whose dump is then the way."""
+    params = {"model": model or DEFAULT_MODEL, "shape": "true", "top": str(top)}
+    text = _get(url, Call("GET", "/v1/tree/stats", params=params), token, timeout)
+    try:
+        stats = json.loads(text)["models"][model or DEFAULT_MODEL]
+    except (ValueError, KeyError, TypeError):
+        raise KvctlError(f"{url}/v1/tree/stats answered no stats of model {model or DEFAULT_MODEL!r}") from None
+    return stats if isinstance(stats, dict) and "paths" in stats else None
+
+
 def dynamo_indexer_events(url: str, *, model: str | None, timeout: float) -> list[RouterEvent]:
     """One model of a Dynamo standalone indexer's `GET /dump`: `{"model:routing_group": {"events": [...]}}`.
 

@@ -52,6 +52,7 @@ from kvctl.server.http.openapi import EVENTS_APPLIED, EVENTS_BODY, OBJECT, TREE,
 from kvctl.server.http.route_protocol import Connections, missing_internals, route_protocol
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.state import DEFAULT_MODEL, Fleet, OverLimit, UnknownWorker, WorkerInfo
+from kvctl.server.tree_stats import index_shape
 
 log = logging.getLogger("kvctl.serve")
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -431,8 +432,12 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                                  media_type="application/x-ndjson" if jsonl else "application/json")
 
     @app.get("/v1/tree/stats", responses=replies(404, 422, ok={"type": "object", "required": ["models"]}))
-    async def tree_stats(model: str | None = None) -> Response:
-        return _json(fleet.stats(model))
+    async def tree_stats(model: str | None = None, shape: bool = False,
+                         top: Annotated[int, Query(ge=0)] = 10) -> Response:
+        stats = fleet.stats(model)
+        for name, entry in stats["models"].items() if shape else ():  # walked in slices: see server.tree_stats
+            entry.update(await index_shape(fleet.model(name).router.index, top=top))
+        return _json(stats)
 
     @app.post("/v1/reset", responses=replies(400, 404, 422, ok={"type": "object", "required": ["cleared"]}))
     async def reset(body: ResetBody) -> Response:
