@@ -35,24 +35,36 @@ class NotStreamable(ValueError):
     """The events are not a dump in an order this pass can follow in bounded memory."""
 
 
+_TIER_BIT = {tier: 1 << n for n, tier in enumerate(Tier)}
+
+
 class _Path:
-    """One block path: its parent's path (until its own level is done), last local hash, depth, the sequence
-    hash of the whole path (so that no ancestor need be kept to name it), and who holds it on which tiers."""
+    """One block path: its parent's path (until its own level is done), last local hash, depth, who holds it
+    (a bit per tier, per worker), and once it is done and shared, the sequence hash of the whole path, so that
+    no ancestor need be kept to name it. Only shared paths are named (shared prefixes), and a path held by one
+    worker has no shared path below it: a worker holding a block holds its whole path."""
 
     __slots__ = ("best_child", "depth", "holders", "key", "level", "local", "parent", "sequence_hash", "serial")
 
-    def __init__(self, parent: _Path | None, local: int, level: int, serial: int) -> None:
+    def __init__(self, parent: _Path | None, local: int, level: int, key: tuple[int, int], serial: int) -> None:
         self.parent: _Path | None = parent
-        self.local, self.level, self.serial = local, level, serial
+        self.local, self.level, self.key, self.serial = local, level, key, serial
         self.depth: int = 1 if parent is None else parent.depth + 1
-        self.key = (0 if parent is None else parent.serial, local)
-        self.sequence_hash: int = local if parent is None else sequence_hashes([parent.sequence_hash, local])[1]
-        self.holders: dict[Worker, set[Tier]] = {}
+        self.sequence_hash: int | None = None
+        self.holders: dict[Worker, int] = {}
         self.best_child = 0  # the most workers any child path has
+
+    def named(self) -> int:
+        """The sequence hash of the whole path, worked out (and kept) the first time it is asked for."""
+        if self.sequence_hash is None:
+            parent = self.parent
+            self.sequence_hash = (self.local if parent is None
+                                  else sequence_hashes([parent.named(), self.local])[1])
+        return self.sequence_hash
 
     def describe(self) -> dict[str, int]:
         """As `PathTrie.describe`: depth, local hash, and the sequence hash of the whole path."""
-        return {"depth": self.depth, "local_hash": self.local, "sequence_hash": self.sequence_hash}
+        return {"depth": self.depth, "local_hash": self.local, "sequence_hash": self.named()}
 
 
 class DumpStats:
@@ -105,19 +117,22 @@ class DumpStats:
         if data.tier is Tier.device:
             self.workers[worker] += len(data.block_hashes)
         entries = self._levels.setdefault(level, [])
+        bit, paths, serial = _TIER_BIT[data.tier], self._paths, self._serial
+        parent_serial = 0 if parent is None else parent.serial
         for n, (block_hash, local_hash) in enumerate(zip(data.block_hashes, data.tokens_hashes, strict=True)):
-            key = (0 if parent is None else parent.serial, local_hash)
-            path = self._paths.get(key)
+            key = (parent_serial, local_hash)
+            path = paths.get(key)
             if path is None:
-                path = self._paths[key] = _Path(parent, local_hash, level, next(self._serial))
+                path = paths[key] = _Path(parent, local_hash, level, key, next(serial))
                 if n == 0:
                     self.nodes[data.tier] += 1
-            path.holders.setdefault(worker, set()).add(data.tier)
-            if parent is not None and len(path.holders) > parent.best_child:
-                parent.best_child = len(path.holders)
+            holders = path.holders
+            holders[worker] = holders.get(worker, 0) | bit
+            if parent is not None and len(holders) > parent.best_child:
+                parent.best_child = len(holders)
             chain[block_hash] = path
             entries.append((path, chain, block_hash))
-            parent = path
+            parent, parent_serial = path, path.serial
 
     def _cannot(self, why: str) -> None:
         if self.strict:
@@ -152,12 +167,14 @@ class DumpStats:
             yield
 
     def _finish(self, path: _Path) -> None:
-        path.parent = None  # its children are named by their own sequence hash: ancestors can go
+        holders = len(path.holders)
+        if holders >= 2:
+            path.named()  # while its parent is known: then the ancestors can go
+        path.parent = None
         self._distinct += 1
         bucket = path.depth.bit_length()  # depths 2^(k-1) .. 2^k - 1
         self._depth_blocks[bucket] += 1
-        self._depth_held[bucket] += sum(len(tiers) for tiers in path.holders.values())
-        holders = len(path.holders)
+        self._depth_held[bucket] += sum(bits.bit_count() for bits in path.holders.values())
         entry = (holders, path.depth, -path.local, -path.serial, path)  # ranked as `tree_diff._shared_prefixes`
         if holders >= 2 and path.best_child < holders and self.top:
             if len(self._shared) < self.top:
