@@ -4,9 +4,10 @@
 the dump (10.7 GB at 10M pairs). A dump, though, comes parents before children and breadth first (a
 kvctl router's and Dynamo's both walk their tree level by level), so once an edge one level deeper than a
 block's children arrives, that block has seen all its holders and children: its figures are final, and it
-is dropped. What is kept is two levels of the tree and the `top` shared prefixes with their ancestors,
-whatever the dump's length. The router runs the same pass over its own index, a slice at a time
-(`server.tree_stats`), so `tree stats` against a router never downloads the dump.
+is dropped. What is kept is two levels of the tree and the `top` shared prefixes, whatever the dump's
+depth: a deep tree keeps a small part of it, a wide one (every request's tail under a few shared prompts)
+most. The router runs the same pass over its own index, a slice at a time (`server.tree_stats`), so
+`tree stats` against a router never downloads the dump.
 
 A stream this pass cannot follow (a removal, a parent not seen or already dropped, another tier's block
 while bounded) raises `NotStreamable` when `strict`: the caller replays it whole instead, as before. A router
