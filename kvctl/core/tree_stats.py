@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from itertools import count
 from typing import Any
 
 from kvctl.core.events import RouterEvent, Stored, Tier
 from kvctl.core.hashing import sequence_hashes
 from kvctl.core.index import Worker
+from kvctl.core.index.kv_index import DumpEdge
 
 CLOSE_EVERY = 256
 """Blocks closed between two pauses of `DumpStats.finish`: about a millisecond on a busy machine."""
@@ -68,6 +70,42 @@ class _Path:
         return {"depth": self.depth, "local_hash": self.local, "sequence_hash": self.named()}
 
 
+def _names(holders: Iterable[Worker]) -> list[str]:
+    return [f"{w[0]}:{w[1]}" for w in sorted(holders)]
+
+
+class _Tally:
+    """What both passes add up: distinct blocks, blocks and (worker, block, tier) holdings per power-of-two depth
+    bucket, and the `top` shared prefixes, ranked as `tree_diff._shared_prefixes` ranks them."""
+
+    def __init__(self, top: int) -> None:
+        self.top = top
+        self.distinct = 0
+        self.blocks: Counter[int] = Counter()
+        self.held: Counter[int] = Counter()
+        self._shared: list[tuple[int, int, int, int, dict[str, Any]]] = []  # min-heap: the weakest kept first
+
+    def offer(self, holders: int, depth: int, local: int, serial: int,
+              describe: Callable[[], dict[str, Any]]) -> None:
+        """A prefix where sharing ends; described only if it is kept."""
+        entry = (holders, depth, -local, -serial)
+        if not self.top or len(self._shared) >= self.top and entry <= self._shared[0][:4]:
+            return
+        kept = (*entry, describe())
+        if len(self._shared) < self.top:
+            heapq.heappush(self._shared, kept)
+        else:
+            heapq.heapreplace(self._shared, kept)
+
+    def shape(self) -> dict[str, Any]:
+        return {
+            "paths": self.distinct,
+            "depths": [{"min": 1 << (k - 1), "max": (1 << k) - 1, "blocks": self.blocks[k], "held": self.held[k]}
+                       for k in sorted(self.blocks)],
+            "shared_prefixes": [e[4] for e in sorted(self._shared, key=lambda e: e[:4], reverse=True)],
+        }
+
+
 class DumpStats:
     """Add a dump's events in order, then read `shape()` (and, for a file, `counts()`).
 
@@ -76,17 +114,14 @@ class DumpStats:
     """
 
     def __init__(self, *, top: int = 10, bounded: bool = True, strict: bool = True) -> None:
-        self.top, self.bounded, self.strict = top, bounded, strict
+        self.bounded, self.strict = bounded, strict
         self._paths: dict[tuple[int, int], _Path] = {}
         self._chains: dict[tuple[Worker, Tier], dict[int, _Path]] = {}  # engine hash -> path, per holder
         self._levels: dict[int, list[tuple[_Path, dict[int, _Path], int]]] = {}  # level -> (path, chain, hash)
         self._closing: deque[list[tuple[_Path, dict[int, _Path], int]]] = deque()  # levels done, to close
         self._serial = count(1)
         self._deepest = 0
-        self._depth_blocks: Counter[int] = Counter()
-        self._depth_held: Counter[int] = Counter()
-        self._distinct = 0
-        self._shared: list[tuple[int, int, int, int, _Path]] = []  # min-heap: the weakest kept prefix first
+        self._tally = _Tally(top)
         self.blocks: Counter[Tier] = Counter()  # (worker, block) pairs per tier, as the events hold them
         self.workers: Counter[Worker] = Counter()  # device pairs per worker
         self.nodes: Counter[Tier] = Counter()  # edges that start a path nobody started before
@@ -168,39 +203,142 @@ class DumpStats:
             yield
 
     def _finish(self, path: _Path) -> None:
-        holders = len(path.holders)
+        tally, holders = self._tally, len(path.holders)
         if holders >= 2:
             path.named()  # while its parent is known: then the ancestors can go
         path.parent = None
-        self._distinct += 1
+        tally.distinct += 1
         bucket = path.depth.bit_length()  # depths 2^(k-1) .. 2^k - 1
-        self._depth_blocks[bucket] += 1
-        self._depth_held[bucket] += sum(bits.bit_count() for bits in path.holders.values())
-        entry = (holders, path.depth, -path.local, -path.serial, path)  # ranked as `tree_diff._shared_prefixes`
-        if holders >= 2 and path.best_child < holders and self.top:
-            if len(self._shared) < self.top:
-                heapq.heappush(self._shared, entry)
-                return
-            if entry[:4] > self._shared[0][:4]:
-                heapq.heapreplace(self._shared, entry)
-                return
+        tally.blocks[bucket] += 1
+        tally.held[bucket] += sum(bits.bit_count() for bits in path.holders.values())
+        if holders >= 2 and path.best_child < holders:
+            tally.offer(holders, path.depth, path.local, path.serial,
+                        lambda: {**path.describe(), "holders": holders, "workers": _names(path.holders)})
         path.holders = {}  # alive a little longer only as the parent of paths whose level is not done
 
     def shape(self) -> dict[str, Any]:
         """`paths`, `depths` and `shared_prefixes`, as `tree_diff.content_stats` gives them; ends the pass."""
         for _ in self.finish():
             pass
-        ranked = sorted(self._shared, key=lambda e: e[:4], reverse=True)
-        return {
-            "paths": self._distinct,
-            "depths": [{"min": 1 << (k - 1), "max": (1 << k) - 1, "blocks": self._depth_blocks[k],
-                        "held": self._depth_held[k]} for k in sorted(self._depth_blocks)],
-            "shared_prefixes": [{**e[4].describe(), "holders": e[0],
-                                 "workers": [f"{w[0]}:{w[1]}" for w in sorted(e[4].holders)]} for e in ranked],
-        }
+        return self._tally.shape()
 
     def counts(self) -> dict[str, Any]:
         """What `/v1/tree/stats` gives for an index, counted from the dump's own edges (a file has no index)."""
         return {"blocks": self.blocks[Tier.device], "nodes": self.nodes[Tier.device],
                 "workers": {f"{w[0]}:{w[1]}": n for w, n in sorted(self.workers.items())},
                 "tiers": {t.value: {"blocks": self.blocks[t], "nodes": self.nodes[t]} for t in self.blocks}}
+
+
+class _Node:
+    """A radix node of a router's own tree, as its dump edges give it: the local hashes of its first `length`
+    blocks, its parent node, and how many of its blocks each holder holds (all of them, or a first part)."""
+
+    __slots__ = ("best_child", "depth", "holders", "key", "length", "level", "locals", "parent", "serial",
+                 "tail_hash")
+
+    def __init__(self, parent: _Node | None, edge: DumpEdge, holders: dict[Worker, int], level: int,
+                 serial: int) -> None:
+        self.parent: _Node | None = parent
+        self.locals, self.holders, self.level, self.serial = edge.tokens_hashes, holders, level, serial
+        self.length = max(holders.values())
+        self.key = edge.block_hashes[self.length - 1]  # the engine hash its children name as their parent
+        self.depth: int = (0 if parent is None else parent.depth) + self.length  # of its last block
+        self.tail_hash: int | None = None  # the sequence hash of its last block, once asked for
+        self.best_child = 0
+
+    def sequence_hash(self, blocks: int) -> int:
+        """The sequence hash of the path down to this node's block number `blocks` (from 1)."""
+        prefix = [] if self.parent is None else [self.parent.tail()]
+        return sequence_hashes([*prefix, *self.locals[:blocks]])[-1]
+
+    def tail(self) -> int:
+        if self.tail_hash is None:
+            self.tail_hash = self.sequence_hash(self.length)
+        return self.tail_hash
+
+
+class EdgeStats:
+    """`DumpStats`' figures for a router's own device tree, read node by node from `KvIndex.capture_in_slices`
+    (each node's holders come together, as edges sharing its arrays). A node's blocks differ only in how
+    many of its holders reach them, so they are counted at once: the cost grows with nodes and holders, not
+    with (worker, block) pairs as a dump's replay does. Memory: two levels of nodes, as `DumpStats`."""
+
+    def __init__(self, *, top: int = 10) -> None:
+        self._tally = _Tally(top)
+        self._tails: dict[int, _Node] = {}  # a node's last engine hash -> the node, while children may come
+        self._levels: dict[int, list[_Node]] = {}
+        self._closing: deque[_Node] = deque()  # nodes of levels done, closed a few with each node added
+        self._serial = count(1)
+        self._deepest = 0
+
+    def add(self, edges: Sequence[DumpEdge]) -> None:
+        """One slice of the walk: whole nodes, each node's edges one after another."""
+        start = 0
+        for n in range(1, len(edges) + 1):
+            if n == len(edges) or edges[n].block_hashes is not edges[start].block_hashes:
+                self._node(edges[start:n])
+                start = n
+
+    def _node(self, edges: Sequence[DumpEdge]) -> None:
+        first = edges[0]
+        parent = None if first.parent_hash is None else self._tails.get(first.parent_hash)
+        if parent is None and first.parent_hash is not None:
+            return  # under a node cut since the walk reached it: what changed under the walk is skipped
+        level = 1 if parent is None else parent.level + 1
+        if level > self._deepest:
+            self._deepest = level
+            for done in sorted(lv for lv in self._levels if lv < level - 1):
+                self._closing.extend(self._levels.pop(done))
+        for _ in range(min(2, len(self._closing))):  # twice what comes in: done before the next level is
+            self._close(self._closing.popleft())
+        holders: dict[Worker, int] = {}
+        for edge in edges:
+            holders[edge.worker] = max(holders.get(edge.worker, 0), edge.length)
+        node = _Node(parent, first, holders, level, next(self._serial))
+        if parent is not None:
+            parent.best_child = max(parent.best_child, len(holders))
+        self._tails[node.key] = node
+        self._levels.setdefault(level, []).append(node)
+
+    def _close(self, node: _Node) -> None:
+        """Its blocks' figures: block i (from 1) is held by those holding at least i; sharing ends inside the
+        node where a holder's part ends, and at its last block when no child keeps as many holders."""
+        tally, above, lengths = self._tally, node.depth - node.length, sorted(node.holders.values())
+        if self._tails.get(node.key) is node:
+            del self._tails[node.key]
+        tally.distinct += node.length
+        lo = above + 1
+        while lo <= node.depth:  # the depth buckets the node's blocks fall in: 2^(k-1) .. 2^k - 1
+            bucket = lo.bit_length()
+            hi = min(node.depth, (1 << bucket) - 1)
+            tally.blocks[bucket] += hi - lo + 1
+            tally.held[bucket] += sum(max(0, min(hi - above, n) - (lo - above) + 1) for n in lengths)
+            lo = hi + 1
+        for i in sorted(set(lengths)):
+            reaching = sum(n >= i for n in lengths)
+            if reaching >= 2 and (i < node.length or node.best_child < reaching):
+                tally.offer(reaching, above + i, node.locals[i - 1], node.serial << 32 | i,
+                            partial(self._describe, node, i, reaching))
+        if lengths[-1:] and sum(n == node.length for n in lengths) >= 2:
+            node.tail()  # while the parent is known: its children may be shared prefixes
+        node.parent = None
+
+    @staticmethod
+    def _describe(node: _Node, blocks: int, reaching: int) -> dict[str, Any]:
+        return {"depth": node.depth - node.length + blocks, "local_hash": node.locals[blocks - 1],
+                "sequence_hash": node.sequence_hash(blocks), "holders": reaching,
+                "workers": _names(w for w, n in node.holders.items() if n >= blocks)}
+
+    def finish(self) -> Iterator[None]:
+        """Close every node left, pausing every `CLOSE_EVERY // 16` of them (each costs about 16 blocks')."""
+        for level in sorted(self._levels):
+            self._closing.extend(self._levels.pop(level))
+        while self._closing:
+            for _ in range(min(CLOSE_EVERY // 16, len(self._closing))):
+                self._close(self._closing.popleft())
+            yield
+
+    def shape(self) -> dict[str, Any]:
+        for _ in self.finish():
+            pass
+        return self._tally.shape()

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvctl.core.events import Removed, RouterEvent, Stored
+from kvctl.core.events import Removed, RouterEvent, Stored, Tier
 from kvctl.core.events.dump_file import iter_dump_events
 from kvctl.core.events.dynamo import encode_router_event_json
 from kvctl.core.index import KvIndex
@@ -155,3 +155,17 @@ async def _walk_while_probing() -> None:
     took = time.perf_counter() - started
     prober.cancel()
     assert len(gaps) > 20 and max(gaps) < took / 10, (len(gaps), max(gaps), took)
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+async def test_the_routers_walk_gives_what_its_dump_replayed_gives(offloaded: bool) -> None:
+    """Node by node over the device tree; block by block when slower tiers' blocks join its paths."""
+    events = [e for e in fleet_events() if type(e.data) is Stored]
+    if offloaded:  # some workers' stores offloaded to host memory as well
+        events += [RouterEvent(e.worker_id, Stored(e.data.parent_hash, e.data.block_hashes, e.data.tokens_hashes,
+                                                   Tier.host_pinned), 0, e.event_id) for e in events[::3]]
+    index = KvIndex()
+    index.load(events)
+    assert bool(index.lower) is offloaded
+    replayed = tree_stats(index.dump(), top=4)
+    assert await index_shape(index, top=4) == {k: replayed[k] for k in ("paths", "depths", "shared_prefixes")}
