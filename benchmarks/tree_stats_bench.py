@@ -5,7 +5,8 @@ prompts, unique tails, 1 request in 32 a 1024-block document). The stats are the
 `kvctl` process: the router's dump replayed in the client (`tree dump URL --format stats`, what `tree stats`
 did before), the router computing them (`tree stats URL`), a dump file replayed (`tree dump FILE --format
 stats`) and streamed (`tree stats FILE`). For each: wall time and the client's peak RSS; against the router,
-also the latency of `POST /v1/route` probes sent every millisecond meanwhile (p50, p99, max).
+also the latency of `POST /v1/route` probes sent every millisecond meanwhile (p50, p99, max), and the router's
+own account of its loop (`/v1/status` → `loop`): seconds held past 10 ms, the longest stall of the last minute.
 
     python benchmarks/tree_stats_bench.py                      # 1M pairs, 64 workers
     python benchmarks/tree_stats_bench.py --pairs 100000       # quicker
@@ -70,6 +71,12 @@ class Prober:
                 self.samples.append(time.perf_counter() - start)
             time.sleep(0.001)
 
+    def loop(self) -> dict[str, float]:
+        """The router's own account of its loop (`/v1/status` → `loop`): what it was held, whatever the client
+        thread's own delays on a busy machine."""
+        with httpx.Client(base_url=str(self.http.base_url), timeout=30) as http:
+            return http.get("/v1/status").json()["loop"]  # type: ignore[no-any-return]
+
     def close(self) -> None:
         self.running = False
         self.thread.join()
@@ -80,6 +87,7 @@ def client_run(args: list[str], prober: Prober | None) -> dict[str, float | None
     """One `kvctl` process: its wall time, peak RSS, and the probes' latencies meanwhile."""
     if prober is not None:
         prober.samples, prober.measuring = [], True
+        held_before = prober.loop()["blocked_s"]
     start = time.perf_counter()
     # Started from a small wrapper: a child forked from this process (the workload in memory) would count
     # this process' pages in its peak RSS until it execs.
@@ -91,8 +99,11 @@ def client_run(args: list[str], prober: Prober | None) -> dict[str, float | None
     if prober is not None:
         prober.measuring = False
         ms = sorted(s * 1e3 for s in prober.samples)
+        loop = prober.loop()
         row.update(routes=len(ms), route_p50_ms=round(statistics.median(ms), 2),
-                   route_p99_ms=round(ms[int(0.99 * (len(ms) - 1))], 2), route_max_ms=round(ms[-1], 2))
+                   route_p99_ms=round(ms[int(0.99 * (len(ms) - 1))], 2), route_max_ms=round(ms[-1], 2),
+                   loop_held_past_10ms_s=round(loop["blocked_s"] - held_before, 3),
+                   loop_longest_stall_last_minute_ms=round(loop["window_longest_s"] * 1e3 + 10, 1))
     return row
 
 

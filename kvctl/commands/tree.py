@@ -353,9 +353,9 @@ STATS_EXAMPLES = (
     "  kvctl tree stats\n\n"
     "  kvctl tree stats dynamo+http://indexer:8090 --top 5 -o json\n\n"
     "  kvctl tree stats --watch --interval 5\n\n"
-    "  kvctl --timeout 60 tree stats http://router:7433\n\n"
-    "Against a router the router computes them, a slice of its loop at a time: at a million (worker, block) "
-    "pairs that takes it tens of seconds, past the default --timeout."
+    "  kvctl --timeout 30 tree stats http://router:7433\n\n"
+    "Against a router the router computes them, a slice of its loop at a time: about a second per million "
+    "(worker, block) pairs, so a large index may need a --timeout above the default."
 )
 
 _STATS_VIEWS = (
