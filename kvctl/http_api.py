@@ -277,6 +277,20 @@ class ModelStats(Struct):
     workers: dict[str, int]
     tiers: dict[str, TierStats]
     approximate: Approximate | UnsetType = UNSET
+    # `?shape=true` (what `kvctl tree stats` shows beyond the sizes): distinct blocks, a depth histogram in
+    # power-of-two buckets, and the deepest prefixes held by the most workers
+    paths: int | UnsetType = UNSET
+    depths: list[DepthBucket] | UnsetType = UNSET
+    shared_prefixes: list[dict[str, Any]] | UnsetType = UNSET
+
+
+class DepthBucket(Struct):
+    """Distinct blocks, and (worker, block) pairs, at depths min..max of the tree."""
+
+    min: int
+    max: int
+    blocks: int
+    held: int
 
 
 class TreeStats(Struct):
@@ -346,3 +360,16 @@ class Status(Struct):
     restore: dict[str, Any] | None
     connections: ConnectionStats
     limits: Limits
+    loop: LoopHeld | UnsetType = UNSET  # a router before 0.x reports none
+
+
+class LoopHeld(Struct):
+    """How long the router's loop was held past its promise (`tolerance_s`): since start, and in the last window."""
+
+    tolerance_s: float
+    blocked_s: float
+    stalls: int
+    window_s: float
+    window_blocked_share: float
+    window_stalls: int
+    window_longest_s: float

@@ -11,7 +11,9 @@ import json
 from typing import Any
 
 import httpx
+import msgspec
 
+from kvctl import http_api as api
 from kvctl.client._base import Request, check, headers, pool_limits, translate, verify_tls
 from kvctl.client.deadline import deadline_transport, within
 from kvctl.core.events import DecodeError, RouterEvent, decode_router_event_json
@@ -28,6 +30,19 @@ def router_events(url: str, *, model: str | None, token: str | None, timeout: fl
         return read_router_events(text)
     except DumpFileError as exc:
         raise KvctlError(f"{url} answered a malformed dump: {exc}") from None
+
+
+def router_tree_stats(url: str, *, model: str | None, top: int, token: str | None,
+                      timeout: float) -> dict[str, Any] | None:
+    """One model's `kvctl tree stats` object computed by the router itself (`GET /v1/tree/stats?shape=true`);
+    None from a router too old to compute it, whose dump is then the way."""
+    params = {"model": model or DEFAULT_MODEL, "shape": "true", "top": str(top)}
+    text = _get(url, Request("GET", "/v1/tree/stats", params=params), token, timeout)
+    try:
+        stats = msgspec.json.decode(text, type=api.TreeStats).models[model or DEFAULT_MODEL]
+    except (msgspec.DecodeError, KeyError):  # msgspec.ValidationError is a DecodeError
+        raise KvctlError(f"{url}/v1/tree/stats answered no stats of model {model or DEFAULT_MODEL!r}") from None
+    return msgspec.to_builtins(stats) if stats.paths is not msgspec.UNSET else None
 
 
 def dynamo_indexer_events(url: str, *, model: str | None, timeout: float) -> list[RouterEvent]:

@@ -4,7 +4,8 @@ A source is a kvctl router (`http://…`, the resolved --server when left out), 
 indexer (`dynamo+http://HOST:PORT`, read through its /dump), a durable router's JetStream snapshot
 (`nats://HOST:PORT` with --namespace/--component) or a dump file (JSON list, JSONL, recorder or
 snapshot lines; `-` for stdin). Whatever the source, its events are replayed into an index first,
-so every command sees content, not the shape of one dump (see `kvctl.core.tree_diff`).
+so every command sees content, not the shape of one dump (see `kvctl.core.tree_diff`). `stats` reads no
+dump from a router (it computes them itself) and streams a dump file (`kvctl.core.tree_stats`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ ModelOpt = Annotated[str | None, typer.Option("--model", "-m", show_default=Fals
                                               help="Model to read (a router's default: default; ignored for files).")]
 
 
+STATS_KEYS = ("blocks", "nodes", "workers", "tiers", "paths", "depths", "shared_prefixes")
+"""`tree stats`' object, whatever computed it (a router's answer also has its block size and mode)."""
+READ_CHUNK = 1 << 16
+"""Characters of a dump file read at a time when its stats are streamed."""
+
+
 class DumpFormat(StrEnum):
     tree = "tree"
     events = "events"
@@ -83,6 +90,39 @@ class Reader:
         if "://" in source:
             raise UsageError(f"unknown source {source!r}", hint="http://, dynamo+http://, nats:// or a file path")
         return self._file(source)
+
+    def stats(self, source: str | None, top: int) -> dict[str, Any]:
+        """`tree stats` of a source: a router computes them itself; a dump file is read as a stream (whole
+        only when it is not a dump this can follow: `core.tree_stats`); other sources replay their dump."""
+        from kvctl.client import sources
+        from kvctl.core.tree_diff import tree_stats
+
+        settings = settings_for(self.ctx)
+        source = source or settings.server
+        if source.startswith(("http://", "https://")):
+            stats = sources.router_tree_stats(source.rstrip("/"), model=self.model, top=top, token=settings.token,
+                                              timeout=settings.timeout)
+            if stats is not None:
+                return {key: stats[key] for key in STATS_KEYS}
+        elif "://" not in source and source != "-":
+            streamed = self._streamed_stats(source, top)
+            if streamed is not None:
+                return streamed
+        return tree_stats(self.events(source), top=top)
+
+    def _streamed_stats(self, source: str, top: int) -> dict[str, Any] | None:
+        from kvctl.core.events.dump_file import DumpFileError, iter_dump_events
+        from kvctl.core.tree_stats import DumpStats, NotStreamable
+
+        stats = DumpStats(top=top)
+        try:
+            with Path(source).open(encoding="utf-8") as f:
+                stats.add_all(iter_dump_events(iter(lambda: f.read(READ_CHUNK), "")))
+        except NotStreamable:
+            return None  # replayed whole by the caller, as any event stream is
+        except (OSError, UnicodeDecodeError, DumpFileError):
+            return None  # the caller's whole read says what is wrong, as for every command
+        return {**stats.counts(), **stats.shape()}
 
     def _file(self, source: str) -> list[RouterEvent]:
         from kvctl.core.events.dump_file import DumpFileError, read_router_events
@@ -289,12 +329,16 @@ def diff_command(
 
 # ----- stats -----------------------------------------------------------------------------------------------
 
-STATS_HELP = "Size and shape of a radix index: blocks, nodes, per-worker sizes, depths, shared prefixes. (read-only)"
+STATS_HELP = ("Size and shape of a radix index: blocks, nodes, per-worker sizes, depths, shared prefixes; a router "
+              "computes them itself, a dump file is read as a stream. (read-only)")
 STATS_EXAMPLES = (
     "Examples:\n\n"
     "  kvctl tree stats\n\n"
     "  kvctl tree stats dynamo+http://indexer:8090 --top 5 -o json\n\n"
-    "  kvctl tree stats --watch --interval 5"
+    "  kvctl tree stats --watch --interval 5\n\n"
+    "  kvctl --timeout 30 tree stats http://router:7433\n\n"
+    "Against a router the router computes them, a slice of its loop at a time: about a second per million "
+    "(worker, block) pairs, so a large index may need a --timeout above the default."
 )
 
 _STATS_VIEWS = (
@@ -330,12 +374,10 @@ def stats_command(
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    from kvctl.core.tree_diff import tree_stats
-
     out = output_for(ctx, output, as_json)
     if watch and source == "-":
         raise UsageError("--watch reads the source again each time; stdin can be read only once",
                          hint="give a router URL or a file")
     reader = Reader(ctx, out, model, namespace, component, nats_auth)
-    show(out, lambda: tree_stats(reader.events(source), top=top),
+    show(out, lambda: reader.stats(source, top),
          lambda stats: _emit_sections(out, stats, _STATS_VIEWS), watch=watch, interval=interval)

@@ -295,7 +295,8 @@ async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None
 async def watch_loop(observe: Callable[[float], None], interval_s: float) -> None:
     """Observe how late each wake-up comes: the router's promise is that nothing holds its loop for more
     than a few milliseconds (ingest works in slices, the GC walks only young objects), and
-    `kvctl_event_loop_lag_seconds` is where an operator sees whether it keeps it."""
+    `kvctl_event_loop_blocked_seconds_total` (with `kvctl_event_loop_lag_seconds`) is where an operator sees
+    whether it keeps it (`server.http.loop_lag`)."""
     loop = asyncio.get_running_loop()
     while True:
         due = loop.time() + interval_s

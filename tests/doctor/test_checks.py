@@ -17,6 +17,7 @@ from kvctl.core.doctor import (
     check_event_plane,
     check_hashing,
     check_index,
+    check_loop,
     check_partial,
     check_recovery,
     check_streams,
@@ -137,3 +138,14 @@ def test_a_worker_whose_forward_passes_stopped_is_named(answers: Answers) -> Non
     workers[1]["forward_pass"]["age_s"] = 2.0
     [finding] = check_event_plane(status, workers, Limits())
     assert finding.severity is Severity.OK
+
+
+def test_a_loop_held_past_its_share_of_the_last_minute_is_a_warning(answers: Answers) -> None:
+    status, _, _ = fresh(answers)
+    status["loop"].update(window_blocked_share=0.008, window_stalls=1, window_longest_s=0.49)  # one snapshot stall
+    [finding] = check_loop(status, Limits())
+    assert finding.severity is Severity.WARNING and "0.8%" in finding.cause and "490 ms" in finding.cause
+    status["loop"].update(window_blocked_share=0.001)
+    assert check_loop(status, Limits())[0].severity is Severity.OK
+    del status["loop"]  # a router too old to say
+    assert check_loop(status, Limits()) == []

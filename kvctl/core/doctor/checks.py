@@ -331,6 +331,30 @@ def check_index(status: Mapping[str, Any], limits: Limits) -> list[Finding]:
     return findings
 
 
+# ----- 9. the router's loop -----------------------------------------------------------------------------------
+
+def check_loop(status: Mapping[str, Any], limits: Limits) -> list[Finding]:
+    """The share of the last minute the router's loop was held past its 10 ms promise: every route and event
+    arriving then waited behind the stall. A share, not a quantile of the loop-lag histogram, where a 0.5 s
+    stall is one late probe among thousands. A router too old to report it gets no finding."""
+    loop = status.get("loop")
+    if loop is None:
+        return []
+    share, window = loop["window_blocked_share"], loop["window_s"]
+    evidence = {k: loop[k] for k in ("window_s", "window_blocked_share", "window_stalls", "window_longest_s",
+                                     "blocked_s", "tolerance_s")}
+    if share < limits.loop_blocked_share:
+        return [Finding("loop", Severity.OK, f"the router's loop was held {share:.1%} of the last {window:.0f} s",
+                        evidence)]
+    return [Finding(
+        "loop", Severity.WARNING,
+        f"the router's loop was held {share:.1%} of the last {window:.0f} s "
+        f"({counted(loop['window_stalls'], 'stall')}, the longest {loop['window_longest_s'] * 1e3:.0f} ms past "
+        f"{loop['tolerance_s'] * 1e3:.0f} ms): every route and event arriving then waited behind it",
+        evidence, "kvctl top --once  (ingest rate? a tree dump or stats, a snapshot, a bulk POST /v1/events, a "
+                  "starved host?); the runbook's loop-lag")]
+
+
 def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
              thresholds: Sequence[Mapping[str, Any]], peers: Sequence[PeerDiff] = (),
              limits: Limits | None = None, hit_rates: list[Finding] | None = None) -> list[Finding]:
@@ -345,5 +369,5 @@ def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
                 *check_block_size(status, workers), *check_hashing(workers), *check_partial(workers),
                 *check_recovery(status),
                 *check_busy(workers, thresholds, limits), *check_divergence(peers, limits),
-                *check_index(status, limits), *(hit_rates or [])]
+                *check_index(status, limits), *check_loop(status, limits), *(hit_rates or [])]
     return worst_first(findings)

@@ -5,7 +5,10 @@ lines (`/v1/tree?format=jsonl`, a kvctl snapshot's event lines), or Dynamo's rec
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from kvctl.core.events.dynamo import decode_router_event_json
@@ -53,3 +56,71 @@ def _event(item: Any, where: str) -> tuple[int | None, RouterEvent]:
         return timestamp, decode_router_event_json(item)
     except DecodeError as exc:
         raise DumpFileError(f"{where}: {exc.field}: {exc.detail}") from None
+
+
+def iter_dump_events(chunks: Iterable[str]) -> Iterator[RouterEvent]:
+    """`read_router_events` for text arriving in pieces (a file read a chunk at a time): each event as soon as
+    it is whole, so a reader of a dump of any size holds one event and one piece at a time."""
+    pieces = iter(chunks)
+    head = ""
+    for piece in pieces:
+        head += piece
+        if head.strip():
+            break
+    rest = itertools.chain([head], pieces)
+    if head.lstrip().startswith("["):
+        for n, item in enumerate(_list_items(rest)):
+            yield _event(item, f"item {n}")[1]
+        return
+    for n, line in enumerate(_lines(rest), 1):
+        if line.strip():
+            try:
+                item = json.loads(line)
+            except (ValueError, RecursionError) as exc:
+                raise DumpFileError(f"line {n} is not JSON: {exc}") from None
+            yield _event(item, f"line {n}")[1]
+
+
+def _lines(pieces: Iterable[str]) -> Iterator[str]:
+    tail = ""
+    for piece in pieces:
+        *lines, tail = (tail + piece).split("\n")
+        yield from lines
+    yield tail
+
+
+_BLANK = re.compile(r"\s*")
+
+
+def _list_items(pieces: Iterator[str]) -> Iterator[Any]:
+    """The items of one JSON list, each decoded once whole: `[`, items separated by `,`, `]`."""
+    decoder = json.JSONDecoder()
+    buf, pos, expect = "", 0, "["
+    while True:
+        pos = _BLANK.match(buf, pos).end()  # type: ignore[union-attr]  # \s* always matches
+        if pos == len(buf):
+            piece = next(pieces, None)
+            if piece is None:
+                raise DumpFileError("not a JSON list of RouterEvents: it never ends")
+            buf, pos = buf[pos:] + piece, 0
+            continue
+        char = buf[pos]
+        if expect == "[" or expect == ",":
+            if char == "]" and expect == ",":
+                return
+            if char != expect:
+                raise DumpFileError(f"not a JSON list of RouterEvents: {char!r} where {expect!r} belongs")
+            pos, expect = pos + 1, "first" if expect == "[" else "item"
+            continue
+        if char == "]" and expect == "first":
+            return
+        try:
+            item, pos = decoder.raw_decode(buf, pos)
+        except (ValueError, RecursionError) as exc:  # cut off by the piece's end, or not JSON
+            piece = next(pieces, None)
+            if piece is None:
+                raise DumpFileError(f"not a JSON list of RouterEvents: {exc}") from None
+            buf, pos = buf[pos:] + piece, 0
+            continue
+        yield item
+        expect = ","

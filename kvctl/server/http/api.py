@@ -57,6 +57,7 @@ from kvctl.server.http.route_protocol import Connections, missing_internals, rou
 from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.state import Fleet, OverLimit, UnknownWorker, WorkerInfo
+from kvctl.server.tree_stats import index_shape
 
 log = logging.getLogger("kvctl.serve")
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -328,6 +329,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             decoder=streams.decoder.status() if streams is not None else None,
             event_plane=plane.status() if plane is not None else None, restore=restored,
             connections=api.ConnectionStats(**dataclasses.asdict(metrics.connections)),
+            loop=api.LoopHeld(**metrics.loop_lag.status()),
             limits=api.Limits(**dataclasses.asdict(fleet.limits), refused=dict(fleet.over_limit))))
 
     async def healthz(_: Request) -> Response:
@@ -426,7 +428,17 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                                  media_type="application/x-ndjson" if jsonl else "application/json")
 
     async def tree_stats(request: Request) -> Response:
-        return _json(fleet.stats(request.query_params.get("model")))
+        query = request.query_params
+        stats = fleet.stats(query.get("model"))
+        top = int_param(query.get("top", "10"), "query", "top")
+        if top < 0:
+            raise invalid("query", "top", f"top must be >= 0, got {top}")
+        if choice_param(query.get("shape", "false"), "shape", ("true", "false")) == "true":
+            for name, entry in stats.models.items():  # walked in slices: see server.tree_stats
+                shape = await index_shape(fleet.model(name).router.index, top=top)
+                entry.paths, entry.depths, entry.shared_prefixes = (
+                    shape["paths"], shape["depths"], shape["shared_prefixes"])
+        return _json(stats)
 
     async def reset(request: Request) -> Response:
         body = decode_body(await request.body(), api.ResetBody)

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvctl.server.http.loop_lag import LoopLag
 from kvctl.server.http.route_protocol import Connections
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.plane.nats_plane import EventPlane
@@ -179,10 +180,6 @@ class ConnectionsCollector(Collector):
                                   value=c.timed_out)
 
 
-LOOP_LAG_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-"""From 2.5 ms: below that is the loop's own timer granularity (libuv's clock is in milliseconds)."""
-
-
 class Metrics:
     """One registry per app (never the process-global one): tests and embedders run several routers."""
 
@@ -196,10 +193,7 @@ class Metrics:
         self.route_seconds = Histogram(
             "kvctl_route_duration_seconds", "time to decide a route (hash, match, score, pick)", ["model"],
             buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2), registry=self.registry)
-        self.loop_lag = Histogram(
-            "kvctl_event_loop_lag_seconds", "how late the event loop woke a probe due every 10 ms: what any "
-            "request or event waited, then, behind whatever held the loop", buckets=LOOP_LAG_BUCKETS,
-            registry=self.registry)
+        self.loop_lag = LoopLag(self.registry)
         self.predicted_hit = Histogram(
             "kvctl_route_predicted_hit_rate", "cached fraction of the prompt on the chosen worker", ["model"],
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=self.registry)
