@@ -27,8 +27,8 @@ from typing import Any
 
 from kvctl.core.events import RouterEvent, Stored, Tier
 from kvctl.core.hashing import sequence_hashes
-from kvctl.core.index import Worker
 from kvctl.core.index.kv_index import DumpEdge
+from kvctl.core.names import WorkerKey, format_worker
 
 CLOSE_EVERY = 256
 """Blocks closed between two pauses of `DumpStats.finish`: about a millisecond on a busy machine."""
@@ -54,7 +54,7 @@ class _Path:
         self.local, self.level, self.key, self.serial = local, level, key, serial
         self.depth: int = 1 if parent is None else parent.depth + 1
         self.sequence_hash: int | None = None
-        self.holders: dict[Worker, int] = {}
+        self.holders: dict[WorkerKey, int] = {}
         self.best_child = 0  # the most workers any child path has
 
     def named(self) -> int:
@@ -70,8 +70,8 @@ class _Path:
         return {"depth": self.depth, "local_hash": self.local, "sequence_hash": self.named()}
 
 
-def _names(holders: Iterable[Worker]) -> list[str]:
-    return [f"{w[0]}:{w[1]}" for w in sorted(holders)]
+def _names(holders: Iterable[WorkerKey]) -> list[str]:
+    return [format_worker(w) for w in sorted(holders)]
 
 
 class _Tally:
@@ -116,14 +116,14 @@ class DumpStats:
     def __init__(self, *, top: int = 10, bounded: bool = True, strict: bool = True) -> None:
         self.bounded, self.strict = bounded, strict
         self._paths: dict[tuple[int, int], _Path] = {}
-        self._chains: dict[tuple[Worker, Tier], dict[int, _Path]] = {}  # engine hash -> path, per holder
+        self._chains: dict[tuple[WorkerKey, Tier], dict[int, _Path]] = {}  # engine hash -> path, per holder
         self._levels: dict[int, list[tuple[_Path, dict[int, _Path], int]]] = {}  # level -> (path, chain, hash)
         self._closing: deque[list[tuple[_Path, dict[int, _Path], int]]] = deque()  # levels done, to close
         self._serial = count(1)
         self._deepest = 0
         self._tally = _Tally(top)
         self.blocks: Counter[Tier] = Counter()  # (worker, block) pairs per tier, as the events hold them
-        self.workers: Counter[Worker] = Counter()  # device pairs per worker
+        self.workers: Counter[WorkerKey] = Counter()  # device pairs per worker
         self.nodes: Counter[Tier] = Counter()  # edges that start a path nobody started before
 
     def add_all(self, events: Iterable[RouterEvent]) -> None:
@@ -225,7 +225,7 @@ class DumpStats:
     def counts(self) -> dict[str, Any]:
         """What `/v1/tree/stats` gives for an index, counted from the dump's own edges (a file has no index)."""
         return {"blocks": self.blocks[Tier.device], "nodes": self.nodes[Tier.device],
-                "workers": {f"{w[0]}:{w[1]}": n for w, n in sorted(self.workers.items())},
+                "workers": {format_worker(w): n for w, n in sorted(self.workers.items())},
                 "tiers": {t.value: {"blocks": self.blocks[t], "nodes": self.nodes[t]} for t in self.blocks}}
 
 
@@ -236,7 +236,7 @@ class _Node:
     __slots__ = ("best_child", "depth", "holders", "key", "length", "level", "locals", "parent", "serial",
                  "tail_hash")
 
-    def __init__(self, parent: _Node | None, edge: DumpEdge, holders: dict[Worker, int], level: int,
+    def __init__(self, parent: _Node | None, edge: DumpEdge, holders: dict[WorkerKey, int], level: int,
                  serial: int) -> None:
         self.parent: _Node | None = parent
         self.locals, self.holders, self.level, self.serial = edge.tokens_hashes, holders, level, serial
@@ -291,7 +291,7 @@ class EdgeStats:
                 self._closing.extend(self._levels.pop(done))
         for _ in range(min(2, len(self._closing))):  # twice what comes in: done before the next level is
             self._close(self._closing.popleft())
-        holders: dict[Worker, int] = {}
+        holders: dict[WorkerKey, int] = {}
         for edge in edges:
             holders[edge.worker] = max(holders.get(edge.worker, 0), edge.length)
         node = _Node(parent, first, holders, level, next(self._serial))
