@@ -130,7 +130,7 @@ def test_tier_credit_is_cumulative_and_on_by_default() -> None:
     assert rows[0].credit_by_tier == {Tier.device: 1.0, Tier.host_pinned: 1.5, Tier.disk: 0.5, Tier.external: 0.0}
     assert rows[0].effective_overlap == 3.0 and rows[0].overlap_by_tier == {Tier.device: 1, Tier.host_pinned: 2,
                                                                             Tier.disk: 2}
-    assert rows[0].as_dict()["credit"] == 3.0
+    assert rows[0].credit == 3.0
     assert select(s, 0.0, random.Random(0)) == (0, Reason.lowest_logit)
 
 

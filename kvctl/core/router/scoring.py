@@ -28,7 +28,6 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 from kvctl.core.events import Tier
 from kvctl.core.index import IndexMatches
@@ -126,24 +125,10 @@ class Candidate:
     logit: float
     busy: bool = False
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "worker_id": self.worker[0],
-            "dp_rank": self.worker[1],
-            "overlap_blocks": self.overlap_blocks,
-            "overlap_by_tier": {tier.value: self.overlap_by_tier.get(tier, 0) for tier in Tier},
-            "credit_by_tier": {tier.value: self.credit_by_tier.get(tier, 0.0) for tier in CREDITED_TIERS},
-            "credit": sum(self.credit_by_tier.values()),
-            "decay": self.decay,
-            "effective_overlap": self.effective_overlap,
-            "tree_size": self.tree_size,
-            "raw_prefill_blocks": self.raw_prefill_blocks,
-            "prefill_blocks": self.prefill_blocks,
-            "decode_blocks": self.decode_blocks,
-            "active_requests": self.active_requests,
-            "logit": self.logit,
-            "busy": self.busy,
-        }
+    @property
+    def credit(self) -> float:
+        """The overlap credited across tiers: the sum the cost function weighs."""
+        return sum(self.credit_by_tier.values())
 
 
 @dataclass(slots=True)

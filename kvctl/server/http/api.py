@@ -30,13 +30,13 @@ from starlette.types import ASGIApp
 from kvctl import __version__
 from kvctl import http_api as api
 from kvctl.core import native
-from kvctl.core.events import RouterEvent
+from kvctl.core.events import RouterEvent, Tier
 from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.core.names import DEFAULT_MODEL, WorkerSelector, format_worker, parse_worker, selects
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError, Thresholds
-from kvctl.core.router.scoring import BadKnob, NoCandidates
+from kvctl.core.router.scoring import CREDITED_TIERS, BadKnob, Candidate, NoCandidates
 from kvctl.core.words import counted
 from kvctl.errors import ApiError
 from kvctl.server.budget import SLICE_S
@@ -174,8 +174,18 @@ class _Routing:
         out = api.Decision(decision.worker[0], decision.worker[1], decision.overlap_blocks, decision.required_blocks,
                            body.request_id, decision.reason.value)
         if body.explain:
-            out.candidates = [api.Candidate(**c.as_dict()) for c in decision.candidates]
+            out.candidates = [_candidate(c) for c in decision.candidates]
         return 200, _dumps(out)
+
+
+def _candidate(row: Candidate) -> api.Candidate:
+    """An explained decision's row as the API writes it: every tier named, even one with nothing in it."""
+    return api.Candidate(
+        row.worker[0], row.worker[1], row.overlap_blocks,
+        {tier.value: row.overlap_by_tier.get(tier, 0) for tier in Tier},
+        {tier.value: row.credit_by_tier.get(tier, 0.0) for tier in CREDITED_TIERS}, row.credit, row.decay,
+        row.effective_overlap, row.tree_size, row.raw_prefill_blocks, row.prefill_blocks, row.decode_blocks,
+        row.active_requests, row.logit, row.busy)
 
 
 class _Front:
