@@ -8,6 +8,12 @@ import sys
 
 from kvctl.server.serve_choices import LogFormat, LogLevel
 
+
+def error_text(exc: BaseException) -> str:
+    """How an error shows in status and logs: its type and message (nats-py's messages alone can be empty)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

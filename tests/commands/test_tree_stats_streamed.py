@@ -22,7 +22,7 @@ from kvctl.core.index import KvIndex
 from kvctl.core.tree_diff import tree_stats
 from kvctl.core.tree_stats import DumpStats, NotStreamable
 from kvctl.runtime import survivors_frozen
-from kvctl.server.tree_stats import index_shape
+from kvctl.server.http.tree_stats import index_shape
 from tests.commands.live_router import json_of, kvctl
 from tests.server.test_serve_process import serving
 

@@ -54,10 +54,10 @@ from kvctl.server.http.bodies import (
 from kvctl.server.http.metrics import Metrics, Plane
 from kvctl.server.http.openapi import OPERATIONS, document, pages
 from kvctl.server.http.route_protocol import Connections, missing_internals, route_protocol
+from kvctl.server.http.tree_stats import index_shape
 from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.state import Fleet, OverLimit, UnknownWorker, WorkerInfo
-from kvctl.server.tree_stats import index_shape
 
 log = logging.getLogger("kvctl.serve")
 MAX_BODY_BYTES = 64 * 1024 * 1024

@@ -24,7 +24,7 @@ from kvctl.runtime import BurstTrimmer
 from kvctl.server.budget import SLICE_S
 from kvctl.server.ingest.decode_process.parent import Decoder, InlineDecoder
 from kvctl.server.ingest.zmq_source import EngineStream
-from kvctl.server.plane.tasks import error_text
+from kvctl.server.logs import error_text
 from kvctl.server.state import Fleet, WorkerInfo
 
 log = logging.getLogger("kvctl.serve")

@@ -55,8 +55,9 @@ from kvctl.nats.barrier import barrier
 from kvctl.nats.connection import NatsConnection, Reconnect, connect
 from kvctl.nats.jetstream import ensure_stream, radix_state
 from kvctl.server.ingest.streams import ModelWriter, Streams
+from kvctl.server.logs import error_text
 from kvctl.server.plane.ingest import PlaneIngest
-from kvctl.server.plane.tasks import PlaneTasks, error_text
+from kvctl.server.plane.tasks import PlaneTasks
 from kvctl.server.state import Fleet
 
 log = logging.getLogger("kvctl.serve")

@@ -9,12 +9,9 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
+from kvctl.server.logs import error_text
+
 log = logging.getLogger("kvctl.serve")
-
-
-def error_text(exc: BaseException) -> str:
-    """How an error shows in status and logs: its type and message (nats-py's messages alone can be empty)."""
-    return f"{type(exc).__name__}: {exc}"
 
 
 class PlaneTasks:
