@@ -57,7 +57,7 @@ from kvctl.nats.jetstream import ensure_stream, radix_state
 from kvctl.server.ingest.streams import ModelWriter, Streams
 from kvctl.server.logs import error_text
 from kvctl.server.plane.ingest import PlaneIngest
-from kvctl.server.plane.tasks import PlaneTasks
+from kvctl.server.plane.tasks import STOP_TIMEOUT_S, PlaneTasks
 from kvctl.server.state import Fleet
 
 log = logging.getLogger("kvctl.serve")
@@ -133,7 +133,7 @@ class EventPlane(PlaneTasks):
             # close, not drain: a cancelled pull fetch keeps drain waiting for its whole timeout; what is
             # unacked is redelivered to the durable consumer, and our own publishes are flushed by close
             with contextlib.suppress(Exception):  # closing a connection already lost must not fail shutdown
-                await self.nc.close()
+                await asyncio.wait_for(self.nc.close(), STOP_TIMEOUT_S)  # nor hang it
         self.state = "closed"
 
     async def _run(self) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 from kvctl.server.logs import error_text
 
 log = logging.getLogger("kvctl.serve")
+STOP_TIMEOUT_S = 5.0
+"""How long shutdown waits for a plane's loops once cancelled."""
 
 
 class PlaneTasks:
@@ -43,10 +45,14 @@ class PlaneTasks:
         return self._started.is_set()
 
     async def _stop_tasks(self, tasks: list[asyncio.Task[None]] | None = None) -> None:
-        """Cancel the loops (the plane's own, or `tasks`) and wait until each has ended."""
+        """Cancel the loops (the plane's own, or `tasks`) and wait until each has ended, or `STOP_TIMEOUT_S`:
+        a loop that swallows its cancellation (a client library's, inside a connect) must not hold shutdown."""
         tasks = self._tasks if tasks is None else tasks
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
+        for task in pending:
+            log.warning("event plane: %s did not stop within %g s of its cancellation; left behind",
+                        task.get_name(), STOP_TIMEOUT_S)
