@@ -239,7 +239,7 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
         snapshots = snapshot.Writer(options.state_dir)
         background.append(asyncio.create_task(_snapshot_every(fleet, snapshots, options.snapshot_interval_s)))
     elif options.state_dir is not None:
-        state_log = StateLog(options.state_dir, fleet)
+        state_log = StateLog(options.state_dir, fleet, restored_from=restored["log_from"])
         metrics_registry(app).register(LogCollector(state_log.stats))
         if restored is not None:
             restored["log"] = state_log.stats
@@ -279,19 +279,22 @@ def _ready_status(url: str, restored: dict[str, Any] | None) -> str:
 
 
 def _load_state(fleet: Fleet, options: ServeOptions) -> dict[str, Any] | None:
-    """Restore the snapshot; returns what `/v1/status` shows of it (None: no restore was tried)."""
+    """Restore the snapshot; returns what `/v1/status` shows of it (None: no state dir; `log_from` None: no
+    restore was tried)."""
     if options.state_dir is None:
         return None
+    not_restored = {"file": None, "events": 0, "problems": [], "log_records": 0, "log_from": None,
+                    "log_stopped": None}
     if options.reset_states:
         if snapshot.delete(options.state_dir):
             log.warning("--reset-states: deleted the snapshot in %s", options.state_dir)
-        return None
+        return not_restored
     if not options.restore:
-        return None
+        return not_restored
     if options.nats is not None and options.nats.jetstream:
         log.info("JetStream mode: the object-store snapshot and the stream rebuild the index, not %s",
                  options.state_dir)
-        return None
+        return not_restored
     if fleet.approx is not None:
         restored, problems = snapshot.restore(fleet, options.state_dir, time.monotonic())
         replayed = None
@@ -302,19 +305,20 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> dict[str, Any] | None:
         log.error("damaged snapshot: %s", problem)
     if replayed is not None and replayed.stopped is not None:
         log.error("state log damaged, replay stopped before it (set aside as .damaged): %s", replayed.stopped)
-    if replayed is not None and replayed.records:
-        log.warning("replayed %d state log records from %d segments (%d torn tails dropped)",
-                    replayed.records, replayed.segments, replayed.torn)
-    if restored is not None:
-        age = max(0.0, time.time() - restored.taken_at)
-        log.warning("restored %s from %s, taken %.1f s ago (%d rejected); KV events sent "
+    records = replayed.records if replayed is not None else 0
+    if restored is not None or records:
+        stamps = [restored.taken_at if restored else None, replayed.written_at if replayed and records else None]
+        age = max(0.0, time.time() - max(t for t in stamps if t is not None))
+        image = f"{counted(restored.events, 'event')} from {restored.path.name}" if restored else "no image"
+        log.warning("restored %s and %s, the last written %.1f s ago (%d rejected); KV events sent "
                     "after it were not seen: engines' replay or new events will fill the gap",
-                    counted(restored.events, "event"), restored.path.name, age, restored.rejected)
+                    image, counted(records, "state log record"), age, restored.rejected if restored else 0)
     elif problems:
         log.error("no sound snapshot in %s: starting with an empty index", options.state_dir)
     return {"file": restored.path.name if restored is not None else None,
             "events": restored.events if restored is not None else 0, "problems": problems,
             "log_records": replayed.records if replayed is not None else 0,
+            "log_from": replayed.log_from if replayed is not None else 0,
             "log_stopped": replayed.stopped if replayed is not None else None}
 
 

@@ -145,11 +145,11 @@ def write(taken: Capture, state_dir: Path) -> Path:
     if path.exists():
         os.replace(path, state_dir / PREVIOUS)
     os.replace(tmp, path)
-    _fsync_dir(state_dir)
+    fsync_dir(state_dir)
     return path
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make the renames durable: without it a power loss may bring back the directory as it was."""
     fd = os.open(directory, os.O_RDONLY)
     try:

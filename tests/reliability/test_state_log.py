@@ -191,3 +191,15 @@ def test_a_damaged_record_stops_the_replay_before_it_and_is_set_aside(tmp_path: 
     assert (segment.with_name(segment.name + ".damaged")).read_bytes() == bytes(data)
     with serving(tmp_path) as (proc, client):  # the damage is out of the way: what was restored, and since
         assert blocks(client) == got + CHAIN
+
+
+def test_a_start_without_restore_never_folds_the_earlier_runs_log_in(tmp_path: Path) -> None:
+    _logged_chains(tmp_path, 10)
+    with serving(tmp_path, "--no-restore", *OFTEN) as (proc, client):
+        client.post("/v1/events", content=chains(1, start=500), headers=NDJSON)
+        compactions = client.get("/v1/status").json()["restore"]["log"]["compactions"]
+        eventually(lambda: client.get("/v1/status").json()["restore"]["log"]["compactions"],
+                   "a compaction", until=lambda n: n >= compactions + 1)
+        _stop(proc)
+    with serving(tmp_path) as (proc, client):
+        assert blocks(client) == CHAIN, "the run before --no-restore came back"

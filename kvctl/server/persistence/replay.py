@@ -31,6 +31,7 @@ class Restore:
     segments: int = 0
     torn: int = 0  # segments whose last record was cut short, and dropped
     stopped: str | None = None  # where a damaged record stopped the replay
+    written_at: float | None = None  # when the newest segment replayed was last written to (epoch seconds)
     problems: list[str] = field(default_factory=list)
 
 
@@ -67,6 +68,7 @@ def slices(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = None
             if done.records % SLICE_RECORDS == 0:
                 yield done.records
         done.segments += 1
+        done.written_at = path.stat().st_mtime
         scan = scans[-1]
         if scan.torn:
             done.torn += 1

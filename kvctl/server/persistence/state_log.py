@@ -7,8 +7,10 @@ single writer thread, in order, so the loop never waits on the disk. Writes go o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvctl.core.events import EventData
 from kvctl.core.names import WorkerKey
+from kvctl.server import snapshot
 from kvctl.server.persistence import records, segments
 from kvctl.server.state import Fleet, WorkerInfo
 
@@ -45,13 +48,20 @@ class LogStats:
 class StateLog:
     """Appends the fleet's changes to `state.log.N`; `rotate` starts the next segment for a compaction."""
 
-    def __init__(self, state_dir: Path, fleet: Fleet) -> None:
+    def __init__(self, state_dir: Path, fleet: Fleet, *, restored_from: int | None) -> None:
+        """`restored_from`: the `log_from` of the image the fleet was restored from, its log replayed after it
+        (0: no image); None: the fleet did not restore (`--no-restore`, JetStream), so its own image, nearly
+        empty, is written first, lest a compaction fold the files of an earlier run in."""
         numbers = segments.numbers(state_dir)
         self.state_dir = state_dir
         self.stats = LogStats(numbers[-1] + 1 if numbers else 0)
+        if restored_from is None:
+            snapshot.write(snapshot.capture(fleet, time.time(), log_from=self.stats.segment), state_dir)
+        else:
+            self.stats.since_image = segments.size_from(state_dir, restored_from)
         self._pending: list[bytes] = []
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="state-log")
-        self._file: BinaryIO = segments.path(state_dir, self.stats.segment).open("ab")
+        self._file = _open(segments.path(state_dir, self.stats.segment))
         fleet.journal = self
         for name, state in sorted(fleet.models.items()):  # a log without an image needs them
             self.model(name, state.block_size)
@@ -101,21 +111,32 @@ class StateLog:
             self._file.close()
 
     def _write(self, pending: list[bytes], fsync: bool) -> None:
+        end = self._file.tell()
         try:
             if pending:
                 self._file.write(records.frames(pending))
-                self._file.flush()
             if fsync:
                 os.fsync(self._file.fileno())
                 self.stats.fsyncs += 1
-        except OSError as exc:  # a full disk must not stop the router; what was lost is named in the log
+        except OSError as exc:  # a full disk must not stop the router; what was lost is counted and logged
             self.stats.write_errors += 1
-            log.error("state log %s: %d records not written: %s", self._file.name, len(pending), exc)
+            log.error("state log %s: %d changes not written, a restart will not have them: %s",
+                      self._file.name, len(pending), exc)
+            with contextlib.suppress(OSError):  # no half record for the next write to follow
+                os.ftruncate(self._file.fileno(), end)
+                self._file.seek(end)
 
     def _write_and_rotate(self, pending: list[bytes], number: int) -> None:
         self._write(pending, fsync=True)
         self._file.close()
-        self._file = segments.path(self.state_dir, number).open("ab")
+        self._file = _open(segments.path(self.state_dir, number))
+
+
+def _open(path: Path) -> BinaryIO:
+    """A segment to append to, unbuffered (each write is one framed batch), its name durable."""
+    f = path.open("ab", buffering=0)
+    snapshot.fsync_dir(path.parent)
+    return f  # type: ignore[return-value]
 
 
 class LogCollector:
