@@ -244,7 +244,7 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
         if restored is not None:
             restored["log"] = state_log.stats
         background.append(asyncio.create_task(compact.keep(
-            state_log, interval_s=options.snapshot_interval_s, compact_bytes=options.compact_log_bytes,
+            state_log, fleet, interval_s=options.snapshot_interval_s, compact_bytes=options.compact_log_bytes,
             block_size=options.block_size)))
     announce(url)
     try:
@@ -273,9 +273,12 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
 
 def _ready_status(url: str, restored: dict[str, Any] | None) -> str:
     """What `systemctl status` shows beside the unit once the router answers."""
+    parts = [f"serving {url}"]
     if restored is not None and restored["file"] is not None:
-        return f"serving {url}, {counted(restored['events'], 'event')} restored from {restored['file']}"
-    return f"serving {url}"
+        parts.append(f"{counted(restored['events'], 'event')} restored from {restored['file']}")
+    if restored is not None and restored["log_records"]:
+        parts.append(f"{counted(restored['log_records'], 'state log record')} replayed")
+    return ", ".join(parts)
 
 
 def _load_state(fleet: Fleet, options: ServeOptions) -> dict[str, Any] | None:

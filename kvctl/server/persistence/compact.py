@@ -39,9 +39,11 @@ def due(state_log: StateLog, compact_bytes: int) -> bool:
     return state_log.stats.since_image >= max(compact_bytes, image_bytes)
 
 
-async def keep(state_log: StateLog, *, interval_s: float, compact_bytes: int, block_size: int) -> None:
+async def keep(state_log: StateLog, fleet: Fleet, *, interval_s: float, compact_bytes: int,
+               block_size: int) -> None:
     """The log's background duties: written every `FLUSH_S` at most, fsynced and compaction considered every
-    `interval_s` (`--snapshot-interval`). Cancelled at shutdown; a compaction child then is killed."""
+    `interval_s` (`--snapshot-interval`), an image of the fleet itself after lost writes. Cancelled at
+    shutdown; a compaction child then is killed."""
     next_sync = time.monotonic() + interval_s
     compacting: asyncio.Task[bool] | None = None
     try:
@@ -51,13 +53,35 @@ async def keep(state_log: StateLog, *, interval_s: float, compact_bytes: int, bl
             state_log.flush(fsync=sync)
             if sync:
                 next_sync = time.monotonic() + interval_s
-                if (compacting is None or compacting.done()) and due(state_log, compact_bytes):
+                if state_log.stats.lost and (compacting is None or compacting.done()):
+                    await image_after_loss(state_log, fleet)
+                elif (compacting is None or compacting.done()) and due(state_log, compact_bytes):
                     compacting = asyncio.create_task(compact(state_log, block_size))
     finally:
         if compacting is not None and not compacting.done():
             compacting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await compacting
+
+
+async def image_after_loss(state_log: StateLog, fleet: Fleet) -> None:
+    """After a failed write (a full disk) the log misses changes, so only the fleet itself holds them: its
+    image is captured on the loop (the one O(index) pause left, and only after a fault) at a cut of the
+    log and written by a thread; until that succeeds it is retried every interval."""
+    state_log.stats.lost = False
+    cut, rotated = state_log.rotate()
+    since_cut = state_log.stats.bytes
+    taken = snapshot.capture(fleet, time.time(), log_from=cut)
+    await asyncio.wrap_future(rotated)
+    try:
+        await asyncio.to_thread(snapshot.write, taken, state_log.state_dir)
+    except OSError as exc:
+        state_log.stats.lost = True
+        log.error("state log: image after lost writes to %s failed: %s", state_log.state_dir, exc)
+        return
+    state_log.stats.images_after_loss += 1
+    state_log.stats.since_image = state_log.stats.bytes - since_cut
+    log.warning("state log: wrote an image of the whole index after lost writes; the log is whole again")
 
 
 async def compact(state_log: StateLog, block_size: int) -> bool:

@@ -40,6 +40,8 @@ class LogStats:
     since_image: int = 0  # bytes a restore would replay after the image
     fsyncs: int = 0
     write_errors: int = 0
+    lost: bool = False  # a write failed: the log misses changes until an image from the fleet is written
+    images_after_loss: int = 0
     compactions: int = 0
     compaction_failures: int = 0
     last_compaction_s: float | None = None
@@ -114,12 +116,15 @@ class StateLog:
         end = self._file.tell()
         try:
             if pending:
-                self._file.write(records.frames(pending))
+                data = memoryview(records.frames(pending))
+                while data:  # a write that hits a size limit writes part, and only the next one fails
+                    data = data[self._file.write(data) or 0:]
             if fsync:
                 os.fsync(self._file.fileno())
                 self.stats.fsyncs += 1
         except OSError as exc:  # a full disk must not stop the router; what was lost is counted and logged
             self.stats.write_errors += 1
+            self.stats.lost = True
             log.error("state log %s: %d changes not written, a restart will not have them: %s",
                       self._file.name, len(pending), exc)
             with contextlib.suppress(OSError):  # no half record for the next write to follow
@@ -152,7 +157,11 @@ class LogCollector:
         yield GaugeMetricFamily("kvctl_state_log_since_image_bytes", "state log a restore would replay after "
                                 "the image; compacted past --compact-log-bytes and the image's size",
                                 value=s.since_image)
-        yield CounterMetricFamily("kvctl_state_log_write_errors", "state log writes that failed", value=s.write_errors)
+        yield CounterMetricFamily("kvctl_state_log_write_errors", "state log writes that failed (a full disk): "
+                                  "a restart misses those changes until an image of the index is written",
+                                  value=s.write_errors)
+        yield GaugeMetricFamily("kvctl_state_log_lost", "1 while the state log misses changes (a write failed "
+                                "and no image of the index has been written since)", value=int(s.lost))
         yield CounterMetricFamily("kvctl_state_log_compactions", "images written from the state log by a child",
                                   value=s.compactions)
         yield CounterMetricFamily("kvctl_state_log_compaction_failures", "compaction children that failed",
