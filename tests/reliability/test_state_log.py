@@ -4,6 +4,7 @@ and compaction runs in another process, so routes are answered meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -17,6 +18,7 @@ from kvctl.core.names import parse_worker
 from kvctl.server import snapshot
 from kvctl.server.persistence import segments
 from tests.reliability.test_snapshot_kill import blocks, chains
+from tests.server.test_sd_notify import children_of
 from tests.server.test_serve_process import _stop, serving
 from tests.support.eventually import eventually
 
@@ -203,3 +205,36 @@ def test_a_start_without_restore_never_folds_the_earlier_runs_log_in(tmp_path: P
         _stop(proc)
     with serving(tmp_path) as (proc, client):
         assert blocks(client) == CHAIN, "the run before --no-restore came back"
+
+
+def _compacting(pid: int) -> list[int]:
+    """The router's compaction children now."""
+    found = []
+    for child in children_of(pid):
+        with contextlib.suppress(OSError):
+            if b"persistence.compact" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+    return found
+
+
+def test_sigkill_during_compaction_restores_everything_and_takes_the_child_along(tmp_path: Path) -> None:
+    expected: set[tuple[int, int, int]] = set()
+    for round_ in range(3):
+        with serving(tmp_path, "--snapshot-interval", "0.01", "--compact-log-bytes", "0") as (proc, client):
+            assert pairs(client) == expected
+            client.post("/v1/events", content=chains(200, start=200 * round_), headers=NDJSON)  # as large as the image
+            written(client)
+            expected = pairs(client)
+            [child] = eventually(lambda: _compacting(proc.pid), "a compaction child", interval=0.005)
+            proc.kill()
+            proc.wait()
+            eventually(lambda child=child: _state(child) == b"Z", "the compaction child to die with the router")
+    with serving(tmp_path) as (proc, client):
+        assert pairs(client) == expected
+
+
+def _state(pid: int) -> bytes:
+    """A process's state letter; Z (a zombie) once it is gone too."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0]
+    return b"Z"

@@ -13,8 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,6 +31,7 @@ from kvctl.server.state import Fleet
 
 log = logging.getLogger("kvctl.serve")
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 COMPACT_BYTES = 64 << 20  # the least log that is worth a new image (`--compact-log-bytes`)
 
 
@@ -92,6 +96,7 @@ async def compact(state_log: StateLog, block_size: int) -> bool:
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         *python_module(__name__), str(state_log.state_dir), "--upto", str(cut), "--block-size", str(block_size),
+        "--parent", str(os.getpid()),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
         out, err = await proc.communicate()
@@ -117,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("state_dir", type=Path)
     parser.add_argument("--upto", type=int, required=True, help="the first segment not to fold in")
     parser.add_argument("--block-size", type=int, required=True, help="the router's default block size")
+    parser.add_argument("--parent", type=int, help="the router: this process dies with it")
     args = parser.parse_args(argv)
+    if args.parent is not None and not _dies_with(args.parent):
+        print("not compacted: the router is gone", file=sys.stderr)
+        return 1
     fleet = Fleet(block_size=args.block_size)
     done = replay.restore(fleet, args.state_dir, time.monotonic(), upto=args.upto)
     for problem in done.problems:
@@ -129,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     deleted = segments.delete_before(args.state_dir, done.log_from)
     print(json.dumps({"image": path.name, "records": done.records, "segments_deleted": deleted}))
     return 0
+
+
+def _dies_with(parent: int) -> bool:
+    """Be killed when the router dies (Linux's PR_SET_PDEATHSIG), so that no orphan deletes segments under
+    the next router's restore; False when the router is gone already."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    return os.getppid() == parent
 
 
 if __name__ == "__main__":

@@ -36,11 +36,8 @@ _decode = msgspec.msgpack.Decoder().decode
 
 def frames(payloads: Sequence[bytes]) -> bytes:
     """Payloads framed for the file, in one buffer (built off the loop, by the writer thread)."""
-    out = bytearray()
-    for payload in payloads:
-        out += HEAD.pack(len(payload), zlib.crc32(payload))
-        out += payload
-    return bytes(out)
+    pack, crc32 = HEAD.pack, zlib.crc32
+    return b"".join([part for payload in payloads for part in (pack(len(payload), crc32(payload)), payload)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +52,11 @@ class Scan:
 
 def read(path: Path, scan: list[Scan]) -> Iterator[tuple[int, list[Any]]]:
     """(offset, record) for each record of one segment, in order; how the read ended is appended to `scan`."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:  # deleted since it was listed: a compaction folded it into the image
+        scan.append(Scan(0))
+        return
     at, end = 0, len(data)
     while at < end:
         if at + HEAD.size > end:

@@ -28,6 +28,7 @@ from kvctl.server.state import Fleet, WorkerInfo
 log = logging.getLogger("kvctl.serve")
 
 FLUSH_S = 1.0  # the longest a change waits in memory before it is written (not fsynced) to the log
+FLUSH_BYTES = 1 << 20  # or until this much waits: a burst's buffer stays small and is freed as it goes
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class StateLog:
         else:
             self.stats.since_image = segments.size_from(state_dir, restored_from)
         self._pending: list[bytes] = []
+        self._pending_bytes = 0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="state-log")
         self._file = _open(segments.path(state_dir, self.stats.segment))
         fleet.journal = self
@@ -89,18 +91,21 @@ class StateLog:
         framed = len(payload) + records.HEAD.size
         self.stats.bytes += framed
         self.stats.since_image += framed
+        self._pending_bytes += framed
+        if self._pending_bytes >= FLUSH_BYTES:
+            self.flush(fsync=False)
 
     # ----- the writer thread ------------------------------------------------------------------------------
 
     def flush(self, *, fsync: bool) -> Future[None]:
         """Hand what is buffered to the writer thread; the future ends once it is written (and fsynced)."""
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
         return self._thread.submit(self._write, pending, fsync)
 
     def rotate(self) -> tuple[int, Future[None]]:
         """Close the segment appended to (written and fsynced) and start the next: every change before the
         call is in the segments before the returned number once the future is done."""
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
         self.stats.segment += 1
         return self.stats.segment, self._thread.submit(self._write_and_rotate, pending, self.stats.segment)
 
