@@ -228,7 +228,9 @@ def test_sigkill_during_compaction_restores_everything_and_takes_the_child_along
             [child] = eventually(lambda: _compacting(proc.pid), "a compaction child", interval=0.005)
             proc.kill()
             proc.wait()
-            eventually(lambda child=child: _state(child) == b"Z", "the compaction child to die with the router")
+            # at once: an orphan would live on for the second or so a compaction takes here
+            eventually(lambda child=child: _state(child) == b"Z", "the compaction child to die with the router",
+                       timeout=0.3, interval=0.01)
     with serving(tmp_path) as (proc, client):
         assert pairs(client) == expected
 
