@@ -8,8 +8,10 @@ import contextlib
 import json
 import random
 import re
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -69,26 +71,40 @@ def test_sigkill_mid_ingest_restores_a_prefix_of_each_workers_batches(tmp_path: 
     each worker the first k of those it was sent: never a later one without an earlier, never half of one."""
     rng = random.Random(2727)
     for kill in range(3):
-        sent: list[int] = []
-        with serving(tmp_path, "--reset-states", *OFTEN) as (proc, client):
-            poster = threading.Thread(target=_post_one_by_one, args=(client, sent))
-            poster.start()
-            least = 20 + 20 * kill
-            eventually(sent.__len__, "some chains applied", until=lambda n, least=least: n >= least)
-            time.sleep(rng.uniform(0.0, 1.0))
-            proc.kill()
-            poster.join()
-        with serving(tmp_path) as (proc, client):
-            workers = client.get("/v1/tree/stats").json()["models"]["default"]["workers"]
-            held = pairs(client)
-        chains_of = {w: {n for n in range(400) if n % 4 == w} for w in range(4)}
-        for w, count in ((parse_worker(k)[0], v) for k, v in workers.items()):
-            assert count % CHAIN == 0, f"worker {w} holds {count} blocks: part of a batch"
-            k = count // CHAIN
-            first_k = sorted(chains_of[w])[:k]
-            want = {b for (wid, _, b) in pairs_of(first_k) if wid == w}
-            assert {b for (wid, _, b) in held if wid == w} == want, f"worker {w}: not its first {k} chains"
-        assert sum(workers.values()) <= len(sent) * CHAIN + 4 * CHAIN  # posts in flight when killed
+        least = 20 + 20 * kill
+        _kill_mid_ingest(tmp_path, lambda proc, sent, least=least: (
+            eventually(sent.__len__, "some chains applied", until=lambda n: n >= least),
+            time.sleep(rng.uniform(0.0, 1.0))))
+
+
+def test_sigkill_during_compaction_restores_a_prefix_of_each_workers_batches(tmp_path: Path) -> None:
+    for _ in range(2):  # killed the moment a compaction child is seen, mid-ingest
+        _kill_mid_ingest(tmp_path, lambda proc, sent: eventually(
+            lambda: _compacting(proc.pid) if len(sent) > 20 else [], "a compaction child mid-ingest",
+            interval=0.002))
+
+
+def _kill_mid_ingest(state_dir: Path, until_kill: Callable[[subprocess.Popen[str], list[int]], object]) -> None:
+    """Post chains one by one, SIGKILL the router once `until_kill` returns, restart, check each worker's
+    blocks are the first k chains it was sent, for some k."""
+    sent: list[int] = []
+    with serving(state_dir, "--reset-states", *OFTEN) as (proc, client):
+        poster = threading.Thread(target=_post_one_by_one, args=(client, sent))
+        poster.start()
+        until_kill(proc, sent)
+        proc.kill()
+        poster.join()
+    with serving(state_dir) as (proc, client):
+        workers = client.get("/v1/tree/stats").json()["models"]["default"]["workers"]
+        held = pairs(client)
+    chains_of = {w: {n for n in range(400) if n % 4 == w} for w in range(4)}
+    for w, count in ((parse_worker(k)[0], v) for k, v in workers.items()):
+        assert count % CHAIN == 0, f"worker {w} holds {count} blocks: part of a batch"
+        k = count // CHAIN
+        first_k = sorted(chains_of[w])[:k]
+        want = {b for (wid, _, b) in pairs_of(first_k) if wid == w}
+        assert {b for (wid, _, b) in held if wid == w} == want, f"worker {w}: not its first {k} chains"
+    assert sum(workers.values()) <= len(sent) * CHAIN + 4 * CHAIN  # posts in flight when killed
 
 
 def _post_one_by_one(client: httpx.Client, sent: list[int]) -> None:
@@ -212,31 +228,30 @@ def _compacting(pid: int) -> list[int]:
     found = []
     for child in children_of(pid):
         with contextlib.suppress(OSError):
-            if b"persistence.compact" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if b"persistence.fold" in Path(f"/proc/{child}/cmdline").read_bytes():
                 found.append(child)
     return found
 
 
-def test_sigkill_during_compaction_restores_everything_and_takes_the_child_along(tmp_path: Path) -> None:
-    expected: set[tuple[int, int, int]] = set()
-    for round_ in range(3):
-        with serving(tmp_path, "--snapshot-interval", "0.01", "--compact-log-bytes", "0") as (proc, client):
-            assert pairs(client) == expected
-            client.post("/v1/events", content=chains(200, start=200 * round_), headers=NDJSON)  # as large as the image
-            written(client)
-            expected = pairs(client)
-            [child] = eventually(lambda: _compacting(proc.pid), "a compaction child", interval=0.005)
-            proc.kill()
-            proc.wait()
-            # at once: an orphan would live on for the second or so a compaction takes here
-            eventually(lambda child=child: _state(child) == b"Z", "the compaction child to die with the router",
-                       timeout=0.3, interval=0.01)
+def _compacting(pid: int) -> list[int]:
+    """The router's compaction children now."""
+    found = []
+    for child in children_of(pid):
+        with contextlib.suppress(OSError):
+            if b"persistence.fold" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+    return found
+
+
+def test_sigkill_during_compaction_restores_everything(tmp_path: Path) -> None:
+    with serving(tmp_path, "--snapshot-interval", "0.01", "--compact-log-bytes", "0") as (proc, client):
+        eventually(lambda: client.get("/v1/status").json()["restore"]["log"]["compactions"] and not
+                   _compacting(proc.pid), "the first compaction (of the start's own records) done")
+        client.post("/v1/events", content=chains(1000), headers=NDJSON)  # far larger than the image: compacted
+        written(client)
+        expected = pairs(client)
+        eventually(lambda: _compacting(proc.pid), "a compaction child", interval=0.005)
+        proc.kill()
+        proc.wait()
     with serving(tmp_path) as (proc, client):
         assert pairs(client) == expected
-
-
-def _state(pid: int) -> bytes:
-    """A process's state letter; Z (a zombie) once it is gone too."""
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0]
-    return b"Z"

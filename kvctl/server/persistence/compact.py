@@ -1,7 +1,7 @@
 """Compaction: a child process folds the log into a new image, so the router's loop never holds the index
 for it (the role of Redis's BGSAVE and of etcd's snapshot beside its WAL).
 
-The router rotates the log to a new segment (the cut), then runs `python -m kvctl.server.persistence.compact
+The router rotates the log to a new segment (the cut), then runs `python -m kvctl.server.persistence.fold
 STATE_DIR --upto CUT`: it restores the last image plus the segments before the cut in its own memory,
 writes the result as the next image (`snapshot.write`: atomic, `.prev` kept, checksummed) with `log_from`
 = CUT, and deletes the segments that neither image needs any more. Killed at any point, it leaves the
@@ -10,28 +10,21 @@ files a restore takes as they were.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import ctypes
-import json
 import logging
 import os
-import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 from kvctl.child_process import python_module
 from kvctl.server import snapshot
-from kvctl.server.persistence import replay, segments
+from kvctl.server.persistence import fold
 from kvctl.server.persistence.state_log import FLUSH_S, StateLog
 from kvctl.server.state import Fleet
 
 log = logging.getLogger("kvctl.serve")
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 COMPACT_BYTES = 64 << 20  # the least log that is worth a new image (`--compact-log-bytes`)
 
 
@@ -40,7 +33,7 @@ def due(state_log: StateLog, compact_bytes: int) -> bool:
     disk written stays within twice what changed, and a restore replays at most about an image's worth."""
     image = state_log.state_dir / snapshot.FILENAME
     image_bytes = image.stat().st_size if image.exists() else 0
-    return state_log.stats.since_image >= max(compact_bytes, image_bytes)
+    return state_log.stats.since_image >= max(compact_bytes, image_bytes, 1)
 
 
 async def keep(state_log: StateLog, fleet: Fleet, *, interval_s: float, compact_bytes: int,
@@ -95,7 +88,7 @@ async def compact(state_log: StateLog, block_size: int) -> bool:
     await asyncio.wrap_future(rotated)
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *python_module(__name__), str(state_log.state_dir), "--upto", str(cut), "--block-size", str(block_size),
+        *python_module(fold.__name__), str(state_log.state_dir), "--upto", str(cut), "--block-size", str(block_size),
         "--parent", str(os.getpid()),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
@@ -115,38 +108,3 @@ async def compact(state_log: StateLog, block_size: int) -> bool:
     stats.last_compaction_s = round(time.monotonic() - started, 3)
     log.info("state log compacted in %.2f s (pid %d): %s", stats.last_compaction_s, proc.pid, out.decode().strip())
     return True
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvctl.server.persistence.compact", description=__doc__)
-    parser.add_argument("state_dir", type=Path)
-    parser.add_argument("--upto", type=int, required=True, help="the first segment not to fold in")
-    parser.add_argument("--block-size", type=int, required=True, help="the router's default block size")
-    parser.add_argument("--parent", type=int, help="the router: this process dies with it")
-    args = parser.parse_args(argv)
-    if args.parent is not None and not _dies_with(args.parent):
-        print("not compacted: the router is gone", file=sys.stderr)
-        return 1
-    fleet = Fleet(block_size=args.block_size)
-    done = replay.restore(fleet, args.state_dir, time.monotonic(), upto=args.upto)
-    for problem in done.problems:
-        print(f"damaged image: {problem}", file=sys.stderr)
-    if done.stopped is not None:  # the router restored the same way: its start set the damage aside
-        print(f"not compacted: the log is damaged at {done.stopped}", file=sys.stderr)
-        return 1
-    path = snapshot.write(snapshot.capture(fleet, time.time(), log_from=args.upto), args.state_dir)
-    deleted = segments.delete_before(args.state_dir, done.log_from)
-    print(json.dumps({"image": path.name, "records": done.records, "segments_deleted": deleted}))
-    return 0
-
-
-def _dies_with(parent: int) -> bool:
-    """Be killed when the router dies (Linux's PR_SET_PDEATHSIG), so that no orphan deletes segments under
-    the next router's restore; False when the router is gone already."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    return os.getppid() == parent
-
-
-if __name__ == "__main__":
-    sys.exit(main())
