@@ -243,10 +243,18 @@ def serve_command(
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback address without a token.")]
     = False,
     state_dir: Annotated[Path, typer.Option("--state-dir", envvar="KVCTL_STATE_DIR",
-                                            help="Where snapshots go: writable, one router per state dir.")]
+                                            help="Where the state goes (an image plus a log of changes): "
+                                                 "writable, one router per state dir.")]
     = DEFAULT_STATE_DIR,
     snapshot_interval: Annotated[float, typer.Option("--snapshot-interval", envvar="KVCTL_SNAPSHOT_INTERVAL",
-                                                     help="Seconds between snapshots.")] = 60.0,
+                                                     help="Seconds between fsyncs of the state log, each "
+                                                          "also a check whether to compact it into a new "
+                                                          "image (written at least every second; approximate "
+                                                          "mode: seconds between full images).")] = 60.0,
+    compact_log_bytes: Annotated[int, typer.Option(
+        "--compact-log-bytes", envvar="KVCTL_COMPACT_LOG_BYTES",
+        help="Compact the state log into a new image (in a child process) once it holds this many bytes "
+             "and as many as the image.")] = 64 << 20,
     no_restore: Annotated[bool, typer.Option("--no-restore", help="Start empty; keep the snapshot file.")] = False,
     reset_states: Annotated[bool, typer.Option("--reset-states", help="Delete the snapshot, then start empty.")]
     = False,
@@ -433,6 +441,8 @@ def serve_command(
     out = Output(color=ctx.find_root().obj.color)
     if not snapshot_interval > 0:
         raise UsageError(f"--snapshot-interval must be > 0 seconds, got {snapshot_interval}")
+    if compact_log_bytes < 0:
+        raise UsageError(f"--compact-log-bytes must be >= 0, got {compact_log_bytes}")
     for flag, seconds in (("--idle-timeout", idle_timeout), ("--shutdown-timeout", shutdown_timeout)):
         if not 0 < seconds < float("inf"):
             raise UsageError(f"{flag} must be a finite number of seconds > 0, got {seconds}")
@@ -477,7 +487,8 @@ def serve_command(
                          "an event plane: --nats URL or --dynamo-discovery STORE")
     options = ServeOptions(host=host, port=port, block_size=block_size, admin_token=admin_token, insecure=insecure,
                            engines=engines, log_level=log_level, state_dir=state_dir,
-                           snapshot_interval_s=snapshot_interval, restore=not no_restore, reset_states=reset_states,
+                           snapshot_interval_s=snapshot_interval, compact_log_bytes=compact_log_bytes,
+                           restore=not no_restore, reset_states=reset_states,
                            router=router, thresholds=thresholds, approx=approx, request_expiry_s=request_expiry,
                            models=models, nats=nats, zmq_plane=zmq_plane, queue_batches=queue_batches,
                            max_body_bytes=max_body_bytes, decoder=decoder, max_engines=max_engines,

@@ -34,11 +34,14 @@ from kvctl.errors import CannotListen, KvctlError
 from kvctl.runtime import survivors_frozen, trim_heap
 from kvctl.server import snapshot
 from kvctl.server.budget import RECLAIM_ENTRIES
-from kvctl.server.http.api import MAX_BODY_BYTES, create_app, http_protocol, loop_lag_observer
+from kvctl.server.http.api import MAX_BODY_BYTES, create_app, http_protocol, loop_lag_observer, metrics_registry
 from kvctl.server.http.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Connections
 from kvctl.server.ingest.decode_process.parent import make_decoder
 from kvctl.server.ingest.fd_limits import default_max_engines, raise_file_limit, sized
 from kvctl.server.ingest.streams import QUEUE_BATCHES, Streams
+from kvctl.server.persistence import compact, replay
+from kvctl.server.persistence.compact import COMPACT_BYTES
+from kvctl.server.persistence.state_log import LogCollector, StateLog
 from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
 from kvctl.server.plane.zmq_plane import ZmqOptions, ZmqPlane
 from kvctl.server.sd_notify import Notifier
@@ -112,7 +115,8 @@ class ServeOptions:
     engines: list[WorkerInfo] = field(default_factory=list)  # --worker flags and the config file's workers
     log_level: LogLevel = LogLevel.warning
     state_dir: Path | None = None  # None: no snapshots
-    snapshot_interval_s: float = 60.0
+    snapshot_interval_s: float = 60.0  # state log fsync and compaction check (approximate mode: full images)
+    compact_log_bytes: int = COMPACT_BYTES  # the least state log worth compacting into a new image
     restore: bool = True
     reset_states: bool = False
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -211,7 +215,7 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
                                     timeout_graceful_shutdown=options.shutdown_timeout_s,  # type: ignore[arg-type]
                                     **limits),
                      notifier, _ready_status(url, restored),
-                     f"draining connections (up to {options.shutdown_timeout_s:g} s), then the final snapshot")
+                     f"draining connections (up to {options.shutdown_timeout_s:g} s), then the state log's fsync")
     for info in options.engines:
         fleet.register(info)
     for info in list(fleet.workers.values()):  # restored from the snapshot
@@ -222,9 +226,18 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
                   asyncio.create_task(_tick_every(fleet, streams, TICK_S)),
                   asyncio.create_task(_reclaim_every(fleet, streams, ROUTE_QUIET_S)),
                   asyncio.create_task(notifier.keep_alive())]
-    snapshots = snapshot.Writer(options.state_dir) if options.state_dir is not None else None
-    if snapshots is not None:
+    snapshots = state_log = None
+    if options.state_dir is not None and fleet.approx is not None:  # its index changes with every route
+        snapshots = snapshot.Writer(options.state_dir)
         background.append(asyncio.create_task(_snapshot_every(fleet, snapshots, options.snapshot_interval_s)))
+    elif options.state_dir is not None:
+        state_log = StateLog(options.state_dir, fleet, restored_from=restored["log_from"])
+        metrics_registry(app).register(LogCollector(state_log.stats))
+        if restored is not None:
+            restored["log"] = state_log.stats
+        background.append(asyncio.create_task(compact.keep(
+            state_log, fleet, interval_s=options.snapshot_interval_s, compact_bytes=options.compact_log_bytes,
+            block_size=options.block_size)))
     announce(url)
     try:
         await server.serve(sockets=[sock])
@@ -238,6 +251,8 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         sock.close()
+        if state_log is not None:  # what changed since the last fsync: no image, so the exit is quick
+            state_log.close()
         if snapshots is not None:
             try:  # after a periodic write still in flight (cancelling its task does not stop its thread)
                 path = snapshots.write(snapshots.capture(fleet, time.time()))
@@ -250,37 +265,56 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
 
 def _ready_status(url: str, restored: dict[str, Any] | None) -> str:
     """What `systemctl status` shows beside the unit once the router answers."""
+    parts = [f"serving {url}"]
     if restored is not None and restored["file"] is not None:
-        return f"serving {url}, {counted(restored['events'], 'event')} restored from {restored['file']}"
-    return f"serving {url}"
+        parts.append(f"{counted(restored['events'], 'event')} restored from {restored['file']}")
+    if restored is not None and restored["log_records"]:
+        parts.append(f"{counted(restored['log_records'], 'state log record')} replayed")
+    return ", ".join(parts)
 
 
 def _load_state(fleet: Fleet, options: ServeOptions) -> dict[str, Any] | None:
-    """Restore the snapshot; returns what `/v1/status` shows of it (None: no restore was tried)."""
+    """Restore the snapshot; returns what `/v1/status` shows of it (None: no state dir; `log_from` None: no
+    restore was tried)."""
     if options.state_dir is None:
         return None
+    not_restored = {"file": None, "events": 0, "problems": [], "log_records": 0, "log_from": None,
+                    "log_stopped": None}
     if options.reset_states:
         if snapshot.delete(options.state_dir):
             log.warning("--reset-states: deleted the snapshot in %s", options.state_dir)
-        return None
+        return not_restored
     if not options.restore:
-        return None
+        return not_restored
     if options.nats is not None and options.nats.jetstream:
         log.info("JetStream mode: the object-store snapshot and the stream rebuild the index, not %s",
                  options.state_dir)
-        return None
-    restored, problems = snapshot.restore(fleet, options.state_dir, time.monotonic())
+        return not_restored
+    if fleet.approx is not None:
+        restored, problems = snapshot.restore(fleet, options.state_dir, time.monotonic())
+        replayed = None
+    else:
+        replayed = replay.restore(fleet, options.state_dir, time.monotonic(), repair=True)
+        restored, problems = replayed.image, replayed.problems
     for problem in problems:
         log.error("damaged snapshot: %s", problem)
-    if restored is not None:
-        age = max(0.0, time.time() - restored.taken_at)
-        log.warning("restored %s from %s, taken %.1f s ago (%d rejected); KV events sent "
+    if replayed is not None and replayed.stopped is not None:
+        log.error("state log damaged, replay stopped before it (set aside as .damaged): %s", replayed.stopped)
+    records = replayed.records if replayed is not None else 0
+    if restored is not None or records:
+        stamps = [restored.taken_at if restored else None, replayed.written_at if replayed and records else None]
+        age = max(0.0, time.time() - max(t for t in stamps if t is not None))
+        image = f"{counted(restored.events, 'event')} from {restored.path.name}" if restored else "no image"
+        log.warning("restored %s and %s, the last written %.1f s ago (%d rejected); KV events sent "
                     "after it were not seen: engines' replay or new events will fill the gap",
-                    counted(restored.events, "event"), restored.path.name, age, restored.rejected)
+                    image, counted(records, "state log record"), age, restored.rejected if restored else 0)
     elif problems:
         log.error("no sound snapshot in %s: starting with an empty index", options.state_dir)
     return {"file": restored.path.name if restored is not None else None,
-            "events": restored.events if restored is not None else 0, "problems": problems}
+            "events": restored.events if restored is not None else 0, "problems": problems,
+            "log_records": replayed.records if replayed is not None else 0,
+            "log_from": replayed.log_from if replayed is not None else 0,
+            "log_stopped": replayed.stopped if replayed is not None else None}
 
 
 async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None:

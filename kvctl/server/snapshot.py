@@ -1,4 +1,8 @@
-"""Router state on disk: written atomically on shutdown and every snapshot interval, restored on start.
+"""Router state on disk: the image of the whole index, written atomically, restored on start.
+
+The state log (`kvctl.server.persistence`) holds what changed since an image, and a child process folds it
+into the next image; approximate mode, whose index changes with every route, writes an image every
+snapshot interval and on shutdown instead.
 
 Format (JSON lines, `kvctl.snapshot/v2`): a header line `{"schema", "taken_at", "models": {name:
 block_size}, "workers": [...]}`, one `{"model": name, "event": RouterEvent}` line per dumped event,
@@ -47,6 +51,7 @@ class Restored:
     events: int
     rejected: int
     path: Path  # the newest snapshot, or the previous one when the newest was damaged
+    log_from: int = 0  # the first state-log segment it does not hold (`persistence.segments`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +63,11 @@ class Capture:
     number: int = 0  # the order captures were taken in (`Writer`)
 
 
-def capture(fleet: Fleet, taken_at: float, number: int = 0) -> Capture:
+def capture(fleet: Fleet, taken_at: float, number: int = 0, log_from: int = 0) -> Capture:
     header = {
         "schema": SCHEMA,
         "taken_at": taken_at,
+        "log_from": log_from,
         "models": {name: state.block_size for name, state in sorted(fleet.models.items())},
         "workers": [{"worker_id": i.worker_id, "dp_rank": i.dp_rank, "model": i.model, "endpoint": i.endpoint,
                      "replay_endpoint": i.replay_endpoint, "topic": i.topic} for i in fleet.workers.values()],
@@ -139,11 +145,11 @@ def write(taken: Capture, state_dir: Path) -> Path:
     if path.exists():
         os.replace(path, state_dir / PREVIOUS)
     os.replace(tmp, path)
-    _fsync_dir(state_dir)
+    fsync_dir(state_dir)
     return path
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make the renames durable: without it a power loss may bring back the directory as it was."""
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -235,6 +241,7 @@ class _Header(msgspec.Struct):
     taken_at: Annotated[float, msgspec.Meta(ge=0, lt=1e11)]  # epoch seconds: NaN and inf are refused
     models: dict[Name, Annotated[int, msgspec.Meta(ge=1, lt=2**32)]]
     workers: list[_Worker]
+    log_from: Annotated[int, msgspec.Meta(ge=0)] = 0  # absent before the state log
 
 
 class _Line(msgspec.Struct):
@@ -290,13 +297,13 @@ def _apply(fleet: Fleet, contents: _Contents, now: float) -> Restored:
         applied, bad = fleet.apply(model, (event for _, event in run), now)
         events += applied
         rejected += sum(bad.values())
-    return Restored(header.taken_at, events, rejected, contents.path)
+    return Restored(header.taken_at, events, rejected, contents.path, header.log_from)
 
 
 def delete(state_dir: Path) -> bool:
-    """Delete both snapshots; True when there was one."""
+    """Delete both snapshots and the state log after them; True when there was one."""
     found = False
-    for path in (state_dir / FILENAME, state_dir / PREVIOUS):
+    for path in (state_dir / FILENAME, state_dir / PREVIOUS, *state_dir.glob("state.log.*")):
         if path.exists():
             path.unlink()
             found = True

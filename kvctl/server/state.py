@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Any
+from typing import Any, Protocol
 
 from kvctl import http_api as api
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
@@ -97,6 +97,15 @@ class WorkerInfo:
         return (self.worker_id, self.dp_rank)
 
 
+class Journal(Protocol):
+    """Told of every change that a snapshot holds, as it is applied: the state log (`server.persistence`)."""
+
+    def model(self, name: str, block_size: int) -> None: ...
+    def worker(self, info: WorkerInfo) -> None: ...
+    def unregister(self, worker_id: int, dp_rank: int | None) -> None: ...
+    def batch(self, model: str, worker: WorkerKey, events: Sequence[EventData]) -> None: ...
+
+
 _EVENT_TYPES: dict[type, str] = {Stored: "stored", Removed: "removed", Cleared: "cleared"}
 _STATUS_VALUES = {s: s.value for s in Status}  # an enum's .value is a Python-level property: slow per event
 
@@ -154,6 +163,7 @@ class Fleet:
         self.forward_passes: dict[WorkerKey, tuple[ForwardPass, float]] = {}  # the last one of each worker
         self.sequence_listener: SequenceListener | None = None  # told of local add / prefill / free
         self.last_route_at = float("-inf")  # housekeeping that can wait does so while routes come in
+        self.journal: Journal | None = None
         self.add_model(DEFAULT_MODEL)
 
     # ----- models and workers -----------------------------------------------------------------------
@@ -164,6 +174,8 @@ class Fleet:
                             rng=self._rng, sequences=ActiveSequences(self.request_expiry_s),
                             approx=ApproxIndexer(self.approx) if self.approx is not None else None)
             self.models[name] = ModelState(name, router)
+            if self.journal is not None:
+                self.journal.model(name, router.block_size)
         return self.models[name]
 
     def model(self, name: str) -> ModelState:
@@ -175,6 +187,8 @@ class Fleet:
     def register(self, info: WorkerInfo) -> WorkerInfo:
         """Known from now on (also created implicitly by a worker's first event); a model is created on demand."""
         self.add_model(info.model)
+        if self.journal is not None:
+            self.journal.worker(info)
         previous = self.workers.get(info.key)
         self.workers[info.key] = info
         self._candidates.pop(info.model, None)
@@ -198,6 +212,8 @@ class Fleet:
 
     def unregister(self, worker_id: int, dp_rank: int | None = None) -> api.Removed:
         gone = self.check_worker(worker_id, dp_rank)
+        if self.journal is not None:
+            self.journal.unregister(worker_id, dp_rank)
         blocks = 0
         self._candidates.clear()
         for w in gone:
@@ -234,6 +250,9 @@ class Fleet:
         if info is None:
             info = self.register(WorkerInfo(worker[0], worker[1], state.name))
         info.last_event_at = now
+        if self.journal is not None:
+            events = events if isinstance(events, Sequence) else list(events)
+            self.journal.batch(state.name, worker, events)
         index, counts = state.router.index, state.applied
         applied = 0
         for data in events:
@@ -440,6 +459,8 @@ class Fleet:
                 workers = [w for w in workers if selects((worker_id, dp_rank), w)]
             for w in workers:
                 index.apply(RouterEvent(w[0], Cleared(), w[1]))
+                if self.journal is not None:
+                    self.journal.batch(name, w, [Cleared()])
                 if (info := self.workers.get(w)) is not None:
                     info.rejected.clear()  # a fresh start: what doctor reports from here is new
             after = index.stats()[_DEVICE]

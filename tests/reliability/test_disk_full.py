@@ -1,6 +1,6 @@
-"""The state dir fills up under a running `kvctl serve` (issue 11): the periodic snapshot fails with a
-log line naming the state dir and the errno, the router goes on routing and taking events, the last
-good snapshot stays as it was, and once there is room again the next snapshot holds everything.
+"""The state dir fills up under a running `kvctl serve` (issues 11 and 27): state log writes fail with a log
+line naming the file and the errno, the router goes on routing and taking events, no half record is left,
+and once there is room again an image of the whole index makes the state dir whole.
 
 "Full" is the router's file size limit (RLIMIT_FSIZE, set on the running process with prlimit):
 Python ignores SIGXFSZ, so a write past the limit fails with EFBIG, as one on a full disk fails with
@@ -12,19 +12,19 @@ from __future__ import annotations
 import json
 import resource
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
+from kvctl.server.persistence import records, segments
 from tests.reliability.test_engine_faults import router
 from tests.support import eventually
 from tests.support.served import on_both_route_paths
 
-LIMIT = 64 * 1024  # bytes: far below a snapshot of the index below, far above the log file
-FAILED = "snapshot to {state} failed: [Errno 27] File too large"
+FAILED = "changes not written, a restart will not have them: [Errno 27] File too large"
+WHOLE = "wrote an image of the whole index after lost writes"
 
 
 def chains(first: int, count: int, blocks: int = 64) -> str:
@@ -48,16 +48,22 @@ def held(client: httpx.Client) -> set[tuple[int, int, int]]:
             for b in ev["event"]["data"]["stored"]["blocks"]}
 
 
-def taken_at(state: Path) -> float:
-    try:
-        with (state / "snapshot.jsonl").open() as f:
-            return float(json.loads(f.readline())["taken_at"])
-    except (OSError, ValueError, KeyError):
-        return 0.0
+def full(client: httpx.Client, state: Path, pid: int, log: Path, first: int) -> int:
+    """Post chains from `first` on until the newest state log segment outgrows the router's own log file, then
+    leave it no room: it may not grow (the log file still may). Returns the next chain number."""
+    def newest() -> int:
+        return segments.path(state, segments.numbers(state)[-1]).stat().st_size
+    while newest() <= log.stat().st_size + 64 * 1024:
+        post(client, chains(first, 40))
+        first += 40
+        size = newest()
+        eventually(newest, "the chains written", until=lambda n, size=size: n > size)
+    set_file_limit(pid, newest())
+    return first
 
 
-def snapshot_after(state: Path, moment: float) -> None:
-    eventually(lambda: taken_at(state) > moment, "a snapshot taken after that moment")
+def count(log: Path, line: str) -> int:
+    return log.read_text().count(line)
 
 
 def route_overlap(client: httpx.Client, chain: int) -> Any:
@@ -70,55 +76,47 @@ def set_file_limit(pid: int, limit: int) -> None:
 
 
 @on_both_route_paths
-def test_full_state_dir_fails_snapshots_loudly_and_the_router_keeps_serving(tmp_path: Path) -> None:
+def test_full_state_dir_fails_log_writes_loudly_and_the_router_keeps_serving(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    failed = FAILED.format(state=state)
     with router(state, "--snapshot-interval", "0.2") as (proc, client, log):
-        post(client, chains(0, 40))
-        moment = time.time()
-        snapshot_after(state, moment)
-
-        set_file_limit(proc.pid, LIMIT)  # the disk is full
-        eventually(lambda: failed in log.read_text(), "a failed snapshot, logged")
-        good = {p.name: p.read_bytes() for p in state.iterdir()}  # the last snapshot that made it
-        assert good["snapshot.jsonl"].count(b"\n") == 1 + 40 + 1  # header, the 40 chains, trailer
-        post(client, chains(40, 40))  # still taken
-        eventually(lambda: log.read_text().count(failed) >= 3, "more failed snapshots")
+        following = full(client, state, proc.pid, log, 0)  # the disk is full
         fds = len(list(Path(f"/proc/{proc.pid}/fd").iterdir()))
-        eventually(lambda: log.read_text().count(failed) >= 7, "yet more failed snapshots")
+        post(client, chains(following, 40))  # still taken
+        eventually(lambda: count(log, FAILED), "a failed state log write, logged")
+        eventually(lambda: count(log, "image after lost writes") >= 3, "failed images after the loss")
         assert len(list(Path(f"/proc/{proc.pid}/fd").iterdir())) == fds  # a failed write leaks no file
         assert proc.poll() is None
-        assert {p.name: p.read_bytes() for p in state.iterdir()} == good  # intact, and no half-written file
-        answer = route_overlap(client, 50)  # routes on what came in while full
-        assert answer["overlap_blocks"] == 64 and answer["worker_id"] == 50 % 4, answer
-        assert client.get("/healthz").json()["status"] == "ok"
+        answer = route_overlap(client, following)  # routes on what came in while full
+        assert answer["overlap_blocks"] == 64 and answer["worker_id"] == following % 4, answer
+        assert "kvctl_state_log_lost 1.0" in client.get("/metrics").text
 
         set_file_limit(proc.pid, resource.RLIM_INFINITY)  # room again
-        moment = time.time()
-        snapshot_after(state, moment)
+        eventually(lambda: count(log, WHOLE), "an image of the whole index")
         before = held(client)
-        assert len(before) == 80 * 64
-        proc.send_signal(signal.SIGKILL)  # no final snapshot: only the periodic one counts
+        proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     assert not list(state.glob(".*.tmp"))
     with router(state) as (proc, client, log):
         after = held(client)
-        lost = len(before - after)
-        print(f"FAULT disk-full lost={lost} (of {len(before)} blocks, after a SIGKILL once there was room again; "
-              f"{log.read_text().count(failed)} snapshots failed while full)")
+        print(f"FAULT disk-full lost={len(before - after)} (of {len(before)} blocks, after a SIGKILL once there "
+              f"was room again; {count(log, FAILED)} log writes failed while full)")
         assert after == before
 
-        # Full again, and the router is stopped before there is room: the final snapshot fails with the
-        # same clear error, the router still exits cleanly, and a restart has the last good snapshot:
-        # what came in since (exactly the 10 chains below) is what is lost.
-        good = (state / "snapshot.jsonl").read_bytes()
-        set_file_limit(proc.pid, LIMIT)
-        post(client, chains(80, 10))
+        # Full again, and the router is stopped before there is room: the writes fail with the same clear
+        # error, the router still exits cleanly, and a restart has what was written: what came in since
+        # (exactly the 10 chains below) is what is lost.
+        taken = count(log, FAILED)
+        following = full(client, state, proc.pid, log, following + 40)
+        before = held(client)
+        post(client, chains(following, 10))
         with_late = held(client)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
-    assert f"final snapshot to {state} failed: [Errno 27] File too large" in log.read_text()
-    assert (state / "snapshot.jsonl").read_bytes() == good
+        assert count(log, FAILED) > taken
+    for number in segments.numbers(state):  # a failed write is cut back: whole records only, everywhere
+        scan: list[records.Scan] = []
+        assert all(record for _, record in records.read(segments.path(state, number), scan))
+        assert scan == [records.Scan(segments.path(state, number).stat().st_size)]
     with router(state) as (proc, client, log):
         restored = held(client)
         lost = len(with_late - restored)

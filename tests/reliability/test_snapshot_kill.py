@@ -15,10 +15,10 @@ from tests.server.test_serve_process import serving
 KILLS = 8
 
 
-def chains(count: int, blocks: int = 64) -> str:
-    """RouterEvent JSON lines: `count` unrelated chains of `blocks` blocks, on 4 workers."""
+def chains(count: int, blocks: int = 64, start: int = 0) -> str:
+    """RouterEvent JSON lines: `count` unrelated chains of `blocks` blocks (numbered from `start`), on 4 workers."""
     lines = []
-    for n in range(count):
+    for n in range(start, start + count):
         local = local_block_hashes([n * 100_000 + t for t in range(blocks * 16)], 16)
         stored = [{"block_hash": s, "tokens_hash": h} for s, h in zip(sequence_hashes(local), local, strict=True)]
         lines.append(json.dumps({"worker_id": n % 4, "event": {"event_id": n, "data": {"stored": {

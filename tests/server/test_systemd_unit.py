@@ -61,7 +61,7 @@ def test_exec_start_uses_serve_flags_that_exist_and_stop_waits_longer_than_the_d
     assert given and set(given) <= known
     assert argv[argv.index("--state-dir") + 1] == "${STATE_DIRECTORY}"
     drain = float(argv[argv.index("--shutdown-timeout") + 1])
-    assert seconds(service["TimeoutStopSec"][0]) >= drain + 10  # the final snapshot is written after the drain
+    assert seconds(service["TimeoutStopSec"][0]) >= drain + 10  # the state log is fsynced after the drain
 
 
 def test_systemd_analyze_verify(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -312,6 +312,12 @@ def loop_lag_observer(app: ASGIApp) -> Callable[[float], None]:
     """Where the daemon's loop probe (`daemon.watch_loop`) records how late it woke."""
     assert isinstance(app, _Front)
     return app.routing.metrics.loop_lag.observe
+
+
+def metrics_registry(app: ASGIApp) -> CollectorRegistry:
+    """Where parts the daemon starts (the state log) add their own collectors."""
+    assert isinstance(app, _Front)
+    return app.routing.metrics.registry
 
 
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,

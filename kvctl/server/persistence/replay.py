@@ -1,0 +1,115 @@
+"""Restore = the newest sound image, then the log segments after it replayed in order.
+
+A record cut short at a segment's end (a kill mid-write) is dropped; a damaged record with more after it
+stops the replay there, with the problem reported, so the state is what it was before that record, never
+a crash. Replay is a generator of slices, so a caller can yield to its loop between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvctl.server import snapshot
+from kvctl.server.ingest.endpoint import check_endpoint
+from kvctl.server.persistence import records, segments
+from kvctl.server.state import Fleet, UnknownWorker, WorkerInfo
+
+SLICE_RECORDS = 1000  # records applied between two yields of `slices`
+
+
+@dataclass(slots=True)
+class Restore:
+    image: snapshot.Restored | None = None
+    log_from: int = 0  # the loaded image's first segment not in it (0: no image)
+    records: int = 0  # log records replayed
+    segments: int = 0
+    torn: int = 0  # segments whose last record was cut short, and dropped
+    stopped: str | None = None  # where a damaged record stopped the replay
+    written_at: float | None = None  # when the newest segment replayed was last written to (epoch seconds)
+    problems: list[str] = field(default_factory=list)
+
+
+def restore(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = None, repair: bool = False) -> Restore:
+    """The whole restore in one go (see `slices`)."""
+    steps = slices(fleet, state_dir, now, upto=upto, repair=repair)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def slices(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = None,
+           repair: bool = False) -> Generator[int, None, Restore]:
+    """Load the image into `fleet` (empty, with no journal attached), then replay the segments from its
+    `log_from` up to `upto` (excluded; None: all), yielding the records applied so far every
+    `SLICE_RECORDS`. `repair` (the router's own start): cut a torn tail off its segment and set a damaged
+    record's segment (copied) and every later one aside, so that the files say what was restored."""
+    image, problems = snapshot.restore(fleet, state_dir, now)
+    done = Restore(image, image.log_from if image is not None else 0, problems=problems)
+    for number in segments.numbers(state_dir):
+        if number < done.log_from or (upto is not None and number >= upto):
+            continue
+        path = segments.path(state_dir, number)
+        scans: list[records.Scan] = []
+        for at, record in records.read(path, scans):
+            try:
+                _apply(fleet, record, now)
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                scans.append(records.Scan(at, corrupt=f"bad record at byte {at}: {exc}"))
+                break
+            done.records += 1
+            if done.records % SLICE_RECORDS == 0:
+                yield done.records
+        done.segments += 1
+        done.written_at = path.stat().st_mtime
+        scan = scans[-1]
+        if scan.torn:
+            done.torn += 1
+            if repair:
+                os.truncate(path, scan.good)
+        if scan.corrupt is not None:
+            done.stopped = f"{path.name}: {scan.corrupt}"
+            if repair:
+                _set_aside(state_dir, number, scan.good)
+            break
+    return done
+
+
+def _set_aside(state_dir: Path, number: int, good: int) -> None:
+    """Keep a damaged segment (copied) and those after it for a post-mortem, out of the next start's way;
+    the damaged one keeps the records before the damage under its own name, so later restores replay them."""
+    for n in segments.numbers(state_dir):
+        path = segments.path(state_dir, n)
+        aside = path.with_name(path.name + ".damaged")
+        if n == number:
+            shutil.copyfile(path, aside)
+            os.truncate(path, good)
+        elif n > number:
+            os.replace(path, aside)
+
+
+def _apply(fleet: Fleet, record: list[Any], now: float) -> None:
+    kind = record[0]
+    if kind == records.MODEL:
+        _, name, block_size = record
+        fleet.add_model(str(name), block_size=int(block_size))
+    elif kind == records.WORKER:
+        _, worker_id, dp_rank, model, endpoint, replay_endpoint, topic = record
+        for address in (endpoint, replay_endpoint):
+            if address is not None:
+                check_endpoint(address)
+        fleet.register(WorkerInfo(int(worker_id), int(dp_rank), str(model), endpoint, replay_endpoint, str(topic)))
+    elif kind == records.UNREGISTER:
+        _, worker_id, dp_rank = record
+        with contextlib.suppress(UnknownWorker):  # removed before, in a record already replayed
+            fleet.unregister(int(worker_id), dp_rank)
+    else:
+        _, model, worker_id, dp_rank, events = record
+        fleet.apply_engine_batch(str(model), (int(worker_id), int(dp_rank)), [records.event_of(e) for e in events], now)

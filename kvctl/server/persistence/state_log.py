@@ -1,0 +1,173 @@
+"""The append side of the state log: the fleet's `Journal`, buffered on the loop, written by one thread.
+
+On the loop a change costs one msgpack encode and a list append; framing, writing and fsync happen in a
+single writer thread, in order, so the loop never waits on the disk. Writes go out at least every
+`FLUSH_S` and are fsynced every snapshot interval and at shutdown; a kill loses at most the last second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvctl.core.events import EventData
+from kvctl.core.names import WorkerKey
+from kvctl.server import snapshot
+from kvctl.server.persistence import records, segments
+from kvctl.server.state import Fleet, WorkerInfo
+
+log = logging.getLogger("kvctl.serve")
+
+FLUSH_S = 1.0  # the longest a change waits in memory before it is written (not fsynced) to the log
+FLUSH_BYTES = 1 << 20  # or until this much waits: a burst's buffer stays small and is freed as it goes
+
+
+@dataclass(slots=True)
+class LogStats:
+    """What /metrics and /v1/status show of the state log."""
+
+    segment: int  # the segment appended to now
+    records: int = 0  # appended since the start
+    bytes: int = 0  # appended since the start, framed
+    since_image: int = 0  # bytes a restore would replay after the image
+    fsyncs: int = 0
+    write_errors: int = 0
+    lost: bool = False  # a write failed: the log misses changes until an image from the fleet is written
+    images_after_loss: int = 0
+    compactions: int = 0
+    compaction_failures: int = 0
+    last_compaction_s: float | None = None
+
+
+class StateLog:
+    """Appends the fleet's changes to `state.log.N`; `rotate` starts the next segment for a compaction."""
+
+    def __init__(self, state_dir: Path, fleet: Fleet, *, restored_from: int | None) -> None:
+        """`restored_from`: the `log_from` of the image the fleet was restored from, its log replayed after it
+        (0: no image); None: the fleet did not restore (`--no-restore`, JetStream), so its own image, nearly
+        empty, is written first, lest a compaction fold the files of an earlier run in."""
+        numbers = segments.numbers(state_dir)
+        self.state_dir = state_dir
+        self.stats = LogStats(numbers[-1] + 1 if numbers else 0)
+        if restored_from is None:
+            snapshot.write(snapshot.capture(fleet, time.time(), log_from=self.stats.segment), state_dir)
+        else:
+            self.stats.since_image = segments.size_from(state_dir, restored_from)
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="state-log")
+        self._file = _open(segments.path(state_dir, self.stats.segment))
+        fleet.journal = self
+        for name, state in sorted(fleet.models.items()):  # a log without an image needs them
+            self.model(name, state.block_size)
+
+    # ----- the journal: on the loop ---------------------------------------------------------------------
+
+    def model(self, name: str, block_size: int) -> None:
+        self._append(records.encode((records.MODEL, name, block_size)))
+
+    def worker(self, info: WorkerInfo) -> None:
+        self._append(records.encode((records.WORKER, info.worker_id, info.dp_rank, info.model, info.endpoint,
+                                     info.replay_endpoint, info.topic)))
+
+    def unregister(self, worker_id: int, dp_rank: int | None) -> None:
+        self._append(records.encode((records.UNREGISTER, worker_id, dp_rank)))
+
+    def batch(self, model: str, worker: WorkerKey, events: Sequence[EventData]) -> None:
+        self._append(records.encode((records.BATCH, model, worker[0], worker[1], events)))
+
+    def _append(self, payload: bytes) -> None:
+        self._pending.append(payload)
+        self.stats.records += 1
+        framed = len(payload) + records.HEAD.size
+        self.stats.bytes += framed
+        self.stats.since_image += framed
+        self._pending_bytes += framed
+        if self._pending_bytes >= FLUSH_BYTES:
+            self.flush(fsync=False)
+
+    # ----- the writer thread ------------------------------------------------------------------------------
+
+    def flush(self, *, fsync: bool) -> Future[None]:
+        """Hand what is buffered to the writer thread; the future ends once it is written (and fsynced)."""
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        return self._thread.submit(self._write, pending, fsync)
+
+    def rotate(self) -> tuple[int, Future[None]]:
+        """Close the segment appended to (written and fsynced) and start the next: every change before the
+        call is in the segments before the returned number once the future is done."""
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        self.stats.segment += 1
+        return self.stats.segment, self._thread.submit(self._write_and_rotate, pending, self.stats.segment)
+
+    def close(self) -> None:
+        """Everything buffered written and fsynced; waits for it (the shutdown's only disk work)."""
+        try:
+            self.flush(fsync=True).result()
+        finally:
+            self._thread.shutdown()
+            self._file.close()
+
+    def _write(self, pending: list[bytes], fsync: bool) -> None:
+        end = self._file.tell()
+        try:
+            if pending:
+                data = memoryview(records.frames(pending))
+                while data:  # a write that hits a size limit writes part, and only the next one fails
+                    data = data[self._file.write(data) or 0:]
+            if fsync:
+                os.fsync(self._file.fileno())
+                self.stats.fsyncs += 1
+        except OSError as exc:  # a full disk must not stop the router; what was lost is counted and logged
+            self.stats.write_errors += 1
+            self.stats.lost = True
+            log.error("state log %s: %d changes not written, a restart will not have them: %s",
+                      self._file.name, len(pending), exc)
+            with contextlib.suppress(OSError):  # no half record for the next write to follow
+                os.ftruncate(self._file.fileno(), end)
+                self._file.seek(end)
+
+    def _write_and_rotate(self, pending: list[bytes], number: int) -> None:
+        self._write(pending, fsync=True)
+        self._file.close()
+        self._file = _open(segments.path(self.state_dir, number))
+
+
+def _open(path: Path) -> BinaryIO:
+    """A segment to append to, unbuffered (each write is one framed batch), its name durable."""
+    f = path.open("ab", buffering=0)
+    snapshot.fsync_dir(path.parent)
+    return f  # type: ignore[return-value]
+
+
+class LogCollector:
+    """The state log in /metrics: how much is appended, how often it is compacted, and what failed."""
+
+    def __init__(self, stats: LogStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self.stats
+        yield CounterMetricFamily("kvctl_state_log_records", "changes appended to the state log", value=s.records)
+        yield CounterMetricFamily("kvctl_state_log_bytes", "bytes appended to the state log", value=s.bytes)
+        yield GaugeMetricFamily("kvctl_state_log_since_image_bytes", "state log a restore would replay after "
+                                "the image; compacted past --compact-log-bytes and the image's size",
+                                value=s.since_image)
+        yield CounterMetricFamily("kvctl_state_log_write_errors", "state log writes that failed (a full disk): "
+                                  "a restart misses those changes until an image of the index is written",
+                                  value=s.write_errors)
+        yield GaugeMetricFamily("kvctl_state_log_lost", "1 while the state log misses changes (a write failed "
+                                "and no image of the index has been written since)", value=int(s.lost))
+        yield CounterMetricFamily("kvctl_state_log_compactions", "images written from the state log by a child",
+                                  value=s.compactions)
+        yield CounterMetricFamily("kvctl_state_log_compaction_failures", "compaction children that failed",
+                                  value=s.compaction_failures)
