@@ -231,10 +231,10 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
         snapshots = snapshot.Writer(options.state_dir)
         background.append(asyncio.create_task(_snapshot_every(fleet, snapshots, options.snapshot_interval_s)))
     elif options.state_dir is not None:
+        assert restored is not None  # with a state dir, _load_state always says what it restored
         state_log = StateLog(options.state_dir, fleet, restored_from=restored["log_from"])
         metrics_registry(app).register(LogCollector(state_log.stats))
-        if restored is not None:
-            restored["log"] = state_log.stats
+        restored["log"] = state_log.stats
         background.append(asyncio.create_task(compact.keep(
             state_log, fleet, interval_s=options.snapshot_interval_s, compact_bytes=options.compact_log_bytes,
             block_size=options.block_size)))
@@ -278,7 +278,7 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> dict[str, Any] | None:
     restore was tried)."""
     if options.state_dir is None:
         return None
-    not_restored = {"file": None, "events": 0, "problems": [], "log_records": 0, "log_from": None,
+    not_restored: dict[str, Any] = {"file": None, "events": 0, "problems": [], "log_records": 0, "log_from": None,
                     "log_stopped": None}
     if options.reset_states:
         if snapshot.delete(options.state_dir):

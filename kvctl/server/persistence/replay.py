@@ -42,7 +42,7 @@ def restore(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = Non
         try:
             next(steps)
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
 
 def slices(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = None,

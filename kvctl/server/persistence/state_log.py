@@ -146,7 +146,7 @@ def _open(path: Path) -> BinaryIO:
     """A segment to append to, unbuffered (each write is one framed batch), its name durable."""
     f = path.open("ab", buffering=0)
     snapshot.fsync_dir(path.parent)
-    return f  # type: ignore[return-value]
+    return f
 
 
 class LogCollector:
