@@ -233,16 +233,6 @@ def _compacting(pid: int) -> list[int]:
     return found
 
 
-def _compacting(pid: int) -> list[int]:
-    """The router's compaction children now."""
-    found = []
-    for child in children_of(pid):
-        with contextlib.suppress(OSError):
-            if b"persistence.fold" in Path(f"/proc/{child}/cmdline").read_bytes():
-                found.append(child)
-    return found
-
-
 def test_sigkill_during_compaction_restores_everything(tmp_path: Path) -> None:
     with serving(tmp_path, "--snapshot-interval", "0.01", "--compact-log-bytes", "0") as (proc, client):
         eventually(lambda: client.get("/v1/status").json()["restore"]["log"]["compactions"] and not

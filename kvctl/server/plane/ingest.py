@@ -56,6 +56,7 @@ class _Reported(Protocol):
 
 
 R = TypeVar("R", bound=_Reported)
+E = TypeVar("E")
 
 
 class _Cursor:
@@ -123,14 +124,7 @@ class PlaneIngest:
         if not self.kv_events:
             self.counts["core_kv_events_ignored"] += 1
             return
-        try:
-            events, errors = decode_router_event_batch(payload)
-        except DecodeError as exc:
-            self.errors[exc.kind.value] += 1
-            return
-        for error in errors:
-            self.errors[error.kind.value] += 1
-        for event in events:
+        for event in self._batch(decode_router_event_batch, payload):
             worker = (event.worker_id, event.dp_rank)
             self._spoke_for(publisher, worker)
             if self.recovery is not None and self.recovery.hold(event, order, publisher.publisher_id,
@@ -138,6 +132,17 @@ class PlaneIngest:
                 continue
             # Wait for room rather than drop: the transport's own buffer holds the backlog meanwhile.
             await self.writer.put_wait(worker, self._in_order(event, order, publisher.publisher_id))
+
+    def _batch(self, decode: Callable[[bytes], tuple[list[E], list[DecodeError]]], payload: bytes) -> list[E]:
+        """The events of a batch that decode; each one that does not (or the whole batch) counted by kind."""
+        try:
+            events, errors = decode(payload)
+        except DecodeError as exc:
+            self.errors[exc.kind.value] += 1
+            return []
+        for error in errors:
+            self.errors[error.kind.value] += 1
+        return events
 
     def _cursor(self, worker: WorkerKey, *, redelivered: bool = False) -> _Cursor:
         cursor = self.cursors.get(worker)
@@ -241,14 +246,7 @@ class PlaneIngest:
     async def _on_sequence(self, payload: bytes, _order: Order, _publisher: Publisher, now: float) -> None:
         if not self.replica_sync:
             return
-        try:
-            events, errors = decode_sequence_events(payload)
-        except DecodeError as exc:
-            self.errors[exc.kind.value] += 1
-            return
-        for error in errors:
-            self.errors[error.kind.value] += 1
-        for event in events:
+        for event in self._batch(decode_sequence_events, payload):
             if event.router_id == self.router_id:
                 self.counts["own_sequence_events"] += 1
                 continue
