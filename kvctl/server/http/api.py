@@ -30,9 +30,8 @@ from starlette.types import ASGIApp
 from kvctl import __version__
 from kvctl import http_api as api
 from kvctl.core import native
-from kvctl.core.events import RouterEvent, Tier
-from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
-from kvctl.core.events.errors import DecodeError
+from kvctl.core.events import Tier
+from kvctl.core.events.dynamo import encode_router_event_json
 from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.core.names import DEFAULT_MODEL, WorkerSelector, format_worker, parse_worker, selects
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError, Thresholds
@@ -51,6 +50,7 @@ from kvctl.server.http.bodies import (
     parse_events,
     read_route_body,
 )
+from kvctl.server.http.bulk import BulkLoads, decoded
 from kvctl.server.http.metrics import Metrics, Plane
 from kvctl.server.http.openapi import OPERATIONS, document, pages
 from kvctl.server.http.route_protocol import Connections, missing_internals, route_protocol
@@ -329,6 +329,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     `connections`: the limits its `http_protocol` keeps."""
     metrics = Metrics(fleet, streams, plane, connections)
     routing = _Routing(fleet, metrics, clock)
+    bulk = BulkLoads(fleet, clock)
     started = clock()
 
     async def prometheus(_: Request) -> Response:
@@ -402,20 +403,12 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                                "not KV events (restart without --approximate to accept them)")
         fleet.model(model)  # models come from the configuration or a worker's registration, never from events
         raw = await request.body()
-        events: list[RouterEvent] = []
-        rejected: dict[str, int] = {}
-        try:
-            for item in parse_events(raw, request.headers.get("content-type", "")):
-                try:
-                    events.append(decode_router_event_json(item))
-                except DecodeError as exc:
-                    rejected[exc.kind.value] = rejected.get(exc.kind.value, 0) + 1
+        try:  # all of it decoded before any is applied: a body that is not JSON changes nothing
+            events, rejected = await decoded(parse_events(raw, request.headers.get("content-type", "")))
         except ValueError as exc:
             return _error(400, str(exc))
-        applied, statuses = fleet.apply(model, events, clock())
-        for kind, n in statuses.items():
-            rejected[kind] = rejected.get(kind, 0) + n
-        return _json(api.EventsApplied(applied, rejected))
+        applied, statuses = await bulk.apply(model, events)
+        return _json(api.EventsApplied(applied, dict(rejected + statuses)))
 
     async def prefill_complete(request: Request) -> Response:
         request_id, model = request.path_params["request_id"], request.query_params.get("model", DEFAULT_MODEL)
