@@ -137,7 +137,7 @@ async def test_the_routers_walk_lets_the_loop_run_between_slices() -> None:
 
 async def _walk_while_probing() -> None:
     index = KvIndex()
-    index.load(e for e in fleet_events(requests=3_000) if type(e.data) is Stored)
+    index.load(e for e in fleet_events(requests=6_000) if type(e.data) is Stored)
     gaps: list[float] = []
 
     async def probe() -> None:
@@ -154,7 +154,7 @@ async def _walk_while_probing() -> None:
     await index_shape(index, top=10)
     took = time.perf_counter() - started
     prober.cancel()
-    assert len(gaps) > 20 and max(gaps) < took / 10, (len(gaps), max(gaps), took)
+    assert len(gaps) >= 10 and max(gaps) < took / 10, (len(gaps), max(gaps), took)
 
 
 @pytest.mark.parametrize("offloaded", [False, True])
