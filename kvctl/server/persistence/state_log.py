@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvctl.core.events import EventData
 from kvctl.core.names import WorkerKey
+from kvctl.core.words import counted
 from kvctl.server import snapshot
 from kvctl.server.persistence import records, segments
 from kvctl.server.state import Fleet, WorkerInfo
@@ -130,8 +131,8 @@ class StateLog:
         except OSError as exc:  # a full disk must not stop the router; what was lost is counted and logged
             self.stats.write_errors += 1
             self.stats.lost = True
-            log.error("state log %s: %d changes not written, a restart will not have them: %s",
-                      self._file.name, len(pending), exc)
+            log.error("state log %s: %s not written, a restart will not have them: %s",
+                      self._file.name, counted(len(pending), "change"), exc)
             with contextlib.suppress(OSError):  # no half record for the next write to follow
                 os.ftruncate(self._file.fileno(), end)
                 self._file.seek(end)
