@@ -15,12 +15,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
-# The names the API's keys are written in, from their one home, for the API's users to import from here.
-from kvctl.core.names import DEFAULT_MODEL as DEFAULT_MODEL
-from kvctl.core.names import MAX_DP_RANK, MAX_WORKER_ID
-from kvctl.core.names import WorkerKey as WorkerKey
-from kvctl.core.names import format_worker as format_worker
-from kvctl.core.names import parse_worker as parse_worker
+from kvctl.core.names import DEFAULT_MODEL, MAX_DP_RANK, MAX_WORKER_ID
 
 _U32_MAX = 2**32 - 1
 
