@@ -25,6 +25,7 @@ Python-specific choices, all for speed and memory (see benchmarks/index_bench.py
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -507,16 +508,17 @@ class RadixTree:
     # ----- views ---------------------------------------------------------------------------------------
 
     def walk(self) -> Iterator[tuple[Node, int | None]]:
-        """Every node reachable from the root, breadth first, with its parent's last engine hash."""
-        queue: list[tuple[Node, int | None]] = [(c, None) for c in (self.root.children or {}).values()]
-        i = 0
-        while i < len(queue):
-            node, parent_hash = queue[i]
-            i += 1
-            yield node, parent_hash
-            if node.children:
-                tail = node.hashes[-1]
-                queue.extend((c, tail) for c in node.children.values())
+        """Every node reachable from the root, breadth first, with its parent's last engine hash.
+
+        A node's children are queued as one list copied when it is reached, not as an entry each: a dump
+        walked in slices then does no per-child work at once, however many children a node (the root) has."""
+        queue: deque[tuple[int | None, list[Node]]] = deque([(None, list((self.root.children or {}).values()))])
+        while queue:
+            parent_hash, children = queue.popleft()
+            for node in children:
+                yield node, parent_hash
+                if node.children:
+                    queue.append((node.hashes[-1], list(node.children.values())))
 
     def worker_of(self, slot: int) -> WorkerKey:
         worker = self._workers[slot]
