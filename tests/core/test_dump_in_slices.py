@@ -66,3 +66,14 @@ def test_an_edge_cut_after_it_was_reached_still_gives_its_children_their_holders
     index.apply(RouterEvent(0, Stored(2, [7], [7])))  # cuts [1, 2, 3, 4] at 2: the other leaf's parent is new
     edges = reached + [e for part in slices for e in part]
     assert sorted((e.worker[0], e.block_hashes[:e.length][-1]) for e in edges) == [(0, 4), (0, 5), (1, 4), (1, 6)]
+
+
+def test_a_slice_counts_the_edges_it_gives_not_only_the_nodes() -> None:
+    """Nodes held by many workers give an edge each per holder: a slice of 64 such nodes held the loop for 64
+    times the workers' edges (~35 ms at 1M pairs), so a slice ends once its nodes and edges reach its size."""
+    index = KvIndex()
+    for worker in range(32):
+        index.load(RouterEvent(worker, Stored(None, [chain], [chain])) for chain in range(100))
+    parts = list(index.capture_in_slices(64))
+    assert [e for part in parts for e in part] == index.capture()
+    assert max(len(part) for part in parts) <= 64 + 32  # past its size by one node's holders at most

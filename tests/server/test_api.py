@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ from kvctl.core.index import KvIndex
 from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
 from tests.fixtures_path import FIXTURES
+from tests.support.eventually import eventually_async
 from tests.support.served import served
 
 BIG = 2**63 + 7  # worker ids and hashes beyond 2^53 must survive JSON both ways
@@ -368,3 +370,38 @@ async def test_a_dump_lets_events_in_while_it_walks_the_index() -> None:
     await clearing
     workers = [event["worker_id"] for event in json.loads(body)]
     assert workers.count(1) == 400 and 0 < workers.count(2) < 400
+
+
+async def test_routes_are_answered_while_a_slow_client_streams_a_dump_of_a_large_index(route_path: str) -> None:
+    """Routes go on, each within a slice or two, while a dump walks an index of 80,000 edges for a client that
+    reads it slowly. One worker's edges are asked for, so that the walk is most of the dump's work: captured in
+    one pass, it held the loop for half the dump or more (0.3-0.5 s of 0.6-1.2 s on a busy 2-core machine), and
+    the route in flight then waited all that time."""
+    fleet = Fleet(block_size=16, seed=0)
+    for worker in range(1, 33):  # 2,500 one-block edges under the root, each held by the 32 workers
+        fleet.apply("default", [RouterEvent(worker, Stored(None, [chain], [chain])) for chain in range(2_500)], 0.0)
+    async with served(create_app(fleet), route_path) as client:
+        assert (await client.post("/v1/route", json={"token_ids": TOKENS})).status_code == 200  # the path is warm
+        dumping, routes = True, []
+
+        async def route_while_dumping() -> None:
+            while dumping:
+                sent = time.perf_counter()
+                assert (await client.post("/v1/route", json={"token_ids": TOKENS})).status_code == 200
+                routes.append((sent, time.perf_counter()))
+
+        router = asyncio.create_task(route_while_dumping())
+        await eventually_async(lambda: routes, "routes under way")
+        started, lines = time.perf_counter(), 0  # from the ask: the walk starts before the headers are read
+        async with client.stream("GET", "/v1/tree", params={"format": "jsonl", "worker": "1"}) as answer:
+            async for chunk in answer.aiter_raw(4_096):  # a slow reader
+                lines += chunk.count(b"\n")
+                await asyncio.sleep(0.001)
+        done = time.perf_counter()
+        dumping = False
+        await router
+    dump_s = done - started
+    waits = [answered - sent for sent, answered in routes if answered > started and sent < done]
+    assert lines == 2_500
+    assert len(waits) >= 20, f"{len(waits)} routes answered during a {dump_s:.2f} s dump"
+    assert max(waits) < dump_s / 4, f"a route waited {max(waits) * 1e3:.0f} ms of a {dump_s:.2f} s dump"
