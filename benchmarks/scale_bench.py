@@ -8,10 +8,11 @@ request of an engine for a prompt stores it from the root), this measures the ro
   - ingest: blocks/s over the whole load, and over its first and last quarter (does it slow as it grows?);
     RSS per pair; the same for `dynamo.indexer` (ingest timed to a sentinel block, as serve_bench does);
   - route stalls, by a prober sending a 2,048-token route back to back on one keep-alive connection:
-    its p50 and max while idle, during the periodic snapshots of a window that holds at least one, during
-    a `GET /v1/tree`, and during bulk `POST /v1/events` (2,000-event batches from one client);
+    its p50 and max while idle, over a window of the periodic work (1.2 snapshot intervals: a state log's
+    fsyncs and one fold of it in a child, or an older router's full snapshots), during a `GET /v1/tree`,
+    and during bulk `POST /v1/events` (2,000-event batches from one client);
   - `kvctl tree stats` against the router: wall time and the client's peak RSS;
-  - disk written per periodic snapshot (the router's `/proc/PID/io` write_bytes over the window);
+  - disk written per snapshot interval (the router's `/proc/PID/io` write_bytes over the window);
   - SIGTERM to exit; then a restart on the same state dir: time until its port accepts a connection, and
     until the index holds every pair again.
 
@@ -24,6 +25,7 @@ gigabytes of memory. The machine's core count matters: publishers, server, probe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -57,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvctl.core.events import RouterEvent, Stored  # noqa: E402
 from kvctl.core.events.dynamo import encode_router_event_json  # noqa: E402
+from kvctl.process_cpu import process_tree  # noqa: E402
 
 PROMPTS = 256
 PROMPT_BLOCKS = (8, 64)
@@ -64,6 +67,7 @@ TAIL_BLOCKS = (8, 64)
 BULK_BATCH = 2_000
 BULK_BATCHES = 10
 STATS_TIMEOUT_S = 600.0
+FOLD_TIMEOUT_S = 900.0
 
 
 def _tokens(rng: random.Random, blocks: int) -> list[int]:
@@ -111,12 +115,14 @@ class Router:
     """A `kvctl serve` on a fixed port (so that a restart can be watched opening it), engines by flag."""
 
     def __init__(self, endpoints: list[str], state_dir: str, port: int, *, restore: bool,
-                 snapshot_interval_s: float) -> None:
+                 snapshot_interval_s: float, compact_log_bytes: int | None = None) -> None:
         argv = [sys.executable, "-m", "kvctl", "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", state_dir,
                 "--snapshot-interval", str(snapshot_interval_s), "--max-engines", str(max(64, len(endpoints)))]
         self.state_dir, self.snapshot_interval_s = Path(state_dir), snapshot_interval_s
         if not restore:
             argv.append("--no-restore")
+        if compact_log_bytes is not None and _has_state_log():
+            argv += ["--compact-log-bytes", str(compact_log_bytes)]
         for w, endpoint in enumerate(endpoints):
             argv += ["--worker", f"{w + 1}:0={endpoint}"]
         self.started = time.perf_counter()
@@ -139,6 +145,19 @@ class Router:
             return -1
         model = answer.json()["models"].get("default")
         return sum(model["workers"].values()) if model else 0
+
+    def log_stats(self) -> dict[str, Any] | None:
+        """The state log's figures (`/v1/status` `restore.log`); None for a router that writes full snapshots."""
+        restore = self.http.get("/v1/status").raise_for_status().json().get("restore") or {}
+        return restore.get("log")
+
+    def folding(self) -> bool:
+        """Whether a compaction child (`kvctl.server.persistence.fold`) of the router runs now."""
+        for pid in process_tree(self.proc.p.pid)[1:]:
+            with contextlib.suppress(OSError):
+                if b"persistence.fold" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return True
+        return False
 
     def written_bytes(self) -> int:
         for line in Path(f"/proc/{self.proc.p.pid}/io").read_text().splitlines():
@@ -245,22 +264,54 @@ def ingest_dynamo(wl: Workload, threads: int | None) -> dict[str, Any]:
         pubs.close()
 
 
+def _has_state_log() -> bool:
+    """Whether this checkout's router keeps a state log (it takes --compact-log-bytes): the benchmark also runs
+    in older checkouts (side_by_side.py), whose routers write snapshot.jsonl whole every interval."""
+    return "--compact-log-bytes" in subprocess.run([sys.executable, "-m", "kvctl", "serve", "--help"], cwd=ROOT,
+                                                   capture_output=True, text=True, env={**os.environ,
+                                                   "COLUMNS": "300"}).stdout
+
+
 def snapshot_window(router: Router, prober: Prober) -> dict[str, Any]:
-    """Routes over a window of 1.2 snapshot intervals (so at least one periodic snapshot), and the bytes the
-    router wrote meanwhile, per snapshot file written."""
+    """Routes over 1.2 snapshot intervals, and what the router's periodic work wrote meanwhile (its
+    /proc/PID/io write_bytes, with its reaped children's, per interval).
+
+    A router with a state log fsyncs it every interval and folds it into a new image in a child process when
+    due (`--compact-log-bytes`, small here so that the first interval folds the ingest): the folds that ran,
+    each child's lifetime (the window waits for one under way) and the routes while one ran. An older router
+    writes snapshot.jsonl whole every interval, on its loop: the snapshots seen (the file's mtime)."""
     def stamp() -> float:
         snapshot = router.state_dir / "snapshot.jsonl"
         return snapshot.stat().st_mtime if snapshot.exists() else 0.0
+    log0 = router.log_stats()
     written0, seen, snapshots = router.written_bytes(), stamp(), 0
+    folds: list[tuple[float, float]] = []
+    fold_from: float | None = None
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < 1.2 * router.snapshot_interval_s:
-        time.sleep(0.25)
-        if (now := stamp()) != seen:
-            seen, snapshots = now, snapshots + 1
+    while (now := time.perf_counter()) - t0 < 1.2 * router.snapshot_interval_s or fold_from is not None:
+        if now - t0 > FOLD_TIMEOUT_S:
+            raise RuntimeError(f"a fold ran over {FOLD_TIMEOUT_S} s: {router.proc.tail()}")
+        folding = log0 is not None and router.folding()
+        if folding and fold_from is None:
+            fold_from = now
+        elif not folding and fold_from is not None:
+            folds.append((fold_from, now))
+            fold_from = None
+        if (mtime := stamp()) != seen:
+            seen, snapshots = mtime, snapshots + 1
+        time.sleep(0.05)
     t1 = time.perf_counter()
-    written = router.written_bytes() - written0
-    return {"snapshots": snapshots, "routes": prober.between(t0, t1),
-            "mb_written_per_snapshot": round(written / max(snapshots, 1) / 1e6, 1)}
+    intervals = (t1 - t0) / router.snapshot_interval_s
+    row: dict[str, Any] = {"kind": "full snapshots" if log0 is None else "state log", "window_s": round(t1 - t0, 1),
+                           "routes": prober.between(t0, t1),
+                           "mb_written_per_interval": round((router.written_bytes() - written0) / intervals / 1e6, 1)}
+    if log0 is None:
+        return {**row, "snapshots": snapshots}
+    log1 = router.log_stats() or {}
+    return {**row, "folds": log1["compactions"] - log0["compactions"], "fold_children_s": [
+        round(b - a, 2) for a, b in folds], "fsyncs": log1["fsyncs"] - log0["fsyncs"],
+        "log_mb_appended": round((log1["bytes"] - log0["bytes"]) / 1e6, 2),
+        "routes_during_fold": prober.between(*folds[0]) if folds else {"routes": 0}}
 
 
 def during_dump(router: Router, prober: Prober) -> dict[str, Any]:
@@ -337,7 +388,7 @@ def one_size(pairs: int, args: argparse.Namespace, oracle: bool) -> dict[str, An
     pubs = Publishers(workers)
     tmp = tempfile.TemporaryDirectory(prefix="scale_bench-")
     router = Router(pubs.endpoints(), tmp.name, free_port(), restore=False,
-                    snapshot_interval_s=args.snapshot_interval)
+                    snapshot_interval_s=args.snapshot_interval, compact_log_bytes=args.compact_log_bytes)
     prober: Prober | None = None
     try:
         row["ingest"] = ingest_kvctl(router, pubs, wl)
@@ -378,6 +429,9 @@ def main() -> None:
     ap.add_argument("--no-oracle", action="store_true", help="skip Dynamo's indexer")
     ap.add_argument("--snapshot-interval", type=float, default=30.0,
                     help="the router's --snapshot-interval; the snapshot window is 1.2 of it (default 30)")
+    ap.add_argument("--compact-log-bytes", type=int, default=1 << 20,
+                    help="the router's --compact-log-bytes (a router with a state log): small, so that the "
+                         "snapshot window holds the fold of the ingest (default 1 MiB)")
     ap.add_argument("--dynamo-threads", type=int, default=None, help="dynamo.indexer --threads (its default: 4)")
     args = ap.parse_args()
     self_check()
