@@ -151,6 +151,11 @@ class Router:
         restore = self.http.get("/v1/status").raise_for_status().json().get("restore") or {}
         return restore.get("log")
 
+    def loop_held(self) -> tuple[float, int] | None:
+        """Seconds the router's loop was held past its tolerance, and in how many stalls, since it started."""
+        loop = self.http.get("/v1/status").raise_for_status().json().get("loop")
+        return (loop["blocked_s"], loop["stalls"]) if loop and "blocked_s" in loop else None
+
     def folding(self) -> bool:
         """Whether a compaction child (`kvctl.server.persistence.fold`) of the router runs now."""
         for pid in process_tree(self.proc.p.pid)[1:]:
@@ -315,13 +320,22 @@ def snapshot_window(router: Router, prober: Prober) -> dict[str, Any]:
 
 
 def during_dump(router: Router, prober: Prober) -> dict[str, Any]:
+    """The routes during a `GET /v1/tree`, and the router's own count of its loop held past 10 ms meanwhile
+    (`/v1/status` `loop`, where the router has it): the prober's figures include this busy machine's
+    scheduling, the loop's are what the router itself saw."""
+    loop0 = router.loop_held()
     t0 = time.perf_counter()
     size = 0
     with router.http.stream("GET", "/v1/tree", params={"format": "jsonl"}) as answer:
         for chunk in answer.iter_raw():
             size += len(chunk)
     t1 = time.perf_counter()
-    return {"dump_s": round(t1 - t0, 2), "dump_mb": round(size / 1e6, 1), "routes": prober.between(t0, t1)}
+    row = {"dump_s": round(t1 - t0, 2), "dump_mb": round(size / 1e6, 1), "routes": prober.between(t0, t1)}
+    loop1 = router.loop_held()
+    if loop0 is not None and loop1 is not None:
+        row["loop_blocked_s"] = round(loop1[0] - loop0[0], 3)
+        row["loop_stalls"] = loop1[1] - loop0[1]
+    return row
 
 
 def during_bulk(router: Router, prober: Prober) -> dict[str, Any]:
