@@ -348,7 +348,7 @@ async def test_a_dump_lets_events_in_while_it_walks_the_index() -> None:
     begun is missing from the rest of it (a dump captured in one step, holding the loop, had all of it)."""
     fleet = Fleet(block_size=16, seed=0)
     for worker in (1, 2):
-        for chain in range(400):  # 800 edges, each its own node: several slices
+        for chain in range(2_000):  # 4,000 edges, each its own node: ~10 ms or more to dump, several slices
             fleet.apply("default", [RouterEvent(worker, Stored(None, [worker << 32 | chain], [chain]))], 0.0)
     app = create_app(fleet)
     started, body = asyncio.Event(), bytearray()
@@ -369,7 +369,7 @@ async def test_a_dump_lets_events_in_while_it_walks_the_index() -> None:
     await app(scope, asyncio.Event().wait, send)
     await clearing
     workers = [event["worker_id"] for event in json.loads(body)]
-    assert workers.count(1) == 400 and 0 < workers.count(2) < 400
+    assert workers.count(1) == 2_000 and 0 < workers.count(2) < 2_000
 
 
 async def test_routes_are_answered_while_a_slow_client_streams_a_dump_of_a_large_index(route_path: str) -> None:
