@@ -20,7 +20,7 @@ from kvctl.core.tree_stats import DumpStats, EdgeStats
 from kvctl.server.budget import SLICE_S
 
 WALK_NODES = 16
-"""Tree nodes taken between two looks at the clock: with their holders, well under a slice."""
+"""Tree nodes and their edges taken between two looks at the clock (`KvIndex.capture_in_slices`): well under a slice."""
 
 
 async def index_shape(index: KvIndex, *, top: int) -> dict[str, Any]:
