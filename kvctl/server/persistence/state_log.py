@@ -34,7 +34,7 @@ from kvctl.server.state import Fleet, WorkerInfo
 log = logging.getLogger("kvctl.serve")
 
 FLUSH_S = 1.0  # the longest a change waits in memory before it is written (not fsynced) to the log
-FLUSH_RECORDS = 1024  # or until this many changes wait: a burst's write stays near a MiB and is freed as it goes
+FLUSH_RECORDS = 256  # or until this many changes wait: what a burst holds (its objects) stays under a MiB
 BACKLOG = 16384  # changes handed to the writer and not written past which the next drop (`--state-log-backlog`)
 
 
