@@ -255,6 +255,11 @@ def serve_command(
         "--compact-log-bytes", envvar="KVCTL_COMPACT_LOG_BYTES",
         help="Compact the state log into a new image (in a child process) once it holds this many bytes "
              "and as many as the image.")] = 64 << 20,
+    state_log_backlog: Annotated[int, typer.Option(
+        "--state-log-backlog", envvar="KVCTL_STATE_LOG_BACKLOG",
+        help="Most changes (applied batches) waiting for the state log's disk writes; past it, with the disk "
+             "slower than ingest, changes are dropped from the log, counted, and an image of the whole index "
+             "is written at the next --snapshot-interval.")] = 16384,
     no_restore: Annotated[bool, typer.Option("--no-restore", help="Start empty; keep the snapshot file.")] = False,
     reset_states: Annotated[bool, typer.Option("--reset-states", help="Delete the snapshot, then start empty.")]
     = False,
@@ -443,6 +448,8 @@ def serve_command(
         raise UsageError(f"--snapshot-interval must be > 0 seconds, got {snapshot_interval}")
     if compact_log_bytes < 0:
         raise UsageError(f"--compact-log-bytes must be >= 0, got {compact_log_bytes}")
+    if state_log_backlog < 1:
+        raise UsageError(f"--state-log-backlog must be >= 1, got {state_log_backlog}")
     for flag, seconds in (("--idle-timeout", idle_timeout), ("--shutdown-timeout", shutdown_timeout)):
         if not 0 < seconds < float("inf"):
             raise UsageError(f"{flag} must be a finite number of seconds > 0, got {seconds}")
@@ -488,6 +495,7 @@ def serve_command(
     options = ServeOptions(host=host, port=port, block_size=block_size, admin_token=admin_token, insecure=insecure,
                            engines=engines, log_level=log_level, state_dir=state_dir,
                            snapshot_interval_s=snapshot_interval, compact_log_bytes=compact_log_bytes,
+                           state_log_backlog=state_log_backlog,
                            restore=not no_restore, reset_states=reset_states,
                            router=router, thresholds=thresholds, approx=approx, request_expiry_s=request_expiry,
                            models=models, nats=nats, zmq_plane=zmq_plane, queue_batches=queue_batches,

@@ -41,7 +41,7 @@ from kvctl.server.ingest.fd_limits import default_max_engines, raise_file_limit,
 from kvctl.server.ingest.streams import QUEUE_BATCHES, Streams
 from kvctl.server.persistence import compact, replay
 from kvctl.server.persistence.compact import COMPACT_BYTES
-from kvctl.server.persistence.state_log import LogCollector, StateLog
+from kvctl.server.persistence.state_log import BACKLOG, LogCollector, StateLog
 from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
 from kvctl.server.plane.zmq_plane import ZmqOptions, ZmqPlane
 from kvctl.server.sd_notify import Notifier
@@ -117,6 +117,7 @@ class ServeOptions:
     state_dir: Path | None = None  # None: no snapshots
     snapshot_interval_s: float = 60.0  # state log fsync and compaction check (approximate mode: full images)
     compact_log_bytes: int = COMPACT_BYTES  # the least state log worth compacting into a new image
+    state_log_backlog: int = BACKLOG  # changes waiting for the disk past which the state log drops them
     restore: bool = True
     reset_states: bool = False
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -232,7 +233,8 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
         background.append(asyncio.create_task(_snapshot_every(fleet, snapshots, options.snapshot_interval_s)))
     elif options.state_dir is not None:
         assert restored is not None  # with a state dir, _load_state always says what it restored
-        state_log = StateLog(options.state_dir, fleet, restored_from=restored["log_from"])
+        state_log = StateLog(options.state_dir, fleet, restored_from=restored["log_from"],
+                             backlog=options.state_log_backlog)
         metrics_registry(app).register(LogCollector(state_log.stats))
         restored["log"] = state_log.stats
         background.append(asyncio.create_task(compact.keep(

@@ -251,7 +251,7 @@ class Fleet:
             info = self.register(WorkerInfo(worker[0], worker[1], state.name))
         info.last_event_at = now
         if self.journal is not None:
-            events = events if isinstance(events, Sequence) else list(events)
+            events = events if isinstance(events, list) else list(events)  # not the ABC: 0.3 us a batch
             self.journal.batch(state.name, worker, events)
         index, counts = state.router.index, state.applied
         applied = 0

@@ -173,10 +173,11 @@ def test_compaction_runs_in_another_process_while_routes_are_answered(tmp_path: 
 
 
 def _logged_chains(state_dir: Path, count: int) -> tuple[int, Path]:
-    """A router's log holding `count` chains, one POST each; (blocks held, the segment)."""
-    with serving(state_dir) as (proc, client):
+    """A router's log holding `count` chains, one POST and one write (frame) each; (blocks held, the segment)."""
+    with serving(state_dir, "--snapshot-interval", "0.02") as (proc, client):
         for n in range(count):
             client.post("/v1/events", content=chains(1, start=n), headers=NDJSON)
+            written(client)
         held = blocks(client)
         _stop(proc)
     [number] = segments.numbers(state_dir)

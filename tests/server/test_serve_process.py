@@ -108,6 +108,7 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--worker", "1=tcp://127.0.0.1:1,bogus=2"], "unknown option 'bogus'"),
     (["serve", "--block-size", "0"], "--block-size must be positive"),
     (["serve", "--snapshot-interval", "0"], "--snapshot-interval must be > 0"),
+    (["serve", "--state-log-backlog", "0"], "--state-log-backlog must be >= 1"),
     (["serve", "--tier-credits", "gpu=2"], "--tier-credits"),
     (["serve", "--overlap-score-credit", "-1"], "--overlap-score-credit must be a finite number >= 0"),
     (["serve", "--router-prefill-load-scale", "nan"], "--prefill-load-scale must be a finite number >= 0"),

@@ -67,9 +67,8 @@ async def image_after_loss(state_log: StateLog, fleet: Fleet) -> None:
     log and written by a thread; until that succeeds it is retried every interval."""
     state_log.stats.lost = False
     cut, rotated = state_log.rotate()
-    since_cut = state_log.stats.bytes
     taken = snapshot.capture(fleet, time.time(), log_from=cut)
-    await asyncio.wrap_future(rotated)
+    at_cut = await asyncio.wrap_future(rotated)
     try:
         await asyncio.to_thread(snapshot.write, taken, state_log.state_dir)
     except OSError as exc:
@@ -77,15 +76,14 @@ async def image_after_loss(state_log: StateLog, fleet: Fleet) -> None:
         log.error("state log: image after lost writes to %s failed: %s", state_log.state_dir, exc)
         return
     state_log.stats.images_after_loss += 1
-    state_log.stats.since_image = state_log.stats.bytes - since_cut
+    state_log.image_from(at_cut)
     log.warning("state log: wrote an image of the whole index after lost writes; the log is whole again")
 
 
 async def compact(state_log: StateLog, block_size: int) -> bool:
     """Rotate the log and let a child write the next image; True when it did."""
     cut, rotated = state_log.rotate()
-    since_cut = state_log.stats.bytes
-    await asyncio.wrap_future(rotated)
+    at_cut = await asyncio.wrap_future(rotated)
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         *python_module(fold.__name__), str(state_log.state_dir), "--upto", str(cut), "--block-size", str(block_size),
@@ -104,7 +102,7 @@ async def compact(state_log: StateLog, block_size: int) -> bool:
         log.error("state log compaction failed (exit %s): %s", proc.returncode, err.decode(errors="replace")[-500:])
         return False
     stats.compactions += 1
-    stats.since_image = stats.bytes - since_cut
+    state_log.image_from(at_cut)
     stats.last_compaction_s = round(time.monotonic() - started, 3)
     log.info("state log compacted in %.2f s (pid %d): %s", stats.last_compaction_s, proc.pid, out.decode().strip())
     return True

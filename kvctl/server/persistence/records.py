@@ -1,7 +1,10 @@
 """What the state log holds, and how it is framed on disk.
 
-A record is msgpack (an array whose first item says what it is), framed as `length, crc32` (big-endian
-u32 each) then the payload: a record cut short by a kill is told from one that rotted in the middle.
+A record is msgpack (an array whose first item says what it is). Frames are `length, crc32` (big-endian u32
+each) then the payload: a frame cut short by a kill is told from one that rotted in the middle. The writer
+thread frames each write as one payload holding the list of its records (`frame_into`): one encode and one
+CRC per write, none per change, and no work for the loop but keeping the change. A frame holding a single
+record is what the first version wrote, one per change; both are read.
 Hash arrays the decode process hands over (`array('Q')`) are written as their bytes, in this machine's
 byte order: a state dir is not moved across architectures.
 """
@@ -20,7 +23,8 @@ import msgspec
 
 from kvctl.core.events import Cleared, EventData, Removed, Stored, Tier
 
-MODEL, WORKER, UNREGISTER, BATCH = 0, 1, 2, 3
+MODEL, WORKER, UNREGISTER, BATCH, DROPPED = 0, 1, 2, 3, 4
+KINDS = (MODEL, WORKER, UNREGISTER, BATCH, DROPPED)
 HEAD = struct.Struct(">II")
 
 
@@ -30,14 +34,16 @@ def _bytes_of(value: Any) -> Any:
     raise NotImplementedError(f"cannot log {type(value).__name__}")
 
 
-encode = msgspec.msgpack.Encoder(enc_hook=_bytes_of).encode
+_encoder = msgspec.msgpack.Encoder(enc_hook=_bytes_of)
 _decode = msgspec.msgpack.Decoder().decode
 
 
-def frames(payloads: Sequence[bytes]) -> bytes:
-    """Payloads framed for the file, in one buffer (built off the loop, by the writer thread)."""
-    pack, crc32 = HEAD.pack, zlib.crc32
-    return b"".join([part for payload in payloads for part in (pack(len(payload), crc32(payload)), payload)])
+def frame_into(buffer: bytearray, records: Sequence[Any]) -> None:
+    """`records` as one frame in `buffer` (replacing what it held): built by the writer thread, in a buffer it
+    reuses, and the CRC of a large payload runs without the GIL."""
+    _encoder.encode_into(records, buffer, HEAD.size)
+    with memoryview(buffer) as view:
+        HEAD.pack_into(buffer, 0, len(buffer) - HEAD.size, zlib.crc32(view[HEAD.size:]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +56,8 @@ class Scan:
     corrupt: str | None = None
 
 
-def read(path: Path, scan: list[Scan]) -> Iterator[tuple[int, list[Any]]]:
-    """(offset, record) for each record of one segment, in order; how the read ended is appended to `scan`."""
+def read(path: Path, scan: list[Scan]) -> Iterator[tuple[int, list[list[Any]]]]:
+    """(offset, records) for each frame of one segment, in order; how the read ended is appended to `scan`."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:  # deleted since it was listed: a compaction folded it into the image
@@ -72,15 +78,22 @@ def read(path: Path, scan: list[Scan]) -> Iterator[tuple[int, list[Any]]]:
             scan.append(Scan(at, torn=True) if stop == end else Scan(at, corrupt=f"checksum mismatch at byte {at}"))
             return
         try:
-            record = _decode(payload)
-            if not isinstance(record, list) or not record or record[0] not in (MODEL, WORKER, UNREGISTER, BATCH):
-                raise ValueError("not a state-log record")
+            found = _records_of(_decode(payload))
         except (msgspec.DecodeError, ValueError) as exc:
             scan.append(Scan(at, corrupt=f"undecodable record at byte {at}: {exc}"))
             return
-        yield at, record
+        yield at, found
         at = stop
     scan.append(Scan(at))
+
+
+def _records_of(payload: Any) -> list[list[Any]]:
+    """A frame's records: the list it holds, or the one record it is (the first version's frames)."""
+    if isinstance(payload, list) and payload and not isinstance(payload[0], list):
+        payload = [payload]
+    if not isinstance(payload, list) or not all(isinstance(r, list) and r and r[0] in KINDS for r in payload):
+        raise ValueError("not a state-log record")
+    return payload
 
 
 def _hashes(value: Any) -> Sequence[int]:

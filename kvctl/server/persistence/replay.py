@@ -1,6 +1,6 @@
 """Restore = the newest sound image, then the log segments after it replayed in order.
 
-A record cut short at a segment's end (a kill mid-write) is dropped; a damaged record with more after it
+A frame cut short at a segment's end (a kill mid-write) is dropped; a damaged frame with more after it
 stops the replay there, with the problem reported, so the state is what it was before that record, never
 a crash. Replay is a generator of slices, so a caller can yield to its loop between them.
 """
@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from kvctl.core.words import counted
 from kvctl.server import snapshot
 from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.persistence import records, segments
@@ -31,6 +33,7 @@ class Restore:
     segments: int = 0
     torn: int = 0  # segments whose last record was cut short, and dropped
     stopped: str | None = None  # where a damaged record stopped the replay
+    dropped: int = 0  # changes the log says it dropped (its writer behind the disk): the index misses them
     written_at: float | None = None  # when the newest segment replayed was last written to (epoch seconds)
     problems: list[str] = field(default_factory=list)
 
@@ -58,15 +61,23 @@ def slices(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = None
             continue
         path = segments.path(state_dir, number)
         scans: list[records.Scan] = []
-        for at, record in records.read(path, scans):
-            try:
-                _apply(fleet, record, now)
+        dropped = done.dropped
+        for at, found in records.read(path, scans):
+            try:  # a frame is checked whole before any of it is applied
+                for change in [_change(fleet, record, now) for record in found]:
+                    if isinstance(change, int):
+                        done.dropped += change
+                    else:
+                        change()
+                    done.records += 1
+                    if done.records % SLICE_RECORDS == 0:
+                        yield done.records
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 scans.append(records.Scan(at, corrupt=f"bad record at byte {at}: {exc}"))
                 break
-            done.records += 1
-            if done.records % SLICE_RECORDS == 0:
-                yield done.records
+        if done.dropped > dropped:
+            done.problems.append(f"{path.name}: {counted(done.dropped - dropped, 'change')} dropped, the log's "
+                                 "writer behind the disk: the index restored misses them")
         done.segments += 1
         done.written_at = path.stat().st_mtime
         scan = scans[-1]
@@ -95,21 +106,30 @@ def _set_aside(state_dir: Path, number: int, good: int) -> None:
             os.replace(path, aside)
 
 
-def _apply(fleet: Fleet, record: list[Any], now: float) -> None:
+def _change(fleet: Fleet, record: list[Any], now: float) -> Callable[[], object] | int:
+    """A record checked and made ready to apply; a DROPPED record is the count of changes it stands for."""
     kind = record[0]
     if kind == records.MODEL:
         _, name, block_size = record
-        fleet.add_model(str(name), block_size=int(block_size))
-    elif kind == records.WORKER:
+        return partial(fleet.add_model, str(name), block_size=int(block_size))
+    if kind == records.WORKER:
         _, worker_id, dp_rank, model, endpoint, replay_endpoint, topic = record
         for address in (endpoint, replay_endpoint):
             if address is not None:
                 check_endpoint(address)
-        fleet.register(WorkerInfo(int(worker_id), int(dp_rank), str(model), endpoint, replay_endpoint, str(topic)))
-    elif kind == records.UNREGISTER:
+        return partial(fleet.register, WorkerInfo(int(worker_id), int(dp_rank), str(model), endpoint,
+                                                  replay_endpoint, str(topic)))
+    if kind == records.UNREGISTER:
         _, worker_id, dp_rank = record
-        with contextlib.suppress(UnknownWorker):  # removed before, in a record already replayed
-            fleet.unregister(int(worker_id), dp_rank)
-    else:
-        _, model, worker_id, dp_rank, events = record
-        fleet.apply_engine_batch(str(model), (int(worker_id), int(dp_rank)), [records.event_of(e) for e in events], now)
+        return partial(_unregister, fleet, int(worker_id), dp_rank)
+    if kind == records.DROPPED:
+        _, count = record
+        return int(count)
+    _, model, worker_id, dp_rank, events = record
+    return partial(fleet.apply_engine_batch, str(model), (int(worker_id), int(dp_rank)),
+                   [records.event_of(e) for e in events], now)
+
+
+def _unregister(fleet: Fleet, worker_id: int, dp_rank: int | None) -> None:
+    with contextlib.suppress(UnknownWorker):  # removed before, in a record already replayed
+        fleet.unregister(worker_id, dp_rank)

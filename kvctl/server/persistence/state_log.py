@@ -1,8 +1,13 @@
 """The append side of the state log: the fleet's `Journal`, buffered on the loop, written by one thread.
 
-On the loop a change costs one msgpack encode and a list append; framing, writing and fsync happen in a
-single writer thread, in order, so the loop never waits on the disk. Writes go out at least every
-`FLUSH_S` and are fsynced every snapshot interval and at shutdown; a kill loses at most the last second.
+On the loop a change costs a tuple and a list append: it keeps what it was applied from (the objects are
+frozen, and the loop builds new ones for every batch). Encoding, framing, writing and fsync happen in a
+single writer thread, a write of many changes at a time, in order, so the loop never waits on the disk.
+Writes go out at least every `FLUSH_S` and are fsynced every snapshot interval and at shutdown; a kill
+loses at most the last second. Changes handed to the writer and not yet written are bounded (`backlog`):
+past it, with the disk slower than ingest, the next ones are dropped, a DROPPED record says so in their
+place (a restore before the next image reports it), and the log counts as lost until an image of the
+whole index is written, as after a failed write.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -29,7 +34,8 @@ from kvctl.server.state import Fleet, WorkerInfo
 log = logging.getLogger("kvctl.serve")
 
 FLUSH_S = 1.0  # the longest a change waits in memory before it is written (not fsynced) to the log
-FLUSH_BYTES = 1 << 20  # or until this much waits: a burst's buffer stays small and is freed as it goes
+FLUSH_RECORDS = 256  # or until this many changes wait: what a burst holds (its objects) stays under a MiB
+BACKLOG = 16384  # changes handed to the writer and not written past which the next drop (`--state-log-backlog`)
 
 
 @dataclass(slots=True)
@@ -37,12 +43,13 @@ class LogStats:
     """What /metrics and /v1/status show of the state log."""
 
     segment: int  # the segment appended to now
-    records: int = 0  # appended since the start
-    bytes: int = 0  # appended since the start, framed
+    records: int = 0  # appended since the start (handed to the writer)
+    bytes: int = 0  # written since the start, framed
     since_image: int = 0  # bytes a restore would replay after the image
     fsyncs: int = 0
     write_errors: int = 0
-    lost: bool = False  # a write failed: the log misses changes until an image from the fleet is written
+    dropped: int = 0  # changes dropped with the writer more than `backlog` behind (the disk slower than ingest)
+    lost: bool = False  # a write failed or changes were dropped: the log misses changes until an image is written
     images_after_loss: int = 0
     compactions: int = 0
     compaction_failures: int = 0
@@ -52,7 +59,7 @@ class LogStats:
 class StateLog:
     """Appends the fleet's changes to `state.log.N`; `rotate` starts the next segment for a compaction."""
 
-    def __init__(self, state_dir: Path, fleet: Fleet, *, restored_from: int | None) -> None:
+    def __init__(self, state_dir: Path, fleet: Fleet, *, restored_from: int | None, backlog: int = BACKLOG) -> None:
         """`restored_from`: the `log_from` of the image the fleet was restored from, its log replayed after it
         (0: no image); None: the fleet did not restore (`--no-restore`, JetStream), so its own image, nearly
         empty, is written first, lest a compaction fold the files of an earlier run in."""
@@ -63,8 +70,11 @@ class StateLog:
             snapshot.write(snapshot.capture(fleet, time.time(), log_from=self.stats.segment), state_dir)
         else:
             self.stats.since_image = segments.size_from(state_dir, restored_from)
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
+        self._image_at = -self.stats.since_image  # `stats.bytes` where the log after the image starts
+        self.backlog = backlog
+        self._pending: list[tuple[Any, ...]] = []
+        self._handed = 0  # changes handed to the writer (counted on the loop)
+        self._written = 0  # of those, written or failed (counted by the writer)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="state-log")
         self._file = _open(segments.path(state_dir, self.stats.segment))
         fleet.journal = self
@@ -74,39 +84,58 @@ class StateLog:
     # ----- the journal: on the loop ---------------------------------------------------------------------
 
     def model(self, name: str, block_size: int) -> None:
-        self._append(records.encode((records.MODEL, name, block_size)))
+        self._append((records.MODEL, name, block_size))
 
     def worker(self, info: WorkerInfo) -> None:
-        self._append(records.encode((records.WORKER, info.worker_id, info.dp_rank, info.model, info.endpoint,
-                                     info.replay_endpoint, info.topic)))
+        self._append((records.WORKER, info.worker_id, info.dp_rank, info.model, info.endpoint, info.replay_endpoint,
+                      info.topic))
 
     def unregister(self, worker_id: int, dp_rank: int | None) -> None:
-        self._append(records.encode((records.UNREGISTER, worker_id, dp_rank)))
+        self._append((records.UNREGISTER, worker_id, dp_rank))
 
     def batch(self, model: str, worker: WorkerKey, events: Sequence[EventData]) -> None:
-        self._append(records.encode((records.BATCH, model, worker[0], worker[1], events)))
+        self._append((records.BATCH, model, worker[0], worker[1], events))
 
-    def _append(self, payload: bytes) -> None:
-        self._pending.append(payload)
-        self.stats.records += 1
-        framed = len(payload) + records.HEAD.size
-        self.stats.bytes += framed
-        self.stats.since_image += framed
-        self._pending_bytes += framed
-        if self._pending_bytes >= FLUSH_BYTES:
+    def _append(self, record: tuple[Any, ...]) -> None:
+        pending = self._pending
+        pending.append(record)
+        if len(pending) >= FLUSH_RECORDS:
             self.flush(fsync=False)
+
+    def _hand_over(self) -> list[tuple[Any, ...]]:
+        """What waits, for the writer; dropped for a DROPPED record when the writer is `backlog` behind."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return pending
+        stats = self.stats
+        stats.records += len(pending)
+        if self._handed - self._written + len(pending) > self.backlog:
+            if not stats.lost:  # once per episode
+                log.error("state log: the disk is slower than ingest, %s wait for %s; dropping changes until "
+                          "an image of the whole index is written", counted(self._handed - self._written, "change"),
+                          self._file.name)
+            stats.dropped += len(pending)
+            stats.lost = True
+            pending = [(records.DROPPED, len(pending))]
+        self._handed += len(pending)
+        return pending
+
+    def image_from(self, at: int) -> None:
+        """The newest image holds the log written before `stats.bytes` was `at` (a cut's)."""
+        self._image_at = at
+        self.stats.since_image = self.stats.bytes - at
 
     # ----- the writer thread ------------------------------------------------------------------------------
 
-    def flush(self, *, fsync: bool) -> Future[None]:
+    def flush(self, *, fsync: bool) -> Future[int]:
         """Hand what is buffered to the writer thread; the future ends once it is written (and fsynced)."""
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
-        return self._thread.submit(self._write, pending, fsync)
+        return self._thread.submit(self._write, self._hand_over(), fsync)
 
-    def rotate(self) -> tuple[int, Future[None]]:
+    def rotate(self) -> tuple[int, Future[int]]:
         """Close the segment appended to (written and fsynced) and start the next: every change before the
-        call is in the segments before the returned number once the future is done."""
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        call is in the segments before the returned number once the future is done; it gives `stats.bytes`
+        at the cut."""
+        pending = self._hand_over()
         self.stats.segment += 1
         return self.stats.segment, self._thread.submit(self._write_and_rotate, pending, self.stats.segment)
 
@@ -118,29 +147,40 @@ class StateLog:
             self._thread.shutdown()
             self._file.close()
 
-    def _write(self, pending: list[bytes], fsync: bool) -> None:
+    def _write(self, pending: list[tuple[Any, ...]], fsync: bool) -> int:
+        """Write `pending` as one frame; returns `stats.bytes` after it."""
         end = self._file.tell()
+        stats = self.stats
         try:
             if pending:
-                data = memoryview(records.frames(pending))
-                while data:  # a write that hits a size limit writes part, and only the next one fails
-                    data = data[self._file.write(data) or 0:]
+                frame = bytearray()
+                records.frame_into(frame, pending)
+                with memoryview(frame) as data:
+                    at = 0
+                    while at < len(frame):  # a write that hits a size limit writes part, and only the next fails
+                        at += self._file.write(data[at:]) or 0
+                stats.bytes += len(frame)
+                stats.since_image = stats.bytes - self._image_at
             if fsync:
                 os.fsync(self._file.fileno())
-                self.stats.fsyncs += 1
+                stats.fsyncs += 1
         except OSError as exc:  # a full disk must not stop the router; what was lost is counted and logged
-            self.stats.write_errors += 1
-            self.stats.lost = True
+            stats.write_errors += 1
+            stats.lost = True
             log.error("state log %s: %s not written, a restart will not have them: %s",
                       self._file.name, counted(len(pending), "change"), exc)
             with contextlib.suppress(OSError):  # no half record for the next write to follow
                 os.ftruncate(self._file.fileno(), end)
                 self._file.seek(end)
+        finally:
+            self._written += len(pending)
+        return stats.bytes
 
-    def _write_and_rotate(self, pending: list[bytes], number: int) -> None:
-        self._write(pending, fsync=True)
+    def _write_and_rotate(self, pending: list[tuple[Any, ...]], number: int) -> int:
+        written = self._write(pending, fsync=True)
         self._file.close()
         self._file = _open(segments.path(self.state_dir, number))
+        return written
 
 
 def _open(path: Path) -> BinaryIO:
@@ -163,6 +203,9 @@ class LogCollector:
         yield GaugeMetricFamily("kvctl_state_log_since_image_bytes", "state log a restore would replay after "
                                 "the image; compacted past --compact-log-bytes and the image's size",
                                 value=s.since_image)
+        yield CounterMetricFamily("kvctl_state_log_dropped", "changes dropped with more than --state-log-backlog "
+                                  "waiting for the disk: a restart misses them until an image of the index is "
+                                  "written", value=s.dropped)
         yield CounterMetricFamily("kvctl_state_log_write_errors", "state log writes that failed (a full disk): "
                                   "a restart misses those changes until an image of the index is written",
                                   value=s.write_errors)
