@@ -337,33 +337,33 @@ def _decode_line(path: Path, n: int, line: bytes, header: _Header,
     return None
 
 
-class _FastBlock(msgspec.Struct):
+class _FastBlock(msgspec.Struct, gc=False):  # gc=False: a million of them must not set off collections
     block_hash: int
     tokens_hash: int
 
 
-class _FastStored(msgspec.Struct):
+class _FastStored(msgspec.Struct, gc=False):
     blocks: list[_FastBlock]
     parent_hash: int | None = None
 
 
-class _FastData(msgspec.Struct, forbid_unknown_fields=True):  # one variant, as serde's externally tagged enum
+class _FastData(msgspec.Struct, forbid_unknown_fields=True, gc=False):  # one variant (serde's externally tagged enum)
     stored: _FastStored
 
 
-class _FastEvent(msgspec.Struct):
+class _FastEvent(msgspec.Struct, gc=False):
     event_id: Annotated[int, msgspec.Meta(ge=0)]
     data: _FastData
     dp_rank: U32 = 0
 
 
-class _FastRouterEvent(msgspec.Struct):
+class _FastRouterEvent(msgspec.Struct, gc=False):
     worker_id: Annotated[int, msgspec.Meta(ge=0)]
     event: _FastEvent
     storage_tier: Tier = Tier.device
 
 
-class _FastLine(msgspec.Struct):
+class _FastLine(msgspec.Struct, gc=False):
     model: Name
     event: _FastRouterEvent
 
