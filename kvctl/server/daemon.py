@@ -313,11 +313,11 @@ async def _become_ready(fleet: Fleet, options: ServeOptions, readiness: Readines
 
 async def _restore(fleet: Fleet, options: ServeOptions, readiness: Readiness,
                    notifier: Notifier) -> dict[str, Any] | None:
-    """`_load_state` a slice of the loop at a time (`SLICE_S`), its progress in `readiness` and, once a second,
-    in systemd's STATUS= line."""
+    """`_load_state` a slice of the loop at a time (`SLICE_S`), its progress in `readiness` and in systemd's
+    STATUS= line (at the first slice's end, then once a second)."""
     steps = _load_state(fleet, options)
     end = time.perf_counter() + SLICE_S
-    told = time.monotonic()
+    told = time.monotonic() - 1.0
     while True:
         try:
             progress = next(steps)

@@ -5,13 +5,16 @@ the index that was written."""
 from __future__ import annotations
 
 import random
+import socket
 from pathlib import Path
 
 import httpx
+import pytest
 
 from kvctl.core.events import RouterEvent, Stored
 from kvctl.server.persistence.state_log import StateLog
 from kvctl.server.state import Fleet
+from tests.server.test_sd_notify import notify_path, receive  # noqa: F401 (notify_path: a fixture)
 from tests.server.test_serve_process import _stop, serving
 from tests.support.eventually import eventually
 
@@ -40,9 +43,13 @@ def _workers(client: httpx.Client) -> dict[str, int]:
     return dict(client.get("/v1/tree/stats").json()["models"]["default"]["workers"])
 
 
-def test_a_restart_answers_restoring_at_once_then_ready_with_the_index_written(tmp_path: Path) -> None:
-    expected = _state_dir(tmp_path)
-    with serving(tmp_path, ready=False) as (proc, client):
+def test_a_restart_answers_restoring_at_once_then_ready_with_the_index_written(
+        tmp_path: Path, notify_path: tuple[socket.socket, str],  # noqa: F811 (the fixture imported)
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = _state_dir(tmp_path / "state")
+    notify, value = notify_path
+    monkeypatch.setenv("NOTIFY_SOCKET", value)  # systemd's side: READY=1 once whole, progress before
+    with serving(tmp_path / "state", ready=False) as (proc, client):
         first = client.get("/readyz")  # the port accepts: the restore has only begun
         assert first.status_code == 503 and first.json()["status"] == "restoring", first.text
         assert first.headers["retry-after"] == "1"
@@ -55,6 +62,11 @@ def test_a_restart_answers_restoring_at_once_then_ready_with_the_index_written(t
         ready = eventually(lambda: client.get("/readyz"), "the index whole", until=lambda r: r.status_code == 200,
                            timeout=60)
         assert ready.json()["status"] == "ready" and ready.json()["restore_s"] > 0
+        told = receive(notify)
+        assert "READY" not in told and told["STATUS"].startswith("restoring the index: "), told
+        while "READY" not in told:
+            told = receive(notify)
+        assert told["STATUS"].startswith(f"serving {client.base_url}, ")
         assert _workers(client) == expected
         assert client.post("/v1/route", json={"local_hashes": [1, 2, 3]}).status_code == 200
         _stop(proc)
