@@ -387,10 +387,18 @@ def stop_and_restart(router: Router, pubs: Publishers, state_dir: str, wl: Workl
     router.http.close()
     again = Router(pubs.endpoints(), state_dir, router.port, restore=True,
                    snapshot_interval_s=router.snapshot_interval_s)
+
+    def ready() -> bool:  # GET /readyz 200: the restore is done (a router before /readyz: 404, counted ready)
+        try:
+            return again.http.get("/readyz").status_code in (200, 404)
+        except httpx.TransportError:
+            return False
+
     opened = wait_until(again.port_open, 600, "restart: port", again.proc)
+    readied = wait_until(ready, 600, "restart: /readyz 200", again.proc)
     whole = wait_until(lambda: again.count() >= wl.total, 600, "restart: index whole", again.proc)
     return again, {"sigterm_to_exit_s": round(sigterm_s, 2), "port_open_s": round(opened - again.started, 2),
-                   "whole_s": round(whole - again.started, 2)}
+                   "ready_s": round(readied - again.started, 2), "whole_s": round(whole - again.started, 2)}
 
 
 def one_size(pairs: int, args: argparse.Namespace, oracle: bool) -> dict[str, Any]:

@@ -115,6 +115,13 @@ class Refused(ApiError):
     pass
 
 
+class Restoring(Refused):
+    """The router's 503 while a restart restores its index: up, not yet whole. Exit 3, as its closed port was
+    during the restore before the port opened at once: a script that retries an unreachable router retries it."""
+
+    exit_code = ExitCode.UNREACHABLE
+
+
 class AllBusy(Refused):
     """The router's 503 for a model whose every worker is over a busy threshold; a 503 for a model with no
     workers is a plain `Refused`: retrying later will not help it."""

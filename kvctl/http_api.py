@@ -118,6 +118,7 @@ class Error(Struct):
     flag: str | UnsetType = UNSET
     thresholds: Thresholds | UnsetType = UNSET  # every worker busy (503): the model's thresholds
     tripped: dict[str, list[str]] | UnsetType = UNSET  # and what each `ID:DP` is over
+    restoring: Readiness | UnsetType = UNSET  # a restart restoring its index (503): how far it is
 
 
 class InvalidField(Struct):
@@ -320,6 +321,20 @@ class Health(Struct):
     version: str
 
 
+class Readiness(Struct):
+    """`GET /readyz`: "ready" (200) once the index is whole, "restoring" (503) while a restart restores it, with
+    how far: `done` of `total` `unit`s of the restore's current `phase`."""
+
+    status: str
+    phase: str | UnsetType = UNSET
+    done: int | UnsetType = UNSET
+    total: int | UnsetType = UNSET
+    unit: str | UnsetType = UNSET
+    percent: float | UnsetType = UNSET
+    elapsed_s: float | UnsetType = UNSET
+    restore_s: float | None | UnsetType = UNSET  # how long the restore took (ready)
+
+
 class ConnectionStats(Struct):
     """The limits on client connections (serve --idle-timeout, --max-connections) and what they did."""
 
@@ -356,6 +371,7 @@ class Status(Struct):
     connections: ConnectionStats
     limits: Limits
     loop: LoopHeld | UnsetType = UNSET  # a router before 0.x reports none
+    readiness: Readiness | UnsetType = UNSET  # a router before /readyz reports none
 
 
 class LoopHeld(Struct):

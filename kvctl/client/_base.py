@@ -19,7 +19,7 @@ import msgspec
 from kvctl import __version__
 from kvctl import http_api as api
 from kvctl.core.names import DEFAULT_MODEL
-from kvctl.errors import AllBusy, ApiError, KvctlError, NotFound, Refused, Unreachable, there
+from kvctl.errors import AllBusy, ApiError, KvctlError, NotFound, Refused, Restoring, Unreachable, there
 
 T = TypeVar("T")
 
@@ -92,6 +92,8 @@ def check(request: Request, response: httpx.Response) -> None:
     text = f"{request.method} {request.path}: {message or response.reason_phrase} (HTTP {response.status_code})"
     if response.status_code == 404:  # an unknown model's answer lists the router's models: name them
         raise NotFound(text, status=404, hint=there("model", models) if models is not None else None)
+    if response.status_code == 503 and isinstance(error, api.Error) and error.restoring is not msgspec.UNSET:
+        raise Restoring(text, status=503, hint="wait for GET /readyz to answer 200, then retry")
     if response.status_code == 503:
         raise (AllBusy if busy else Refused)(text, status=503)
     if response.status_code == 401:

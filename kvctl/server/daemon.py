@@ -3,8 +3,15 @@
 The first SIGINT/SIGTERM drains and stops: connections in flight get `--shutdown-timeout` seconds to
 finish, then are dropped. A second one forces the exit at once. Either way the final snapshot is written
 (a third signal ends the process even then), and a forced exit is an error (exit 1), since it dropped
-whatever was in flight. Under systemd (`Type=notify`) the router says READY=1 once uvicorn accepts
-connections, the snapshot restored before, and STOPPING=1 as the drain begins (see `sd_notify`).
+whatever was in flight.
+
+A restart serves at once: the port is bound and answered before the state dir is restored, and the restore
+runs on the event loop a slice at a time (`SLICE_S`), so `/healthz` and `/readyz` answer throughout and
+routes are refused with "restoring" until the index is whole (`readiness`). Engine streams, the event
+plane, the state log and its compaction start once it is. Under systemd (`Type=notify`) the router says
+READY=1 once the index is whole, not at bind: READY is systemd's one "started" moment, and the units ordered
+after the router want routes that see the whole index; until then STATUS= lines say how far the restore is,
+and the watchdog is kept from the bind. STOPPING=1 comes as the drain begins (see `sd_notify`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +40,7 @@ from kvctl.core.words import counted
 from kvctl.errors import CannotListen, KvctlError
 from kvctl.runtime import survivors_frozen, trim_heap
 from kvctl.server import snapshot
-from kvctl.server.budget import RECLAIM_ENTRIES
+from kvctl.server.budget import RECLAIM_ENTRIES, SLICE_S
 from kvctl.server.http.api import MAX_BODY_BYTES, create_app, http_protocol, loop_lag_observer, metrics_registry
 from kvctl.server.http.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Connections
 from kvctl.server.ingest.decode_process.parent import make_decoder
@@ -44,6 +51,7 @@ from kvctl.server.persistence.compact import COMPACT_BYTES
 from kvctl.server.persistence.state_log import BACKLOG, LogCollector, StateLog
 from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
 from kvctl.server.plane.zmq_plane import ZmqOptions, ZmqPlane
+from kvctl.server.readiness import Readiness
 from kvctl.server.sd_notify import Notifier
 from kvctl.server.serve_choices import DecoderMode, LogLevel
 from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
@@ -62,20 +70,22 @@ class _Server(uvicorn.Server):
     """uvicorn re-raises the stopping signal once drained (the process then dies of SIGTERM); a router
     that drained and stopped cleanly exits 0. A second signal, SIGTERM as well as SIGINT (uvicorn's
     own only takes SIGINT), forces the exit: connections are dropped without waiting. systemd hears of
-    both moments that matter to it: accepting connections (READY=1) and the drain beginning (STOPPING=1)."""
+    both moments that matter to it: the index whole (READY=1, see `_become_ready`) and the drain beginning
+    (STOPPING=1)."""
 
     forced_by: str | None = None  # the signal that forced the exit
 
-    def __init__(self, config: uvicorn.Config, notifier: Notifier, ready_status: str, stopping_status: str) -> None:
+    def __init__(self, config: uvicorn.Config, notifier: Notifier, on_started: Callable[[], None],
+                 stopping_status: str) -> None:
         super().__init__(config)
         self.notifier = notifier
-        self.ready_status = ready_status
+        self.on_started = on_started  # once connections are accepted: the restore begins (systemd hears at its end)
         self.stopping_status = stopping_status
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if self.started:
-            self.notifier.ready(self.ready_status)
+            self.on_started()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.notifier.stopping(self.stopping_status)
@@ -177,13 +187,21 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
         fleet.add_model(spec.name, block_size=spec.block_size, config=options.router.override(**spec.router))
         if spec.thresholds:
             fleet.thresholds.set(spec.name, **spec.thresholds)
-    restored = _load_state(fleet, options)
-    with survivors_frozen():
-        await _serve(fleet, options, announce, restored, notifier)
+    with survivors_frozen():  # the restored index included: each collection walks only the newest objects
+        await _serve(fleet, options, announce, notifier)
 
 
-async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], None],
-                 restored: dict[str, Any] | None, notifier: Notifier) -> None:
+@dataclass
+class _Running:
+    """What the daemon starts once the index is whole, for the shutdown to stop and flush."""
+
+    background: list[asyncio.Task[None]] = field(default_factory=list)
+    restore: asyncio.Task[None] | None = None
+    state_log: StateLog | None = None
+    snapshots: snapshot.Writer | None = None
+
+
+async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], None], notifier: Notifier) -> None:
     files = raise_file_limit()  # before the decode process starts: it inherits the limit
     context = sized(zmq.asyncio.Context())
     max_engines = options.max_engines or default_max_engines(files, context.get(zmq.MAX_SOCKETS))
@@ -195,8 +213,9 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
         plane = EventPlane(fleet, streams, options.nats)
     elif options.zmq_plane is not None:
         plane = ZmqPlane(fleet, streams, options.zmq_plane)
+    readiness = Readiness(restoring=options.state_dir is not None)
     app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane,
-                     max_body_bytes=options.max_body_bytes, restored=restored,
+                     max_body_bytes=options.max_body_bytes, readiness=readiness,
                      connections=Connections(options.idle_timeout_s, options.max_connections))
     sock = bind(options.host, options.port)
     if not options.admin_token and not is_loopback(options.host):
@@ -210,59 +229,109 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
     # its limit counts the asking connection too, so `max_connections` open may still be answered.
     limits: dict[str, Any] = {} if protocol != "httptools" else {
         "timeout_keep_alive": options.idle_timeout_s, "limit_concurrency": options.max_connections + 1}
+    running = _Running([asyncio.create_task(watch_loop(loop_lag_observer(app), LOOP_PROBE_S)),
+                        asyncio.create_task(notifier.keep_alive())])
+    server: _Server
+
+    def restore() -> None:
+        running.restore = asyncio.create_task(_become_ready(fleet, options, readiness, notifier, url, streams,
+                                                            plane, app, running))
+        running.restore.add_done_callback(lambda task: _stop_on_failure(task, server))
+
     server = _Server(uvicorn.Config(app, http=protocol, log_config=None, log_level=options.log_level,
                                     access_log=False, lifespan="off", proxy_headers=False, server_header=False,
                                     # uvicorn types it int, yet hands it to asyncio.wait_for (float seconds)
                                     timeout_graceful_shutdown=options.shutdown_timeout_s,  # type: ignore[arg-type]
                                     **limits),
-                     notifier, _ready_status(url, restored),
+                     notifier, restore,
                      f"draining connections (up to {options.shutdown_timeout_s:g} s), then the state log's fsync")
+    announce(url)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        if running.restore is not None and not running.restore.done():  # a stop while restoring
+            running.restore.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running.restore
+        if plane is not None:
+            await plane.close()
+        await streams.close()
+        context.destroy(linger=0)
+        for task in running.background:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        sock.close()
+        if running.state_log is not None:  # what changed since the last fsync: no image, so the exit is quick
+            running.state_log.close()
+        if running.snapshots is not None:  # only once restored: a partial index must not replace the image
+            try:  # after a periodic write still in flight (cancelling its task does not stop its thread)
+                path = running.snapshots.write(running.snapshots.capture(fleet, time.time()))
+                log.info("snapshot written to %s", path)
+            except OSError as exc:  # the previous snapshot is still there: a restart loses what came since
+                log.error("final snapshot to %s failed: %s", options.state_dir, exc)
+    failed = running.restore.exception() if running.restore is not None and not running.restore.cancelled() else None
+    if failed is not None:
+        raise failed
+    if server.forced_by is not None:  # stopped, but not cleanly: exit 1
+        raise KvctlError(f"a second {server.forced_by} forced the exit: connections in flight were dropped")
+
+
+def _stop_on_failure(task: asyncio.Task[None], server: _Server) -> None:
+    """A restore that failed (an unreadable state dir) stops the router, as a failed start did: `_serve` raises
+    its error once the server is down, rather than serving "restoring" for ever."""
+    if not task.cancelled() and task.exception() is not None:
+        server.should_exit = True
+
+
+async def _become_ready(fleet: Fleet, options: ServeOptions, readiness: Readiness, notifier: Notifier, url: str,
+                        streams: Streams, plane: EventPlane | ZmqPlane | None, app: Any, running: _Running) -> None:
+    """Restore the state dir on the loop, then start what feeds the index and what persists it; then ready."""
+    restored = await _restore(fleet, options, readiness, notifier)
     for info in options.engines:
         fleet.register(info)
     for info in list(fleet.workers.values()):  # restored from the snapshot
         streams.start(info)
     if plane is not None:
         plane.start()
-    background = [asyncio.create_task(watch_loop(loop_lag_observer(app), LOOP_PROBE_S)),
-                  asyncio.create_task(_tick_every(fleet, streams, TICK_S)),
-                  asyncio.create_task(_reclaim_every(fleet, streams, ROUTE_QUIET_S)),
-                  asyncio.create_task(notifier.keep_alive())]
-    snapshots = state_log = None
+    running.background += [asyncio.create_task(_tick_every(fleet, streams, TICK_S)),
+                           asyncio.create_task(_reclaim_every(fleet, streams, ROUTE_QUIET_S))]
     if options.state_dir is not None and fleet.approx is not None:  # its index changes with every route
-        snapshots = snapshot.Writer(options.state_dir)
-        background.append(asyncio.create_task(_snapshot_every(fleet, snapshots, options.snapshot_interval_s)))
+        running.snapshots = snapshot.Writer(options.state_dir)
+        running.background.append(asyncio.create_task(
+            _snapshot_every(fleet, running.snapshots, options.snapshot_interval_s)))
     elif options.state_dir is not None:
         assert restored is not None  # with a state dir, _load_state always says what it restored
-        state_log = StateLog(options.state_dir, fleet, restored_from=restored["log_from"],
-                             backlog=options.state_log_backlog)
-        metrics_registry(app).register(LogCollector(state_log.stats))
-        restored["log"] = state_log.stats
-        background.append(asyncio.create_task(compact.keep(
-            state_log, fleet, interval_s=options.snapshot_interval_s, compact_bytes=options.compact_log_bytes,
-            block_size=options.block_size)))
-    announce(url)
-    try:
-        await server.serve(sockets=[sock])
-    finally:
-        if plane is not None:
-            await plane.close()
-        await streams.close()
-        context.destroy(linger=0)
-        for task in background:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        sock.close()
-        if state_log is not None:  # what changed since the last fsync: no image, so the exit is quick
-            state_log.close()
-        if snapshots is not None:
-            try:  # after a periodic write still in flight (cancelling its task does not stop its thread)
-                path = snapshots.write(snapshots.capture(fleet, time.time()))
-                log.info("snapshot written to %s", path)
-            except OSError as exc:  # the previous snapshot is still there: a restart loses what came since
-                log.error("final snapshot to %s failed: %s", options.state_dir, exc)
-    if server.forced_by is not None:  # stopped, but not cleanly: exit 1
-        raise KvctlError(f"a second {server.forced_by} forced the exit: connections in flight were dropped")
+        running.state_log = StateLog(options.state_dir, fleet, restored_from=restored["log_from"],
+                                      backlog=options.state_log_backlog)
+        metrics_registry(app).register(LogCollector(running.state_log.stats))
+        restored["log"] = running.state_log.stats
+        running.background.append(asyncio.create_task(compact.keep(
+            running.state_log, fleet, interval_s=options.snapshot_interval_s,
+            compact_bytes=options.compact_log_bytes, block_size=options.block_size)))
+    readiness.finish(restored)
+    notifier.ready(_ready_status(url, restored))
+
+
+async def _restore(fleet: Fleet, options: ServeOptions, readiness: Readiness,
+                   notifier: Notifier) -> dict[str, Any] | None:
+    """`_load_state` a slice of the loop at a time (`SLICE_S`), its progress in `readiness` and in systemd's
+    STATUS= line (at the first slice's end, then once a second)."""
+    steps = _load_state(fleet, options)
+    end = time.perf_counter() + SLICE_S
+    told = time.monotonic() - 1.0
+    while True:
+        try:
+            progress = next(steps)
+        except StopIteration as done:
+            return done.value
+        if time.perf_counter() >= end:
+            readiness.step(progress)
+            if time.monotonic() - told >= 1.0:
+                notifier.status(readiness.line())
+                told = time.monotonic()
+            await asyncio.sleep(0)
+            end = time.perf_counter() + SLICE_S
 
 
 def _ready_status(url: str, restored: dict[str, Any] | None) -> str:
@@ -275,9 +344,9 @@ def _ready_status(url: str, restored: dict[str, Any] | None) -> str:
     return ", ".join(parts)
 
 
-def _load_state(fleet: Fleet, options: ServeOptions) -> dict[str, Any] | None:
-    """Restore the snapshot; returns what `/v1/status` shows of it (None: no state dir; `log_from` None: no
-    restore was tried)."""
+def _load_state(fleet: Fleet, options: ServeOptions) -> Generator[snapshot.Progress, None, dict[str, Any] | None]:
+    """Restore the snapshot, in slices; returns what `/v1/status` shows of it (None: no state dir; `log_from`
+    None: no restore was tried)."""
     if options.state_dir is None:
         return None
     not_restored: dict[str, Any] = {"file": None, "events": 0, "problems": [], "log_records": 0, "log_from": None,
@@ -293,10 +362,10 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> dict[str, Any] | None:
                  options.state_dir)
         return not_restored
     if fleet.approx is not None:
-        restored, problems = snapshot.restore(fleet, options.state_dir, time.monotonic())
+        restored, problems = yield from snapshot.restore_in_slices(fleet, options.state_dir, time.monotonic())
         replayed = None
     else:
-        replayed = replay.restore(fleet, options.state_dir, time.monotonic(), repair=True)
+        replayed = yield from replay.slices(fleet, options.state_dir, time.monotonic(), repair=True)
         restored, problems = replayed.image, replayed.problems
     for problem in problems:
         log.error("damaged snapshot: %s", problem)

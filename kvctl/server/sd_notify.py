@@ -53,6 +53,10 @@ class Notifier:
     def ready(self, status: str) -> None:
         self.send(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
 
+    def status(self, status: str) -> None:
+        """A line `systemctl status` shows beside the unit: how far a restore is, before READY=1."""
+        self.send(f"STATUS={status}")
+
     def stopping(self, status: str) -> None:
         self.send(f"STOPPING=1\nSTATUS={status}")
 

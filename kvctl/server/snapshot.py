@@ -22,16 +22,15 @@ import itertools
 import json
 import os
 import threading
-from collections.abc import Iterator
+from array import array
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from itertools import groupby
-from operator import itemgetter
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple, TypeVar
 
 import msgspec
 
-from kvctl.core.events import RouterEvent
+from kvctl.core.events import RouterEvent, Stored, Tier
 from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.index.kv_index import DumpEdge, events_of
@@ -43,6 +42,7 @@ SCHEMA = "kvctl.snapshot/v2"
 SCHEMAS = ("kvctl.snapshot/v1", SCHEMA)  # v1: no trailer, so no checksum
 FILENAME = "snapshot.jsonl"
 PREVIOUS = FILENAME + ".prev"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +158,35 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class Progress(NamedTuple):
+    """How far a restore in slices is: `done` of `total` `unit`s of its `phase` (shown by `/readyz`)."""
+
+    phase: str
+    done: int
+    total: int
+    unit: str
+
+
+def run_to_end(steps: Generator[Any, None, T]) -> T:
+    """A restore in slices (`restore_in_slices`, `replay.slices`) in one go: what a child process or a test
+    that has no loop to yield to wants."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 def restore(fleet: Fleet, state_dir: Path, now: float) -> tuple[Restored | None, list[str]]:
-    """Load the newest sound snapshot into an empty fleet. Returns it (None when there is none) and the
-    problems found on the way: each damaged file is named and moved aside.
+    """`restore_in_slices` in one go."""
+    return run_to_end(restore_in_slices(fleet, state_dir, now))
+
+
+def restore_in_slices(fleet: Fleet, state_dir: Path,
+                      now: float) -> Generator[Progress, None, tuple[Restored | None, list[str]]]:
+    """Load the newest sound snapshot into an empty fleet, yielding after each line read and each event
+    applied (a router answers its probes in between). Returns it (None when there is none) and the problems
+    found on the way: each damaged file is named and moved aside.
 
     A file is checked whole (trailer, checksum, then every line decoded and validated) before any of it
     is applied, so one bad line anywhere means the previous file or an empty start, never a mix."""
@@ -169,11 +195,12 @@ def restore(fleet: Fleet, state_dir: Path, now: float) -> tuple[Restored | None,
         if not path.exists():
             continue
         try:
-            contents = _read(path)
+            contents = yield from _read_in_slices(path)
         except SnapshotError as exc:
             problems.append(f"{exc.message} ({_move_aside(path)})")
             continue
-        return _apply(fleet, contents, now), problems
+        restored = yield from _apply(fleet, contents, now)
+        return restored, problems
     return None, problems
 
 
@@ -185,40 +212,6 @@ def _move_aside(path: Path) -> str:
     except OSError as exc:
         return f"could not move it aside to {aside.name}: {exc.strerror or exc}"
     return f"moved to {aside.name}"
-
-
-def _verify(path: Path) -> tuple[dict[str, Any], int]:
-    """The header and the number of event lines after it, once the file is whole: one streaming pass,
-    so a snapshot of a large index is never held in memory."""
-    digest, hashed, pending = hashlib.sha256(), 0, None  # pending: the newest line, maybe the trailer
-    try:
-        with path.open("rb") as f:
-            first = f.readline()
-            digest.update(first)
-            hashed = 1
-            for line in f:
-                if pending is not None:
-                    digest.update(pending)
-                    hashed += 1
-                pending = line
-    except OSError as exc:
-        raise SnapshotError(f"{path}: unreadable ({exc.strerror})") from None
-    try:
-        header = json.loads(first)
-    except ValueError as exc:
-        raise SnapshotError(f"{path}: unreadable header ({exc})") from None
-    if not isinstance(header, dict) or header.get("schema") not in SCHEMAS:
-        raise SnapshotError(f"{path}: not a kvctl snapshot ({', '.join(SCHEMAS)})")
-    if header["schema"] != SCHEMA:  # v1: no trailer to check
-        return header, hashed - 1 + (pending is not None)
-    try:
-        end = json.loads(pending or b"")["end"]
-        expected_lines, expected_sha = int(end["lines"]), str(end["sha256"])
-    except (ValueError, KeyError, TypeError):
-        raise SnapshotError(f"{path}: no trailer: the write was cut short") from None
-    if hashed != expected_lines or digest.hexdigest() != expected_sha:
-        raise SnapshotError(f"{path}: checksum mismatch: the file changed after it was written")
-    return header, hashed - 1
 
 
 U32 = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
@@ -257,8 +250,62 @@ class _Contents:
 
 
 def _read(path: Path) -> _Contents:
-    """The whole file, checked and decoded into typed records; SnapshotError naming the first problem."""
-    raw, body_lines = _verify(path)
+    """`_read_in_slices` in one go."""
+    return run_to_end(_read_in_slices(path))
+
+
+def _read_in_slices(path: Path) -> Generator[Progress, None, _Contents]:
+    """The whole file, checked and decoded into typed records in one streaming pass, yielding after each
+    line; SnapshotError naming the first problem, a damaged trailer or checksum before any line's own."""
+    total = path.stat().st_size
+    digest, lines, done, pending = hashlib.sha256(), 0, 0, None  # pending: the newest line, maybe the trailer
+    events: list[tuple[str, RouterEvent]] = []
+    first_problem: str | None = None
+    try:
+        with path.open("rb") as f:
+            raw = _header_of(path, first := f.readline())
+            digest.update(first)
+            header, first_problem = _checked_header(path, raw)
+            for line in f:
+                if pending is not None:
+                    digest.update(pending)
+                    lines += 1
+                    done += len(pending)
+                    if first_problem is None and header is not None:
+                        first_problem = _decode_line(path, lines + 1, pending, header, events)
+                    yield Progress("reading the image", done, total, "bytes")
+                pending = line
+    except OSError as exc:
+        raise SnapshotError(f"{path}: unreadable ({exc.strerror})") from None
+    if raw["schema"] != SCHEMA:  # v1: no trailer, the last line is an event
+        if pending is not None and first_problem is None and header is not None:
+            first_problem = _decode_line(path, lines + 2, pending, header, events)
+    else:
+        try:
+            end = json.loads(pending or b"")["end"]
+            expected_lines, expected_sha = int(end["lines"]), str(end["sha256"])
+        except (ValueError, KeyError, TypeError):
+            raise SnapshotError(f"{path}: no trailer: the write was cut short") from None
+        if lines + 1 != expected_lines or digest.hexdigest() != expected_sha:
+            raise SnapshotError(f"{path}: checksum mismatch: the file changed after it was written")
+    if first_problem is not None:
+        raise SnapshotError(first_problem)
+    assert header is not None  # a header that failed its check is the first problem
+    return _Contents(path, header, events)
+
+
+def _header_of(path: Path, first: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(first)
+    except ValueError as exc:
+        raise SnapshotError(f"{path}: unreadable header ({exc})") from None
+    if not isinstance(header, dict) or header.get("schema") not in SCHEMAS:
+        raise SnapshotError(f"{path}: not a kvctl snapshot ({', '.join(SCHEMAS)})")
+    return header
+
+
+def _checked_header(path: Path, raw: dict[str, Any]) -> tuple[_Header | None, str | None]:
+    """The header as the fleet takes it, or what is wrong with it (told once the checksum is known good)."""
     try:
         header = msgspec.convert(raw, _Header)
         for w in header.workers:
@@ -270,33 +317,97 @@ def _read(path: Path) -> _Contents:
                 if endpoint is not None:
                     check_endpoint(endpoint)
     except (msgspec.ValidationError, ValueError) as exc:
-        raise SnapshotError(f"{path}:1: bad header: {exc}") from None
-    events: list[tuple[str, RouterEvent]] = []
-    with path.open("rb") as f:
-        f.readline()
-        for n, line in zip(range(2, body_lines + 2), f, strict=False):
-            try:
-                item = msgspec.json.decode(line, type=_Line)
-                if item.model not in header.models:
-                    raise ValueError(f"model {item.model!r} is not among the header's models")
-                events.append((item.model, decode_router_event_json(item.event)))
-            except (msgspec.DecodeError, ValueError, DecodeError) as exc:
-                raise SnapshotError(f"{path}:{n}: {exc}") from None
-    return _Contents(path, header, events)
+        return None, f"{path}:1: bad header: {exc}"
+    return header, None
 
 
-def _apply(fleet: Fleet, contents: _Contents, now: float) -> Restored:
-    """Every record of a file `_read` accepted: nothing here can fail half way."""
+def _decode_line(path: Path, n: int, line: bytes, header: _Header,
+                 events: list[tuple[str, RouterEvent]]) -> str | None:
+    """Line `n` appended to `events`; or what is wrong with it."""
+    try:
+        item = _fast_line(line)
+        if item is None:  # not what `capture` writes, or out of range: the general decoder says which
+            generic = msgspec.json.decode(line, type=_Line)
+            item = (generic.model, decode_router_event_json(generic.event))
+        if item[0] not in header.models:
+            raise ValueError(f"model {item[0]!r} is not among the header's models")
+    except (msgspec.DecodeError, ValueError, DecodeError) as exc:
+        return f"{path}:{n}: {exc}"
+    events.append(item)
+    return None
+
+
+class _FastBlock(msgspec.Struct, gc=False):  # gc=False: a million of them must not set off collections
+    block_hash: int
+    tokens_hash: int
+
+
+class _FastStored(msgspec.Struct, gc=False):
+    blocks: list[_FastBlock]
+    parent_hash: int | None = None
+
+
+class _FastData(msgspec.Struct, forbid_unknown_fields=True, gc=False):  # one variant (serde's externally tagged enum)
+    stored: _FastStored
+
+
+class _FastEvent(msgspec.Struct, gc=False):
+    event_id: Annotated[int, msgspec.Meta(ge=0)]
+    data: _FastData
+    dp_rank: U32 = 0
+
+
+class _FastRouterEvent(msgspec.Struct, gc=False):
+    worker_id: Annotated[int, msgspec.Meta(ge=0)]
+    event: _FastEvent
+    storage_tier: Tier = Tier.device
+
+
+class _FastLine(msgspec.Struct, gc=False):
+    model: Name
+    event: _FastRouterEvent
+
+
+_decode_fast = msgspec.json.Decoder(_FastLine).decode
+
+
+def _fast_line(line: bytes) -> tuple[str, RouterEvent] | None:
+    """A line as `capture` writes it (one Stored event), decoded by typed msgspec in C: four times faster
+    than the general RouterEvent decoder, which walks every block in Python. None for anything else (another
+    variant, a value out of its range), which the general decoder then reads, or refuses naming the field:
+    both accept and build the same events."""
+    try:
+        item = _decode_fast(line)
+        ev = item.event
+        stored = ev.event.data.stored
+        blocks = stored.blocks
+        block_hashes = [b.block_hash for b in blocks]
+        array("Q", block_hashes)  # u64 each, or OverflowError
+        tokens_hashes = array("Q", [b.tokens_hash for b in blocks])
+    except (msgspec.ValidationError, OverflowError):
+        return None
+    parent = stored.parent_hash
+    if ev.worker_id >= 2**64 or ev.event.event_id >= 2**64 or (parent is not None and not 0 <= parent < 2**64):
+        return None
+    return item.model, RouterEvent(ev.worker_id, Stored(parent, block_hashes, tokens_hashes, ev.storage_tier),
+                                   ev.event.dp_rank, ev.event.event_id)
+
+
+def _apply(fleet: Fleet, contents: _Contents, now: float) -> Generator[Progress, None, Restored]:
+    """Every record of a file `_read_in_slices` accepted, yielding after each event: nothing here can fail
+    half way."""
     header = contents.header
     for name, block_size in header.models.items():
         fleet.add_model(name, block_size=block_size)
     for w in header.workers:
         fleet.register(WorkerInfo(w.worker_id, w.dp_rank, w.model, w.endpoint, w.replay_endpoint, w.topic))
     events = rejected = 0
-    for model, run in groupby(contents.events, key=itemgetter(0)):
-        applied, bad = fleet.apply(model, (event for _, event in run), now)
+    total = len(contents.events)
+    for n, (model, event) in enumerate(contents.events, 1):
+        applied, bad = fleet.apply(model, (event,), now)
         events += applied
         rejected += sum(bad.values())
+        yield Progress("applying the image", n, total, "events")
     return Restored(header.taken_at, events, rejected, contents.path, header.log_from)
 
 

@@ -29,7 +29,9 @@ DUMP = (FIXTURES / "dynamo-1.6.1" / "dump.jsonl").read_text()
 
 
 @contextmanager
-def serving(state_dir: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str], httpx.Client]]:
+def serving(state_dir: Path, *extra: str, ready: bool = True) -> Iterator[tuple[subprocess.Popen[str], httpx.Client]]:
+    """A `kvctl serve` on `state_dir` and a client of it, once its port accepts and, if `ready`, once its
+    restore is done (GET /readyz 200)."""
     cmd = [sys.executable, "-m", "kvctl", "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
            "--log-level", "info", *extra]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -38,6 +40,8 @@ def serving(state_dir: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str
             url = proc.stdout.readline().strip()  # type: ignore[union-attr]
             assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
             with httpx.Client(base_url=url, timeout=5) as client:
+                if ready:
+                    eventually(lambda: client.get("/readyz").status_code == 200, "the restore to finish")
                 yield proc, client
         finally:
             if proc.poll() is None:

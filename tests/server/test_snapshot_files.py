@@ -218,3 +218,39 @@ def test_a_router_started_on_bad_content_serves_the_previous_snapshot_and_says_w
         assert client.get("/v1/tree/stats").json()["models"]["default"]["blocks"] == blocks(fleet_with(3))
         log = _stop(proc)
     assert "damaged snapshot" in log and "restored 3 events from snapshot.jsonl.prev" in log
+
+
+def test_the_image_loads_in_slices_into_the_same_index_as_the_fleet_written(tmp_path: Path) -> None:
+    fleet = fleet_with(len(DUMP))
+    write(fleet, tmp_path, 1.0)
+    steps = snapshot.restore_in_slices(fresh := Fleet(block_size=16), tmp_path, 0.0)
+    seen: list[snapshot.Progress] = []
+    while True:
+        try:
+            seen.append(next(steps))
+        except StopIteration as done:
+            restored, problems = done.value
+            break
+    lines = len((tmp_path / snapshot.FILENAME).read_bytes().splitlines())
+    assert [p.phase for p in seen] == ["reading the image"] * (lines - 2) + ["applying the image"] * (lines - 2)
+    reading, applying = seen[: lines - 2], seen[lines - 2:]
+    assert [p.done for p in reading] == sorted(p.done for p in reading) and reading[-1].done < reading[-1].total
+    assert [p.done for p in applying] == list(range(1, lines - 1)) and applying[-1].total == lines - 2
+    assert problems == [] and restored is not None and restored.events == lines - 2
+    assert fresh.stats() == fleet.stats()
+    assert sorted(map(repr, fresh.models["default"].router.index.capture())) == sorted(
+        map(repr, fleet.models["default"].router.index.capture()))
+
+
+def test_a_hash_past_u64_in_an_image_line_is_refused_naming_it(tmp_path: Path) -> None:
+    write(fleet_with(3), tmp_path, 1.0)
+    path = tmp_path / snapshot.FILENAME
+    lines = path.read_text().splitlines(keepends=True)
+    line = json.loads(lines[1])
+    line["event"]["event"]["data"]["stored"]["blocks"][0]["block_hash"] = 2**64
+    lines[1] = json.dumps(line) + "\n"
+    path.write_text("".join(lines[:-1]))
+    header = json.loads(lines[0]) | {"schema": "kvctl.snapshot/v1"}  # no trailer: the line itself is read
+    path.write_text(json.dumps(header) + "\n" + "".join(lines[1:-1]))
+    restored, problems = snapshot.restore(Fleet(block_size=16), tmp_path, 0.0)
+    assert restored is None and len(problems) == 1 and ":2: " in problems[0] and "block_hash" in problems[0]

@@ -355,12 +355,30 @@ def check_loop(status: Mapping[str, Any], limits: Limits) -> list[Finding]:
                   "starved host?); the runbook's loop-lag")]
 
 
+# ----- 10. a restart restoring its index ----------------------------------------------------------------------
+
+def check_restoring(status: Mapping[str, Any]) -> list[Finding]:
+    """A router whose restart is still restoring its index (`/readyz` 503): it refuses routes until the index is
+    whole, and every count of it is partial, so this finding comes alone."""
+    readiness = status.get("readiness")
+    if not readiness or readiness.get("status") != "restoring":
+        return []
+    return [Finding(
+        "restore", Severity.WARNING,
+        f"the router is restoring its index ({readiness['phase']}, {readiness['percent']:g}% after "
+        f"{readiness['elapsed_s']:g} s): routes, dumps and event loads are refused (503) until it is whole",
+        dict(readiness), "wait for GET /readyz to answer 200, then run kvctl doctor again")]
+
+
 def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
              thresholds: Sequence[Mapping[str, Any]], peers: Sequence[PeerDiff] = (),
              limits: Limits | None = None, hit_rates: list[Finding] | None = None) -> list[Finding]:
     """Every check, worst first; registration problems make the rest moot, so they come alone.
     `hit_rates`: `check_hit_rates`' finding, when engines' metrics were read."""
     limits = limits or Limits()
+    restoring = check_restoring(status)
+    if restoring:
+        return restoring
     registration = check_registration(status, workers)
     plane = check_event_plane(status, workers, limits)
     if worst(registration) is Severity.CRITICAL:

@@ -57,6 +57,7 @@ from kvctl.server.http.route_protocol import Connections, missing_internals, rou
 from kvctl.server.http.tree_stats import index_shape
 from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.ingest.streams import Streams
+from kvctl.server.readiness import RETRY_AFTER_S, SAFE_METHODS, Readiness
 from kvctl.server.state import Fleet, OverLimit, UnknownWorker, WorkerInfo
 
 log = logging.getLogger("kvctl.serve")
@@ -83,7 +84,6 @@ def _thresholds(thresholds: Thresholds, model: str) -> api.Thresholds:
     return msgspec.convert(thresholds.as_dict(model), api.Thresholds)
 
 
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _OPEN_MUTATIONS = (
     ("POST", re.compile(r"/v1/route")),
     ("POST", re.compile(r"/v1/requests/[^/]+/prefill_complete")),
@@ -197,9 +197,11 @@ class _Front:
     cap.
     """
 
-    def __init__(self, app: ASGIApp, routing: _Routing, *, admin_token: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, routing: _Routing, readiness: Readiness, *, admin_token: str | None,
+                 max_body_bytes: int) -> None:
         self.app = app
         self.routing = routing
+        self.readiness = readiness
         self.expected = f"Bearer {admin_token}".encode() if admin_token else None
         self.max_body_bytes = max_body_bytes
 
@@ -216,6 +218,9 @@ class _Front:
         if (self.expected is not None and _needs_admin(scope["method"], scope["path"])
                 and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)):
             await _send(send, *_error_bytes(401, "this endpoint needs the admin token: Authorization: Bearer <token>"))
+            return
+        if self.readiness.refuses(scope["method"], scope["path"]):
+            await _send(send, 503, _dumps(self.readiness.refusal()), _RETRY_AFTER)
             return
         if scope["method"] == "POST" and scope["path"] == "/v1/route":
             try:
@@ -264,11 +269,12 @@ class _Front:
 
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+_RETRY_AFTER = [(b"retry-after", str(RETRY_AFTER_S).encode())]
 
 
-async def _send(send: Any, status: int, body: bytes) -> None:
+async def _send(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]})
+                "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *(headers or ())]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -305,7 +311,7 @@ def http_protocol(app: ASGIApp, *, fast_path: bool = True) -> type[asyncio.Proto
         return "httptools"
     metrics = app.routing.metrics
     return route_protocol(app.routing.reply, app.routing.observe, app.max_body_bytes, metrics.connections,
-                          fast_path=fast_path)
+                          fast_path=fast_path, readiness=app.readiness)
 
 
 def loop_lag_observer(app: ASGIApp) -> Callable[[float], None]:
@@ -322,11 +328,12 @@ def metrics_registry(app: ASGIApp) -> CollectorRegistry:
 
 def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, admin_token: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, streams: Streams | None = None,
-               plane: Plane | None = None, restored: dict[str, Any] | None = None,
+               plane: Plane | None = None, readiness: Readiness | None = None,
                connections: Connections | None = None) -> ASGIApp:
     """The router's ASGI app. `streams`: engine subscriptions to start and stop with worker registration
-    (None: HTTP events only). `restored`: which snapshot the start restored and why (shown in status).
-    `connections`: the limits its `http_protocol` keeps."""
+    (None: HTTP events only). `readiness`: the restore's progress, then which snapshot it restored and why
+    (shown in status; None: nothing to restore). `connections`: the limits its `http_protocol` keeps."""
+    readiness = readiness if readiness is not None else Readiness(restoring=False, clock=clock)
     metrics = Metrics(fleet, streams, plane, connections)
     routing = _Routing(fleet, metrics, clock)
     bulk = BulkLoads(fleet, clock)
@@ -344,13 +351,20 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             queues=streams.queues() if streams is not None else [],
             engines=streams.engines() if streams is not None else None,
             decoder=streams.decoder.status() if streams is not None else None,
-            event_plane=plane.status() if plane is not None else None, restore=restored,
+            event_plane=plane.status() if plane is not None else None, restore=readiness.restored,
             connections=api.ConnectionStats(**dataclasses.asdict(metrics.connections)),
             loop=api.LoopHeld(**metrics.loop_lag.status()),
-            limits=api.Limits(**dataclasses.asdict(fleet.limits), refused=dict(fleet.over_limit))))
+            limits=api.Limits(**dataclasses.asdict(fleet.limits), refused=dict(fleet.over_limit)),
+            readiness=readiness.answer()))
 
     async def healthz(_: Request) -> Response:
         return _json(api.Health("ok", __version__))
+
+    async def readyz(_: Request) -> Response:
+        """Readiness, apart from liveness: a restart restoring a large index is alive but must get no routes."""
+        headers = None if readiness.ready else {"retry-after": str(RETRY_AFTER_S)}
+        return Response(_dumps(readiness.answer()), status_code=200 if readiness.ready else 503,
+                        media_type="application/json", headers=headers)
 
     async def list_workers(_: Request) -> Response:
         rows = fleet.worker_rows(clock())
@@ -496,6 +510,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
 
     handlers: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {
         ("GET", "/metrics"): prometheus, ("GET", "/v1/status"): status, ("GET", "/healthz"): healthz,
+        ("GET", "/readyz"): readyz,
         ("GET", "/v1/workers"): list_workers, ("POST", "/v1/workers"): register_worker,
         ("DELETE", "/v1/workers/{worker_id}"): remove_worker, ("POST", "/v1/events"): post_events,
         ("POST", "/v1/requests/{request_id}/prefill_complete"): prefill_complete,
@@ -510,7 +525,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     refusals = dict.fromkeys((_BodyTooLarge, ApiError, OverLimit, AllBusy, NoCandidates, Invalid), _refuse)
     app = Starlette(routes=[Route(path, handler, methods=[method]) for (method, path), handler in handlers.items()]
                     + pages(document(_needs_admin)), exception_handlers={**refusals, HTTPException: _no_route})
-    return _Front(app, routing, admin_token=admin_token, max_body_bytes=max_body_bytes)
+    return _Front(app, routing, readiness, admin_token=admin_token, max_body_bytes=max_body_bytes)
 
 
 def openapi_document() -> dict[str, Any]:

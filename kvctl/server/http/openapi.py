@@ -104,6 +104,8 @@ OPERATIONS = (
     Operation("GET", "/metrics", "Prometheus metrics", _METRICS),
     Operation("GET", "/v1/status", "The router's status", api.Status),
     Operation("GET", "/healthz", "Liveness", api.Health),
+    Operation("GET", "/readyz", "Readiness: 200 once the index is whole, 503 (the same body) while restoring",
+              api.Readiness),
     Operation("GET", "/v1/workers", "List workers", api.Workers),
     Operation("POST", "/v1/workers", "Register a worker", api.Worker, (400, 409, 422), body=api.WorkerBody,
               status=201),

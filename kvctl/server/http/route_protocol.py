@@ -28,6 +28,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvctl.server.readiness import Readiness
+
 try:
     from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 except ImportError:  # a uvicorn that moved them: `missing_internals` says so and serve goes without
@@ -91,10 +93,12 @@ def missing_internals() -> str | None:
 
 
 def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: int,
-                   connections: Connections, *, fast_path: bool = True) -> type[HttpToolsProtocol]:
+                   connections: Connections, *, fast_path: bool = True,
+                   readiness: Readiness | None = None) -> type[HttpToolsProtocol]:
     """uvicorn's protocol class, answering plain routes with `reply` (body bytes -> status, JSON bytes) and
     calling `answered()` once an answer is written (what can wait until the client has its answer), with
-    the limits of `connections` on every connection. `fast_path=False`: every request goes to the app."""
+    the limits of `connections` on every connection. `fast_path=False`: every request goes to the app, as
+    every route does while `readiness` says the index is not whole (the app refuses it, with `Retry-After`)."""
 
     class RouteProtocol(HttpToolsProtocol):
         _route_body: list[bytes] | None = None  # while a route's body is being read
@@ -187,7 +191,8 @@ def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: i
             self.scope["headers"] = headers
 
         def _takes_route(self) -> bool:
-            if (not fast_path or self.url != _ROUTE or self.expect_100_continue or self.parser.get_method() != b"POST"
+            if (not fast_path or (readiness is not None and not readiness.ready) or self.url != _ROUTE
+                    or self.expect_100_continue or self.parser.get_method() != b"POST"
                     or self.parser.get_http_version() != "1.1" or self.flow.write_paused
                     or not (self.cycle is None or self.cycle.response_complete)):
                 return False  # the app's path: it also waits for a client that does not read its answers

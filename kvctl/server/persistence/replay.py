@@ -22,8 +22,6 @@ from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.persistence import records, segments
 from kvctl.server.state import Fleet, UnknownWorker, WorkerInfo
 
-SLICE_RECORDS = 1000  # records applied between two yields of `slices`
-
 
 @dataclass(slots=True)
 class Restore:
@@ -40,25 +38,22 @@ class Restore:
 
 def restore(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = None, repair: bool = False) -> Restore:
     """The whole restore in one go (see `slices`)."""
-    steps = slices(fleet, state_dir, now, upto=upto, repair=repair)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    return snapshot.run_to_end(slices(fleet, state_dir, now, upto=upto, repair=repair))
 
 
 def slices(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = None,
-           repair: bool = False) -> Generator[int, None, Restore]:
+           repair: bool = False) -> Generator[snapshot.Progress, None, Restore]:
     """Load the image into `fleet` (empty, with no journal attached), then replay the segments from its
-    `log_from` up to `upto` (excluded; None: all), yielding the records applied so far every
-    `SLICE_RECORDS`. `repair` (the router's own start): cut a torn tail off its segment and set a damaged
-    record's segment (copied) and every later one aside, so that the files say what was restored."""
-    image, problems = snapshot.restore(fleet, state_dir, now)
+    `log_from` up to `upto` (excluded; None: all), yielding how far it is after each line or event of the
+    image and each frame of the log. `repair` (the router's own start): cut a torn tail off its segment and
+    set a damaged record's segment (copied) and every later one aside, so that the files say what was
+    restored."""
+    image, problems = yield from snapshot.restore_in_slices(fleet, state_dir, now)
     done = Restore(image, image.log_from if image is not None else 0, problems=problems)
-    for number in segments.numbers(state_dir):
-        if number < done.log_from or (upto is not None and number >= upto):
-            continue
+    numbers = [n for n in segments.numbers(state_dir) if n >= done.log_from and (upto is None or n < upto)]
+    total = sum(_size(segments.path(state_dir, n)) for n in numbers)
+    before = 0  # bytes of the segments replayed before this one
+    for number in numbers:
         path = segments.path(state_dir, number)
         scans: list[records.Scan] = []
         dropped = done.dropped
@@ -70,11 +65,11 @@ def slices(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = None
                     else:
                         change()
                     done.records += 1
-                    if done.records % SLICE_RECORDS == 0:
-                        yield done.records
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 scans.append(records.Scan(at, corrupt=f"bad record at byte {at}: {exc}"))
                 break
+            yield snapshot.Progress("replaying the state log", before + at, total, "bytes")
+        before += _size(path)
         if done.dropped > dropped:
             done.problems.append(f"{path.name}: {counted(done.dropped - dropped, 'change')} dropped, the log's "
                                  "writer behind the disk: the index restored misses them")
@@ -91,6 +86,13 @@ def slices(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = None
                 _set_aside(state_dir, number, scan.good)
             break
     return done
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # deleted since it was listed: a compaction folded it into the image
+        return 0
 
 
 def _set_aside(state_dir: Path, number: int, good: int) -> None:

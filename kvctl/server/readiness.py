@@ -1,0 +1,71 @@
+"""Whether the router's index is whole: `/readyz`, the gate on the routes a partial index would answer wrong.
+
+A restart binds its port at once and restores the index on its event loop, a slice at a time (issue 27), so
+liveness (`/healthz`) and the restore's progress answer from the first moment. Until the index is whole a
+route would pick workers from part of it and a dump would miss blocks (`tree diff` then reports false gaps),
+so those are refused with 503 and `Retry-After`, saying how far the restore is; status, metrics, the probes
+and the worker list answer as ever.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvctl import http_api as api
+from kvctl.server.snapshot import Progress
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+RETRY_AFTER_S = 1
+"""What a refused client is told to wait (`Retry-After`): a restore is a few seconds long, and reports
+its progress every slice."""
+
+
+class Readiness:
+    """The restore's progress, set by the daemon's restore task; ready from the start when nothing is restored."""
+
+    def __init__(self, *, restoring: bool, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.started = clock()
+        self.progress: Progress | None = Progress("starting", 0, 0, "bytes") if restoring else None
+        self.restore_s: float | None = None if restoring else 0.0
+        self.restored: dict[str, Any] | None = None  # what /v1/status shows of the restore, once done
+        self.ready = not restoring  # an attribute, not a property: the route fast path reads it on every route
+
+    def step(self, progress: Progress) -> None:
+        self.progress = progress
+
+    def finish(self, restored: dict[str, Any] | None) -> None:
+        self.restored = restored
+        self.progress = None
+        self.ready = True
+        self.restore_s = round(self.clock() - self.started, 3)
+
+    def answer(self) -> api.Readiness:
+        if self.progress is None:
+            return api.Readiness("ready", restore_s=self.restore_s)
+        p = self.progress
+        return api.Readiness("restoring", phase=p.phase, done=p.done, total=p.total, unit=p.unit,
+                             percent=_percent(p), elapsed_s=round(self.clock() - self.started, 3))
+
+    def refuses(self, method: str, path: str) -> bool:
+        """Whether a request waits for the whole index: routes, event loads, dumps and every other change."""
+        return not self.ready and (method not in SAFE_METHODS or path.startswith("/v1/tree"))
+
+    def refusal(self) -> api.Error:
+        return api.Error(f"{self.line()}; retry in a moment (GET /readyz says when it is whole)",
+                         restoring=self.answer())
+
+    def line(self) -> str:
+        """One line for a refusal and systemd's STATUS=: what is restored, how far, for how long."""
+        p = self.progress
+        if p is None:
+            return "ready"
+        return (f"restoring the index: {p.phase}, {_percent(p):g}% ({p.done:,}/{p.total:,} {p.unit}), "
+                f"{self.clock() - self.started:.1f} s so far")
+
+
+def _percent(p: Progress) -> float:
+    return math.floor(1000 * p.done / p.total) / 10 if p.total else 0.0

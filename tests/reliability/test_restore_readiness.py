@@ -1,0 +1,72 @@
+"""A restart serves at once (issue 27): its port accepts before the state dir is restored, `/readyz` says
+"restoring" (routes and dumps are refused, liveness answers) until the index is whole, then "ready" with
+the index that was written."""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvctl.core.events import RouterEvent, Stored
+from kvctl.server.persistence.state_log import StateLog
+from kvctl.server.state import Fleet
+from tests.server.test_sd_notify import notify_path, receive  # noqa: F401 (notify_path: a fixture)
+from tests.server.test_serve_process import _stop, serving
+from tests.support.eventually import eventually
+
+IMAGE_CHAINS, LOG_CHAINS, CHAIN = 4000, 800, 64  # ~300k (worker, block) pairs: a restore of about a second
+
+
+def _chains(rng: random.Random, count: int) -> list[RouterEvent]:
+    return [RouterEvent(1 + n % 16, Stored(None, [rng.getrandbits(63) for _ in range(CHAIN)],
+                                           [rng.getrandbits(63) for _ in range(CHAIN)]), 0, n) for n in range(count)]
+
+
+def _state_dir(path: Path) -> dict[str, int]:
+    """An image of most chains, then a state log of the rest; the blocks each worker holds."""
+    rng = random.Random(27)
+    fleet = Fleet(block_size=16)
+    fleet.add_model("default")
+    fleet.apply("default", _chains(rng, IMAGE_CHAINS), 0.0)
+    log = StateLog(path, fleet, restored_from=None)  # writes the image of the fleet so far, then logs
+    for event in _chains(rng, LOG_CHAINS):
+        fleet.apply_engine_batch("default", event.worker, [event.data], 0.0)
+    log.close()
+    return dict(fleet.stats().models["default"].workers)
+
+
+def _workers(client: httpx.Client) -> dict[str, int]:
+    return dict(client.get("/v1/tree/stats").json()["models"]["default"]["workers"])
+
+
+def test_a_restart_answers_restoring_at_once_then_ready_with_the_index_written(
+        tmp_path: Path, notify_path: tuple[socket.socket, str],  # noqa: F811 (the fixture imported)
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = _state_dir(tmp_path / "state")
+    notify, value = notify_path
+    monkeypatch.setenv("NOTIFY_SOCKET", value)  # systemd's side: READY=1 once whole, progress before
+    with serving(tmp_path / "state", ready=False) as (proc, client):
+        first = client.get("/readyz")  # the port accepts: the restore has only begun
+        assert first.status_code == 503 and first.json()["status"] == "restoring", first.text
+        assert first.headers["retry-after"] == "1"
+        route = client.post("/v1/route", json={"local_hashes": [1, 2, 3]})
+        assert route.status_code == 503 and route.headers["retry-after"] == "1", route.text
+        assert route.json()["error"].startswith("restoring the index: ") and route.json()["restoring"]["total"] > 0
+        assert client.get("/v1/tree/stats").status_code == 503  # a partial index's stats would mislead
+        assert client.get("/healthz").status_code == 200  # alive all along
+        assert client.get("/v1/status").json()["readiness"]["status"] in ("restoring", "ready")
+        ready = eventually(lambda: client.get("/readyz"), "the index whole", until=lambda r: r.status_code == 200,
+                           timeout=60)
+        assert ready.json()["status"] == "ready" and ready.json()["restore_s"] > 0
+        told = receive(notify)
+        assert "READY" not in told and told["STATUS"].startswith("restoring the index: "), told
+        while "READY" not in told:
+            told = receive(notify)
+        assert told["STATUS"].startswith(f"serving {client.base_url}, ")
+        assert _workers(client) == expected
+        assert client.post("/v1/route", json={"local_hashes": [1, 2, 3]}).status_code == 200
+        _stop(proc)
