@@ -9,11 +9,13 @@ import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from kvctl.core.events.dynamo import decode_router_event_json
 from kvctl.core.events.errors import DecodeError
-from kvctl.core.events.types import RouterEvent
+from kvctl.core.events.types import RouterEvent, Stored, Tier
 
 
 class DumpFileError(ValueError):
@@ -45,7 +47,76 @@ def read_timed_events(text: str) -> list[tuple[int | None, RouterEvent]]:
     return events
 
 
+_U64_MAX = (1 << 64) - 1
+_U64 = Annotated[int, msgspec.Meta(ge=0)]  # and at most _U64_MAX, checked after (msgspec bounds are int64)
+
+
+class _Block(msgspec.Struct, gc=False):
+    block_hash: _U64
+    tokens_hash: _U64
+
+
+class _StoredBody(msgspec.Struct, gc=False):
+    blocks: list[_Block]
+    parent_hash: _U64 | None = None
+
+
+class _StoredData(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    stored: _StoredBody
+
+
+class _StoredEvent(msgspec.Struct, gc=False):
+    event_id: _U64
+    data: _StoredData
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)] = 0
+
+
+class _DumpedStored(msgspec.Struct, gc=False):
+    """A dump's one kind of event, a Stored RouterEvent, decoded in C: the same rules as
+    `decode_router_event_json` (unsigned ints, no bools or floats), five times as fast. Anything else (another
+    event, a recorder line, an error to name) takes `decode_router_event_json`'s way."""
+
+    worker_id: _U64
+    event: _StoredEvent
+    storage_tier: Tier = Tier.device
+
+    def router_event(self) -> RouterEvent | None:
+        """The event; None when an int is past u64 (the general way names it)."""
+        body, event = self.event.data.stored, self.event
+        block_hashes = [b.block_hash for b in body.blocks]
+        tokens_hashes = [b.tokens_hash for b in body.blocks]
+        if max(self.worker_id, event.event_id, body.parent_hash or 0, max(block_hashes, default=0),
+               max(tokens_hashes, default=0)) > _U64_MAX:
+            return None
+        return RouterEvent(self.worker_id, Stored(body.parent_hash, block_hashes, tokens_hashes, self.storage_tier),
+                           event.dp_rank, event.event_id)
+
+
+_STORED_LINE = msgspec.json.Decoder(_DumpedStored)
+
+
+def _line_event(line: str, n: int) -> RouterEvent:
+    try:
+        event = _STORED_LINE.decode(line).router_event()
+    except msgspec.DecodeError:  # not a Stored RouterEvent as a dump has it: the general way says what it is
+        event = None
+    if event is not None:
+        return event
+    try:
+        item = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        raise DumpFileError(f"line {n} is not JSON: {exc}") from None
+    return _event(item, f"line {n}")[1]
+
+
 def _event(item: Any, where: str) -> tuple[int | None, RouterEvent]:
+    if isinstance(item, dict) and "worker_id" in item:
+        try:
+            event = msgspec.convert(item, _DumpedStored, strict=True).router_event()
+        except msgspec.ValidationError:
+            event = None
+        if event is not None:
+            return None, event
     timestamp = None
     if isinstance(item, dict) and "event" in item and "worker_id" not in item:
         timestamp = item.get("timestamp") if isinstance(item.get("timestamp"), int) else None
@@ -74,11 +145,7 @@ def iter_dump_events(chunks: Iterable[str]) -> Iterator[RouterEvent]:
         return
     for n, line in enumerate(_lines(rest), 1):
         if line.strip():
-            try:
-                item = json.loads(line)
-            except (ValueError, RecursionError) as exc:
-                raise DumpFileError(f"line {n} is not JSON: {exc}") from None
-            yield _event(item, f"line {n}")[1]
+            yield _line_event(line, n)
 
 
 def _lines(pieces: Iterable[str]) -> Iterator[str]:
