@@ -20,6 +20,7 @@ Pure: no I/O.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
@@ -212,7 +213,7 @@ class DumpStats:
         if not data.block_hashes:
             return
         n = len(data.block_hashes)
-        edge = DumpEdge(data.tier, event.worker, data.parent_hash, data.block_hashes, data.tokens_hashes, n)
+        edge = DumpEdge(data.tier, event.worker, data.parent_hash, data.block_hashes, array("Q", data.tokens_hashes), n)
         longest = self._longest
         if longest is not None and not _same_node(longest, edge):
             self._flush()
@@ -252,7 +253,7 @@ def _same_node(longest: DumpEdge, edge: DumpEdge) -> bool:
     n = min(longest.length, edge.length)
     return (edge.parent_hash == longest.parent_hash and edge.block_hashes[0] == longest.block_hashes[0]
             and edge.block_hashes[:n] == longest.block_hashes[:n]
-            and list(edge.tokens_hashes[:n]) == list(longest.tokens_hashes[:n]))
+            and edge.tokens_hashes[:n] == longest.tokens_hashes[:n])
 
 
 class _Node:
@@ -263,8 +264,9 @@ class _Node:
                  "serial", "tail_hash")
 
     def __init__(self, parent: _Node | None, edge: DumpEdge, holders: dict[WorkerKey, int], level: int,
-                 serial: int) -> None:
+                 serial: int, opened: tuple[int, int]) -> None:
         self.parent: _Node | None = parent
+        self.opened = opened  # (parent's serial, first local hash): the node's name while its level is open
         self.holders, self.level, self.serial = holders, level, serial
         lengths = sorted(holders.values())
         self.length = lengths[-1]
@@ -332,11 +334,10 @@ class EdgeStats:
         holders: dict[WorkerKey, int] = {}
         for edge in edges:
             holders[edge.worker] = max(holders.get(edge.worker, 0), edge.length)
-        node = _Node(parent, longest, holders, level, next(self._serial))
+        node = _Node(parent, longest, holders, level, next(self._serial), opened)
         if parent is not None:
             parent.best_child = max(parent.best_child, len(holders))
         self._tails[node.key] = self._open[opened] = node
-        node.opened = opened
         self._levels.setdefault(level, []).append(node)
 
     def _check(self, parent: _Node | None, level: int, edges: Sequence[DumpEdge], opened: tuple[int, int],

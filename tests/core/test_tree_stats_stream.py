@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvctl.core.events import RouterEvent
+from kvctl.core.events import RouterEvent, Stored
 from kvctl.core.names import WorkerKey
 from kvctl.core.tree_diff import index_content, tree_stats
 from kvctl.core.tree_stats import DumpStats, NotStreamable
@@ -24,6 +24,7 @@ def level_widths(dump: list[RouterEvent]) -> list[int]:
     nodes: dict[int, set[tuple[int | None, int]]] = {}
     for event in dump:
         data = event.data
+        assert type(data) is Stored
         level = 1 if data.parent_hash is None else level_of[(event.worker, data.parent_hash)] + 1
         nodes.setdefault(level, set()).add((data.parent_hash, data.block_hashes[0]))
         level_of.update(((event.worker, h), level) for h in data.block_hashes)
@@ -100,7 +101,5 @@ def test_depth_first_is_not_followed() -> None:
         stats.add_all([root, child, grandchild, late, RouterEvent(1, _stored(4, 5))])
 
 
-def _stored(parent: int | None, block: int) -> object:
-    from kvctl.core.events import Stored
-
+def _stored(parent: int | None, block: int) -> Stored:
     return Stored(parent, [block], [block * 7])
