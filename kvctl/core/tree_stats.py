@@ -199,6 +199,7 @@ class DumpStats:
         self.blocks = 0  # (worker, block) pairs, as the events hold them
         self.nodes = 0
         self.workers: Counter[WorkerKey] = Counter()
+        self._keys: dict[WorkerKey, WorkerKey] = {}  # one tuple per worker, whatever the nodes keeping it
 
     def add_all(self, events: Iterable[RouterEvent]) -> None:
         for event in events:
@@ -213,7 +214,8 @@ class DumpStats:
         if not data.block_hashes:
             return
         n = len(data.block_hashes)
-        edge = DumpEdge(data.tier, event.worker, data.parent_hash, data.block_hashes, array("Q", data.tokens_hashes), n)
+        worker = self._keys.setdefault(event.worker, event.worker)
+        edge = DumpEdge(data.tier, worker, data.parent_hash, data.block_hashes, array("Q", data.tokens_hashes), n)
         longest = self._longest
         if longest is not None and not _same_node(longest, edge):
             self._flush()
@@ -222,7 +224,7 @@ class DumpStats:
         if longest is None or n > longest.length:
             self._longest = edge
         self.blocks += n
-        self.workers[event.worker] += n
+        self.workers[worker] += n
 
     def _flush(self) -> None:
         if self._group:
@@ -256,6 +258,10 @@ def _same_node(longest: DumpEdge, edge: DumpEdge) -> bool:
             and edge.tokens_hashes[:n] == longest.tokens_hashes[:n])
 
 
+_NO_LOCALS: array[int] = array("Q")
+"""What a node one worker holds keeps of its local hashes (shared: never changed)."""
+
+
 class _Node:
     """A radix node of a router's own tree, as its dump edges give it: the local hashes of its first `length`
     blocks, its parent node, and how many of its blocks each holder holds (all of them, or a first part)."""
@@ -264,14 +270,15 @@ class _Node:
                  "serial", "tail_hash")
 
     def __init__(self, parent: _Node | None, edge: DumpEdge, holders: dict[WorkerKey, int], level: int,
-                 serial: int, opened: tuple[int, int]) -> None:
+                 serial: int, opened: int) -> None:
         self.parent: _Node | None = parent
-        self.opened = opened  # (parent's serial, first local hash): the node's name while its level is open
-        self.holders, self.level, self.serial = holders, level, serial
+        self.opened = opened  # parent's serial and first local hash: the node's name while its level is open
+        # (worker, blocks held) pairs: a tuple, half a small dict's size (a wide level keeps many)
+        self.holders, self.level, self.serial = tuple(holders.items()), level, serial
         lengths = sorted(holders.values())
         self.length = lengths[-1]
         # Named (shared prefixes, and the paths below them) only as far as two holders reach.
-        self.locals = edge.tokens_hashes[:lengths[-2] if len(lengths) > 1 else 0]
+        self.locals = edge.tokens_hashes[:lengths[-2]] if len(lengths) > 1 else _NO_LOCALS
         self.key = edge.block_hashes[self.length - 1]  # the engine hash its children name as their parent
         self.depth: int = (0 if parent is None else parent.depth) + self.length  # of its last block
         self.tail_hash: int | None = None  # the sequence hash of its last block, once asked for
@@ -298,7 +305,7 @@ class EdgeStats:
         self.strict = strict
         self._tally = _Tally(top)
         self._tails: dict[int, _Node] = {}  # a node's last engine hash -> the node, while children may come
-        self._open: dict[tuple[int, int], _Node] = {}  # (parent's serial, first local) -> node, until closed
+        self._open: dict[int, _Node] = {}  # parent's serial and first local hash (`_Node.opened`) -> the node
         self._levels: dict[int, list[_Node]] = {}
         self._closing: deque[_Node] = deque()  # nodes of levels done, closed a few with each node added
         self._serial = count(1)
@@ -322,7 +329,7 @@ class EdgeStats:
             return  # under a node cut since the walk reached it: what changed under the walk is skipped
         level = 1 if parent is None else parent.level + 1
         longest = max(edges, key=lambda e: e.length)
-        opened = (0 if parent is None else parent.serial, longest.tokens_hashes[0])
+        opened = (0 if parent is None else parent.serial) << 64 | longest.tokens_hashes[0]
         if self.strict:
             self._check(parent, level, edges, opened, longest.block_hashes[longest.length - 1])
         if level > self._deepest:
@@ -340,13 +347,13 @@ class EdgeStats:
         self._tails[node.key] = self._open[opened] = node
         self._levels.setdefault(level, []).append(node)
 
-    def _check(self, parent: _Node | None, level: int, edges: Sequence[DumpEdge], opened: tuple[int, int],
+    def _check(self, parent: _Node | None, level: int, edges: Sequence[DumpEdge], opened: int,
                tail: int) -> None:
         """What a dump must be for its figures to come out as its replay's; else `NotStreamable`, and the
         caller replays it whole."""
         if level < self._deepest - 1:
             raise NotStreamable(f"a node of level {level} after level {self._deepest}: not a breadth-first dump")
-        if parent is not None and any(parent.holders.get(e.worker) != parent.length for e in edges):
+        if parent is not None and any(dict(parent.holders).get(e.worker) != parent.length for e in edges):
             raise NotStreamable("a worker stores under a block it does not hold whole")
         if len({e.worker for e in edges}) < len(edges):
             raise NotStreamable("a worker listed twice as a holder of one node")
@@ -356,7 +363,7 @@ class EdgeStats:
     def _close(self, node: _Node) -> None:
         """Its blocks' figures: block i (from 1) is held by those holding at least i; sharing ends inside the
         node where a holder's part ends, and at its last block when no child keeps as many holders."""
-        tally, above, lengths = self._tally, node.depth - node.length, sorted(node.holders.values())
+        tally, above, lengths = self._tally, node.depth - node.length, sorted(n for _, n in node.holders)
         if self._tails.get(node.key) is node:
             del self._tails[node.key]
         if self._open.get(node.opened) is node:
@@ -382,7 +389,7 @@ class EdgeStats:
     def _describe(node: _Node, blocks: int, reaching: int) -> dict[str, Any]:
         return {"depth": node.depth - node.length + blocks, "local_hash": node.locals[blocks - 1],
                 "sequence_hash": node.sequence_hash(blocks), "holders": reaching,
-                "workers": _names(w for w, n in node.holders.items() if n >= blocks)}
+                "workers": _names(w for w, n in node.holders if n >= blocks)}
 
     def retained(self) -> tuple[int, int]:
         """Nodes kept (their level or the next is still coming in), and the local hashes they keep."""
