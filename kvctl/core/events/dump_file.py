@@ -201,13 +201,26 @@ class _Text:
                 failure: Exception | None = None
             except (ValueError, RecursionError) as exc:  # cut off by the piece's end, or not JSON
                 failure = exc
-            piece = next(self.pieces, None)
-            if piece is None:
+            more = self._more(len(self.buf) - self.pos)
+            if not more:
                 if failure is not None:
                     raise DumpFileError(f"{self.what}: {failure}") from None
                 self.pos = end
                 return item
-            self.buf, self.pos = self.buf[self.pos:] + piece, 0
+            self.buf, self.pos = self.buf[self.pos:] + more, 0
+
+    def _more(self, pending: int) -> str:
+        """At least as much text again as `pending` (all that is left, if less): a value many pieces long is
+        decoded again a few times, not once per piece."""
+        pieces: list[str] = []
+        got = 0
+        while got <= pending:
+            piece = next(self.pieces, None)
+            if piece is None:
+                break
+            pieces.append(piece)
+            got += len(piece)
+        return "".join(pieces)
 
     def items(self) -> Iterator[Any]:
         """A JSON list's items: `[`, items separated by `,`, `]`."""
