@@ -1,21 +1,29 @@
 """`kvctl tree stats` at scale: what it costs the client, and what routes wait meanwhile.
 
-A `kvctl serve` is loaded with N (worker, block) pairs of index_bench's synthetic workload (shared 64-block
-prompts, unique tails, 1 request in 32 a 1024-block document). The stats are then read each way in a fresh
-`kvctl` process: the router's dump replayed in the client (`tree dump URL --format stats`, what `tree stats`
-did before), the router computing them (`tree stats URL`), a dump file replayed (`tree dump FILE --format
-stats`) and streamed (`tree stats FILE`). For each: wall time and the client's peak RSS; against the router,
-also the latency of `POST /v1/route` probes sent every millisecond meanwhile (p50, p99, max), and the router's
-own account of its loop (`/v1/status` → `loop`): seconds held past 10 ms, the longest stall of the last minute.
+Three sources, each holding N (worker, block) pairs of 64 workers:
+- `router`: a `kvctl serve` loaded with index_bench's synthetic workload (shared 64-block prompts, unique tails,
+  1 request in 32 a 1024-block document), read each way: its dump replayed in the client (`tree dump URL
+  --format stats`, what `tree stats` did before) and the router computing them (`tree stats URL`), with the
+  latency of `POST /v1/route` probes sent every millisecond meanwhile (p50, p99, max) and the router's own
+  account of its loop (`/v1/status` → `loop`): seconds held past 10 ms, the longest stall of the last minute;
+- `file`: the same workload's dump as `kvctl tree dump` writes it (JSONL and a JSON list), `tree stats FILE`;
+- `dynamo`: a `dynamo.indexer` fed scale_bench's workload (256 shared prompts of 8-64 blocks, tails of 8-64)
+  over ZMQ, `tree stats dynamo+URL` (needs `pip install ai-dynamo-runtime==1.6.1`).
+Each is a fresh `kvctl` process: its wall time and peak RSS. `--before DIR` runs the file and Dynamo reads
+with a checkout of the code before a change too (its `kvctl` package first on the path), the two in turns,
+`--rounds` times each: the medians, side by side, and their ratio.
 
-    python benchmarks/tree_stats_bench.py                      # 1M pairs, 64 workers
-    python benchmarks/tree_stats_bench.py --pairs 100000       # quicker
+    python benchmarks/tree_stats_bench.py                      # 1M pairs, every source
+    python benchmarks/tree_stats_bench.py --sources file,dynamo --before ../kvctl-main --rounds 3
+    python benchmarks/tree_stats_bench.py --pairs 4000000 --sources file,dynamo --before ../kvctl-main
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import statistics
 import subprocess
 import sys
@@ -23,6 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -31,8 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _procs import ROOT, Proc  # noqa: E402
 from index_bench import _events, synthetic  # noqa: E402
+from scale_bench import Workload, _tokens  # noqa: E402
+from serve_bench import Dynamo, Publishers, chain, payload, stored_event, wait_until  # noqa: E402
 
 from kvctl.core.events.dynamo import encode_router_event_json  # noqa: E402
+from kvctl.core.index import KvIndex  # noqa: E402
 
 BATCH = 200
 _PEAK_OF_CHILD = ("import resource, subprocess, sys; "
@@ -83,8 +95,8 @@ class Prober:
         self.http.close()
 
 
-def client_run(args: list[str], prober: Prober | None) -> dict[str, float | None]:
-    """One `kvctl` process: its wall time, peak RSS, and the probes' latencies meanwhile."""
+def client_run(args: list[str], prober: Prober | None, checkout: Path = ROOT) -> dict[str, float | None]:
+    """One `kvctl` process (of `checkout`'s code): its wall time, peak RSS, and the probes' latencies meanwhile."""
     if prober is not None:
         prober.samples, prober.measuring = [], True
         held_before = prober.loop()["blocked_s"]
@@ -92,7 +104,8 @@ def client_run(args: list[str], prober: Prober | None) -> dict[str, float | None
     # Started from a small wrapper: a child forked from this process (the workload in memory) would count
     # this process' pages in its peak RSS until it execs.
     result = subprocess.run([sys.executable, "-c", _PEAK_OF_CHILD, sys.executable, "-m", "kvctl", *args, "-o", "json"],
-                            cwd=ROOT, capture_output=True, text=True, check=False)
+                            cwd=checkout, capture_output=True, text=True, check=False,
+                            env={**os.environ, "PYTHONPATH": str(checkout)})
     wall = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
     row: dict[str, float | None] = {"wall_s": round(wall, 2), "client_peak_mb": round(int(result.stdout) / 1024)}
@@ -107,38 +120,114 @@ def client_run(args: list[str], prober: Prober | None) -> dict[str, float | None
     return row
 
 
+def router_rows(pairs: int, workers: int, tmp: str) -> dict[str, dict[str, float | None]]:
+    server = Proc([sys.executable, "-m", "kvctl", "serve", "--listen", "127.0.0.1:0", "--no-restore",
+                   "--state-dir", tmp, "--snapshot-interval", "86400"])
+    try:
+        assert server.first.wait(60), server.tail()
+        url = server.first_line.strip()
+        started = time.perf_counter()
+        probe = load(url, pairs, workers)
+        print(f"loaded {pairs} pairs x {workers} workers in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        prober = Prober(url, probe)
+        try:
+            time.sleep(1)
+            against = ["--server", url, "--timeout", "900", "tree"]  # the router takes ~25 s at 1M
+            return {"idle (no client)": client_run(["--version"], prober),
+                    "router, dump replayed in the client (before)":
+                        client_run([*against, "dump", "--format", "stats"], prober),
+                    "router computes them (after)": client_run([*against, "stats"], prober)}
+        finally:
+            prober.close()
+    finally:
+        server.stop()
+
+
+def write_dumps(pairs: int, workers: int, tmp: Path) -> dict[str, Path]:
+    """The synthetic workload's dump as `kvctl tree dump` writes it: JSONL (`-o json` is a JSON list)."""
+    index = KvIndex()
+    index.load(_events(synthetic(pairs, workers))[0])
+    events = [encode_router_event_json(e) for e in index.dump()]
+    del index
+    files = {"jsonl": tmp / "dump.jsonl", "json list": tmp / "dump.json"}
+    files["jsonl"].write_bytes(b"\n".join(events) + b"\n")
+    files["json list"].write_bytes(b"[" + b",\n".join(events) + b"]")
+    return files
+
+
+class FedDynamo:
+    """A `dynamo.indexer` holding scale_bench's workload of `pairs`, fed over ZMQ as engines would."""
+
+    def __init__(self, pairs: int, workers: int) -> None:
+        wl = Workload(workers, pairs)
+        self.pubs = Publishers(workers)
+        self.dynamo = Dynamo(self.pubs.endpoints(), None)
+        wait_until(lambda: self._subscribed(wl), 60, "dynamo: engines subscribed", self.dynamo.proc)
+        last = _tokens(random.Random(1), 1)  # stored last by every engine: held by all, the load is in
+        end = payload([stored_event(chain(None, last), None, last)], 1.7e9)
+        for w, body in wl.messages:
+            self.pubs.send(w, body)
+        for w in range(workers):
+            self.pubs.send(w, end)
+        wait_until(lambda: self.dynamo.holders(last) == workers, 900, "dynamo: ingest", self.dynamo.proc)
+        self.url = "dynamo+" + str(self.dynamo.http.base_url).rstrip("/")
+
+    def _subscribed(self, wl: Workload) -> bool:
+        for w in range(wl.workers):  # slow joiner: the sentinel until every engine's is held
+            self.pubs.send(w, wl.sentinel)
+        time.sleep(0.05)
+        return self.dynamo.holders(wl.sentinel_tokens) == wl.workers
+
+    def stop(self) -> None:
+        self.dynamo.stop()
+        self.pubs.close()
+
+
+def side_by_side(reads: dict[str, list[str]], before: Path | None, rounds: int) -> dict[str, dict[str, Any]]:
+    """Each read by this checkout (and `before`'s), in turns, `rounds` times: medians, and after/before."""
+    sides = {"after": ROOT, **({"before": before} if before else {})}
+    rows: dict[str, dict[str, Any]] = {}
+    for name, args in reads.items():
+        runs: dict[str, list[dict[str, float | None]]] = {side: [] for side in sides}
+        for k in range(rounds):
+            for side in (sorted(sides) if k % 2 else sorted(sides, reverse=True)):
+                runs[side].append(client_run(args, None, sides[side]))
+        row = {side: {key: statistics.median(float(r[key] or 0) for r in got) for key in got[0]}
+               for side, got in runs.items()}
+        if before:
+            row["after/before"] = {key: round(row["after"][key] / row["before"][key], 3) for key in row["after"]
+                                   if row["before"][key]}
+        rows[name] = row
+        print(json.dumps({name: row}), file=sys.stderr)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=1_000_000)
     parser.add_argument("--workers", type=int, default=64)
+    parser.add_argument("--sources", default="router,file,dynamo", help="comma-separated: router, file, dynamo")
+    parser.add_argument("--before", type=Path, default=None, help="a checkout of the code before, read beside")
+    parser.add_argument("--rounds", type=int, default=1)
     opts = parser.parse_args()
+    sources = set(opts.sources.split(","))
+    rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        server = Proc([sys.executable, "-m", "kvctl", "serve", "--listen", "127.0.0.1:0", "--no-restore",
-                       "--state-dir", tmp, "--snapshot-interval", "86400"])
-        try:
-            assert server.first.wait(60), server.tail()
-            url = server.first_line.strip()
-            started = time.perf_counter()
-            probe = load(url, opts.pairs, opts.workers)
-            print(f"loaded {opts.pairs} pairs x {opts.workers} workers in {time.perf_counter() - started:.0f} s")
-            dump = Path(tmp) / "dump.jsonl"
-            dump.write_bytes(httpx.get(f"{url}/v1/tree", params={"format": "jsonl"}, timeout=600).content)
-            dump_mb = round(dump.stat().st_size / 2**20)
-            prober = Prober(url, probe)
+        if "router" in sources:
+            rows.update(router_rows(opts.pairs, opts.workers, tmp))
+        if "file" in sources:
+            files = write_dumps(opts.pairs, opts.workers, Path(tmp))
+            rows["dump_mb"] = round(files["jsonl"].stat().st_size / 2**20)
+            rows.update(side_by_side({f"tree stats FILE ({shape})": ["tree", "stats", str(path)]
+                                      for shape, path in files.items()}, opts.before, opts.rounds))
+        if "dynamo" in sources:
+            fed = FedDynamo(opts.pairs, opts.workers)
             try:
-                time.sleep(1)
-                against = ["--server", url, "--timeout", "900", "tree"]  # the router takes ~25 s at 1M
-                rows = {"idle (no client)": client_run(["--version"], prober),
-                        "router, dump replayed in the client (before)":
-                            client_run([*against, "dump", "--format", "stats"], prober),
-                        "router computes them (after)": client_run([*against, "stats"], prober)}
+                rows.update(side_by_side({"tree stats dynamo+URL": ["--timeout", "900", "tree", "stats", fed.url]},
+                                         opts.before, opts.rounds))
             finally:
-                prober.close()
-            rows["dump file replayed (before)"] = client_run(["tree", "dump", str(dump), "--format", "stats"], None)
-            rows["dump file streamed (after)"] = client_run(["tree", "stats", str(dump)], None)
-        finally:
-            server.stop()
-    print(json.dumps({"pairs": opts.pairs, "workers": opts.workers, "dump_mb": dump_mb, "runs": rows}, indent=1))
+                fed.stop()
+    print(json.dumps({"pairs": opts.pairs, "workers": opts.workers, "runs": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Each returns the dump's RouterEvents; every failure is one of kvctl's errors nam
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -16,8 +17,8 @@ import msgspec
 from kvctl import http_api as api
 from kvctl.client._base import Request, check, headers, pool_limits, translate, verify_tls
 from kvctl.client.deadline import deadline_transport, within
-from kvctl.core.events import DecodeError, RouterEvent, decode_router_event_json
-from kvctl.core.events.dump_file import DumpFileError, read_router_events
+from kvctl.core.events import DecodeError, RouterEvent
+from kvctl.core.events.dump_file import DumpFileError, iter_indexer_dump, read_router_events, router_event_of
 from kvctl.core.names import DEFAULT_MODEL
 from kvctl.errors import KvctlError, NotFound, UsageError
 
@@ -46,50 +47,64 @@ def router_tree_stats(url: str, *, model: str | None, top: int, token: str | Non
 
 
 def dynamo_indexer_events(url: str, *, model: str | None, timeout: float) -> list[RouterEvent]:
-    """One model of a Dynamo standalone indexer's `GET /dump`: `{"model:routing_group": {"events": [...]}}`.
+    """One model of a Dynamo standalone indexer's `GET /dump`, whole (see `dynamo_indexer_stream`)."""
+    with dynamo_indexer_stream(url, model=model, timeout=timeout) as events:
+        return list(events)
+
+
+@contextmanager
+def dynamo_indexer_stream(url: str, *, model: str | None, timeout: float) -> Iterator[Iterator[RouterEvent]]:
+    """One model of a Dynamo standalone indexer's `GET /dump`, `{"model:routing_group": {"events": [...]}}`,
+    each event as it arrives: a reader holds one event and one piece of the answer at a time.
 
     With no model named, the indexer's only model (none: an empty dump); `model` matches the name
-    with or without its routing group.
+    with or without its routing group. The events are read inside the `with`, all within `timeout`.
     """
+    with _streamed(url, Request("GET", "/dump"), None, timeout) as text:
+        yield _indexer_events(iter_indexer_dump(text), url, model)
+
+
+def _indexer_events(models: Iterator[tuple[str, Iterator[Any]]], url: str, model: str | None) -> Iterator[RouterEvent]:
+    seen: list[str] = []
     try:
-        dump = json.loads(_get(url, Request("GET", "/dump"), None, timeout) or "{}")
-    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
-        raise KvctlError(f"{url}/dump is not JSON: {exc}") from None
-    if not isinstance(dump, dict):
-        raise KvctlError(f"{url}/dump is not a Dynamo indexer dump (expected an object by model)")
-    if model is None:
-        if len(dump) > 1:
-            raise UsageError(f"{url} indexes several models: {', '.join(sorted(dump))}", hint="pick one with --model")
-        chosen = list(dump.values())
-    else:
-        chosen = [v for k, v in dump.items() if model in (k, k.rsplit(":", 1)[0])]
-        if not chosen:
-            raise NotFound(f"{url} has no model {model!r} (it has: {', '.join(sorted(dump)) or 'none'})",
-                           status=404)
-    return [_decode(item, url) for entry in chosen for item in _events_of(entry, url)]
+        for name, items in models:
+            seen.append(name)
+            if model is None and len(seen) > 1:
+                seen.extend(name for name, _ in models)
+                raise UsageError(f"{url} indexes several models: {', '.join(sorted(seen))}",
+                                 hint="pick one with --model")
+            if model is None or model in (name, name.rsplit(":", 1)[0]):
+                yield from (_decode(item, url) for item in items)
+    except DumpFileError as exc:
+        raise KvctlError(f"{url}/dump: {exc}") from None
+    if model is not None and not any(model in (name, name.rsplit(":", 1)[0]) for name in seen):
+        raise NotFound(f"{url} has no model {model!r} (it has: {', '.join(sorted(seen)) or 'none'})", status=404)
 
 
 def _get(url: str, request: Request, token: str | None, timeout: float) -> str:
     """One GET, the whole of it (a dump of millions of blocks too) within `timeout`."""
+    with _streamed(url, request, token, timeout) as text:
+        return "".join(text)
+
+
+@contextmanager
+def _streamed(url: str, request: Request, token: str | None, timeout: float) -> Iterator[Iterator[str]]:
+    """One GET's answer as text arriving in pieces; a failure status is the error it stands for. Read inside
+    the `with`: the whole of it within `timeout`."""
     transport = deadline_transport(verify=verify_tls(url), limits=pool_limits())
     with (translate(url), within(timeout),
-          httpx.Client(base_url=url, headers=headers(token), timeout=timeout, transport=transport) as http):
-        response = http.request(request.method, request.path, params=request.params)
-    check(request, response)
-    return response.text
-
-
-def _events_of(entry: Any, url: str) -> list[Any]:
-    events = entry.get("events") if isinstance(entry, dict) else None
-    if not isinstance(events, list):
-        raise KvctlError(f"{url}/dump: a model without an events list")
-    return events
+          httpx.Client(base_url=url, headers=headers(token), timeout=timeout, transport=transport) as http,
+          http.stream(request.method, request.path, params=request.params) as response):
+        if not response.is_success:
+            response.read()
+            check(request, response)
+        yield response.iter_text()
 
 
 def _decode(item: Any, url: str) -> RouterEvent:
     if not isinstance(item, dict):
         raise KvctlError(f"{url}/dump: expected a RouterEvent object, got {type(item).__name__}")
     try:
-        return decode_router_event_json(item)
+        return router_event_of(item)
     except DecodeError as exc:
         raise KvctlError(f"{url}/dump: {exc.field}: {exc.detail}") from None

@@ -5,13 +5,14 @@ indexer (`dynamo+http://HOST:PORT`, read through its /dump), a durable router's 
 (`nats://HOST:PORT` with --namespace/--component) or a dump file (JSON list, JSONL, recorder or
 snapshot lines; `-` for stdin). Whatever the source, its events are replayed into an index first,
 so every command sees content, not the shape of one dump (see `kvctl.core.tree_diff`). `stats` reads no
-dump from a router (it computes them itself) and streams a dump file (`kvctl.core.tree_stats`).
+dump from a router (it computes them itself) and streams a dump file's or a Dynamo indexer's
+(`kvctl.core.tree_stats`).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -92,37 +93,36 @@ class Reader:
         return self._file(source)
 
     def stats(self, source: str | None, top: int) -> dict[str, Any]:
-        """`tree stats` of a source: a router computes them itself; a dump file is read as a stream (whole
-        only when it is not a dump this can follow: `core.tree_stats`); other sources replay their dump."""
+        """`tree stats` of a source: a router computes them itself; a dump file and a Dynamo indexer's dump are
+        read as a stream (whole only when it is not a dump this can follow: `core.tree_stats`); other sources
+        replay their dump."""
         from kvctl.client import sources
         from kvctl.core.tree_diff import tree_stats
 
         settings = settings_for(self.ctx)
         source = source or settings.server
+        streamed = None
         if source.startswith(("http://", "https://")):
             stats = sources.router_tree_stats(source.rstrip("/"), model=self.model, top=top, token=settings.token,
                                               timeout=settings.timeout)
             if stats is not None:
                 return {key: stats[key] for key in STATS_KEYS}
+        elif source.startswith(("dynamo+http://", "dynamo+https://")):
+            with sources.dynamo_indexer_stream(source.removeprefix("dynamo+").rstrip("/"), model=self.model,
+                                               timeout=settings.timeout) as events:
+                streamed = _streamed_stats(events, top)
         elif "://" not in source and source != "-":
-            streamed = self._streamed_stats(source, top)
-            if streamed is not None:
-                return streamed
-        return tree_stats(self.events(source), top=top)
+            streamed = self._file_stats(source, top)
+        return tree_stats(self.events(source), top=top) if streamed is None else streamed
 
-    def _streamed_stats(self, source: str, top: int) -> dict[str, Any] | None:
+    def _file_stats(self, source: str, top: int) -> dict[str, Any] | None:
         from kvctl.core.events.dump_file import DumpFileError, iter_dump_events
-        from kvctl.core.tree_stats import DumpStats, NotStreamable
 
-        stats = DumpStats(top=top)
         try:
             with Path(source).open(encoding="utf-8") as f:
-                stats.add_all(iter_dump_events(iter(lambda: f.read(READ_CHUNK), "")))
-        except NotStreamable:
-            return None  # replayed whole by the caller, as any event stream is
+                return _streamed_stats(iter_dump_events(iter(lambda: f.read(READ_CHUNK), "")), top)
         except (OSError, UnicodeDecodeError, DumpFileError):
             return None  # the caller's whole read says what is wrong, as for every command
-        return {**stats.counts(), **stats.shape()}
 
     def _file(self, source: str) -> list[RouterEvent]:
         from kvctl.core.events.dump_file import DumpFileError, read_router_events
@@ -139,6 +139,19 @@ class Reader:
             return read_router_events(text)
         except DumpFileError as exc:
             raise UsageError(f"{source}: {exc}") from None
+
+
+def _streamed_stats(events: Iterable[RouterEvent], top: int) -> dict[str, Any] | None:
+    """`tree stats` of a dump read as a stream; None when it is not a dump that can be (replayed whole, then,
+    as any event stream is)."""
+    from kvctl.core.tree_stats import DumpStats, NotStreamable
+
+    stats = DumpStats(top=top)
+    try:
+        stats.add_all(events)
+        return {**stats.counts(), **stats.shape()}
+    except NotStreamable:
+        return None
 
 
 def _emit_sections(out: Output, data: Any, views: Sequence[View]) -> None:
@@ -330,7 +343,7 @@ def diff_command(
 # ----- stats -----------------------------------------------------------------------------------------------
 
 STATS_HELP = ("Size and shape of a radix index: blocks, nodes, per-worker sizes, depths, shared prefixes; a router "
-              "computes them itself, a dump file is read as a stream. (read-only)")
+              "computes them itself, a dump file or a Dynamo indexer's dump is read as a stream. (read-only)")
 STATS_EXAMPLES = (
     "Examples:\n\n"
     "  kvctl tree stats\n\n"

@@ -2,16 +2,17 @@
 
 `tree_diff.tree_stats` replays a whole dump into an index, then interns every block path: memory grows with
 the dump (10.7 GB at 10M pairs). A dump, though, comes parents before children and breadth first (a
-kvctl router's and Dynamo's both walk their tree level by level), so once an edge one level deeper than a
-block's children arrives, that block has seen all its holders and children: its figures are final, and it
-is dropped. What is kept is two levels of the tree and the `top` shared prefixes, whatever the dump's
-depth: a deep tree keeps a small part of it, a wide one (every request's tail under a few shared prompts)
-most. The router runs the same pass over its own index, a slice at a time (`server.tree_stats`), so
-`tree stats` against a router never downloads the dump.
+kvctl router's and Dynamo's both walk their radix tree level by level, a node's holders one after another),
+so once a node one level deeper than a node's children arrives, that node has seen all its holders and
+children: its figures are final, and it is dropped. `EdgeStats` works a node at a time, keeping two levels
+of nodes (a child's depth needs its parent's, which comes a whole level earlier), each without its blocks:
+a router walks its own index into it (`server.tree_stats`), and `DumpStats` gathers a dump's events (a
+file, a Dynamo indexer's `/dump`) into nodes for it. A router whose index has slower tiers (their blocks
+come after the whole device tree and join its paths) goes block by block into `TieredStats`, all kept.
 
-A stream this pass cannot follow (a removal, a parent not seen or already dropped, another tier's block
-while bounded) raises `NotStreamable` when `strict`: the caller replays it whole instead, as before. A router
-walking its own index between events passes `strict=False`: what changed under the walk is skipped.
+A dump this pass cannot follow (a removal, another tier's block, a parent not seen or already closed, a node
+listed twice) raises `NotStreamable`: the caller replays it whole instead, as before. A router walking its
+own index between events skips what changed under the walk.
 
 Pure: no I/O.
 """
@@ -19,6 +20,7 @@ Pure: no I/O.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
@@ -106,25 +108,17 @@ class _Tally:
         }
 
 
-class DumpStats:
-    """Add a dump's events in order, then read `shape()` (and, for a file, `counts()`).
+class TieredStats:
+    """Add a router's dump events (device and slower tiers) in order, then read `shape()`. Block by block, and
+    all of it kept until the end: the slower tiers' blocks (after the whole device tree) join the device's
+    paths. What changed under the walk (a parent not seen) is skipped."""
 
-    `bounded`: drop each level once the level two below it starts; a router whose index has slower tiers
-    (their blocks come after the whole device tree) keeps everything instead.
-    """
-
-    def __init__(self, *, top: int = 10, bounded: bool = True, strict: bool = True) -> None:
-        self.bounded, self.strict = bounded, strict
+    def __init__(self, *, top: int = 10) -> None:
         self._paths: dict[tuple[int, int], _Path] = {}
         self._chains: dict[tuple[WorkerKey, Tier], dict[int, _Path]] = {}  # engine hash -> path, per holder
-        self._levels: dict[int, list[tuple[_Path, dict[int, _Path], int]]] = {}  # level -> (path, chain, hash)
-        self._closing: deque[list[tuple[_Path, dict[int, _Path], int]]] = deque()  # levels done, to close
+        self._levels: dict[int, list[_Path]] = {}
         self._serial = count(1)
-        self._deepest = 0
         self._tally = _Tally(top)
-        self.blocks: Counter[Tier] = Counter()  # (worker, block) pairs per tier, as the events hold them
-        self.workers: Counter[WorkerKey] = Counter()  # device pairs per worker
-        self.nodes: Counter[Tier] = Counter()  # edges that start a path nobody started before
 
     def add_all(self, events: Iterable[RouterEvent]) -> None:
         for event in events:
@@ -134,73 +128,38 @@ class DumpStats:
         data = event.data
         worker = event.worker
         if type(data) is not Stored:
-            return self._cannot(f"a {type(data).__name__.lower()} event: not a dump")
-        if self.bounded and data.tier is not Tier.device:
-            return self._cannot(f"a {data.tier.value} block: only device blocks stream in bounded memory")
+            return
         chain = self._chains.setdefault((worker, data.tier), {})
         parent = None if data.parent_hash is None else chain.get(data.parent_hash)
-        if parent is None and data.parent_hash is not None:  # not streamable, or (as `index_content` skips
-            # it) a worker that stored one hash at two places, whose later path cannot be followed
-            return self._cannot(f"worker {worker[0]}:{worker[1]} stores under a block not seen (or dropped)")
+        if parent is None and data.parent_hash is not None:  # as `index_content` skips it
+            return
         level = 1 if parent is None else parent.level + 1
-        if self.bounded and level > self._deepest:
-            self._deepest = level
-            self._retire_below(level - 1)
-        if self._closing:  # twice what comes in: the queue empties before the next level is done
-            self._close_some(2 * len(data.block_hashes))
-        tiers = self.blocks
-        tiers[data.tier] += len(data.block_hashes)
-        if data.tier is Tier.device:
-            self.workers[worker] += len(data.block_hashes)
         entries = self._levels.setdefault(level, [])
         bit, paths, serial = _TIER_BIT[data.tier], self._paths, self._serial
         parent_serial = 0 if parent is None else parent.serial
-        for n, (block_hash, local_hash) in enumerate(zip(data.block_hashes, data.tokens_hashes, strict=True)):
+        for block_hash, local_hash in zip(data.block_hashes, data.tokens_hashes, strict=True):
             key = (parent_serial, local_hash)
             path = paths.get(key)
             if path is None:
                 path = paths[key] = _Path(parent, local_hash, level, key, next(serial))
-                if n == 0:
-                    self.nodes[data.tier] += 1
+                entries.append(path)
             holders = path.holders
             holders[worker] = holders.get(worker, 0) | bit
             if parent is not None and len(holders) > parent.best_child:
                 parent.best_child = len(holders)
             chain[block_hash] = path
-            entries.append((path, chain, block_hash))
             parent, parent_serial = path, path.serial
 
-    def _cannot(self, why: str) -> None:
-        if self.strict:
-            raise NotStreamable(why)
-
-    def _retire_below(self, level: int) -> None:
-        """Every level under `level` is done (no later edge can reach it): queue its blocks to be closed."""
-        for done in sorted(lv for lv in self._levels if lv < level):
-            self._closing.append(self._levels.pop(done))
-
-    def _close_some(self, budget: int) -> bool:
-        """Close up to `budget` queued blocks: a little with each edge added, so that no edge pays for a
-        whole level; True while some are left."""
-        closing = self._closing
-        while closing and budget > 0:
-            entries = closing[0]
-            while entries and budget > 0:
-                path, chain, block_hash = entries.pop()
-                budget -= 1
-                chain.pop(block_hash, None)
-                if self._paths.pop(path.key, None) is not None:
-                    self._finish(path)
-            if not entries:
-                closing.popleft()
-        return bool(closing)
-
     def finish(self) -> Iterator[None]:
-        """Close every level, pausing every `CLOSE_EVERY` blocks: a router runs its loop meanwhile. `shape`
-        does it all at once when nobody did."""
-        self._retire_below(max(self._levels, default=0) + 1)
-        while self._close_some(CLOSE_EVERY):
-            yield
+        """Close every path, a level at a time, pausing every `CLOSE_EVERY` blocks: a router runs its loop
+        meanwhile. `shape` does it all at once when nobody did."""
+        self._chains.clear()
+        for level in sorted(self._levels):
+            entries = self._levels.pop(level)
+            for n, path in enumerate(entries, 1):
+                self._finish(path)
+                if n % CLOSE_EVERY == 0:
+                    yield
 
     def _finish(self, path: _Path) -> None:
         tally, holders = self._tally, len(path.holders)
@@ -214,7 +173,6 @@ class DumpStats:
         if holders >= 2 and path.best_child < holders:
             tally.offer(holders, path.depth, path.local, path.serial,
                         lambda: {**path.describe(), "holders": holders, "workers": _names(path.holders)})
-        path.holders = {}  # alive a little longer only as the parent of paths whose level is not done
 
     def shape(self) -> dict[str, Any]:
         """`paths`, `depths` and `shared_prefixes`, as `tree_diff.content_stats` gives them; ends the pass."""
@@ -222,25 +180,105 @@ class DumpStats:
             pass
         return self._tally.shape()
 
+
+class DumpStats:
+    """`tree stats` of a dump read as a stream (a file, a Dynamo indexer's `/dump`): its counts, and its shape
+    through `EdgeStats`, a node at a time, in memory bounded by two levels of nodes.
+
+    kvctl's dumps and Dynamo's both list each node's holders one after another (each a Stored of the node's
+    blocks, or of a first part of them), level by level: consecutive events under one parent whose blocks
+    agree are one node. A node keeps no block of its own but its last hash and depth (what its children
+    need), and the local hashes only as far as two holders reach (what a shared prefix is named by), so a
+    wide tree costs a few hundred bytes per node of its two widest levels, not per block.
+    """
+
+    def __init__(self, *, top: int = 10) -> None:
+        self._nodes = EdgeStats(top=top, strict=True)
+        self._group: list[DumpEdge] = []  # the holders of the node being read
+        self._longest: DumpEdge | None = None
+        self.blocks = 0  # (worker, block) pairs, as the events hold them
+        self.nodes = 0
+        self.workers: Counter[WorkerKey] = Counter()
+        self._keys: dict[WorkerKey, WorkerKey] = {}  # one tuple per worker, whatever the nodes keeping it
+
+    def add_all(self, events: Iterable[RouterEvent]) -> None:
+        for event in events:
+            self.add(event)
+
+    def add(self, event: RouterEvent) -> None:
+        data = event.data
+        if type(data) is not Stored:
+            raise NotStreamable(f"a {type(data).__name__.lower()} event: not a dump")
+        if data.tier is not Tier.device:
+            raise NotStreamable(f"a {data.tier.value} block: only device blocks stream in bounded memory")
+        if not data.block_hashes:
+            return
+        n = len(data.block_hashes)
+        worker = self._keys.setdefault(event.worker, event.worker)
+        edge = DumpEdge(data.tier, worker, data.parent_hash, data.block_hashes, array("Q", data.tokens_hashes), n)
+        longest = self._longest
+        if longest is not None and not _same_node(longest, edge):
+            self._flush()
+            longest = None
+        self._group.append(edge)
+        if longest is None or n > longest.length:
+            self._longest = edge
+        self.blocks += n
+        self.workers[worker] += n
+
+    def _flush(self) -> None:
+        if self._group:
+            self.nodes += 1
+            self._nodes.add_node(self._group)
+            self._group, self._longest = [], None
+
+    def shape(self) -> dict[str, Any]:
+        """`paths`, `depths` and `shared_prefixes`, as `tree_diff.content_stats` gives them; ends the pass."""
+        self._flush()
+        return self._nodes.shape()
+
+    def retained(self) -> tuple[int, int]:
+        """Nodes this pass keeps now, and the local hashes kept with them: what its memory grows with."""
+        return self._nodes.retained()
+
     def counts(self) -> dict[str, Any]:
-        """What `/v1/tree/stats` gives for an index, counted from the dump's own edges (a file has no index)."""
-        return {"blocks": self.blocks[Tier.device], "nodes": self.nodes[Tier.device],
-                "workers": {format_worker(w): n for w, n in sorted(self.workers.items())},
-                "tiers": {t.value: {"blocks": self.blocks[t], "nodes": self.nodes[t]} for t in self.blocks}}
+        """What `/v1/tree/stats` gives for an index, counted from the dump's own events (a file has no index)."""
+        self._flush()
+        tiers = {Tier.device.value: {"blocks": self.blocks, "nodes": self.nodes}} if self.nodes else {}
+        return {"blocks": self.blocks, "nodes": self.nodes,
+                "workers": {format_worker(w): n for w, n in sorted(self.workers.items())}, "tiers": tiers}
+
+
+def _same_node(longest: DumpEdge, edge: DumpEdge) -> bool:
+    """Whether `edge` holds the node `longest` holds (both the same blocks under the same parent, as far as
+    the shorter goes)."""
+    n = min(longest.length, edge.length)
+    return (edge.parent_hash == longest.parent_hash and edge.block_hashes[0] == longest.block_hashes[0]
+            and edge.block_hashes[:n] == longest.block_hashes[:n]
+            and edge.tokens_hashes[:n] == longest.tokens_hashes[:n])
+
+
+_NO_LOCALS: array[int] = array("Q")
+"""What a node one worker holds keeps of its local hashes (shared: never changed)."""
 
 
 class _Node:
     """A radix node of a router's own tree, as its dump edges give it: the local hashes of its first `length`
     blocks, its parent node, and how many of its blocks each holder holds (all of them, or a first part)."""
 
-    __slots__ = ("best_child", "depth", "holders", "key", "length", "level", "locals", "parent", "serial",
-                 "tail_hash")
+    __slots__ = ("best_child", "depth", "holders", "key", "length", "level", "locals", "opened", "parent",
+                 "serial", "tail_hash")
 
     def __init__(self, parent: _Node | None, edge: DumpEdge, holders: dict[WorkerKey, int], level: int,
-                 serial: int) -> None:
+                 serial: int, opened: int) -> None:
         self.parent: _Node | None = parent
-        self.locals, self.holders, self.level, self.serial = edge.tokens_hashes, holders, level, serial
-        self.length = max(holders.values())
+        self.opened = opened  # parent's serial and first local hash: the node's name while its level is open
+        # (worker, blocks held) pairs: a tuple, half a small dict's size (a wide level keeps many)
+        self.holders, self.level, self.serial = tuple(holders.items()), level, serial
+        lengths = sorted(holders.values())
+        self.length = lengths[-1]
+        # Named (shared prefixes, and the paths below them) only as far as two holders reach.
+        self.locals = edge.tokens_hashes[:lengths[-2]] if len(lengths) > 1 else _NO_LOCALS
         self.key = edge.block_hashes[self.length - 1]  # the engine hash its children name as their parent
         self.depth: int = (0 if parent is None else parent.depth) + self.length  # of its last block
         self.tail_hash: int | None = None  # the sequence hash of its last block, once asked for
@@ -263,9 +301,11 @@ class EdgeStats:
     many of its holders reach them, so they are counted at once: the cost grows with nodes and holders, not
     with (worker, block) pairs as a dump's replay does. Memory: two levels of nodes, as `DumpStats`."""
 
-    def __init__(self, *, top: int = 10) -> None:
+    def __init__(self, *, top: int = 10, strict: bool = False) -> None:
+        self.strict = strict
         self._tally = _Tally(top)
         self._tails: dict[int, _Node] = {}  # a node's last engine hash -> the node, while children may come
+        self._open: dict[int, _Node] = {}  # parent's serial and first local hash (`_Node.opened`) -> the node
         self._levels: dict[int, list[_Node]] = {}
         self._closing: deque[_Node] = deque()  # nodes of levels done, closed a few with each node added
         self._serial = count(1)
@@ -276,15 +316,22 @@ class EdgeStats:
         start = 0
         for n in range(1, len(edges) + 1):
             if n == len(edges) or edges[n].block_hashes is not edges[start].block_hashes:
-                self._node(edges[start:n])
+                self.add_node(edges[start:n])
                 start = n
 
-    def _node(self, edges: Sequence[DumpEdge]) -> None:
+    def add_node(self, edges: Sequence[DumpEdge]) -> None:
+        """One node: an edge per holder, each the node's blocks or a first part of them."""
         first = edges[0]
         parent = None if first.parent_hash is None else self._tails.get(first.parent_hash)
         if parent is None and first.parent_hash is not None:
+            if self.strict:
+                raise NotStreamable("a node under a block not seen (or already closed): not a breadth-first dump")
             return  # under a node cut since the walk reached it: what changed under the walk is skipped
         level = 1 if parent is None else parent.level + 1
+        longest = max(edges, key=lambda e: e.length)
+        opened = (0 if parent is None else parent.serial) << 64 | longest.tokens_hashes[0]
+        if self.strict:
+            self._check(parent, level, edges, opened, longest.block_hashes[longest.length - 1])
         if level > self._deepest:
             self._deepest = level
             for done in sorted(lv for lv in self._levels if lv < level - 1):
@@ -294,18 +341,33 @@ class EdgeStats:
         holders: dict[WorkerKey, int] = {}
         for edge in edges:
             holders[edge.worker] = max(holders.get(edge.worker, 0), edge.length)
-        node = _Node(parent, first, holders, level, next(self._serial))
+        node = _Node(parent, longest, holders, level, next(self._serial), opened)
         if parent is not None:
             parent.best_child = max(parent.best_child, len(holders))
-        self._tails[node.key] = node
+        self._tails[node.key] = self._open[opened] = node
         self._levels.setdefault(level, []).append(node)
+
+    def _check(self, parent: _Node | None, level: int, edges: Sequence[DumpEdge], opened: int,
+               tail: int) -> None:
+        """What a dump must be for its figures to come out as its replay's; else `NotStreamable`, and the
+        caller replays it whole."""
+        if level < self._deepest - 1:
+            raise NotStreamable(f"a node of level {level} after level {self._deepest}: not a breadth-first dump")
+        if parent is not None and any(dict(parent.holders).get(e.worker) != parent.length for e in edges):
+            raise NotStreamable("a worker stores under a block it does not hold whole")
+        if len({e.worker for e in edges}) < len(edges):
+            raise NotStreamable("a worker listed twice as a holder of one node")
+        if opened in self._open or tail in self._tails:
+            raise NotStreamable("a node listed twice, or two nodes ending in one block hash")
 
     def _close(self, node: _Node) -> None:
         """Its blocks' figures: block i (from 1) is held by those holding at least i; sharing ends inside the
         node where a holder's part ends, and at its last block when no child keeps as many holders."""
-        tally, above, lengths = self._tally, node.depth - node.length, sorted(node.holders.values())
+        tally, above, lengths = self._tally, node.depth - node.length, sorted(n for _, n in node.holders)
         if self._tails.get(node.key) is node:
             del self._tails[node.key]
+        if self._open.get(node.opened) is node:
+            del self._open[node.opened]
         tally.distinct += node.length
         lo = above + 1
         while lo <= node.depth:  # the depth buckets the node's blocks fall in: 2^(k-1) .. 2^k - 1
@@ -327,7 +389,11 @@ class EdgeStats:
     def _describe(node: _Node, blocks: int, reaching: int) -> dict[str, Any]:
         return {"depth": node.depth - node.length + blocks, "local_hash": node.locals[blocks - 1],
                 "sequence_hash": node.sequence_hash(blocks), "holders": reaching,
-                "workers": _names(w for w, n in node.holders.items() if n >= blocks)}
+                "workers": _names(w for w, n in node.holders if n >= blocks)}
+
+    def retained(self) -> tuple[int, int]:
+        """Nodes kept (their level or the next is still coming in), and the local hashes they keep."""
+        return len(self._open), sum(len(node.locals) for node in self._open.values())
 
     def finish(self) -> Iterator[None]:
         """Close every node left, pausing every `CLOSE_EVERY // 16` of them (each costs about 16 blocks')."""

@@ -164,6 +164,9 @@ def test_dynamo_and_kvctl_fed_by_one_engine_hold_the_same_tree(dynamo_indexer: s
             assert time.monotonic() < deadline, diff
             time.sleep(0.2)
     assert code == 0 and diff["equal"] is True
+    streamed = json.loads(kvctl("tree", "stats", "dynamo+" + dynamo_indexer, "--top", "3", "-o", "json")[1])
+    replayed = json.loads(kvctl("tree", "dump", "dynamo+" + dynamo_indexer, "--format", "stats", "-o", "json")[1])
+    assert streamed == replayed and streamed["paths"] == 5
 
 
 def test_a_nats_snapshot_source(tmp_path: Path) -> None:

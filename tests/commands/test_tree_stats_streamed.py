@@ -130,6 +130,37 @@ def test_stats_of_a_streamed_dump_take_memory_by_the_trees_width_not_its_size() 
     assert {k: replayed[k] for k in shape} == shape
 
 
+def wide_dump(tails: int, tail_blocks: int) -> Iterator[str]:
+    """The benchmark's kind of tree, in kvctl's dump order: one prompt of 8 blocks held by four workers, then
+    under it `tails` tails of `tail_blocks` blocks, each held by one of them."""
+    def line(worker: int, parent: int | None, first: int, blocks: int) -> str:
+        return json.dumps({"worker_id": worker, "event": {"event_id": 0, "data": {"stored": {
+            "parent_hash": parent, "blocks": [{"block_hash": first + i, "tokens_hash": first + i}
+                                              for i in range(blocks)]}}}}) + "\n"
+    yield from (line(worker, None, 1, 8) for worker in range(4))
+    yield from (line(t % 4, 8, 10**6 * (t + 1), tail_blocks) for t in range(tails))
+
+
+def peak_of_wide(tail_blocks: int) -> tuple[int, dict[str, object]]:
+    tracemalloc.start()
+    try:
+        stats = DumpStats()
+        stats.add_all(iter_dump_events(wide_dump(400, tail_blocks)))
+        figures = {**stats.counts(), **stats.shape()}
+        return tracemalloc.get_traced_memory()[1], figures
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_wide_trees_stats_take_memory_by_its_nodes_not_its_blocks() -> None:
+    """Every tail is in the widest level, which the pass keeps until the next: each tail costs a node, not
+    its blocks (the 692 MB of a million pairs read block by block)."""
+    short, figures = peak_of_wide(4)
+    long, _ = peak_of_wide(64)  # 16 times the blocks
+    assert long < short * 1.5, (short, long)
+    assert figures == tree_stats(iter_dump_events(wide_dump(400, 4)))
+
+
 async def test_the_routers_walk_lets_the_loop_run_between_slices() -> None:
     with survivors_frozen():  # the router's collector: a full collection of the index would hold the loop itself
         await _walk_while_probing()

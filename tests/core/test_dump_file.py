@@ -4,10 +4,11 @@ as recorder lines and as kvctl snapshot lines."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 
-from kvctl.core.events.dump_file import DumpFileError, read_router_events
+from kvctl.core.events.dump_file import DumpFileError, iter_indexer_dump, read_router_events
 from kvctl.core.events.dynamo import decode_router_event_json
 from tests.fixtures_path import FIXTURES
 
@@ -37,3 +38,48 @@ def test_every_shape_reads_the_same_events(shape: str) -> None:
 def test_bad_files_say_where(text: str, needle: str) -> None:
     with pytest.raises(DumpFileError, match=needle):
         read_router_events(text)
+
+
+def _indexer_body(models: dict[str, list[str]]) -> tuple[str, list[int]]:
+    """A Dynamo indexer's `/dump` answer of these models' event lines, and where each event ends in it."""
+    body, ends = "{", []
+    for m, (name, lines) in enumerate(models.items()):
+        body += ("," if m else "") + json.dumps(name) + ': {"block_size": 16, "events": ['
+        for n, line in enumerate(lines):
+            body += ("," if n else "") + line
+            ends.append(len(body))
+        body += "]}"
+    return body + "}", ends
+
+
+def test_an_indexer_dump_is_read_a_piece_at_a_time() -> None:
+    """Each event comes as soon as its piece has: a reader of the largest dump holds one event and one piece."""
+    lines = (FIXTURES / "dynamo-1.6.1" / "dump.jsonl").read_text().splitlines()
+    body, ends = _indexer_body({"llama:0": lines, "qwen:1": lines[:2], "empty:0": []})
+    longest = max(map(len, lines))  # read ahead: at most as much again as an event cut by a piece's end
+    read = 0
+
+    def pieces() -> Iterator[str]:
+        nonlocal read
+        for i in range(0, len(body), 7):
+            read = i + 7
+            yield body[i:i + 7]
+
+    seen: list[tuple[str, object]] = []
+    for model, events in iter_indexer_dump(pieces()):
+        for event in events:
+            assert read - ends[len(seen)] <= longest + 7 + 2  # not much further than the piece that ends it
+            seen.append((model, event))
+    assert seen == [(name, item) for name, entry in json.loads(body).items() for item in entry["events"]]
+
+
+@pytest.mark.parametrize(("body", "error"), [
+    ('[{"worker_id": 1}]', "expected an object by model"),
+    ('{"llama": 5}', "without an events list"),
+    ('{"llama": {"block_size": 16}}', "without an events list"),
+    ('{"llama": {"events": [{"worker_id": 1}', "never ends"),
+])
+def test_an_indexer_dump_that_is_not_one_says_so(body: str, error: str) -> None:
+    with pytest.raises(DumpFileError, match=error):
+        for _, events in iter_indexer_dump([body]):
+            list(events)

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvctl.cli import app
 from kvctl.client import sources
-from kvctl.core.events.dump_file import DumpFileError, read_router_events
+from kvctl.core.events import DecodeError, RouterEvent, decode_router_event_json
+from kvctl.core.events.dump_file import DumpFileError, iter_dump_events, read_router_events
 from kvctl.core.tree_diff import diff_events, tree_stats
 from kvctl.errors import KvctlError
 from kvctl.exit_codes import ExitCode
@@ -160,3 +161,24 @@ def test_router_and_dynamo_indexer_dumps_fail_only_as_kvctl_errors(served: _Serv
             assert exc.message
             continue
         assert diff_events(events, events).equal
+
+
+@settings(max_examples=400, deadline=None)
+@given(_object)
+@example({**OBJECTS[0], "worker_id": 2**64})
+@example({**OBJECTS[0], "worker_id": True})
+@example({**OBJECTS[0], "event": {**OBJECTS[0]["event"], "data": {**OBJECTS[0]["event"]["data"], "x": None}}})
+def test_a_dumps_stored_decodes_the_fast_way_as_the_general_way(obj: Any) -> None:
+    """A dump's Stored lines go through msgspec (`dump_file._DumpedStored`): what they give, or refuse, is
+    what `decode_router_event_json` gives or refuses."""
+    assume(isinstance(obj, dict) and "worker_id" in obj)  # a RouterEvent's shape: the only one it tries
+    try:
+        expected: RouterEvent | None = decode_router_event_json(obj)
+    except DecodeError:
+        expected = None
+    for text in (json.dumps(obj), json.dumps([obj])):  # a JSONL line, a JSON list's item
+        try:
+            read: list[RouterEvent] | None = list(iter_dump_events([text]))
+        except DumpFileError:
+            read = None
+        assert read == (None if expected is None else [expected])
