@@ -203,7 +203,7 @@ class RadixTree:
             if parent_hash in hashes:
                 return ApplyResult(Status.invalid_block)
             node = lookup.get(parent_hash)
-            pos = node.index.get(parent_hash) if node is not None else None
+            pos = node.position(parent_hash) if node is not None else None
             if node is None or pos is None:
                 return ApplyResult(Status.parent_block_not_found)
             if not node.covers(slot, pos):
@@ -346,11 +346,13 @@ class RadixTree:
         node.locals.extend(locs)
         node.hashes.extend(hashes)
         node.packed.extend(hashes)
-        node.index.update(zip(hashes, range(old, old + len(hashes)), strict=True))
+        if node.index is not None:  # else built from the whole edge when first read
+            node.index.update(zip(hashes, range(old, old + len(hashes)), strict=True))
 
     def _split(self, node: Node, pos: int) -> Node:
         """Cut `node`'s edge at `pos`; the suffix becomes its only child and takes its children."""
-        if len(node.index) != len(node.hashes):
+        index = node.positions()  # of the whole edge: it tells a repeated hash, and the prefix keeps its rest
+        if len(index) != len(node.hashes):
             # A hash repeated in this edge: its holders' lookups can follow only one of its places.
             for s in (*iter_bits(node.full), *(node.cutoffs or ())):
                 self._shadow(s)
@@ -360,7 +362,6 @@ class RadixTree:
         node.hashes = node.hashes[:pos]  # replaced, never cut in place: see Node
         node.locals = node.locals[:pos]
         node.packed = node.packed[:pos]
-        index = node.index
         for h in suffix_hashes:
             index.pop(h, None)
         suffix = Node(suffix_locs, suffix_hashes, node, node.full, suffix_packed)

@@ -68,7 +68,7 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
             if not any(h in run[lo:hi] for run, lo, hi in made_stale):
                 missing += 1
             continue
-        index = node.index
+        index = node.positions()
         pos = index.get(h)
         if pos is None:
             lookup[h] = node
