@@ -51,3 +51,20 @@ def test_a_held_pair_costs_the_index_under_95_bytes_beyond_its_hash() -> None:
     finally:
         tracemalloc.stop()
     assert used / tree.blocks < 95, f"{used / tree.blocks:.1f} B a pair"
+
+
+def test_evicting_a_request_leaf_first_builds_no_edge_index() -> None:
+    """An engine evicts a request from its last block back: the run is taken with one compare of packed hashes,
+    so the edge's hash -> place dict (~40 B a block) is not built just to be freed with the edge."""
+    tree = RadixTree()
+    hashes = list(range(1, 1025))
+    assert tree.store((1, 0), None, hashes, array("Q", hashes)).status is Status.ok
+    evicted = array("Q", reversed(hashes))  # as the decode process hands a removal over
+    tracemalloc.start()
+    try:
+        result = tree.remove((1, 0), evicted)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (result.status, result.blocks, tree.blocks) == (Status.ok, 1024, 0)
+    assert peak < 24_000, f"{peak} B allocated to evict 1,024 blocks"  # the two 8 KB packed runs it compares

@@ -53,17 +53,20 @@ class Node:
 
     `index` (engine hash -> its last place in the edge) is built only when first read (`positions`): a dict
     entry per block costs ~25 B a held pair, a sixth of the index, and most edges are never read by hash
-    (only stored under their last block, or removed, after which they are usually freed).
+    (only stored under their last block, or removed, after which they are usually freed). `distinct` says,
+    where that is known without it, that no hash is repeated in the edge, which removals and cuts ask.
     """
 
-    __slots__ = ("locals", "hashes", "packed", "index", "full", "cutoffs", "children", "internal", "parent", "freed")
+    __slots__ = ("locals", "hashes", "packed", "index", "distinct", "full", "cutoffs", "children", "internal", "parent",
+                 "freed")
 
     def __init__(self, locals_: array[int], hashes: list[int], parent: Node | None, full: int,
-                 packed: array[int] | None = None) -> None:
+                 packed: array[int] | None = None, *, distinct: bool = False) -> None:
         self.locals = locals_
         self.hashes = hashes
         self.packed = array("Q", hashes) if packed is None else packed
         self.index: dict[int, int] | None = None  # see `positions`
+        self.distinct = distinct  # True: no hash twice in the edge (False: not known)
         self.full = full  # bitmask of slots holding the whole edge
         self.cutoffs: dict[int, int] | None = None  # slot -> k: holds edge[:k], 0 < k < len(edge)
         self.children: dict[int, Node] | None = None  # first local hash of the child's edge -> child
@@ -87,6 +90,10 @@ class Node:
                 return len(hashes) - 1
             index = self.positions()
         return index.get(h)
+
+    def indexed_once(self) -> bool:
+        """Every place of the edge has its own entry in `positions()`: no hash repeated, none cut away."""
+        return self.distinct or len(self.positions()) == len(self.hashes)
 
     def cutoff(self, slot: int) -> int:
         if self.full >> slot & 1:

@@ -195,7 +195,8 @@ class RadixTree:
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         locs = tokens_hashes if isinstance(tokens_hashes, array) else array("Q", tokens_hashes)
         nblocks = len(hashes)
-        if len(set(hashes)) != nblocks:  # one hash at two places: a lookup key can name only one of them
+        distinct = len(set(hashes)) == nblocks
+        if not distinct:  # one hash at two places: a lookup key can name only one of them
             self._shadow(slot)
         if parent_hash is None:
             parent = self.root
@@ -227,7 +228,7 @@ class RadixTree:
                     self._append_to_leaf(parent, hashes[start:], locs[start:], bit, slot)
                     self._bind(slot, lookup, hashes[start:], parent)
                     break
-                child = Node(locs[start:], hashes[start:], parent, bit)
+                child = Node(locs[start:], hashes[start:], parent, bit, distinct=distinct)
                 self.nodes += 1
                 if children is None:
                     parent.children = {locs[start]: child}
@@ -250,7 +251,7 @@ class RadixTree:
                 child.promote(bit, slot)
                 self._bind_shared(slot, lookup, hashes[start : start + m], child)
                 start += m
-                tail = Node(locs[start:], hashes[start:], child, bit)
+                tail = Node(locs[start:], hashes[start:], child, bit, distinct=distinct)
                 self.nodes += 1
                 if child.children is None:
                     child.children = {locs[start]: tail}
@@ -343,6 +344,7 @@ class RadixTree:
                 node.cutoffs[s] = old
             node.full &= bit
         node.promote(bit, slot)
+        node.distinct = False  # the new hashes may repeat old ones: asked of the index from now on
         node.locals.extend(locs)
         node.hashes.extend(hashes)
         node.packed.extend(hashes)
@@ -351,8 +353,10 @@ class RadixTree:
 
     def _split(self, node: Node, pos: int) -> Node:
         """Cut `node`'s edge at `pos`; the suffix becomes its only child and takes its children."""
-        index = node.positions()  # of the whole edge: it tells a repeated hash, and the prefix keeps its rest
-        if len(index) != len(node.hashes):
+        # An edge not known distinct has its index built first: it tells a repeated hash, and the prefix
+        # keeps what the suffix does not repeat. A distinct one's parts are distinct, their indexes lazy as its.
+        distinct = node.distinct
+        if not distinct and len(node.positions()) != len(node.hashes):
             # A hash repeated in this edge: its holders' lookups can follow only one of its places.
             for s in (*iter_bits(node.full), *(node.cutoffs or ())):
                 self._shadow(s)
@@ -362,9 +366,11 @@ class RadixTree:
         node.hashes = node.hashes[:pos]  # replaced, never cut in place: see Node
         node.locals = node.locals[:pos]
         node.packed = node.packed[:pos]
-        for h in suffix_hashes:
-            index.pop(h, None)
-        suffix = Node(suffix_locs, suffix_hashes, node, node.full, suffix_packed)
+        index = node.index
+        if index is not None:
+            for h in suffix_hashes:
+                index.pop(h, None)
+        suffix = Node(suffix_locs, suffix_hashes, node, node.full, suffix_packed, distinct=distinct)
         suffix.children, suffix.internal = node.children, node.internal
         if suffix.children:
             for child in suffix.children.values():

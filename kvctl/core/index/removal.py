@@ -68,8 +68,7 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
             if not any(h in run[lo:hi] for run, lo, hi in made_stale):
                 missing += 1
             continue
-        index = node.positions()
-        pos = index.get(h)
+        pos = node.position(h)
         if pos is None:
             lookup[h] = node
             missing += 1
@@ -87,7 +86,7 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
         # exactly that, one compare of packed slices takes the run instead of two lookups per block.
         # It needs each hash at one place (no repeat in the edge) and, for a slot whose lookup ever lost
         # track of a node (`_shadows`), a check that the run is still bound here.
-        unique = len(index) == len(node.hashes)
+        unique = node.indexed_once()
         k = min(pos, n - i)
         if k and unique:
             run = node.packed[pos - k:pos]
@@ -98,7 +97,7 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
                 i += k
                 pos -= k
         while i < n and lookup.get(hashes[i]) is node:
-            nxt = index.get(hashes[i])
+            nxt = node.positions().get(hashes[i])
             if nxt is None or nxt >= cut:
                 break
             if nxt < pos:
