@@ -11,6 +11,8 @@ import random
 import tracemalloc
 from array import array
 
+import pytest
+
 from kvctl.core.index import RadixTree, Status
 
 WORKERS = 16
@@ -53,13 +55,14 @@ def test_a_held_pair_costs_the_index_under_95_bytes_beyond_its_hash() -> None:
     assert used / tree.blocks < 95, f"{used / tree.blocks:.1f} B a pair"
 
 
-def test_evicting_a_request_leaf_first_builds_no_edge_index() -> None:
-    """An engine evicts a request from its last block back: the run is taken with one compare of packed hashes,
-    so the edge's hash -> place dict (~40 B a block) is not built just to be freed with the edge."""
+@pytest.mark.parametrize("leaf_first", [True, False])
+def test_evicting_a_whole_request_builds_no_edge_index(leaf_first: bool) -> None:
+    """An engine evicts a request from its last block back (or from its first on): the run is taken with one
+    compare of packed hashes, so the edge's hash -> place dict (~40 B a block) is not built just to be freed."""
     tree = RadixTree()
     hashes = list(range(1, 1025))
     assert tree.store((1, 0), None, hashes, array("Q", hashes)).status is Status.ok
-    evicted = array("Q", reversed(hashes))  # as the decode process hands a removal over
+    evicted = array("Q", reversed(hashes) if leaf_first else hashes)  # as the decode process hands it over
     tracemalloc.start()
     try:
         result = tree.remove((1, 0), evicted)

@@ -82,12 +82,15 @@ class Node:
         return index
 
     def position(self, h: int) -> int | None:
-        """`positions().get(h)`, without building the index for the edge's last block (a store's usual parent)."""
+        """`positions().get(h)`, without building the index for the edge's last block (a store's usual parent,
+        a leaf-first eviction's first) or a distinct edge's first."""
         index = self.index
         if index is None:
             hashes = self.hashes
             if hashes and hashes[-1] == h:
                 return len(hashes) - 1
+            if self.distinct and hashes and hashes[0] == h:  # a request evicted from its first block
+                return 0
             index = self.positions()
         return index.get(h)
 
