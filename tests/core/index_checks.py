@@ -11,6 +11,7 @@ fall back to popping).
 from __future__ import annotations
 
 from kvctl.core.index import RadixTree
+from kvctl.core.index.node import positions_of
 
 
 def assert_lookups_consistent(tree: RadixTree) -> None:
@@ -25,6 +26,8 @@ def assert_lookups_consistent(tree: RadixTree) -> None:
         if tree.worker_of(slot) in tree.hash_mismatches:
             continue
         for h, node in lookup.items():
-            if not node.freed and len(node.index) == len(node.hashes):
-                pos = node.index.get(h)
+            # an edge's index as read, without building it (which would hide a lazily built one's mistakes)
+            index = node.index if node.index is not None else positions_of(node.hashes)
+            if not node.freed and len(index) == len(node.hashes):
+                pos = index.get(h)
                 assert pos is not None and node.covers(slot, pos), (slot, h)

@@ -19,6 +19,11 @@ def iter_bits(mask: int) -> list[int]:
     return [(i << 3) + b for i, byte in enumerate(raw) if byte for b in table[byte]]
 
 
+def positions_of(hashes: list[int]) -> dict[int, int]:
+    """Engine hash -> its last place in `hashes`."""
+    return dict(zip(hashes, range(len(hashes)), strict=True))
+
+
 class Status(StrEnum):
     """What applying one event did; the values are Dynamo's `kv_cache_events_applied` statuses."""
 
@@ -45,22 +50,53 @@ class Node:
     An edge's `hashes`, `packed` and `locals` only ever grow in place (a leaf extended); cutting an edge
     gives it new ones. So whoever holds those objects and a length keeps a prefix that cannot change under it:
     what lets a dump be captured without copying a block.
+
+    `index` (engine hash -> its last place in the edge) is built only when first read (`positions`): a dict
+    entry per block costs ~25 B a held pair, a sixth of the index, and most edges are never read by hash
+    (only stored under their last block, or removed, after which they are usually freed). `distinct` says,
+    where that is known without it, that no hash is repeated in the edge, which removals and cuts ask.
     """
 
-    __slots__ = ("locals", "hashes", "packed", "index", "full", "cutoffs", "children", "internal", "parent", "freed")
+    __slots__ = ("locals", "hashes", "packed", "index", "distinct", "full", "cutoffs", "children", "internal", "parent",
+                 "freed")
 
     def __init__(self, locals_: array[int], hashes: list[int], parent: Node | None, full: int,
-                 packed: array[int] | None = None) -> None:
+                 packed: array[int] | None = None, *, distinct: bool = False) -> None:
         self.locals = locals_
         self.hashes = hashes
         self.packed = array("Q", hashes) if packed is None else packed
-        self.index: dict[int, int] = dict(zip(hashes, range(len(hashes)), strict=True))
+        self.index: dict[int, int] | None = None  # see `positions`
+        self.distinct = distinct  # True: no hash twice in the edge (False: not known)
         self.full = full  # bitmask of slots holding the whole edge
         self.cutoffs: dict[int, int] | None = None  # slot -> k: holds edge[:k], 0 < k < len(edge)
         self.children: dict[int, Node] | None = None  # first local hash of the child's edge -> child
         self.internal = False  # once a node has had children it is never extended again (as Dynamo)
         self.parent = parent
         self.freed = False  # nobody holds it any more and it is out of the tree
+
+    def positions(self) -> dict[int, int]:
+        """Engine hash -> its last place in the edge, built on first use and kept up to date from then on."""
+        index = self.index
+        if index is None:
+            index = self.index = positions_of(self.hashes)
+        return index
+
+    def position(self, h: int) -> int | None:
+        """`positions().get(h)`, without building the index for the edge's last block (a store's usual parent,
+        a leaf-first eviction's first) or a distinct edge's first."""
+        index = self.index
+        if index is None:
+            hashes = self.hashes
+            if hashes and hashes[-1] == h:
+                return len(hashes) - 1
+            if self.distinct and hashes and hashes[0] == h:  # a request evicted from its first block
+                return 0
+            index = self.positions()
+        return index.get(h)
+
+    def indexed_once(self) -> bool:
+        """Every place of the edge has its own entry in `positions()`: no hash repeated, none cut away."""
+        return self.distinct or len(self.positions()) == len(self.hashes)
 
     def cutoff(self, slot: int) -> int:
         if self.full >> slot & 1:

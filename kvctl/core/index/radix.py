@@ -196,7 +196,8 @@ class RadixTree:
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         locs = tokens_hashes if isinstance(tokens_hashes, array) else array("Q", tokens_hashes)
         nblocks = len(hashes)
-        if len(set(hashes)) != nblocks:  # one hash at two places: a lookup key can name only one of them
+        distinct = len(set(hashes)) == nblocks
+        if not distinct:  # one hash at two places: a lookup key can name only one of them
             self._shadow(slot)
         if parent_hash is None:
             parent = self.root
@@ -204,7 +205,7 @@ class RadixTree:
             if parent_hash in hashes:
                 return ApplyResult(Status.invalid_block)
             node = lookup.get(parent_hash)
-            pos = node.index.get(parent_hash) if node is not None else None
+            pos = node.position(parent_hash) if node is not None else None
             if node is None or pos is None:
                 return ApplyResult(Status.parent_block_not_found)
             if not node.covers(slot, pos):
@@ -228,7 +229,7 @@ class RadixTree:
                     self._append_to_leaf(parent, hashes[start:], locs[start:], bit, slot)
                     self._bind(slot, lookup, hashes[start:], parent)
                     break
-                child = Node(locs[start:], hashes[start:], parent, bit)
+                child = Node(locs[start:], hashes[start:], parent, bit, distinct=distinct)
                 self.nodes += 1
                 if children is None:
                     parent.children = {locs[start]: child}
@@ -251,7 +252,7 @@ class RadixTree:
                 child.promote(bit, slot)
                 self._bind_shared(slot, lookup, hashes[start : start + m], child)
                 start += m
-                tail = Node(locs[start:], hashes[start:], child, bit)
+                tail = Node(locs[start:], hashes[start:], child, bit, distinct=distinct)
                 self.nodes += 1
                 if child.children is None:
                     child.children = {locs[start]: tail}
@@ -344,14 +345,19 @@ class RadixTree:
                 node.cutoffs[s] = old
             node.full &= bit
         node.promote(bit, slot)
+        node.distinct = False  # the new hashes may repeat old ones: asked of the index from now on
         node.locals.extend(locs)
         node.hashes.extend(hashes)
         node.packed.extend(hashes)
-        node.index.update(zip(hashes, range(old, old + len(hashes)), strict=True))
+        if node.index is not None:  # else built from the whole edge when first read
+            node.index.update(zip(hashes, range(old, old + len(hashes)), strict=True))
 
     def _split(self, node: Node, pos: int) -> Node:
         """Cut `node`'s edge at `pos`; the suffix becomes its only child and takes its children."""
-        if len(node.index) != len(node.hashes):
+        # An edge not known distinct has its index built first: it tells a repeated hash, and the prefix
+        # keeps what the suffix does not repeat. A distinct one's parts are distinct, their indexes lazy as its.
+        distinct = node.distinct
+        if not distinct and len(node.positions()) != len(node.hashes):
             # A hash repeated in this edge: its holders' lookups can follow only one of its places.
             for s in (*iter_bits(node.full), *(node.cutoffs or ())):
                 self._shadow(s)
@@ -362,9 +368,10 @@ class RadixTree:
         node.locals = node.locals[:pos]
         node.packed = node.packed[:pos]
         index = node.index
-        for h in suffix_hashes:
-            index.pop(h, None)
-        suffix = Node(suffix_locs, suffix_hashes, node, node.full, suffix_packed)
+        if index is not None:
+            for h in suffix_hashes:
+                index.pop(h, None)
+        suffix = Node(suffix_locs, suffix_hashes, node, node.full, suffix_packed, distinct=distinct)
         suffix.children, suffix.internal = node.children, node.internal
         if suffix.children:
             for child in suffix.children.values():

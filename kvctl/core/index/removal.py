@@ -55,7 +55,6 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
     # (edge hashes, start, end) of what went stale: only searched when a hash is missing, which is rare
     made_stale: list[tuple[list[int], int, int]] = []
     hashes = block_hashes
-    packed = type(hashes) is array
     n = len(hashes)
     i = 0
     while i < n:
@@ -68,8 +67,7 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
             if not any(h in run[lo:hi] for run, lo, hi in made_stale):
                 missing += 1
             continue
-        index = node.index
-        pos = index.get(h)
+        pos = node.position(h)
         if pos is None:
             lookup[h] = node
             missing += 1
@@ -83,22 +81,24 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
             continue
         # Engines evict runs of one edge together: take the following hashes of this edge the
         # worker still holds in one step (the same end state as one by one, as Dynamo does).
-        # Leaf-first eviction walks the edge backwards to its start: when the rest of the event is
-        # exactly that, one compare of packed slices takes the run instead of two lookups per block.
+        # Leaf-first eviction walks the edge backwards to its start, and a request evicted whole from its first
+        # block walks it forwards: when the rest of the event is exactly that, one compare of packed slices
+        # takes the run instead of two lookups per block (and the edge's index is never built).
         # It needs each hash at one place (no repeat in the edge) and, for a slot whose lookup ever lost
         # track of a node (`_shadows`), a check that the run is still bound here.
-        unique = len(index) == len(node.hashes)
-        k = min(pos, n - i)
-        if k and unique:
-            run = node.packed[pos - k:pos]
-            run.reverse()
-            if (hashes[i:i + k] if packed else array("Q", hashes[i:i + k])) == run and (
-                    slot not in shadows or all(map(is_, map(lookup.get, node.hashes[pos - k:pos]), repeat(node)))):
+        unique = node.indexed_once()
+        if unique:
+            k = min(pos, n - i)
+            if k and _bound_run(lookup, node, hashes, i, pos - k, pos, slot not in shadows, backwards=True):
                 removed += k
                 i += k
                 pos -= k
+            elif (k := min(cut - pos - 1, n - i)) > 0 and _bound_run(lookup, node, hashes, i, pos + 1, pos + 1 + k,
+                                                                    slot not in shadows, backwards=False):
+                removed += k
+                i += k
         while i < n and lookup.get(hashes[i]) is node:
-            nxt = index.get(hashes[i])
+            nxt = node.positions().get(hashes[i])
             if nxt is None or nxt >= cut:
                 break
             if nxt < pos:
@@ -138,6 +138,19 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
     if missing:
         return ApplyResult(Status.block_not_found, removed, missing)
     return ApplyResult(Status.ok, removed)
+
+def _bound_run(lookup: dict[int, Node], node: Node, hashes: Sequence[int], i: int, lo: int, hi: int, trusted: bool,
+               *, backwards: bool) -> bool:
+    """The event's hashes from `i` on are the edge's [lo, hi), backwards or forwards, and the worker's lookup binds
+    them to `node` (known without looking for a `trusted` slot, one whose lookup never lost track of a node)."""
+    run = node.packed[lo:hi]
+    if backwards:
+        run.reverse()
+    ahead = hashes[i : i + hi - lo]
+    if (ahead if type(ahead) is array else array("Q", ahead)) != run:
+        return False
+    return trusted or all(map(is_, map(lookup.get, node.hashes[lo:hi]), repeat(node)))
+
 
 def _tidy(tree: RadixTree, slot: int) -> None:
     """Hand an emptied lookup to `reclaim`; keep a churning one within 1.25x its size (amortised)."""
