@@ -52,6 +52,9 @@ STATS_KEYS = ("blocks", "nodes", "workers", "tiers", "paths", "depths", "shared_
 """`tree stats`' object, whatever computed it (a router's answer also has its block size and mode)."""
 READ_CHUNK = 1 << 16
 """Characters of a dump file read at a time when its stats are streamed."""
+ROUTER_STATS_TIMEOUT_S = 120.0
+"""The least a router is given to answer `tree stats`: it walks its whole index for the shape, a slice of its
+loop at a time (~0.7 s per million pairs on 2 cores), so the 5-s default would cut a 10M-pair index short."""
 
 
 class DumpFormat(StrEnum):
@@ -104,7 +107,7 @@ class Reader:
         streamed = None
         if source.startswith(("http://", "https://")):
             stats = sources.router_tree_stats(source.rstrip("/"), model=self.model, top=top, token=settings.token,
-                                              timeout=settings.timeout)
+                                              timeout=max(settings.timeout, ROUTER_STATS_TIMEOUT_S))
             if stats is not None:
                 return {key: stats[key] for key in STATS_KEYS}
         elif source.startswith(("dynamo+http://", "dynamo+https://")):
