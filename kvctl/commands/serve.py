@@ -520,6 +520,20 @@ def serve_command(
         raise KvctlError(f"kvctl serve stopped: {exc}") from exc
     except KeyboardInterrupt:
         pass
+    _exit_without_teardown()
+
+
+def _exit_without_teardown() -> None:
+    """Exit 0 once a clean stop has flushed and fsynced all it keeps, without the interpreter's teardown: that
+    frees the index object by object (1.5 s at 4M pairs, seconds more at 10M) only for the kernel to drop
+    the pages anyway, and a SIGTERM should not wait on it."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def _router_id(given: int | None, state_dir: Path) -> int:
