@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
 
 from kvctl import http_api as api
 from kvctl.server.snapshot import Progress
@@ -65,6 +67,17 @@ class Readiness:
             return "ready"
         return (f"restoring the index: {p.phase}, {_percent(p):g}% ({p.done:,}/{p.total:,} {p.unit}), "
                 f"{self.clock() - self.started:.1f} s so far")
+
+
+class ReadinessCollector:
+    """`kvctl_ready` in /metrics: what `/readyz` says, for the alert on a restore that does not end."""
+
+    def __init__(self, readiness: Readiness) -> None:
+        self.readiness = readiness
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("kvctl_ready", "1 once the index is whole; 0 while a restart restores it "
+                                "(GET /readyz)", value=1 if self.readiness.ready else 0)
 
 
 def _percent(p: Progress) -> float:

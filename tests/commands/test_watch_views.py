@@ -16,6 +16,15 @@ import pytest
 from tests.commands.live_router import kvctl, loaded_router, url_of
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_not_ignored() -> Iterator[None]:
+    """A suite started in the background (`cmd &` in a script) ignores SIGINT, and so would every kvctl it starts:
+    Ctrl-C is what these tests send, so the kvctl processes get the default handling."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     with loaded_router(tmp_path_factory.mktemp("state")) as client:

@@ -5,6 +5,7 @@ the index that was written."""
 from __future__ import annotations
 
 import random
+import re
 import socket
 from pathlib import Path
 
@@ -58,10 +59,14 @@ def test_a_restart_answers_restoring_at_once_then_ready_with_the_index_written(
         assert route.json()["error"].startswith("restoring the index: ") and route.json()["restoring"]["total"] > 0
         assert client.get("/v1/tree/stats").status_code == 503  # a partial index's stats would mislead
         assert client.get("/healthz").status_code == 200  # alive all along
+        restoring_gauge = re.search(r"^kvctl_ready (\S+)$", client.get("/metrics").text, re.M)
         assert client.get("/v1/status").json()["readiness"]["status"] in ("restoring", "ready")
         ready = eventually(lambda: client.get("/readyz"), "the index whole", until=lambda r: r.status_code == 200,
                            timeout=60)
         assert ready.json()["status"] == "ready" and ready.json()["restore_s"] > 0
+        # the gauge the KvctlRestoring alert reads: 0 while restoring (read early, before most of the restore), then 1
+        assert restoring_gauge is not None and float(restoring_gauge[1]) == 0.0
+        assert re.search(r"^kvctl_ready 1\.0$", client.get("/metrics").text, re.M)
         told = receive(notify)
         assert "READY" not in told and told["STATUS"].startswith("restoring the index: "), told
         while "READY" not in told:

@@ -57,7 +57,7 @@ from kvctl.server.http.route_protocol import Connections, missing_internals, rou
 from kvctl.server.http.tree_stats import index_shape
 from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.ingest.streams import Streams
-from kvctl.server.readiness import RETRY_AFTER_S, SAFE_METHODS, Readiness
+from kvctl.server.readiness import RETRY_AFTER_S, SAFE_METHODS, Readiness, ReadinessCollector
 from kvctl.server.state import Fleet, OverLimit, UnknownWorker, WorkerInfo
 
 log = logging.getLogger("kvctl.serve")
@@ -335,6 +335,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     (shown in status; None: nothing to restore). `connections`: the limits its `http_protocol` keeps."""
     readiness = readiness if readiness is not None else Readiness(restoring=False, clock=clock)
     metrics = Metrics(fleet, streams, plane, connections)
+    metrics.registry.register(ReadinessCollector(readiness))
     routing = _Routing(fleet, metrics, clock)
     bulk = BulkLoads(fleet, clock)
     started = clock()
