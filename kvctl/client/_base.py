@@ -101,6 +101,17 @@ def check(request: Request, response: httpx.Response) -> None:
     raise ApiError(text, status=response.status_code)
 
 
+def warning_of(response: httpx.Response) -> str | None:
+    """The text of a router's `Warning: 299 kvctl "..."` header (sent while a restart restores its index), so
+    that a command can say its answer shows part of the index; None without one."""
+    value: str = response.headers.get("warning", "")
+    code, _, rest = value.partition(" ")
+    agent, _, text = rest.partition(" ")
+    if code != "299" or agent != "kvctl" or len(text) < 2 or text[0] != '"' or text[-1] != '"':
+        return None
+    return text[1:-1]
+
+
 def _error_of(content: bytes) -> api.Error | api.Invalid | None:
     """The router's error answer (a 422's list of invalid fields, or any other's message); None for an answer
     of another shape (a proxy's page, another server's error)."""

@@ -85,7 +85,8 @@ def router_client(ctx: typer.Context) -> RouterClient:
     from kvctl.client import RouterClient
 
     settings = settings_for(ctx)
-    return RouterClient(settings.server, token=settings.token, timeout=settings.timeout)
+    return RouterClient(settings.server, token=settings.token, timeout=settings.timeout,
+                        warn=Output(color=ctx.find_root().obj.color).warn)
 
 
 # Credentials for Prometheus and engines' /metrics (never the router's token: that goes to the router only).

@@ -195,15 +195,7 @@ def status_command(
 
 
 def _render_status(out: Output, status: Status) -> None:
-    """The whole /v1/status object in json/yaml; as tables, the streams and then the event plane's block (after
-    one line saying so, when a restart is still restoring the index)."""
-    from kvctl.http_api import Readiness
-
-    readiness = status.readiness
-    if (out.format in (OutputFormat.table, OutputFormat.wide) and isinstance(readiness, Readiness)
-            and readiness.status == "restoring"):
-        out.warn(f"restoring the index: {readiness.phase}, {readiness.percent}% after {readiness.elapsed_s} s; "
-                 "routes, dumps and event loads are refused (503) until GET /readyz answers 200")
+    """The whole /v1/status object in json/yaml; as tables, the streams and then the event plane's block."""
     if not status.streams and out.format in (OutputFormat.table, OutputFormat.wide):
         out.note("no engine streams: this router gets its events over HTTP or the event plane")
     out.emit(status, _STREAMS_VIEW)

@@ -60,6 +60,20 @@ class Readiness:
         return api.Error(f"{self.line()}; retry in a moment (GET /readyz says when it is whole)",
                          restoring=self.answer())
 
+    def warned(self, send: Any) -> Any:
+        """An ASGI send adding a `Warning` header (RFC 9111's form, which Kubernetes' API server uses too) to an
+        answer given while restoring: clients print it, so a worker list or a status read mid-restore is not
+        taken for the whole index. Quoted text: the line has no quotes or backslashes to escape."""
+        warning = (f'299 kvctl "{self.line()}: answers show part of the index, and routes, dumps and changes are '
+                   f'refused (503) until GET /readyz answers 200"').encode()
+
+        async def warned(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"warning", warning)]}
+            await send(message)
+
+        return warned
+
     def line(self) -> str:
         """One line for a refusal and systemd's STATUS=: what is restored, how far, for how long."""
         p = self.progress

@@ -71,6 +71,7 @@ class Header:
     blocks: int
     nodes: int
     rss_bytes: int | None
+    restoring: str | None = None  # how far a restart's restore is, until the index is whole (its counts are part)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,7 @@ class Frame:
             "router": self.router, "models": list(h.models), "uptime_s": h.uptime_s,
             "events_per_s": h.events_per_s, "routes_per_s": h.routes_per_s,
             "predicted_hit_rate": h.predicted_hit_rate, "blocks": h.blocks, "nodes": h.nodes,
-            "rss_bytes": h.rss_bytes, "workers": [w.to_dict() for w in self.workers],
+            "rss_bytes": h.rss_bytes, "restoring": h.restoring, "workers": [w.to_dict() for w in self.workers],
             "streams": {"count": self.health.streams, "by_state": self.health.by_state, "gaps": self.health.gaps,
                         "lost_batches": self.health.lost_batches, "replays_failed": self.health.replays_failed,
                         "restarts": self.health.restarts, "decode_errors": self.health.decode_errors,
@@ -219,7 +220,7 @@ class FrameBuilder:
             models=tuple(sorted(models)), uptime_s=poll.status.get("uptime_s"),
             events_per_s=rate(EVENTS), routes_per_s=rate(ROUTES), predicted_hit_rate=predicted,
             blocks=sum(m["blocks"] for m in models.values()), nodes=sum(m["nodes"] for m in models.values()),
-            rss_bytes=poll.status.get("rss_bytes"))
+            rss_bytes=poll.status.get("rss_bytes"), restoring=_restoring(poll.status.get("readiness")))
         for name, value in (("events_per_s", header.events_per_s), ("routes_per_s", header.routes_per_s),
                             ("predicted_hit_rate", header.predicted_hit_rate)):
             if value is not None:
@@ -228,6 +229,13 @@ class FrameBuilder:
         return Frame(router=self.router, header=header, workers=_workers(before, poll), health=_health(poll.status),
                      tiers=poll.tiers, tiers_error=poll.tiers_error, tiers_note=poll.tiers_note,
                      history={name: tuple(values) for name, values in self._history.items()})
+
+
+def _restoring(readiness: dict[str, Any] | None) -> str | None:
+    """"phase, N%" while the router restores its index (a router without /readyz reports no readiness)."""
+    if not readiness or readiness.get("status") != "restoring":
+        return None
+    return f"{readiness.get('phase')}, {readiness.get('percent')}%"
 
 
 # ----- sorting and filtering the workers table -------------------------------------------------------------

@@ -66,9 +66,11 @@ def worker_cells(row: WorkerRow) -> dict[str, str]:
 
 
 def header_fields(router: str, header: Header) -> dict[str, str]:
+    """The header's fields; while a restart restores the index, "restoring" comes first: the counts are part."""
+    restoring = {} if header.restoring is None else {"restoring": header.restoring}
     return {
         "router": router, "models": ", ".join(header.models) or "-", "uptime": age(header.uptime_s) or "-",
-        "events/s": per_second(header.events_per_s), "routes/s": per_second(header.routes_per_s),
+        **restoring, "events/s": per_second(header.events_per_s), "routes/s": per_second(header.routes_per_s),
         "blocks": count(header.blocks),
         "nodes": count(header.nodes), "rss": size(header.rss_bytes),
     }

@@ -222,6 +222,8 @@ class _Front:
         if self.readiness.refuses(scope["method"], scope["path"]):
             await _send(send, 503, _dumps(self.readiness.refusal()), _RETRY_AFTER)
             return
+        if not self.readiness.ready:
+            send = self.readiness.warned(send)
         if scope["method"] == "POST" and scope["path"] == "/v1/route":
             try:
                 raw = await self._body(receive)
