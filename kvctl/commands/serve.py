@@ -103,9 +103,6 @@ def router_config(flags: dict[str, float | bool | None], overlap_score_weight: f
 
     The file wins over the flags as in Dynamo (its parameters resolve over KvRouterConfig). UsageError
     (exit 2) on a bad value or a file Dynamo would refuse, with its reason on one line."""
-    import logging
-
-    from kvctl.core.router.policy_config import PolicyConfigError, parse_policy_config
     from kvctl.core.router.scoring import RouterConfig
 
     knobs = dict(flags)
@@ -118,6 +115,10 @@ def router_config(flags: dict[str, float | bool | None], overlap_score_weight: f
         raise UsageError(f"--{str(exc).replace('_', '-')}") from None
     if policy_file is None:
         return config
+    import logging
+
+    from kvctl.core.router.policy_config import PolicyConfigError, parse_policy_config  # YAML: loaded if asked
+
     try:
         policy = parse_policy_config(policy_file.read_text())
     except OSError as exc:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 import zmq
@@ -49,12 +49,15 @@ from kvctl.server.ingest.streams import QUEUE_BATCHES, Streams
 from kvctl.server.persistence import compact, replay
 from kvctl.server.persistence.compact import COMPACT_BYTES
 from kvctl.server.persistence.state_log import BACKLOG, LogCollector, StateLog
-from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
-from kvctl.server.plane.zmq_plane import ZmqOptions, ZmqPlane
 from kvctl.server.readiness import Readiness
 from kvctl.server.sd_notify import Notifier
 from kvctl.server.serve_choices import DecoderMode, LogLevel
 from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
+
+if TYPE_CHECKING:  # loaded only where an event plane is asked for: nats-py and httpx slow every start
+    from kvctl.server.http.metrics import Plane
+    from kvctl.server.plane.nats_plane import NatsOptions
+    from kvctl.server.plane.zmq_plane import ZmqOptions
 
 log = logging.getLogger("kvctl.serve")
 TICK_S = 1.0
@@ -208,10 +211,14 @@ async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], 
     log.info("following at most %s (file limit %d)", counted(max_engines, "engine endpoint"), files)
     streams = Streams(fleet, queue_batches=options.queue_batches, decoder=make_decoder(options.decoder),
                       context=context, max_engines=max_engines)
-    plane: EventPlane | ZmqPlane | None = None
+    plane: Plane | None = None
     if options.nats is not None:
+        from kvctl.server.plane.nats_plane import EventPlane
+
         plane = EventPlane(fleet, streams, options.nats)
     elif options.zmq_plane is not None:
+        from kvctl.server.plane.zmq_plane import ZmqPlane
+
         plane = ZmqPlane(fleet, streams, options.zmq_plane)
     readiness = Readiness(restoring=options.state_dir is not None)
     app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane,
@@ -285,7 +292,7 @@ def _stop_on_failure(task: asyncio.Task[None], server: _Server) -> None:
 
 
 async def _become_ready(fleet: Fleet, options: ServeOptions, readiness: Readiness, notifier: Notifier, url: str,
-                        streams: Streams, plane: EventPlane | ZmqPlane | None, app: Any, running: _Running) -> None:
+                        streams: Streams, plane: Plane | None, app: Any, running: _Running) -> None:
     """Restore the state dir on the loop, then start what feeds the index and what persists it; then ready."""
     restored = await _restore(fleet, options, readiness, notifier)
     for info in options.engines:
