@@ -13,8 +13,8 @@ from contextlib import contextmanager
 import uvicorn
 
 from kvctl.exit_codes import CheckStatus, ExitCode
-from kvctl.server.daemon import base_url, bind
 from kvctl.server.http.api import create_app, http_protocol
+from kvctl.server.listen import base_url, bind
 from kvctl.server.readiness import Readiness
 from kvctl.server.state import Fleet
 from tests.commands.live_router import kvctl

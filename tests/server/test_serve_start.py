@@ -1,6 +1,7 @@
 """What a `kvctl serve` start loads, and when: the port must open within a second of the start (issue 27), and
-most of a start is loading Python modules: a router without an event plane never loads nats-py, httpx (and the rich
-it pulls in), Textual or YAML. Checked on what a real process loads (`-X importtime`), not on timings."""
+most of a start is loading Python modules. So the port is bound before the server's own stack (uvicorn, starlette,
+prometheus_client, pyzmq, the daemon) loads, and a router without an event plane never loads nats-py, httpx (and
+the rich it pulls in), Textual or YAML. Checked on what a real process loads (`-X importtime`), not on timings."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ socket.socket.listen = marked
 from kvctl.cli import main
 main()
 """
+SERVER_STACK = ("uvicorn", "starlette", "prometheus_client", "zmq", "kvctl.server.daemon", "kvctl.server.http")
 NOT_ASKED_FOR = ("nats", "httpx", "rich", "textual", "yaml", "kvctl.server.plane.nats_plane",
                  "kvctl.server.plane.zmq_plane", "kvctl.server.plane.dynamo_discovery", "kvctl.nats.jetstream")
 
@@ -62,6 +64,12 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], list[st
 
 def _of(packages: tuple[str, ...], modules: list[str]) -> list[str]:
     return [m for m in modules if m.startswith(tuple(f"{p}." for p in packages)) or m in packages]
+
+
+def test_the_port_opens_before_the_server_stack_loads(loaded: tuple[list[str], list[str]]) -> None:
+    before_bind, ever = loaded
+    assert _of(SERVER_STACK, ever), "the server stack is expected to load, after the bind"
+    assert _of(SERVER_STACK, before_bind) == []
 
 
 def test_a_router_without_an_event_plane_never_loads_its_packages(loaded: tuple[list[str], list[str]]) -> None:
