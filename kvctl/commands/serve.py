@@ -103,9 +103,6 @@ def router_config(flags: dict[str, float | bool | None], overlap_score_weight: f
 
     The file wins over the flags as in Dynamo (its parameters resolve over KvRouterConfig). UsageError
     (exit 2) on a bad value or a file Dynamo would refuse, with its reason on one line."""
-    import logging
-
-    from kvctl.core.router.policy_config import PolicyConfigError, parse_policy_config
     from kvctl.core.router.scoring import RouterConfig
 
     knobs = dict(flags)
@@ -118,6 +115,10 @@ def router_config(flags: dict[str, float | bool | None], overlap_score_weight: f
         raise UsageError(f"--{str(exc).replace('_', '-')}") from None
     if policy_file is None:
         return config
+    import logging
+
+    from kvctl.core.router.policy_config import PolicyConfigError, parse_policy_config  # YAML: loaded if asked
+
     try:
         policy = parse_policy_config(policy_file.read_text())
     except OSError as exc:
@@ -419,10 +420,8 @@ def serve_command(
              "(a late-found worker, a gap in its events); past it the worker is marked partial.")] = 30.0,
     nats_auth: NatsAuth | None = None,
 ) -> None:
-    from kvctl.core.router.approx import ApproxConfig
     from kvctl.core.router.busy import Thresholds
-    from kvctl.server.daemon import ServeOptions, is_loopback, run
-    from kvctl.server.state import RouteLimits
+    from kvctl.server.listen import bind, is_loopback
 
     host, port = parse_listen(listen)
     if admin_token_file is not None:
@@ -465,7 +464,11 @@ def serve_command(
             "router_temperature": temperature, "track_prefill_tokens": track_prefill_tokens},
             overlap_score_weight, tier_credits, policy_config)
         thresholds = Thresholds(decode_threshold, prefill_threshold, prefill_frac)
-        approx = ApproxConfig(router_ttl, max_tree_size, prune_target_ratio) if approximate else None
+        approx = None
+        if approximate:  # the index's code loads after the port opens, unless this mode needs it to check flags
+            from kvctl.core.router.approx import ApproxConfig
+
+            approx = ApproxConfig(router_ttl, max_tree_size, prune_target_ratio)
         if not request_expiry > 0:
             raise ValueError(f"--request-expiry must be > 0 seconds, got {request_expiry}")
     except ValueError as exc:
@@ -492,6 +495,17 @@ def serve_command(
     elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
                          "an event plane: --nats URL or --dynamo-discovery STORE")
+    from kvctl.server.state_dir import claim
+
+    held = claim(state_dir, listen)  # before anything reads or writes the state dir, held until exit
+    # The port opens here, before the server's code loads (most of a start's time): connections wait in the
+    # backlog until it serves, and the URL is announced then.
+    sock = bind(host, port)
+    import asyncio
+
+    from kvctl.server.daemon import ServeOptions, run
+    from kvctl.server.state import RouteLimits
+
     options = ServeOptions(host=host, port=port, block_size=block_size, admin_token=admin_token, insecure=insecure,
                            engines=engines, log_level=log_level, state_dir=state_dir,
                            snapshot_interval_s=snapshot_interval, compact_log_bytes=compact_log_bytes,
@@ -503,11 +517,6 @@ def serve_command(
                            idle_timeout_s=idle_timeout, max_connections=_fd_capped(max_connections),
                            shutdown_timeout_s=shutdown_timeout, route_fast_path=route_fast_path,
                            limits=RouteLimits(max_request_tokens, max_reservations, max_reserved_tokens))
-    import asyncio
-
-    from kvctl.server.state_dir import claim
-
-    held = claim(state_dir, listen)  # before anything reads or writes the state dir, held until exit
 
     def announce(url: str) -> None:
         held.record(url)  # for the line a second router on this state dir exits with
@@ -515,7 +524,7 @@ def serve_command(
 
     try:
         with held, asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(run(options, announce))
+            runner.run(run(options, sock, announce))
     except OSError as exc:  # not the operator's choice of port: a failure of the router itself
         raise KvctlError(f"kvctl serve stopped: {exc}") from exc
     except KeyboardInterrupt:

@@ -1,24 +1,24 @@
-"""`kvctl serve` as a process: bind, announce the URL, serve HTTP, run the engine streams, shut down cleanly.
+"""`kvctl serve` as a process: serve HTTP on the port it bound (`listen`), announce the URL, run the engine streams,
+shut down cleanly.
 
 The first SIGINT/SIGTERM drains and stops: connections in flight get `--shutdown-timeout` seconds to
 finish, then are dropped. A second one forces the exit at once. Either way the final snapshot is written
 (a third signal ends the process even then), and a forced exit is an error (exit 1), since it dropped
 whatever was in flight.
 
-A restart serves at once: the port is bound and answered before the state dir is restored, and the restore
-runs on the event loop a slice at a time (`SLICE_S`), so `/healthz` and `/readyz` answer throughout and
-routes are refused with "restoring" until the index is whole (`readiness`). Engine streams, the event
-plane, the state log and its compaction start once it is. Under systemd (`Type=notify`) the router says
-READY=1 once the index is whole, not at bind: READY is systemd's one "started" moment, and the units ordered
-after the router want routes that see the whole index; until then STATUS= lines say how far the restore is,
-and the watchdog is kept from the bind. STOPPING=1 comes as the drain begins (see `sd_notify`).
+A restart serves at once: the port is bound before this module loads and answered before the state dir is
+restored, and the restore runs on the event loop a slice at a time (`SLICE_S`), so `/healthz` and `/readyz`
+answer throughout and routes are refused with "restoring" until the index is whole (`readiness`). Engine
+streams, the event plane, the state log and its compaction start once it is. Under systemd (`Type=notify`) the
+router says READY=1 once the index is whole, not at bind: READY is systemd's one "started" moment, and the units
+ordered after the router want routes that see the whole index; until then STATUS= lines say how far the restore
+is, and the watchdog is kept from the start of serving. STOPPING=1 comes as the drain begins (see `sd_notify`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import signal
 import socket
@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 import zmq
@@ -37,7 +37,7 @@ from kvctl.core.router.busy import Thresholds
 from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.core.words import counted
-from kvctl.errors import CannotListen, KvctlError
+from kvctl.errors import KvctlError
 from kvctl.runtime import survivors_frozen, trim_heap
 from kvctl.server import snapshot
 from kvctl.server.budget import RECLAIM_ENTRIES, SLICE_S
@@ -46,15 +46,19 @@ from kvctl.server.http.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Co
 from kvctl.server.ingest.decode_process.parent import make_decoder
 from kvctl.server.ingest.fd_limits import default_max_engines, raise_file_limit, sized
 from kvctl.server.ingest.streams import QUEUE_BATCHES, Streams
+from kvctl.server.listen import base_url, is_loopback
 from kvctl.server.persistence import compact, replay
 from kvctl.server.persistence.compact import COMPACT_BYTES
 from kvctl.server.persistence.state_log import BACKLOG, LogCollector, StateLog
-from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
-from kvctl.server.plane.zmq_plane import ZmqOptions, ZmqPlane
 from kvctl.server.readiness import Readiness
 from kvctl.server.sd_notify import Notifier
 from kvctl.server.serve_choices import DecoderMode, LogLevel
 from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
+
+if TYPE_CHECKING:  # loaded only where an event plane is asked for: nats-py and httpx slow every start
+    from kvctl.server.http.metrics import Plane
+    from kvctl.server.plane.nats_plane import NatsOptions
+    from kvctl.server.plane.zmq_plane import ZmqOptions
 
 log = logging.getLogger("kvctl.serve")
 TICK_S = 1.0
@@ -148,38 +152,9 @@ class ServeOptions:
     max_engines: int | None = None  # engine endpoints followed at most; None: as the file limit allows
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for TCP-typed listeners;
-    # without it each keep-alive response waits ~40 ms on the client's delayed ACK (Nagle).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        raise CannotListen(address, exc.strerror or str(exc)) from None
-    sock.set_inheritable(True)
-    return sock
-
-
-def base_url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
+async def run(options: ServeOptions, sock: socket.socket, announce: Callable[[str], None]) -> None:
+    """Serve on `sock` (`listen.bind`: listening already, so that connections wait rather than being refused while
+    this module loads), and `announce` its URL once the server takes them."""
     notifier = Notifier.from_environment()  # first: no child process may inherit NOTIFY_SOCKET
     fleet = Fleet(block_size=options.block_size, config=options.router, thresholds=options.thresholds,
                   approx=options.approx, request_expiry_s=options.request_expiry_s, limits=options.limits)
@@ -188,7 +163,7 @@ async def run(options: ServeOptions, announce: Callable[[str], None]) -> None:
         if spec.thresholds:
             fleet.thresholds.set(spec.name, **spec.thresholds)
     with survivors_frozen():  # the restored index included: each collection walks only the newest objects
-        await _serve(fleet, options, announce, notifier)
+        await _serve(fleet, options, sock, announce, notifier)
 
 
 @dataclass
@@ -201,23 +176,27 @@ class _Running:
     snapshots: snapshot.Writer | None = None
 
 
-async def _serve(fleet: Fleet, options: ServeOptions, announce: Callable[[str], None], notifier: Notifier) -> None:
+async def _serve(fleet: Fleet, options: ServeOptions, sock: socket.socket, announce: Callable[[str], None],
+                 notifier: Notifier) -> None:
     files = raise_file_limit()  # before the decode process starts: it inherits the limit
     context = sized(zmq.asyncio.Context())
     max_engines = options.max_engines or default_max_engines(files, context.get(zmq.MAX_SOCKETS))
     log.info("following at most %s (file limit %d)", counted(max_engines, "engine endpoint"), files)
     streams = Streams(fleet, queue_batches=options.queue_batches, decoder=make_decoder(options.decoder),
                       context=context, max_engines=max_engines)
-    plane: EventPlane | ZmqPlane | None = None
+    plane: Plane | None = None
     if options.nats is not None:
+        from kvctl.server.plane.nats_plane import EventPlane
+
         plane = EventPlane(fleet, streams, options.nats)
     elif options.zmq_plane is not None:
+        from kvctl.server.plane.zmq_plane import ZmqPlane
+
         plane = ZmqPlane(fleet, streams, options.zmq_plane)
     readiness = Readiness(restoring=options.state_dir is not None)
     app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane,
                      max_body_bytes=options.max_body_bytes, readiness=readiness,
                      connections=Connections(options.idle_timeout_s, options.max_connections))
-    sock = bind(options.host, options.port)
     if not options.admin_token and not is_loopback(options.host):
         log.warning("serving on %s without an admin token (--insecure): anyone who can reach it can change "
                     "the index, workers and thresholds", options.host)
@@ -285,7 +264,7 @@ def _stop_on_failure(task: asyncio.Task[None], server: _Server) -> None:
 
 
 async def _become_ready(fleet: Fleet, options: ServeOptions, readiness: Readiness, notifier: Notifier, url: str,
-                        streams: Streams, plane: EventPlane | ZmqPlane | None, app: Any, running: _Running) -> None:
+                        streams: Streams, plane: Plane | None, app: Any, running: _Running) -> None:
     """Restore the state dir on the loop, then start what feeds the index and what persists it; then ready."""
     restored = await _restore(fleet, options, readiness, notifier)
     for info in options.engines:

@@ -17,8 +17,8 @@ import uvicorn
 
 from kvctl.client._base import warning_of
 from kvctl.exit_codes import CheckStatus, ExitCode
-from kvctl.server.daemon import base_url, bind
 from kvctl.server.http.api import create_app, http_protocol
+from kvctl.server.listen import base_url, bind
 from kvctl.server.readiness import Readiness
 from kvctl.server.state import Fleet
 from tests.commands.live_router import kvctl

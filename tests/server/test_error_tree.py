@@ -19,8 +19,8 @@ from kvctl.errors import CannotListen, DiscoveryError, KvctlError, StateDirError
 from kvctl.exit_codes import ExitCode
 from kvctl.server import snapshot
 from kvctl.server.config_file import load
-from kvctl.server.daemon import bind
 from kvctl.server.http.api import create_app
+from kvctl.server.listen import bind
 from kvctl.server.plane.dynamo_discovery import FileDiscovery
 from kvctl.server.state import Fleet
 from kvctl.server.state_dir import claim

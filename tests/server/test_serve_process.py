@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from kvctl.cli import app
-from kvctl.server.daemon import bind
+from kvctl.server.listen import bind
 from tests.fixtures_path import FIXTURES
 from tests.support import eventually
 from tests.support.served import on_both_route_paths

@@ -12,8 +12,8 @@ import httpx
 import pytest
 import uvicorn
 
-from kvctl.server.daemon import bind
 from kvctl.server.http.api import http_protocol
+from kvctl.server.listen import bind
 from tests.support.eventually import eventually_async
 
 ROUTE_PATHS = ("fast path", "asgi")

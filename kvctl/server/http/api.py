@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import uvicorn
@@ -51,7 +51,7 @@ from kvctl.server.http.bodies import (
     read_route_body,
 )
 from kvctl.server.http.bulk import BulkLoads, decoded
-from kvctl.server.http.metrics import Metrics, Plane
+from kvctl.server.http.metrics import Metrics
 from kvctl.server.http.openapi import OPERATIONS, document, pages
 from kvctl.server.http.route_protocol import Connections, missing_internals, route_protocol
 from kvctl.server.http.tree_stats import index_shape
@@ -59,6 +59,9 @@ from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.readiness import RETRY_AFTER_S, SAFE_METHODS, Readiness, ReadinessCollector
 from kvctl.server.state import Fleet, OverLimit, UnknownWorker, WorkerInfo
+
+if TYPE_CHECKING:
+    from kvctl.server.http.metrics import Plane
 
 log = logging.getLogger("kvctl.serve")
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -527,7 +530,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         "table of the document disagree"
     refusals = dict.fromkeys((_BodyTooLarge, ApiError, OverLimit, AllBusy, NoCandidates, Invalid), _refuse)
     app = Starlette(routes=[Route(path, handler, methods=[method]) for (method, path), handler in handlers.items()]
-                    + pages(document(_needs_admin)), exception_handlers={**refusals, HTTPException: _no_route})
+                    + pages(openapi_document), exception_handlers={**refusals, HTTPException: _no_route})
     return _Front(app, routing, readiness, admin_token=admin_token, max_body_bytes=max_body_bytes)
 
 

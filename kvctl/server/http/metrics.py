@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,12 +17,16 @@ from prometheus_client.registry import Collector
 from kvctl.server.http.loop_lag import LoopLag
 from kvctl.server.http.route_protocol import Connections
 from kvctl.server.ingest.streams import Streams
-from kvctl.server.plane.nats_plane import EventPlane
-from kvctl.server.plane.zmq_plane import ZmqPlane
 from kvctl.server.state import Fleet
 
-Plane = EventPlane | ZmqPlane
-"""A Dynamo event plane's transport: NATS, or Dynamo's ZMQ plane."""
+if TYPE_CHECKING:  # a router without an event plane never loads nats-py, httpx or the planes (a quicker start)
+    from typing import TypeAlias
+
+    from kvctl.server.plane.nats_plane import EventPlane
+    from kvctl.server.plane.zmq_plane import ZmqPlane
+
+    Plane: TypeAlias = EventPlane | ZmqPlane
+    """A Dynamo event plane's transport: NATS, or Dynamo's ZMQ plane."""
 
 
 class FleetCollector(Collector):

@@ -8,6 +8,7 @@ and no body it was not told about.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -194,17 +195,18 @@ _REDOC = """<!doctype html>
 """
 
 
-def pages(openapi: dict[str, Any]) -> list[Route]:
+def pages(openapi: Callable[[], dict[str, Any]]) -> list[Route]:
     """The documentation routes: the document itself, and Swagger UI and ReDoc over it (for people exploring the
-    API; their scripts come from a CDN, as the browser that shows them can reach one)."""
-    body = msgspec.json.encode(openapi)
+    API; their scripts come from a CDN, as the browser that shows them can reach one). The document is built when
+    first asked for, not at start: its schema pass over every Struct would hold back the port's opening."""
+    body = functools.cache(lambda: msgspec.json.encode(openapi()))
 
-    def page(content: bytes | str, media_type: str) -> Callable[[Request], Awaitable[Response]]:
+    def page(content: Callable[[], bytes | str], media_type: str) -> Callable[[Request], Awaitable[Response]]:
         async def serve(_: Request) -> Response:
-            return Response(content, media_type=media_type)
+            return Response(content(), media_type=media_type)
 
         return serve
 
     return [Route("/openapi.json", page(body, "application/json"), methods=["GET"]),
-            Route("/docs", page(_SWAGGER_UI, "text/html"), methods=["GET"]),
-            Route("/redoc", page(_REDOC, "text/html"), methods=["GET"])]
+            Route("/docs", page(lambda: _SWAGGER_UI, "text/html"), methods=["GET"]),
+            Route("/redoc", page(lambda: _REDOC, "text/html"), methods=["GET"])]
