@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,14 +31,11 @@ from kvctl import __version__
 from kvctl import http_api as api
 from kvctl.core import native
 from kvctl.core.events import Tier
-from kvctl.core.events.dynamo import encode_router_event_json
-from kvctl.core.index.kv_index import DumpEdge, events_of
-from kvctl.core.names import DEFAULT_MODEL, WorkerSelector, format_worker, parse_worker, selects
+from kvctl.core.names import DEFAULT_MODEL, format_worker, parse_worker
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError, Thresholds
 from kvctl.core.router.scoring import CREDITED_TIERS, BadKnob, Candidate, NoCandidates
 from kvctl.core.words import counted
 from kvctl.errors import ApiError
-from kvctl.server.budget import SLICE_S
 from kvctl.server.http.bodies import (
     OVERRIDES,
     Invalid,
@@ -51,6 +48,7 @@ from kvctl.server.http.bodies import (
     read_route_body,
 )
 from kvctl.server.http.bulk import BulkLoads, decoded
+from kvctl.server.http.dump_stream import dump_stream
 from kvctl.server.http.metrics import Metrics
 from kvctl.server.http.openapi import OPERATIONS, document, pages
 from kvctl.server.http.route_protocol import Connections, missing_internals, route_protocol
@@ -452,8 +450,8 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             wanted = parse_worker(worker) if worker is not None else None
         except ValueError as exc:
             return _error(400, str(exc))
-        slices = fleet.model(query.get("model", DEFAULT_MODEL)).router.index.capture_in_slices(TREE_SLICE)
-        return StreamingResponse(_encode_dump(slices, wanted, jsonl),
+        index = fleet.model(query.get("model", DEFAULT_MODEL)).router.index
+        return StreamingResponse(dump_stream(index, wanted, jsonl),
                                  media_type="application/x-ndjson" if jsonl else "application/json")
 
     async def tree_stats(request: Request) -> Response:
@@ -550,42 +548,6 @@ async def _no_route(request: Request, exc: Exception) -> Response:
     status, body = _error_bytes(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}; the routes "
                                                  "are listed in GET /openapi.json")
     return Response(body, status_code=status, media_type="application/json", headers=exc.headers)
-
-
-TREE_SLICE = 64
-"""Index nodes and edges a `GET /v1/tree` captures between two looks at the clock: ~0.2 ms (2-4 µs each)."""
-
-
-async def _encode_dump(slices: Iterator[list[DumpEdge]], wanted: WorkerSelector | None,
-                       jsonl: bool) -> AsyncIterator[bytes]:
-    """A dump as a JSON list or JSONL, captured and sent a slice of the event loop at a time: neither the
-    walk of a large index nor its encoding holds the loop, and only a slice of it is held in memory at a
-    time (a client that stops reading is dropped by the idle timeout). One clock for both: the loop runs
-    once `SLICE_S` of capture and encoding is spent, wherever it was spent."""
-    parts = [] if jsonl else [b"["]
-    end = time.perf_counter() + SLICE_S
-    for part in _dump_parts(slices, wanted, jsonl):
-        parts.append(part)
-        if time.perf_counter() > end:
-            yield b"".join(parts)
-            parts.clear()
-            await asyncio.sleep(0)  # the send above only queues the bytes: events and routes go first
-            end = time.perf_counter() + SLICE_S
-    if not jsonl:
-        parts.append(b"]")
-    yield b"".join(parts)
-
-
-def _dump_parts(slices: Iterator[list[DumpEdge]], wanted: WorkerSelector | None, jsonl: bool) -> Iterator[bytes]:
-    """The dump's bytes after its opening, an event at a time, and b"" after each slice of the capture (a
-    slice may select no edge: the clock is read after it all the same)."""
-    n = 0
-    for edges in slices:
-        for event in events_of([e for e in edges if selects(wanted, e.worker)] if wanted is not None else edges, n):
-            encoded = encode_router_event_json(event)
-            yield encoded + b"\n" if jsonl else (b"," if n else b"") + encoded
-            n += 1
-        yield b""
 
 
 __all__ = ["create_app"]
