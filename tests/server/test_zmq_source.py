@@ -569,10 +569,10 @@ async def test_a_killed_decode_process_hands_the_stream_back_and_the_gap_is_repl
     await h.start(0, a.payload)
     await h.engine.publish(1, b.payload)
     await h.wait(lambda: h.stream.stats.last_seq == 1)
-    assert h.stream._sub is None and decoder.status()["receiving"] == 1
+    assert h.stream._io.sub is None and decoder.status()["receiving"] == 1
     h.engine.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # pass on the stream's subscription, a duplicate of the child's
     os.kill(decoder.status()["pid"], signal.SIGKILL)
-    await h.wait(lambda: h.stream._sub is not None)
+    await h.wait(lambda: h.stream._io.sub is not None)
     while (await asyncio.wait_for(h.engine.pub.recv(), 3))[:1] != b"\x01":
         pass  # the dead child's unsubscription, if it comes first
     await h.engine.publish(2, c.payload, live=False)  # as if it had died holding this one
@@ -592,14 +592,14 @@ async def test_a_killed_decode_process_hands_the_stream_back_and_the_gap_is_repl
 async def test_close_is_prompt_and_closes_the_sockets(make: Any, decoder: Decoder) -> None:
     h = await make()
     await h.start(0, load("vllm-0.33")[0].payload)
-    sub = h.stream._sub  # the stream's own, or none while the decode process receives for it
+    sub = h.stream._io.sub  # the stream's own, or none while the decode process receives for it
     assert (sub is None) == isinstance(decoder, ProcessDecoder)
     assert sub is None or not sub.closed
     assert decoder.status().get("receiving", 0) == (1 if sub is None else 0)
     h.stream.close()  # synchronous: the daemon calls it from its shutdown path
     await asyncio.wait_for(h.task, 10)  # a bound on a hang, not a figure: run() sees the close and returns
     assert h.task.exception() is None  # run() ended normally, not cancelled
-    assert (sub is None or sub.closed) and h.stream._sub is None and h.stream._dealer is None
+    assert (sub is None or sub.closed) and h.stream._io.sub is None and h.stream._io.dealer is None
     assert decoder.status().get("receiving", 0) == 0
     h.stream.close()  # idempotent
     await h.stream.aclose()
@@ -614,12 +614,12 @@ async def test_close_during_a_replay_and_before_run(make: Any, ctx: zmq.asyncio.
     await h.wait(h.engine.request_seen.is_set)
     assert h.stream.stats.replaying
     await asyncio.wait_for(h.stream.aclose(), 10)  # not the replay's 60 s timeout: the close ends the replay
-    assert h.task.done() and h.stream._dealer is None
+    assert h.task.done() and h.stream._io.dealer is None
 
     never = EngineStream((1, 0), "tcp://127.0.0.1:9", None, block_size=16, sink=print, on_restart=print, context=ctx)
     never.close()
     await asyncio.wait_for(never.run(), 0.5)  # returns at once: closed before it ran
-    assert never.stats.messages == 0 and never._sub is None
+    assert never.stats.messages == 0 and never._io.sub is None
 
 
 async def test_close_called_from_the_sink_ends_run_after_that_batch(ctx: zmq.asyncio.Context) -> None:
@@ -638,7 +638,7 @@ async def test_close_called_from_the_sink_ends_run_after_that_batch(ctx: zmq.asy
         await engine.send_raw([b"", (0).to_bytes(8, "big"), a.payload])
         await engine.send_raw([b"", (1).to_bytes(8, "big"), b.payload])
         await eventually_async(task.done, "run() to return", timeout=3, interval=0.01)
-        assert task.exception() is None and seen == [1] and stream._sub is None
+        assert task.exception() is None and seen == [1] and stream._io.sub is None
     finally:
         await engine.close()
 

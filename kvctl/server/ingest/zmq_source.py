@@ -67,6 +67,7 @@ from kvctl.server.budget import SLICE_S
 from kvctl.server.ingest.decode_process.parent import Backpressure, Decoder, InlineDecoder, NeverFull, Subscription
 from kvctl.server.ingest.gap_log import GapLog
 from kvctl.server.ingest.schema_seen import Schema, SchemaSeen, sampled
+from kvctl.server.ingest.stream_sockets import StreamSockets
 from kvctl.server.ingest.stream_stats import StreamStats
 
 __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
@@ -148,17 +149,11 @@ class EngineStream:
         self._sink = sink
         self._on_restart = on_restart
         self._clock = clock
-        self._context = context
-        self._rcvhwm = rcvhwm
         self._decoder: Decoder = InlineDecoder() if decoder is None else decoder
+        self._io = StreamSockets(endpoint, replay_endpoint, topic, rcvhwm, context, self._decoder)
         self._holds: tuple[Backpressure, ...] = (self._decoder,) if downstream is None else (self._decoder, downstream)
         self._queue: Backpressure = NeverFull() if queue is None else queue
 
-        self._sub: zmq.asyncio.Socket | None = None
-        self._sub_sync: zmq.Socket[bytes] | None = None  # the same socket, read without a future per message
-        self._dealer: zmq.asyncio.Socket | None = None
-        self._poller: zmq.asyncio.Poller | None = None
-        self._key: int | None = None  # while the decode process receives for this stream
         self._wake = asyncio.Event()  # a replay to time, or a socket to open: see _wait_for_replies
         self._run_task: asyncio.Task[None] | None = None
         self._serving = False
@@ -234,7 +229,7 @@ class EngineStream:
             self._replays_failed += 1
         try:
             self._open()
-            if self._catch_up and self._dealer is not None:
+            if self._catch_up and self._io.dealer is not None:
                 assert self._last is not None
                 self._ask_replay(self._last + 1, deque(), catch_up=True)
             self._catch_up = False
@@ -245,7 +240,7 @@ class EngineStream:
             task.uncancel()  # our own close(): a clean end, not a cancellation of the caller
         finally:
             self._serving = False
-            self._close_sockets()
+            self._io.close()
 
     def close(self) -> None:
         """Ask `run()` to stop; returns at once. Idempotent; safe before, during or after `run()`.
@@ -257,7 +252,7 @@ class EngineStream:
         self._closing = True
         task = self._run_task
         if task is None or task.done():
-            self._close_sockets()
+            self._io.close()
         elif task is not _current_task():
             task.cancel()
 
@@ -270,73 +265,29 @@ class EngineStream:
 
     # -- sockets ------------------------------------------------------------------------------
 
-    def _ctx(self) -> zmq.asyncio.Context:
-        if self._context is None:
-            self._context = zmq.asyncio.Context.instance()
-        return self._context
-
     def _open(self) -> None:
-        self._poller = zmq.asyncio.Poller()
-        self._key = self._decoder.receive(Subscription(self.endpoint, self.topic, self._rcvhwm, self.block_size,
-                                                       self._on_received, self._on_receiver_lost, self._queue))
-        if self.replay_endpoint is not None:
-            self._open_dealer()
-
-    def _open_sub(self) -> None:
-        assert self._poller is not None
-        sub = self._ctx().socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
-        sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
-        self._sub = sub
-        self._sub_sync = zmq.Socket.shadow(sub.underlying)
-        self._poller.register(sub, zmq.POLLIN)
-        sub.connect(self.endpoint)
+        self._io.open(Subscription(self.endpoint, self.topic, self._io.rcvhwm, self.block_size, self._on_received,
+                                   self._on_receiver_lost, self._queue))
 
     def _on_receiver_lost(self, why: str) -> None:
         """The decode process does not receive for us (any more): read our own socket from now on. What it
         had received and not sent is lost with it: the next message shows the gap."""
-        self._key = None
+        self._io.key = None
         if not self._closing:
             log.warning("%s: %s; receiving in the router", self._name(), why)
             self._wake.set()  # the serve loop opens the socket: a failure there ends run(), as it should
 
-    def _open_dealer(self) -> None:
-        assert self.replay_endpoint is not None and self._poller is not None
-        dealer = self._ctx().socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.replay_endpoint)
-        self._dealer = dealer
-        self._poller.register(dealer, zmq.POLLIN)
-
     def _reset_dealer(self) -> None:
-        """A fresh DEALER, so replies of an abandoned replay can never be taken for a later one's."""
-        if self._dealer is not None:
-            if self._poller is not None:
-                self._poller.unregister(self._dealer)
-            self._dealer.close(linger=0)
-            self._dealer = None
-        if self.replay_endpoint is not None and self._poller is not None and not self._closing:
-            self._open_dealer()
-
-    def _close_sockets(self) -> None:
-        if self._key is not None:
-            self._decoder.stop_receiving(self._key)
-            self._key = None
-        for sock in (self._sub, self._dealer):
-            if sock is not None:
-                sock.close(linger=0)
-        self._sub = self._dealer = self._sub_sync = None
-        self._poller = None
+        self._io.reset_dealer(reopen=not self._closing)
 
     # -- the loop -----------------------------------------------------------------------------
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._closing:
-            assert self._poller is not None
-            if self._key is None and self._sub is None:  # ours to read: from the start, or since the child let go
-                self._open_sub()
+            assert self._io.poller is not None
+            if self._io.key is None and self._io.sub is None:  # ours to read: from the start, or since the child let go
+                self._io.open_sub()
             timeout_ms = None
             if self._replay is not None:
                 timeout_ms = max(0, int((self._replay.deadline - loop.time()) * 1000) + 1)
@@ -344,13 +295,13 @@ class EngineStream:
             if held is not None:
                 await held.room()
                 continue
-            if self._key is None:
-                ready = dict(await self._poller.poll(timeout_ms))
+            if self._io.key is None:
+                ready = dict(await self._io.poller.poll(timeout_ms))
             else:
                 ready = await self._wait_for_replies(timeout_ms)
-            if self._dealer is not None and self._dealer in ready:
+            if self._io.dealer is not None and self._io.dealer in ready:
                 await self._drain_replies(loop)
-            if self._sub is not None and self._sub in ready:
+            if self._io.sub is not None and self._io.sub in ready:
                 await self._drain_live()
             if self._replay is not None and loop.time() >= self._replay.deadline:
                 self._replay_timed_out()
@@ -363,8 +314,8 @@ class EngineStream:
             wake.clear()
             return {}
         woken = asyncio.ensure_future(wake.wait())
-        polling = None if self._dealer is None or self._poller is None else asyncio.ensure_future(
-            self._poller.poll(timeout_ms))
+        polling = None if self._io.dealer is None or self._io.poller is None else asyncio.ensure_future(
+            self._io.poller.poll(timeout_ms))
         waits: set[asyncio.Future[Any]] = {woken} if polling is None else {woken, polling}
         try:
             await asyncio.wait(waits, timeout=None if timeout_ms is None else timeout_ms / 1000,
@@ -376,11 +327,11 @@ class EngineStream:
         return dict(polling.result()) if polling is not None and polling.done() and not polling.cancelled() else {}
 
     async def _drain_live(self) -> None:
-        sub = self._sub
+        sub = self._io.sub
         assert sub is not None
         # Read through a synchronous shadow of the same socket: the asyncio wrapper builds a future per
         # message, which cost more than decoding it. The poller above still does the waiting.
-        sync = self._sub_sync
+        sync = self._io.sub_sync
         assert sync is not None
         end = time.perf_counter() + SLICE_S  # then back to the poller, which yields to the loop
         holds = self._holds
@@ -394,11 +345,11 @@ class EngineStream:
             self._on_live(frames)
 
     async def _drain_replies(self, loop: asyncio.AbstractEventLoop) -> None:
-        dealer = self._dealer
+        dealer = self._io.dealer
         while (
             not self._closing
             and dealer is not None
-            and dealer is self._dealer
+            and dealer is self._io.dealer
             and cast(int, dealer.getsockopt(zmq.EVENTS)) & zmq.POLLIN  # an int option, typed as any option
         ):
             frames = await dealer.recv_multipart()
@@ -462,7 +413,7 @@ class EngineStream:
         assert self._last is not None
         self._gaps += 1
         start = self._last + 1
-        if self._dealer is None:
+        if self._io.dealer is None:
             self._lose(start, seq - 1, "no replay endpoint")
             self._apply(seq, item)
             return
@@ -471,10 +422,10 @@ class EngineStream:
 
     def _ask_replay(self, start: int, buffered: deque[tuple[int, Received]], *, catch_up: bool = False) -> None:
         """Ask the engine's replay for every batch from `start` on; `buffered`: the live ones already here."""
-        assert self._dealer is not None
+        assert self._io.dealer is not None
         deadline = asyncio.get_running_loop().time() + self.replay_timeout_s
         self._replay = _Replay(start, deadline, buffered, lost_before=self._lost, catch_up=catch_up)
-        self._dealer.send_multipart(encode_replay_request(start))
+        self._io.dealer.send_multipart(encode_replay_request(start))
         self._wake.set()  # the serve loop now has a deadline to keep
 
     def _on_reply(self, frames: list[bytes]) -> None:
