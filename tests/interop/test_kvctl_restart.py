@@ -1,7 +1,6 @@
 """`kvctl serve` stopped and started again (restoring its snapshot) while Dynamo 1.6.1 mockers keep storing and
-evicting: it must come back to the index Dynamo's indexer holds, as its restore warning promises ("KV events sent
-after it were not seen: engines' replay or new events will fill the gap"); the mockers' replay buffers hold every
-batch it missed.
+evicting: it must come back to the index Dynamo's indexer holds, its streams resumed after the seqs its state dir
+kept and the batches it missed asked of the mockers' replay buffers, which hold every one of them.
 
 A fleet of its own (the test restarts its kvctl router): two mockers on Dynamo's default ZMQ event plane, Dynamo's
 frontend, Dynamo's indexer and kvctl on the mockers' ZMQ streams and replays.
