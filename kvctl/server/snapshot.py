@@ -73,7 +73,8 @@ def capture(fleet: Fleet, taken_at: float, number: int = 0, log_from: int = 0) -
         "workers": [{"worker_id": i.worker_id, "dp_rank": i.dp_rank, "model": i.model, "endpoint": i.endpoint,
                      "replay_endpoint": i.replay_endpoint, "topic": i.topic} for i in fleet.workers.values()],
         "seqs": [{"worker_id": key[0], "dp_rank": key[1], "endpoint": endpoint, "seq": seq}
-                 for (key, endpoint), seq in fleet.stream_seqs.items() if key in fleet.workers],
+                 for (key, endpoint), seq in fleet.stream_seqs.items()
+                 if key in fleet.workers and fleet.workers[key].endpoint == endpoint],  # no stale endpoint's
     }
     return Capture(header, [(name, state.router.index.capture()) for name, state in sorted(fleet.models.items())],
                    number)
