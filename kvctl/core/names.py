@@ -9,6 +9,13 @@ from typing import TypeAlias
 WorkerKey: TypeAlias = tuple[int, int]
 """(worker_id, dp_rank): a plain tuple, as the index and the native extension build them on the hot path."""
 
+StreamId: TypeAlias = tuple[WorkerKey, str]
+"""An engine stream: the worker it is registered as and the endpoint it reads. Its seqs are that publisher's
+alone: another endpoint for the same worker numbers its batches afresh."""
+
+SeqMark: TypeAlias = tuple[StreamId, int]
+"""A batch's place in its engine stream: what a restart resumes that stream after (`Fleet.stream_seqs`)."""
+
 WorkerSelector: TypeAlias = tuple[int, int | None]
 """(worker_id, dp_rank or None): `ID` selects every rank of a worker, `ID:DP` one of them."""
 

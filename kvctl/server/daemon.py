@@ -355,8 +355,8 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> Generator[snapshot.Progr
         stamps = [restored.taken_at if restored else None, replayed.written_at if replayed and records else None]
         age = max(0.0, time.time() - max(t for t in stamps if t is not None))
         image = f"{counted(restored.events, 'event')} from {restored.path.name}" if restored else "no image"
-        log.warning("restored %s and %s, the last written %.1f s ago (%d rejected); KV events sent "
-                    "after it were not seen: engines' replay or new events will fill the gap",
+        log.warning("restored %s and %s, the last written %.1f s ago (%d rejected); engine streams ask their "
+                    "replay for the KV events sent after it (what none holds any more is counted lost)",
                     image, counted(records, "state log record"), age, restored.rejected if restored else 0)
     elif problems:
         log.error("no sound snapshot in %s: starting with an empty index", options.state_dir)

@@ -5,7 +5,8 @@ into the next image; approximate mode, whose index changes with every route, wri
 snapshot interval and on shutdown instead.
 
 Format (JSON lines, `kvctl.snapshot/v2`): a header line `{"schema", "taken_at", "models": {name:
-block_size}, "workers": [...]}`, one `{"model": name, "event": RouterEvent}` line per dumped event,
+block_size}, "workers": [...], "seqs": [...]}` (`seqs`: each engine stream's last seq the image holds, where a
+restart resumes it; absent in older files), one `{"model": name, "event": RouterEvent}` line per dumped event,
 so a snapshot is also readable by `jq` and by anything that reads Dynamo's RouterEvent JSON, then a
 trailer `{"end": {"lines": N, "sha256": hex}}` over every line before it. v1 files (no trailer) load.
 
@@ -71,6 +72,9 @@ def capture(fleet: Fleet, taken_at: float, number: int = 0, log_from: int = 0) -
         "models": {name: state.block_size for name, state in sorted(fleet.models.items())},
         "workers": [{"worker_id": i.worker_id, "dp_rank": i.dp_rank, "model": i.model, "endpoint": i.endpoint,
                      "replay_endpoint": i.replay_endpoint, "topic": i.topic} for i in fleet.workers.values()],
+        "seqs": [{"worker_id": key[0], "dp_rank": key[1], "endpoint": endpoint, "seq": seq}
+                 for (key, endpoint), seq in fleet.stream_seqs.items()
+                 if key in fleet.workers and fleet.workers[key].endpoint == endpoint],  # no stale endpoint's
     }
     return Capture(header, [(name, state.router.index.capture()) for name, state in sorted(fleet.models.items())],
                    number)
@@ -227,6 +231,13 @@ class _Worker(msgspec.Struct):
     topic: str = ""
 
 
+class _Seq(msgspec.Struct):
+    worker_id: Annotated[int, msgspec.Meta(ge=0)]  # and < 2**64, as a worker's
+    dp_rank: U32
+    endpoint: str
+    seq: Annotated[int, msgspec.Meta(ge=0)]  # and < 2**64
+
+
 class _Header(msgspec.Struct):
     """What a header must hold for the fleet to take it: the types `capture` writes, in their ranges."""
 
@@ -235,6 +246,7 @@ class _Header(msgspec.Struct):
     models: dict[Name, Annotated[int, msgspec.Meta(ge=1, lt=2**32)]]
     workers: list[_Worker]
     log_from: Annotated[int, msgspec.Meta(ge=0)] = 0  # absent before the state log
+    seqs: list[_Seq] = []  # absent before streams resumed after a restart
 
 
 class _Line(msgspec.Struct):
@@ -316,6 +328,9 @@ def _checked_header(path: Path, raw: dict[str, Any]) -> tuple[_Header | None, st
             for endpoint in (w.endpoint, w.replay_endpoint):
                 if endpoint is not None:
                     check_endpoint(endpoint)
+        for s in header.seqs:
+            if s.worker_id >= 2**64 or s.seq >= 2**64:
+                raise ValueError(f"stream seq {s.seq} of worker {s.worker_id}: not a u64")
     except (msgspec.ValidationError, ValueError) as exc:
         return None, f"{path}:1: bad header: {exc}"
     return header, None
@@ -401,6 +416,8 @@ def _apply(fleet: Fleet, contents: _Contents, now: float) -> Generator[Progress,
         fleet.add_model(name, block_size=block_size)
     for w in header.workers:
         fleet.register(WorkerInfo(w.worker_id, w.dp_rank, w.model, w.endpoint, w.replay_endpoint, w.topic))
+    for s in header.seqs:
+        fleet.applied_seq(((s.worker_id, s.dp_rank), s.endpoint), s.seq)
     events = rejected = 0
     total = len(contents.events)
     for n, (model, event) in enumerate(contents.events, 1):

@@ -24,7 +24,7 @@ from kvctl.core.events.plane import (
     ForwardPass,
 )
 from kvctl.core.index import Status
-from kvctl.core.names import DEFAULT_MODEL, WorkerKey, format_worker, selects
+from kvctl.core.names import DEFAULT_MODEL, SeqMark, StreamId, WorkerKey, format_worker, selects
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
 from kvctl.core.router.busy import (
     AllBusy,
@@ -104,6 +104,7 @@ class Journal(Protocol):
     def worker(self, info: WorkerInfo) -> None: ...
     def unregister(self, worker_id: int, dp_rank: int | None) -> None: ...
     def batch(self, model: str, worker: WorkerKey, events: Sequence[EventData]) -> None: ...
+    def seq(self, stream: StreamId, seq: int) -> None: ...
 
 
 _EVENT_TYPES: dict[type, str] = {Stored: "stored", Removed: "removed", Cleared: "cleared"}
@@ -164,6 +165,9 @@ class Fleet:
         self.sequence_listener: SequenceListener | None = None  # told of local add / prefill / free
         self.last_route_at = float("-inf")  # housekeeping that can wait does so while routes come in
         self.journal: Journal | None = None
+        # Each engine stream's last applied seq, kept with the index it describes (image and state log alike), so
+        # that a restarted router asks the engines' replay for what they published while it was down.
+        self.stream_seqs: dict[StreamId, int] = {}
         self.add_model(DEFAULT_MODEL)
 
     # ----- models and workers -----------------------------------------------------------------------
@@ -226,6 +230,8 @@ class Fleet:
                 router.sequences.free(request.request_id)
         if not any(w[0] == worker_id for w in self.workers):
             self.busy.forget(worker_id)
+        for stream in [s for s in self.stream_seqs if s[0] in gone]:
+            del self.stream_seqs[stream]
         return api.Removed([api.WorkerRef(w[0], w[1]) for w in gone], blocks)
 
     # ----- events -------------------------------------------------------------------------------------
@@ -239,9 +245,20 @@ class Fleet:
             applied += self._apply_run(state, worker, (event.data for event in run), now, rejected)
         return applied, rejected
 
-    def apply_engine_batch(self, model: str, worker: WorkerKey, events: Sequence[EventData], now: float) -> None:
+    def apply_engine_batch(self, model: str, worker: WorkerKey, events: Sequence[EventData], now: float,
+                           mark: SeqMark | None = None) -> None:
+        """`mark`: the engine stream and seq the batch came with. Told first, so that the journal's record of the
+        seq never goes out without the batch's (see `StateLog.seq`)."""
+        if mark is not None:
+            self.applied_seq(*mark)
         if events:  # an empty batch (the writer's marker) makes no worker known
             self._apply_run(self.add_model(model), worker, events, now, None)
+
+    def applied_seq(self, stream: StreamId, seq: int) -> None:
+        """`stream`'s batches up to `seq` are in the index (and in the journal's records before this one)."""
+        self.stream_seqs[stream] = seq
+        if self.journal is not None:
+            self.journal.seq(stream, seq)
 
     def _apply_run(self, state: ModelState, worker: WorkerKey, events: Iterable[EventData], now: float,
                    rejected: Counter[str] | None) -> int:

@@ -162,7 +162,7 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
     engine = Engine(ctx)
     delivered: list[tuple[tuple[int, int], list[EventData]]] = []
     stream = EngineStream((7, 0), engine.endpoint, None, block_size=BLOCK_SIZE,
-                          sink=lambda key, events: delivered.append((key, events)),
+                          sink=lambda key, events, mark: delivered.append((key, events)),
                           on_restart=lambda key: pytest.fail(f"a restart of {key} was detected in junk"),
                           context=ctx, decoder=decoder, rcvhwm=0)
     rig = Rig(engine, stream, asyncio.ensure_future(stream.run()), delivered)

@@ -1,7 +1,6 @@
 """`kvctl serve` stopped and started again (restoring its snapshot) while Dynamo 1.6.1 mockers keep storing and
-evicting: it must come back to the index Dynamo's indexer holds, as its restore warning promises ("KV events sent
-after it were not seen: engines' replay or new events will fill the gap"); the mockers' replay buffers hold every
-batch it missed.
+evicting: it must come back to the index Dynamo's indexer holds, its streams resumed after the seqs its state dir
+kept and the batches it missed asked of the mockers' replay buffers, which hold every one of them.
 
 A fleet of its own (the test restarts its kvctl router): two mockers on Dynamo's default ZMQ event plane, Dynamo's
 frontend, Dynamo's indexer and kvctl on the mockers' ZMQ streams and replays.
@@ -34,15 +33,10 @@ def _same_as_indexer(fleet: Fleet) -> tuple[int, str]:
     return diff.exit_code, diff.output
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "kvctl bug: a restored router never asks the engines' replay for the batches published while it was down "
-    "(stream seqs are not in its snapshot; its first live message sets the expected seq), so it keeps blocks the "
-    "engines evicted meanwhile and misses what they stored"))
 def test_a_restarted_kvctl_catches_up_with_the_engines(own_fleet: Fleet) -> None:
     assert not shared_prefix_load(own_fleet.frontend_url, seed=1).failed
     code, output = _same_as_indexer(own_fleet)
-    if code != 0:  # not the bug this test is about: fail outright, whatever the xfail says
-        pytest.fail(f"kvctl differed from the indexer before any restart:\n{output}", pytrace=False)
+    assert code == 0, f"kvctl differed from the indexer before any restart:\n{output}"
 
     stopped = own_fleet.routers["kvctl"].proc
     assert stopped.stop() == 0  # SIGTERM, by its pid: it writes its snapshot and exits cleanly

@@ -254,3 +254,18 @@ def test_a_hash_past_u64_in_an_image_line_is_refused_naming_it(tmp_path: Path) -
     path.write_text(json.dumps(header) + "\n" + "".join(lines[1:-1]))
     restored, problems = snapshot.restore(Fleet(block_size=16), tmp_path, 0.0)
     assert restored is None and len(problems) == 1 and ":2: " in problems[0] and "block_hash" in problems[0]
+
+
+def test_an_image_keeps_the_seqs_of_the_streams_registered_now(tmp_path: Path) -> None:
+    """Each stream's seq is the image's when its worker is still registered on that endpoint; a worker now on
+    another endpoint is another publisher, whose seqs start afresh."""
+    fleet = Fleet()
+    for n in (1, 2):
+        endpoint = f"tcp://127.0.0.1:500{n}"
+        fleet.register(WorkerInfo(n, 0, "default", endpoint))
+        fleet.applied_seq(((n, 0), endpoint), 10 * n)
+    fleet.register(WorkerInfo(2, 0, "default", "tcp://127.0.0.1:6002"))
+    snapshot.write(snapshot.capture(fleet, 0.0), tmp_path)
+    again = Fleet()
+    snapshot.restore(again, tmp_path, 0.0)
+    assert again.stream_seqs == {((1, 0), "tcp://127.0.0.1:5001"): 10}

@@ -4,6 +4,7 @@ apart and nothing after it is read; and a writer behind the disk drops changes t
 
 from __future__ import annotations
 
+import shutil
 import threading
 import zlib
 from array import array
@@ -15,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvctl.core.events import Cleared, EventData, Removed, Stored, Tier
-from kvctl.server.persistence import records, replay, segments
+from kvctl.server.persistence import fold, records, replay, segments
 from kvctl.server.persistence.state_log import FLUSH_RECORDS, StateLog
-from kvctl.server.state import Fleet
+from kvctl.server.state import Fleet, WorkerInfo
 
 U64 = st.integers(0, 2**64 - 1)
 TIERS = st.sampled_from(list(Tier))
@@ -38,7 +39,8 @@ RECORD = st.one_of(
     st.tuples(st.just(records.WORKER), U64, st.integers(0, 64), NAME, st.none() | NAME, st.none() | NAME, NAME),
     st.tuples(st.just(records.UNREGISTER), U64, st.none() | st.integers(0, 64)),
     st.tuples(st.just(records.BATCH), NAME, U64, st.integers(0, 64), EVENTS),
-    st.tuples(st.just(records.DROPPED), st.integers(1, 10**6)))
+    st.tuples(st.just(records.DROPPED), st.integers(1, 10**6)),
+    st.tuples(st.just(records.SEQS), st.lists(st.tuples(U64, st.integers(0, 64), NAME, U64), max_size=3)))
 FRAMES = st.lists(st.lists(RECORD, min_size=1, max_size=5), min_size=1, max_size=5)
 
 
@@ -47,6 +49,8 @@ def plain(record: Any) -> list[Any]:
     out = list(record)
     if out[0] == records.BATCH:
         out[4] = [_plain_event(records.event_of(e) if isinstance(e, dict) else e) for e in out[4]]
+    if out[0] == records.SEQS:
+        out[1] = [list(mark) for mark in out[1]]
     return out
 
 
@@ -156,3 +160,41 @@ def test_a_writer_behind_the_disk_drops_changes_and_the_restore_says_so(tmp_path
     assert any(f"{3 * FLUSH_RECORDS} changes dropped" in p for p in done.problems), done.problems
     assert again.stats().models["default"].blocks == 2 * FLUSH_RECORDS
     assert segments.numbers(tmp_path) == [0]
+
+
+def test_stream_seqs_are_restored_with_the_batches_they_mark(tmp_path: Path) -> None:
+    """Each engine stream's last applied seq goes in the write that holds its batch, so a restore (from the log,
+    from an image the compaction child folded, or from a log whose last write was torn) resumes every stream
+    right after the batches it restored; a worker removed takes its stream's seq with it."""
+    fleet = Fleet()
+    state_log = StateLog(tmp_path, fleet, restored_from=None)
+    a, b, c = (((n, 0), f"tcp://127.0.0.1:{5556 + n}") for n in (1, 2, 3))
+    for (key, endpoint) in (a, b, c):
+        fleet.register(WorkerInfo(key[0], key[1], "default", endpoint))
+    fleet.apply_engine_batch("default", (2, 0), [Stored(None, [2**63], array("Q", [1]))], 0.0, (b, 41))
+    fleet.apply_engine_batch("default", (3, 0), [Stored(None, [2**62], array("Q", [1]))], 0.0, (c, 7))
+    fleet.unregister(3)
+    for seq in range(3 * FLUSH_RECORDS):  # several writes; block `seq` marked by seq `seq`
+        fleet.apply_engine_batch("default", (1, 0), [Stored(None, [seq], array("Q", [seq]))], 0.0, (a, seq))
+    state_log.close()
+    expected = {a: 3 * FLUSH_RECORDS - 1, b: 41}
+    assert fleet.stream_seqs == expected
+
+    from_log = Fleet()
+    replay.restore(from_log, tmp_path, 0.0)
+    assert from_log.stream_seqs == expected
+
+    torn = tmp_path / "torn"  # the same files, the log's last write cut short by a kill
+    shutil.copytree(tmp_path, torn)
+    with segments.path(torn, 0).open("r+b") as f:
+        f.truncate(f.seek(0, 2) - 5)
+    from_torn = Fleet()
+    assert replay.restore(from_torn, torn, 0.0).torn == 1
+    restored = from_torn.stats().models["default"].workers["1:0"]  # blocks 0..seq, one per batch of stream a
+    assert FLUSH_RECORDS < restored < 3 * FLUSH_RECORDS and from_torn.stream_seqs == {a: restored - 1, b: 41}
+
+    assert fold.main([str(tmp_path), "--upto", "1", "--block-size", "16"]) == 0  # segment 0 into the image
+    from_image = Fleet()
+    done = replay.restore(from_image, tmp_path, 0.0)
+    assert (done.log_from, done.records, from_image.stream_seqs) == (1, 0, expected)
+

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from kvctl.core.events import Cleared, ErrorKind, EventData, Removed, Stored, Tier
+from kvctl.core.names import SeqMark
 from kvctl.server.ingest.decode_process.parent import Decoder, InlineDecoder, ProcessDecoder
 from kvctl.server.ingest.zmq_source import EngineStream
 from tests.fixtures_path import FIXTURES
@@ -108,6 +109,7 @@ class Harness:
     task: asyncio.Task[None]
     delivered: list[tuple[tuple[int, int], list[EventData]]]
     restarts: list[tuple[int, int]]
+    marks: list[SeqMark | None]
     base: int = 0
 
     def shapes(self) -> list[tuple[Any, ...]]:
@@ -149,23 +151,31 @@ async def make(ctx: zmq.asyncio.Context, decoder: Decoder) -> AsyncIterator[Call
     """Build harnesses; at teardown every stream is closed and must not have died of an exception."""
     harnesses: list[Harness] = []
 
-    async def factory(*, replay: bool = True, timeout: float = 2.0, **engine_kw: Any) -> Harness:
+    async def factory(*, replay: bool = True, timeout: float = 2.0, resume_seq: int | None = None,
+                      **engine_kw: Any) -> Harness:
         engine = Engine(ctx, **engine_kw)
         delivered: list[tuple[tuple[int, int], list[EventData]]] = []
         restarts: list[tuple[int, int]] = []
+        marks: list[SeqMark | None] = []
+
+        def sink(key: tuple[int, int], events: list[EventData], mark: SeqMark | None) -> None:
+            delivered.append((key, events))
+            marks.append(mark)
+
         stream = EngineStream(
             (WORKER_ID, 0),
             engine.endpoint,
             engine.replay_endpoint if replay else None,
             block_size=16,
-            sink=lambda key, events: delivered.append((key, events)),
+            sink=sink,
             on_restart=restarts.append,
             replay_timeout_s=timeout,
             clock=lambda: 1234.5,
             context=ctx,
             decoder=decoder,
+            resume_seq=resume_seq,
         )
-        harness = Harness(engine, stream, asyncio.ensure_future(stream.run()), delivered, restarts)
+        harness = Harness(engine, stream, asyncio.ensure_future(stream.run()), delivered, restarts, marks)
         harnesses.append(harness)
         return harness
 
@@ -319,6 +329,79 @@ async def test_replay_that_no_longer_holds_the_gap_counts_it_lost(make: Any) -> 
     assert (stats.replays_ok, stats.replays_failed, stats.lost_batches, stats.gapped) == (0, 1, 1, True)
 
 
+# -- resumed after a router restart ------------------------------------------------------------
+
+
+def _sid(h: Harness) -> tuple[tuple[int, int], str]:
+    return (WORKER_ID, 0), h.engine.endpoint
+
+
+async def test_a_resumed_stream_asks_the_replay_at_once_for_what_came_after_its_seq(make: Any) -> None:
+    """The router restarted on a state dir that holds this stream up to seq 2; the engine published 3..5 while it
+    was down. They are asked for before any live message comes, and applied in order; then live goes on."""
+    a, b, c, d, e = load("vllm-0.33")[:5]
+    h = await make(resume_seq=2)
+    for seq, capture in enumerate([a, b, c, d, e, a]):  # 0..2 are in the router's index already
+        await h.engine.publish(seq, capture.payload, live=False)
+    await h.wait(lambda: h.stream.stats.last_seq == 5 and not h.stream.stats.replaying)
+    assert h.engine.requests == [3]
+    assert h.shapes() == _events_of([d, e, a])
+    assert h.marks == [(_sid(h), 3), (_sid(h), 4), (_sid(h), 5)]
+    stats = h.stream.stats
+    assert (stats.resumed_from, stats.gaps, stats.replays_ok, stats.replays_failed, stats.lost_batches,
+            stats.gapped) == (2, 0, 1, 0, 0, False)
+
+    await h.engine.subscribed()
+    await h.engine.publish(6, b.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 6)
+    assert h.marks[-1] == (_sid(h), 6) and h.stream.stats.gaps == 0 and h.restarts == []
+
+
+async def test_a_resumed_stream_whose_engine_restarted_meanwhile_is_cleared_not_gapped(make: Any) -> None:
+    """Its engine restarted while the router was down: nothing after seq 9 to replay, and its first live seq is
+    at or below 9. That is the engine's restart (its worker cleared, its new seqs replayed from 0), not a gap."""
+    a, b = load("vllm-0.33")[:2]
+    h = await make(resume_seq=9)
+    await h.engine.publish(0, a.payload, live=False)  # the new engine's first batch, before we connected
+    await h.wait(lambda: h.engine.requests == [10] and not h.stream.stats.replaying)
+    assert h.shapes() == []
+    await h.engine.subscribed()
+    await h.engine.publish(1, b.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 1 and not h.stream.stats.replaying)
+    assert h.restarts == [(WORKER_ID, 0)]
+    assert h.engine.requests == [10, 0]
+    assert h.shapes() == _events_of([a, b])
+    stats = h.stream.stats
+    assert (stats.restarts, stats.lost_batches, stats.gapped) == (1, 0, False)
+
+
+async def test_a_resumed_stream_whose_replay_does_not_answer_waits_at_its_seq(make: Any) -> None:
+    """No answer (the engine not up yet) and nothing live: nothing is known lost, no replay is counted failed;
+    the stream waits at its seq, and the next live message is in order."""
+    a = load("vllm-0.33")[0]
+    h = await make(resume_seq=4, mute=True, timeout=0.2)
+    await h.wait(lambda: h.engine.requests == [5] and not h.stream.stats.replaying)
+    stats = h.stream.stats
+    assert (stats.replays_failed, stats.lost_batches, stats.gapped, stats.last_seq) == (0, 0, False, 4)
+    await h.engine.subscribed()
+    await h.engine.publish(5, a.payload)
+    await h.wait(lambda: h.stream.stats.last_seq == 5)
+    assert h.shapes() == _events_of([a])
+    assert (h.stream.stats.gaps, h.engine.requests) == (0, [5])
+
+
+async def test_a_resumed_stream_counts_lost_what_the_replay_no_longer_holds(make: Any) -> None:
+    a, b = load("vllm-0.33")[:2]
+    h = await make(resume_seq=2)
+    await h.engine.publish(5, a.payload, live=False)  # the engine's buffer starts at 5: 3 and 4 are gone
+    await h.engine.publish(6, b.payload, live=False)
+    await h.wait(lambda: h.stream.stats.last_seq == 6 and not h.stream.stats.replaying)
+    assert h.engine.requests == [3]
+    assert h.shapes() == _events_of([a, b])
+    stats = h.stream.stats
+    assert (stats.lost_batches, stats.gapped, stats.replays_failed, stats.replays_ok) == (2, True, 1, 0)
+
+
 # -- restarts, duplicates, bad input ------------------------------------------------------------
 
 
@@ -410,6 +493,7 @@ async def test_a_seq_jump_past_2_32_is_counted_and_the_stream_keeps_its_place(ma
     await h.engine.publish(2, a.payload)
     await h.wait(lambda: h.stream.stats.last_seq == 2)
     assert h.shapes() == _events_of([a, b, c, d, a])
+    assert h.marks == [(_sid(h), 0), None, (_sid(h), 1), None, (_sid(h), 2)]  # a restart resumes at its place
     stats = h.stream.stats
     assert (stats.jumps, stats.lost_batches, stats.gaps, stats.restarts, stats.gapped) == (2, 0, 0, 0, False)
     assert h.engine.requests == [] and h.restarts == []
@@ -485,10 +569,10 @@ async def test_a_killed_decode_process_hands_the_stream_back_and_the_gap_is_repl
     await h.start(0, a.payload)
     await h.engine.publish(1, b.payload)
     await h.wait(lambda: h.stream.stats.last_seq == 1)
-    assert h.stream._sub is None and decoder.status()["receiving"] == 1
+    assert h.stream._io.sub is None and decoder.status()["receiving"] == 1
     h.engine.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # pass on the stream's subscription, a duplicate of the child's
     os.kill(decoder.status()["pid"], signal.SIGKILL)
-    await h.wait(lambda: h.stream._sub is not None)
+    await h.wait(lambda: h.stream._io.sub is not None)
     while (await asyncio.wait_for(h.engine.pub.recv(), 3))[:1] != b"\x01":
         pass  # the dead child's unsubscription, if it comes first
     await h.engine.publish(2, c.payload, live=False)  # as if it had died holding this one
@@ -508,14 +592,14 @@ async def test_a_killed_decode_process_hands_the_stream_back_and_the_gap_is_repl
 async def test_close_is_prompt_and_closes_the_sockets(make: Any, decoder: Decoder) -> None:
     h = await make()
     await h.start(0, load("vllm-0.33")[0].payload)
-    sub = h.stream._sub  # the stream's own, or none while the decode process receives for it
+    sub = h.stream._io.sub  # the stream's own, or none while the decode process receives for it
     assert (sub is None) == isinstance(decoder, ProcessDecoder)
     assert sub is None or not sub.closed
     assert decoder.status().get("receiving", 0) == (1 if sub is None else 0)
     h.stream.close()  # synchronous: the daemon calls it from its shutdown path
     await asyncio.wait_for(h.task, 10)  # a bound on a hang, not a figure: run() sees the close and returns
     assert h.task.exception() is None  # run() ended normally, not cancelled
-    assert (sub is None or sub.closed) and h.stream._sub is None and h.stream._dealer is None
+    assert (sub is None or sub.closed) and h.stream._io.sub is None and h.stream._io.dealer is None
     assert decoder.status().get("receiving", 0) == 0
     h.stream.close()  # idempotent
     await h.stream.aclose()
@@ -530,12 +614,12 @@ async def test_close_during_a_replay_and_before_run(make: Any, ctx: zmq.asyncio.
     await h.wait(h.engine.request_seen.is_set)
     assert h.stream.stats.replaying
     await asyncio.wait_for(h.stream.aclose(), 10)  # not the replay's 60 s timeout: the close ends the replay
-    assert h.task.done() and h.stream._dealer is None
+    assert h.task.done() and h.stream._io.dealer is None
 
     never = EngineStream((1, 0), "tcp://127.0.0.1:9", None, block_size=16, sink=print, on_restart=print, context=ctx)
     never.close()
     await asyncio.wait_for(never.run(), 0.5)  # returns at once: closed before it ran
-    assert never.stats.messages == 0 and never._sub is None
+    assert never.stats.messages == 0 and never._io.sub is None
 
 
 async def test_close_called_from_the_sink_ends_run_after_that_batch(ctx: zmq.asyncio.Context) -> None:
@@ -543,7 +627,7 @@ async def test_close_called_from_the_sink_ends_run_after_that_batch(ctx: zmq.asy
     engine = Engine(ctx)
     seen: list[int] = []
 
-    def sink(key: tuple[int, int], events: list[EventData]) -> None:
+    def sink(key: tuple[int, int], events: list[EventData], mark: SeqMark | None) -> None:
         seen.append(len(events))
         stream.close()  # inside run(): no cancellation, run() returns after this batch
 
@@ -554,7 +638,7 @@ async def test_close_called_from_the_sink_ends_run_after_that_batch(ctx: zmq.asy
         await engine.send_raw([b"", (0).to_bytes(8, "big"), a.payload])
         await engine.send_raw([b"", (1).to_bytes(8, "big"), b.payload])
         await eventually_async(task.done, "run() to return", timeout=3, interval=0.01)
-        assert task.exception() is None and seen == [1] and stream._sub is None
+        assert task.exception() is None and seen == [1] and stream._io.sub is None
     finally:
         await engine.close()
 

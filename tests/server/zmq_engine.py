@@ -46,8 +46,10 @@ class Engine:
             await self.pub.send_multipart([topic.encode(), seq.to_bytes(8, "big"), payload])
 
     async def subscribed(self, timeout: float = 3.0) -> None:
-        """Wait until a subscriber's subscription has reached this socket: what is sent next is delivered."""
-        message = await asyncio.wait_for(self.pub.recv(), timeout)
+        """Wait until a subscriber's subscription has reached this socket: what is sent next is delivered. An
+        earlier subscriber's unsubscription (it closed) may come first."""
+        while (message := await asyncio.wait_for(self.pub.recv(), timeout))[:1] == b"\x00":
+            continue
         assert message[:1] == b"\x01", message
 
     async def send_raw(self, frames: list[bytes]) -> None:

@@ -25,6 +25,8 @@ class StreamStats:
     - `jumps`: live seqs implausibly far ahead (`JUMP_MAX`), applied without moving the stream's place.
     - `gapped`: some batch was lost since the stream started (or since the last engine restart,
       which clears the worker and so makes the index whole again).
+    - `resumed_from`: the seq a restarted router's state dir held for this stream, which it carried on after
+      (asking the engine's replay for what came since); None when it started afresh.
     - `last_event_at` / `last_message_at`: the injected clock at the last delivered event / at the
       last live message; None before any.
     """
@@ -48,4 +50,5 @@ class StreamStats:
     last_message_at: float | None
     gapped: bool
     replaying: bool
+    resumed_from: int | None
     schema: SchemaSeen

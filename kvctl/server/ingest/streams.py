@@ -18,7 +18,7 @@ from typing import Any
 import zmq.asyncio
 
 from kvctl.core.events import Cleared, EventData
-from kvctl.core.names import WorkerKey, format_worker, selects
+from kvctl.core.names import SeqMark, WorkerKey, format_worker, selects
 from kvctl.core.words import counted
 from kvctl.runtime import BurstTrimmer
 from kvctl.server.budget import SLICE_S
@@ -39,6 +39,10 @@ QUEUE_BATCHES = 10_000
 """Decoded batches a model's writer may fall behind by before sources start dropping (and counting)."""
 
 
+_Item = tuple[WorkerKey, list[EventData], SeqMark | None, Callable[[], None] | None]
+"""A queued batch: its worker, events, engine stream and seq, and what to call once it is applied."""
+
+
 class ModelWriter:
     """The one task that applies a model's engine events: sources only decode and enqueue, so a slow
     apply never stalls a socket, and batches keep their arrival order. A full queue drops and counts.
@@ -52,7 +56,7 @@ class ModelWriter:
                  ) -> None:
         self.fleet = fleet
         self.model = model
-        self.queue: asyncio.Queue[tuple[WorkerKey, list[EventData], Callable[[], None] | None]] = asyncio.Queue(maxsize)
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize)
         self.dropped_batches = 0
         self.dropped_events = 0
         self._decoder: Decoder = InlineDecoder() if decoder is None else decoder
@@ -78,10 +82,11 @@ class ModelWriter:
             self._has_room.clear()
             await self._has_room.wait()
 
-    def put(self, worker: WorkerKey, events: list[EventData]) -> bool:
-        """Queue a batch; False when the queue was full and it was dropped (and counted)."""
+    def put(self, worker: WorkerKey, events: list[EventData], mark: SeqMark | None = None) -> bool:
+        """Queue a batch (from the engine stream and seq `mark`); False when the queue was full and it was
+        dropped (and counted)."""
         try:
-            self.queue.put_nowait((worker, events, None))
+            self.queue.put_nowait((worker, events, mark, None))
         except asyncio.QueueFull:
             self.dropped_batches += 1
             self.dropped_events += len(events)
@@ -90,12 +95,12 @@ class ModelWriter:
 
     async def put_wait(self, worker: WorkerKey, events: list[EventData]) -> None:
         """Queue a batch, waiting for room: for durable sources, which must not drop."""
-        await self.queue.put((worker, events, None))
+        await self.queue.put((worker, events, None, None))
 
     async def applied(self) -> None:
         """Return once everything queued so far is in the index."""
         done = asyncio.Event()
-        await self.queue.put((_NOBODY, [], done.set))
+        await self.queue.put((_NOBODY, [], None, done.set))
         await done.wait()
 
     async def _drain(self) -> None:
@@ -117,8 +122,9 @@ class ModelWriter:
             if not self._decoder.in_flight:
                 self._trimmer.idle()
 
-    def _apply(self, worker: WorkerKey, events: list[EventData], on_applied: Callable[[], None] | None) -> None:
-        self.fleet.apply_engine_batch(self.model, worker, events, time.monotonic())
+    def _apply(self, worker: WorkerKey, events: list[EventData], mark: SeqMark | None,
+               on_applied: Callable[[], None] | None) -> None:
+        self.fleet.apply_engine_batch(self.model, worker, events, time.monotonic(), mark)
         if on_applied is not None:
             on_applied()
 
@@ -216,7 +222,7 @@ class Streams:
         stream = EngineStream(worker=info.key, endpoint=info.endpoint, replay_endpoint=info.replay_endpoint,
                               topic=info.topic, block_size=self.fleet.model(model).block_size, sink=writer.put,
                               on_restart=on_restart, decoder=self.decoder, downstream=writer, queue=writer.queued,
-                              context=self.context)
+                              context=self.context, resume_seq=self.fleet.stream_seqs.get((info.key, info.endpoint)))
         source = self._running[info.key] = _Source(stream)
         source.task = asyncio.get_running_loop().create_task(self._run(source))
         return True

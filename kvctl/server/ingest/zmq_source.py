@@ -7,7 +7,12 @@ codec and hands the events to a sink, keeping them in the engine's seq order:
 Live seqs are judged by the one set of sequence rules every source shares (`Sequence`,
 kvctl/core/events/publishers.py):
 
-- The first message sets the expected seq; history from before we connected is not asked for.
+- The first message sets the expected seq; history from before we connected is not asked for. A stream
+  resumed after a router restart (`resume_seq`: the last seq its index holds, from the state dir) expects
+  the next one instead, and asks the replay at once for everything after it, since the engine published
+  while the router was down: what the engine no longer holds is counted lost; a replay that does not
+  answer in time (the engine not up yet) leaves the stream waiting at its seq, and the first live message
+  shows the gap, replayed like any other, or the engine's restart (its seq at or below the resumed one).
 - `seq == last + 1` applies. A seq already applied via a replay is skipped and counted in `duplicates`.
 - `seq > last + 1` is a gap. With a replay endpoint, the missing range is asked for on a DEALER
   (`[b"", start]`); until the replay ends, live messages are buffered so that a replayed store can
@@ -57,18 +62,19 @@ from kvctl.core.events import (
     live_seq,
 )
 from kvctl.core.events.publishers import Order, Sequence
-from kvctl.core.names import WorkerKey, format_worker
+from kvctl.core.names import SeqMark, StreamId, WorkerKey, format_worker
 from kvctl.server.budget import SLICE_S
 from kvctl.server.ingest.decode_process.parent import Backpressure, Decoder, InlineDecoder, NeverFull, Subscription
 from kvctl.server.ingest.gap_log import GapLog
 from kvctl.server.ingest.schema_seen import Schema, SchemaSeen, sampled
+from kvctl.server.ingest.stream_sockets import StreamSockets
 from kvctl.server.ingest.stream_stats import StreamStats
 
 __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[WorkerKey, list[EventData]], object]  # what it returns is not read
+Sink = Callable[[WorkerKey, list[EventData], SeqMark | None], object]  # what it returns is not read
 Received = list[bytes] | EngineBatch | ErrorKind
 """A live message as received: its frames when the stream read them itself, decoded when the decode process did."""
 OnRestart = Callable[[WorkerKey], None]
@@ -81,6 +87,7 @@ class _Replay:
     deadline: float
     buffered: deque[tuple[int, Received]] = field(default_factory=deque)
     lost_before: int = 0  # the stream's lost_batches when the replay began
+    catch_up: bool = False  # asked at a resumed stream's start, before any live message showed a gap
 
 
 class EngineStream:
@@ -89,7 +96,9 @@ class EngineStream:
     `worker` is the registered `(worker_id, dp_rank)`; each batch's own dp rank overrides the
     registered one (as Dynamo does), so the sink gets `(worker_id, batch.dp_rank)`. `on_restart` is
     called with every worker key this stream delivered events for since the previous restart (the
-    registered key if none), once each, when the engine's seq goes backwards.
+    registered key if none), once each, when the engine's seq goes backwards. The sink also gets each
+    batch's `SeqMark` (`stream_id`, seq): the router keeps the last one applied, and a stream started
+    again on it (`resume_seq`) carries on after it.
 
     `run()` serves until `close()`; `stats` is a snapshot at any time. `clock` (monotonic seconds)
     only stamps `last_event_at` / `last_message_at`; replay timeouts use the event loop's clock.
@@ -124,6 +133,7 @@ class EngineStream:
         decoder: Decoder | None = None,
         downstream: Backpressure | None = None,
         queue: Backpressure | None = None,
+        resume_seq: int | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -131,6 +141,7 @@ class EngineStream:
             raise ValueError(f"replay_timeout_s must be positive, got {replay_timeout_s}")
         self.worker = worker
         self.endpoint = endpoint
+        self.stream_id: StreamId = (worker, endpoint)
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.block_size = block_size
@@ -138,25 +149,21 @@ class EngineStream:
         self._sink = sink
         self._on_restart = on_restart
         self._clock = clock
-        self._context = context
-        self._rcvhwm = rcvhwm
         self._decoder: Decoder = InlineDecoder() if decoder is None else decoder
+        self._io = StreamSockets(endpoint, replay_endpoint, topic, rcvhwm, context, self._decoder)
         self._holds: tuple[Backpressure, ...] = (self._decoder,) if downstream is None else (self._decoder, downstream)
         self._queue: Backpressure = NeverFull() if queue is None else queue
 
-        self._sub: zmq.asyncio.Socket | None = None
-        self._sub_sync: zmq.Socket[bytes] | None = None  # the same socket, read without a future per message
-        self._dealer: zmq.asyncio.Socket | None = None
-        self._poller: zmq.asyncio.Poller | None = None
-        self._key: int | None = None  # while the decode process receives for this stream
         self._wake = asyncio.Event()  # a replay to time, or a socket to open: see _wait_for_replies
         self._run_task: asyncio.Task[None] | None = None
         self._serving = False
         self._closing = False
 
-        self._last: int | None = None  # last seq applied (live or replayed)
-        self._live = Sequence(once=True)  # the seqs received live: where each stands
-        self._last_delivered: int | None = None  # last seq whose batch reached the sink (or failed to decode)
+        self._last: int | None = resume_seq  # last seq applied (live or replayed)
+        self._live = Sequence(once=True, last=resume_seq)  # the seqs received live: where each stands
+        self._last_delivered: int | None = resume_seq  # last seq whose batch reached the sink (or failed to decode)
+        self._resumed_from = resume_seq
+        self._catch_up = resume_seq is not None  # until the first run asks the replay for what came after it
         self._replay: _Replay | None = None
         self._keys_seen: set[WorkerKey] = set()
 
@@ -199,6 +206,7 @@ class EngineStream:
             last_message_at=self._last_message_at,
             gapped=self._gapped,
             replaying=self._replay is not None,
+            resumed_from=self._resumed_from,
             schema=self._schema.snapshot(),
         )
 
@@ -221,6 +229,10 @@ class EngineStream:
             self._replays_failed += 1
         try:
             self._open()
+            if self._catch_up and self._io.dealer is not None:
+                assert self._last is not None
+                self._ask_replay(self._last + 1, deque(), catch_up=True)
+            self._catch_up = False
             await self._serve()
         except asyncio.CancelledError:
             if not self._closing:
@@ -228,7 +240,7 @@ class EngineStream:
             task.uncancel()  # our own close(): a clean end, not a cancellation of the caller
         finally:
             self._serving = False
-            self._close_sockets()
+            self._io.close()
 
     def close(self) -> None:
         """Ask `run()` to stop; returns at once. Idempotent; safe before, during or after `run()`.
@@ -240,7 +252,7 @@ class EngineStream:
         self._closing = True
         task = self._run_task
         if task is None or task.done():
-            self._close_sockets()
+            self._io.close()
         elif task is not _current_task():
             task.cancel()
 
@@ -253,73 +265,29 @@ class EngineStream:
 
     # -- sockets ------------------------------------------------------------------------------
 
-    def _ctx(self) -> zmq.asyncio.Context:
-        if self._context is None:
-            self._context = zmq.asyncio.Context.instance()
-        return self._context
-
     def _open(self) -> None:
-        self._poller = zmq.asyncio.Poller()
-        self._key = self._decoder.receive(Subscription(self.endpoint, self.topic, self._rcvhwm, self.block_size,
-                                                       self._on_received, self._on_receiver_lost, self._queue))
-        if self.replay_endpoint is not None:
-            self._open_dealer()
-
-    def _open_sub(self) -> None:
-        assert self._poller is not None
-        sub = self._ctx().socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
-        sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
-        self._sub = sub
-        self._sub_sync = zmq.Socket.shadow(sub.underlying)
-        self._poller.register(sub, zmq.POLLIN)
-        sub.connect(self.endpoint)
+        self._io.open(Subscription(self.endpoint, self.topic, self._io.rcvhwm, self.block_size, self._on_received,
+                                   self._on_receiver_lost, self._queue))
 
     def _on_receiver_lost(self, why: str) -> None:
         """The decode process does not receive for us (any more): read our own socket from now on. What it
         had received and not sent is lost with it: the next message shows the gap."""
-        self._key = None
+        self._io.key = None
         if not self._closing:
             log.warning("%s: %s; receiving in the router", self._name(), why)
             self._wake.set()  # the serve loop opens the socket: a failure there ends run(), as it should
 
-    def _open_dealer(self) -> None:
-        assert self.replay_endpoint is not None and self._poller is not None
-        dealer = self._ctx().socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.replay_endpoint)
-        self._dealer = dealer
-        self._poller.register(dealer, zmq.POLLIN)
-
     def _reset_dealer(self) -> None:
-        """A fresh DEALER, so replies of an abandoned replay can never be taken for a later one's."""
-        if self._dealer is not None:
-            if self._poller is not None:
-                self._poller.unregister(self._dealer)
-            self._dealer.close(linger=0)
-            self._dealer = None
-        if self.replay_endpoint is not None and self._poller is not None and not self._closing:
-            self._open_dealer()
-
-    def _close_sockets(self) -> None:
-        if self._key is not None:
-            self._decoder.stop_receiving(self._key)
-            self._key = None
-        for sock in (self._sub, self._dealer):
-            if sock is not None:
-                sock.close(linger=0)
-        self._sub = self._dealer = self._sub_sync = None
-        self._poller = None
+        self._io.reset_dealer(reopen=not self._closing)
 
     # -- the loop -----------------------------------------------------------------------------
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._closing:
-            assert self._poller is not None
-            if self._key is None and self._sub is None:  # ours to read: from the start, or since the child let go
-                self._open_sub()
+            assert self._io.poller is not None
+            if self._io.key is None and self._io.sub is None:  # ours to read: from the start, or since the child let go
+                self._io.open_sub()
             timeout_ms = None
             if self._replay is not None:
                 timeout_ms = max(0, int((self._replay.deadline - loop.time()) * 1000) + 1)
@@ -327,13 +295,13 @@ class EngineStream:
             if held is not None:
                 await held.room()
                 continue
-            if self._key is None:
-                ready = dict(await self._poller.poll(timeout_ms))
+            if self._io.key is None:
+                ready = dict(await self._io.poller.poll(timeout_ms))
             else:
                 ready = await self._wait_for_replies(timeout_ms)
-            if self._dealer is not None and self._dealer in ready:
+            if self._io.dealer is not None and self._io.dealer in ready:
                 await self._drain_replies(loop)
-            if self._sub is not None and self._sub in ready:
+            if self._io.sub is not None and self._io.sub in ready:
                 await self._drain_live()
             if self._replay is not None and loop.time() >= self._replay.deadline:
                 self._replay_timed_out()
@@ -346,8 +314,8 @@ class EngineStream:
             wake.clear()
             return {}
         woken = asyncio.ensure_future(wake.wait())
-        polling = None if self._dealer is None or self._poller is None else asyncio.ensure_future(
-            self._poller.poll(timeout_ms))
+        polling = None if self._io.dealer is None or self._io.poller is None else asyncio.ensure_future(
+            self._io.poller.poll(timeout_ms))
         waits: set[asyncio.Future[Any]] = {woken} if polling is None else {woken, polling}
         try:
             await asyncio.wait(waits, timeout=None if timeout_ms is None else timeout_ms / 1000,
@@ -359,11 +327,11 @@ class EngineStream:
         return dict(polling.result()) if polling is not None and polling.done() and not polling.cancelled() else {}
 
     async def _drain_live(self) -> None:
-        sub = self._sub
+        sub = self._io.sub
         assert sub is not None
         # Read through a synchronous shadow of the same socket: the asyncio wrapper builds a future per
         # message, which cost more than decoding it. The poller above still does the waiting.
-        sync = self._sub_sync
+        sync = self._io.sub_sync
         assert sync is not None
         end = time.perf_counter() + SLICE_S  # then back to the poller, which yields to the loop
         holds = self._holds
@@ -377,11 +345,11 @@ class EngineStream:
             self._on_live(frames)
 
     async def _drain_replies(self, loop: asyncio.AbstractEventLoop) -> None:
-        dealer = self._dealer
+        dealer = self._io.dealer
         while (
             not self._closing
             and dealer is not None
-            and dealer is self._dealer
+            and dealer is self._io.dealer
             and cast(int, dealer.getsockopt(zmq.EVENTS)) & zmq.POLLIN  # an int option, typed as any option
         ):
             frames = await dealer.recv_multipart()
@@ -422,7 +390,7 @@ class EngineStream:
             log.warning("%s: seq jumped from %s to %d: applied, the stream keeps its place", self._name(),
                         previous, seq)
             last = self._last
-            self._apply(seq, item)
+            self._apply(seq, item, marked=False)
             self._last = last
         elif order is Order.restart:
             assert previous is not None
@@ -445,14 +413,19 @@ class EngineStream:
         assert self._last is not None
         self._gaps += 1
         start = self._last + 1
-        if self._dealer is None:
+        if self._io.dealer is None:
             self._lose(start, seq - 1, "no replay endpoint")
             self._apply(seq, item)
             return
         log.debug("%s: seq gap %d..%d, asking for a replay", self._name(), start, seq - 1)
+        self._ask_replay(start, deque([(seq, item)]))
+
+    def _ask_replay(self, start: int, buffered: deque[tuple[int, Received]], *, catch_up: bool = False) -> None:
+        """Ask the engine's replay for every batch from `start` on; `buffered`: the live ones already here."""
+        assert self._io.dealer is not None
         deadline = asyncio.get_running_loop().time() + self.replay_timeout_s
-        self._replay = _Replay(start, deadline, deque([(seq, item)]), lost_before=self._lost)
-        self._dealer.send_multipart(encode_replay_request(start))
+        self._replay = _Replay(start, deadline, buffered, lost_before=self._lost, catch_up=catch_up)
+        self._io.dealer.send_multipart(encode_replay_request(start))
         self._wake.set()  # the serve loop now has a deadline to keep
 
     def _on_reply(self, frames: list[bytes]) -> None:
@@ -479,10 +452,17 @@ class EngineStream:
     def _finish_replay(self, *, timed_out: bool) -> None:
         replay = self._replay
         assert replay is not None
+        # A resumed stream's first replay unanswered, with nothing live either: its engine is not up (yet), and
+        # nothing is known lost. The stream waits at its seq; the first live message shows what is missing.
+        unheard = timed_out and replay.catch_up and not replay.buffered and self._last == replay.start - 1
         self._drain_buffer(final=f"replay timed out after {self.replay_timeout_s:g} s" if timed_out
                            else "the engine's replay ended without it")
         self._replay = None
-        if timed_out:
+        if unheard:
+            log.info("%s: no answer from the replay at %s to catch up after seq %d; waiting for the engine",
+                     self._name(), self.replay_endpoint, replay.start - 1)
+            self._reset_dealer()
+        elif timed_out:
             self._replays_failed += 1
             self._reset_dealer()
         elif self._lost > replay.lost_before:
@@ -538,35 +518,38 @@ class EngineStream:
 
     # -- applying -----------------------------------------------------------------------------
 
-    def _apply(self, seq: int, item: Received) -> None:
-        """Take live `seq` as applied and deliver its events; an undecodable message is counted and skipped."""
+    def _apply(self, seq: int, item: Received, *, marked: bool = True) -> None:
+        """Take live `seq` as applied and deliver its events; an undecodable message is counted and skipped.
+        Not `marked`: the index is not told the stream stands at `seq` (a jump's batch: see `_decoded`)."""
         if not isinstance(item, list):  # decoded already: delivered once everything submitted before it is
             self._last = seq
-            self._decoder.then(partial(self._decoded, seq, item))
+            self._decoder.then(partial(self._decoded, seq, marked, item))
             return
         frames = item
         try:  # live_seq has checked the frame count and the seq
             decode_topic(frames[0])
         except DecodeError as exc:
             self._last = seq
-            self._decoder.then(partial(self._decoded, seq, exc.kind))  # counted in turn
+            self._decoder.then(partial(self._decoded, seq, marked, exc.kind))  # counted in turn
             return
-        self._apply_payload(seq, frames[2])
+        self._apply_payload(seq, frames[2], marked=marked)
 
-    def _apply_payload(self, seq: int, payload: bytes) -> None:
+    def _apply_payload(self, seq: int, payload: bytes, *, marked: bool = True) -> None:
         """The same for a replayed batch, whose frames the replay reply already checked."""
         self._last = seq
-        self._decoder.submit(payload, self.block_size, partial(self._decoded, seq))
+        self._decoder.submit(payload, self.block_size, partial(self._decoded, seq, marked))
 
-    def _decoded(self, seq: int, result: EngineBatch | ErrorKind) -> None:
+    def _decoded(self, seq: int, marked: bool, result: EngineBatch | ErrorKind) -> None:
+        """A `marked` batch's events reach the index with its `SeqMark`, where a restart resumes the stream; a
+        jump's do not, since the stream keeps its place before it."""
         self._batches += 1
         self._last_delivered = seq
         if isinstance(result, ErrorKind):
             self._count_error(result)
         else:
-            self._deliver(result)
+            self._deliver(result, (self.stream_id, seq) if marked else None)
 
-    def _deliver(self, batch: EngineBatch) -> None:
+    def _deliver(self, batch: EngineBatch, mark: SeqMark | None) -> None:
         for error in batch.errors:
             self._count_error(error.kind)
         schema = self._schema
@@ -581,7 +564,7 @@ class EngineStream:
         self._keys_seen.add(key)
         self._events += len(batch.events)
         self._last_event_at = self._clock()
-        self._sink(key, batch.events)
+        self._sink(key, batch.events, mark)
 
     def _count_error(self, kind: ErrorKind) -> None:
         label = kind.value

@@ -22,9 +22,10 @@ from typing import Any
 import msgspec
 
 from kvctl.core.events import Cleared, EventData, Removed, Stored, Tier
+from kvctl.core.names import MAX_DP_RANK, MAX_WORKER_ID, SeqMark
 
-MODEL, WORKER, UNREGISTER, BATCH, DROPPED = 0, 1, 2, 3, 4
-KINDS = (MODEL, WORKER, UNREGISTER, BATCH, DROPPED)
+MODEL, WORKER, UNREGISTER, BATCH, DROPPED, SEQS = 0, 1, 2, 3, 4, 5
+KINDS = (MODEL, WORKER, UNREGISTER, BATCH, DROPPED, SEQS)
 HEAD = struct.Struct(">II")
 
 
@@ -116,3 +117,12 @@ def event_of(item: Any) -> EventData:
     if "parent_hash" in item:
         return Stored(item["parent_hash"], list(_hashes(item["block_hashes"])), _hashes(item["tokens_hashes"]), tier)
     return Removed(_hashes(item["block_hashes"]), tier)
+
+
+def seq_mark(item: Any) -> SeqMark:
+    """One `[worker_id, dp_rank, endpoint, seq]` of a SEQS record back as a `SeqMark` (ValueError when malformed)."""
+    worker_id, dp_rank, endpoint, seq = item
+    if not (isinstance(endpoint, str) and all(isinstance(n, int) for n in (worker_id, dp_rank, seq))
+            and 0 <= worker_id <= MAX_WORKER_ID and 0 <= dp_rank <= MAX_DP_RANK and 0 <= seq < 2**64):
+        raise ValueError(f"not a stream seq: {item!r}")
+    return ((worker_id, dp_rank), endpoint), seq

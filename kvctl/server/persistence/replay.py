@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from kvctl.core.names import SeqMark
 from kvctl.core.words import counted
 from kvctl.server import snapshot
 from kvctl.server.ingest.endpoint import check_endpoint
@@ -127,9 +128,17 @@ def _change(fleet: Fleet, record: list[Any], now: float) -> Callable[[], object]
     if kind == records.DROPPED:
         _, count = record
         return int(count)
+    if kind == records.SEQS:
+        _, marks = record
+        return partial(_resume_at, fleet, [records.seq_mark(m) for m in marks])
     _, model, worker_id, dp_rank, events = record
     return partial(fleet.apply_engine_batch, str(model), (int(worker_id), int(dp_rank)),
                    [records.event_of(e) for e in events], now)
+
+
+def _resume_at(fleet: Fleet, marks: list[SeqMark]) -> None:
+    for stream, seq in marks:
+        fleet.applied_seq(stream, seq)
 
 
 def _unregister(fleet: Fleet, worker_id: int, dp_rank: int | None) -> None:

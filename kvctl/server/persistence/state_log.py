@@ -1,13 +1,14 @@
 """The append side of the state log: the fleet's `Journal`, buffered on the loop, written by one thread.
 
-On the loop a change costs a tuple and a list append: it keeps what it was applied from (the objects are
-frozen, and the loop builds new ones for every batch). Encoding, framing, writing and fsync happen in a
-single writer thread, a write of many changes at a time, in order, so the loop never waits on the disk.
-Writes go out at least every `FLUSH_S` and are fsynced every snapshot interval and at shutdown; a kill
-loses at most the last second. Changes handed to the writer and not yet written are bounded (`backlog`):
-past it, with the disk slower than ingest, the next ones are dropped, a DROPPED record says so in their
-place (a restore before the next image reports it), and the log counts as lost until an image of the
-whole index is written, as after a failed write.
+On the loop a change costs a tuple and a list append: it keeps what it was applied from (the objects are frozen,
+and the loop builds new ones for every batch). The engine streams' seqs applied go as one SEQS record at the end
+of each write, so a restore's seqs always match the batches it restored (a torn write loses both). Encoding,
+framing, writing and fsync happen in a single writer thread, a write of many changes at a time, in order, so the
+loop never waits on the disk. Writes go out at least every `FLUSH_S` and are fsynced every snapshot interval and
+at shutdown; a kill loses at most the last second. Changes handed to the writer and not yet written are bounded
+(`backlog`): past it, with the disk slower than ingest, the next ones are dropped, a DROPPED record says so in
+their place (a restore before the next image reports it), and the log counts as lost until an image of the whole
+index is written, as after a failed write.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, BinaryIO
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvctl.core.events import EventData
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import StreamId, WorkerKey, selects
 from kvctl.core.words import counted
 from kvctl.server import snapshot
 from kvctl.server.persistence import records, segments
@@ -73,6 +74,7 @@ class StateLog:
         self._image_at = -self.stats.since_image  # `stats.bytes` where the log after the image starts
         self.backlog = backlog
         self._pending: list[tuple[Any, ...]] = []
+        self._seqs: dict[StreamId, int] = {}  # the streams' seqs applied since the last hand-over
         self._handed = 0  # changes handed to the writer (counted on the loop)
         self._written = 0  # of those, written or failed (counted by the writer)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="state-log")
@@ -92,9 +94,16 @@ class StateLog:
 
     def unregister(self, worker_id: int, dp_rank: int | None) -> None:
         self._append((records.UNREGISTER, worker_id, dp_rank))
+        # Their seqs go with them: the SEQS record ending this write must not bring them back after it.
+        self._seqs = {s: seq for s, seq in self._seqs.items() if not selects((worker_id, dp_rank), s[0])}
 
     def batch(self, model: str, worker: WorkerKey, events: Sequence[EventData]) -> None:
         self._append((records.BATCH, model, worker[0], worker[1], events))
+
+    def seq(self, stream: StreamId, seq: int) -> None:
+        """Told before its batch is appended (`Fleet.apply_engine_batch`): the write that takes the batch takes
+        the seq with it, in the SEQS record that ends it."""
+        self._seqs[stream] = seq
 
     def _append(self, record: tuple[Any, ...]) -> None:
         pending = self._pending
@@ -105,6 +114,9 @@ class StateLog:
     def _hand_over(self) -> list[tuple[Any, ...]]:
         """What waits, for the writer; dropped for a DROPPED record when the writer is `backlog` behind."""
         pending, self._pending = self._pending, []
+        if self._seqs:
+            pending.append((records.SEQS, [(w, dp, endpoint, seq) for ((w, dp), endpoint), seq in self._seqs.items()]))
+            self._seqs = {}
         if not pending:
             return pending
         stats = self.stats
