@@ -11,6 +11,10 @@
  *
  * xxh3_blocks and xxh3_chain: a prompt's local and sequence hashes, with the same xxHash release the
  * `xxhash` package wraps (vendor/xxhash.h), without a Python call and a bytes object per block.
+ *
+ * bind_run: the index points a stored run's engine hashes at their node in the worker's lookup. Checking the
+ * run against the lookup first and inserting it after cost two probes of a large dict per block, each a cache
+ * miss; this inserts as it checks, one probe, and stops where a key is bound elsewhere (rare: Python decides).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -356,7 +360,37 @@ static PyObject *xxh3_chain(PyObject *module, PyObject *const *args, Py_ssize_t 
     return out;
 }
 
+static PyObject *bind_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "bind_run(lookup, keys, value, replaceable) takes 4 arguments");
+        return NULL;
+    }
+    PyObject *lookup = args[0], *value = args[2], *replaceable = args[3];
+    if (!PyDict_CheckExact(lookup)) {
+        PyErr_SetString(PyExc_TypeError, "bind_run needs a dict");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[1], "bind_run needs a sequence of keys");
+    if (seq == NULL) return NULL;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **keys = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        PyObject *held = PyDict_SetDefault(lookup, keys[i], value); /* borrowed */
+        if (held == NULL) { Py_DECREF(seq); return NULL; }
+        if (held == value) continue;
+        if (replaceable == Py_None || held != replaceable) break;
+        if (PyDict_SetItem(lookup, keys[i], value) < 0) { Py_DECREF(seq); return NULL; }
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef methods[] = {
+    {"bind_run", (PyCFunction)(void (*)(void))bind_run, METH_FASTCALL,
+     "bind_run(lookup: dict, keys: Sequence, value, replaceable) -> int\n\nBinds keys to `value` in order, where "
+     "a key is unbound, bound to `value` or to `replaceable` (not None); stops at the first bound to anything else. "
+     "Returns how many keys it went past (len(keys) when all)."},
     {"xxh3_chain", (PyCFunction)(void (*)(void))xxh3_chain, METH_FASTCALL,
      "xxh3_chain(local_hashes: Sequence[int], seed: int) -> list[int]\n\nDynamo's sequence hashes: the first "
      "is the first local hash, then XXH3-64(le64(previous) || le64(local), seed)."},

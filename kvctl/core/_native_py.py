@@ -236,3 +236,21 @@ def xxh3_chain(hashes: Iterable[int], seed: int) -> list[int]:
         previous = xxh3_64_intdigest(pack(previous, value), seed)
         append(previous)
     return out
+
+
+def bind_run(lookup: dict[Any, Any], keys: Iterable[Any], value: Any, replaceable: Any) -> int:
+    """Binds keys to `value` in order, where a key is unbound, bound to `value` or to `replaceable` (not None);
+    stops at the first bound to anything else. Returns how many keys it went past (len(keys) when all)."""
+    if type(lookup) is not dict:
+        raise TypeError("bind_run needs a dict")
+    try:
+        run = list(keys)
+    except TypeError:
+        raise TypeError("bind_run needs a sequence of keys") from None
+    for n, key in enumerate(run):
+        held = lookup.setdefault(key, value)
+        if held is not value:
+            if replaceable is None or held is not replaceable:
+                return n
+            lookup[key] = value
+    return len(run)

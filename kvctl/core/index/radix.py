@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
+from kvctl.core import native
 from kvctl.core.index import removal
 from kvctl.core.index.node import OK_EMPTY, ApplyResult, Deferred, Node, Status, iter_bits
 from kvctl.core.names import WorkerKey, selects
@@ -269,8 +270,13 @@ class RadixTree:
 
     def _bind(self, slot: int, lookup: dict[int, Node], keys: list[int], node: Node,
               moving_from: Node | None = None) -> None:
-        """Point `keys` of a worker's lookup at `node`, noting when that takes one away from another node."""
-        if not lookup.keys().isdisjoint(keys):
+        """Point `keys` of a worker's lookup at `node`, noting when that takes one away from another node.
+
+        Usually no key is bound elsewhere: `native.bind_run` binds the run while it checks that, one probe of
+        the lookup a key, and leaves the keys from the first one bound elsewhere to the loop here."""
+        done = native.bind_run(lookup, keys, node, moving_from)
+        if done < len(keys):
+            keys = keys[done:]
             bound = list(map(lookup.get, keys))
             previous = set(bound)
             previous.difference_update((None, node, moving_from))
@@ -282,7 +288,7 @@ class RadixTree:
                     previous.difference_update(freed)
             if previous:
                 self._shadow(slot)
-        lookup.update(zip(keys, repeat(node)))
+            lookup.update(zip(keys, repeat(node)))
 
     def _shadow(self, slot: int) -> None:
         """Note a slot whose lookup lost track of a node; its entries are let go one by one from now on.
