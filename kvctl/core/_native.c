@@ -15,6 +15,9 @@
  * bind_run: the index points a stored run's engine hashes at their node in the worker's lookup. Checking the
  * run against the lookup first and inserting it after cost two probes of a large dict per block, each a cache
  * miss; this inserts as it checks, one probe, and stops where a key is bound elsewhere (rare: Python decides).
+ *
+ * u64s_distinct: whether a stored run repeats a hash, asked of every store. A set of the run's int objects cost
+ * a tenth of a store; the run is packed anyway (the edge keeps it so), and sorting a copy of it takes no object.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -386,7 +389,39 @@ static PyObject *bind_run(PyObject *module, PyObject *const *args, Py_ssize_t na
     return PyLong_FromSsize_t(i);
 }
 
+static int cmp_u64(const void *a, const void *b) {
+    const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static PyObject *u64s_distinct(PyObject *module, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (view.len % (Py_ssize_t)sizeof(uint64_t)) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "not a whole number of u64s");
+        return NULL;
+    }
+    const Py_ssize_t n = view.len / (Py_ssize_t)sizeof(uint64_t);
+    uint64_t local[256];
+    uint64_t *sorted = n <= 256 ? local : PyMem_Malloc((size_t)view.len);
+    if (sorted == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    memcpy(sorted, view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    qsort(sorted, (size_t)n, sizeof(uint64_t), cmp_u64);
+    int distinct = 1;
+    for (Py_ssize_t i = 1; i < n && distinct; i++) distinct = sorted[i] != sorted[i - 1];
+    if (sorted != local) PyMem_Free(sorted);
+    return PyBool_FromLong(distinct);
+}
+
 static PyMethodDef methods[] = {
+    {"u64s_distinct", u64s_distinct, METH_O,
+     "u64s_distinct(packed: bytes-like) -> bool\n\nWhether no native-endian u64 of `packed` repeats; ValueError "
+     "for a length that is not a multiple of 8."},
     {"bind_run", (PyCFunction)(void (*)(void))bind_run, METH_FASTCALL,
      "bind_run(lookup: dict, keys: Sequence, value, replaceable) -> int\n\nBinds keys to `value` in order, where "
      "a key is unbound, bound to `value` or to `replaceable` (not None); stops at the first bound to anything else. "

@@ -254,3 +254,12 @@ def bind_run(lookup: dict[Any, Any], keys: Iterable[Any], value: Any, replaceabl
                 return n
             lookup[key] = value
     return len(run)
+
+
+def u64s_distinct(packed: Buffer) -> bool:
+    """Whether no native-endian u64 of `packed` repeats; ValueError for a length that is not a multiple of 8."""
+    view = _bytes_of(packed)
+    if len(view) % 8:
+        raise ValueError("not a whole number of u64s")
+    hashes = view.cast("Q")
+    return len(set(hashes)) == len(hashes)

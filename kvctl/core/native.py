@@ -43,6 +43,7 @@ u32_head_of_object: Callable[[Buffer], tuple[bytes, int] | None] = _implementati
 u32le_from_msgpack: Callable[[Buffer], bytes] = _implementation.u32le_from_msgpack
 u64_from_msgpack: Callable[[Buffer], bytes] = _implementation.u64_from_msgpack
 bind_run: Callable[[dict[Any, Any], Iterable[Any], Any, Any], int] = _implementation.bind_run
-FUNCTIONS = ("bind_run", "xxh3_blocks", "xxh3_chain", "u32_from_json", "u32_head_of_object", "u32le_from_msgpack",
-             "u64_from_msgpack")
+u64s_distinct: Callable[[Buffer], bool] = _implementation.u64s_distinct
+FUNCTIONS = ("bind_run", "u64s_distinct", "xxh3_blocks", "xxh3_chain", "u32_from_json", "u32_head_of_object",
+             "u32le_from_msgpack", "u64_from_msgpack")
 """The names every implementation provides."""

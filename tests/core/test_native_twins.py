@@ -182,3 +182,16 @@ def test_bind_run(held: dict[int, str], keys: list[int], replaceable: str | None
 def test_bind_run_refuses_what_the_other_refuses() -> None:
     for args in (([], [1], 1, None), ({}, 7, 1, None), ({}, [[1]], 1, None)):
         _same("bind_run", *args)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 5), max_size=300), st.binary(max_size=9))
+def test_u64s_distinct(hashes: list[int], tail: bytes) -> None:
+    from array import array
+
+    packed = array("Q", hashes)
+    assert C.u64s_distinct(packed) == (len(set(hashes)) == len(hashes))
+    _same("u64s_distinct", packed)
+    _same("u64s_distinct", packed.tobytes() + tail)
+    for value in ("text", 7, memoryview(packed.tobytes())[::2]):
+        _same("u64s_distinct", value)

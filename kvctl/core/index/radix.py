@@ -197,7 +197,8 @@ class RadixTree:
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         locs = tokens_hashes if isinstance(tokens_hashes, array) else array("Q", tokens_hashes)
         nblocks = len(hashes)
-        distinct = len(set(hashes)) == nblocks
+        packed = array("Q", hashes)  # what the run's new edge keeps (`Node.packed`), and told distinct in C
+        distinct = native.u64s_distinct(packed)
         if not distinct:  # one hash at two places: a lookup key can name only one of them
             self._shadow(slot)
         if parent_hash is None:
@@ -230,7 +231,7 @@ class RadixTree:
                     self._append_to_leaf(parent, hashes[start:], locs[start:], bit, slot)
                     self._bind(slot, lookup, hashes[start:], parent)
                     break
-                child = Node(locs[start:], hashes[start:], parent, bit, distinct=distinct)
+                child = Node(locs[start:], hashes[start:], parent, bit, packed[start:], distinct=distinct)
                 self.nodes += 1
                 if children is None:
                     parent.children = {locs[start]: child}
@@ -253,7 +254,7 @@ class RadixTree:
                 child.promote(bit, slot)
                 self._bind_shared(slot, lookup, hashes[start : start + m], child)
                 start += m
-                tail = Node(locs[start:], hashes[start:], child, bit, distinct=distinct)
+                tail = Node(locs[start:], hashes[start:], child, bit, packed[start:], distinct=distinct)
                 self.nodes += 1
                 if child.children is None:
                     child.children = {locs[start]: tail}
