@@ -132,9 +132,10 @@ def refused(key: int, why: str) -> bytes:
 
 
 def decode_now(payload: bytes, block_size: int) -> EngineBatch | ErrorKind:
-    """A payload decoded as the router takes it, here or in the decode process: removed hashes packed."""
+    """A payload decoded as the router takes it, here or in the decode process: removed hashes and
+    stored local hashes packed."""
     try:
-        return decode_engine_batch(payload, default_block_size=block_size, packed_removals=True)
+        return decode_engine_batch(payload, default_block_size=block_size, packed=True)
     except DecodeError as exc:
         return exc.kind
 
