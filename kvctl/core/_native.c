@@ -11,6 +11,13 @@
  *
  * xxh3_blocks and xxh3_chain: a prompt's local and sequence hashes, with the same xxHash release the
  * `xxhash` package wraps (vendor/xxhash.h), without a Python call and a bytes object per block.
+ *
+ * bind_run: the index points a stored run's engine hashes at their node in the worker's lookup. Checking the
+ * run against the lookup first and inserting it after cost two probes of a large dict per block, each a cache
+ * miss; this inserts as it checks, one probe, and stops where a key is bound elsewhere (rare: Python decides).
+ *
+ * u64s_distinct: whether a stored run repeats a hash, asked of every store. A set of the run's int objects cost
+ * a tenth of a store; the run is packed anyway (the edge keeps it so), and sorting a copy of it takes no object.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -356,7 +363,69 @@ static PyObject *xxh3_chain(PyObject *module, PyObject *const *args, Py_ssize_t 
     return out;
 }
 
+static PyObject *bind_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "bind_run(lookup, keys, value, replaceable) takes 4 arguments");
+        return NULL;
+    }
+    PyObject *lookup = args[0], *value = args[2], *replaceable = args[3];
+    if (!PyDict_CheckExact(lookup)) {
+        PyErr_SetString(PyExc_TypeError, "bind_run needs a dict");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[1], "bind_run needs a sequence of keys");
+    if (seq == NULL) return NULL;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **keys = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        PyObject *held = PyDict_SetDefault(lookup, keys[i], value); /* borrowed */
+        if (held == NULL) { Py_DECREF(seq); return NULL; }
+        if (held == value) continue;
+        if (replaceable == Py_None || held != replaceable) break;
+        if (PyDict_SetItem(lookup, keys[i], value) < 0) { Py_DECREF(seq); return NULL; }
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(i);
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static PyObject *u64s_distinct(PyObject *module, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (view.len % (Py_ssize_t)sizeof(uint64_t)) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "not a whole number of u64s");
+        return NULL;
+    }
+    const Py_ssize_t n = view.len / (Py_ssize_t)sizeof(uint64_t);
+    uint64_t local[256];
+    uint64_t *sorted = n <= 256 ? local : PyMem_Malloc((size_t)view.len);
+    if (sorted == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    memcpy(sorted, view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    qsort(sorted, (size_t)n, sizeof(uint64_t), cmp_u64);
+    int distinct = 1;
+    for (Py_ssize_t i = 1; i < n && distinct; i++) distinct = sorted[i] != sorted[i - 1];
+    if (sorted != local) PyMem_Free(sorted);
+    return PyBool_FromLong(distinct);
+}
+
 static PyMethodDef methods[] = {
+    {"u64s_distinct", u64s_distinct, METH_O,
+     "u64s_distinct(packed: bytes-like) -> bool\n\nWhether no native-endian u64 of `packed` repeats; ValueError "
+     "for a length that is not a multiple of 8."},
+    {"bind_run", (PyCFunction)(void (*)(void))bind_run, METH_FASTCALL,
+     "bind_run(lookup: dict, keys: Sequence, value, replaceable) -> int\n\nBinds keys to `value` in order, where "
+     "a key is unbound, bound to `value` or to `replaceable` (not None); stops at the first bound to anything else. "
+     "Returns how many keys it went past (len(keys) when all)."},
     {"xxh3_chain", (PyCFunction)(void (*)(void))xxh3_chain, METH_FASTCALL,
      "xxh3_chain(local_hashes: Sequence[int], seed: int) -> list[int]\n\nDynamo's sequence hashes: the first "
      "is the first local hash, then XXH3-64(le64(previous) || le64(local), seed)."},

@@ -236,3 +236,30 @@ def xxh3_chain(hashes: Iterable[int], seed: int) -> list[int]:
         previous = xxh3_64_intdigest(pack(previous, value), seed)
         append(previous)
     return out
+
+
+def bind_run(lookup: dict[Any, Any], keys: Iterable[Any], value: Any, replaceable: Any) -> int:
+    """Binds keys to `value` in order, where a key is unbound, bound to `value` or to `replaceable` (not None);
+    stops at the first bound to anything else. Returns how many keys it went past (len(keys) when all)."""
+    if type(lookup) is not dict:
+        raise TypeError("bind_run needs a dict")
+    try:
+        run = list(keys)
+    except TypeError:
+        raise TypeError("bind_run needs a sequence of keys") from None
+    for n, key in enumerate(run):
+        held = lookup.setdefault(key, value)
+        if held is not value:
+            if replaceable is None or held is not replaceable:
+                return n
+            lookup[key] = value
+    return len(run)
+
+
+def u64s_distinct(packed: Buffer) -> bool:
+    """Whether no native-endian u64 of `packed` repeats; ValueError for a length that is not a multiple of 8."""
+    view = _bytes_of(packed)
+    if len(view) % 8:
+        raise ValueError("not a whole number of u64s")
+    hashes = view.cast("Q")
+    return len(set(hashes)) == len(hashes)

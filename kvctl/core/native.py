@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvctl.core import _native_py
 
@@ -42,6 +42,8 @@ u32_from_json: Callable[[Buffer], bytes] = _implementation.u32_from_json
 u32_head_of_object: Callable[[Buffer], tuple[bytes, int] | None] = _implementation.u32_head_of_object
 u32le_from_msgpack: Callable[[Buffer], bytes] = _implementation.u32le_from_msgpack
 u64_from_msgpack: Callable[[Buffer], bytes] = _implementation.u64_from_msgpack
-FUNCTIONS = ("xxh3_blocks", "xxh3_chain", "u32_from_json", "u32_head_of_object", "u32le_from_msgpack",
-             "u64_from_msgpack")
+bind_run: Callable[[dict[Any, Any], Iterable[Any], Any, Any], int] = _implementation.bind_run
+u64s_distinct: Callable[[Buffer], bool] = _implementation.u64s_distinct
+FUNCTIONS = ("bind_run", "u64s_distinct", "xxh3_blocks", "xxh3_chain", "u32_from_json", "u32_head_of_object",
+             "u32le_from_msgpack", "u64_from_msgpack")
 """The names every implementation provides."""

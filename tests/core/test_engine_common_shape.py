@@ -16,7 +16,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvctl.core.events import DecodeError, EngineBatch, Removed, engine
+from kvctl.core.events import DecodeError, EngineBatch, Removed, Stored, engine
 from tests.core.test_events_fuzz import ENGINE_PAYLOADS, hostile
 from tests.fixtures_path import FIXTURES
 from tests.fuzz.junk import MSGPACK_SCALARS
@@ -66,9 +66,10 @@ def _assert_agrees(payload: bytes) -> bool:
     assert not slow.errors, slow.errors
     assert fast.ts == slow.ts or (math.isnan(fast.ts) and math.isnan(slow.ts))
     assert (fast.dp_rank, fast.events) == (slow.dp_rank, slow.events)
-    packed = engine._decode_common(payload, 16, packed_removals=True)  # as the router's decode process reads
+    packed = engine._decode_common(payload, 16, packed=True)  # as the router's decode process reads
     assert packed is not None and [plain(e) for e in packed.events] == [plain(e) for e in slow.events]
     assert all(type(e.block_hashes) is array for e in packed.events if isinstance(e, Removed))
+    assert all(type(e.tokens_hashes) is array for e in packed.events if isinstance(e, Stored))
     return True
 
 

@@ -157,3 +157,41 @@ def test_the_readers_refuse_what_is_not_a_buffer() -> None:
     for name in ("u32_from_json", "u32_head_of_object", "u32le_from_msgpack", "u64_from_msgpack"):
         for value in ("[1]", 7, None, memoryview(b"[1, 2]")[::2]):
             _same(name, value)
+
+
+_HELD = ("node", "other", "moved")  # lookup values: the node bound to, another node, the node keys move from
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.dictionaries(st.integers(0, 9), st.sampled_from(_HELD), max_size=8),
+       st.lists(st.integers(0, 12), max_size=12), st.sampled_from(["moved", None]))
+@example({1: "node", 2: "moved", 3: "other"}, [4, 1, 2, 3, 5], "moved")
+@example({1: "other"}, [2, 2, 1], None)
+def test_bind_run(held: dict[int, str], keys: list[int], replaceable: str | None) -> None:
+    """Both bind the same keys and stop at the same one; identity decides (values are objects, as nodes are)."""
+    values = {name: object() for name in _HELD}
+    names = {id(v): name for name, v in values.items()}
+    outcomes = []
+    for impl in (_native_py, C):
+        lookup = {k: values[v] for k, v in held.items()}
+        done = impl.bind_run(lookup, keys, values["node"], None if replaceable is None else values[replaceable])
+        outcomes.append((done, {k: names[id(v)] for k, v in lookup.items()}))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_bind_run_refuses_what_the_other_refuses() -> None:
+    for args in (([], [1], 1, None), ({}, 7, 1, None), ({}, [[1]], 1, None)):
+        _same("bind_run", *args)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 5), max_size=300), st.binary(max_size=9))
+def test_u64s_distinct(hashes: list[int], tail: bytes) -> None:
+    from array import array
+
+    packed = array("Q", hashes)
+    assert C.u64s_distinct(packed) == (len(set(hashes)) == len(hashes))
+    _same("u64s_distinct", packed)
+    _same("u64s_distinct", packed.tobytes() + tail)
+    for value in ("text", 7, memoryview(packed.tobytes())[::2]):
+        _same("u64s_distinct", value)

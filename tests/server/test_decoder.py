@@ -23,6 +23,7 @@ from kvctl.server.ingest.decode_process.parent import (
     make_decoder,
 )
 from kvctl.server.ingest.decode_process.wire import answer, live_answer, read_answer, split_answers
+from kvctl.server.ingest.schema_seen import facts_of
 from tests.fixtures_path import FIXTURES
 from tests.plain_events import plain
 from tests.support import eventually_async
@@ -66,7 +67,8 @@ def test_the_pipe_codec_round_trips_every_fixture_and_junk() -> None:
 
 def test_live_messages_cross_the_pipe_as_the_router_would_read_them() -> None:
     """What the decode process receives for a stream comes back as the stream would have read it itself:
-    the seq, the decoded batch or the error kind, and the raw payload when asked to sample it."""
+    the seq, the decoded batch or the error kind, and what the payload shows of the schema when asked to sample
+    it (so that the router does not read the payload again)."""
     seq = (7).to_bytes(8, "big")
     cases = [[b"", seq, p] for p in PAYLOADS + JUNK] + [
         [b"\xff\xfe", seq, PAYLOADS[0]],  # a topic that is not UTF-8: the seq still counts
@@ -83,14 +85,14 @@ def test_live_messages_cross_the_pipe_as_the_router_would_read_them() -> None:
     assert _same(got.pop(6), decode_now(PAYLOADS[1], 16))
     for i, (frames, live) in enumerate(zip(cases, got, strict=True)):
         assert isinstance(live, tuple)
-        key, seq, sample, result = live
+        key, seq, seen, result = live
         assert key == 3
         assert seq == live_seq(frames) == (None if i >= len(cases) - 2 else 7)
         if seq is None or frames[0] == b"\xff\xfe":
             assert result is ErrorKind.bad_batch
         else:
             assert _same(result, decode_now(frames[2], 16)), frames
-        assert sample == (frames[2] if i % 2 == 0 and seq is not None else None)
+        assert seen == (facts_of(frames[2]) if i % 2 == 0 and seq is not None else None)
 
 
 def test_a_partial_answer_waits_for_the_rest() -> None:

@@ -140,14 +140,14 @@ def decode_engine_message(frames: Sequence[bytes], *, default_block_size: int | 
 
 
 def decode_engine_batch(payload: bytes, *, default_block_size: int | None = None,
-                        packed_removals: bool = False) -> EngineBatch:
+                        packed: bool = False) -> EngineBatch:
     """Decode a batch payload; raises DecodeError only when the batch itself is unusable.
 
-    `default_block_size` is used only for events that carry no block size of their own. With
-    `packed_removals`, a removal's hashes may come as an array('Q') (the router's decode process sends them
-    packed, and reads them so from the common shape without an int per block).
+    `default_block_size` is used only for events that carry no block size of their own. With `packed`, a
+    removal's hashes and a store's local hashes may come as an array('Q') (the router's decode process sends
+    them packed, and reads them so from the common shape without an int per block).
     """
-    batch = _decode_common(payload, default_block_size, packed_removals)
+    batch = _decode_common(payload, default_block_size, packed)
     return _decode_any(payload, default_block_size) if batch is None else batch
 
 
@@ -190,7 +190,7 @@ class _CommonBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 _COMMON = msgspec.msgpack.Decoder(_CommonBatch)
 
 
-def _decode_common(payload: bytes, default_block_size: int | None, packed_removals: bool = False) -> EngineBatch | None:
+def _decode_common(payload: bytes, default_block_size: int | None, packed: bool = False) -> EngineBatch | None:
     """The shape nearly every batch has (vLLM >= 0.24: `[ts, events, dp_rank]` of map events with u64
     hashes, every event sound), decoded by one typed msgspec pass instead of a walk over untyped values,
     token ids and removed hashes read by C straight from their msgpack (a 1024-token store: 17 us here,
@@ -203,14 +203,14 @@ def _decode_common(payload: bytes, default_block_size: int | None, packed_remova
         events: list[EventData] = []
         for event in raw.events:
             if type(event) is _RemovedMap:
-                events.append(Removed(_removed_hashes(event.block_hashes, packed_removals),
+                events.append(Removed(_removed_hashes(event.block_hashes, packed),
                                       tier_from_medium(event.medium)))
             elif type(event) is _StoredMap:
                 hashes = event.block_hashes
                 events.append(Stored(event.parent_block_hash, hashes,
                                      _packed_local_hashes(event.token_ids, len(hashes),
                                                           _block_size(event.block_size, default_block_size),
-                                                          event.lora_name),
+                                                          event.lora_name, packed),
                                      tier_from_medium(event.medium)))
             else:
                 events.append(Cleared())
@@ -410,19 +410,22 @@ def _removed_hashes(raw: msgspec.Raw, packed: bool) -> Sequence[int]:
     return hashes if packed else hashes.tolist()
 
 
-def _packed_local_hashes(raw: msgspec.Raw, n_blocks: int, block_size: int, lora_name: Any) -> list[int]:
-    """`_local_hashes` of the typed pass, from the token ids' msgpack as it is. Anything `_local_hashes` would
-    refuse (and a bool it would take as an int) raises a DecodeError without detail: the typed pass then
-    gives the batch up, and the general walk decodes it and words the error."""
+def _packed_local_hashes(raw: msgspec.Raw, n_blocks: int, block_size: int, lora_name: Any,
+                         packed: bool) -> Sequence[int]:
+    """`_local_hashes` of the typed pass, from the token ids' msgpack as it is (with `packed`, as the
+    array('Q') they are computed in). Anything `_local_hashes` would refuse (and a bool it would take as an
+    int) raises a DecodeError without detail: the typed pass then gives the batch up, and the general walk
+    decodes it and words the error."""
     try:
-        packed = native.u32le_from_msgpack(raw)
+        tokens = native.u32le_from_msgpack(raw)
     except ValueError:
         raise DecodeError(ErrorKind.bad_tokens, "token_ids", "") from None
     needed = 4 * n_blocks * block_size
-    if len(packed) < needed or (lora_name is not None and not isinstance(lora_name, str)):
+    if len(tokens) < needed or (lora_name is not None and not isinstance(lora_name, str)):
         raise DecodeError(ErrorKind.bad_tokens, "token_ids", "")
-    with memoryview(packed) as view:
-        return block_hashes_of_packed(view[:needed], block_size, lora_name=lora_name).tolist()
+    with memoryview(tokens) as view:
+        hashes = block_hashes_of_packed(view[:needed], block_size, lora_name=lora_name)
+    return hashes if packed else hashes.tolist()
 
 
 def _block_size(value: Any, default_block_size: int | None) -> int:

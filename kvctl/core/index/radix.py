@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
+from kvctl.core import native
 from kvctl.core.index import removal
 from kvctl.core.index.node import OK_EMPTY, ApplyResult, Deferred, Node, Status, iter_bits
 from kvctl.core.names import WorkerKey, selects
@@ -196,7 +197,8 @@ class RadixTree:
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         locs = tokens_hashes if isinstance(tokens_hashes, array) else array("Q", tokens_hashes)
         nblocks = len(hashes)
-        distinct = len(set(hashes)) == nblocks
+        packed = array("Q", hashes)  # what the run's new edge keeps (`Node.packed`), and told distinct in C
+        distinct = native.u64s_distinct(packed)
         if not distinct:  # one hash at two places: a lookup key can name only one of them
             self._shadow(slot)
         if parent_hash is None:
@@ -229,7 +231,7 @@ class RadixTree:
                     self._append_to_leaf(parent, hashes[start:], locs[start:], bit, slot)
                     self._bind(slot, lookup, hashes[start:], parent)
                     break
-                child = Node(locs[start:], hashes[start:], parent, bit, distinct=distinct)
+                child = Node(locs[start:], hashes[start:], parent, bit, packed[start:], distinct=distinct)
                 self.nodes += 1
                 if children is None:
                     parent.children = {locs[start]: child}
@@ -252,7 +254,7 @@ class RadixTree:
                 child.promote(bit, slot)
                 self._bind_shared(slot, lookup, hashes[start : start + m], child)
                 start += m
-                tail = Node(locs[start:], hashes[start:], child, bit, distinct=distinct)
+                tail = Node(locs[start:], hashes[start:], child, bit, packed[start:], distinct=distinct)
                 self.nodes += 1
                 if child.children is None:
                     child.children = {locs[start]: tail}
@@ -269,8 +271,13 @@ class RadixTree:
 
     def _bind(self, slot: int, lookup: dict[int, Node], keys: list[int], node: Node,
               moving_from: Node | None = None) -> None:
-        """Point `keys` of a worker's lookup at `node`, noting when that takes one away from another node."""
-        if not lookup.keys().isdisjoint(keys):
+        """Point `keys` of a worker's lookup at `node`, noting when that takes one away from another node.
+
+        Usually no key is bound elsewhere: `native.bind_run` binds the run while it checks that, one probe of
+        the lookup a key, and leaves the keys from the first one bound elsewhere to the loop here."""
+        done = native.bind_run(lookup, keys, node, moving_from)
+        if done < len(keys):
+            keys = keys[done:]
             bound = list(map(lookup.get, keys))
             previous = set(bound)
             previous.difference_update((None, node, moving_from))
@@ -282,7 +289,7 @@ class RadixTree:
                     previous.difference_update(freed)
             if previous:
                 self._shadow(slot)
-        lookup.update(zip(keys, repeat(node)))
+            lookup.update(zip(keys, repeat(node)))
 
     def _shadow(self, slot: int) -> None:
         """Note a slot whose lookup lost track of a node; its entries are let go one by one from now on.

@@ -371,7 +371,7 @@ class EngineStream:
             self._schema.observe_payload(frames[2])
         self._sequence(seq, frames)
 
-    def _on_received(self, seq: int | None, result: EngineBatch | ErrorKind, sample: bytes | None) -> None:
+    def _on_received(self, seq: int | None, result: EngineBatch | ErrorKind, seen: list[list[Any]] | None) -> None:
         """A live message the decode process received for this stream, decoded (`_on_live`'s twin)."""
         self._messages += 1
         self._last_message_at = self._clock()
@@ -379,8 +379,8 @@ class EngineStream:
             assert isinstance(result, ErrorKind)
             self._count_error(result)
             return
-        if sample is not None:
-            self._schema.observe_payload(sample)
+        if seen is not None:
+            self._schema.merge_facts(seen)
         self._sequence(seq, result)
 
     def _sequence(self, seq: int, item: Received) -> None:

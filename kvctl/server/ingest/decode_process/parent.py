@@ -47,9 +47,10 @@ log = logging.getLogger("kvctl.serve")
 Decoded = Callable[[EngineBatch | ErrorKind], None]
 """Receives a decoded batch, or the kind of error that made the whole payload unusable."""
 
-OnLive = Callable[[int | None, EngineBatch | ErrorKind, bytes | None], None]
+OnLive = Callable[[int | None, EngineBatch | ErrorKind, list[list[Any]] | None], None]
 """Receives a live message decoded by the decode process: its seq (None: the frames had none), the
-batch or error kind, and its raw payload when the stream's schema samples it."""
+batch or error kind, and what its payload shows of the stream's schema when the schema samples it
+(`kvctl.server.ingest.schema_seen.facts_of`)."""
 
 MAX_PENDING = 4096
 """Payloads the child may be behind by before sources stop reading their sockets (ZMQ then buffers)."""
@@ -359,10 +360,10 @@ class ProcessDecoder:
                     break
             answer = answers.popleft()
             if type(answer) is tuple:  # a Live message
-                key, seq, sample, result = answer
+                key, seq, seen, result = answer
                 subscription = subscriptions.get(key)
                 if subscription is not None:  # else unsubscribed since
-                    subscription.on_live(seq, result, sample)
+                    subscription.on_live(seq, result, seen)
                 continue
             if type(answer) is Refused:
                 subscription = subscriptions.pop(answer.key, None)

@@ -16,9 +16,10 @@ Answers (child -> router): u32 LE body length, u8 origin, body.
     `[ts, dp_rank, events, error kinds]` for a batch, or `[kind]` when the whole payload failed;
     events are `[0, parent, hashes, locals, tier]` (stored), `[1, hashes, tier]` (removed) or `[2]`
     (cleared). Requests are answered one each, in request order.
-  - origin 1 (`LIVE`): a message received on stream `key`: msgpack `[key, seq, sample, answer]`,
-    `seq` nil when the frames carry none (then `answer` is `[kind]`), `sample` the raw payload when
-    the stream's schema samples this message (`kvctl.server.ingest.schema_seen.sampled`), else nil.
+  - origin 1 (`LIVE`): a message received on stream `key`: msgpack `[key, seq, seen, answer]`,
+    `seq` nil when the frames carry none (then `answer` is `[kind]`), `seen` what the payload shows of
+    the stream's schema (`kvctl.server.ingest.schema_seen.facts_of`) when the stream's schema samples this
+    message (`kvctl.server.ingest.schema_seen.sampled`), else nil.
   - origin 2 (`REFUSED`): the child could not subscribe for stream `key`: msgpack `[key, why]`; the
     stream reads its own socket, where the same error shows as it would have without a child.
 A stored event's local hashes and a removed event's hashes are packed: a bin of native-endian u64s (both
@@ -50,6 +51,7 @@ from kvctl.core.events import (
     decode_topic,
     live_seq,
 )
+from kvctl.server.ingest.schema_seen import facts_of
 
 HEADER = struct.Struct("<II")
 ANSWER = struct.Struct("<IB")
@@ -62,8 +64,8 @@ _DECODE = msgspec.msgpack.Decoder().decode
 _CLEARED = Cleared()
 
 
-Live = tuple[int, int | None, bytes | None, EngineBatch | ErrorKind]
-"""A live message the child received: (key, seq, sample, decoded batch or error kind), as on the wire.
+Live = tuple[int, int | None, list[list[Any]] | None, EngineBatch | ErrorKind]
+"""A live message the child received: (key, seq, schema facts seen, decoded batch or error kind), as on the wire.
 A plain tuple, told from a request's answer by its type: one is built per engine message."""
 
 
@@ -120,7 +122,7 @@ def live_answer(key: int, frames: list[bytes], block_size: int, sample: bool) ->
             inner = [exc.kind.value]
         else:
             inner = _decoded(frames[2], block_size)
-    body = _ENCODE([key, seq, frames[2] if sample and seq is not None else None, inner])
+    body = _ENCODE([key, seq, facts_of(frames[2]) if sample and seq is not None else None, inner])
     return ANSWER.pack(len(body), LIVE) + body
 
 
@@ -130,9 +132,10 @@ def refused(key: int, why: str) -> bytes:
 
 
 def decode_now(payload: bytes, block_size: int) -> EngineBatch | ErrorKind:
-    """A payload decoded as the router takes it, here or in the decode process: removed hashes packed."""
+    """A payload decoded as the router takes it, here or in the decode process: removed hashes and
+    stored local hashes packed."""
     try:
-        return decode_engine_batch(payload, default_block_size=block_size, packed_removals=True)
+        return decode_engine_batch(payload, default_block_size=block_size, packed=True)
     except DecodeError as exc:
         return exc.kind
 
