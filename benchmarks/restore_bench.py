@@ -6,10 +6,11 @@ unique 8-64-block tail, an engine's first request for a prompt storing it from t
 into a fleet, so that the restore is measured without the processes, ports and engines around it (the
 collector set up as `kvctl serve` sets it).
 
-    python benchmarks/restore_bench.py [--pairs 1000000] [--rounds 3] [--profile restore.txt]
+    python benchmarks/restore_bench.py [--pairs 1000000] [--rounds 3] [--profile restore.txt] [--serve]
 
 Prints one JSON line: the image's size, the time to write it, and the restore's median and runs (wall; and
-its median CPU time, steadier on a shared machine).
+its median CPU time, steadier on a shared machine). With `--serve`, each round is a restart instead: `kvctl
+serve` started on the state dir, timed until its port accepts and until `/readyz` says the index is whole.
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
+from _procs import Proc
+from serve_bench import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,12 +71,38 @@ def build(pairs: int, workers: int, seed: int = 27) -> Fleet:
     return fleet
 
 
+def restart(state_dir: Path) -> dict[str, float]:
+    """`kvctl serve` on the state dir: seconds from its start until its port accepts, and until it is ready."""
+    port = free_port()
+    proc = Proc([sys.executable, "-m", "kvctl", "serve", "--listen", f"127.0.0.1:{port}", "--state-dir",
+                 str(state_dir), "--snapshot-interval", "3600"])
+    started = time.perf_counter()
+
+    def port_open() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=30).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        opened = wait_until(port_open, 600, "port", proc)
+        readied = wait_until(ready, 600, "/readyz 200", proc)
+    finally:
+        proc.stop()
+    return {"port_open_s": opened - started, "ready_s": readied - started}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=1_000_000)
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", type=Path, help="write a pyinstrument text profile of the last round here")
+    ap.add_argument("--serve", action="store_true", help="time restarts of `kvctl serve` instead")
     args = ap.parse_args()
     fleet = build(args.pairs, args.workers)
     pairs = fleet.models[DEFAULT_MODEL].router.index.device.blocks
@@ -81,6 +113,12 @@ def main() -> None:
         write_s = time.perf_counter() - t
         image_mb = round(path.stat().st_size / 1e6, 1)
         del fleet
+        if args.serve:
+            rounds = [restart(state_dir) for _ in range(args.rounds)]
+            print(json.dumps({"pairs": pairs, "image_mb": image_mb, **{
+                key: round(statistics.median(r[key] for r in rounds), 2) for key in rounds[0]},
+                "runs": [{k: round(v, 2) for k, v in r.items()} for r in rounds]}))
+            return
         runs, cpu = [], []
         for r in range(args.rounds):
             profiler = None
