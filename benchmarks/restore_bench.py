@@ -25,12 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-from _procs import Proc
-from serve_bench import free_port, wait_until
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # this checkout's kvctl, before serve_bench imports one
+
+import httpx  # noqa: E402
+from _procs import Proc  # noqa: E402
+from serve_bench import free_port, wait_until  # noqa: E402
 
 from kvctl.core.events import RouterEvent, Stored  # noqa: E402
 from kvctl.core.names import DEFAULT_MODEL  # noqa: E402

@@ -175,9 +175,9 @@ class Builder:
             else:
                 children[key] = node
             parent.internal = True
-            held = iter_bits(full)
-            if not held:  # a node nobody holds whole: not what a capture gives
+            if not full:  # a node nobody holds whole: not what a capture gives
                 return False
+            held = iter_bits(full) if full & (full - 1) else [full.bit_length() - 1]  # most nodes: one holder
             for s in held:
                 lookups[s].update(zip(own, repeat(node)))  # type: ignore[union-attr]
             first[held[0]] = first.get(held[0], 0) + length
