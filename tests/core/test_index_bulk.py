@@ -45,14 +45,18 @@ def histories(draw: st.DrawFn) -> tuple[list[RouterEvent | int], list[Path], boo
     events: list[RouterEvent | int] = []
     paths: list[Path] = []
     odd = False
+    may_be_odd = draw(st.integers(0, 4)) == 0  # most histories hash as engines do, so the bulk path is taken
     for _ in range(draw(st.integers(1, 20))):
         worker: WorkerKey = draw(st.sampled_from(WORKERS))
-        kind = draw(st.sampled_from(["root", "under", "under", "lower", "remove", "clear", "drop"]))
-        if kind in ("root", "under", "lower"):
-            parent: Path = draw(st.sampled_from(paths)) if kind != "root" and paths else ()
-            new = chain(parent, draw(st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=5)))
+        kind = draw(st.sampled_from(["root", "copy", "copy", "under", "under", "lower", "remove", "clear", "drop"]))
+        if kind in ("root", "copy", "under", "lower"):
+            parent: Path = draw(st.sampled_from(paths)) if kind in ("under", "lower") and paths else ()
+            if kind == "copy" and paths:  # a path another worker stored, from the root: often part of an edge
+                new = chain((), draw(st.sampled_from(paths)))
+            else:
+                new = chain(parent, draw(st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=5)))
             hashes = [engine_hash(p) for p in new]
-            if draw(st.integers(0, 9)) == 0:  # an odd hasher, or one hash twice
+            if may_be_odd and draw(st.booleans()):  # an odd hasher, or one hash twice
                 hashes[-1] = draw(st.sampled_from([hashes[0], engine_hash((7, *new[-1]))]))
                 odd = True
             tier = Tier.host_pinned if kind == "lower" else Tier.device
