@@ -89,7 +89,7 @@ def test_an_index_built_from_its_runs_is_the_index_it_was_read_from(
     original = KvIndex()
     apply(original, events)
     built = KvIndex()
-    fast = bulk.build(built, bulk.runs_of(original.capture(), max_blocks=4))  # several runs, even when small
+    fast = bulk.build(built, bulk.runs_of(original.capture(), max_pairs=4))  # several runs, even when small
     replayed = KvIndex()
     replayed.load(original.dump())
     assert fast or odd, "built by replaying events with every hash where a replay puts it"

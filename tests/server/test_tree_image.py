@@ -59,13 +59,15 @@ def test_an_image_restores_the_index_and_its_slower_tiers(tmp_path: Path) -> Non
 
 def test_a_restore_builds_a_run_at_a_time(tmp_path: Path) -> None:
     fleet = Fleet(block_size=16)
-    chains(fleet, 3 * bulk.RUN_BLOCKS // 32)  # 32 blocks of its own each
+    chains(fleet, 3 * bulk.RUN_PAIRS // 32)  # 32 pairs of its own each
     snapshot.write(snapshot.capture(fleet, 1.0), tmp_path)
     steps = snapshot.restore_in_slices(fresh := Fleet(block_size=16), tmp_path, 0.0)
     phases = [p.phase for p in steps]
-    assert phases.count("building the index") >= 3, phases  # each run a slice of the loop: ~32k blocks at most
+    assert phases.count("building the index") >= 3, phases  # each run a slice of the loop: ~4k pairs at most
     assert phases.count("reading the image") >= 1 and phases.count("decoding the image") >= 3
     assert fingerprint(fresh) == fingerprint(fleet)
+    runs = bulk.runs_of(index_of(fleet).capture()).runs
+    assert all(bulk.pairs_of([run]) <= bulk.RUN_PAIRS for run in runs)  # holders weigh, not only blocks
 
 
 def test_an_index_the_builder_cannot_take_is_replayed_event_by_event(tmp_path: Path) -> None:

@@ -25,7 +25,9 @@ from kvctl.core.index.node import Node, iter_bits
 from kvctl.core.index.radix import RadixTree
 from kvctl.core.names import WorkerKey
 
-RUN_BLOCKS = 32768  # blocks a run holds at most (besides one long edge): what a restore applies between yields
+# (Block, holder) pairs a run holds at most (besides one node's): a restore builds a run between two yields to its
+# loop, and a pair costs about 0.6 us (a lookup entry), so a run holds the loop about `budget.SLICE_S`
+RUN_PAIRS = 4096
 
 
 @dataclass(slots=True)
@@ -63,7 +65,7 @@ class Runs:
     runs: list[TreeRun | LowerRun]
 
 
-def runs_of(edges: Sequence[DumpEdge], max_blocks: int = RUN_BLOCKS) -> Runs:
+def runs_of(edges: Sequence[DumpEdge], max_pairs: int = RUN_PAIRS) -> Runs:
     """A capture's edges (`KvIndex.capture`: a node's holders one after another, parents first) as runs."""
     device = dict.fromkeys(e.worker for e in edges if e.tier is Tier.device)
     workers = {w: n for n, w in enumerate([*device, *(w for w in dict.fromkeys(e.worker for e in edges)
@@ -71,7 +73,7 @@ def runs_of(edges: Sequence[DumpEdge], max_blocks: int = RUN_BLOCKS) -> Runs:
     runs: list[TreeRun | LowerRun] = []
     places: dict[int, int] = {}  # id(a node's hashes) -> its place
     run = TreeRun(0)
-    at = 0
+    at = pairs = 0  # pairs: held in `run` so far
     while at < len(edges) and edges[at].tier is Tier.device:
         node = edges[at].block_hashes
         end = at + 1
@@ -79,9 +81,11 @@ def runs_of(edges: Sequence[DumpEdge], max_blocks: int = RUN_BLOCKS) -> Runs:
             end += 1
         held = [(workers[e.worker], e.length) for e in edges[at:end]]
         length = max(k for _, k in held)
-        if run.lengths and len(run.hashes) + length > max_blocks:
+        weight = sum(k for _, k in held)
+        if run.lengths and pairs + weight > max_pairs:
             runs.append(run)
-            run = TreeRun(run.first + len(run.lengths))
+            run, pairs = TreeRun(run.first + len(run.lengths)), 0
+        pairs += weight
         parent = edges[at].parent_edge
         places[id(node)] = place = run.first + len(run.lengths)
         run.parents.append(-1 if parent is None else places[id(parent)])
@@ -99,7 +103,7 @@ def runs_of(edges: Sequence[DumpEdge], max_blocks: int = RUN_BLOCKS) -> Runs:
         runs.append(run)
     lower: LowerRun | None = None
     for e in edges[at:]:
-        if lower is None or lower.tier is not e.tier or len(lower.blocks) >= max_blocks:
+        if lower is None or lower.tier is not e.tier or len(lower.blocks) >= max_pairs:
             lower = LowerRun(e.tier)
             runs.append(lower)
         lower.slots.append(workers[e.worker])
