@@ -4,11 +4,12 @@ The state log (`kvctl.server.persistence`) holds what changed since an image, an
 into the next image; approximate mode, whose index changes with every route, writes an image every
 snapshot interval and on shutdown instead.
 
-Format (JSON lines, `kvctl.snapshot/v2`): a header line `{"schema", "taken_at", "models": {name:
-block_size}, "workers": [...], "seqs": [...]}` (`seqs`: each engine stream's last seq the image holds, where a
-restart resumes it; absent in older files), one `{"model": name, "event": RouterEvent}` line per dumped event,
-so a snapshot is also readable by `jq` and by anything that reads Dynamo's RouterEvent JSON, then a
-trailer `{"end": {"lines": N, "sha256": hex}}` over every line before it. v1 files (no trailer) load.
+Format (`kvctl.snapshot/v3`): a JSON header line `{"schema", "taken_at", "log_from", "models": {name:
+block_size}, "workers": [...], "seqs": [...], "indexes": {...}}` (`seqs`: each engine stream's last seq the
+image holds, where a restart resumes it; absent in older files), then each model's index as binary runs of
+nodes, built back in bulk on restore, and a checksummed trailer (`tree_image`). Images written before still
+load: v2 (JSON lines, one `{"model": name, "event": RouterEvent}` line per dumped event, then a trailer
+`{"end": {"lines": N, "sha256": hex}}` over every line before it), replayed event by event, and v1 (no trailer).
 
 A crash can interrupt a write anywhere, and a disk can rot, so the state dir keeps two snapshots: the
 newest and the one before (`snapshot.jsonl.prev`). A file's trailer and checksum are checked, then every
@@ -19,12 +20,13 @@ either check is moved aside as `.damaged` and the other one is used, or none: ne
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import json
 import os
 import threading
 from array import array
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple, TypeVar
@@ -32,15 +34,18 @@ from typing import Annotated, Any, NamedTuple, TypeVar
 import msgspec
 
 from kvctl.core.events import RouterEvent, Stored, Tier
-from kvctl.core.events.dynamo import decode_router_event_json, encode_router_event_json
+from kvctl.core.events.dynamo import decode_router_event_json
 from kvctl.core.events.errors import DecodeError
-from kvctl.core.index.kv_index import DumpEdge, events_of
+from kvctl.core.index import bulk
+from kvctl.core.index.kv_index import DumpEdge
 from kvctl.errors import SnapshotError
+from kvctl.server import tree_image
 from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.state import Fleet, WorkerInfo
 
-SCHEMA = "kvctl.snapshot/v2"
-SCHEMAS = ("kvctl.snapshot/v1", SCHEMA)  # v1: no trailer, so no checksum
+SCHEMA = tree_image.SCHEMA
+V2 = "kvctl.snapshot/v2"  # JSON lines, replayed event by event
+SCHEMAS = ("kvctl.snapshot/v1", V2, SCHEMA)  # v1: no trailer, so no checksum
 FILENAME = "snapshot.jsonl"
 PREVIOUS = FILENAME + ".prev"
 T = TypeVar("T")
@@ -108,29 +113,28 @@ class Writer:
             return path
 
 
-def _lines(taken: Capture) -> Iterator[bytes]:
-    yield json.dumps(taken.header).encode() + b"\n"
-    for name, edges in taken.models:
-        prefix = b'{"model":' + json.dumps(name).encode() + b',"event":'
-        for event in events_of(edges):
-            yield prefix + encode_router_event_json(event) + b"}\n"
-
-
-def _with_trailer(lines: Iterator[bytes]) -> Iterator[bytes]:
-    digest, count = hashlib.sha256(), 0
-    for line in lines:
-        digest.update(line)
-        count += 1
-        yield line
-    yield json.dumps({"end": {"lines": count, "sha256": digest.hexdigest()}}).encode() + b"\n"
+def _chunks(taken: Capture) -> Iterator[bytes]:
+    """The file: header line, frames and trailer (`tree_image`)."""
+    extra, frames = tree_image.encode(taken.models)
+    digest, size = hashlib.sha256(), 0
+    for chunk in itertools.chain([json.dumps(taken.header | extra).encode() + b"\n"], frames):
+        digest.update(chunk)
+        size += len(chunk)
+        yield chunk
+    yield json.dumps({"end": {"bytes": size, "sha256": digest.hexdigest()}}).encode() + b"\n"
 
 
 def write(taken: Capture, state_dir: Path) -> Path:
-    """Write to a temporary file in the same directory and fsync it; then the current snapshot becomes
-    the previous one and the new file takes its name, and the directory is fsynced.
+    """`taken` as the newest snapshot (`install`). Touches nothing but `taken`, so it may run in a thread."""
+    return install(_chunks(taken), state_dir)
+
+
+def install(chunks: Iterable[bytes], state_dir: Path) -> Path:
+    """Write `chunks` to a temporary file in the same directory and fsync it; then the current snapshot
+    becomes the previous one and the new file takes its name, and the directory is fsynced.
 
     A crash before the first rename leaves both snapshots as they were; between the renames, only the
-    previous one (which restore falls back to). Touches nothing but `taken`, so it may run in a thread.
+    previous one (which restore falls back to).
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / FILENAME
@@ -140,7 +144,7 @@ def write(taken: Capture, state_dir: Path) -> Path:
             stale.unlink(missing_ok=True)
     try:
         with tmp.open("wb") as f:
-            f.writelines(_with_trailer(_lines(taken)))
+            f.writelines(chunks)
             f.flush()
             os.fsync(f.fileno())
     except OSError:
@@ -258,7 +262,8 @@ class _Line(msgspec.Struct):
 class _Contents:
     path: Path
     header: _Header
-    events: list[tuple[str, RouterEvent]]
+    events: list[tuple[str, RouterEvent]]  # v1 and v2: replayed one by one
+    runs: dict[str, bulk.Runs] | None = None  # v3: each model's index, built in bulk
 
 
 def _read(path: Path) -> _Contents:
@@ -268,7 +273,8 @@ def _read(path: Path) -> _Contents:
 
 def _read_in_slices(path: Path) -> Generator[Progress, None, _Contents]:
     """The whole file, checked and decoded into typed records in one streaming pass, yielding after each
-    line; SnapshotError naming the first problem, a damaged trailer or checksum before any line's own."""
+    line (v3: each slice of bytes or frame); SnapshotError naming the first problem, a damaged trailer or
+    checksum before any line's own."""
     total = path.stat().st_size
     digest, lines, done, pending = hashlib.sha256(), 0, 0, None  # pending: the newest line, maybe the trailer
     events: list[tuple[str, RouterEvent]] = []
@@ -276,6 +282,8 @@ def _read_in_slices(path: Path) -> Generator[Progress, None, _Contents]:
     try:
         with path.open("rb") as f:
             raw = _header_of(path, first := f.readline())
+            if raw["schema"] == SCHEMA:
+                return (yield from _read_runs(path, f, first, total, raw))
             digest.update(first)
             header, first_problem = _checked_header(path, raw)
             for line in f:
@@ -289,7 +297,7 @@ def _read_in_slices(path: Path) -> Generator[Progress, None, _Contents]:
                 pending = line
     except OSError as exc:
         raise SnapshotError(f"{path}: unreadable ({exc.strerror})") from None
-    if raw["schema"] != SCHEMA:  # v1: no trailer, the last line is an event
+    if raw["schema"] != V2:  # v1: no trailer, the last line is an event
         if pending is not None and first_problem is None and header is not None:
             first_problem = _decode_line(path, lines + 2, pending, header, events)
     else:
@@ -304,6 +312,46 @@ def _read_in_slices(path: Path) -> Generator[Progress, None, _Contents]:
         raise SnapshotError(first_problem)
     assert header is not None  # a header that failed its check is the first problem
     return _Contents(path, header, events)
+
+
+def _read_runs(path: Path, f: io.BufferedReader, first: bytes, total: int,
+               raw: dict[str, Any]) -> Generator[Progress, None, _Contents]:
+    """A v3 file (`tree_image`), from `f` past its header line `first`: read and checksummed, then decoded and
+    checked frame by frame, yielding after each slice and frame; nothing of it applied yet."""
+    data = bytearray(max(total, len(first)))
+    at = len(first)
+    with memoryview(data) as whole:
+        whole[:at] = first
+        while at < total and (got := f.readinto(whole[at:at + tree_image.SLICE_BYTES])):
+            at += got
+            yield Progress("reading the image", at, total, "bytes")
+    del data[at:]  # a file that shrank as it was read: cut short, as the trailer tells
+    view = memoryview(data)
+    end = data.rfind(b"\n", 0, len(data) - 1) + 1
+    try:
+        trailer = json.loads(data[end:])["end"]
+        size, sha = int(trailer["bytes"]), str(trailer["sha256"])
+    except (ValueError, KeyError, TypeError):
+        raise SnapshotError(f"{path}: no trailer: the write was cut short") from None
+    digest = hashlib.sha256()
+    for start in range(0, end, tree_image.SLICE_BYTES):
+        digest.update(view[start:min(end, start + tree_image.SLICE_BYTES)])
+        yield Progress("checking the image", start, end, "bytes")
+    if size != end or digest.hexdigest() != sha:
+        raise SnapshotError(f"{path}: checksum mismatch: the file changed after it was written")
+    header, problem = _checked_header(path, raw)
+    if problem is not None:
+        raise SnapshotError(problem)
+    assert header is not None
+    frames = tree_image.body_in_slices(view[:end], len(first), raw, header.models)
+    while True:
+        try:
+            done = next(frames)
+        except StopIteration as finished:
+            return _Contents(path, header, [], finished.value)
+        except ValueError as exc:
+            raise SnapshotError(f"{path}: {exc}") from None
+        yield Progress("decoding the image", done, end, "bytes")
 
 
 def _header_of(path: Path, first: bytes) -> dict[str, Any]:
@@ -418,6 +466,9 @@ def _apply(fleet: Fleet, contents: _Contents, now: float) -> Generator[Progress,
         fleet.register(WorkerInfo(w.worker_id, w.dp_rank, w.model, w.endpoint, w.replay_endpoint, w.topic))
     for s in header.seqs:
         fleet.applied_seq(((s.worker_id, s.dp_rank), s.endpoint), s.seq)
+    if contents.runs is not None:
+        events, rejected = yield from _build(fleet, contents.runs, now)
+        return Restored(header.taken_at, events, rejected, contents.path, header.log_from)
     events = rejected = 0
     total = len(contents.events)
     for n, (model, event) in enumerate(contents.events, 1):
@@ -426,6 +477,33 @@ def _apply(fleet: Fleet, contents: _Contents, now: float) -> Generator[Progress,
         rejected += sum(bad.values())
         yield Progress("applying the image", n, total, "events")
     return Restored(header.taken_at, events, rejected, contents.path, header.log_from)
+
+
+def _build(fleet: Fleet, models: dict[str, bulk.Runs], now: float) -> Generator[Progress, None, tuple[int, int]]:
+    """Each model's index built from its runs, yielding after each run; where the builder cannot build what a
+    replay would (`bulk.Builder`), the runs' events replayed one by one instead. Returns (applied, rejected)."""
+    events = rejected = done = 0
+    total = sum(len(runs.runs) for runs in models.values())
+    for name, runs in models.items():
+        builder = bulk.Builder(fleet.add_model(name).router.index, runs)
+        built = True
+        for run in runs.runs:
+            built = built and builder.add(run)
+            done += 1
+            yield Progress("building the index", done, total, "runs")
+        if built and builder.finish():
+            stored = bulk.pairs_of(runs.runs)
+            fleet.built(name, runs.workers, stored, now)
+            events += stored
+            continue
+        builder.reset()
+        replaying = bulk.pairs_of(runs.runs)
+        for replayed, (worker, event) in enumerate(bulk.events_of_runs(runs), 1):
+            applied, bad = fleet.apply(name, (RouterEvent(worker[0], event, worker[1], 0),), now)
+            events += applied
+            rejected += sum(bad.values())
+            yield Progress("replaying the image", replayed, replaying, "events")
+    return events, rejected
 
 
 def delete(state_dir: Path) -> bool:

@@ -260,6 +260,17 @@ class Fleet:
         if self.journal is not None:
             self.journal.seq(stream, seq)
 
+    def built(self, model: str, workers: Iterable[WorkerKey], stored: int, now: float) -> None:
+        """A model's index was built in bulk from an image (`snapshot`): its workers are known and heard from,
+        and its `stored` events counted, as replaying the image's events one by one leaves them."""
+        state = self.add_model(model)
+        for worker in workers:
+            info = self.workers.get(worker)
+            if info is None:
+                info = self.register(WorkerInfo(worker[0], worker[1], model))
+            info.last_event_at = now
+        state.applied[(_EVENT_TYPES[Stored], _STATUS_VALUES[Status.ok])] += stored
+
     def _apply_run(self, state: ModelState, worker: WorkerKey, events: Iterable[EventData], now: float,
                    rejected: Counter[str] | None) -> int:
         """Apply one worker's events in order; returns how many applied, adds the others to `rejected`."""

@@ -187,10 +187,11 @@ def test_snapshot_header_is_versioned(tmp_path: Path) -> None:
         eventually(lambda: client.get("/v1/status").json()["restore"]["log"]["since_image"], "the image compacted",
                    until=lambda n: n == 0)
         _stop(proc)
-    lines = (tmp_path / "snapshot.jsonl").read_text().splitlines()
-    header, trailer = json.loads(lines[0]), json.loads(lines[-1])
-    assert header["schema"] == "kvctl.snapshot/v2" and header["models"] == {"default": 16}
-    assert trailer["end"]["lines"] == len(lines) - 1 and len(trailer["end"]["sha256"]) == 64
+    data = (tmp_path / "snapshot.jsonl").read_bytes()
+    last = data.rstrip(b"\n").rsplit(b"\n", 1)[1]
+    header, trailer = json.loads(data.split(b"\n", 1)[0]), json.loads(last)
+    assert header["schema"] == "kvctl.snapshot/v3" and header["models"] == {"default": 16}
+    assert trailer["end"]["bytes"] == len(data) - len(last) - 1 and len(trailer["end"]["sha256"]) == 64
 
 
 @on_both_route_paths

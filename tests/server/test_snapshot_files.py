@@ -1,4 +1,7 @@
-"""Snapshot files: a checksummed trailer, the previous snapshot kept, a damaged file moved aside."""
+"""Snapshot files: a checksummed trailer, the previous snapshot kept, a damaged file moved aside.
+
+The checks of a file's lines are of v2 images (`v2_image`), which state dirs in the field hold; those of the
+v3 image's frames are in test_tree_image.py."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from kvctl.server import snapshot
 from kvctl.server.state import Fleet, WorkerInfo
 from tests.fixtures_path import FIXTURES
 from tests.fuzz.junk import JSON_JUNK, mutated, replaced
+from tests.server import v2_image
 from tests.server.test_serve_process import _stop, serving
 
 DUMP = read_router_events((FIXTURES / "dynamo-1.6.1" / "dump.jsonl").read_text())
@@ -46,7 +50,7 @@ def test_each_write_keeps_the_one_before(tmp_path: Path) -> None:
     restored, problems = snapshot.restore(fresh := Fleet(block_size=16), tmp_path, 0.0)
     assert problems == [] and restored is not None and restored.taken_at == 2.0
     assert blocks(fresh) == blocks(fleet_with(7))
-    assert json.loads((tmp_path / snapshot.PREVIOUS).read_text().splitlines()[0])["taken_at"] == 1.0
+    assert json.loads((tmp_path / snapshot.PREVIOUS).read_bytes().split(b"\n")[0])["taken_at"] == 1.0
 
 
 def test_a_write_cut_short_falls_back_to_the_previous_snapshot(tmp_path: Path) -> None:
@@ -65,14 +69,22 @@ def test_a_flipped_byte_is_a_checksum_mismatch_and_nothing_of_it_is_applied(tmp_
     write(fleet_with(7), tmp_path, 1.0)
     path = tmp_path / snapshot.FILENAME
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
+    body = data.index(b"\n") + 1  # past the header line, which is JSON: a flip there makes it unreadable
+    data[(body + len(data)) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     restored, problems = snapshot.restore(fresh := Fleet(block_size=16), tmp_path, 0.0)
     assert restored is None and blocks(fresh) == 0 and "checksum mismatch" in problems[0]
 
 
+def test_a_v2_snapshot_still_loads(tmp_path: Path) -> None:
+    v2_image.write(fleet_with(7), tmp_path, 1.0)
+    restored, problems = snapshot.restore(fresh := Fleet(block_size=16), tmp_path, 0.0)
+    assert problems == [] and restored is not None and restored.events == 7
+    assert fingerprint(fresh) == fingerprint(fleet_with(7))
+
+
 def test_a_v1_snapshot_without_trailer_still_loads(tmp_path: Path) -> None:
-    write(fleet_with(7), tmp_path, 1.0)
+    v2_image.write(fleet_with(7), tmp_path, 1.0)
     path = tmp_path / snapshot.FILENAME
     lines = path.read_text().splitlines(keepends=True)
     header = json.loads(lines[0]) | {"schema": "kvctl.snapshot/v1"}
@@ -122,20 +134,20 @@ def newer_fleet() -> Fleet:
 
 def fingerprint(fleet: Fleet) -> bytes:
     """Everything a snapshot of the fleet holds: two fleets with equal fingerprints restore alike."""
-    return b"".join(snapshot._lines(snapshot.capture(fleet, 0.0)))
+    return b"".join(v2_image.lines(snapshot.capture(fleet, 0.0)))
 
 
 def two_snapshots(state_dir: Path) -> list[Any]:
-    """The previous snapshot from `fleet_with(3)`, the newest from `newer_fleet()`; the newest's lines parsed."""
+    """The previous snapshot from `fleet_with(3)`, the newest from `newer_fleet()` (v2); the newest's lines parsed."""
     write(fleet_with(3), state_dir, 1.0)
-    write(newer_fleet(), state_dir, 2.0)
+    v2_image.write(newer_fleet(), state_dir, 2.0)
     return [json.loads(line) for line in (state_dir / snapshot.FILENAME).read_text().splitlines()[:-1]]
 
 
 def rewrite(state_dir: Path, lines: list[Any]) -> None:
     """The newest snapshot holding `lines`, with a trailer that matches them: only the content is wrong."""
     encoded = (json.dumps(line).encode() + b"\n" for line in lines)
-    (state_dir / snapshot.FILENAME).write_bytes(b"".join(snapshot._with_trailer(encoded)))
+    (state_dir / snapshot.FILENAME).write_bytes(b"".join(v2_image.with_trailer(encoded)))
 
 
 def falls_back_cleanly(state_dir: Path) -> str:
@@ -220,9 +232,9 @@ def test_a_router_started_on_bad_content_serves_the_previous_snapshot_and_says_w
     assert "damaged snapshot" in log and "restored 3 events from snapshot.jsonl.prev" in log
 
 
-def test_the_image_loads_in_slices_into_the_same_index_as_the_fleet_written(tmp_path: Path) -> None:
+def test_a_v2_image_loads_in_slices_into_the_same_index_as_the_fleet_written(tmp_path: Path) -> None:
     fleet = fleet_with(len(DUMP))
-    write(fleet, tmp_path, 1.0)
+    v2_image.write(fleet, tmp_path, 1.0)
     steps = snapshot.restore_in_slices(fresh := Fleet(block_size=16), tmp_path, 0.0)
     seen: list[snapshot.Progress] = []
     while True:
@@ -243,7 +255,7 @@ def test_the_image_loads_in_slices_into_the_same_index_as_the_fleet_written(tmp_
 
 
 def test_a_hash_past_u64_in_an_image_line_is_refused_naming_it(tmp_path: Path) -> None:
-    write(fleet_with(3), tmp_path, 1.0)
+    v2_image.write(fleet_with(3), tmp_path, 1.0)
     path = tmp_path / snapshot.FILENAME
     lines = path.read_text().splitlines(keepends=True)
     line = json.loads(lines[1])

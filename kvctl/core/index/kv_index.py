@@ -40,6 +40,7 @@ class DumpEdge(NamedTuple):
     block_hashes: list[int]
     tokens_hashes: array[int]
     length: int
+    parent_edge: list[int] | None = None  # the parent node's `hashes` (by identity; None: the root): see `bulk`
 
 
 def events_of(edges: Iterable[DumpEdge], first_id: int = 0) -> Iterator[RouterEvent]:
@@ -186,10 +187,12 @@ class KvIndex:
             if node.children:
                 inherited[id(node)] = (node, allowed & node.full)
             holders = [(s, len(node.hashes)) for s in iter_bits(node.full & allowed)] if allowed else []
+            parent_edge = None if parent is root or parent is None else parent.hashes
             if node.cutoffs:
                 holders.extend((s, c) for s, c in node.cutoffs.items() if allowed >> s & 1)
             for slot, k in holders:
-                edges.append(DumpEdge(Tier.device, tree.worker_of(slot), parent_hash, node.hashes, node.locals, k))
+                edges.append(DumpEdge(Tier.device, tree.worker_of(slot), parent_hash, node.hashes, node.locals, k,
+                                      parent_edge))
             work += 1 + len(holders)
             if size is not None and work >= size:
                 yield edges
