@@ -168,7 +168,7 @@ async def test_the_routers_walk_lets_the_loop_run_between_slices() -> None:
 
 async def _walk_while_probing() -> None:
     index = KvIndex()
-    index.load(e for e in fleet_events(requests=6_000) if type(e.data) is Stored)
+    index.load(e for e in fleet_events(requests=30_000) if type(e.data) is Stored)
     gaps: list[float] = []
 
     async def probe() -> None:
@@ -182,7 +182,8 @@ async def _walk_while_probing() -> None:
     prober = asyncio.create_task(probe())
     await asyncio.sleep(0)
     started = time.perf_counter()
-    await index_shape(index, top=10)
+    for _ in range(4):  # a walk of 30,000 nodes takes ~40 ms: four, for the loop's gaps to stand out of the noise
+        await index_shape(index, top=10)
     took = time.perf_counter() - started
     prober.cancel()
     assert len(gaps) >= 10 and max(gaps) < took / 10, (len(gaps), max(gaps), took)
