@@ -28,11 +28,12 @@ operations = st.builds(lambda built, then: built + then, st.lists(store, min_siz
                        st.lists(st.one_of(store, remove, remove, remove, clear, forget), max_size=20))
 
 
-def apply(index: KvIndex, operations: list[tuple[Any, ...]]) -> None:
+def apply(index: KvIndex, operations: list[tuple[Any, ...]],
+          runs: dict[WorkerKey, list[list[Path]]] | None = None) -> None:
     """Stores at the root or under a block the worker stored before, removals of any blocks of a run the worker
     stored (from an edge's middle too: the edge is cut there, and the worker's blocks below it are no longer on
     its path), clears and worker removals. Refused events (a parent no longer held) are part of it."""
-    runs: dict[WorkerKey, list[list[Path]]] = {}  # what each worker stored, for its later events to pick from
+    runs = {} if runs is None else runs  # what each worker stored, for its later events to pick from
     for op in operations:
         if op[0] == "store":
             _, worker, pick, symbols = op
@@ -75,3 +76,19 @@ def test_the_routers_walk_gives_what_its_dump_gives(ops: list[tuple[Any, ...]], 
     for _ in walked.steps(2):  # pausing, as a router does
         pass
     assert walked.shape() == of_its_dump(index, top)
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations, operations)
+def test_events_between_the_walks_slices_never_break_it(before: list[tuple[Any, ...]],
+                                                        between: list[tuple[Any, ...]]) -> None:
+    """A router applies events between two slices of the walk: edges cut, freed, extended, workers gone. Each
+    edge is counted as it is when reached; nothing raises, and an index left alone after is counted right."""
+    index, runs = KvIndex(), {}
+    apply(index, before, runs)
+    walked = IndexStats(TreeShape(index.device), top=3)
+    for n, _ in enumerate(walked.steps(1)):
+        apply(index, between[n:n + 1], runs)
+    figures = walked.shape()
+    assert figures["paths"] >= 0 and all(b["blocks"] <= b["held"] for b in figures["depths"])
+    assert IndexStats(TreeShape(index.device), top=3).shape() == of_its_dump(index, 3)
