@@ -11,7 +11,8 @@ request of an engine for a prompt stores it from the root), this measures the ro
     its p50 and max while idle, over a window of the periodic work (1.2 snapshot intervals: a state log's
     fsyncs and one fold of it in a child, or an older router's full snapshots), during a `GET /v1/tree`,
     and during bulk `POST /v1/events` (2,000-event batches from one client);
-  - `kvctl tree stats` against the router: wall time and the client's peak RSS, and the router's answer alone;
+  - `kvctl tree stats` against the router: wall time and the client's peak RSS; the router's answer alone, and
+    the routes answered during it;
   - disk written per snapshot interval (the router's `/proc/PID/io` write_bytes over the window);
   - SIGTERM to exit; then a restart on the same state dir: time until its port accepts a connection, and
     until the index holds every pair again.
@@ -359,16 +360,21 @@ def during_bulk(router: Router, prober: Prober) -> dict[str, Any]:
     return {"batch_ms": round(sorted(per_batch)[len(per_batch) // 2] * 1e3, 1), "routes": prober.between(t0, t1)}
 
 
+def tree_stats_router(router: Router, prober: Prober) -> dict[str, Any]:
+    """The router's own part of `kvctl tree stats`, its answer to the `GET /v1/tree/stats?shape=true` the command
+    sends (on a busy 2-core machine the command's start, its imports, may cost as much), and the routes answered
+    meanwhile."""
+    t0 = time.perf_counter()
+    router.http.get("/v1/tree/stats", params={"shape": "true"}, timeout=STATS_TIMEOUT_S).raise_for_status()
+    t1 = time.perf_counter()
+    return {"router_s": round(t1 - t0, 3), "routes": prober.between(t0, t1)}
+
+
 def tree_stats_cli(router: Router) -> dict[str, Any]:
-    """`kvctl tree stats URL -o json` as its own process: wall time and its peak RSS; and first the router's
-    own part, its answer to the `GET /v1/tree/stats?shape=true` the command sends (`router_s`), since on a busy
-    2-core machine the command's start (imports) may cost as much.
+    """`kvctl tree stats URL -o json` as its own process: wall time and its peak RSS.
 
     The peak is the exec'd process's own VmHWM, read while it runs: wait4's ru_maxrss would count this
     process's workload too, resident in the child from the fork (or vfork) until its exec."""
-    t0 = time.perf_counter()
-    router.http.get("/v1/tree/stats", params={"shape": "true"}, timeout=STATS_TIMEOUT_S).raise_for_status()
-    router_s = round(time.perf_counter() - t0, 3)
     t0 = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-m", "kvctl", "tree", "stats", router.url, "-o", "json"],
                              cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -380,10 +386,10 @@ def tree_stats_cli(router: Router) -> dict[str, Any]:
         if time.perf_counter() > deadline:
             child.kill()
             child.wait()
-            return {"timed_out_s": STATS_TIMEOUT_S, "peak_rss_mb": round(peak_kb / 1024, 1), "router_s": router_s}
+            return {"timed_out_s": STATS_TIMEOUT_S, "peak_rss_mb": round(peak_kb / 1024, 1)}
         time.sleep(0.01)
     return {"s": round(time.perf_counter() - t0, 2), "peak_rss_mb": round(peak_kb / 1024, 1),
-            "exit": child.returncode, "router_s": router_s}
+            "exit": child.returncode}
 
 
 def stop_and_restart(router: Router, pubs: Publishers, state_dir: str, wl: Workload) -> tuple[Router, dict[str, Any]]:
@@ -428,9 +434,10 @@ def one_size(pairs: int, args: argparse.Namespace, oracle: bool) -> dict[str, An
         row["periodic_snapshot"] = snapshot_window(router, prober)
         row["tree_dump"] = during_dump(router, prober)
         row["bulk_events"] = during_bulk(router, prober)
+        by_router = tree_stats_router(router, prober)
         prober.stop()
         prober = None
-        row["tree_stats"] = tree_stats_cli(router)
+        row["tree_stats"] = {**tree_stats_cli(router), **by_router}
         router, row["restart"] = stop_and_restart(router, pubs, tmp.name, wl)
     finally:
         if prober is not None:
