@@ -424,7 +424,8 @@ class IndexStats:
         self._done = False
 
     def steps(self, every: int) -> Iterator[None]:
-        """The walk, then the figures, pausing after every `every` edges (or runs): a router runs its loop there."""
+        """The walk, then the figures, pausing after about `every` edges, holders or runs: a router runs its loop
+        there."""
         yield from self._tree.steps(every)
         tally, tree = self._tally, self._tree
         solo: Counter[int] = Counter()
@@ -448,13 +449,16 @@ class IndexStats:
             if n % every == 0:
                 yield
         nodes: dict[int, _Node] = {}  # id(SharedEdge) -> its node, for its children to name their path from
-        for n, edge in enumerate(tree.shared, 1):
+        budget = every
+        for edge in tree.shared:
             parent = None if edge.parent is None else nodes[id(edge.parent)]
             node = nodes[id(edge)] = _Node(parent, dict(edge.holders), edge.locals, edge.serial)
             node.best_child = edge.best_child
             _offer_prefixes(tally, node)
-            if n % every == 0:
+            budget -= len(edge.holders)  # a prompt's edge may have a holder per worker
+            if budget <= 0:
                 yield
+                budget = every
         self._done = True
 
     def shape(self) -> dict[str, Any]:

@@ -56,38 +56,45 @@ class TreeShape:
         self.shared: list[SharedEdge] = []  # breadth first: a parent before its children
 
     def steps(self, every: int) -> Iterator[None]:
-        """The walk, pausing after every `every` edges: a server lets its loop run there."""
+        """The walk, pausing once it has taken about `every` edges, holders and children since the last pause (a
+        prompt's edge may have a holder per worker and a child per request): a server lets its loop run there."""
         tree, solo, blocks, held, shared = self._tree, self.solo, self.blocks, self.held, self.shared
         # (slots holding the path above, blocks above, the parent's SharedEdge, the children as reached)
         queue: deque[tuple[int, int, SharedEdge | None, list[Node]]] = deque()
         if tree.root.children:
             queue.append((-1, 0, None, list(tree.root.children.values())))
+        budget = every
         while queue:
             allowed, above, parent, children = queue.popleft()
             run = above << 32
-            for start in range(0, len(children), every):
-                for node in children[start:start + every]:
-                    full = node.full & allowed
-                    if full and not full & (full - 1) and not node.cutoffs:  # one worker holds it whole
-                        solo.append(run | len(node.hashes))
-                        if node.children:
-                            queue.append((full, above + len(node.hashes), None, list(node.children.values())))
-                        continue
-                    lengths = [(s, len(node.hashes)) for s in iter_bits(full)]
-                    if node.cutoffs:
-                        lengths += [(s, k) for s, k in node.cutoffs.items() if allowed >> s & 1]
-                    if not lengths:
-                        continue
-                    longest = max(k for _, k in lengths)
-                    blocks[(above, longest)] += 1
-                    held.update((above, k) for _, k in lengths)
-                    if parent is not None and parent.best_child < len(lengths):
-                        parent.best_child = len(lengths)
-                    edge = None
-                    if len(lengths) > 1:
-                        edge = SharedEdge(len(shared) + 1, above, tuple((tree.worker_of(s), k) for s, k in lengths),
-                                          node.locals, longest, parent)
-                        shared.append(edge)
-                    if full and node.children:
-                        queue.append((full, above + len(node.hashes), edge, list(node.children.values())))
-                yield
+            for node in children:  # a copy: the loop may change the tree at every pause
+                if budget <= 0:
+                    yield
+                    budget = every
+                budget -= 1
+                full = node.full & allowed
+                if full and not full & (full - 1) and not node.cutoffs:  # one worker holds it whole
+                    solo.append(run | len(node.hashes))
+                    if node.children:
+                        budget -= len(node.children)
+                        queue.append((full, above + len(node.hashes), None, list(node.children.values())))
+                    continue
+                lengths = [(s, len(node.hashes)) for s in iter_bits(full)]
+                if node.cutoffs:
+                    lengths += [(s, k) for s, k in node.cutoffs.items() if allowed >> s & 1]
+                if not lengths:
+                    continue
+                budget -= len(lengths)
+                longest = max(k for _, k in lengths)
+                blocks[(above, longest)] += 1
+                held.update((above, k) for _, k in lengths)
+                if parent is not None and parent.best_child < len(lengths):
+                    parent.best_child = len(lengths)
+                edge = None
+                if len(lengths) > 1:
+                    edge = SharedEdge(len(shared) + 1, above, tuple((tree.worker_of(s), k) for s, k in lengths),
+                                      node.locals, longest, parent)
+                    shared.append(edge)
+                if full and node.children:
+                    budget -= len(node.children)
+                    queue.append((full, above + len(node.hashes), edge, list(node.children.values())))
