@@ -11,7 +11,8 @@ request of an engine for a prompt stores it from the root), this measures the ro
     its p50 and max while idle, over a window of the periodic work (1.2 snapshot intervals: a state log's
     fsyncs and one fold of it in a child, or an older router's full snapshots), during a `GET /v1/tree`,
     and during bulk `POST /v1/events` (2,000-event batches from one client);
-  - `kvctl tree stats` against the router: wall time and the client's peak RSS;
+  - `kvctl tree stats` against the router: wall time and the client's peak RSS; the router's answer alone, and
+    the routes answered during it;
   - disk written per snapshot interval (the router's `/proc/PID/io` write_bytes over the window);
   - SIGTERM to exit; then a restart on the same state dir: time until its port accepts a connection, and
     until the index holds every pair again.
@@ -359,6 +360,16 @@ def during_bulk(router: Router, prober: Prober) -> dict[str, Any]:
     return {"batch_ms": round(sorted(per_batch)[len(per_batch) // 2] * 1e3, 1), "routes": prober.between(t0, t1)}
 
 
+def tree_stats_router(router: Router, prober: Prober) -> dict[str, Any]:
+    """The router's own part of `kvctl tree stats`, its answer to the `GET /v1/tree/stats?shape=true` the command
+    sends (on a busy 2-core machine the command's start, its imports, may cost as much), and the routes answered
+    meanwhile."""
+    t0 = time.perf_counter()
+    router.http.get("/v1/tree/stats", params={"shape": "true"}, timeout=STATS_TIMEOUT_S).raise_for_status()
+    t1 = time.perf_counter()
+    return {"router_s": round(t1 - t0, 3), "routes": prober.between(t0, t1)}
+
+
 def tree_stats_cli(router: Router) -> dict[str, Any]:
     """`kvctl tree stats URL -o json` as its own process: wall time and its peak RSS.
 
@@ -423,9 +434,10 @@ def one_size(pairs: int, args: argparse.Namespace, oracle: bool) -> dict[str, An
         row["periodic_snapshot"] = snapshot_window(router, prober)
         row["tree_dump"] = during_dump(router, prober)
         row["bulk_events"] = during_bulk(router, prober)
+        by_router = tree_stats_router(router, prober)
         prober.stop()
         prober = None
-        row["tree_stats"] = tree_stats_cli(router)
+        row["tree_stats"] = {**tree_stats_cli(router), **by_router}
         router, row["restart"] = stop_and_restart(router, pubs, tmp.name, wl)
     finally:
         if prober is not None:

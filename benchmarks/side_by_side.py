@@ -40,14 +40,15 @@ def run_once(checkout: Path, bench: list[str]) -> list[dict[str, float]]:
 
 
 def compare(before: list[list[dict[str, float]]], after: list[list[dict[str, float]]]) -> list[dict[str, Any]]:
-    """Per benchmark row: each figure's median before and after, and after / before."""
+    """Per benchmark row: each figure's median before and after, and after / before. A figure some runs lack (a
+    timing a run may not see, such as routes during a fold) is the median of the runs that have it."""
     rows = []
     for i in range(len(before[0])):
-        keys = sorted(set(before[0][i]) & set(after[0][i]))
+        keys = sorted({k for run in before for k in run[i]} & {k for run in after for k in run[i]})
         row: dict[str, Any] = {}
         for key in keys:
-            b = statistics.median(run[i][key] for run in before)
-            a = statistics.median(run[i][key] for run in after)
+            b = statistics.median(run[i][key] for run in before if key in run[i])
+            a = statistics.median(run[i][key] for run in after if key in run[i])
             row[key] = {"before": b, "after": a, "ratio": round(a / b, 3) if b else None}
         rows.append(row)
     return rows

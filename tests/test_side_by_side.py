@@ -25,3 +25,12 @@ def test_each_figure_is_the_median_of_its_runs_with_the_ratio() -> None:
     (row,) = side_by_side.compare(before, after)
     assert row["p50"] == {"before": 2.0, "after": 2.2, "ratio": 1.1}
     assert row["rss"] == {"before": 100.0, "after": 90.0, "ratio": 0.9}
+
+
+def test_a_figure_some_runs_lack_is_the_median_of_those_that_have_it() -> None:
+    """scale_bench's routes during a fold exist only in a run whose window saw one: a KeyError lost the rest."""
+    before = [[{"p50": 1.0, "fold_ms": 5.0}], [{"p50": 3.0}]]
+    after = [[{"p50": 2.0}], [{"p50": 2.0, "fold_ms": 4.0}]]
+    (row,) = side_by_side.compare(before, after)
+    assert row["fold_ms"] == {"before": 5.0, "after": 4.0, "ratio": 0.8}
+    assert row["p50"] == {"before": 2.0, "after": 2.0, "ratio": 1.0}

@@ -54,7 +54,8 @@ READ_CHUNK = 1 << 16
 """Characters of a dump file read at a time when its stats are streamed."""
 ROUTER_STATS_TIMEOUT_S = 120.0
 """The least a router is given to answer `tree stats`: it walks its whole index for the shape, a slice of its
-loop at a time (~0.7 s per million pairs on 2 cores), so the 5-s default would cut a 10M-pair index short."""
+loop at a time (its device tree edge by edge, ~0.1 s per million pairs; an index with slower tiers block by
+block, ~1 s per million), so the 5-s default could cut a large index short."""
 
 
 class DumpFormat(StrEnum):
@@ -100,7 +101,6 @@ class Reader:
         read as a stream (whole only when it is not a dump this can follow: `core.tree_stats`); other sources
         replay their dump."""
         from kvctl.client import sources
-        from kvctl.core.tree_diff import tree_stats
 
         settings = settings_for(self.ctx)
         source = source or settings.server
@@ -116,7 +116,11 @@ class Reader:
                 streamed = _streamed_stats(events, top)
         elif "://" not in source and source != "-":
             streamed = self._file_stats(source, top)
-        return tree_stats(self.events(source), top=top) if streamed is None else streamed
+        if streamed is not None:
+            return streamed
+        from kvctl.core.tree_diff import tree_stats  # the index and its replay: only where nobody computed them
+
+        return tree_stats(self.events(source), top=top)
 
     def _file_stats(self, source: str, top: int) -> dict[str, Any] | None:
         from kvctl.core.events.dump_file import DumpFileError, iter_dump_events

@@ -6,13 +6,13 @@ kvctl router's and Dynamo's both walk their radix tree level by level, a node's 
 so once a node one level deeper than a node's children arrives, that node has seen all its holders and
 children: its figures are final, and it is dropped. `EdgeStats` works a node at a time, keeping two levels
 of nodes (a child's depth needs its parent's, which comes a whole level earlier), each without its blocks:
-a router walks its own index into it (`server.tree_stats`), and `DumpStats` gathers a dump's events (a
-file, a Dynamo indexer's `/dump`) into nodes for it. A router whose index has slower tiers (their blocks
-come after the whole device tree and join its paths) goes block by block into `TieredStats`, all kept.
+`DumpStats` gathers a dump's events (a file, a Dynamo indexer's `/dump`) into nodes for it. A router needs
+no dump of its own tree: `IndexStats` counts it from the runs and shared edges `core.index.shape` walks,
+which is what the same tree's dump would give. A router whose index has slower tiers (their blocks come
+after the whole device tree and join its paths) goes block by block into `TieredStats`, all kept.
 
 A dump this pass cannot follow (a removal, another tier's block, a parent not seen or already closed, a node
-listed twice) raises `NotStreamable`: the caller replays it whole instead, as before. A router walking its
-own index between events skips what changed under the walk.
+listed twice) raises `NotStreamable`: the caller replays it whole instead, as before.
 
 Pure: no I/O.
 """
@@ -30,6 +30,7 @@ from typing import Any
 from kvctl.core.events import RouterEvent, Stored, Tier
 from kvctl.core.hashing import sequence_hashes
 from kvctl.core.index.kv_index import DumpEdge
+from kvctl.core.index.shape import TreeShape
 from kvctl.core.names import WorkerKey, format_worker
 
 CLOSE_EVERY = 256
@@ -193,7 +194,7 @@ class DumpStats:
     """
 
     def __init__(self, *, top: int = 10) -> None:
-        self._nodes = EdgeStats(top=top, strict=True)
+        self._nodes = EdgeStats(top=top)
         self._group: list[DumpEdge] = []  # the holders of the node being read
         self._longest: DumpEdge | None = None
         self.blocks = 0  # (worker, block) pairs, as the events hold them
@@ -269,20 +270,19 @@ class _Node:
     __slots__ = ("best_child", "depth", "holders", "key", "length", "level", "locals", "opened", "parent",
                  "serial", "tail_hash")
 
-    def __init__(self, parent: _Node | None, edge: DumpEdge, holders: dict[WorkerKey, int], level: int,
-                 serial: int, opened: int) -> None:
+    def __init__(self, parent: _Node | None, holders: dict[WorkerKey, int], local_hashes: array[int],
+                 serial: int) -> None:
         self.parent: _Node | None = parent
-        self.opened = opened  # parent's serial and first local hash: the node's name while its level is open
         # (worker, blocks held) pairs: a tuple, half a small dict's size (a wide level keeps many)
-        self.holders, self.level, self.serial = tuple(holders.items()), level, serial
+        self.holders, self.serial = tuple(holders.items()), serial
         lengths = sorted(holders.values())
         self.length = lengths[-1]
         # Named (shared prefixes, and the paths below them) only as far as two holders reach.
-        self.locals = edge.tokens_hashes[:lengths[-2]] if len(lengths) > 1 else _NO_LOCALS
-        self.key = edge.block_hashes[self.length - 1]  # the engine hash its children name as their parent
+        self.locals = local_hashes[:lengths[-2]] if len(lengths) > 1 else _NO_LOCALS
         self.depth: int = (0 if parent is None else parent.depth) + self.length  # of its last block
         self.tail_hash: int | None = None  # the sequence hash of its last block, once asked for
         self.best_child = 0
+        self.key = self.opened = self.level = 0  # `EdgeStats`' own, while the node's level is open
 
     def sequence_hash(self, blocks: int) -> int:
         """The sequence hash of the path down to this node's block number `blocks` (from 1)."""
@@ -296,13 +296,13 @@ class _Node:
 
 
 class EdgeStats:
-    """`DumpStats`' figures for a router's own device tree, read node by node from `KvIndex.capture_in_slices`
-    (each node's holders come together, as edges sharing its arrays). A node's blocks differ only in how
-    many of its holders reach them, so they are counted at once: the cost grows with nodes and holders, not
-    with (worker, block) pairs as a dump's replay does. Memory: two levels of nodes, as `DumpStats`."""
+    """`DumpStats`' figures, node by node (each node's holders together, as edges of its blocks). A node's
+    blocks differ only in how many of its holders reach them, so they are counted at once: the cost grows
+    with nodes and holders, not with (worker, block) pairs as a dump's replay does. Memory: two levels of
+    nodes. What a dump must be for its figures to come out as its replay's is checked (`_check`): else
+    `NotStreamable`."""
 
-    def __init__(self, *, top: int = 10, strict: bool = False) -> None:
-        self.strict = strict
+    def __init__(self, *, top: int = 10) -> None:
         self._tally = _Tally(top)
         self._tails: dict[int, _Node] = {}  # a node's last engine hash -> the node, while children may come
         self._open: dict[int, _Node] = {}  # parent's serial and first local hash (`_Node.opened`) -> the node
@@ -311,27 +311,16 @@ class EdgeStats:
         self._serial = count(1)
         self._deepest = 0
 
-    def add(self, edges: Sequence[DumpEdge]) -> None:
-        """One slice of the walk: whole nodes, each node's edges one after another."""
-        start = 0
-        for n in range(1, len(edges) + 1):
-            if n == len(edges) or edges[n].block_hashes is not edges[start].block_hashes:
-                self.add_node(edges[start:n])
-                start = n
-
     def add_node(self, edges: Sequence[DumpEdge]) -> None:
         """One node: an edge per holder, each the node's blocks or a first part of them."""
         first = edges[0]
         parent = None if first.parent_hash is None else self._tails.get(first.parent_hash)
         if parent is None and first.parent_hash is not None:
-            if self.strict:
-                raise NotStreamable("a node under a block not seen (or already closed): not a breadth-first dump")
-            return  # under a node cut since the walk reached it: what changed under the walk is skipped
+            raise NotStreamable("a node under a block not seen (or already closed): not a breadth-first dump")
         level = 1 if parent is None else parent.level + 1
         longest = max(edges, key=lambda e: e.length)
         opened = (0 if parent is None else parent.serial) << 64 | longest.tokens_hashes[0]
-        if self.strict:
-            self._check(parent, level, edges, opened, longest.block_hashes[longest.length - 1])
+        self._check(parent, level, edges, opened, longest.block_hashes[longest.length - 1])
         if level > self._deepest:
             self._deepest = level
             for done in sorted(lv for lv in self._levels if lv < level - 1):
@@ -341,7 +330,10 @@ class EdgeStats:
         holders: dict[WorkerKey, int] = {}
         for edge in edges:
             holders[edge.worker] = max(holders.get(edge.worker, 0), edge.length)
-        node = _Node(parent, longest, holders, level, next(self._serial), opened)
+        node = _Node(parent, holders, longest.tokens_hashes, next(self._serial))
+        # its name while its level is open (parent's serial and first local hash), the engine hash its children
+        # name as their parent, its level
+        node.opened, node.key, node.level = opened, longest.block_hashes[node.length - 1], level
         if parent is not None:
             parent.best_child = max(parent.best_child, len(holders))
         self._tails[node.key] = self._open[opened] = node
@@ -361,35 +353,20 @@ class EdgeStats:
             raise NotStreamable("a node listed twice, or two nodes ending in one block hash")
 
     def _close(self, node: _Node) -> None:
-        """Its blocks' figures: block i (from 1) is held by those holding at least i; sharing ends inside the
-        node where a holder's part ends, and at its last block when no child keeps as many holders."""
-        tally, above, lengths = self._tally, node.depth - node.length, sorted(n for _, n in node.holders)
+        """Its blocks' figures, then it lets its parent go."""
         if self._tails.get(node.key) is node:
             del self._tails[node.key]
         if self._open.get(node.opened) is node:
             del self._open[node.opened]
+        tally, above = self._tally, node.depth - node.length
         tally.distinct += node.length
-        lo = above + 1
-        while lo <= node.depth:  # the depth buckets the node's blocks fall in: 2^(k-1) .. 2^k - 1
-            bucket = lo.bit_length()
-            hi = min(node.depth, (1 << bucket) - 1)
-            tally.blocks[bucket] += hi - lo + 1
-            tally.held[bucket] += sum(max(0, min(hi - above, n) - (lo - above) + 1) for n in lengths)
-            lo = hi + 1
-        for i in sorted(set(lengths)):
-            reaching = sum(n >= i for n in lengths)
-            if reaching >= 2 and (i < node.length or node.best_child < reaching):
-                tally.offer(reaching, above + i, node.locals[i - 1], node.serial << 32 | i,
-                            partial(self._describe, node, i, reaching))
-        if lengths[-1:] and sum(n == node.length for n in lengths) >= 2:
+        _count_run(tally.blocks, above, node.length)
+        for _, n in node.holders:
+            _count_run(tally.held, above, n)
+        _offer_prefixes(tally, node)
+        if sum(n == node.length for _, n in node.holders) >= 2:
             node.tail()  # while the parent is known: its children may be shared prefixes
         node.parent = None
-
-    @staticmethod
-    def _describe(node: _Node, blocks: int, reaching: int) -> dict[str, Any]:
-        return {"depth": node.depth - node.length + blocks, "local_hash": node.locals[blocks - 1],
-                "sequence_hash": node.sequence_hash(blocks), "holders": reaching,
-                "workers": _names(w for w, n in node.holders if n >= blocks)}
 
     def retained(self) -> tuple[int, int]:
         """Nodes kept (their level or the next is still coming in), and the local hashes they keep."""
@@ -407,4 +384,86 @@ class EdgeStats:
     def shape(self) -> dict[str, Any]:
         for _ in self.finish():
             pass
+        return self._tally.shape()
+
+
+def _offer_prefixes(tally: _Tally, node: _Node) -> None:
+    """A node's shared prefixes: block i (from 1) is held by those holding at least i; sharing ends inside the
+    node where a holder's part ends, and at its last block when no child keeps as many holders."""
+    above, lengths = node.depth - node.length, sorted(n for _, n in node.holders)
+    for i in sorted(set(lengths)):
+        reaching = sum(n >= i for n in lengths)
+        if reaching >= 2 and (i < node.length or node.best_child < reaching):
+            tally.offer(reaching, above + i, node.locals[i - 1], node.serial << 32 | i,
+                        partial(_describe, node, i, reaching))
+
+
+def _count_run(counter: Counter[int], above: int, blocks: int, times: int = 1) -> None:
+    """Count `times` each of the blocks at depths above+1 .. above+blocks, in their power-of-two depth buckets
+    (2^(k-1) .. 2^k - 1)."""
+    lo, end = above + 1, above + blocks
+    while lo <= end:
+        bucket = lo.bit_length()
+        hi = min(end, (1 << bucket) - 1)
+        counter[bucket] += (hi - lo + 1) * times
+        lo = hi + 1
+
+
+def _describe(node: _Node, blocks: int, reaching: int) -> dict[str, Any]:
+    return {"depth": node.depth - node.length + blocks, "local_hash": node.locals[blocks - 1],
+            "sequence_hash": node.sequence_hash(blocks), "holders": reaching,
+            "workers": _names(w for w, n in node.holders if n >= blocks)}
+
+
+class IndexStats:
+    """`EdgeStats`' figures for a router's own device tree from its runs and shared edges (`TreeShape`), which
+    cost a few attribute reads per node one worker holds: a tenth of a second at 10M pairs, not ten."""
+
+    def __init__(self, tree: TreeShape, *, top: int = 10) -> None:
+        self._tree, self._tally = tree, _Tally(top)
+        self._done = False
+
+    def steps(self, every: int) -> Iterator[None]:
+        """The walk, then the figures, pausing after about `every` edges, holders or runs: a router runs its loop
+        there."""
+        yield from self._tree.steps(every)
+        tally, tree = self._tally, self._tree
+        solo: Counter[int] = Counter()
+        for start in range(0, len(tree.solo), every * 16):  # in C: ~16 of them the time of one run below
+            solo.update(tree.solo[start:start + every * 16])
+            yield
+        for n, (run, edges) in enumerate(solo.items(), 1):  # one holder: as many held as blocks
+            above, blocks = run >> 32, run & 0xFFFF_FFFF
+            tally.distinct += blocks * edges
+            _count_run(tally.blocks, above, blocks, edges)
+            _count_run(tally.held, above, blocks, edges)
+            if n % every == 0:
+                yield
+        for n, ((above, blocks), edges) in enumerate(tree.blocks.items(), 1):
+            tally.distinct += blocks * edges
+            _count_run(tally.blocks, above, blocks, edges)
+            if n % every == 0:
+                yield
+        for n, ((above, blocks), pairs) in enumerate(tree.held.items(), 1):
+            _count_run(tally.held, above, blocks, pairs)
+            if n % every == 0:
+                yield
+        nodes: dict[int, _Node] = {}  # id(SharedEdge) -> its node, for its children to name their path from
+        budget = every
+        for edge in tree.shared:
+            parent = None if edge.parent is None else nodes[id(edge.parent)]
+            node = nodes[id(edge)] = _Node(parent, dict(edge.holders), edge.locals, edge.serial)
+            node.best_child = edge.best_child
+            _offer_prefixes(tally, node)
+            budget -= len(edge.holders)  # a prompt's edge may have a holder per worker
+            if budget <= 0:
+                yield
+                budget = every
+        self._done = True
+
+    def shape(self) -> dict[str, Any]:
+        """`paths`, `depths` and `shared_prefixes`, as `tree_diff.content_stats` gives them; ends the pass."""
+        if not self._done:
+            for _ in self.steps(CLOSE_EVERY):
+                pass
         return self._tally.shape()
