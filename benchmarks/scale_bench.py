@@ -14,8 +14,8 @@ request of an engine for a prompt stores it from the root), this measures the ro
   - `kvctl tree stats` against the router: wall time and the client's peak RSS; the router's answer alone, and
     the routes answered during it;
   - disk written per snapshot interval (the router's `/proc/PID/io` write_bytes over the window);
-  - SIGTERM to exit; then a restart on the same state dir: time until its port accepts a connection, and
-    until the index holds every pair again.
+  - SIGTERM to exit; then a restart on the same state dir: time until its port accepts a connection, until
+    `/healthz` answers (the server serves), until `/readyz` says ready, and until the index holds every pair.
 
     python benchmarks/scale_bench.py [--sizes 1000000,4000000,10000000] [--workers 64] [--no-oracle]
 
@@ -407,11 +407,19 @@ def stop_and_restart(router: Router, pubs: Publishers, state_dir: str, wl: Workl
         except httpx.TransportError:
             return False
 
+    def live() -> bool:  # GET /healthz answered: the server serves (the port opens before, see `kvctl serve`)
+        try:
+            return again.http.get("/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
+
     opened = wait_until(again.port_open, 600, "restart: port", again.proc)
+    lived = wait_until(live, 600, "restart: /healthz 200", again.proc)
     readied = wait_until(ready, 600, "restart: /readyz 200", again.proc)
     whole = wait_until(lambda: again.count() >= wl.total, 600, "restart: index whole", again.proc)
     return again, {"sigterm_to_exit_s": round(sigterm_s, 2), "port_open_s": round(opened - again.started, 2),
-                   "ready_s": round(readied - again.started, 2), "whole_s": round(whole - again.started, 2)}
+                   "live_s": round(lived - again.started, 2), "ready_s": round(readied - again.started, 2),
+                   "whole_s": round(whole - again.started, 2)}
 
 
 def one_size(pairs: int, args: argparse.Namespace, oracle: bool) -> dict[str, Any]:
