@@ -68,7 +68,7 @@ def publish_command(
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    from kvctl.core.events.dump_file import DumpFileError, read_router_events
+    from kvctl.commands._dump_files import file_events
     from kvctl.core.events.plane import PlaneNames
 
     out = output_for(ctx, output, as_json)
@@ -76,14 +76,7 @@ def publish_command(
     conn = nats_auth(nats_url)
     if not 0 <= publisher_id < 2**64:
         raise UsageError(f"--publisher-id must be a u64, got {publisher_id}")
-    try:
-        text = sys.stdin.read() if source == "-" else Path(source).read_text()
-    except OSError as exc:
-        raise UsageError(f"cannot read {source}: {exc.strerror}") from None
-    try:
-        events = read_router_events(text)
-    except DumpFileError as exc:
-        raise UsageError(f"{source}: {exc}") from None
+    events = file_events(source, None, out)
     names = PlaneNames(namespace, component, endpoint)
     subject = names.stream_subject if jetstream else names.kv_events
     summary = {"published": 0, "events": len(events), "subject": subject, "mode": "jetstream" if jetstream else "core",

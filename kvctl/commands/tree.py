@@ -2,8 +2,8 @@
 
 A source is a kvctl router (`http://…`, the resolved --server when left out), a Dynamo standalone
 indexer (`dynamo+http://HOST:PORT`, read through its /dump), a durable router's JetStream snapshot
-(`nats://HOST:PORT` with --namespace/--component) or a dump file (JSON list, JSONL, recorder or
-snapshot lines; `-` for stdin). Whatever the source, its events are replayed into an index first,
+(`nats://HOST:PORT` with --namespace/--component) or a file (a dump: JSON list, JSONL, recorder lines;
+a kvctl state dir's image, v1 to v3; `-` for stdin). Whatever the source, its events are replayed into an index first,
 so every command sees content, not the shape of one dump (see `kvctl.core.tree_diff`). `stats` reads no
 dump from a router (it computes them itself) and streams a dump file's or a Dynamo indexer's
 (`kvctl.core.tree_stats`).
@@ -11,7 +11,6 @@ dump from a router (it computes them itself) and streams a dump file's or a Dyna
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -41,7 +40,7 @@ app = typer.Typer(help="A radix index from a router, a Dynamo indexer, a snapsho
                   no_args_is_help=True)
 
 SOURCE_KINDS = ("http://ROUTER, dynamo+http://INDEXER, nats://HOST:PORT (a JetStream snapshot) or a dump file "
-                "(JSON list, JSONL, recorder lines; - for stdin)")
+                "(JSON list, JSONL, recorder lines, or a kvctl state dir's snapshot.jsonl; - for stdin)")
 SourceArg = Annotated[str | None, typer.Argument(help=f"{SOURCE_KINDS}; default: the --server router.",
                                                  show_default=False)]
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", show_default=False,
@@ -132,20 +131,9 @@ class Reader:
             return None  # the caller's whole read says what is wrong, as for every command
 
     def _file(self, source: str) -> list[RouterEvent]:
-        from kvctl.core.events.dump_file import DumpFileError, read_router_events
+        from kvctl.commands._dump_files import file_events
 
-        if self.model is not None:
-            self.out.warn(f"--model does not apply to the file {source} (a file holds one model's events)")
-        try:
-            text = sys.stdin.read() if source == "-" else Path(source).read_text()
-        except OSError as exc:
-            raise UsageError(f"cannot read {source}: {exc.strerror}") from None
-        except UnicodeDecodeError as exc:
-            raise UsageError(f"{source}: not UTF-8 text (byte {exc.start}): not a dump file") from None
-        try:
-            return read_router_events(text)
-        except DumpFileError as exc:
-            raise UsageError(f"{source}: {exc}") from None
+        return file_events(source, self.model, self.out)
 
 
 def _streamed_stats(events: Iterable[RouterEvent], top: int) -> dict[str, Any] | None:

@@ -38,6 +38,7 @@ from kvctl.core.events.dynamo import decode_router_event_json
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.index import bulk
 from kvctl.core.index.kv_index import DumpEdge
+from kvctl.core.names import DEFAULT_MODEL
 from kvctl.errors import SnapshotError
 from kvctl.server import tree_image
 from kvctl.server.ingest.endpoint import check_endpoint
@@ -47,6 +48,8 @@ SCHEMA = tree_image.SCHEMA
 V2 = "kvctl.snapshot/v2"  # JSON lines, replayed event by event
 SCHEMAS = ("kvctl.snapshot/v1", V2, SCHEMA)  # v1: no trailer, so no checksum
 FILENAME = "snapshot.jsonl"
+HEADER_BYTES = 64 << 20
+"""The most a header line is read for, to tell an image from a dump: a worker table of ~500k workers."""
 PREVIOUS = FILENAME + ".prev"
 T = TypeVar("T")
 
@@ -264,6 +267,28 @@ class _Contents:
     header: _Header
     events: list[tuple[str, RouterEvent]]  # v1 and v2: replayed one by one
     runs: dict[str, bulk.Runs] | None = None  # v3: each model's index, built in bulk
+
+
+def image_events(path: Path, model: str | None) -> list[RouterEvent] | None:
+    """The RouterEvents of `model` (None: the file's only model, else the default one) in a v3 image, checked
+    as a restore checks it (SnapshotError): `kvctl tree` and `events publish` read a state dir's image as a dump;
+    None for any other file (an older image is JSON lines, which the dump reader takes)."""
+    try:
+        with path.open("rb") as f:
+            first = f.readline(HEADER_BYTES)
+        if json.loads(first).get("schema") != SCHEMA:
+            return None
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, or JSON but not an object
+        return None
+    contents = _read(path)
+    assert contents.runs is not None
+    names = sorted(contents.runs)
+    name = model if model is not None else names[0] if len(names) == 1 else DEFAULT_MODEL
+    runs = contents.runs.get(name)
+    if runs is None:
+        raise SnapshotError(f"{path}: no model {name!r} in this image (it holds {', '.join(names) or 'none'})")
+    return [RouterEvent(worker[0], stored, worker[1], n) for n, (worker, stored) in
+            enumerate(bulk.events_of_runs(runs))]
 
 
 def _read(path: Path) -> _Contents:
