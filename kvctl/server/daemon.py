@@ -356,7 +356,8 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> Generator[snapshot.Progr
         age = max(0.0, time.time() - max(t for t in stamps if t is not None))
         image = f"{counted(restored.events, 'event')} from {restored.path.name}" if restored else "no image"
         log.warning("restored %s and %s, the last written %.1f s ago (%d rejected); engine streams ask their "
-                    "replay for the KV events sent after it (what none holds any more is counted lost)",
+                    "replay for the KV events sent after it (what none holds any more is counted lost); events "
+                    "sent over HTTP or an event plane meanwhile were not seen",
                     image, counted(records, "state log record"), age, restored.rejected if restored else 0)
     elif problems:
         log.error("no sound snapshot in %s: starting with an empty index", options.state_dir)

@@ -23,6 +23,7 @@ import msgspec
 from kvctl.core.events import Tier
 from kvctl.core.index.bulk import LowerRun, Runs, TreeRun, runs_of
 from kvctl.core.index.kv_index import DumpEdge
+from kvctl.core.words import counted
 
 SCHEMA = "kvctl.snapshot/v3"
 LENGTH = struct.Struct("<I")
@@ -194,7 +195,7 @@ def _check_tree(run: TreeRun, first: int, device_workers: int) -> None:
         raise ValueError("partial holders differ in length")
     for node, slot, k in zip(run.cut_nodes, run.cut_slots, run.cut_lengths, strict=True):
         if not (first <= node < first + n and slot < device_workers and 0 < k < run.lengths[node - first]):
-            raise ValueError(f"a partial holder out of range (node {node}, worker {slot}, {k} blocks)")
+            raise ValueError(f"a partial holder out of range (node {node}, worker {slot}, {counted(k, 'block')})")
 
 
 def _check_lower(run: LowerRun, workers: int) -> None:
