@@ -276,9 +276,9 @@ def image_events(path: Path, model: str | None) -> list[RouterEvent] | None:
     try:
         with path.open("rb") as f:
             first = f.readline(HEADER_BYTES)
-        if json.loads(first).get("schema") != SCHEMA:
+        if not first.startswith(b'{"schema"') or json.loads(first).get("schema") != SCHEMA:
             return None
-    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, or JSON but not an object
+    except (OSError, ValueError, RecursionError):  # unreadable, or not JSON (nested too deep, say)
         return None
     contents = _read(path)
     assert contents.runs is not None
