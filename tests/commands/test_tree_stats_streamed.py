@@ -198,7 +198,9 @@ async def _walk_while_probing() -> None:
         await index_shape(index, top=10)
     took = time.perf_counter() - started
     prober.cancel()
-    assert len(gaps) >= 10 and max(gaps) < took / 10, (len(gaps), max(gaps), took)
+    # Never yielding, the four walks are one gap as long as `took`; a slice is a few ms, whatever the machine's
+    # load adds to one (CI saw 4.5 ms of 36): a third of `took` tells the two apart without timing a slice.
+    assert len(gaps) >= 10 and max(gaps) < took / 3, (len(gaps), max(gaps), took)
 
 
 @pytest.mark.parametrize("offloaded", [False, True])
