@@ -323,7 +323,9 @@ class Health(Struct):
 
 class Readiness(Struct):
     """`GET /readyz`: "ready" (200) once the index is whole, "restoring" (503) while a restart restores it, with
-    how far: `done` of `total` `unit`s of the restore's current `phase`."""
+    how far: `done` of `total` `unit`s of the restore's current `phase`; "degraded" (503) while a part the router
+    needs to see a model is down, "partial" (200) while the index misses what it acknowledged (`faults` says
+    which and why)."""
 
     status: str
     phase: str | UnsetType = UNSET
@@ -333,6 +335,7 @@ class Readiness(Struct):
     percent: float | UnsetType = UNSET
     elapsed_s: float | UnsetType = UNSET
     restore_s: float | None | UnsetType = UNSET  # how long the restore took (ready)
+    faults: list[str] | UnsetType = UNSET  # "partial" (200) or "degraded" (503): each fault's part and reason
 
 
 class ConnectionStats(Struct):
@@ -343,6 +346,34 @@ class ConnectionStats(Struct):
     open: int
     refused: int
     timed_out: int
+
+
+class PartFault(Struct):
+    """A part of the router that is down, or an index that is missing what it acknowledged (issue 36)."""
+
+    part: str
+    reason: str
+    fix: str
+    blocks_ready: bool  # /readyz answers 503 while it holds
+    for_s: float
+
+
+class InputLoss(Struct):
+    """Inputs refused or dropped at an entry point (`surface`) for one `cause`, since start."""
+
+    surface: str
+    cause: str
+    count: int
+    last_s_ago: float
+    detail: str  # the last one, in words
+    fix: str
+
+
+class HealthLedger(Struct):
+    """What the router could not take in or see, in `/v1/status`: nothing it refused or lost is silent."""
+
+    faults: list[PartFault]
+    losses: list[InputLoss]
 
 
 class Limits(Struct):
@@ -372,6 +403,7 @@ class Status(Struct):
     limits: Limits
     loop: LoopHeld | UnsetType = UNSET  # a router before 0.x reports none
     readiness: Readiness | UnsetType = UNSET  # a router before /readyz reports none
+    health: HealthLedger | UnsetType = UNSET  # a router before issue 36 reports none
 
 
 class LoopHeld(Struct):

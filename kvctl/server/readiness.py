@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 
 from kvctl import http_api as api
+from kvctl.server.health import Health
 from kvctl.server.snapshot import Progress
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -45,9 +46,15 @@ class Readiness:
         self.ready = True
         self.restore_s = round(self.clock() - self.started, 3)
 
-    def answer(self) -> api.Readiness:
+    def answer(self, health: Health | None = None) -> api.Readiness:
+        """The restore's progress; once restored, what `health`'s faults make of readiness."""
         if self.progress is None:
-            return api.Readiness("ready", restore_s=self.restore_s)
+            faults = list(health.faults.values()) if health is not None else []
+            if not faults:
+                return api.Readiness("ready", restore_s=self.restore_s)
+            status = "degraded" if any(f.blocks for f in faults) else "partial"
+            return api.Readiness(status, restore_s=self.restore_s,
+                                 faults=[f"{f.part}: {f.reason}" for f in sorted(faults, key=lambda f: f.part)])
         p = self.progress
         return api.Readiness("restoring", phase=p.phase, done=p.done, total=p.total, unit=p.unit,
                              percent=_percent(p), elapsed_s=round(self.clock() - self.started, 3))

@@ -40,6 +40,7 @@ from kvctl.core.router.scoring import Decision, RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
 from kvctl.core.words import counted
 from kvctl.errors import UnknownModel
+from kvctl.server.health import Health
 
 _DEVICE = Tier.device
 _NO_THRESHOLDS = Thresholds()
@@ -147,6 +148,7 @@ class Fleet:
                  request_expiry_s: float = EXPIRY_S, limits: RouteLimits | None = None) -> None:
         """`approx`: approximate mode (no KV events): every model indexes its own routing decisions."""
         self.limits = limits or RouteLimits()
+        self.health = Health()  # what every entry point refused or lost, and the parts that are down
         self.over_limit: Counter[str] = Counter()  # routes refused, by `RouteLimits` field
         self.all_busy: Counter[str] = Counter()  # routes refused (503) with every worker busy, by model
         self.joined: dict[tuple[str, WorkerKey], JoinedHits] = {}  # (model, worker) -> predicted vs engine-reported

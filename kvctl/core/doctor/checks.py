@@ -20,6 +20,7 @@ from kvctl.core.doctor.findings import (
     worst,
     worst_first,
 )
+from kvctl.core.doctor.health import check_health
 from kvctl.core.names import DEFAULT_MODEL
 from kvctl.core.router.busy import THRESHOLD_FIELDS, BusyTracker, Thresholds, WorkerLoad
 from kvctl.core.words import counted
@@ -382,10 +383,11 @@ def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
     registration = check_registration(status, workers)
     plane = check_event_plane(status, workers, limits)
     if worst(registration) is Severity.CRITICAL:
-        return worst_first([*registration, *plane])  # the plane may say why
+        return worst_first([*registration, *plane, *check_health(status, limits)])  # the plane may say why
     findings = [*registration, *check_silent(status, workers, limits), *check_streams(status), *plane,
                 *check_block_size(status, workers), *check_hashing(workers), *check_partial(workers),
                 *check_recovery(status),
                 *check_busy(workers, thresholds, limits), *check_divergence(peers, limits),
-                *check_index(status, limits), *check_loop(status, limits), *(hit_rates or [])]
+                *check_index(status, limits), *check_loop(status, limits), *check_health(status, limits),
+                *(hit_rates or [])]
     return worst_first(findings)

@@ -47,6 +47,7 @@ class Limits:
     min_blocks_for_shape: int = 10_000  # below this, the node/block ratio says nothing
     near_cap: float = 0.9  # approximate mode: blocks as a share of --max-tree-size
     unreachable_after_s: float = 10.0  # a discovered publisher not connected by then is not reachable from here
+    recent_loss_s: float = 600.0  # an input refused or lost this recently is a WARNING; older, it is evidence
     loop_blocked_share: float = 0.005  # the loop held past 10 ms this share of the last minute: a route in 200 waits
 
 

@@ -36,6 +36,7 @@ from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError, Th
 from kvctl.core.router.scoring import CREDITED_TIERS, BadKnob, Candidate, NoCandidates
 from kvctl.core.words import counted
 from kvctl.errors import ApiError
+from kvctl.server.health import HealthCollector
 from kvctl.server.http.bodies import (
     OVERRIDES,
     Invalid,
@@ -339,6 +340,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     readiness = readiness if readiness is not None else Readiness(restoring=False, clock=clock)
     metrics = Metrics(fleet, streams, plane, connections)
     metrics.registry.register(ReadinessCollector(readiness))
+    metrics.registry.register(HealthCollector(fleet.health))
     routing = _Routing(fleet, metrics, clock)
     bulk = BulkLoads(fleet, clock)
     started = clock()
@@ -359,16 +361,19 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             connections=api.ConnectionStats(**dataclasses.asdict(metrics.connections)),
             loop=api.LoopHeld(**metrics.loop_lag.status()),
             limits=api.Limits(**dataclasses.asdict(fleet.limits), refused=dict(fleet.over_limit)),
-            readiness=readiness.answer()))
+            readiness=readiness.answer(fleet.health), health=fleet.health.answer()))
 
     async def healthz(_: Request) -> Response:
         return _json(api.Health("ok", __version__))
 
     async def readyz(_: Request) -> Response:
-        """Readiness, apart from liveness: a restart restoring a large index is alive but must get no routes."""
-        headers = None if readiness.ready else {"retry-after": str(RETRY_AFTER_S)}
-        return Response(_dumps(readiness.answer()), status_code=200 if readiness.ready else 503,
-                        media_type="application/json", headers=headers)
+        """Readiness, apart from liveness: a restart restoring a large index, or a router blind to a model (its
+        event plane down), is alive but must get no routes."""
+        answer = readiness.answer(fleet.health)
+        ready = answer.status in ("ready", "partial")
+        headers = None if ready else {"retry-after": str(RETRY_AFTER_S)}
+        return Response(_dumps(answer), status_code=200 if ready else 503, media_type="application/json",
+                        headers=headers)
 
     async def list_workers(_: Request) -> Response:
         rows = fleet.worker_rows(clock())
