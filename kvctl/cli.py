@@ -111,6 +111,11 @@ class KvctlGroup(TyperGroup):
                               windows_expand_args=windows_expand_args, **extra)
         except typer.BadParameter as exc:
             _fail(exc.format_message(), _help_hint(exc), ExitCode.USAGE)
+        except typer._click.exceptions.NoArgsIsHelpError as exc:  # noqa: SLF001 - bare `kvctl`, `kvctl tree`
+            # help was asked for by giving nothing: it is the answer (stdout, exit 0), as with kubectl, not an error
+            assert exc.ctx is not None
+            sys.stdout.write(exc.ctx.get_help() + "\n")
+            sys.exit(ExitCode.OK)
         except typer._click.exceptions.UsageError as exc:  # noqa: SLF001 - typer vendors click here
             _fail(exc.format_message(), _help_hint(exc), ExitCode.USAGE)
         except KvctlError as exc:

@@ -38,3 +38,12 @@ def test_every_option_name_appears_whole_at_80_columns(path: tuple[str, ...], co
     assert "…" not in result.stdout
     prose = [line for line in result.stdout.splitlines() if not line.lstrip().startswith(("kvctl ", "-"))]
     assert max(map(len, prose)) <= 80  # only an example or an option's names (never cut) may be longer
+
+
+@pytest.mark.parametrize("args", [[], ["tree"], ["events"]], ids=["kvctl", "kvctl tree", "kvctl events"])
+def test_a_bare_group_prints_its_help_as_the_answer(args: list[str]) -> None:
+    """`kvctl` alone asks for help: it goes to stdout with exit 0, not as `error: Usage: ...` (issue 37)."""
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0
+    assert result.stdout.startswith(f"Usage: kvctl {' '.join(args)}".rstrip() + " [OPTIONS] COMMAND")
+    assert "error" not in result.stderr
