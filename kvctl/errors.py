@@ -115,6 +115,19 @@ class Refused(ApiError):
     pass
 
 
+class NoWorkers(Refused):
+    """The 503 of a route for a model with no worker: it names the model and the models that do have workers
+    (`workers_by_model`), since the common cause is the wrong model, not a missing registration."""
+
+    def __init__(self, model: str, workers_by_model: Mapping[str, int]) -> None:
+        elsewhere = {m: n for m, n in sorted(workers_by_model.items()) if n and m != model}
+        fix = (f"models with workers: {', '.join(f'{m} ({n})' for m, n in elsewhere.items())}: name one "
+               "(-m MODEL, or the request's model)" if elsewhere else
+               "register one: kvctl serve --worker ID=tcp://HOST:PORT, or POST /v1/workers")
+        super().__init__(f"model {model!r} has no workers to route to; {fix}", status=503,
+                         fields={"workers_by_model": elsewhere})
+
+
 class Restoring(Refused):
     """The router's 503 while a restart restores its index: up, not yet whole. Exit 3, as its closed port was
     during the restore before the port opened at once: a script that retries an unreachable router retries it."""

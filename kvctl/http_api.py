@@ -119,6 +119,7 @@ class Error(Struct):
     thresholds: Thresholds | UnsetType = UNSET  # every worker busy (503): the model's thresholds
     tripped: dict[str, list[str]] | UnsetType = UNSET  # and what each `ID:DP` is over
     restoring: Readiness | UnsetType = UNSET  # a restart restoring its index (503): how far it is
+    workers_by_model: dict[str, int] | UnsetType = UNSET  # a model with no workers (503): the models with some
 
 
 class InvalidField(Struct):

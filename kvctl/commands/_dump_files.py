@@ -23,7 +23,8 @@ def file_events(source: str, model: str | None, out: Output) -> list[RouterEvent
         if events is not None:
             return events
     if model is not None:
-        out.warn(f"--model does not apply to the file {source} (a file holds one model's events)")
+        out.warn(f"--model picks a router's (or an image's) model; the dump file {source} holds one model's "
+                 "events and is read whole")
     try:
         text = sys.stdin.read() if source == "-" else Path(source).read_text()
     except OSError as exc:

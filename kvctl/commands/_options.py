@@ -80,12 +80,13 @@ def settings_for(ctx: typer.Context, **flags: Any) -> Settings:
     return resolve(given, context=state.context)
 
 
-def router_client(ctx: typer.Context) -> RouterClient:
-    """A blocking client for the router this command talks to (close it, or use it as a context manager)."""
+def router_client(ctx: typer.Context, server: str | None = None) -> RouterClient:
+    """A blocking client for the router this command talks to, or `server` (close it, or use it as a context
+    manager)."""
     from kvctl.client import RouterClient
 
     settings = settings_for(ctx)
-    return RouterClient(settings.server, token=settings.token, timeout=settings.timeout,
+    return RouterClient(server or settings.server, token=settings.token, timeout=settings.timeout,
                         warn=Output(color=ctx.find_root().obj.color).warn)
 
 

@@ -28,7 +28,7 @@ USE_HELP = ("Make NAME the current context of the config file; --dry-run shows t
             "(read-write: the config file)")
 USE_EXAMPLES = "Examples:\n\n  kvctl config use-context prod\n\n  kvctl config use-context prod --dry-run"
 SET_HELP = (
-    "Set KEY (server, token, prometheus or timeout) to VALUE in a context of the config file, creating the "
+    "Set KEY (server, token, prometheus, timeout or model) to VALUE in a context of the config file, creating the "
     "context (and the file) when new. The context edited: --context, else the one commands would use "
     "(the global --context, KVCTL_CONTEXT, the file's current-context); --dry-run shows the change and writes "
     "nothing. (read-write: the config file)"
@@ -107,7 +107,7 @@ def use_context_command(
 @app.command("set", help=SET_HELP, epilog=SET_EXAMPLES)
 def set_command(
     ctx: typer.Context,
-    key: Annotated[str, typer.Argument(help="server, token, prometheus or timeout.")],
+    key: Annotated[str, typer.Argument(help="server, token, prometheus, timeout or model.")],
     value: Annotated[str, typer.Argument(help="The value (a URL, a token, or seconds for timeout).")],
     context: Annotated[str | None, typer.Option("--context", help="The context to edit (created when new).",
                                                 show_default=False)] = None,

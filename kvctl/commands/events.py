@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvctl.commands._model import model_for
 from kvctl.commands._nats import (
     ComponentOpt,
     ComponentScopeOpt,
@@ -24,7 +25,7 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._options import DryRunOpt, JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
-from kvctl.core.names import DEFAULT_MODEL, format_worker
+from kvctl.core.names import format_worker
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.exit_codes import ExitCode
@@ -311,7 +312,8 @@ def replay_command(
     source: Annotated[str, typer.Argument(help="A recorder, JSONL or dump file; - for stdin.")],
     speed: Annotated[float, typer.Option("--speed", help="Pace multiplier for recorded timestamps; 0: no "
                                                          "waiting.")] = 0.0,
-    model: Annotated[str, typer.Option("--model", help="The router's model.")] = DEFAULT_MODEL,
+    model: Annotated[str | None, typer.Option("--model", show_default=False,
+                                              help="The router's model (default: as for every command).")] = None,
     allow_partial: Annotated[bool, typer.Option(
         "--allow-partial", help="Exit 0 when some events were rejected (a warning instead), as long as one "
                                 "applied; without it any rejection exits 1.")] = False,
@@ -335,7 +337,9 @@ def replay_command(
         raise UsageError(f"{source}: {exc}") from None
     summary: dict[str, Any] = {"source": source, "sent": 0, "applied": 0, "rejected": {}, "dry_run": dry_run}
     if not dry_run and timed:
-        confirm(f"replay {counted(len(timed), 'event')} into the router's index", yes)
+        confirm(f"replay {counted(len(timed), 'event')} into {f'model {model!r} of ' if model else ''}the router's "
+                "index", yes)
+        model = model_for(ctx, out, model)
         with router_client(ctx) as client, ProgressLine(out, "applied {task.fields[applied]}  rejected "
                                                              "{task.fields[rejected]}") as line:
             row = line.task(f"replay {Path(source).name}", len(timed), applied=0, rejected=0)

@@ -15,9 +15,9 @@ from typing import Annotated, Any
 
 import typer
 
+from kvctl.commands._model import model_for
 from kvctl.commands._nats import ComponentOpt, EndpointOpt, NamespaceOpt
 from kvctl.commands._options import GiveUpOpt, JsonOpt, OutputOpt, output_for, settings_for
-from kvctl.core.names import DEFAULT_MODEL
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.mock.load import CONCURRENCY, DRAIN_S, GIVE_UP_S, ROUTER_CALLS, Arrival
@@ -265,7 +265,7 @@ def load_command(
     = None,
     model: Annotated[str | None, typer.Option("--model", show_default=False,
                                               help="The router's model (default: the engines-file's model if "
-                                                   "it names one, else `default`).")] = None,
+                                                   "it names one, else as for every command).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Workload, baseline and arrival seed.")] = 0,
     give_up_after: GiveUpOpt = GIVE_UP_S,
     output: OutputOpt = None,
@@ -274,7 +274,6 @@ def load_command(
     out = output_for(ctx, output, as_json)
     rows = _engine_rows(engines_file)
     targets = _engine_urls(engine or [], rows)
-    model = model or _model_of(rows)
     if baseline not in (None, "random", "round-robin"):
         raise UsageError(f"--baseline must be random or round-robin, got {baseline!r}")
     if requests <= 0 or (concurrency is not None and concurrency <= 0) or block_tokens <= 0 or not speed > 0:
@@ -299,6 +298,7 @@ def load_command(
                 else shared_prefix(requests, seed=seed))
     policies = [Policy.router] + ([Policy(baseline)] if baseline else [])
     settings = settings_for(ctx, server=server)
+    model = model or _model_of(rows) or model_for(ctx, out, None, settings.server)
     try:
         with ProgressLine(out, "{task.fields[sent]} sent  {task.fields[rate]} req/s") as line:
             rows_of: dict[Policy, int] = {}
@@ -322,11 +322,11 @@ def load_command(
             raise KvctlError(f"{report['policy']}: no request completed ({report['first_error'] or report['errors']})")
 
 
-def _model_of(rows: list[dict[str, Any]]) -> str:
-    """The one model the engines-file's engines serve, else `default`: the load asks the router for the model
+def _model_of(rows: list[dict[str, Any]]) -> str | None:
+    """The one model the engines-file's engines serve, if they name one: the load asks the router for the model
     its engines are registered under."""
     models = {row["model"] for row in rows if row.get("model")}
-    return models.pop() if len(models) == 1 else DEFAULT_MODEL
+    return models.pop() if len(models) == 1 else None
 
 
 def _registered(out: Output, server: str, model: str, workers: list[str]) -> None:

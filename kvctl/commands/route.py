@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.commands._input import parse_hash_text, read_numbers
+from kvctl.commands._model import model_for
 from kvctl.commands._options import JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
 from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number
 from kvctl.commands.hash import parse_token_text
-from kvctl.core.names import DEFAULT_MODEL, format_worker
+from kvctl.core.names import format_worker
 from kvctl.errors import UsageError
 from kvctl.output import Column, OutputFormat, View
 
@@ -95,7 +96,9 @@ def route_command(
                                               dir_okay=False)] = None,
     local_hashes: Annotated[bool, typer.Option("--local-hashes", help="The numbers are local block hashes "
                                                "(u64), not token ids.")] = False,
-    model: Annotated[str, typer.Option("--model", "-m", help="The model to route for.")] = DEFAULT_MODEL,
+    model: Annotated[str | None, typer.Option("--model", "-m", show_default=False, help="The model to route for "
+                                              "(default: the context's, else the router's; see kvctl config).")]
+    = None,
     explain: Annotated[bool, typer.Option("--explain", help="Show every candidate's costs and the reason.")]
     = False,
     reserve: Annotated[bool, typer.Option("--reserve", help="Record the request as in flight on the chosen worker "
@@ -122,6 +125,7 @@ def route_command(
         raise UsageError("--dry-run goes with --reserve", hint="route alone books nothing: drop --dry-run")
     ids = _request_numbers(tokens, file, local_hashes, text, tokenizer)
     booking = reserve and not dry_run
+    model = model_for(ctx, out, model)
     call = calls.route(token_ids=None if local_hashes else ids, local_hashes=ids if local_hashes else None,
                        model=model, request_id=request_id, reserve=booking, explain=explain)
     with router_client(ctx) as client:

@@ -43,8 +43,9 @@ SOURCE_KINDS = ("http://ROUTER, dynamo+http://INDEXER, nats://HOST:PORT (a JetSt
                 "(JSON list, JSONL, recorder lines, or a kvctl state dir's snapshot.jsonl; - for stdin)")
 SourceArg = Annotated[str | None, typer.Argument(help=f"{SOURCE_KINDS}; default: the --server router.",
                                                  show_default=False)]
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", show_default=False,
-                                              help="Model to read (a router's default: default; ignored for files).")]
+ModelOpt = Annotated[str | None, typer.Option(
+    "--model", "-m", show_default=False,
+    help="Model to read from a router (default: the context's, else the router's implied one; not for files).")]
 
 
 STATS_KEYS = ("blocks", "nodes", "workers", "tiers", "paths", "depths", "shared_prefixes")
@@ -80,7 +81,7 @@ class Reader:
         settings = settings_for(self.ctx)
         source = source or settings.server
         if source.startswith(("http://", "https://")):
-            return sources.router_events(source.rstrip("/"), model=self.model, token=settings.token,
+            return sources.router_events(source.rstrip("/"), model=self._router_model(source), token=settings.token,
                                          timeout=settings.timeout)
         if source.startswith(("dynamo+http://", "dynamo+https://")):
             return sources.dynamo_indexer_events(source.removeprefix("dynamo+").rstrip("/"), model=self.model,
@@ -105,7 +106,8 @@ class Reader:
         source = source or settings.server
         streamed = None
         if source.startswith(("http://", "https://")):
-            stats = sources.router_tree_stats(source.rstrip("/"), model=self.model, top=top, token=settings.token,
+            stats = sources.router_tree_stats(source.rstrip("/"), model=self._router_model(source), top=top,
+                                              token=settings.token,
                                               timeout=max(settings.timeout, ROUTER_STATS_TIMEOUT_S))
             if stats is not None:
                 return {key: stats[key] for key in STATS_KEYS}
@@ -120,6 +122,11 @@ class Reader:
         from kvctl.core.tree_diff import tree_stats  # the index and its replay: only where nobody computed them
 
         return tree_stats(self.events(source), top=top)
+
+    def _router_model(self, url: str) -> str:
+        from kvctl.commands._model import model_for
+
+        return model_for(self.ctx, self.out, self.model, url.rstrip("/"))
 
     def _file_stats(self, source: str, top: int) -> dict[str, Any] | None:
         from kvctl.core.events.dump_file import DumpFileError, iter_dump_events

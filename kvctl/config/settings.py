@@ -2,7 +2,7 @@
 
 The config file (`~/.config/kvctl/config.toml`, or `KVCTL_CONFIG`) holds named contexts, like
 kubectl's: `current-context = "prod"` and `[contexts.prod] server = "http://router:7433"`,
-`token = "…"`, `prometheus = "http://prom:9090"`, `timeout = 5`. Every resolved value remembers its
+`token = "…"`, `prometheus = "http://prom:9090"`, `timeout = 5`, `model = "llama"`. Every resolved value remembers its
 source, so `kvctl config show --sources` can say why a command talked to the server it did.
 """
 
@@ -18,8 +18,10 @@ from typing import Any
 
 from kvctl.errors import ConfigError
 
-DEFAULTS: dict[str, Any] = {"server": "http://127.0.0.1:7433", "token": None, "prometheus": None, "timeout": 5.0}
-ENV = {"server": "KVCTL_SERVER", "token": "KVCTL_TOKEN", "prometheus": "KVCTL_PROMETHEUS", "timeout": "KVCTL_TIMEOUT"}
+DEFAULTS: dict[str, Any] = {"server": "http://127.0.0.1:7433", "token": None, "prometheus": None, "timeout": 5.0,
+                            "model": None}
+ENV = {"server": "KVCTL_SERVER", "token": "KVCTL_TOKEN", "prometheus": "KVCTL_PROMETHEUS", "timeout": "KVCTL_TIMEOUT",
+       "model": "KVCTL_MODEL"}
 KEYS = tuple(DEFAULTS)
 
 
@@ -52,6 +54,11 @@ class Settings:
     @property
     def timeout(self) -> float:
         return float(self.values["timeout"])
+
+    @property
+    def model(self) -> str | None:
+        """The model a command reads when `-m` is not given (a context's, as kubectl's namespace); None: implied."""
+        return self.values["model"]
 
 
 @dataclass

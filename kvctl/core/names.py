@@ -4,7 +4,10 @@ by, written `ID:DP` wherever a person reads or types it, and a request that name
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import TypeAlias
+
+from kvctl.core.words import counted
 
 WorkerKey: TypeAlias = tuple[int, int]
 """(worker_id, dp_rank): a plain tuple, as the index and the native extension build them on the hot path."""
@@ -21,6 +24,21 @@ WorkerSelector: TypeAlias = tuple[int, int | None]
 
 DEFAULT_MODEL = "default"
 """The model of a request, event or worker that names none: what a single-model router serves."""
+
+
+
+def implied_model(workers_by_model: Mapping[str, int]) -> tuple[str, str | None]:
+    """The model a command means when it names none, and a note when that needs saying: `default` where it has
+    workers (or nothing has), else the router's one model with workers; with several, `default` and the note
+    naming them, since an empty answer about `default` would otherwise read as "the router lost everything"."""
+    serving = {m: n for m, n in sorted(workers_by_model.items()) if n}
+    if DEFAULT_MODEL in serving or not serving:
+        return DEFAULT_MODEL, None
+    if len(serving) == 1:
+        return next(iter(serving)), None
+    listed = ", ".join(f"{m} ({counted(n, 'worker')})" for m, n in serving.items())
+    return DEFAULT_MODEL, f"model {DEFAULT_MODEL!r} has no workers; models with workers: {listed}; pass -m MODEL"
+
 
 MAX_WORKER_ID = 2**64 - 1  # Dynamo's worker ids are u64
 MAX_DP_RANK = 2**32 - 1  # and its data-parallel ranks u32

@@ -36,10 +36,10 @@ from kvctl.core.router.busy import (
     check_admission,
 )
 from kvctl.core.router.router import Router
-from kvctl.core.router.scoring import Decision, RouterConfig
+from kvctl.core.router.scoring import Decision, NoCandidates, RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
 from kvctl.core.words import counted
-from kvctl.errors import UnknownModel
+from kvctl.errors import NoWorkers, UnknownModel
 from kvctl.server.health import Health
 
 _DEVICE = Tier.device
@@ -317,7 +317,7 @@ class Fleet:
                           total_blocks=info.total_blocks if info else None)
 
     def route(self, model: str, *, now: float, **request: Any) -> Decision:
-        """Raises UnknownModel, OverLimit, AllBusy (every worker busy), NoCandidates (no worker registered)."""
+        """Raises UnknownModel, OverLimit, AllBusy (every worker busy), NoWorkers (no worker registered)."""
         state = self.model(model)
         self._check_limits(state, request)
         busy = None
@@ -329,7 +329,10 @@ class Fleet:
                 self.all_busy[model] += 1
                 raise
             busy = {w: r.busy for w, r in ranks.items()}
-        decision = state.router.route(self.candidates(model), busy=busy, now=now, **request)
+        try:
+            decision = state.router.route(self.candidates(model), busy=busy, now=now, **request)
+        except NoCandidates:
+            raise NoWorkers(model, Counter(info.model for info in self.workers.values())) from None
         self.last_route_at = now
         if (chosen := self.workers.get(decision.worker)) is not None:
             chosen.routes += 1

@@ -66,7 +66,7 @@ async def test_a_model_without_workers_is_refused_not_busy(send: Send) -> None:
     with pytest.raises(Refused) as caught:
         await send(calls.route(token_ids=[1, 2]))
     assert type(caught.value) is Refused and caught.value.status == 503
-    assert caught.value.message.startswith("POST /v1/route: no workers registered")
+    assert caught.value.message.startswith("POST /v1/route: model 'default' has no workers to route to; ")
 
 
 async def test_every_worker_over_a_threshold_is_all_busy(send: Send) -> None:

@@ -32,9 +32,10 @@ def test_precedence_flag_env_context_default(config: Path) -> None:
                       'token = "t0k"\n')
     shown = _show("--timeout", "3", env={"KVCTL_SERVER": "http://env:1"})
     assert shown["context"] == "prod" and shown["contexts"] == ["prod"] and shown["config_file"] == str(config)
-    assert shown["settings"] == {"server": "http://env:1", "token": "***", "prometheus": None, "timeout": 3.0}
+    assert shown["settings"] == {"server": "http://env:1", "token": "***", "prometheus": None, "timeout": 3.0,
+                                  "model": None}
     assert shown["sources"] == {"server": "env KVCTL_SERVER", "token": f"context prod ({config})",
-                                "prometheus": "default", "timeout": "flag"}
+                                "prometheus": "default", "timeout": "flag", "model": "default"}
     assert _show("--server", "http://flag:2", env={"KVCTL_SERVER": "http://env:1"})["sources"]["server"] == "flag"
     assert _show()["settings"]["server"] == "http://prod:7433"
     raw = json_of(runner.invoke(app, ["config", "show", "--show-token", "-o", "json"]))

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvctl.core.names import MAX_DP_RANK, MAX_WORKER_ID, format_worker, parse_worker, selects
+from kvctl.core.names import MAX_DP_RANK, MAX_WORKER_ID, format_worker, implied_model, parse_worker, selects
 
 worker_ids = st.integers(0, MAX_WORKER_ID)
 dp_ranks = st.integers(0, MAX_DP_RANK)
@@ -31,3 +31,12 @@ def test_an_id_selects_every_rank_and_id_dp_one(worker_id: int, dp_rank: int, ot
 def test_a_bad_worker_is_refused_saying_what_is_wanted(text: str, says: str) -> None:
     with pytest.raises(ValueError, match=says.replace("^", r"\^").replace(".", r"\.")):
         parse_worker(text)
+
+
+def test_the_implied_model_is_default_unless_one_other_model_alone_has_workers() -> None:
+    assert implied_model({}) == ("default", None)
+    assert implied_model({"default": 0, "mock": 4}) == ("mock", None)
+    assert implied_model({"default": 1, "mock": 4}) == ("default", None)
+    model, note = implied_model({"a": 1, "b": 2})
+    assert model == "default" and note == ("model 'default' has no workers; models with workers: a (1 worker), "
+                                           "b (2 workers); pass -m MODEL")

@@ -157,7 +157,8 @@ def test_mock_config_out_is_a_serve_config_that_follows_the_engines(tmp_path: Pa
         result = _kvctl(*load)
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)[0]["completed"] == 10
-        for model, cause in (("default", "no workers registered"), ("nosuch", "unknown model 'nosuch'")):
+        for model, cause in (("default", "model 'default' has no workers to route to; models with workers: "
+                                                 "mock (2)"), ("nosuch", "unknown model 'nosuch'")):
             failed = _kvctl(*load, "--model", model)
             assert failed.returncode == 1 and "router: no request completed" in failed.stderr, failed.stderr
             assert cause in failed.stderr and "all_busy" not in failed.stdout

@@ -33,7 +33,7 @@ from kvctl.core import native
 from kvctl.core.events import Tier
 from kvctl.core.names import DEFAULT_MODEL, format_worker, parse_worker
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError, Thresholds
-from kvctl.core.router.scoring import CREDITED_TIERS, BadKnob, Candidate, NoCandidates
+from kvctl.core.router.scoring import CREDITED_TIERS, BadKnob, Candidate
 from kvctl.core.words import counted
 from kvctl.errors import ApiError
 from kvctl.server.health import HealthCollector
@@ -113,8 +113,6 @@ def _refusal(exc: Exception) -> tuple[int, bytes]:
     if isinstance(exc, AllBusy):
         tripped = {format_worker(w): [str(r) for r in reasons] for w, reasons in sorted(exc.tripped.items())}
         return _error_bytes(503, str(exc), thresholds=_thresholds(exc.thresholds, exc.model), tripped=tripped)
-    if isinstance(exc, NoCandidates):
-        return _error_bytes(503, "no workers registered for this model; register one with POST /v1/workers")
     if isinstance(exc, Invalid):
         return 422, _dumps(api.Invalid(exc.fields))
     raise TypeError(f"no HTTP status for {type(exc).__name__}") from exc
@@ -167,7 +165,7 @@ class _Routing:
             decision = self.fleet.route(
                 body.model, now=self.clock(), token_ids=token_ids, local_hashes=body.local_hashes,
                 lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve, overrides=overrides)
-        except (ApiError, OverLimit, AllBusy, NoCandidates) as exc:
+        except (ApiError, OverLimit, AllBusy) as exc:
             return _refusal(exc)
         except BadKnob as exc:  # finite and >= 0 passed msgspec; a number too large for a float did not
             return _error_bytes(422, f"invalid route request: {exc}")
@@ -531,7 +529,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
     # POST /v1/route is answered by `_Front`, ahead of the app, on either path (`http_protocol`).
     assert {*handlers, ("POST", "/v1/route")} == {(op.method, op.path) for op in OPERATIONS}, "the routes and the " \
         "table of the document disagree"
-    refusals = dict.fromkeys((_BodyTooLarge, ApiError, OverLimit, AllBusy, NoCandidates, Invalid), _refuse)
+    refusals = dict.fromkeys((_BodyTooLarge, ApiError, OverLimit, AllBusy, Invalid), _refuse)
     app = Starlette(routes=[Route(path, handler, methods=[method]) for (method, path), handler in handlers.items()]
                     + pages(openapi_document), exception_handlers={**refusals, HTTPException: _no_route})
     return _Front(app, routing, readiness, admin_token=admin_token, max_body_bytes=max_body_bytes)
