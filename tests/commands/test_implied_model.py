@@ -5,7 +5,6 @@ command says which models have workers; a route for a model without workers name
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest

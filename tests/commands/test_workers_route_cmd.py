@@ -165,6 +165,7 @@ def other_version() -> Iterator[str]:
             thread.join()
 
 
-@pytest.mark.parametrize(("args", "call"), [(["route", "1", "2", "-m", "default"], "POST /v1/route"), (["workers"], "GET /v1/workers")])
+@pytest.mark.parametrize(("args", "call"), [(["route", "1", "2", "-m", "default"], "POST /v1/route"),
+                                            (["workers"], "GET /v1/workers")])
 def test_an_answer_of_another_shape_is_one_line_naming_the_call(other_version: str, args: list[str], call: str) -> None:
     one_line_error(kvctl(other_version, *args), 1, f"{call}: the router's answer is not what kvctl ")
