@@ -34,13 +34,15 @@ def read_numbers(args: list[str] | None, file: Path | None, parse: Parser, what:
 
 
 def parse_hash_text(text: str, source: str) -> list[int]:
-    """u64 block hashes (as a tree dump or `kvctl hash` prints them), separated like token ids."""
+    """u64 block hashes as a tree dump or `kvctl hash` prints them in any `--hash-format` (decimal, "quoted",
+    0x hex), separated like token ids."""
     hashes = []
     for word in re.split(r"[\s,\[\]]+", text.strip()):
+        word = word.strip('"')
         if not word:
             continue
         try:
-            value = int(word, 10)
+            value = int(word, 16) if word.lower().startswith("0x") else int(word, 10)
         except ValueError:
             raise UsageError(f"hash {word!r} from {source} is not an integer") from None
         if not 0 <= value < 2**64:

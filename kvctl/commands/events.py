@@ -107,7 +107,7 @@ def _describe(tapped: Tapped) -> str:
     ev, data = tapped.event, tapped.event.data
     head = f"{when} seq={tapped.seq} {format_worker(ev.worker)}"
     if isinstance(data, Stored):
-        parent = "root" if data.parent_hash is None else f"{data.parent_hash:#x}"
+        parent = "root" if data.parent_hash is None else str(data.parent_hash)  # decimal, as tree and hash
         return f"{head} stored  {counted(len(data.block_hashes), 'block')} under {parent} [{data.tier.value}]"
     if isinstance(data, Removed):
         return f"{head} removed {counted(len(data.block_hashes), 'block')} [{data.tier.value}]"

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from kvctl.commands._hashes import HashFormat, HashFormatOpt, shown_hashes
 from kvctl.commands._input import read_numbers
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
@@ -23,6 +24,7 @@ EXAMPLES = (
     "Examples:\n\n"
     "  kvctl hash 1 2 3 4 --block-size 4\n\n"
     "  kvctl hash --file token-ids.json -o json    # token ids: [1, 2, 3, 4], or one a line\n\n"
+    "  kvctl hash 1 2 3 4 -b 4 -o json --hash-format str | jq -r '.local_hashes[]'    # any jq\n\n"
     "  echo '[1, 2, 3, 4]' | kvctl hash --block-size 4 --lora-name sql-lora"
 )
 
@@ -65,6 +67,7 @@ def hash_command(
     block_size: Annotated[int, typer.Option("--block-size", "-b", help="Tokens per KV block.")] = 16,
     lora_name: Annotated[str | None, typer.Option("--lora-name", help="LoRA adapter name (changes the seed).")]
     = None,
+    hash_format: HashFormatOpt = HashFormat.dec,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -79,4 +82,4 @@ def hash_command(
     tail = len(ids) % block_size
     if tail:
         out.warn(f"the last {counted(tail, 'token')} fill no block of {block_size}: not hashed")
-    out.emit(data, _VIEW)
+    out.emit(shown_hashes(data, hash_format), _VIEW)

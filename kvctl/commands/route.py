@@ -34,7 +34,7 @@ HELP = (
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl route --file token-ids.json --explain\n\n"
-    "  kvctl hash --file token-ids.json -o json | jq -r '.local_hashes[]' | kvctl route --local-hashes\n\n"
+    "  kvctl hash -f ids.json -o json --hash-format str | jq -r '.local_hashes[]' | kvctl route --local-hashes\n\n"
     "  kvctl route --text 'Hello there' --tokenizer Qwen/Qwen3-0.6B --reserve --request-id r1 --yes -o json"
 )
 
@@ -95,7 +95,7 @@ def route_command(
     file: Annotated[Path | None, typer.Option("--file", "-f", help="Read token ids (or hashes) from this file.",
                                               dir_okay=False)] = None,
     local_hashes: Annotated[bool, typer.Option("--local-hashes", help="The numbers are local block hashes "
-                                               "(u64), not token ids.")] = False,
+                                               "(u64: decimal, \"quoted\" or 0x hex), not token ids.")] = False,
     model: Annotated[str | None, typer.Option("--model", "-m", show_default=False, help="The model to route for "
                                               "(default: the context's, else the router's; see kvctl config).")]
     = None,

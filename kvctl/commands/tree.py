@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvctl.commands._hashes import HashFormat, HashFormatOpt, shown_hashes
 from kvctl.commands._nats import (
     ComponentOpt,
     NamespaceOpt,
@@ -200,6 +201,7 @@ def dump_command(
     = None,
     depth: Annotated[int | None, typer.Option("--depth", min=1, show_default=False,
                                               help="Draw at most N levels of the (collapsed) tree.")] = None,
+    hash_format: HashFormatOpt = HashFormat.dec,
     namespace: NamespaceOpt = "dynamo",
     component: ComponentOpt = "backend",
     nats_auth: NatsAuth | None = None,
@@ -226,7 +228,7 @@ def dump_command(
     elif fmt is DumpFormat.stats:
         _emit_sections(out, content_stats(content), _STATS_VIEWS)
     elif fmt is DumpFormat.events:
-        _emit_events(out, content.index.dump())
+        _emit_events(out, content.index.dump(), hash_format)
     else:
         out.line(_draw(content, source or settings_for(ctx).server, depth, wide=out.format is OutputFormat.wide))
 
@@ -235,16 +237,18 @@ def _holders(content: IndexContent) -> list[str]:
     return [format_worker(w) for w, blocks in sorted(content.held.items()) if blocks]
 
 
-def _emit_events(out: Output, events: list[RouterEvent]) -> None:
+def _emit_events(out: Output, events: list[RouterEvent], hash_format: HashFormat) -> None:
+    import json
+
     from kvctl.core.events import encode_router_event_json
 
     encoded = [encode_router_event_json(e) for e in events]
     if out.format in (OutputFormat.json, OutputFormat.yaml):
-        import json
-
-        out.emit([json.loads(e) for e in encoded], _EVENTS_VIEW)
-    elif encoded:
+        out.emit(shown_hashes([json.loads(e) for e in encoded], hash_format), _EVENTS_VIEW)
+    elif encoded and hash_format is HashFormat.dec:
         out.line(b"\n".join(encoded).decode())
+    elif encoded:
+        out.line("\n".join(json.dumps(shown_hashes(json.loads(e), hash_format)) for e in encoded))
 
 
 def _draw(content: IndexContent, title: str, depth: int | None, *, wide: bool = False) -> str:
