@@ -40,8 +40,9 @@ if TYPE_CHECKING:
 app = typer.Typer(help="A radix index from a router, a Dynamo indexer, a snapshot or a file: dump, diff, stats.",
                   no_args_is_help=True)
 
-SOURCE_KINDS = ("http://ROUTER, dynamo+http://INDEXER, nats://HOST:PORT (a JetStream snapshot) or a dump file "
-                "(JSON list, JSONL, recorder lines, or a kvctl state dir's snapshot.jsonl; - for stdin)")
+SOURCE_KINDS = ("http://ROUTER, dynamo+http://INDEXER, nats://HOST:PORT (a JetStream snapshot), a dump file "
+                "(JSON list, JSONL, recorder lines; - for stdin) or a kvctl state dir (its image and state log, read "
+                "offline)")
 SourceArg = Annotated[str | None, typer.Argument(help=f"{SOURCE_KINDS}; default: the --server router.",
                                                  show_default=False)]
 ModelOpt = Annotated[str | None, typer.Option(
