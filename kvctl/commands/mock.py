@@ -231,7 +231,8 @@ def load_command(
     engine: Annotated[list[str] | None, typer.Option("--engine", show_default=False,
                                                      help="WORKER_ID=URL of a mock engine (repeatable).")] = None,
     engines_file: Annotated[Path | None, typer.Option("--engines-file", show_default=False,
-                                                      help="The JSON rows of `kvctl mock -o json`. Engines the "
+                                                      help="The JSON rows of `kvctl mock -o json`, or the .toml "
+                                                           "`kvctl mock --config-out` wrote. Engines the "
                                                            "router does not know yet are registered with it "
                                                            "(POST /v1/workers, under --model), and it says so.")]
     = None,
@@ -336,14 +337,35 @@ def _registered(out: Output, server: str, model: str, workers: list[str]) -> Non
 
 
 def _engine_rows(engines_file: Path | None) -> list[dict[str, Any]]:
+    """The engines of `kvctl mock -o json`'s rows, or of the `kvctl serve --config` file `kvctl mock --config-out`
+    writes (TOML, with each engine's `engine_url`)."""
     if engines_file is None:
         return []
+    if engines_file.suffix == ".toml":
+        return _serve_file_rows(engines_file)
     try:
         rows = json.loads(engines_file.read_text())
         return [{"worker_id": int(row["worker_id"]), "url": str(row["url"]), "endpoint": row.get("endpoint"),
                  "replay_endpoint": row.get("replay_endpoint"), "model": row.get("model")} for row in rows]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"--engines-file {engines_file}: not the rows of `kvctl mock -o json` ({exc})") from None
+        raise UsageError(f"--engines-file {engines_file}: not the rows of `kvctl mock -o json` ({exc})",
+                         hint="or give the .toml file `kvctl mock --config-out` wrote") from None
+
+
+def _serve_file_rows(path: Path) -> list[dict[str, Any]]:
+    from kvctl.errors import ConfigError
+    from kvctl.server.config_file import load
+
+    try:
+        fleet = load(path)
+    except ConfigError as exc:
+        raise UsageError(f"--engines-file {exc.message}") from None
+    missing = [w.worker_id for w in fleet.workers if w.key not in fleet.engine_urls]
+    if missing:
+        raise UsageError(f"--engines-file {path}: worker {missing[0]} has no engine_url (its HTTP API, which the "
+                         "load drives)", hint="write the file with `kvctl mock --config-out`, or add engine_url")
+    return [{"worker_id": w.worker_id, "url": fleet.engine_urls[w.key], "endpoint": w.endpoint,
+             "replay_endpoint": w.replay_endpoint, "model": w.model} for w in fleet.workers]
 
 
 def _engine_urls(specs: list[str], rows: list[dict[str, Any]]) -> dict[int, str]:

@@ -49,11 +49,12 @@ def fleet_configs(
 
 def serve_file(infos: Sequence[dict[str, Any]], block_size: int) -> ServeFile:
     """What `kvctl serve --config` needs to follow these engines (rows of `Fleet.infos`): their model at the
-    fleet's block size (an engine with a faulty block size keeps its fault), and each one's endpoints."""
+    fleet's block size (an engine with a faulty block size keeps its fault), and each one's endpoints; with their
+    HTTP URLs, which `kvctl mock load --engines-file` reads from the same file."""
     models = [ModelSpec(model, block_size) for model in dict.fromkeys(info["model"] for info in infos)]
     workers = [WorkerInfo(info["worker_id"], info["dp_rank"], info["model"], endpoint=info["endpoint"],
                           replay_endpoint=info["replay_endpoint"], topic=info["topic"]) for info in infos]
-    return ServeFile(models, workers)
+    return ServeFile(models, workers, {(info["worker_id"], info["dp_rank"]): info["url"] for info in infos})
 
 
 class Fleet:

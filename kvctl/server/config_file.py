@@ -41,7 +41,7 @@ from kvctl.server.state import WorkerInfo
 
 _ROUTER_KEYS = (*KNOBS, "overlap_score_weight", "temperature")
 _MODEL_KEYS = {"name", "block_size", *_ROUTER_KEYS, *THRESHOLD_FIELDS}
-_WORKER_KEYS = {"worker_id", "dp_rank", "endpoint", "replay_endpoint", "model", "topic"}
+_WORKER_KEYS = {"worker_id", "dp_rank", "endpoint", "replay_endpoint", "model", "topic", "engine_url"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,9 @@ class ModelSpec:
 class ServeFile:
     models: list[ModelSpec]
     workers: list[WorkerInfo]
+    # Each worker's HTTP API (generate, /metrics), where the file says: not followed by the router, but the same
+    # file then drives a load (`kvctl mock load --engines-file`), so the fleet is described once.
+    engine_urls: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
 def _table(item: Any, where: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
@@ -92,6 +95,10 @@ def _uint(value: Any, bits: int) -> bool:
 
 def _name(value: Any) -> bool:
     return isinstance(value, str) and value != ""
+
+
+def _url(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith(("http://", "https://"))
 
 
 def _array(data: dict[str, Any], key: str, path: Path) -> list[Any]:
@@ -132,6 +139,7 @@ def load(path: Path) -> ServeFile:
             raise ConfigError(f"{where} ({spec.name}): {exc}") from None
         models.append(spec)
     workers = []
+    engine_urls = {}
     for i, raw in enumerate(_array(data, "workers", path)):
         where = f"{path}: workers[{i}]"
         w = _table(raw, where, _WORKER_KEYS, {"worker_id", "endpoint"})
@@ -147,10 +155,13 @@ def load(path: Path) -> ServeFile:
                     check_endpoint(w[key])
                 except ValueError as exc:
                     raise ConfigError(f"{where}: {key}: {exc}") from None
+        if "engine_url" in w:
+            _check(where, "engine_url", w["engine_url"], _url(w["engine_url"]), "an http:// or https:// URL")
+            engine_urls[(w["worker_id"], w.get("dp_rank", 0))] = w["engine_url"]
         workers.append(WorkerInfo(w["worker_id"], w.get("dp_rank", 0), model,
                                   endpoint=w["endpoint"], replay_endpoint=w.get("replay_endpoint"),
                                   topic=w.get("topic", "")))
-    return ServeFile(models, workers)
+    return ServeFile(models, workers, engine_urls)
 
 
 def render(file: ServeFile) -> str:
@@ -161,7 +172,8 @@ def render(file: ServeFile) -> str:
         lines += ["[[models]]", *_assignments(fields), ""]
     for w in file.workers:
         fields = {"worker_id": w.worker_id, "dp_rank": w.dp_rank, "model": w.model, "endpoint": w.endpoint,
-                  "replay_endpoint": w.replay_endpoint, "topic": w.topic or None}
+                  "replay_endpoint": w.replay_endpoint, "topic": w.topic or None,
+                  "engine_url": file.engine_urls.get(w.key)}
         lines += ["[[workers]]", *_assignments(fields), ""]
     return "\n".join(lines)
 

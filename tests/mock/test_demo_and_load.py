@@ -157,6 +157,10 @@ def test_mock_config_out_is_a_serve_config_that_follows_the_engines(tmp_path: Pa
         result = _kvctl(*load)
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)[0]["completed"] == 10
+        # the file --config-out wrote drives the same load: the fleet is described once (issue 37)
+        from_config = _kvctl(*load[:5], str(config), *load[6:])
+        assert from_config.returncode == 0, from_config.stderr
+        assert json.loads(from_config.stdout)[0]["completed"] == 10
         for model, cause in (("default", "model 'default' has no workers to route to; models with workers: "
                                                  "mock (2)"), ("nosuch", "unknown model 'nosuch'")):
             failed = _kvctl(*load, "--model", model)
