@@ -156,7 +156,8 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint: str | None, model: str,
                  router_id: int | None, state_dir: Path, replica_sync: bool, shadow: bool, jetstream: bool,
-                 advertise_host: str | None, recovery_timeout: float) -> ZmqOptions:
+                 advertise_host: str | None, recovery_timeout: float, recovery_max_bytes: int,
+                 listen_host: str) -> ZmqOptions:
     """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
     from kvctl.errors import DiscoveryError
     from kvctl.server.plane.dynamo_discovery import open_discovery
@@ -176,7 +177,8 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
                          "take Dynamo routers' requests, or use file: or etcd: discovery")
     return ZmqOptions(discovery=discovery, namespace=namespace, component=component, endpoint=endpoint, model=model,
                       router_id=_router_id(router_id, state_dir), replica_sync=replica_sync, shadow=shadow,
-                      advertise_host=advertise_host, recovery_timeout_s=recovery_timeout)
+                      advertise_host=advertise_host, recovery_timeout_s=recovery_timeout,
+                      recovery_max_bytes=recovery_max_bytes, listen_host=listen_host)
 
 
 def _token_from(path: Path, given: str | None) -> str:
@@ -403,8 +405,10 @@ def serve_command(
     advertise_host: Annotated[str | None, typer.Option(
         "--advertise-host", envvar=["KVCTL_ADVERTISE_HOST", "DYN_EVENT_PLANE_HOST"], show_default=False,
         rich_help_panel=PANEL,
-        help="--dynamo-discovery with --replica-sync: the host Dynamo's routers reach this router's replica-sync "
-             "socket at, as DYN_EVENT_PLANE_HOST is for Dynamo's processes. Default: this host's address.")] = None,
+        help="--dynamo-discovery: the host Dynamo's processes reach this router at, as DYN_EVENT_PLANE_HOST is "
+             "for Dynamo's: its replica-sync socket (--replica-sync) and its recovery answers' listener, which "
+             "binds it when it is an address of this host. Default: this host's address for replica sync; "
+             "--listen's host for recovery.")] = None,
     jetstream: Annotated[bool, typer.Option("--jetstream", envvar="KVCTL_JETSTREAM", rich_help_panel=PANEL,
                                             help="Durable mode: consume the JetStream stream, snapshot to the "
                                                  "object store.")] = False,
@@ -418,6 +422,10 @@ def serve_command(
         "--recovery-timeout", envvar="KVCTL_RECOVERY_TIMEOUT", rich_help_panel=PANEL,
         help="--dynamo-discovery: seconds one worker's index recovery over Dynamo's request plane may take "
              "(a late-found worker, a gap in its events); past it the worker is marked partial.")] = 30.0,
+    recovery_max_bytes: Annotated[int, typer.Option(
+        "--recovery-max-bytes", envvar="KVCTL_RECOVERY_MAX_BYTES", min=1, rich_help_panel=PANEL,
+        help="--dynamo-discovery: the largest answer to one recovery query (a worker's tree dump: ~100 bytes a "
+             "block); past it the answer is cut off and the worker marked partial.")] = 256 << 20,
     nats_auth: NatsAuth | None = None,
 ) -> None:
     from kvctl.core.router.busy import Thresholds
@@ -491,7 +499,8 @@ def serve_command(
                            replica_sync=replica_sync)
     elif dynamo_discovery is not None:
         zmq_plane = _zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
-                                 replica_sync, shadow, jetstream, advertise_host, recovery_timeout)
+                                 replica_sync, shadow, jetstream, advertise_host, recovery_timeout,
+                                 recovery_max_bytes, host)
     elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
                          "an event plane: --nats URL or --dynamo-discovery STORE")

@@ -13,6 +13,7 @@ import pytest
 
 from kvctl.core.events import DecodeError, ErrorKind
 from kvctl.core.events.request_plane import (
+    ACK_MAX,
     FRAME_MAX,
     RecoveryRefused,
     ResponseStream,
@@ -127,3 +128,24 @@ def test_an_error_prologue_or_an_empty_stream_is_refused() -> None:
     with pytest.raises(DecodeError) as caught:
         decode_recovery_response(odd)
     assert caught.value.kind is ErrorKind.bad_type
+
+
+def test_an_ack_past_its_cap_is_no_ack_and_an_http_answer_says_so() -> None:
+    assert ack_length(ACK_MAX.to_bytes(4, "big")) == ACK_MAX
+    for header, words in [(b"HTTP", "an HTTP server answered"), ((ACK_MAX + 1).to_bytes(4, "big"), "more than")]:
+        with pytest.raises(DecodeError, match=words):
+            ack_length(header)
+
+
+def test_only_the_first_answer_of_a_stream_is_kept_and_it_decodes_once_whole() -> None:
+    """Data messages after the answer are read for `complete_final` only: a stream that never ends keeps one."""
+    def message(last_event_id: int) -> bytes:
+        answer = {"Events": {"events": [], "last_event_id": last_event_id}}
+        return msgspec.msgpack.encode({"data": answer, "complete_final": False})
+
+    stream = ResponseStream()
+    for last_event_id in (9, 8, 7):
+        stream.take(b"", message(last_event_id))
+    assert not stream.done
+    stream.take(b"", msgspec.msgpack.encode({"complete_final": True}))
+    assert stream.done and decode_recovery_response(stream).last_event_id == 9

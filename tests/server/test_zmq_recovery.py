@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from kvctl.core.events.discovery import encode_file_name
 from kvctl.core.events.publishers import Order
 from kvctl.core.events.request_plane import (
     Recovered,
+    RequestFrame,
     ResponseStream,
     TwoPartReader,
     decode_recovery_response,
@@ -25,7 +27,9 @@ from kvctl.core.events.request_plane import (
     handshake_subject,
     parse_event_source,
 )
+from kvctl.server.health import Health
 from kvctl.server.plane.recovery import RecoveryClient
+from kvctl.server.plane.recovery_answers import AnswerListener
 from tests.core.test_request_plane_capture import exchanges
 from tests.server.test_nats_plane import dump_blocks, expected_blocks
 from tests.server.test_zmq_plane import Bench
@@ -35,6 +39,17 @@ CAPTURE = exchanges("recovery_capture.jsonl")[0]
 
 
 TOO_NEW = exchanges("ranged_capture.jsonl")[1]  # the same worker's answer to a range past its newest event
+
+
+async def read_request(reader: asyncio.StreamReader) -> RequestFrame:
+    """One request frame off a worker's request-plane connection."""
+    head = await reader.readexactly(2)
+    path = await reader.readexactly(int.from_bytes(head))
+    headers_len = await reader.readexactly(2)
+    headers = await reader.readexactly(int.from_bytes(headers_len))
+    payload_len = await reader.readexactly(4)
+    payload = await reader.readexactly(int.from_bytes(payload_len))
+    return decode_request_frame(head + path + headers_len + headers + payload_len + payload)
 
 
 class Worker:
@@ -53,14 +68,7 @@ class Worker:
         return int(self.server.sockets[0].getsockname()[1])
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readexactly(2)
-        path = await reader.readexactly(int.from_bytes(head))
-        headers_len = await reader.readexactly(2)
-        headers = await reader.readexactly(int.from_bytes(headers_len))
-        payload_len = await reader.readexactly(4)
-        payload = await reader.readexactly(int.from_bytes(payload_len))
-        frame = head + path + headers_len + headers + payload_len + payload
-        request = decode_request_frame(frame)
+        request = await read_request(reader)
         self.requests.append(request.query)
         capture = self.dump if request.query["start_event_id"] is None else TOO_NEW
         writer.write(bytes.fromhex(capture["ack"]))
@@ -91,10 +99,11 @@ def source_record(port: int, capture: dict[str, Any] = CAPTURE) -> bytes:
     return json.dumps(record).encode()
 
 
-def put_source(bench: Bench, port: int, capture: dict[str, Any] = CAPTURE) -> None:
+def put_source(root: Path, port: int, capture: dict[str, Any] = CAPTURE) -> None:
+    """The worker's event-source record, its recovery target at 127.0.0.1:`port`, in the file store at `root`."""
     key = "namespace/dynamo/component/backend/endpoint/generate/topic/kv-events/" \
           f"{capture['event_source']['publisher_id']:x}"
-    directory = bench.root / "v1" / "event_sources"
+    directory = root / "v1" / "event_sources"
     directory.mkdir(parents=True, exist_ok=True)
     (directory / encode_file_name(key)).write_bytes(source_record(port, capture))
 
@@ -130,7 +139,7 @@ def row(bench: Bench) -> dict[str, Any]:
 
 
 async def test_a_worker_found_in_discovery_is_recovered_from_its_tree_dump(bench: Bench, worker: Worker) -> None:
-    put_source(bench, await worker.start())
+    put_source(bench.root, await worker.start())
     plane = await bench.start()
     await eventually_async(lambda: row(bench).get("state") == "recovered", "the worker recovered")
     await bench.streams.writer("default").applied()
@@ -165,7 +174,7 @@ async def test_a_large_dump_arriving_in_one_read_is_taken_whole(bench: Bench) ->
     large = exchanges("large_dump_capture.jsonl")[0]
     worker = Worker(large)
     try:
-        put_source(bench, await worker.start(), large)
+        put_source(bench.root, await worker.start(), large)
         plane = await bench.start()
         worker_id = large["event_source"]["metadata"]["worker"]["worker_id"]
         await eventually_async(lambda: bench.status()["counts"].get("recovered_workers") == 1, "the worker recovered")
@@ -182,7 +191,7 @@ async def test_an_unreachable_worker_is_followed_live_and_marked_partial_with_wh
                                                                                     worker: Worker) -> None:
     port = await worker.start()
     await worker.close()  # nothing listens there any more
-    put_source(bench, port)
+    put_source(bench.root, port)
     await bench.start()
     await eventually_async(lambda: row(bench).get("state") == "partial", "the worker marked partial")
     assert f"127.0.0.1:{port}" in row(bench)["reason"] and "failed" in row(bench)["reason"]
@@ -192,7 +201,7 @@ async def test_an_unreachable_worker_is_followed_live_and_marked_partial_with_wh
 async def test_live_events_held_while_recovering_apply_after_the_dump_once(bench: Bench, worker: Worker) -> None:
     """Held: a copy of an event the dump holds (id 3, dropped) and one newer (id 5, applied after the dump)."""
     worker.release.clear()
-    put_source(bench, await worker.start())
+    put_source(bench.root, await worker.start())
     plane = await bench.start()
     await eventually_async(lambda: bool(worker.requests), "the worker asked")
     ingest, dump = plane.ingest, dumped().events
@@ -216,7 +225,7 @@ async def test_events_held_for_a_worker_whose_record_moves_are_kept_for_its_new_
     """The first target never answers; the record moves to another (a re-registered endpoint): the events held
     meanwhile are applied after the new target's dump."""
     worker.release.clear()
-    put_source(bench, await worker.start())
+    put_source(bench.root, await worker.start())
     plane = await bench.start()
     await eventually_async(lambda: bool(worker.requests), "the first target asked")
     first = dumped().events[0].data
@@ -225,7 +234,7 @@ async def test_events_held_for_a_worker_whose_record_moves_are_kept_for_its_new_
     assert plane.ingest.recovery.hold(newer, Order.next, CAPTURE["event_source"]["publisher_id"], None)
     moved = Worker()
     try:
-        put_source(bench, await moved.start())
+        put_source(bench.root, await moved.start())
         await eventually_async(lambda: row(bench).get("state") == "recovered",
                                "the worker recovered from its new target")
         await bench.streams.writer("default").applied()
@@ -238,7 +247,7 @@ async def test_events_held_for_a_worker_whose_record_moves_are_kept_for_its_new_
 
 async def test_a_gap_in_live_event_ids_asks_the_worker_from_the_first_missing(bench: Bench, worker: Worker) -> None:
     """The worker (its captured answer) has nothing past its event 4: the gap stays, the worker is partial."""
-    put_source(bench, await worker.start())
+    put_source(bench.root, await worker.start())
     plane = await bench.start()
     await eventually_async(lambda: row(bench).get("state") == "recovered", "the worker recovered")
     ingest = plane.ingest
@@ -260,7 +269,7 @@ async def test_a_query_nobody_answers_times_out() -> None:
     accepted: list[asyncio.StreamWriter] = []
     silent = await asyncio.start_server(lambda _, w: accepted.append(w), "127.0.0.1", 0)
     port = silent.sockets[0].getsockname()[1]
-    client = RecoveryClient(timeout_s=0.3)
+    client = RecoveryClient(AnswerListener(Health()), timeout_s=0.3)
     await client.start()
     target = parse_event_source(source_record(port))
     assert target is not None
@@ -275,8 +284,9 @@ async def test_a_query_nobody_answers_times_out() -> None:
 
 async def test_a_stranger_on_the_answer_listener_is_counted_and_cut_off_early() -> None:
     """A connection that announces a huge first message, or names no query of ours, is dropped without
-    buffering it; the listener goes on taking answers."""
-    client = RecoveryClient()
+    buffering it, and counted; the listener goes on taking answers."""
+    health = Health()
+    client = AnswerListener(health)
     await client.start()
     for first in [(100 << 20).to_bytes(8, "big") + bytes(16),  # a 100 MiB handshake announced
                   bytes.fromhex(CAPTURE["response_stream"])]:  # a real answer, to a query nobody made
@@ -286,5 +296,5 @@ async def test_a_stranger_on_the_answer_listener_is_counted_and_cut_off_early() 
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by kvctl
         writer.close()
         await writer.wait_closed()
-    assert client.stray_streams == 2
+    assert client.stray == 2 and health.losses[("recovery", "stray_connection")].count == 2
     await client.close()

@@ -92,7 +92,7 @@ def describe(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def parse_msgpack(data: bytes) -> Any:
+def parse_msgpack(data: bytes | msgspec.Raw) -> Any:
     """Untyped msgpack decode; malformed (bad UTF-8 too) or too deep input is a bad_msgpack DecodeError."""
     try:
         return msgspec.msgpack.decode(data)

@@ -37,6 +37,9 @@ _TWO_PART = struct.Struct(">QQQ")  # control length, data length, checksum
 _ACK = struct.Struct(">I")
 ACK_HEADER = _ACK.size
 """The worker's acknowledgement of a request: a u32 BE length, then that much text (none: taken)."""
+ACK_MAX = 64 << 10
+"""The longest acknowledgement taken: its text is a refusal's error message (an HTTP server's `HTTP` reads as a
+1.2 GB length)."""
 FRAME_MAX = 256 << 20
 """A two-part message longer than this is not one (a tree dump of a large worker is a few MiB)."""
 HANDSHAKE_MAX = 4096
@@ -172,11 +175,21 @@ def encode_two_part(control: bytes, data: bytes) -> bytes:
 
 
 def ack_length(header: bytes) -> int:
-    """The length of the acknowledgement's text, from its 4-byte header."""
-    return int(_ACK.unpack(header)[0])
+    """The length of the acknowledgement's text, from its 4-byte header; past ACK_MAX it is a DecodeError (the
+    target speaks something else: an HTTP server answers `HTTP/1.1 400`)."""
+    length = int(_ACK.unpack(header)[0])
+    if length > ACK_MAX:
+        what = "an HTTP server answered (a router's HTTP port?)" if header == b"HTTP" else \
+            f"{length} bytes announced, more than {ACK_MAX}"
+        raise DecodeError(ErrorKind.bad_batch, "acknowledgement", f"not Dynamo's request plane: {what}")
+    return length
 
 
 # ----- the answer -------------------------------------------------------------------------------------------
+
+class TooLarge(DecodeError):
+    """A two-part message announced longer than its reader's limit."""
+
 
 class TwoPartReader:
     """Two-part messages out of a byte stream, as the bytes arrive."""
@@ -204,8 +217,8 @@ class TwoPartReader:
             return None
         control_len, data_len, _checksum = _TWO_PART.unpack_from(self._buffer)
         if control_len + data_len > self.limit:
-            raise DecodeError(ErrorKind.bad_batch, "two-part message",
-                              f"{control_len + data_len} bytes announced, more than {self.limit}")
+            raise TooLarge(ErrorKind.bad_batch, "two-part message",
+                           f"{control_len + data_len} bytes announced, more than {self.limit}")
         end = _TWO_PART.size + control_len + data_len
         if len(self._buffer) < end:
             return None
@@ -224,11 +237,24 @@ def handshake_subject(control: bytes) -> str:
     return subject
 
 
+class _Wrapper(msgspec.Struct):
+    """A data message's msgpack: the answer kept undecoded (`Raw`) until the stream is whole, so that a stream
+    cut off meanwhile costs one buffer to free, not a tree of objects."""
+
+    data: msgspec.Raw = msgspec.Raw()
+    complete_final: Any = None
+
+
+_WRAPPER = msgspec.msgpack.Decoder(_Wrapper)
+_NIL = 0xC0  # msgpack nil: `"data": null`
+
+
 class ResponseStream:
-    """One response connection's messages after its handshake, in order; `done` once the worker ended it."""
+    """One response connection's messages after its handshake, in order; `done` once the worker ended it. Only
+    the first data is kept (the answer: a worker sends one), undecoded until `decode_recovery_response`."""
 
     def __init__(self) -> None:
-        self.items: list[Any] = []
+        self.answer: msgspec.Raw | None = None
         self.error: str | None = None
         self.done = False
 
@@ -241,10 +267,15 @@ class ResponseStream:
                 self.error = str(prologue["error"])
                 self.done = True
         if data:
-            wrapper = _map(parse_msgpack(data), "response")
-            if wrapper.get("data") is not None:
-                self.items.append(wrapper["data"])
-            if wrapper.get("complete_final") is True:
+            try:
+                wrapper = _WRAPPER.decode(data)
+            except msgspec.ValidationError as exc:
+                raise DecodeError(ErrorKind.bad_type, "response", str(exc)) from None
+            except msgspec.DecodeError as exc:
+                raise DecodeError(ErrorKind.bad_msgpack, "response", str(exc)) from None
+            if self.answer is None and len(wrapper.data) and memoryview(wrapper.data)[0] != _NIL:
+                self.answer = wrapper.data
+            if wrapper.complete_final is True:
                 self.done = True
 
 
@@ -252,9 +283,9 @@ def decode_recovery_response(stream: ResponseStream) -> Recovered:
     """The worker's answer to a recovery query; RecoveryRefused when it did not answer with events."""
     if stream.error is not None:
         raise RecoveryRefused(f"the worker refused the request: {stream.error}")
-    if not stream.items:
+    if stream.answer is None:
         raise RecoveryRefused("the worker's response stream ended with no answer")
-    answer = stream.items[0]
+    answer = parse_msgpack(stream.answer)
     if not isinstance(answer, dict) or len(answer) != 1:
         raise DecodeError(ErrorKind.bad_type, "WorkerKvQueryResponse", f"expected one variant, got {describe(answer)}")
     ((variant, body),) = answer.items()

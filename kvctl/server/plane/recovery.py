@@ -5,15 +5,15 @@ Each kv-events publisher files an `EventSource` record naming its worker's `reco
 the worker's live events are held, the worker is asked for a tree dump of its index (core/events/request_plane.py
 has the wire), and the index is reset to that dump; then the held events newer than the dump's `last_event_id`
 are applied, the older ones dropped as already in it. A gap in a worker's event ids is filled the same way, with
-the events from the first one missing. The answer comes back on a connection the worker opens to kvctl: one
-listener, on every IPv4 interface, advertised at the address kvctl reached the worker from. A worker that cannot be
-recovered (unreachable, refused, timed out) is followed from its live events on, and marked partial with why.
+the events from the first one missing. The answer comes back on a connection the worker opens to kvctl's one
+answers' listener (recovery_answers.py), bounded in bytes and time. A worker that cannot be recovered, whatever the
+failure (unreachable, refused, timed out, cut short, too large, not a worker at all), is followed from its live
+events on, marked partial with why, and counted in the health ledger by cause: none stays recovering.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -26,22 +26,19 @@ from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.publishers import Order
 from kvctl.core.events.request_plane import (
     ACK_HEADER,
-    FRAME_MAX,
-    HANDSHAKE_MAX,
     Recovered,
     RecoveryRefused,
     RecoveryTarget,
-    ResponseStream,
-    TwoPartReader,
     ack_length,
     decode_recovery_response,
     encode_recovery_request,
-    handshake_subject,
     parse_event_source,
 )
 from kvctl.core.events.types import RouterEvent
 from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.words import counted
+from kvctl.server.health import Health
+from kvctl.server.plane.recovery_answers import AnswerListener, RecoveryFailed, address
 
 log = logging.getLogger("kvctl.serve")
 Held = tuple[RouterEvent, Order, int]  # a live event, its order, its publisher id
@@ -49,7 +46,11 @@ Apply = Callable[[WorkerKey, Recovered, list[Held]], Awaitable[None]]
 
 RECOVERY_TIMEOUT_S = 30.0
 """How long one query may take, the worker's connection back included (a large worker's dump is a few MiB)."""
-_READ = 1 << 16
+MAX_QUERIES = 64
+"""Queries out at once (a fleet found at start is asked in turns, each with its full timeout): bounds the
+connections to workers and back."""
+FAILURE_FIX = "make the worker's recovery_target (v1/event_sources) reachable from kvctl and kvctl's answers' " \
+              "listener (--advertise-host, else --listen) from the worker; see the runbook's recovery section"
 
 
 @dataclass
@@ -72,92 +73,92 @@ class _Worker:
 
 
 class RecoveryClient:
-    """Sends recovery queries and takes the answers workers stream back to its listener."""
+    """Sends recovery queries; their answers come back to its listener (recovery_answers.py)."""
 
-    def __init__(self, timeout_s: float = RECOVERY_TIMEOUT_S) -> None:
+    def __init__(self, listener: AnswerListener, timeout_s: float = RECOVERY_TIMEOUT_S) -> None:
+        self.listener = listener
         self.timeout_s = timeout_s
-        self._server: asyncio.Server | None = None
-        self.port = 0
-        self._pending: dict[str, tuple[ResponseStream, asyncio.Future[ResponseStream]]] = {}
-        self.stray_streams = 0  # connections that named no query of ours
+        self._turns = asyncio.Semaphore(MAX_QUERIES)
 
     async def start(self) -> None:
-        """Listen for answers (once, before any query: concurrent queries share the one listener)."""
-        self._server = await asyncio.start_server(self._on_stream, "0.0.0.0", 0)  # IPv4: Dynamo advertises IPv4
-        self.port = self._server.sockets[0].getsockname()[1]
+        """Listen for answers (once, before any query: concurrent queries share the one listener). When it cannot
+        bind, the part `recovery` is down and an OSError raised; each query tries again."""
+        if self.listener.started:
+            return
+        health = self.listener.health
+        try:
+            await self.listener.start()
+        except OSError as exc:
+            health.fail("recovery", f"cannot listen for workers' recovery answers on {self.listener.listen_host}: "
+                        f"{exc.strerror or exc}", "give --advertise-host (or --listen) an address of this host")
+            raise
+        health.recover("recovery")
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        await self.listener.close()
 
     async def query(self, target: RecoveryTarget, start_event_id: int | None = None) -> Recovered:
         """The worker's events from `start_event_id` (None: its whole index); raises OSError, TimeoutError,
-        DecodeError or RecoveryRefused."""
-        if self._server is None:
-            raise OSError("the answers' listener is not started")
-        subject, request_id = str(uuid.uuid4()), str(uuid.uuid4())
-        stream = ResponseStream()
-        answered: asyncio.Future[ResponseStream] = asyncio.get_running_loop().create_future()
-        self._pending[subject] = (stream, answered)
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                reader, writer = await asyncio.open_connection(target.host, target.port)
-                try:
-                    here = writer.get_extra_info("sockname")[0]  # where the worker reached us from: it can reach it
-                    writer.write(encode_recovery_request(target, request_id, subject, f"{here}:{self.port}",
-                                                         start_event_id))
-                    await writer.drain()
-                    refusal = await reader.readexactly(ack_length(await reader.readexactly(ACK_HEADER)))
-                finally:
-                    writer.close()
-                    with contextlib.suppress(OSError):
-                        await writer.wait_closed()
-                if refusal:
-                    raise RecoveryRefused(f"the worker refused the request: {refusal.decode(errors='replace')}")
-                await answered
-        finally:
-            self._pending.pop(subject, None)
-        return decode_recovery_response(stream)
+        DecodeError, RecoveryRefused, RecoveryFailed or asyncio.IncompleteReadError."""
+        async with self._turns:
+            try:
+                await self.start()
+            except OSError as exc:
+                raise RecoveryFailed("no_listener", f"kvctl cannot listen for answers: {exc}") from None
+            subject, request_id = str(uuid.uuid4()), str(uuid.uuid4())
+            answer = self.listener.expect(subject)
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self._ask(target, request_id, subject, start_event_id)
+                    stream = await answer.done
+            finally:
+                answer.close()  # timed out, failed or answered: its connection goes now
+            return decode_recovery_response(stream)
 
-    async def _on_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        frames = TwoPartReader(HANDSHAKE_MAX)
-        waiting: tuple[ResponseStream, asyncio.Future[ResponseStream]] | None = None
+    async def _ask(self, target: RecoveryTarget, request_id: str, subject: str, start_event_id: int | None) -> None:
+        """Send the query on a connection of its own; RecoveryRefused when the worker's acknowledgement does."""
+        if self.listener.is_self(target.host, target.port):
+            raise RecoveryFailed("self", "the recovery target is this router's own answers' listener")
+        reader, writer = await asyncio.open_connection(target.host, target.port)
         try:
-            while waiting is None or not waiting[0].done:
-                chunk = await reader.read(_READ)
-                if not chunk:
-                    break
-                frames.push(chunk)
-                while (message := frames.take()) is not None:
-                    control, data = message
-                    if waiting is None:
-                        waiting = self._pending.get(handshake_subject(control))
-                        if waiting is None:
-                            self.stray_streams += 1
-                            return
-                        frames.limit = FRAME_MAX
-                    else:
-                        waiting[0].take(control, data)
-        except (DecodeError, OSError) as exc:
-            if waiting is None:
-                self.stray_streams += 1
-            elif not waiting[1].done():
-                waiting[1].set_exception(exc)
+            here = writer.get_extra_info("sockname")[0]
+            reply = address(self.listener.reply_host(here, target.host), self.listener.port)
+            writer.write(encode_recovery_request(target, request_id, subject, reply, start_event_id))
+            await writer.drain()
+            refusal = await reader.readexactly(ack_length(await reader.readexactly(ACK_HEADER)))
         finally:
-            if waiting is not None and not waiting[1].done():
-                waiting[1].set_result(waiting[0])
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            writer.transport.abort()
+        if refusal:
+            raise RecoveryRefused(f"the worker refused the request: {refusal.decode(errors='replace')}")
+
+
+def failure(exc: Exception, timeout_s: float) -> tuple[str, str]:
+    """A failed query's cause (the ledger's label) and why, in words."""
+    if isinstance(exc, RecoveryFailed):
+        return exc.cause, str(exc)
+    if isinstance(exc, TimeoutError):
+        return "timeout", f"no whole answer within --recovery-timeout ({timeout_s:g} s)"
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return "closed_early", (f"the target closed the connection after {len(exc.partial)} of the "
+                                f"{exc.expected} bytes of its acknowledgement")
+    if isinstance(exc, RecoveryRefused):
+        return "refused", str(exc)
+    if isinstance(exc, DecodeError):
+        return "bad_answer", str(exc)
+    if isinstance(exc, OSError):
+        return "unreachable", exc.strerror or str(exc) or type(exc).__name__
+    return "error", f"{type(exc).__name__}: {exc}"
 
 
 class Recovery:
     """Which workers were recovered, which are being, which could not be; and the held live events."""
 
-    def __init__(self, apply: Apply, counts: Counter[str], client: RecoveryClient) -> None:
-        """`counts`: the plane's (status and /metrics show them), counted under `recovery_*` names."""
+    def __init__(self, apply: Apply, counts: Counter[str], client: RecoveryClient, health: Health) -> None:
+        """`counts`: the plane's (status and /metrics show them), counted under `recovery_*` names; each failed
+        query is also a loss in `health` (surface `recovery`, by cause)."""
         self.client = client
+        self.health = health
+        self._failed: dict[WorkerKey, str] = {}  # each worker's last failure's cause: a repeat logs at DEBUG
         self._apply = apply
         self.workers: dict[WorkerKey, _Worker] = {}
         self.counts = counts
@@ -201,6 +202,7 @@ class Recovery:
         return False
 
     def forget(self, worker: WorkerKey) -> None:
+        self._failed.pop(worker, None)
         known = self.workers.pop(worker, None)
         if known is not None and known.task is not None:
             known.task.cancel()
@@ -219,6 +221,8 @@ class Recovery:
         entry.task = asyncio.get_running_loop().create_task(self._recover(entry, start_event_id))
 
     async def _recover(self, entry: _Worker, start_event_id: int | None) -> None:
+        """Ask, then apply the answer and the events held meanwhile. Whatever fails, the worker ends partial and
+        its held events are applied: none is left recovering."""
         target = entry.target
         entry.queries += 1
         self.counts["recovery_queries"] += 1
@@ -226,18 +230,14 @@ class Recovery:
         started = time.monotonic()
         try:
             if target.transport != "tcp":
-                raise RecoveryRefused(f"its recovery target is on Dynamo's {target.transport} request plane; "
-                                      "kvctl speaks the tcp one only")
+                raise RecoveryFailed("unsupported_transport", f"its recovery target is on Dynamo's "
+                                     f"{target.transport} request plane; kvctl speaks the tcp one only")
             recovered = await self.client.query(target, start_event_id)
-        except (OSError, TimeoutError, DecodeError, RecoveryRefused) as exc:
-            why = "timed out" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
-            where = target.address if target.transport == "tcp" else target.transport
-            entry.state, entry.reason = "partial", f"recovery from {where} failed: {why}"
-            self.counts["recovery_failures"] += 1
-            log.warning("recovery: worker %s: %s; following its live events only", format_worker(target.worker),
-                        entry.reason)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the worker partial, never recovering
+            self._failure(entry, exc)
         else:
             entry.state, entry.events, entry.last_event_id = "recovered", len(recovered.events), recovered.last_event_id
+            self._failed.pop(target.worker, None)
             self.counts["recovered_workers"] += 1
             self.counts["recovery_decode_errors"] += len(recovered.errors)
             log.info("recovery: worker %s: %s up to event id %d from %s in %.3f s", format_worker(target.worker),
@@ -246,11 +246,27 @@ class Recovery:
         held, entry.held = entry.held, []
         await self._apply(target.worker, recovered, held)
 
+    def _failure(self, entry: _Worker, exc: Exception) -> None:
+        """Mark the worker partial, count the loss, and log it (at DEBUG when it repeats the worker's last)."""
+        target = entry.target
+        cause, why = failure(exc, self.client.timeout_s)
+        where = target.address if target.transport == "tcp" else target.transport
+        entry.state, entry.reason = "partial", f"recovery from {where} failed: {why}"
+        self.counts["recovery_failures"] += 1
+        self.health.lose("recovery", cause, detail=f"worker {format_worker(target.worker)}: {entry.reason}",
+                         fix=FAILURE_FIX)
+        level = logging.DEBUG if self._failed.get(target.worker) == cause else logging.WARNING
+        self._failed[target.worker] = cause
+        log.log(level, "recovery: worker %s: %s; following its live events only", format_worker(target.worker),
+                entry.reason, exc_info=exc if cause == "error" else None)
+
     def state(self, worker: WorkerKey) -> dict[str, Any] | None:
         known = self.workers.get(worker)
         return None if known is None else known.row()
 
     def status(self) -> dict[str, Any]:
         states = Counter(w.state for w in self.workers.values())
-        return {"workers": dict(states), "record_errors": dict(self.record_errors),
-                "stray_streams": self.client.stray_streams, "timeout_s": self.client.timeout_s}
+        listener = self.client.listener
+        return {"workers": dict(states), "record_errors": dict(self.record_errors), "stray_streams": listener.stray,
+                "timeout_s": self.client.timeout_s, "max_bytes": listener.max_bytes,
+                "listener": None if listener.host is None else address(listener.host, listener.port)}

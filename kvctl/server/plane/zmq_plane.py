@@ -47,6 +47,7 @@ from kvctl.server.ingest.streams import ModelWriter, Streams
 from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, open_discovery
 from kvctl.server.plane.ingest import PlaneIngest
 from kvctl.server.plane.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
+from kvctl.server.plane.recovery_answers import RECOVERY_MAX_BYTES, AnswerListener
 from kvctl.server.plane.tasks import PlaneTasks
 from kvctl.server.plane.zmq_sequences import SequenceChannels, default_advertise_host
 from kvctl.server.state import Fleet, UnknownWorker
@@ -77,8 +78,10 @@ class ZmqOptions:
     replica_sync: bool = False  # take peers' in-flight requests and, unless shadow, share this router's own
     shadow: bool = False  # only read: register and publish nothing
     advertise_host: str | None = None  # the host in this router's records (None: the host's own address)
+    listen_host: str = "127.0.0.1"  # --listen's: where the recovery answers' listener binds, unless advertise_host
     poll_s: float = POLL_S
     recovery_timeout_s: float = RECOVERY_TIMEOUT_S  # one worker's index recovery over the request plane
+    recovery_max_bytes: int = RECOVERY_MAX_BYTES  # one recovery answer's bytes
 
     @property
     def url(self) -> str:
@@ -124,8 +127,11 @@ class ZmqPlane(PlaneTasks):
         self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
                                   replica_sync=options.replica_sync)
         self.counts = self.ingest.counts
+        listener = AnswerListener(fleet.health, listen_host=options.listen_host,
+                                  advertise_host=options.advertise_host, max_bytes=options.recovery_max_bytes)
         self.recovery = self.ingest.recovery = Recovery(self.ingest.apply_recovered, self.counts,
-                                                        RecoveryClient(options.recovery_timeout_s))
+                                                        RecoveryClient(listener, options.recovery_timeout_s),
+                                                        fleet.health)
         self.errors = self.ingest.errors
         self.reconnects = 0  # sockets that connected again after losing their publisher
         self.links: dict[str, _Link] = {}
@@ -164,7 +170,8 @@ class ZmqPlane(PlaneTasks):
 
     async def _run(self) -> None:
         prefix = namespace_prefix(self.options.namespace)
-        await self.recovery.client.start()
+        with contextlib.suppress(OSError):  # the ledger says so; each query tries again
+            await self.recovery.client.start()
         while True:
             try:
                 async for records in self.discovery.changes(prefix, self.options.poll_s):
