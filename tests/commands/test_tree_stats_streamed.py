@@ -193,14 +193,14 @@ async def _walk_while_probing() -> None:
 
     prober = asyncio.create_task(probe())
     await asyncio.sleep(0)
-    started = time.perf_counter()
-    for _ in range(4):  # a walk of 30,000 nodes takes ~40 ms: four, for the loop's gaps to stand out of the noise
+    ran_before = len(gaps)
+    for _ in range(4):  # a walk of 30,000 nodes takes ~40 ms, in slices of ~1 ms
         await index_shape(index, top=10)
-    took = time.perf_counter() - started
+    ran = len(gaps) - ran_before
     prober.cancel()
-    # Never yielding, the four walks are one gap as long as `took`; a slice is a few ms, whatever the machine's
-    # load adds to one (CI saw 4.5 ms of 36): a third of `took` tells the two apart without timing a slice.
-    assert len(gaps) >= 10 and max(gaps) < took / 3, (len(gaps), max(gaps), took)
+    # Counted, not timed (a busy machine stretches any slice): never yielding, the four walks let the prober run
+    # at most once; in slices, it runs between them. How long a route waits is benchmarks/scale_bench.py's.
+    assert ran >= 10, ran
 
 
 @pytest.mark.parametrize("offloaded", [False, True])

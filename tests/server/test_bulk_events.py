@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 from kvctl.core.events import RouterEvent, Stored
 from kvctl.core.events.dynamo import encode_router_event_json
@@ -33,17 +32,13 @@ async def test_routes_are_answered_while_a_bulk_load_applies(route_path: str) ->
         async def route_until(load: asyncio.Task[object]) -> None:
             while not load.done():
                 (await client.post("/v1/route", json={"token_ids": list(range(64))})).raise_for_status()
-                done_at.append(time.perf_counter())
+                done_at.append(asyncio.get_running_loop().time())
 
-        started = time.perf_counter()
         load = asyncio.create_task(client.post("/v1/events", content=body,
                                                headers={"content-type": "application/x-ndjson"}))
         await route_until(load)
-        took = time.perf_counter() - started
         answer = (await load).json()  # type: ignore[attr-defined]
     assert answer == {"applied": EVENTS, "rejected": {}}
-    gaps = [b - a for a, b in zip([started, *done_at], done_at, strict=False)]
-    # held in one step, the load would keep every route waiting for most of its time; in slices, the longest wait
-    # is one slice and a route's own round trip
-    assert max(gaps) < took / 4, f"a route waited {max(gaps) * 1e3:.0f} ms of the load's {took * 1e3:.0f} ms"
-    assert len(done_at) >= 20, f"{len(done_at)} routes answered during a {took * 1e3:.0f} ms load"
+    # Counted, not timed (a busy machine stretches any slice): held in one step, the load lets one route through
+    # at most; in slices, a route between each. How long a route waits is benchmarks/scale_bench.py's.
+    assert len(done_at) >= 20, f"{len(done_at)} routes answered during the load"
