@@ -47,6 +47,7 @@ from kvctl.server.ingest.streams import ModelWriter, Streams
 from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, open_discovery
 from kvctl.server.plane.ingest import PlaneIngest
 from kvctl.server.plane.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
+from kvctl.server.plane.replica_sync import PeerLimits
 from kvctl.server.plane.tasks import PlaneTasks
 from kvctl.server.plane.zmq_sequences import SequenceChannels, default_advertise_host
 from kvctl.server.state import Fleet, UnknownWorker
@@ -75,6 +76,7 @@ class ZmqOptions:
     model: str = DEFAULT_MODEL
     router_id: int = 0
     replica_sync: bool = False  # take peers' in-flight requests and, unless shadow, share this router's own
+    peer_limits: PeerLimits = PeerLimits()  # what replica sync takes from other routers
     shadow: bool = False  # only read: register and publish nothing
     advertise_host: str | None = None  # the host in this router's records (None: the host's own address)
     poll_s: float = POLL_S
@@ -122,7 +124,7 @@ class ZmqPlane(PlaneTasks):
         self.discovery = discovery if discovery is not None else open_discovery(options.discovery)
         self.writer: ModelWriter = streams.writer(options.model)
         self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
-                                  replica_sync=options.replica_sync)
+                                  replica_sync=options.replica_sync, peer_limits=options.peer_limits)
         self.counts = self.ingest.counts
         self.recovery = self.ingest.recovery = Recovery(self.ingest.apply_recovered, self.counts,
                                                         RecoveryClient(options.recovery_timeout_s))
