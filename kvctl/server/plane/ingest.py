@@ -147,8 +147,8 @@ class PlaneIngest:
             self.errors[error.kind.value] += 1
             if surface is not None:
                 self.fleet.health.lose(surface, "malformed", detail=str(error),
-                                       fix="the publisher's encoding is not Dynamo 1.6.1's: find it on the plane "
-                                           "(kvctl events tail)")
+                                       fix="the publisher's encoding is not Dynamo 1.6.1's: find it in /v1/status "
+                                           "event_plane.publishers")
         return events
 
     def _cursor(self, worker: WorkerKey, *, redelivered: bool = False) -> _Cursor:

@@ -34,21 +34,21 @@ MAX_REQUEST_ID_CHARS = 256
 SHOWN_ID_CHARS = 64
 """Of a refused request's id, what the ledger's detail and the log show."""
 
+_PUBLISHERS = "/v1/status event_plane.publishers, topic active_sequences_events"
 _FIXES = {
-    "untrusted_router": "if that router is one of yours, add its id to --replica-peers; otherwise find who publishes "
-                        "on the namespace's active_sequences_events (kvctl events tail)",
+    "untrusted_router": "if that router is one of yours, add its id to --replica-peers; otherwise find its publisher "
+                        f"({_PUBLISHERS})",
     "unknown_worker": "check that the peer router follows the same fleet and model (--namespace, --component, "
                       "--nats-model); a worker this router has not heard of yet is taken once it publishes",
     "out_of_range": "raise --max-request-tokens if the peers route prompts that long; otherwise the peer is broken "
                     "or hostile (--replica-peers keeps it out)",
-    "duplicate": "a peer publishing each booking twice, or reusing request ids: find it on the plane "
-                 "(kvctl events tail)",
+    "duplicate": f"a peer publishing each booking twice, or reusing request ids: find its publisher ({_PUBLISHERS})",
     "max_peer_reservations": "raise --max-peer-reservations if the peers really have that many requests in flight "
                              "(each holds memory); --replica-peers keeps unknown routers out",
     "max_peer_reserved_tokens": "raise --max-peer-reserved-tokens if the peers really have that many prompt tokens "
                                 "in flight (about 6 bytes each); --replica-peers keeps unknown routers out",
-    "not_owner": "a peer freeing or completing requests it did not book, by this router's request ids: find it on "
-                 "the plane (kvctl events tail); --replica-peers keeps it out",
+    "not_owner": "a peer freeing or completing requests it did not book, by this router's request ids: find its "
+                 f"publisher ({_PUBLISHERS}); --replica-peers keeps it out",
 }
 
 
