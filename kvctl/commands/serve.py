@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from kvctl.core.router.scoring import RouterConfig
+    from kvctl.server.plane.replica_sync import PeerLimits
     from kvctl.server.plane.zmq_plane import ZmqOptions
     from kvctl.server.state import WorkerInfo
 
@@ -157,7 +158,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint: str | None, model: str,
                  router_id: int | None, state_dir: Path, replica_sync: bool, shadow: bool, jetstream: bool,
                  advertise_host: str | None, recovery_timeout: float, recovery_max_bytes: int,
-                 listen_host: str) -> ZmqOptions:
+                 listen_host: str, peers: PeerLimits) -> ZmqOptions:
     """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
     from kvctl.errors import DiscoveryError
     from kvctl.server.plane.dynamo_discovery import open_discovery
@@ -178,7 +179,22 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
     return ZmqOptions(discovery=discovery, namespace=namespace, component=component, endpoint=endpoint, model=model,
                       router_id=_router_id(router_id, state_dir), replica_sync=replica_sync, shadow=shadow,
                       advertise_host=advertise_host, recovery_timeout_s=recovery_timeout,
-                      recovery_max_bytes=recovery_max_bytes, listen_host=listen_host)
+                      recovery_max_bytes=recovery_max_bytes, listen_host=listen_host, peer_limits=peers)
+
+
+def _peer_limits(ids: str | None, reservations: int | None, tokens: int | None, replica_sync: bool) -> PeerLimits:
+    """--replica-peers and the peers' caps: what --replica-sync takes from other routers."""
+    from kvctl.server.plane.replica_sync import PeerLimits
+
+    if not replica_sync and (ids is not None or reservations is not None or tokens is not None):
+        raise UsageError("--replica-peers, --max-peer-reservations and --max-peer-reserved-tokens need --replica-sync")
+    trusted = None
+    if ids is not None:
+        words = [w.strip() for w in ids.split(",") if w.strip()]
+        if not words or not all(len(w) <= 20 and w.isascii() and w.isdecimal() and int(w) < 2**64 for w in words):
+            raise UsageError(f"--replica-peers wants router ids (u64s) separated by commas, got {ids!r}")
+        trusted = frozenset(int(w) for w in words)
+    return PeerLimits(trusted, reservations, tokens)
 
 
 def _token_from(path: Path, given: str | None) -> str:
@@ -418,6 +434,21 @@ def serve_command(
     replica_sync: Annotated[bool, typer.Option(
         "--replica-sync", envvar="KVCTL_REPLICA_SYNC", rich_help_panel=PANEL,
         help="Share in-flight requests with the other routers (and take theirs).")] = False,
+    replica_peers: Annotated[str | None, typer.Option(
+        "--replica-peers", envvar="KVCTL_REPLICA_PEERS", show_default=False, rich_help_panel=PANEL,
+        help="--replica-sync: take only these routers' requests (router ids, comma-separated: each one's "
+             "--router-id, or the router_id its events carry); others' are dropped and counted. Default: "
+             "anyone's.")] = None,
+    max_peer_reservations: Annotated[int | None, typer.Option(
+        "--max-peer-reservations", envvar="KVCTL_MAX_PEER_RESERVATIONS", min=0, show_default=False,
+        rich_help_panel=PANEL,
+        help="--replica-sync: other routers' requests in flight per model at most, apart from this router's own; "
+             "past it a peer's booking is dropped and counted. Default: --max-reservations.")] = None,
+    max_peer_reserved_tokens: Annotated[int | None, typer.Option(
+        "--max-peer-reserved-tokens", envvar="KVCTL_MAX_PEER_RESERVED_TOKENS", min=0, show_default=False,
+        rich_help_panel=PANEL,
+        help="--replica-sync: prompt tokens of other routers' requests in flight per model at most, apart from "
+             "this router's own. Default: --max-reserved-tokens.")] = None,
     recovery_timeout: Annotated[float, typer.Option(
         "--recovery-timeout", envvar="KVCTL_RECOVERY_TIMEOUT", rich_help_panel=PANEL,
         help="--dynamo-discovery: seconds one worker's index recovery over Dynamo's request plane may take "
@@ -485,6 +516,7 @@ def serve_command(
         raise UsageError("--nats and --dynamo-discovery name two event planes: give one")
     if router_id is not None and not 0 <= router_id < 2**64:
         raise UsageError(f"--router-id must be a u64, got {router_id}")
+    peers = _peer_limits(replica_peers, max_peer_reservations, max_peer_reserved_tokens, replica_sync)
     nats = zmq_plane = None
     if nats_url is not None:
         from kvctl.server.plane.nats_plane import NatsOptions
@@ -496,11 +528,11 @@ def serve_command(
         nats = NatsOptions(connection=conn, namespace=namespace, component=component, endpoint=endpoint,
                            model=nats_model, router_id=_router_id(router_id, state_dir), shadow=shadow,
                            jetstream=jetstream, snapshot_threshold=snapshot_threshold, reset_states=reset_states,
-                           replica_sync=replica_sync)
+                           replica_sync=replica_sync, peer_limits=peers)
     elif dynamo_discovery is not None:
         zmq_plane = _zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
                                  replica_sync, shadow, jetstream, advertise_host, recovery_timeout,
-                                 recovery_max_bytes, host)
+                                 recovery_max_bytes, host, peers)
     elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
                          "an event plane: --nats URL or --dynamo-discovery STORE")

@@ -15,14 +15,7 @@ from typing import Any, Protocol
 
 from kvctl import http_api as api
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
-from kvctl.core.events.plane import (
-    FREE,
-    PREFILL_COMPLETED,
-    ActiveLoad,
-    ActiveSequenceEvent,
-    AddRequest,
-    ForwardPass,
-)
+from kvctl.core.events.plane import FREE, PREFILL_COMPLETED, ActiveLoad, ForwardPass
 from kvctl.core.index import Status
 from kvctl.core.names import DEFAULT_MODEL, SeqMark, StreamId, WorkerKey, format_worker, selects
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
@@ -228,8 +221,8 @@ class Fleet:
             self.forward_passes.pop(w, None)
             router = self.models[info.model].router
             blocks += router.index.remove_worker(w[0], w[1])
-            for request in list(router.sequences.requests(w)):
-                router.sequences.free(request.request_id)
+            for request in router.sequences.requests(w):
+                router.sequences.free(request.request_id, request.owner)
         if not any(w[0] == worker_id for w in self.workers):
             self.busy.forget(worker_id)
         for stream in [s for s in self.stream_seqs if s[0] in gone]:
@@ -399,25 +392,6 @@ class Fleet:
         know it from discovery: an idle worker that has stored nothing yet must still get requests."""
         if worker not in self.workers:
             self.register(WorkerInfo(worker[0], worker[1], model))
-
-    def apply_peer(self, model: str, event: ActiveSequenceEvent, now: float) -> bool:
-        """Another router's add / prefill complete / free, applied without telling the listener (no echo)."""
-        state = self.add_model(model)
-        sequences = state.router.sequences
-        action = event.action
-        if action == FREE:
-            return sequences.free(event.request_id)
-        if action == PREFILL_COMPLETED:
-            return sequences.mark_prefill_completed(event.request_id)
-        assert isinstance(action, AddRequest)
-        blocks = action.token_sequence or []
-        if not action.track_prefill_tokens:
-            prefill = 0
-        elif action.prefill_tokens_hint is not None:
-            prefill = action.prefill_tokens_hint
-        else:  # no hint: the peer's overlap is unknown here, so the whole prompt is counted
-            prefill = len(blocks) * state.block_size
-        return sequences.add(event.request_id, (event.worker_id, event.dp_rank), blocks, prefill, now)
 
     def reclaim_debt(self) -> int:
         """Freed index lookup entries not given back yet, every model (`RadixTree.debt`)."""

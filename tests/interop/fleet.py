@@ -641,6 +641,11 @@ def replica_sync_both_ways(fleet: Fleet, url: str, plane: Callable[[str], dict[s
                "the frontend's request lifecycles on the router", timeout=15, procs=fleet.procs)
     wait_until(lambda: all(w["active_requests"] == 0 for w in httpx.get(f"{url}/v1/workers").json()["workers"]),
                "every request the frontend freed freed on the router too", timeout=15, procs=fleet.procs)
+    counts = plane(url)["counts"]  # each of the frontend's bookings taken in as its own, none refused
+    assert counts.get("peer_booked", 0) >= 8 and counts.get("peer_freed", 0) >= 8, counts
+    refused = [x for x in httpx.get(f"{url}/v1/status", timeout=10).json()["health"]["losses"]
+               if x["surface"] == "replica_sync"]
+    assert refused == [], refused
 
     tokens = list(range(5000, 5000 + 20 * 16))
     decision = httpx.post(f"{url}/v1/route", json={"token_ids": tokens, "reserve": True, "request_id": "kvctl-1"},

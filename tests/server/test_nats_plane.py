@@ -373,8 +373,8 @@ async def test_replicas_share_in_flight_requests_and_ignore_their_own(server: Na
                 fleet.register(WorkerInfo(wid, 0, "default"))
         tokens = list(range(64))
         decision = a.fleet.route("default", now=time.monotonic(), token_ids=tokens, request_id="r1", reserve=True)
-        await eventually_async(lambda: b.fleet.models["default"].router.sequences.get("r1") is not None,
-                               "the add on B")
+        await eventually_async(lambda: b.fleet.models["default"].router.sequences.get("r1", owner=11) is not None,
+                               "the add on B, as A's booking")
         on_b = b.fleet.models["default"].router.sequences.load(decision.worker)
         assert on_b.active_blocks == 4 and on_b.active_prefill_tokens == 64
         assert a.fleet.prefill_complete("default", "r1")
@@ -382,7 +382,8 @@ async def test_replicas_share_in_flight_requests_and_ignore_their_own(server: Na
             lambda: b.fleet.models["default"].router.sequences.load(decision.worker).active_prefill_tokens == 0,
             "prefill complete on B")
         assert a.fleet.free("default", "r1")
-        await eventually_async(lambda: b.fleet.models["default"].router.sequences.get("r1") is None, "the free on B")
+        await eventually_async(lambda: b.fleet.models["default"].router.sequences.get("r1", owner=11) is None,
+                               "the free on B")
         await eventually_async(lambda: a.plane.counts["own_sequence_events"] == 3, "A's own echoes")
         assert a.plane.counts["peer_sequence_events"] == 0 and b.plane.counts["peer_sequence_events"] == 3
         assert len(a.fleet.models["default"].router.sequences) == 0  # its echoes did not re-add r1

@@ -4,11 +4,15 @@ A worker's decode load is the number of distinct prompt blocks of its in-flight 
 prompt blocks are refcounted, so ten requests on one system prompt cost its blocks once); its prefill
 load is the prompt tokens it still has to compute, held until the request's prefill completes.
 Unknown request ids are reported (False), never raised: frees arrive twice and late in real fleets.
+
+Requests other routers booked (replica sync) are held apart, keyed by (their router id, their request id), and
+counted apart (`peer_requests`, `peer_blocks`): they add to a worker's load like this router's own, but a peer's
+free reaches only its own booking, and this router's caps count only what it booked itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
@@ -28,6 +32,7 @@ class ActiveRequest:
     added_at: float
     prefill_done: bool = False
     overlap_blocks: int = 0  # the router's prediction when it chose the worker, to join with what the engine found
+    owner: int | None = None  # the peer router that booked it (replica sync); None: this router
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,21 +71,31 @@ class ActiveSequences:
         if not expiry_s > 0:
             raise ValueError(f"expiry_s must be > 0, got {expiry_s}")
         self.expiry_s = expiry_s
-        self._requests: dict[str, ActiveRequest] = {}
+        self._requests: dict[str, ActiveRequest] = {}  # this router's own
+        self._peers: dict[tuple[int, str], ActiveRequest] = {}  # other routers', by (router id, request id)
+        self._peer_owners: dict[str, tuple[int, ...]] = {}  # request id -> the peers that booked it (one, as a rule)
         self._workers: dict[WorkerKey, _WorkerState] = {}
-        self.blocks = 0  # prompt blocks of the requests in flight, shared ones counted each time: what they hold
+        self.blocks = 0  # prompt blocks of this router's requests in flight, shared ones counted each time
+        self.peer_blocks = 0  # the same of the peers' requests
 
     def add(self, request_id: str, worker: WorkerKey, block_hashes: Sequence[int], prefill_tokens: int,
-            now: float, overlap_blocks: int = 0) -> bool:
-        """Track a routed request; False (and nothing changes) when the id is already in flight."""
-        if request_id in self._requests:
+            now: float, overlap_blocks: int = 0, owner: int | None = None) -> bool:
+        """Track a routed request (`owner`: the peer router that booked it); False (and nothing changes) when the
+        owner has that id in flight already."""
+        if self.get(request_id, owner) is not None:
             return False
         if prefill_tokens < 0:
             raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
         hashes = tuple(block_hashes)
-        self._requests[request_id] = ActiveRequest(request_id, worker, hashes, prefill_tokens, now,
-                                                     overlap_blocks=overlap_blocks)
-        self.blocks += len(hashes)
+        request = ActiveRequest(request_id, worker, hashes, prefill_tokens, now, overlap_blocks=overlap_blocks,
+                                owner=owner)
+        if owner is None:
+            self._requests[request_id] = request
+            self.blocks += len(hashes)
+        else:
+            self._peers[(owner, request_id)] = request
+            self._peer_owners[request_id] = (*self._peer_owners.get(request_id, ()), owner)
+            self.peer_blocks += len(hashes)
         state = self._workers.get(worker)
         if state is None:
             state = self._workers[worker] = _WorkerState()
@@ -91,8 +106,8 @@ class ActiveSequences:
         state.requests += 1
         return True
 
-    def mark_prefill_completed(self, request_id: str) -> bool:
-        request = self._requests.get(request_id)
+    def mark_prefill_completed(self, request_id: str, owner: int | None = None) -> bool:
+        request = self.get(request_id, owner)
         if request is None:
             return False
         if not request.prefill_done:
@@ -100,12 +115,20 @@ class ActiveSequences:
             self._workers[request.worker].active_prefill_tokens -= request.prefill_tokens
         return True
 
-    def free(self, request_id: str) -> bool:
-        """Release a request; idempotent (False when the id is not in flight)."""
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            return False
-        self.blocks -= len(request.block_hashes)
+    def free(self, request_id: str, owner: int | None = None) -> bool:
+        """Release a request; idempotent (False when the owner has no such id in flight)."""
+        if owner is None:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                return False
+            self.blocks -= len(request.block_hashes)
+        else:
+            request = self._peers.pop((owner, request_id), None)
+            if request is None:
+                return False
+            self.peer_blocks -= len(request.block_hashes)
+            if owners := tuple(o for o in self._peer_owners.pop(request_id) if o != owner):
+                self._peer_owners[request_id] = owners
         state = self._workers[request.worker]
         refs = state.refcounts
         for h in request.block_hashes:
@@ -122,19 +145,18 @@ class ActiveSequences:
         return True
 
     def expire(self, now: float) -> list[str]:
-        """Force-free every request added at or before `now - expiry_s`; returns their ids."""
+        """Force-free every request (own or a peer's) added at or before `now - expiry_s`; returns their ids."""
         deadline = now - self.expiry_s
-        stale = [rid for rid, r in self._requests.items() if r.added_at <= deadline]
-        for rid in stale:
-            self.free(rid)
-        return stale
+        return self._free_all([r for r in self.requests() if r.added_at <= deadline])
 
     def remove_worker(self, worker_id: int) -> list[str]:
         """Drop the requests of a worker that left (all its dp ranks)."""
-        gone = [rid for rid, r in self._requests.items() if r.worker[0] == worker_id]
-        for rid in gone:
-            self.free(rid)
-        return gone
+        return self._free_all([r for r in self.requests() if r.worker[0] == worker_id])
+
+    def _free_all(self, requests: list[ActiveRequest]) -> list[str]:
+        for r in requests:
+            self.free(r.request_id, r.owner)
+        return [r.request_id for r in requests]
 
     def load(self, worker: WorkerKey) -> Load:
         state = self._workers.get(worker)
@@ -159,11 +181,23 @@ class ActiveSequences:
             depth += 1
         return len(block_hashes) - depth
 
-    def get(self, request_id: str) -> ActiveRequest | None:
-        return self._requests.get(request_id)
+    def get(self, request_id: str, owner: int | None = None) -> ActiveRequest | None:
+        return self._requests.get(request_id) if owner is None else self._peers.get((owner, request_id))
 
-    def requests(self, worker: WorkerKey | None = None) -> Iterable[ActiveRequest]:
-        return [r for r in self._requests.values() if worker is None or r.worker == worker]
+    def peer_owners(self, request_id: str) -> tuple[int, ...]:
+        """The peers that have a request of this id in flight."""
+        return self._peer_owners.get(request_id, ())
+
+    def requests(self, worker: WorkerKey | None = None) -> list[ActiveRequest]:
+        """Every request in flight (this router's and its peers'), or those of one worker."""
+        return [r for table in (self._requests, self._peers) for r in table.values()
+                if worker is None or r.worker == worker]
+
+    @property
+    def peer_requests(self) -> int:
+        """Peers' requests in flight."""
+        return len(self._peers)
 
     def __len__(self) -> int:
+        """This router's own requests in flight (what its --max-reservations caps)."""
         return len(self._requests)

@@ -40,6 +40,7 @@ from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.server.ingest.streams import ModelWriter
 from kvctl.server.plane.recovery import Recovery
+from kvctl.server.plane.replica_sync import SURFACE, PeerBookings, PeerLimits
 from kvctl.server.state import ADD, Fleet
 
 log = logging.getLogger("kvctl.serve")
@@ -72,14 +73,14 @@ class _Cursor:
 
 class PlaneIngest:
     def __init__(self, fleet: Fleet, writer: ModelWriter, *, model: str, router_id: int, replica_sync: bool,
-                 kv_events: bool = True) -> None:
+                 kv_events: bool = True, peer_limits: PeerLimits | None = None) -> None:
         """`kv_events=False`: KV events come another way (kvctl's JetStream stream); these are counted, not
-        applied, as a second copy would apply twice."""
+        applied, as a second copy would apply twice. `peer_limits`: what replica sync takes from other routers."""
         self.fleet = fleet
         self.writer = writer
         self.model = model
         self.router_id = router_id
-        self.replica_sync = replica_sync
+        self.peers = PeerBookings(fleet, model, peer_limits or PeerLimits()) if replica_sync else None
         self.kv_events = kv_events
         self.counts: Counter[str] = Counter()  # messages, events, lost_events, restarts, load_reports, ...
         self.errors: Counter[str] = Counter()  # decode errors by kind
@@ -133,15 +134,21 @@ class PlaneIngest:
             # Wait for room rather than drop: the transport's own buffer holds the backlog meanwhile.
             await self.writer.put_wait(worker, self._in_order(event, order, publisher.publisher_id))
 
-    def _batch(self, decode: Callable[[bytes], tuple[list[E], list[DecodeError]]], payload: bytes) -> list[E]:
-        """The events of a batch that decode; each one that does not (or the whole batch) counted by kind."""
+    def _batch(self, decode: Callable[[bytes], tuple[list[E], list[DecodeError]]], payload: bytes,
+               surface: str | None = None) -> list[E]:
+        """The events of a batch that decode; each one that does not (or the whole batch) counted by kind, and in
+        the health ledger under `surface` when given."""
         try:
             events, errors = decode(payload)
         except DecodeError as exc:
-            self.errors[exc.kind.value] += 1
-            return []
+            errors = [exc]
+            events = []
         for error in errors:
             self.errors[error.kind.value] += 1
+            if surface is not None:
+                self.fleet.health.lose(surface, "malformed", detail=str(error),
+                                       fix="the publisher's encoding is not Dynamo 1.6.1's: find it in /v1/status "
+                                           "event_plane.publishers")
         return events
 
     def _cursor(self, worker: WorkerKey, *, redelivered: bool = False) -> _Cursor:
@@ -244,14 +251,14 @@ class PlaneIngest:
         return report
 
     async def _on_sequence(self, payload: bytes, _order: Order, _publisher: Publisher, now: float) -> None:
-        if not self.replica_sync:
+        if self.peers is None:
             return
-        for event in self._batch(decode_sequence_events, payload):
+        for event in self._batch(decode_sequence_events, payload, SURFACE):
             if event.router_id == self.router_id:
                 self.counts["own_sequence_events"] += 1
                 continue
             self.counts["peer_sequence_events"] += 1
-            self.fleet.apply_peer(self.model, event, now)
+            self.counts[self.peers.take(event, now)] += 1
 
     def sequence_event(self, model: str, action: str, request: ActiveRequest | None,
                        route: Mapping[str, Any]) -> tuple[tuple[str, str] | None, ActiveSequenceEvent] | None:
@@ -276,6 +283,7 @@ class PlaneIngest:
             "sequence": self.publishers.totals(),
             "publishers": self.publishers.rows(now),
             "workers": self.sources(),
+            "peers": None if self.peers is None else self.peers.status(),  # replica sync: what peers booked
         }
 
     def sources(self, addresses: Mapping[int, str] | None = None) -> list[dict[str, Any]]:

@@ -57,6 +57,7 @@ from kvctl.nats.jetstream import ensure_stream, radix_state
 from kvctl.server.ingest.streams import ModelWriter, Streams
 from kvctl.server.logs import error_text
 from kvctl.server.plane.ingest import PlaneIngest
+from kvctl.server.plane.replica_sync import PeerLimits
 from kvctl.server.plane.tasks import STOP_TIMEOUT_S, PlaneTasks
 from kvctl.server.state import Fleet
 
@@ -86,6 +87,7 @@ class NatsOptions:
     snapshot_threshold: int = 1_000_000
     reset_states: bool = False
     replica_sync: bool = False
+    peer_limits: PeerLimits = PeerLimits()  # what replica sync takes from other routers
 
     @property
     def url(self) -> str:
@@ -111,7 +113,8 @@ class EventPlane(PlaneTasks):
         self.reconnects = 0
         self._logged_errors: set[str] = set()  # said in the log since the last good connection
         self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
-                                  replica_sync=options.replica_sync, kv_events=not options.jetstream)
+                                  replica_sync=options.replica_sync, kv_events=not options.jetstream,
+                                  peer_limits=options.peer_limits)
         self.counts = self.ingest.counts  # the plane's counters, connection's and ingest's alike
         self.errors = self.ingest.errors
         self.cursors = self.ingest.cursors

@@ -48,6 +48,7 @@ from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, open_di
 from kvctl.server.plane.ingest import PlaneIngest
 from kvctl.server.plane.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
 from kvctl.server.plane.recovery_answers import RECOVERY_MAX_BYTES, AnswerListener
+from kvctl.server.plane.replica_sync import PeerLimits
 from kvctl.server.plane.tasks import PlaneTasks
 from kvctl.server.plane.zmq_sequences import SequenceChannels, default_advertise_host
 from kvctl.server.state import Fleet, UnknownWorker
@@ -76,6 +77,7 @@ class ZmqOptions:
     model: str = DEFAULT_MODEL
     router_id: int = 0
     replica_sync: bool = False  # take peers' in-flight requests and, unless shadow, share this router's own
+    peer_limits: PeerLimits = PeerLimits()  # what replica sync takes from other routers
     shadow: bool = False  # only read: register and publish nothing
     advertise_host: str | None = None  # the host in this router's records (None: the host's own address)
     listen_host: str = "127.0.0.1"  # --listen's: where the recovery answers' listener binds, unless advertise_host
@@ -125,7 +127,7 @@ class ZmqPlane(PlaneTasks):
         self.discovery = discovery if discovery is not None else open_discovery(options.discovery)
         self.writer: ModelWriter = streams.writer(options.model)
         self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
-                                  replica_sync=options.replica_sync)
+                                  replica_sync=options.replica_sync, peer_limits=options.peer_limits)
         self.counts = self.ingest.counts
         listener = AnswerListener(fleet.health, listen_host=options.listen_host,
                                   advertise_host=options.advertise_host, max_bytes=options.recovery_max_bytes)
