@@ -68,7 +68,8 @@ def confirm(action: str, yes: bool) -> None:
     if not sys.stdin.isatty():
         raise UsageError(f"{action}: refusing without --yes (no terminal to ask on)", hint="pass --yes")
     if not typer.confirm(f"{action}?", default=False, err=True):
-        raise typer.Abort()
+        typer.echo("cancelled: nothing was changed", err=True)  # the user's answer, not an error: exit 0
+        raise typer.Exit(0)
 
 
 def settings_for(ctx: typer.Context, **flags: Any) -> Settings:

@@ -169,9 +169,9 @@ def reset_command(
             result = _would_clear(client.send(calls.tree_stats(model)), selector)
             out.note("dry run: nothing was cleared")
         else:
-            scope = " ".join(filter(None, [f"model {model}" if model else "every model",
-                                           f"worker {worker}" if worker else None]))
-            confirm(f"clear the index of {scope} on {client.base_url}", yes)
+            held = f"worker {worker}'s blocks" if worker else "every block"
+            confirm(f"clear {held} from the index of {f'model {model!r}' if model else 'every model'} on "
+                    f"{client.base_url}", yes)
             result = client.send(calls.reset(model=model, worker_id=worker_id, dp_rank=dp_rank))
     if worker is not None and not any(c.workers for c in result.cleared):
         out.warn(f"no worker {worker} holds blocks" + (f" in model {model}" if model else ""))

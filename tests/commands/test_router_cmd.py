@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import pty
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +20,7 @@ from tests.commands.live_router import (
     kvctl,
     loaded_router,
     one_line_error,
+    url_of,
 )
 
 
@@ -55,6 +60,22 @@ def test_reset_one_rank_of_one_model(router: httpx.Client) -> None:
 def test_reset_refuses_without_a_terminal_or_yes(router: httpx.Client) -> None:
     before = _blocks(router)
     one_line_error(kvctl(router, "router", "reset"), 2, "--yes")
+    assert _blocks(router) == before
+
+
+def test_declining_the_prompt_at_a_terminal_changes_nothing_and_is_no_error(router: httpx.Client) -> None:
+    """Asked on a terminal (a pty here), "n" is an answer: nothing changes, exit 0, no `error:` (issue 37)."""
+    before = _blocks(router)
+    leader, follower = pty.openpty()
+    with subprocess.Popen([sys.executable, "-m", "kvctl", "--server", url_of(router), "router", "reset", "--worker",
+                           "2"], stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        os.close(follower)
+        os.write(leader, b"n\n")
+        out, err = proc.communicate(timeout=30)
+    os.close(leader)
+    assert proc.returncode == 0 and out.strip() == "", err  # click asks with input(" "): its space is on stdout
+    assert f"clear worker 2's blocks from the index of every model on {url_of(router)}? [y/N]" in err
+    assert err.rstrip().endswith("cancelled: nothing was changed") and "error" not in err
     assert _blocks(router) == before
 
 
