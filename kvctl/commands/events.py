@@ -336,6 +336,12 @@ def replay_command(
     except DumpFileError as exc:
         raise UsageError(f"{source}: {exc}") from None
     summary: dict[str, Any] = {"source": source, "sent": 0, "applied": 0, "rejected": {}, "dry_run": dry_run}
+    if dry_run:
+        summary["would_send"] = _foretold(timed, speed)
+        would = summary["would_send"]
+        out.note(f"dry run, nothing sent: would send {counted(would['events'], 'event')} of "
+                 f"{counted(len(would['workers']), 'worker')} ({', '.join(would['workers'][:8]) or 'none'}) over "
+                 f"{would['seconds']:g} s at --speed {speed:g}")
     if not dry_run and timed:
         confirm(f"replay {counted(len(timed), 'event')} into {f'model {model!r} of ' if model else ''}the router's "
                 "index", yes)
@@ -355,6 +361,14 @@ def replay_command(
     if summary["rejected"] and out.format in (OutputFormat.table, OutputFormat.wide):
         out.emit(summary, _REJECTED_VIEW)
     _judge_replay(out, summary, allow_partial)
+
+
+def _foretold(timed: list[tuple[int | None, RouterEvent]], speed: float) -> dict[str, Any]:
+    """What a replay would send: its events, their workers, and how long the pacing would take."""
+    stamps = [ms for ms, _ in timed if ms is not None]
+    span_s = (max(stamps) - min(stamps)) / 1000 if stamps and speed else 0.0
+    return {"events": len(timed), "workers": [format_worker(w) for w in sorted({e.worker for _, e in timed})],
+            "seconds": round(span_s / speed, 3) if speed else 0.0}
 
 
 def _judge_replay(out: Output, summary: dict[str, Any], allow_partial: bool) -> None:

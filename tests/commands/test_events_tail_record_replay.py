@@ -103,6 +103,11 @@ def test_record_then_replay_into_a_router(tmp_path: Path) -> None:
     sent = record(recording, [0, 1, 2])
     timed = read_timed_events(recording.read_text())
     assert len(timed) == sent and all(ts is not None for ts, _ in timed)
+    dry = kvctl("events", "replay", str(recording), "--dry-run", "-o", "json")  # says what it would send (issue 37)
+    out, err = dry.communicate(timeout=30)
+    assert dry.returncode == 0 and json.loads(out)["would_send"] == {"events": sent, "workers": ["3:0"],
+                                                                   "seconds": 0.0}, err
+    assert f"dry run, nothing sent: would send {sent} events of 1 worker (3:0)" in err
     with serve(tmp_path) as url:
         replay = kvctl("--server", url, "events", "replay", str(recording), "--yes", "-o", "json")
         out, err = replay.communicate(timeout=30)
