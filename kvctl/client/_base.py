@@ -97,7 +97,10 @@ def check(request: Request, response: httpx.Response) -> None:
     if response.status_code == 503:
         raise (AllBusy if busy else Refused)(text, status=503)
     if response.status_code == 401:
-        raise ApiError(text, status=401, hint="pass --token (or set KVCTL_TOKEN) with the router's admin token")
+        wrong = "authorization" in response.request.headers
+        raise ApiError(text, status=401, hint="the token given (--token, KVCTL_TOKEN or the context's) is not the "
+                       "router's --admin-token: check which one it was started with" if wrong else
+                       "pass --token (or set KVCTL_TOKEN) with the router's admin token")
     raise ApiError(text, status=response.status_code)
 
 

@@ -95,6 +95,11 @@ async def test_without_the_admin_token_the_hint_says_how_to_pass_it() -> None:
         with pytest.raises(ApiError) as caught:
             await client.send(calls.register_worker(1))
     assert caught.value.status == 401 and caught.value.hint is not None and "--token" in caught.value.hint
+    async with AsyncRouterClient("http://router", transport=transport, token="stale") as client:
+        with pytest.raises(ApiError) as caught:  # a wrong token is told apart from a missing one (issue 37)
+            await client.send(calls.register_worker(1))
+    assert "the admin token sent is not this router's" in caught.value.message
+    assert caught.value.hint is not None and "is not the router's --admin-token" in caught.value.hint
     async with AsyncRouterClient("http://router", transport=transport, token="s3cret") as client:
         assert (await client.send(calls.register_worker(1))).worker_id == 1
 

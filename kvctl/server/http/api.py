@@ -217,7 +217,9 @@ class _Front:
             return
         if (self.expected is not None and _needs_admin(scope["method"], scope["path"])
                 and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)):
-            await _send(send, *_error_bytes(401, "this endpoint needs the admin token: Authorization: Bearer <token>"))
+            sent = b"authorization" in headers  # a wrong token and a missing one have different fixes
+            await _send(send, *_error_bytes(401, "the admin token sent is not this router's" if sent else
+                                            "this endpoint needs the admin token: Authorization: Bearer <token>"))
             return
         if self.readiness.refuses(scope["method"], scope["path"]):
             await _send(send, 503, _dumps(self.readiness.refusal()), _RETRY_AFTER)
