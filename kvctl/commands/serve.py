@@ -21,6 +21,7 @@ from kvctl.commands._nats import (
 from kvctl.core.names import DEFAULT_MODEL, parse_worker
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
+from kvctl.nats.connection import PENDING_BYTES, PENDING_MSGS
 from kvctl.output import Output
 from kvctl.server.serve_choices import DecoderMode, LogFormat, LogLevel
 
@@ -411,6 +412,14 @@ def serve_command(
     snapshot_threshold: Annotated[int, typer.Option(
         "--snapshot-threshold", envvar="KVCTL_SNAPSHOT_THRESHOLD", rich_help_panel=PANEL,
         help="JetStream: snapshot and purge when the stream holds more messages than this.")] = 1_000_000,
+    nats_pending_msgs: Annotated[int, typer.Option(
+        "--nats-pending-msgs", envvar="KVCTL_NATS_PENDING_MSGS", rich_help_panel=PANEL,
+        help="--nats: messages the subscription may hold while the router is behind; past it (or "
+             "--nats-pending-bytes) they are dropped, counted as lost (doctor's lost:nats).")] = PENDING_MSGS,
+    nats_pending_bytes: Annotated[int, typer.Option(
+        "--nats-pending-bytes", envvar="KVCTL_NATS_PENDING_BYTES", rich_help_panel=PANEL,
+        help="--nats: bytes of those messages; the router's memory may grow by as much in a burst.")]
+    = PENDING_BYTES,
     replica_sync: Annotated[bool, typer.Option(
         "--replica-sync", envvar="KVCTL_REPLICA_SYNC", rich_help_panel=PANEL,
         help="Share in-flight requests with the other routers (and take theirs).")] = False,
@@ -483,12 +492,16 @@ def serve_command(
 
         if snapshot_threshold <= 0:
             raise UsageError(f"--snapshot-threshold must be positive, got {snapshot_threshold}")
+        for flag, limit in (("--nats-pending-msgs", nats_pending_msgs), ("--nats-pending-bytes", nats_pending_bytes)):
+            if limit <= 0:  # nats-py reads 0 as no limit: the router's memory would have none
+                raise UsageError(f"{flag} must be positive, got {limit}")
         assert nats_auth is not None
         conn = nats_auth(nats_url)
         nats = NatsOptions(connection=conn, namespace=namespace, component=component, endpoint=endpoint,
                            model=nats_model, router_id=_router_id(router_id, state_dir), shadow=shadow,
                            jetstream=jetstream, snapshot_threshold=snapshot_threshold, reset_states=reset_states,
-                           replica_sync=replica_sync)
+                           replica_sync=replica_sync, pending_msgs=nats_pending_msgs,
+                           pending_bytes=nats_pending_bytes)
     elif dynamo_discovery is not None:
         zmq_plane = _zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
                                  replica_sync, shadow, jetstream, advertise_host, recovery_timeout)
