@@ -103,6 +103,10 @@ def _plane_rows(plane: dict[str, Any]) -> list[dict[str, Any]]:
         "publishers": len(plane.get("publishers") or []),
         "snapshot": counts(snapshot) if isinstance(snapshot, dict) else snapshot,
     }
+    losses = plane.get("losses")
+    if isinstance(losses, dict):  # the NATS plane: what slow-consumer drops and lost connections cost
+        values["losses"] = counts({k: v for k, v in losses.items() if isinstance(v, int) and k != "gapped_workers"})
+        values["gapped workers"] = counts(losses.get("gapped"))
     if isinstance(links, list):  # Dynamo's ZMQ plane: a socket per publisher and topic
         values["sockets connected"] = f"{sum(1 for link in links if link.get('connected'))}/{len(links)}"
     return [{"field": k, "value": v} for k, v in values.items()]

@@ -18,9 +18,11 @@ from kvctl.commands._nats import (
     NatsAuth,
     with_nats_credentials,
 )
+from kvctl.commands._serve_planes import peer_limits, router_id_of, zmq_options
 from kvctl.core.names import DEFAULT_MODEL, parse_worker
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
+from kvctl.nats.connection import PENDING_BYTES, PENDING_MSGS
 from kvctl.output import Output
 from kvctl.server.serve_choices import DecoderMode, LogFormat, LogLevel
 
@@ -28,8 +30,6 @@ if TYPE_CHECKING:
     import asyncio
 
     from kvctl.core.router.scoring import RouterConfig
-    from kvctl.server.plane.replica_sync import PeerLimits
-    from kvctl.server.plane.zmq_plane import ZmqOptions
     from kvctl.server.state import WorkerInfo
 
 HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. (daemon)"
@@ -153,48 +153,6 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     except ImportError:
         return None
     return uvloop.new_event_loop
-
-
-def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint: str | None, model: str,
-                 router_id: int | None, state_dir: Path, replica_sync: bool, shadow: bool, jetstream: bool,
-                 advertise_host: str | None, recovery_timeout: float, recovery_max_bytes: int,
-                 listen_host: str, peers: PeerLimits) -> ZmqOptions:
-    """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
-    from kvctl.errors import DiscoveryError
-    from kvctl.server.plane.dynamo_discovery import open_discovery
-    from kvctl.server.plane.zmq_plane import ZmqOptions
-
-    if jetstream:
-        raise UsageError("--jetstream needs --nats URL (Dynamo's ZMQ event plane keeps no stream)")
-    try:
-        store = open_discovery(discovery)
-    except (ValueError, DiscoveryError) as exc:
-        raise UsageError(str(exc)) from None
-    if not recovery_timeout > 0:
-        raise UsageError(f"--recovery-timeout must be > 0 seconds, got {recovery_timeout}")
-    if replica_sync and not shadow and not store.can_register:
-        raise UsageError(f"--replica-sync cannot share this router's requests through {store.url} (Dynamo counts "
-                         "a DynamoWorkerMetadata only for a ready pod in its EndpointSlices): add --shadow to only "
-                         "take Dynamo routers' requests, or use file: or etcd: discovery")
-    return ZmqOptions(discovery=discovery, namespace=namespace, component=component, endpoint=endpoint, model=model,
-                      router_id=_router_id(router_id, state_dir), replica_sync=replica_sync, shadow=shadow,
-                      advertise_host=advertise_host, recovery_timeout_s=recovery_timeout,
-                      recovery_max_bytes=recovery_max_bytes, listen_host=listen_host, peer_limits=peers)
-
-
-def _peer_limits(ids: str | None, reservations: int | None, tokens: int | None, replica_sync: bool) -> PeerLimits:
-    """--replica-peers and the peers' caps: what --replica-sync takes from other routers."""
-    from kvctl.server.plane.replica_sync import PeerLimits
-
-    if not replica_sync and (ids is not None or reservations is not None or tokens is not None):
-        raise UsageError("--replica-peers, --max-peer-reservations and --max-peer-reserved-tokens need --replica-sync")
-    trusted = None
-    if ids is not None:
-        words = [w.strip() for w in ids.split(",") if w.strip()]
-        if not words or not all(len(w) <= 20 and w.isascii() and w.isdecimal() and int(w) < 2**64 for w in words):
-            raise UsageError(f"--replica-peers wants router ids (u64s) separated by commas, got {ids!r}")
-        trusted = frozenset(int(w) for w in words)
-    return PeerLimits(trusted, reservations, tokens)
 
 
 def _token_from(path: Path, given: str | None) -> str:
@@ -431,6 +389,14 @@ def serve_command(
     snapshot_threshold: Annotated[int, typer.Option(
         "--snapshot-threshold", envvar="KVCTL_SNAPSHOT_THRESHOLD", rich_help_panel=PANEL,
         help="JetStream: snapshot and purge when the stream holds more messages than this.")] = 1_000_000,
+    nats_pending_msgs: Annotated[int, typer.Option(
+        "--nats-pending-msgs", envvar="KVCTL_NATS_PENDING_MSGS", rich_help_panel=PANEL,
+        help="--nats: messages the subscription may hold while the router is behind; past it (or "
+             "--nats-pending-bytes) they are dropped, counted as lost (doctor's lost:nats).")] = PENDING_MSGS,
+    nats_pending_bytes: Annotated[int, typer.Option(
+        "--nats-pending-bytes", envvar="KVCTL_NATS_PENDING_BYTES", rich_help_panel=PANEL,
+        help="--nats: bytes of those messages; the router's memory may grow by as much in a burst.")]
+    = PENDING_BYTES,
     replica_sync: Annotated[bool, typer.Option(
         "--replica-sync", envvar="KVCTL_REPLICA_SYNC", rich_help_panel=PANEL,
         help="Share in-flight requests with the other routers (and take theirs).")] = False,
@@ -516,21 +482,25 @@ def serve_command(
         raise UsageError("--nats and --dynamo-discovery name two event planes: give one")
     if router_id is not None and not 0 <= router_id < 2**64:
         raise UsageError(f"--router-id must be a u64, got {router_id}")
-    peers = _peer_limits(replica_peers, max_peer_reservations, max_peer_reserved_tokens, replica_sync)
+    peers = peer_limits(replica_peers, max_peer_reservations, max_peer_reserved_tokens, replica_sync)
     nats = zmq_plane = None
     if nats_url is not None:
         from kvctl.server.plane.nats_plane import NatsOptions
 
         if snapshot_threshold <= 0:
             raise UsageError(f"--snapshot-threshold must be positive, got {snapshot_threshold}")
+        for flag, limit in (("--nats-pending-msgs", nats_pending_msgs), ("--nats-pending-bytes", nats_pending_bytes)):
+            if limit <= 0:  # nats-py reads 0 as no limit: the router's memory would have none
+                raise UsageError(f"{flag} must be positive, got {limit}")
         assert nats_auth is not None
         conn = nats_auth(nats_url)
         nats = NatsOptions(connection=conn, namespace=namespace, component=component, endpoint=endpoint,
-                           model=nats_model, router_id=_router_id(router_id, state_dir), shadow=shadow,
+                           model=nats_model, router_id=router_id_of(router_id, state_dir), shadow=shadow,
                            jetstream=jetstream, snapshot_threshold=snapshot_threshold, reset_states=reset_states,
-                           replica_sync=replica_sync, peer_limits=peers)
+                           replica_sync=replica_sync, peer_limits=peers, pending_msgs=nats_pending_msgs,
+                           pending_bytes=nats_pending_bytes)
     elif dynamo_discovery is not None:
-        zmq_plane = _zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
+        zmq_plane = zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
                                  replica_sync, shadow, jetstream, advertise_host, recovery_timeout,
                                  recovery_max_bytes, host, peers)
     elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
@@ -584,12 +554,3 @@ def _exit_without_teardown() -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(0)
-
-
-def _router_id(given: int | None, state_dir: Path) -> int:
-    """--router-id, or the id kept in the state dir (made on first use)."""
-    from kvctl.server.plane.router_id import stable_router_id
-
-    if given is not None:
-        return given
-    return stable_router_id(state_dir)

@@ -22,6 +22,12 @@ if TYPE_CHECKING:
     from nats.aio.client import Server
 
 FIRST_RETRY_S = 0.1  # between the two attempts of a first connect
+PENDING_MSGS = 512 * 1024
+"""Messages nats-py holds for a subscription whose reader is behind (its own default); past it, or
+`PENDING_BYTES`, it drops them and says so (`SlowConsumerError`)."""
+PENDING_BYTES = 128 * 1024 * 1024
+"""Bytes of them (nats-py's default): a burst of a hundred 0.9 MB batches fits, and a reader's memory may grow by as
+much while it catches up."""
 UNREACHABLE_HINT = "is nats-server running there, and is --nats right?"
 
 
@@ -129,6 +135,13 @@ async def connect(conn: NatsConnection, *, reconnect: Reconnect | None = None, n
     if reconnect is not None:  # nats-py reads these when the connection drops, not only when it is opened
         nc.options.update(allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=reconnect.first_s)
     return nc
+
+
+def server_id(nc: nats.NATS) -> str | None:
+    """The id of the server `nc` is connected to, from its INFO: each nats-server start draws a new one, so the
+    same id after a reconnect means the server closed the connection and kept running (a slow consumer)."""
+    found = nc._server_info.get("server_id")  # nats-py keeps the INFO, with no accessor for the id
+    return found if isinstance(found, str) else None
 
 
 def unreachable(conn: NatsConnection, why: str) -> Unreachable:

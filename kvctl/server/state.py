@@ -158,6 +158,8 @@ class Fleet:
         self.reported: dict[WorkerKey, tuple[ActiveLoad, float]] = {}  # load reports from the event plane
         self.forward_passes: dict[WorkerKey, tuple[ForwardPass, float]] = {}  # the last one of each worker
         self.sequence_listener: SequenceListener | None = None  # told of local add / prefill / free
+        # told of each worker a reset cleared or an unregister removed: it holds nothing from before now
+        self.clear_listeners: list[Callable[[WorkerKey], None]] = []
         self.last_route_at = float("-inf")  # housekeeping that can wait does so while routes come in
         self.journal: Journal | None = None
         # Each engine stream's last applied seq, kept with the index it describes (image and state log alike), so
@@ -223,6 +225,7 @@ class Fleet:
             blocks += router.index.remove_worker(w[0], w[1])
             for request in router.sequences.requests(w):
                 router.sequences.free(request.request_id, request.owner)
+            self._cleared(w)
         if not any(w[0] == worker_id for w in self.workers):
             self.busy.forget(worker_id)
         for stream in [s for s in self.stream_seqs if s[0] in gone]:
@@ -470,10 +473,15 @@ class Fleet:
                     self.journal.batch(name, w, [Cleared()])
                 if (info := self.workers.get(w)) is not None:
                     info.rejected.clear()  # a fresh start: what doctor reports from here is new
+                self._cleared(w)
             after = index.stats()[_DEVICE]
             cleared.append(api.ClearedModel(name, [format_worker(w) for w in sorted(workers)],
                                         before.blocks - after.blocks))
         return api.Cleared(cleared)
+
+    def _cleared(self, worker: WorkerKey) -> None:
+        for listener in self.clear_listeners:
+            listener(worker)
 
 
 def _forward_pass_row(report: ForwardPass, at: float, now: float) -> api.ForwardPass:

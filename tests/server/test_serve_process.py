@@ -129,6 +129,7 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--dynamo-discovery", "file:/tmp", "--jetstream"], "--jetstream needs --nats URL"),
     (["serve", "--dynamo-discovery", "file:/tmp", "--recovery-timeout", "0"], "--recovery-timeout must be > 0"),
     (["serve", "--nats", "nats://127.0.0.1:1", "--snapshot-threshold", "0"], "--snapshot-threshold must be positive"),
+    (["serve", "--nats", "nats://127.0.0.1:1", "--nats-pending-msgs", "0"], "--nats-pending-msgs must be positive"),
     (["serve", "--nats", "nats://127.0.0.1:1", "--nats-creds", "/nonexistent.creds"], "no such file"),
 ])
 def test_bad_serve_arguments_exit_2(args: list[str], needle: str) -> None:

@@ -60,6 +60,16 @@ R = TypeVar("R", bound=_Reported)
 E = TypeVar("E")
 
 
+class LossWatch(Protocol):
+    """Told what the ingest learns of lost messages and events (the NATS plane's `NatsLosses`)."""
+
+    def heard(self, publisher: Publisher, order: Order) -> None: ...
+
+    def lost_events(self, worker: WorkerKey, n: int) -> None: ...
+
+    def cleared(self, worker: WorkerKey) -> None: ...
+
+
 class _Cursor:
     """Event ids of one (worker, dp_rank), judged by the one set of sequence rules, and the publisher that sent
     the last one."""
@@ -89,6 +99,7 @@ class PlaneIngest:
         self.publishers = PublisherBook()
         self.endpoints: dict[WorkerKey, tuple[str, str]] = {}  # (component, endpoint) each worker publishes under
         self.recovery: Recovery | None = None  # the ZMQ plane's: holds a worker's live events while it is recovered
+        self.watch: LossWatch | None = None  # the NATS plane's: what its drops cost, and which workers are gapped
         self._handlers: dict[str, Handler] = {KV_EVENTS: self._on_kv_events, KV_METRICS: self._on_load,
                                               ACTIVE_SEQUENCES: self._on_sequence, FORWARD_PASS: self._on_forward_pass}
 
@@ -108,6 +119,8 @@ class PlaneIngest:
         now = time.monotonic()
         order, publisher = self.publishers.observe(envelope.publisher_id, envelope.sequence, now, topic, component,
                                                    endpoint)
+        if self.watch is not None:
+            self.watch.heard(publisher, order)
         if order is Order.repeat:
             return
         if order is Order.restart:
@@ -159,16 +172,20 @@ class PlaneIngest:
 
     def _restarted(self, worker: WorkerKey, event: RouterEvent, last: int | None) -> list[EventData]:
         self.counts["restarts"] += 1
+        if self.watch is not None:
+            self.watch.cleared(worker)
         log.warning("event plane: worker %s restarted (event id %d after %s): clearing it", format_worker(worker),
                     event.event_id, last)
         return [Cleared(), event.data]
 
-    def _count(self, ids: Order, last: int | None, got: int) -> None:
+    def _count(self, worker: WorkerKey, ids: Order, last: int | None, got: int) -> None:
         """What an event id tells beyond the envelope's order: events lost, or an absurd id."""
         if ids is Order.gap:
             assert last is not None
             self.counts["gaps"] += 1
             self.counts["lost_events"] += got - last - 1
+            if self.watch is not None:
+                self.watch.lost_events(worker, got - last - 1)
         elif ids is Order.jump:
             self.counts["event_id_jumps"] += 1
 
@@ -185,7 +202,7 @@ class PlaneIngest:
             if order is Order.restart or new_publisher:
                 return self._restarted(worker, event, last)
             self.counts["event_id_regressions"] += 1  # applied all the same: order is the envelope's to judge
-        self._count(ids, last, got)
+        self._count(worker, ids, last, got)
         return [event.data]
 
     async def apply_recovered(self, worker: WorkerKey, recovered: Recovered, held: list[tuple[RouterEvent, Order, int]]
@@ -223,7 +240,7 @@ class PlaneIngest:
         self.counts["events"] += 1
         if ids is Order.restart:
             return self._restarted(worker, event, last)
-        self._count(ids, last, got)
+        self._count(worker, ids, last, got)
         return [event.data]
 
     # ----- load reports, forward passes, replica sync -------------------------------------------------

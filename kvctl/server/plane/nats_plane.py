@@ -33,6 +33,7 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvctl.core.events import RouterEvent
@@ -52,11 +53,12 @@ from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
 from kvctl.errors import Unreachable
 from kvctl.nats.barrier import barrier
-from kvctl.nats.connection import NatsConnection, Reconnect, connect
+from kvctl.nats.connection import PENDING_BYTES, PENDING_MSGS, NatsConnection, Reconnect, connect, server_id
 from kvctl.nats.jetstream import ensure_stream, radix_state
 from kvctl.server.ingest.streams import ModelWriter, Streams
 from kvctl.server.logs import error_text
 from kvctl.server.plane.ingest import PlaneIngest
+from kvctl.server.plane.nats_losses import NatsLosses
 from kvctl.server.plane.replica_sync import PeerLimits
 from kvctl.server.plane.tasks import STOP_TIMEOUT_S, PlaneTasks
 from kvctl.server.state import Fleet
@@ -88,6 +90,8 @@ class NatsOptions:
     reset_states: bool = False
     replica_sync: bool = False
     peer_limits: PeerLimits = PeerLimits()  # what replica sync takes from other routers
+    pending_msgs: int = PENDING_MSGS  # the subscription's, past which nats-py drops (counted as lost)
+    pending_bytes: int = PENDING_BYTES
 
     @property
     def url(self) -> str:
@@ -118,6 +122,13 @@ class EventPlane(PlaneTasks):
         self.counts = self.ingest.counts  # the plane's counters, connection's and ingest's alike
         self.errors = self.ingest.errors
         self.cursors = self.ingest.cursors
+        self.losses = NatsLosses(fleet.health, self.ingest.publishers, self.scope, url=options.url,
+                                 pending_msgs=options.pending_msgs, pending_bytes=options.pending_bytes,
+                                 kv_events=not options.jetstream)
+        self.ingest.watch = self.losses
+        fleet.clear_listeners.append(self.losses.cleared)
+        self.sub: Subscription | None = None  # the namespace's, once subscribed
+        self._closing = False
         self._sequence_writer = EnvelopeWriter(options.router_id, ACTIVE_SEQUENCES)
         self.subjects_seen: Counter[str] = Counter()
         self.ready_at: float | None = None
@@ -131,6 +142,9 @@ class EventPlane(PlaneTasks):
         self._spawn(self._run())
 
     async def close(self) -> None:
+        self._closing = True
+        with contextlib.suppress(ValueError):
+            self.fleet.clear_listeners.remove(self.losses.cleared)
         await self._stop_tasks()
         if self.nc is not None and not self.nc.is_closed:
             # close, not drain: a cancelled pull fetch keeps drain waiting for its whole timeout; what is
@@ -142,7 +156,10 @@ class EventPlane(PlaneTasks):
     async def _run(self) -> None:
         self.nc = await self._connect()
         nc = self.nc
-        await nc.subscribe(self.scope.subscription, cb=self._on_message)
+        self.losses.connected(server_id(nc))
+        self.sub = await nc.subscribe(self.scope.subscription, cb=self._on_message,
+                                      pending_msgs_limit=self.options.pending_msgs,
+                                      pending_bytes_limit=self.options.pending_bytes)
         if self.options.replica_sync and not self.options.shadow:
             self.fleet.sequence_listener = self._publish_sequence
         if self.options.jetstream:
@@ -172,13 +189,18 @@ class EventPlane(PlaneTasks):
             return nc
 
     async def _disconnected(self) -> None:
+        if self._closing:  # nats-py says so of its own close too: that loses nothing
+            return
         self.state = "reconnecting"
+        self.losses.disconnected(self.sub.pending_msgs if self.sub is not None else 0)
         log.warning("event plane: disconnected from %s", self.options.url)
 
     async def _reconnected(self) -> None:
         self.state = "connected"
         self.reconnects += 1
         self._logged_errors.clear()
+        if self.nc is not None:
+            self.losses.connected(server_id(self.nc))
         log.info("event plane: reconnected to %s", self.options.url)
 
     async def _closed(self) -> None:
@@ -188,6 +210,8 @@ class EventPlane(PlaneTasks):
         if isinstance(exc, nats.errors.SlowConsumerError):
             self.counts["slow_consumer_drops"] += 1  # a message nats-py dropped: we could not keep up
             self.last_error = error_text(exc)
+            if exc.sub is self.sub:  # not a JetStream fetch's: what it drops is delivered again
+                self.losses.dropped(exc.subject, exc.sub.pending_msgs)
             return
         self._report(f"NATS at {self.options.url} reports {error_text(exc)}", "retrying")
 
@@ -204,6 +228,7 @@ class EventPlane(PlaneTasks):
     async def _on_message(self, msg: Msg) -> None:
         """Every message of the namespace: counted by subject, then ingested if in scope."""
         subject = msg.subject
+        self.losses.taken += 1
         if subject in self.subjects_seen or len(self.subjects_seen) < SUBJECTS_SEEN_MAX:
             self.subjects_seen[subject] += 1
         else:
@@ -370,5 +395,6 @@ class EventPlane(PlaneTasks):
                          **{topic: self.scope.pattern(topic) for topic in TOPICS if topic != KV_EVENTS}},
             "subjects_seen": dict(self.subjects_seen.most_common()),
             **self.ingest.status(),
+            "losses": self.losses.status(),
             "snapshot": dict(self.snapshot) if self.options.jetstream else None,
         }
