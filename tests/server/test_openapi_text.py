@@ -36,3 +36,15 @@ async def test_no_description_holds_an_implementation_note() -> None:
     assert [t for t in texts if IMPLEMENTATION.search(t)] == []
     route_body = document["components"]["schemas"]["RouteBody"]["description"]
     assert "token_ids" in route_body and "local_hashes" in route_body
+
+
+async def test_the_viewer_pages_say_when_their_cdn_cannot_be_reached() -> None:
+    """/docs and /redoc load their viewers from a CDN: offline they would be blank, so each script that fails to
+    load shows a line naming the CDN and the document that needs no network (issue 37)."""
+    transport = httpx.ASGITransport(app=create_app(Fleet()))
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        for path in ("/docs", "/redoc"):
+            page = (await client.get(path)).text
+            cdn_scripts = re.findall(r'<script src="https://cdn\.jsdelivr\.net/[^"]+"([^>]*)>', page)
+            assert cdn_scripts and all('onerror="offline()"' in attrs for attrs in cdn_scripts), path
+            assert '<p id="offline" hidden>' in page and 'href="/openapi.json"' in page, path

@@ -181,17 +181,25 @@ def document(needs_admin: Callable[[str, str], bool]) -> dict[str, Any]:
             "components": {"schemas": {**schemas, "RouterEvent": _ROUTER_EVENT, "Problem": _PROBLEM}}}
 
 
-_SWAGGER_UI = """<!doctype html>
+_OFFLINE = """<p id="offline" hidden>This page loads its viewer's scripts from cdn.jsdelivr.net, which this browser
+could not reach. The API's description needs no network: <a href="/openapi.json">/openapi.json</a>, or
+docs/http-api.md in kvctl's source.</p>
+<script>function offline() { document.getElementById("offline").hidden = false; }</script>
+"""
+"""Said on the page when the CDN cannot be reached (an offline or air-gapped machine), instead of a blank page."""
+_SWAGGER_UI = f"""<!doctype html>
 <html><head><title>kvctl router: API</title>
 <link rel="stylesheet" href="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"></head>
-<body><div id="swagger-ui"></div>
-<script src="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
-<script>SwaggerUIBundle({url: "/openapi.json", dom_id: "#swagger-ui"})</script></body></html>
+<body>{_OFFLINE}<div id="swagger-ui"></div>
+<script src="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js" onerror="offline()"></script>
+<script>if (window.SwaggerUIBundle) SwaggerUIBundle({{url: "/openapi.json", dom_id: "#swagger-ui"}})</script>
+</body></html>
 """
-_REDOC = """<!doctype html>
+_REDOC = f"""<!doctype html>
 <html><head><title>kvctl router: API</title></head>
-<body><redoc spec-url="/openapi.json"></redoc>
-<script src="https://cdn.jsdelivr.net/npm/redoc@2/bundles/redoc.standalone.js"></script></body></html>
+<body>{_OFFLINE}<redoc spec-url="/openapi.json"></redoc>
+<script src="https://cdn.jsdelivr.net/npm/redoc@2/bundles/redoc.standalone.js" onerror="offline()"></script>
+</body></html>
 """
 
 
