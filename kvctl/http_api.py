@@ -340,13 +340,16 @@ class Readiness(Struct):
 
 
 class ConnectionStats(Struct):
-    """The limits on client connections (serve --idle-timeout, --max-connections) and what they did."""
+    """The limits on client connections (serve --idle-timeout, --max-connections, --max-head-bytes,
+    --head-timeout) and what they did (heads refused: `health.losses`, surface "http")."""
 
     idle_timeout_s: float
     max: int
     open: int
     refused: int
     timed_out: int
+    max_head_bytes: int | UnsetType = UNSET
+    head_timeout_s: float | UnsetType = UNSET
 
 
 class PartFault(Struct):

@@ -333,6 +333,14 @@ def serve_command(
         "--max-connections", envvar="KVCTL_MAX_CONNECTIONS", min=1,
         help="Client connections open at most; a new one past it is answered 503 and closed (counted). "
              "At most half the open-file limit: the rest is for engines, snapshots and logs.")] = 4096,
+    max_head_bytes: Annotated[int, typer.Option(
+        "--max-head-bytes", envvar="KVCTL_MAX_HEAD_BYTES", min=1,
+        help="Bytes of one request's head (request line and headers) at most, with 100 header lines at most; a "
+             "larger head is answered 431 and its connection closed (counted).")] = 64 * 1024,
+    head_timeout: Annotated[float, typer.Option(
+        "--head-timeout", envvar="KVCTL_HEAD_TIMEOUT",
+        help="Seconds from a request head's first byte to its end at most; a slower head is answered 408 and "
+             "its connection closed (counted).")] = 10.0,
     max_request_tokens: Annotated[int, typer.Option(
         "--max-request-tokens", envvar="KVCTL_MAX_REQUEST_TOKENS", min=1,
         help="Prompt tokens of one route request at most; more is refused with 429 (counted).")] = 1 << 20,
@@ -454,7 +462,8 @@ def serve_command(
         raise UsageError(f"--compact-log-bytes must be >= 0, got {compact_log_bytes}")
     if state_log_backlog < 1:
         raise UsageError(f"--state-log-backlog must be >= 1, got {state_log_backlog}")
-    for flag, seconds in (("--idle-timeout", idle_timeout), ("--shutdown-timeout", shutdown_timeout)):
+    for flag, seconds in (("--idle-timeout", idle_timeout), ("--head-timeout", head_timeout),
+                          ("--shutdown-timeout", shutdown_timeout)):
         if not 0 < seconds < float("inf"):
             raise UsageError(f"{flag} must be a finite number of seconds > 0, got {seconds}")
     from kvctl.server.logs import configure
@@ -526,6 +535,7 @@ def serve_command(
                            models=models, nats=nats, zmq_plane=zmq_plane, queue_batches=queue_batches,
                            max_body_bytes=max_body_bytes, decoder=decoder, max_engines=max_engines,
                            idle_timeout_s=idle_timeout, max_connections=_fd_capped(max_connections),
+                           max_head_bytes=max_head_bytes, head_timeout_s=head_timeout,
                            shutdown_timeout_s=shutdown_timeout, route_fast_path=route_fast_path,
                            limits=RouteLimits(max_request_tokens, max_reservations, max_reserved_tokens))
 

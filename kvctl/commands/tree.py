@@ -55,9 +55,10 @@ STATS_KEYS = ("blocks", "nodes", "workers", "tiers", "paths", "depths", "shared_
 READ_CHUNK = 1 << 16
 """Characters of a dump file read at a time when its stats are streamed."""
 ROUTER_STATS_TIMEOUT_S = 120.0
-"""The least a router is given to answer `tree stats`: it walks its whole index for the shape, a slice of its
-loop at a time (its device tree edge by edge, ~0.1 s per million pairs; an index with slower tiers block by
-block, ~1 s per million), so the 5-s default could cut a large index short."""
+"""What a router is given to answer `tree stats` when no --timeout is set (flag, KVCTL_TIMEOUT or the context): it
+walks its whole index for the shape, a slice of its loop at a time (its device tree edge by edge, ~0.1 s per
+million pairs; an index with slower tiers block by block, ~1 s per million), so the 5-s default could cut a large
+index short. A --timeout that is set is the deadline, as for every command."""
 
 
 class DumpFormat(StrEnum):
@@ -108,9 +109,9 @@ class Reader:
         source = source or settings.server
         streamed = None
         if source.startswith(("http://", "https://")):
+            timeout = ROUTER_STATS_TIMEOUT_S if settings.sources["timeout"] == "default" else settings.timeout
             stats = sources.router_tree_stats(source.rstrip("/"), model=self._router_model(source), top=top,
-                                              token=settings.token,
-                                              timeout=max(settings.timeout, ROUTER_STATS_TIMEOUT_S))
+                                              token=settings.token, timeout=timeout)
             if stats is not None:
                 return {key: stats[key] for key in STATS_KEYS}
         elif source.startswith(("dynamo+http://", "dynamo+https://")):
@@ -356,9 +357,10 @@ STATS_EXAMPLES = (
     "  kvctl tree stats\n\n"
     "  kvctl tree stats dynamo+http://indexer:8090 --top 5 -o json\n\n"
     "  kvctl tree stats --watch --interval 5\n\n"
-    "  kvctl --timeout 30 tree stats http://router:7433\n\n"
+    "  kvctl --timeout 600 tree stats http://router:7433\n\n"
     "Against a router the router computes them, a slice of its loop at a time: about a second per million "
-    "(worker, block) pairs, so a large index may need a --timeout above the default."
+    "(worker, block) pairs, so the router gets 120 s unless a --timeout is set (flag, KVCTL_TIMEOUT or the "
+    "context), which is the deadline then, as for every command."
 )
 
 _STATS_VIEWS = (

@@ -41,8 +41,21 @@ from kvctl.errors import KvctlError
 from kvctl.runtime import survivors_frozen, trim_heap
 from kvctl.server import snapshot
 from kvctl.server.budget import RECLAIM_ENTRIES, SLICE_S
-from kvctl.server.http.api import MAX_BODY_BYTES, create_app, http_protocol, loop_lag_observer, metrics_registry
-from kvctl.server.http.route_protocol import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Connections
+from kvctl.server.http.api import (
+    MAX_BODY_BYTES,
+    create_app,
+    h11_limits,
+    http_protocol,
+    loop_lag_observer,
+    metrics_registry,
+)
+from kvctl.server.http.route_protocol import (
+    HEAD_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_HEAD_BYTES,
+    Connections,
+)
 from kvctl.server.ingest.decode_process.parent import make_decoder
 from kvctl.server.ingest.fd_limits import default_max_engines, raise_file_limit, sized
 from kvctl.server.ingest.streams import QUEUE_BATCHES, Streams
@@ -145,6 +158,8 @@ class ServeOptions:
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies are refused (413)
     idle_timeout_s: float = IDLE_TIMEOUT_S  # see route_protocol.Connections
     max_connections: int = MAX_CONNECTIONS
+    max_head_bytes: int = MAX_HEAD_BYTES  # a request head's size at most (431)
+    head_timeout_s: float = HEAD_TIMEOUT_S  # a request head's time at most (408)
     route_fast_path: bool = True  # plain routes answered in the HTTP protocol (route_protocol.py)
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S  # what connections in flight get to finish on SIGTERM
     limits: RouteLimits = field(default_factory=RouteLimits)  # what a route may make the router hold (429)
@@ -194,9 +209,10 @@ async def _serve(fleet: Fleet, options: ServeOptions, sock: socket.socket, annou
 
         plane = ZmqPlane(fleet, streams, options.zmq_plane)
     readiness = Readiness(restoring=options.state_dir is not None)
+    connections = Connections(options.idle_timeout_s, options.max_connections, options.max_head_bytes,
+                              options.head_timeout_s)
     app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane,
-                     max_body_bytes=options.max_body_bytes, readiness=readiness,
-                     connections=Connections(options.idle_timeout_s, options.max_connections))
+                     max_body_bytes=options.max_body_bytes, readiness=readiness, connections=connections)
     if not options.admin_token and not is_loopback(options.host):
         log.warning("serving on %s without an admin token (--insecure): anyone who can reach it can change "
                     "the index, workers and thresholds", options.host)
@@ -204,10 +220,8 @@ async def _serve(fleet: Fleet, options: ServeOptions, sock: socket.socket, annou
     # The idle timeout is the protocol's own (route_protocol.Connections), not uvicorn's keep-alive one.
     url = base_url(sock)
     protocol = http_protocol(app, fast_path=options.route_fast_path)
-    # uvicorn's own protocol (its internals changed) keeps the connection limits its own way, as near as it can:
-    # its limit counts the asking connection too, so `max_connections` open may still be answered.
-    limits: dict[str, Any] = {} if protocol != "httptools" else {
-        "timeout_keep_alive": options.idle_timeout_s, "limit_concurrency": options.max_connections + 1}
+    # uvicorn's own protocol (its internals changed) keeps the connection limits its own way, as near as it can.
+    limits: dict[str, Any] = {} if protocol != "h11" else h11_limits(connections)
     running = _Running([asyncio.create_task(watch_loop(loop_lag_observer(app), LOOP_PROBE_S)),
                         asyncio.create_task(notifier.keep_alive())])
     server: _Server

@@ -129,7 +129,7 @@ async def test_without_the_fast_path_plain_routes_go_through_the_app() -> None:
         assert not at_once and slow == fast, body
 
 
-async def test_a_uvicorn_without_the_internals_is_served_with_its_own_protocol(
+async def test_a_uvicorn_without_the_internals_is_served_with_its_h11_protocol(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A uvicorn minor that drops what the fast path overrides costs the fast path, never the router's start."""
     assert missing_internals() is None  # the pinned uvicorn has them all
@@ -137,9 +137,9 @@ async def test_a_uvicorn_without_the_internals_is_served_with_its_own_protocol(
     assert missing_internals() == "HttpToolsProtocol.timeout_keep_alive_handler"
     app = create_app(Fleet())
     with caplog.at_level(logging.WARNING, "kvctl.serve"):
-        assert http_protocol(app) == "httptools"
+        assert http_protocol(app) == "h11"
     assert [r.getMessage() for r in caplog.records if "lacks HttpToolsProtocol.timeout_keep_alive_handler: "
-            "serving with its own HTTP protocol" in r.getMessage()] and len(caplog.records) == 1
+            "serving with its h11 HTTP protocol" in r.getMessage()] and len(caplog.records) == 1
 
 
 async def test_a_uvicorn_that_moved_its_protocol_still_answers_routes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,7 @@ connections are capped, a client that stops reading is dropped, and no client ho
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
@@ -105,20 +106,25 @@ def test_connections_past_the_cap_get_503_and_are_closed(tmp_path: Path) -> None
 def test_a_uvicorn_without_the_fast_path_internals_serves_with_the_limits_its_own_way(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A uvicorn whose protocol moved (simulated before kvctl starts): one log line, routes answered by the app,
-    and --max-connections kept by uvicorn's own concurrency limit (its 503, not ours)."""
+    --max-connections kept by uvicorn's own concurrency limit (its 503, not ours), and --max-head-bytes by its
+    h11 protocol's (a 400)."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
         "import kvctl.server.http.route_protocol as r\nr.HttpToolsProtocol = None\n")
-    monkeypatch.setenv("PYTHONPATH", str(site))
+    # PYTHONPATH kept after it: sitecustomize imports kvctl before `-m` puts the cwd on sys.path.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(site), os.environ.get("PYTHONPATH")))))
     with serving(tmp_path / "state", "--max-connections", "2") as (proc, client):
         client.post("/v1/workers", json={"worker_id": 1})
         assert client.post("/v1/route", json={"token_ids": list(range(64))}).json()["worker_id"] == 1
         with httpx.Client(base_url=client.base_url) as second, httpx.Client(base_url=client.base_url) as third:
             assert second.get("/healthz").status_code == 200  # 2 open, the client's own keep-alive one included
             assert third.get("/healthz").status_code == 503
+        with _connected(client, b"GET /healthz HTTP/1.1\r\n" + b"x-pad: %s\r\n" % (b"a" * 1000) * 70) as endless:
+            endless.settimeout(WAIT_S)
+            assert b"".join(iter(lambda: endless.recv(65536), b"")).startswith(b"HTTP/1.1 400 ")
         log = _stop(proc)
-    assert log.count("lacks uvicorn.protocols.http.httptools_impl.HttpToolsProtocol: serving with its own") == 1
+    assert log.count("lacks uvicorn.protocols.http.httptools_impl.HttpToolsProtocol: serving with its h11") == 1
 
 
 def _big_index(client: httpx.Client, blocks: int = 200_000) -> None:

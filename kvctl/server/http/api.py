@@ -302,20 +302,29 @@ class _BodyTooLarge(Exception):
         self.limit = limit
 
 
-def http_protocol(app: ASGIApp, *, fast_path: bool = True) -> type[asyncio.Protocol] | Literal["httptools"]:
+def http_protocol(app: ASGIApp, *, fast_path: bool = True) -> type[asyncio.Protocol] | Literal["h11"]:
     """The uvicorn HTTP protocol to serve `app` (from `create_app`) with: plain routes answered in it unless
-    `fast_path` is False. "httptools" (uvicorn's own, every request through the app, no connection limits of
-    ours) where the installed uvicorn lacks what ours needs: a uvicorn upgrade must not stop the router."""
+    `fast_path` is False. "h11" (uvicorn's pure-Python one, every request through the app, no connection limits
+    of ours) where the installed uvicorn lacks what ours needs: a uvicorn upgrade must not stop the router, nor
+    leave a request head unbounded, as uvicorn's httptools protocol does (h11 bounds it: `h11_limits`)."""
     assert isinstance(app, _Front)
     missing = missing_internals()
     if missing is not None:
-        log.warning("uvicorn %s lacks %s: serving with its own HTTP protocol, every route through the app "
-                    "(slower), --idle-timeout as its keep-alive timeout and --max-connections as its "
-                    "concurrency limit", uvicorn.__version__, missing)
-        return "httptools"
+        log.warning("uvicorn %s lacks %s: serving with its h11 HTTP protocol, every route through the app "
+                    "(slower), --idle-timeout as its keep-alive timeout, --max-connections as its concurrency "
+                    "limit and --max-head-bytes as its head limit (a 400, not counted), no --head-timeout",
+                    uvicorn.__version__, missing)
+        return "h11"
     metrics = app.routing.metrics
     return route_protocol(app.routing.reply, app.routing.observe, app.max_body_bytes, metrics.connections,
-                          fast_path=fast_path, readiness=app.readiness)
+                          app.routing.fleet.health, fast_path=fast_path, readiness=app.readiness)
+
+
+def h11_limits(connections: Connections) -> dict[str, Any]:
+    """uvicorn's own settings nearest to `connections`' limits, for its h11 protocol (`http_protocol`'s fallback).
+    Its concurrency limit counts the asking connection too, so `max` open may still be answered."""
+    return {"timeout_keep_alive": connections.idle_timeout_s, "limit_concurrency": connections.max + 1,
+            "h11_max_incomplete_event_size": connections.max_head_bytes}
 
 
 def loop_lag_observer(app: ASGIApp) -> Callable[[float], None]:

@@ -9,10 +9,12 @@ connection) this protocol reads the body as the parser hands it over, answers wi
 that is none of those included (or one to a client that has stopped reading its answers), goes through
 uvicorn and the app as before.
 
-It is also where every connection's time limits are kept (`Connections`), for both paths: uvicorn
-closes a connection idle between requests, but not one that never sends a whole request (a partial
-head or body), nor one that stops reading its answer, and each of those held a file descriptor for
-ever.
+It is also where every connection's limits are kept (`Connections`), for both paths: uvicorn closes a
+connection idle between requests, but not one that never sends a whole request (a partial head or
+body), nor one that stops reading its answer, and each of those held a file descriptor for ever; nor
+does it bound a request's head, so a client streaming header lines without the blank line grew the
+router by 250 MB a second until the idle timeout (a head is now refused past `max_head_bytes` or
+`MAX_HEADERS` lines with 431, and past `head_timeout_s` with 408, each counted in the health ledger).
 
 It subclasses uvicorn's httptools protocol, pinned to its minor version in pyproject.toml; the tests
 hold its answers to the ASGI path's, headers included, and run every route test on both paths. The
@@ -28,6 +30,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httptools
+
+from kvctl.core.words import counted
+from kvctl.server.health import Health
 from kvctl.server.readiness import Readiness
 
 try:
@@ -45,6 +51,15 @@ _ROUTE = b"/v1/route"
 _INTERNAL = b'{"error":"internal error while routing; see the router log"}'
 IDLE_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 4096
+MAX_HEAD_BYTES = 64 * 1024
+"""A request head's bytes at most: four times the 16 KiB of h11 or Node (room for long bearer tokens and a proxy's
+headers), yet a connection's head is at most that plus one read (256 KiB) in memory."""
+MAX_HEADERS = 100
+"""Header lines of one request at most (Apache's LimitRequestFields): clients send about ten, and each line costs
+some 170 bytes of Python objects, so 64 KiB of short lines alone would hold 2 MB a connection."""
+HEAD_TIMEOUT_S = 10.0
+"""Seconds from a head's first read to its end at most: a client sends its head in one packet, and this is five
+TCP retransmissions of a lost one over; a third of the idle timeout, so a slow head frees its slot sooner."""
 
 
 @dataclass
@@ -57,26 +72,62 @@ class Connections:
     connection (aiohttp 15 s, httpx 5 s), so the server is never the side that closes a connection a
     client is about to reuse. Past `max` open connections a new one is answered 503 and closed at once,
     its request unread (a client that sent one before the answer came may see a reset instead).
+
+    A request's head (request line and headers) is bounded apart, from its first byte: `max_head_bytes`
+    (and `MAX_HEADERS` lines) in size, 431, and `head_timeout_s` in time, 408; each answer closes the
+    connection, and each refusal is a loss in the health ledger ("http", "head_too_large"/"head_timeout").
     """
 
     idle_timeout_s: float = IDLE_TIMEOUT_S
     max: int = MAX_CONNECTIONS
+    max_head_bytes: int = MAX_HEAD_BYTES
+    head_timeout_s: float = HEAD_TIMEOUT_S
     open: int = 0
     refused: int = 0  # over `max`
     timed_out: int = 0  # closed by `idle_timeout_s`: idle, half-sent request, or answer not read
 
     def refusal(self) -> bytes:
-        body = (b'{"error":"too many open connections: %d; the limit is --max-connections"}' % self.max)
-        return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        return closing_answer(503, b"too many open connections: %d; the limit is --max-connections" % self.max)
+
+
+def closing_answer(status: int, error: bytes) -> bytes:
+    """A whole answer, `{"error": ...}` (`error` needs no JSON escaping), after which the connection is closed."""
+    body = b'{"error":"%s"}' % error
+    return (STATUS_LINE[status] + b"content-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+
+
+@dataclass(frozen=True)
+class _HeadRefusal:
+    """A refused head's answer, and how the ledger counts it."""
+
+    answer: bytes  # `closing_answer`
+    cause: str  # the health ledger's
+    flag: str  # what raises the limit
+
+
+class _HeadRefused(Exception):
+    """Raised by a parser callback once a head's refusal is written: the only way to stop httptools' parser."""
+
+
+class _Parser(httptools.HttpRequestParser):
+    """httptools' parser, stopped without an error when a callback refuses a head (`_HeadRefused`): uvicorn
+    answers any other error with a 400 and a log line, and the 431 is written already."""
+
+    def feed_data(self, data: bytes) -> None:  # type: ignore[override]
+        try:
+            super().feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if not isinstance(exc.__context__, _HeadRefused):
+                raise
 
 
 # What of uvicorn's httptools protocol `RouteProtocol` overrides or reads: methods and class attributes,
 # then what its instances set (found among the names its methods assign or read).
-_METHODS = ("connection_made", "connection_lost", "_unset_keepalive_if_required", "timeout_keep_alive_handler",
-            "pause_writing", "resume_writing", "on_response_complete", "on_message_begin", "on_headers_complete",
-            "on_body", "on_message_complete")
-_FIELDS = ("cycle", "flow", "server_state", "parser", "transport", "loop", "scope", "url", "headers",
+_METHODS = ("connection_made", "connection_lost", "data_received", "_unset_keepalive_if_required",
+            "timeout_keep_alive_handler", "pause_writing", "resume_writing", "on_response_complete",
+            "on_message_begin", "on_headers_complete", "on_body", "on_message_complete")
+_FIELDS = ("cycle", "flow", "server_state", "parser", "transport", "loop", "scope", "url", "headers", "client",
            "expect_100_continue", "timeout_keep_alive", "timeout_keep_alive_task")
 
 
@@ -93,18 +144,35 @@ def missing_internals() -> str | None:
 
 
 def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: int,
-                   connections: Connections, *, fast_path: bool = True,
+                   connections: Connections, health: Health, *, fast_path: bool = True,
                    readiness: Readiness | None = None) -> type[HttpToolsProtocol]:
     """uvicorn's protocol class, answering plain routes with `reply` (body bytes -> status, JSON bytes) and
     calling `answered()` once an answer is written (what can wait until the client has its answer), with
-    the limits of `connections` on every connection. `fast_path=False`: every request goes to the app, as
-    every route does while `readiness` says the index is not whole (the app refuses it, with `Retry-After`)."""
+    the limits of `connections` on every connection and its refused heads counted in `health`.
+    `fast_path=False`: every request goes to the app, as every route does while `readiness` says the index
+    is not whole (the app refuses it, with `Retry-After`)."""
+    too_large = _HeadRefusal(closing_answer(431, b"request head over %d bytes or %d header lines; the limit is "
+                                                 b"kvctl serve --max-head-bytes"
+                                                 % (connections.max_head_bytes, MAX_HEADERS)),
+                             "head_too_large", "--max-head-bytes")
+    too_slow = _HeadRefusal(closing_answer(408, b"request head not sent within %g s; the limit is kvctl serve "
+                                                b"--head-timeout" % connections.head_timeout_s),
+                            "head_timeout", "--head-timeout")
 
     class RouteProtocol(HttpToolsProtocol):
         _route_body: list[bytes] | None = None  # while a route's body is being read
         _route_keep_alive = True
         _counted = False  # in `connections.open` (not refused)
         _receiving = False  # between a request's first byte and its last
+        # A head's bounds. `_head_bytes`: the open head's bytes up to the last read (0 once it begins at a
+        # read's first byte; None once it begins after another request in a read, so that only what was parsed
+        # of it is known); `_read_bytes`: the size of the read being parsed. A head that comes in one read
+        # (nearly all) costs no timer, and no count unless that read is over the limit.
+        _head_open = False
+        _head_bytes: int | None = 0
+        _read_bytes = 0
+        _read_starts_a_head = True  # this read began between requests
+        _head_timer: asyncio.TimerHandle | None = None
 
         # uvicorn's keep-alive timer is the one deadline: started when the router waits on the client (a
         # connection made, an answer written, an answer the client stopped reading), stopped only when a
@@ -120,6 +188,8 @@ def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: i
             connections.open += 1
             self._counted = True
             super().connection_made(transport)
+            self.parser = _Parser(self)
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn sets its own
             # uvicorn types it int, yet only hands it to loop.call_later, which takes seconds as a float.
             self.timeout_keep_alive = connections.idle_timeout_s  # type: ignore[assignment]
             self._wait_on_client()
@@ -130,7 +200,46 @@ def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: i
             connections.open -= 1
             self._counted = False
             self._stop_waiting()
+            self._stop_head_timer()
             super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            self._read_bytes = len(data)
+            self._read_starts_a_head = not self._receiving
+            super().data_received(data)
+            if not self._head_open or self.transport.is_closing():
+                return
+            held = self._head_size() if self._head_bytes is None else self._head_bytes + len(data)
+            self._head_bytes = held
+            if held > connections.max_head_bytes or len(self.headers) > MAX_HEADERS:
+                self._refuse_head(too_large, f"sent {counted(held, 'byte')} and {counted(len(self.headers), 'header')}"
+                                  " of a request head without its end")
+            elif self._head_timer is None:
+                self._head_timer = self.loop.call_later(connections.head_timeout_s, self._head_timed_out)
+
+        def _head_size(self) -> int:
+            """The head parsed so far, in bytes (a header line's ": " and CRLF included, the method's not)."""
+            return len(self.url) + sum([len(name) + len(value) + 4 for name, value in self.headers])
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self._head_open and not self.transport.is_closing():
+                self._refuse_head(too_slow, f"sent {counted(self._head_bytes or 0, 'byte')} of a request head in "
+                                  f"{connections.head_timeout_s:g} s without its end")
+
+        def _stop_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _refuse_head(self, refusal: _HeadRefusal, detail: str) -> None:
+            self._head_open = False
+            self._stop_head_timer()
+            peer = f"{self.client[0]}:{self.client[1]} " if self.client else ""
+            health.lose("http", refusal.cause, detail=peer + detail, fix="find the client by its address; if it "
+                        f"is a legitimate one, raise kvctl serve {refusal.flag}")
+            self.transport.write(refusal.answer)
+            self.transport.close()
 
         def _unset_keepalive_if_required(self) -> None:
             """uvicorn stops the clock on any data: here only a whole request does (`_stop_waiting`)."""
@@ -168,6 +277,9 @@ def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: i
 
         def on_message_begin(self) -> None:
             self._receiving = True
+            self._head_open = True
+            self._head_bytes = 0 if self._read_starts_a_head else None
+            self._read_starts_a_head = False
             # uvicorn's own begins the request's ASGI scope, which a route answered here never uses: it
             # is begun once the request turns out to be the app's (`_begin_scope`).
             self.url = b""
@@ -176,6 +288,13 @@ def route_protocol(reply: Reply, answered: Callable[[], None], max_body_bytes: i
             self._route_body = None
 
         def on_headers_complete(self) -> None:
+            self._head_open = False
+            self._stop_head_timer()
+            could_be_over = (self._head_bytes or 0) + self._read_bytes > connections.max_head_bytes
+            if len(self.headers) > MAX_HEADERS or (could_be_over and self._head_size() > connections.max_head_bytes):
+                self._refuse_head(too_large, f"sent a request head of {counted(self._head_size(), 'byte')} and "
+                                  f"{counted(len(self.headers), 'header')}")
+                raise _HeadRefused  # stops the parser (`_Parser`): nothing of this request is read further
             if self._takes_route():
                 self._route_body = []
                 self._route_keep_alive = self.parser.should_keep_alive()
