@@ -156,7 +156,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint: str | None, model: str,
                  router_id: int | None, state_dir: Path, replica_sync: bool, shadow: bool, jetstream: bool,
-                 advertise_host: str | None, recovery_timeout: float) -> ZmqOptions:
+                 advertise_host: str | None, recovery_timeout: float, max_channels: int | None) -> ZmqOptions:
     """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
     from kvctl.errors import DiscoveryError
     from kvctl.server.plane.dynamo_discovery import open_discovery
@@ -176,7 +176,7 @@ def _zmq_options(discovery: str, namespace: str, component: str | None, endpoint
                          "take Dynamo routers' requests, or use file: or etcd: discovery")
     return ZmqOptions(discovery=discovery, namespace=namespace, component=component, endpoint=endpoint, model=model,
                       router_id=_router_id(router_id, state_dir), replica_sync=replica_sync, shadow=shadow,
-                      advertise_host=advertise_host, recovery_timeout_s=recovery_timeout)
+                      advertise_host=advertise_host, recovery_timeout_s=recovery_timeout, max_channels=max_channels)
 
 
 def _token_from(path: Path, given: str | None) -> str:
@@ -418,6 +418,11 @@ def serve_command(
         "--recovery-timeout", envvar="KVCTL_RECOVERY_TIMEOUT", rich_help_panel=PANEL,
         help="--dynamo-discovery: seconds one worker's index recovery over Dynamo's request plane may take "
              "(a late-found worker, a gap in its events); past it the worker is marked partial.")] = 30.0,
+    max_channels: Annotated[int | None, typer.Option(
+        "--max-channels", envvar="KVCTL_MAX_CHANNELS", min=1, show_default=False, rich_help_panel=PANEL,
+        help="--dynamo-discovery: event channels (a publisher's topic: about 4 a worker) followed at most; "
+             "records past it are skipped and counted, and the index is marked partial. Default: as "
+             "--max-engines, what the file limit allows (4 descriptors a channel).")] = None,
     nats_auth: NatsAuth | None = None,
 ) -> None:
     from kvctl.core.router.busy import Thresholds
@@ -491,7 +496,7 @@ def serve_command(
                            replica_sync=replica_sync)
     elif dynamo_discovery is not None:
         zmq_plane = _zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
-                                 replica_sync, shadow, jetstream, advertise_host, recovery_timeout)
+                                 replica_sync, shadow, jetstream, advertise_host, recovery_timeout, max_channels)
     elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
                          "an event plane: --nats URL or --dynamo-discovery STORE")

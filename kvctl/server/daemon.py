@@ -24,7 +24,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -192,7 +192,7 @@ async def _serve(fleet: Fleet, options: ServeOptions, sock: socket.socket, annou
     elif options.zmq_plane is not None:
         from kvctl.server.plane.zmq_plane import ZmqPlane
 
-        plane = ZmqPlane(fleet, streams, options.zmq_plane)
+        plane = ZmqPlane(fleet, streams, replace(options.zmq_plane, http_listen=sock.getsockname()[:2]))
     readiness = Readiness(restoring=options.state_dir is not None)
     app = create_app(fleet, admin_token=options.admin_token, streams=streams, plane=plane,
                      max_body_bytes=options.max_body_bytes, readiness=readiness,

@@ -124,10 +124,10 @@ async def test_documents_of_another_shape_are_counted_once_and_the_rest_listed(a
     try:
         for _ in range(2):
             assert len(await store.list(namespace_prefix("dynamo"))) == 4
-        assert store.stray == {"bad_channel_key": 2, "bad_document": 1}  # once each, not once per listing
+        assert store.refusals.counts == {"bad_channel_key": 2, "bad_document": 1}  # once each, not once per listing
         api.set(json.loads(LEGACY.read_text()))  # changed: counted again
         await store.list(namespace_prefix("dynamo"))
-        assert store.stray["bad_channel_key"] == 4
+        assert store.refusals.counts["bad_channel_key"] == 4
     finally:
         await store.close()
 
