@@ -74,6 +74,10 @@ class Refusals:
         self.counts[cause] += 1
         self.lose(cause, detail, FIXES.get(cause, ""))
 
+    def holds(self, entry: str, version: object, cause: str) -> bool:
+        """Whether `entry` was refused for `cause` at `version` (its store need not be asked for it again)."""
+        return self._counted.get(entry) == (version, cause)
+
     def forget(self, under: str, still: set[str]) -> None:
         """Forget the entries under `under` not refused again in its last listing: one that comes back counts."""
         self._counted = {e: v for e, v in self._counted.items() if not e.startswith(under) or e in still}

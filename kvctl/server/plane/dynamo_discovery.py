@@ -166,6 +166,9 @@ class FileDiscovery:
                 continue
             except FileNotFoundError:
                 continue  # gone since the listing
+            except OSError as exc:
+                refused.append((name, None, "unreadable", f"{self.root / name}: {exc.strerror}"))
+                continue
             if not key.startswith(prefix):
                 continue
             version = (st.st_ino, st.st_mtime_ns, st.st_size)

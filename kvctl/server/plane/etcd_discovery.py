@@ -3,9 +3,10 @@
 etcd holds Dynamo's keys (no leading slash) and values, bound to their owner's lease. They are read through etcd's
 JSON gateway (`/v3/kv/range` and `/v3/watch`, v3.4 and later), trying each URL in turn, and this router's own are
 written under a lease of its own. Every call has a deadline from connect to last byte (a store that trickles
-its answer fails the call, which is retried), and every answer a size cap: a range is read a page of keys at a
-time, each page at most ETCD_PAGE_KEYS records of MAX_RECORD_BYTES, and a page past it is asked again in halves
-down to the one key too large, which is skipped and counted; a 200 MB value costs a few capped reads, not 200 MB.
+its answer fails the call, which is retried), and every answer a size cap: a range lists the keys first, then
+reads their values PAGE_KEYS at a time, each page at most PAGE_KEYS records of MAX_RECORD_BYTES; a page past it is
+read again key by key, and the key too large is skipped, counted, and left out of later ranges while its revision
+stays. A 200 MB value costs a few capped reads, once, not 200 MB at each range.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ WATCH_RENEW_S = 30.0
 """A watch is started afresh (after a new range) at least this often, and each of its reads waits no longer: a
 stream that died silently, or that trickles, costs no more."""
 PAGE_KEYS = 128
-"""Keys a range asks for at once."""
+"""Keys whose values a range asks for at once."""
+KEY_PAGE = 1000
+"""Keys a keys-only range asks for at once (about 300 bytes each in etcd's JSON)."""
 
 
 def page_cap(keys: int) -> int:
@@ -102,36 +105,51 @@ class EtcdDiscovery:
         return (await self._range(prefix))[0]
 
     async def _range(self, prefix: str) -> tuple[dict[str, bytes], int]:
-        """The keys under `prefix` and the store's revision they are as of, a page at a time (every page at the
-        first one's revision); a value past MAX_RECORD_BYTES is skipped and counted."""
+        """The keys under `prefix` and the store's revision they are as of: the keys and their revisions first
+        (small), then the values a page of keys at a time, at that revision, leaving out the keys already known
+        too large at their revision; a value past MAX_RECORD_BYTES is skipped and counted."""
+        keys, revision = await self._keys(prefix)
         found: dict[str, bytes] = {}
-        refused: set[str] = set()
-        span, revision, limit = _span(prefix), 0, PAGE_KEYS
+        refused = {key for key, version in keys if self.refusals.holds(key, version, "too_large")}
+        wanted = [(key, version) for key, version in keys if key not in refused]
+        for first in range(0, len(wanted), PAGE_KEYS):
+            for key, kv in await self._values(wanted[first:first + PAGE_KEYS], revision, refused):
+                if (value := self._value(key, kv, refused)) is not None:
+                    found[key] = value
+        self.refusals.forget(prefix, refused)
+        return found, revision
+
+    async def _keys(self, prefix: str) -> tuple[list[tuple[str, object]], int]:
+        """Every key under `prefix` with its mod_revision, in order, and the revision they are as of."""
+        keys: list[tuple[str, object]] = []
+        span, revision = _span(prefix), 0
         while True:
-            body = {**span, "limit": limit, **({"revision": revision} if revision else {})}
-            try:
-                answer = await self._call("/v3/kv/range", body, page_cap(limit))
-            except TooLarge:
-                if limit > 1:
-                    limit //= 2  # a value too large among them: ask again in halves, down to that one key
-                    continue
-                answer = await self._call("/v3/kv/range", {**body, "keys_only": True})
-                for kv in _kvs(answer)[:1]:
-                    if (key := self._key(kv)) is not None:
-                        refused.add(key)
-                        self.refusals.refuse(key, kv.get("mod_revision"), "too_large",
-                                             f"{key}: a value past {MAX_RECORD_BYTES} bytes")
-            else:
-                for kv in _kvs(answer):
-                    if (key := self._key(kv)) is not None and (value := self._value(key, kv, refused)) is not None:
-                        found[key] = value
+            body = {**span, "keys_only": True, "limit": KEY_PAGE, **({"revision": revision} if revision else {})}
+            answer = await self._call("/v3/kv/range", body, KEY_PAGE * 1024 + 4096)
             revision = revision or int((answer.get("header") or {}).get("revision", 0))
             kvs = _kvs(answer)
+            keys += [(key, kv.get("mod_revision")) for kv in kvs if (key := self._key(kv)) is not None]
             if not answer.get("more") or not kvs:
-                self.refusals.forget(prefix, refused)
-                return found, revision
+                return keys, revision
             span = {**span, "key": _b64(base64.b64decode(kvs[-1].get("key", "")) + b"\0")}
-            limit = PAGE_KEYS
+
+    async def _values(self, page: list[tuple[str, object]], revision: int,
+                      refused: set[str]) -> list[tuple[str, dict[str, Any]]]:
+        """The `page` of keys (with their mod_revision) and their values, as of `revision`; past the page's cap (a
+        value too large among them), each key alone, and one still past the cap of one record skipped and counted
+        (and left out of later ranges while its revision stays)."""
+        first, last = page[0][0], page[-1][0]
+        body = {"key": _b64(first.encode()), "range_end": _b64(last.encode() + b"\0"), "revision": revision}
+        try:
+            answer = await self._call("/v3/kv/range", body, page_cap(len(page)))
+        except TooLarge:
+            if len(page) == 1:
+                refused.add(first)
+                self.refusals.refuse(first, page[0][1], "too_large", f"{first}: a value past {MAX_RECORD_BYTES} bytes")
+                return []
+            return [kv for one in page for kv in await self._values([one], revision, refused)]
+        asked = {key for key, _ in page}
+        return [(key, kv) for kv in _kvs(answer) if (key := self._key(kv)) is not None and key in asked]
 
     def _key(self, kv: Any) -> str | None:
         try:
@@ -151,8 +169,8 @@ class EtcdDiscovery:
         if cause is None:
             return value
         refused.add(key)
-        self.refusals.refuse(key, kv.get("mod_revision"), cause, f"{key}: a value of {len(encoded)} base64 "
-                             f"characters" if cause == "too_large" else f"{key}: a value that is not base64")
+        self.refusals.refuse(key, kv.get("mod_revision"), cause, f"{key}: a value past {MAX_RECORD_BYTES} bytes "
+                             f"({len(encoded)} in base64)" if cause == "too_large" else f"{key}: not base64")
         return None
 
     async def changes(self, prefix: str, poll_s: float) -> AsyncIterator[dict[str, bytes]]:

@@ -489,7 +489,7 @@ class ZmqPlane(PlaneTasks):
                           "follows": self.discovery.follows,
                           "listed_age_s": None if self.listed_at is None else round(now - self.listed_at, 3),
                           "record_errors": dict(self.record_errors), "stray": dict(self.discovery.refusals.counts),
-                          "expired": self.discovery.expired},
+                          "expired": self.discovery.expired, "max_channels": self.max_channels},
             "connections": [link.row(now) for _, link in sorted(self.links.items())],
             "recovery": self.recovery.status(),
         }
