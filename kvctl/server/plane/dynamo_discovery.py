@@ -21,7 +21,7 @@ import secrets
 import stat
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -35,6 +35,8 @@ KEY_TTL_S = 10.0
 gone."""
 KEEP_ALIVE_S = KEY_TTL_S / 3
 """How often this router refreshes its own records (Dynamo refreshes at a third of the TTL)."""
+RefusedEntries = list[tuple[str, object, str, str]]
+"""A file listing's entries refused: (entry, its version, cause, detail), counted on the loop."""
 TEMP_PREFIX = ".tmp_"
 """Dynamo's file backend's half-written records: never read, never counted."""
 
@@ -110,7 +112,7 @@ class FileDiscovery:
     def changes(self, prefix: str, poll_s: float) -> AsyncIterator[dict[str, bytes]]:
         return polled(self, prefix, poll_s)
 
-    def _list(self, prefix: str) -> tuple[dict[str, bytes], list[tuple[str, object, str, str]]]:
+    def _list(self, prefix: str) -> tuple[dict[str, bytes], RefusedEntries]:
         """The records under `prefix`, and the entries refused (entry, version, cause, detail): counted by the
         caller, on the loop (this runs in a thread)."""
         bucket = "/".join(prefix.split("/")[:2])  # v1/event_channels, v1/event_sources: a directory each
@@ -147,9 +149,9 @@ class FileDiscovery:
         return fd
 
     def _read_all(self, bucket: str, prefix: str, dir_fd: int,
-                  entries: list[os.DirEntry[str]]) -> tuple[dict[str, bytes], list[tuple[str, object, str, str]]]:
+                  entries: Sequence[os.DirEntry[str]]) -> tuple[dict[str, bytes], RefusedEntries]:
         found: dict[str, bytes] = {}
-        refused: list[tuple[str, object, str, str]] = []
+        refused: RefusedEntries = []
         cache = {name: cached for name, cached in self._cache.items() if not name.startswith(bucket + "/")}
         self._expired[bucket] = 0
         stale = time.time() - KEY_TTL_S

@@ -15,7 +15,7 @@ import asyncio
 import base64
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
@@ -43,6 +43,12 @@ PAGE_KEYS = 128
 """Keys whose values a range asks for at once."""
 KEY_PAGE = 1000
 """Keys a keys-only range asks for at once (about 300 bytes each in etcd's JSON)."""
+
+
+Versions = list[tuple[str, object]]
+"""Keys, each with its mod_revision (what a refusal is counted once per)."""
+KeyValues = list[tuple[str, dict[str, Any]]]
+"""Keys, each with its entry of etcd's answer."""
 
 
 def page_cap(keys: int) -> int:
@@ -119,9 +125,9 @@ class EtcdDiscovery:
         self.refusals.forget(prefix, refused)
         return found, revision
 
-    async def _keys(self, prefix: str) -> tuple[list[tuple[str, object]], int]:
+    async def _keys(self, prefix: str) -> tuple[Versions, int]:
         """Every key under `prefix` with its mod_revision, in order, and the revision they are as of."""
-        keys: list[tuple[str, object]] = []
+        keys: Versions = []
         span, revision = _span(prefix), 0
         while True:
             body = {**span, "keys_only": True, "limit": KEY_PAGE, **({"revision": revision} if revision else {})}
@@ -133,8 +139,8 @@ class EtcdDiscovery:
                 return keys, revision
             span = {**span, "key": _b64(base64.b64decode(kvs[-1].get("key", "")) + b"\0")}
 
-    async def _values(self, page: list[tuple[str, object]], revision: int,
-                      refused: set[str]) -> list[tuple[str, dict[str, Any]]]:
+    async def _values(self, page: Versions, revision: int,
+                      refused: set[str]) -> KeyValues:
         """The `page` of keys (with their mod_revision) and their values, as of `revision`; past the page's cap (a
         value too large among them), each key alone, and one still past the cap of one record skipped and counted
         (and left out of later ranges while its revision stays)."""
@@ -216,7 +222,7 @@ class EtcdDiscovery:
             if answer is not None:
                 await answer.aclose()
 
-    def _changed(self, events: list[Any], records: dict[str, bytes]) -> bool:
+    def _changed(self, events: Sequence[Any], records: dict[str, bytes]) -> bool:
         """Apply a watch answer's puts and deletes to `records`; whether it held any."""
         for event in events:
             if not isinstance(event, dict):

@@ -227,8 +227,8 @@ class ZmqPlane(PlaneTasks):
         what = ("the publishers already connected are still followed; new and gone ones are not seen" if live else
                 f"no publisher of kv-events is connected: model {self.options.model!r}'s index hears nothing")
         self.fleet.health.fail("plane.discovery", f"{down}; {what}",
-                               f"check that {self.options.url} answers from this host (kvctl doctor; the runbook's "
-                               "'The event plane's discovery fails'); kvctl keeps trying", blocks=not live)
+                               f"check that {self.options.url} answers from this host, quickly (the runbook's "
+                               "part:plane.discovery); kvctl keeps trying", blocks=not live)
 
     async def _listed(self, records: dict[str, bytes]) -> None:
         """The store's channel records now: follow them, recover the workers new among them, share in their
