@@ -132,6 +132,23 @@ async def test_documents_of_another_shape_are_counted_once_and_the_rest_listed(a
         await store.close()
 
 
+async def test_a_record_past_the_cap_is_skipped_and_counted_the_rest_listed(api: KubeApi) -> None:
+    """A DynamoWorkerMetadata is anyone's to write: one record of 100 KB (a real one is ~500 bytes) is refused."""
+    good, bloated = recorded_list()["items"]
+    key = next(iter(bloated["spec"]["data"]["event_channels"]))
+    bloated["spec"]["data"]["event_channels"][key]["padding"] = "x" * 100_000
+    api.set(good)
+    api.set(bloated)
+    store = KubernetesDiscovery("dynamo-test")
+    try:
+        for _ in range(2):
+            listed = await store.list(namespace_prefix("dynamo"))
+            assert len(listed) == 7 and f"{CHANNELS_BUCKET}/{key}" not in listed
+        assert store.refusals.counts == {"too_large": 1}  # once, not once a listing
+    finally:
+        await store.close()
+
+
 @pytest.mark.parametrize(("refusal", "needles"), [
     (status(401, "Unauthorized", "Unauthorized"), ["401", "renew the token"]),
     (status(403, "Forbidden", 'dynamoworkermetadatas.nvidia.com is forbidden: User "x" cannot list'),

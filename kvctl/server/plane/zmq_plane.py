@@ -196,7 +196,8 @@ class ZmqPlane(PlaneTasks):
         """List and follow the store for ever: a store that fails is tried again after a pause that doubles, up
         to RETRY_MAX_S, while the plane's fault says so (the ledger logs it once)."""
         prefix = namespace_prefix(self.options.namespace)
-        await self.recovery.client.start()
+        if not self.recovery.client.port:  # once: a loop started again keeps its listener
+            await self.recovery.client.start()
         pause = self.options.poll_s
         while True:
             try:
@@ -212,7 +213,7 @@ class ZmqPlane(PlaneTasks):
 
     def _loop_died(self, error: str, backoff_s: float) -> None:
         self.state = "failed"
-        self._judge(f"the discovery loop stopped ({error}); it starts again, after {backoff_s:g} s at first")
+        self._judge(f"the discovery loop stopped ({error}); it is started again after a backoff")
 
     def _judge(self, down: str | None) -> None:
         """The plane's fault in the health ledger: `down` says why discovery fails (None: it works, and the fault
@@ -326,9 +327,9 @@ class ZmqPlane(PlaneTasks):
         for key in order[self.max_channels:]:
             self._skip(key, records[key], "too_many_channels", f"{key}: past {self.max_channels} channels")
         self.fleet.health.fail(
-            "plane.channels", f"{counted(len(wanted), 'channel')} listed, {self.max_channels} followed: the "
-            "workers of the others are missing from the index", "raise --max-channels (and ulimit -n), or narrow "
-            "the plane (--namespace, --component, --endpoint); remove stale records from the store")
+            "plane.channels", f"more channels listed than the {self.max_channels} followed (--max-channels): the "
+            "workers of the others are missing from the index (lost:discovery too_many_channels counts them)",
+            FIXES["too_many_channels"])
         return {k: wanted[k] for k in order[:self.max_channels]}
 
     def _channel(self, key: str, value: bytes) -> EventChannel | None:
