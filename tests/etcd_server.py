@@ -21,7 +21,7 @@ def _b64(text: str | bytes) -> str:
 
 
 class EtcdServer:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *flags: str) -> None:
         binary = shutil.which("etcd")
         if binary is None:
             why = "no etcd binary (apt-get install etcd-server; .ci/run installs it)"
@@ -32,7 +32,7 @@ class EtcdServer:
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [binary, "--data-dir", str(data_dir), "--listen-client-urls", self.url, "--advertise-client-urls",
                 self.url, "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
-                f"http://127.0.0.1:{peer}", "--initial-cluster", f"default=http://127.0.0.1:{peer}"]
+                f"http://127.0.0.1:{peer}", "--initial-cluster", f"default=http://127.0.0.1:{peer}", *flags]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while True:
@@ -47,7 +47,8 @@ class EtcdServer:
             time.sleep(0.1)
 
     def put(self, key: str, value: bytes) -> None:
-        httpx.post(f"{self.url}/v3/kv/put", json={"key": _b64(key), "value": _b64(value)}, timeout=5).raise_for_status()
+        answer = httpx.post(f"{self.url}/v3/kv/put", json={"key": _b64(key), "value": _b64(value)}, timeout=30)
+        answer.raise_for_status()
 
     def delete(self, key: str) -> None:
         httpx.post(f"{self.url}/v3/kv/deleterange", json={"key": _b64(key)}, timeout=5).raise_for_status()

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def zmq_options(discovery: str, namespace: str, component: str | None, endpoint: str | None, model: str,
                  router_id: int | None, state_dir: Path, replica_sync: bool, shadow: bool, jetstream: bool,
                  advertise_host: str | None, recovery_timeout: float, recovery_max_bytes: int,
-                 listen_host: str, peers: PeerLimits) -> ZmqOptions:
+                 listen_host: str, peers: PeerLimits, max_channels: int | None) -> ZmqOptions:
     """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
     from kvctl.errors import DiscoveryError
     from kvctl.server.plane.dynamo_discovery import open_discovery
@@ -37,7 +37,8 @@ def zmq_options(discovery: str, namespace: str, component: str | None, endpoint:
     return ZmqOptions(discovery=discovery, namespace=namespace, component=component, endpoint=endpoint, model=model,
                       router_id=router_id_of(router_id, state_dir), replica_sync=replica_sync, shadow=shadow,
                       advertise_host=advertise_host, recovery_timeout_s=recovery_timeout,
-                      recovery_max_bytes=recovery_max_bytes, listen_host=listen_host, peer_limits=peers)
+                      recovery_max_bytes=recovery_max_bytes, listen_host=listen_host, peer_limits=peers,
+                      max_channels=max_channels)
 
 
 def peer_limits(ids: str | None, reservations: int | None, tokens: int | None, replica_sync: bool) -> PeerLimits:

@@ -431,6 +431,11 @@ def serve_command(
         "--recovery-max-bytes", envvar="KVCTL_RECOVERY_MAX_BYTES", min=1, rich_help_panel=PANEL,
         help="--dynamo-discovery: the largest answer to one recovery query (a worker's tree dump: ~100 bytes a "
              "block); past it the answer is cut off and the worker marked partial.")] = 256 << 20,
+    max_channels: Annotated[int | None, typer.Option(
+        "--max-channels", envvar="KVCTL_MAX_CHANNELS", min=1, show_default=False, rich_help_panel=PANEL,
+        help="--dynamo-discovery: event channels (a publisher's topic: about 4 a worker) followed at most; "
+             "records past it are skipped and counted, and the index is marked partial. Default: as "
+             "--max-engines, what the file limit allows (4 descriptors a channel).")] = None,
     nats_auth: NatsAuth | None = None,
 ) -> None:
     from kvctl.core.router.busy import Thresholds
@@ -511,7 +516,7 @@ def serve_command(
     elif dynamo_discovery is not None:
         zmq_plane = zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
                                  replica_sync, shadow, jetstream, advertise_host, recovery_timeout,
-                                 recovery_max_bytes, host, peers)
+                                 recovery_max_bytes, host, peers, max_channels)
     elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
                          "an event plane: --nats URL or --dynamo-discovery STORE")

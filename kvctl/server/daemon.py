@@ -24,7 +24,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -207,7 +207,7 @@ async def _serve(fleet: Fleet, options: ServeOptions, sock: socket.socket, annou
     elif options.zmq_plane is not None:
         from kvctl.server.plane.zmq_plane import ZmqPlane
 
-        plane = ZmqPlane(fleet, streams, options.zmq_plane)
+        plane = ZmqPlane(fleet, streams, replace(options.zmq_plane, http_listen=sock.getsockname()[:2]))
     readiness = Readiness(restoring=options.state_dir is not None)
     connections = Connections(options.idle_timeout_s, options.max_connections, options.max_head_bytes,
                               options.head_timeout_s)

@@ -124,10 +124,27 @@ async def test_documents_of_another_shape_are_counted_once_and_the_rest_listed(a
     try:
         for _ in range(2):
             assert len(await store.list(namespace_prefix("dynamo"))) == 4
-        assert store.stray == {"bad_channel_key": 2, "bad_document": 1}  # once each, not once per listing
+        assert store.refusals.counts == {"bad_channel_key": 2, "bad_document": 1}  # once each, not once per listing
         api.set(json.loads(LEGACY.read_text()))  # changed: counted again
         await store.list(namespace_prefix("dynamo"))
-        assert store.stray["bad_channel_key"] == 4
+        assert store.refusals.counts["bad_channel_key"] == 4
+    finally:
+        await store.close()
+
+
+async def test_a_record_past_the_cap_is_skipped_and_counted_the_rest_listed(api: KubeApi) -> None:
+    """A DynamoWorkerMetadata is anyone's to write: one record of 100 KB (a real one is ~500 bytes) is refused."""
+    good, bloated = recorded_list()["items"]
+    key = next(iter(bloated["spec"]["data"]["event_channels"]))
+    bloated["spec"]["data"]["event_channels"][key]["padding"] = "x" * 100_000
+    api.set(good)
+    api.set(bloated)
+    store = KubernetesDiscovery("dynamo-test")
+    try:
+        for _ in range(2):
+            listed = await store.list(namespace_prefix("dynamo"))
+            assert len(listed) == 7 and f"{CHANNELS_BUCKET}/{key}" not in listed
+        assert store.refusals.counts == {"too_large": 1}  # once, not once a listing
     finally:
         await store.close()
 

@@ -31,3 +31,28 @@ async def test_a_loop_that_ignores_its_cancellation_is_left_behind_after_the_tim
     assert "_stubborn did not stop within 0.2 s of its cancellation" in caplog.text
     released.set()  # the test's own clean-up: the loop ends once released
     await asyncio.gather(*plane._tasks)
+
+
+async def test_a_supervised_loop_that_dies_is_started_again_with_a_growing_backoff(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plane's loop once died for good on a bug (a record ZMQ could not connect to), the plane silent after: a
+    supervised loop is told of each death, with the backoff before it runs again, and runs again."""
+    monkeypatch.setattr(tasks, "RESTART_MIN_S", 0.01)
+    runs: list[int] = []
+    told: list[tuple[str, float]] = []
+    done = asyncio.Event()
+
+    async def loop() -> None:
+        runs.append(len(runs))
+        if len(runs) <= 3:
+            raise RuntimeError(f"death {len(runs)}")
+        done.set()
+        await asyncio.Event().wait()  # then it runs, until cancelled
+
+    plane = tasks.PlaneTasks("connecting")
+    plane._supervise(loop, failed=lambda error, backoff: told.append((error, backoff)))
+    await asyncio.wait_for(done.wait(), 10)
+    assert told == [("RuntimeError: death 1", 0.01), ("RuntimeError: death 2", 0.02), ("RuntimeError: death 3", 0.04)]
+    assert plane.last_error == "RuntimeError: death 3" and plane._tasks[0].get_name().endswith("loop")
+    await plane._stop_tasks()
+    assert plane._tasks[0].cancelled()

@@ -34,7 +34,8 @@ from kvctl.core.events.plane import KV_EVENTS, TOPICS, AddRequest, decode_sequen
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.errors import DiscoveryError
 from kvctl.server.ingest.streams import Streams
-from kvctl.server.plane.dynamo_discovery import KEY_TTL_S, EtcdDiscovery, FileDiscovery, open_discovery
+from kvctl.server.plane.dynamo_discovery import KEY_TTL_S, FileDiscovery, open_discovery
+from kvctl.server.plane.etcd_discovery import EtcdDiscovery
 from kvctl.server.plane.zmq_plane import ZmqOptions, ZmqPlane
 from kvctl.server.state import Fleet
 from tests.etcd_server import EtcdServer
@@ -408,7 +409,7 @@ async def test_file_records_left_untouched_are_dead_and_own_records_are_kept_ali
     (path.parent / ".tmp_0123456789abcdef").write_bytes(b"{")
     stale = time.time() - KEY_TTL_S - 1
     os.utime(path, (stale, stale))
-    assert await store.list(namespace_prefix("dynamo")) == {} and store.expired == 1 and not store.stray
+    assert await store.list(namespace_prefix("dynamo")) == {} and store.expired == 1 and not store.refusals.counts
     await store.keep_alive()
     assert await store.list(namespace_prefix("dynamo")) == {key: b"{}"}
     path.unlink()  # deleted as expired by a Dynamo process while this one stalled: filed again

@@ -9,7 +9,9 @@ the listing and watching are the server's.
 
 from __future__ import annotations
 
+import ipaddress
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ CHANNELS_BUCKET = "v1/event_channels"
 _U64_MAX = (1 << 64) - 1
 _KEY = re.compile(r"^namespace/([^/]+)/component/([^/]+)/endpoint/([^/]+)/topic/([^/]+)/([0-9a-f]{1,16})$")
 _ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
+_BROADCAST = "255.255.255.255"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,37 @@ def parse_event_channel(data: bytes | str) -> EventChannel:
         publisher_id=instance_id,
         address=address,
     )
+
+
+def address_host(host: str) -> str:
+    """A host as `unreachable` compares it: an IP literal in its one canonical form, a name in lowercase."""
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        return host.lower()
+
+
+def unreachable(address: str, own: Collection[tuple[str, int]] = ()) -> str | None:
+    """Why a SUB socket must not connect to a record's `tcp://HOST:PORT` (a loss cause), or None when it may.
+    A bind address (`*`, 0.0.0.0, ::) is where a publisher listens, not where it is reached (0.0.0.0 even
+    connects to this host); port 0, a port past 65535, a multicast or broadcast address reach no publisher; and
+    `own`, this router's HTTP listen addresses (`address_host`, port), would answer each ZMQ greeting with an
+    HTTP error, logged on every reconnect, for ever."""
+    host, _, port_text = address.removeprefix("tcp://").rpartition(":")
+    port = int(port_text)
+    if host in ("*", ""):
+        return "wildcard_address"
+    try:
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        ip = None
+    if ip is not None and ip.is_unspecified:
+        return "wildcard_address"
+    if not 0 < port <= 65535 or ip is not None and (ip.is_multicast or ip == ipaddress.IPv4Address(_BROADCAST)):
+        return "unroutable_address"
+    if (address_host(host), port) in own:
+        return "own_address"
+    return None
 
 
 def encode_file_name(key: str) -> str:

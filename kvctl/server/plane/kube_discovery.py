@@ -13,6 +13,7 @@ a labelled EndpointSlice, which kvctl cannot make itself, so it files no records
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import builtins
 import json
@@ -20,7 +21,6 @@ import os
 import re
 import ssl
 import tempfile
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +33,17 @@ from kvctl.core.events.discovery import CHANNELS_BUCKET, parse_channel_key
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.request_plane import SOURCES_BUCKET
 from kvctl.errors import DiscoveryError
+from kvctl.server.plane.discovery_limits import IDENTITY, MAX_RECORD_BYTES, Refusals, TooLarge, read_capped
 from kvctl.server.plane.dynamo_discovery import polled
 
 GROUP, VERSION, PLURAL = "nvidia.com", "v1alpha1", "dynamoworkermetadatas"
 API_TIMEOUT_S = 5.0
+API_CALL_S = 15.0
+"""The longest one page of the list may take, connect to last byte: an API server that trickles its answer fails
+the listing (retried) rather than holding it for ever."""
+MAX_PAGE_BYTES = 64 << 20
+"""The largest page of the list read: a worker's document (model cards included) is tens of KB, so this is
+thousands of workers; past it the listing fails, named, rather than growing the router without bound."""
 BUCKETS = {CHANNELS_BUCKET: "event_channels", SOURCES_BUCKET: "event_sources"}
 """Each bucket a store lists, and where a DynamoWorkerMetadata's `spec.data` holds its records."""
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -178,11 +185,10 @@ class KubernetesDiscovery:
         self.api = load_api_server()
         self.namespace = namespace or self.api.namespace
         self.url = f"kubernetes:{self.namespace}"
-        self.stray: Counter[str] = Counter()
+        self.refusals = Refusals()
         self.expired = 0  # a dead pod's resource is deleted with it (its owner)
         self.follows = "poll"
         self._client: httpx.AsyncClient | None = None  # made in the loop that lists
-        self._counted: dict[tuple[str, str], str] = {}  # (bucket, resource) -> the version whose strays were counted
 
     def changes(self, prefix: str, poll_s: float) -> AsyncIterator[dict[str, bytes]]:
         return polled(self, prefix, poll_s)
@@ -193,49 +199,69 @@ class KubernetesDiscovery:
         if field is None or not prefix.startswith(bucket + "/"):
             raise ValueError(f"only {', '.join(BUCKETS)} keys are listed, not {prefix!r}")
         found: dict[str, bytes] = {}
-        counted: dict[tuple[str, str], str] = {}
+        refused: set[str] = set()
+
+        def refuse(entry: str, version: str, cause: str, detail: str) -> None:
+            refused.add(entry)
+            self.refusals.refuse(entry, version, cause, detail)
+
         for item in await self._items():
             name, version, channels = _records(item, field)
-            fresh = self._counted.get((bucket, name)) != version
-            counted[(bucket, name)] = version
             if channels is None:
-                if fresh:
-                    self.stray["bad_document"] += 1
+                refuse(f"{bucket}/{name}", version, "bad_document", f"{name}: no spec.data.{field} map")
                 continue
             for rest, record in channels.items():
                 key = f"{bucket}/{rest}"
                 try:
                     parse_channel_key(rest)  # the same layout in either bucket
                 except DecodeError:  # another layout: Dynamo 1.2's `ns/component/topic/id`
-                    if fresh:
-                        self.stray["bad_channel_key"] += 1
+                    refuse(f"{bucket}/{name}/{rest}", version, "bad_channel_key", f"{name}: key {rest!r:.80}")
                     continue
-                if key.startswith(prefix):
-                    found[key] = json.dumps(record).encode()
-        self._counted = {k: v for k, v in self._counted.items() if k[0] != bucket} | counted
+                if not key.startswith(prefix):
+                    continue
+                value = json.dumps(record).encode()
+                if len(value) > MAX_RECORD_BYTES:
+                    refuse(f"{bucket}/{name}/{rest}", version, "too_large", f"{name}: {key} holds {len(value)} bytes")
+                    continue
+                found[key] = value
+        self.refusals.forget(bucket + "/", refused)
         return found
 
     async def _items(self) -> builtins.list[Any]:  # `list` in this class is the method above
         """Every resource of the namespace, page by page (one page when served from the watch cache)."""
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=API_TIMEOUT_S, verify=self.api.verify or True)
+            self._client = httpx.AsyncClient(timeout=API_TIMEOUT_S, verify=self.api.verify or True, headers=IDENTITY)
         url = f"{self.api.server}/apis/{GROUP}/{VERSION}/namespaces/{self.namespace}/{PLURAL}"
         params = {"resourceVersion": "0"}
         items: list[Any] = []
         while True:
-            try:
-                answer = await self._client.get(url, params=params, headers=self.api.headers())
-            except (httpx.HTTPError, ssl.SSLError) as exc:  # a TLS alert read with the answer comes unwrapped
-                raise DiscoveryError(f"cannot reach the Kubernetes API server {self.api.server} (from "
-                                     f"{self.api.source}): {type(exc).__name__}: {exc}") from None
-            page = self._page(answer)
+            page = self._page(*await self._get(url, params))
             items.extend(page["items"])
             token = (page.get("metadata") or {}).get("continue")
             if not token:
                 return items
             params = {"continue": token}
 
-    def _page(self, answer: httpx.Response) -> dict[str, Any]:
+    async def _get(self, url: str, params: dict[str, str]) -> tuple[httpx.Response, bytes]:
+        """One page: its answer and body, whole within API_CALL_S and at most MAX_PAGE_BYTES."""
+        assert self._client is not None
+        where = f"the Kubernetes API server {self.api.server} (from {self.api.source})"
+        try:
+            async with asyncio.timeout(API_CALL_S):
+                answer = await self._client.send(self._client.build_request(
+                    "GET", url, params=params, headers=self.api.headers()), stream=True)
+                try:
+                    return answer, await read_capped(answer, MAX_PAGE_BYTES)
+                finally:
+                    await answer.aclose()
+        except (httpx.HTTPError, ssl.SSLError) as exc:  # a TLS alert read with the answer comes unwrapped
+            raise DiscoveryError(f"cannot reach {where}: {type(exc).__name__}: {exc}") from None
+        except TimeoutError:
+            raise DiscoveryError(f"{where}: no whole answer within {API_CALL_S:g} s") from None
+        except TooLarge as exc:
+            raise DiscoveryError(f"{where}: a page of {PLURAL} past {MAX_PAGE_BYTES >> 20} MiB ({exc})") from None
+
+    def _page(self, answer: httpx.Response, content: bytes) -> dict[str, Any]:
         """The list's body; DiscoveryError naming the fix for a refusal."""
         where = f"{self.api.server} namespace {self.namespace}"
         if answer.status_code == 401:
@@ -247,14 +273,15 @@ class KubernetesDiscovery:
             raise DiscoveryError(f"{where}: no {PLURAL}.{GROUP} resource (404): install Dynamo's CRDs, or point "
                                  "at the cluster Dynamo runs in")
         try:
-            body = answer.json()
+            body = json.loads(content)
         except ValueError:
             body = None
+        text = content[:200].decode(errors="replace")
         if answer.status_code != 200:
-            message = body.get("message") if isinstance(body, dict) else answer.text[:200]
+            message = body.get("message") if isinstance(body, dict) else text
             raise DiscoveryError(f"{where}: HTTP {answer.status_code}: {message}")
         if not isinstance(body, dict) or not isinstance(body.get("items"), list):
-            raise DiscoveryError(f"{where}: not a DynamoWorkerMetadataList: {answer.text[:80]!r}")
+            raise DiscoveryError(f"{where}: not a DynamoWorkerMetadataList: {text[:80]!r}")
         return body
 
     async def register(self, key: str, value: bytes) -> None:

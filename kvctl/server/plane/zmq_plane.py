@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import zmq
@@ -30,9 +32,11 @@ from zmq.utils.monitor import parse_monitor_message
 from kvctl.core.events.discovery import (
     CHANNELS_BUCKET,
     EventChannel,
+    address_host,
     namespace_prefix,
     parse_channel_key,
     parse_event_channel,
+    unreachable,
 )
 from kvctl.core.events.errors import DecodeError, ErrorKind
 from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, TOPICS
@@ -42,8 +46,9 @@ from kvctl.core.names import DEFAULT_MODEL, WorkerKey, format_worker
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
 from kvctl.errors import DiscoveryError
-from kvctl.server.ingest.fd_limits import sized
+from kvctl.server.ingest.fd_limits import default_max_engines, file_limit, sized
 from kvctl.server.ingest.streams import ModelWriter, Streams
+from kvctl.server.plane.discovery_limits import FIXES
 from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, open_discovery
 from kvctl.server.plane.ingest import PlaneIngest
 from kvctl.server.plane.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
@@ -60,6 +65,10 @@ POLL_S = 0.5
 publisher is followed within this (Dynamo registers a channel as it binds, before its messages matter)."""
 CONNECT_WAIT_S = 5.0
 """How long readiness waits for the first listing's sockets to connect (a stale record's never does)."""
+RETRY_MAX_S = 15.0
+"""The longest pause between tries of a store that fails (from `poll_s`, doubled at each failure in a row)."""
+LOG_EVERY_S = 60.0
+"""A record skipped is logged the first time for its cause, then at most this often: the ledger counts the rest."""
 RCVHWM = 100_000
 """Messages a SUB socket holds while the loop is busy; beyond, ZMQ drops them (seen as sequence gaps)."""
 _WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -84,11 +93,28 @@ class ZmqOptions:
     poll_s: float = POLL_S
     recovery_timeout_s: float = RECOVERY_TIMEOUT_S  # one worker's index recovery over the request plane
     recovery_max_bytes: int = RECOVERY_MAX_BYTES  # one recovery answer's bytes
+    max_channels: int | None = None  # channels followed at most (None: as the file limit allows, as --max-engines)
+    http_listen: tuple[str, int] | None = None  # this router's HTTP address: a record naming it is skipped
 
     @property
     def url(self) -> str:
         """The discovery store, as status, logs and metrics name the plane."""
         return self.discovery
+
+
+def own_addresses(listen: tuple[str, int] | None) -> frozenset[tuple[str, int]]:
+    """Where this router's HTTP listener is reached from this host, as `unreachable` compares addresses: the
+    listen address itself and, when it is a wildcard or loopback one, this host's other names for itself."""
+    if listen is None:
+        return frozenset()
+    host, port = listen
+    hosts = {host}
+    canonical = address_host(host)
+    if canonical in ("0.0.0.0", "::"):
+        hosts |= {"127.0.0.1", "::1", "localhost", socket.gethostname(), default_advertise_host()}
+    elif canonical in ("127.0.0.1", "::1"):
+        hosts |= {"127.0.0.1", "::1", "localhost"}
+    return frozenset((address_host(h), port) for h in hosts)
 
 
 @dataclass(eq=False)
@@ -142,9 +168,13 @@ class ZmqPlane(PlaneTasks):
         self.listings = 0
         self.listed_at: float | None = None
         self.ready_at: float | None = None
-        self._bad_records: dict[str, bytes] = {}  # counted once each, until they change
-        self._failing = False  # the last listing failed (status keeps the last error)
+        self._skipped: dict[str, tuple[bytes, str]] = {}  # record key -> (value, cause): counted once a version
+        self._logged: dict[str, float] = {}  # cause -> when a skipped record of it was last logged
+        self._down: str | None = None  # why discovery fails now (a listing, or its loop), None while it works
         self._ctx = sized(zmq.asyncio.Context())  # a fleet of over 500 publishers needs more than ZMQ's 1023
+        self.max_channels = options.max_channels or default_max_engines(file_limit(), self._ctx.get(zmq.MAX_SOCKETS))
+        self._own = own_addresses(options.http_listen)
+        self.discovery.refusals.lose = self._lose
         self.channels: SequenceChannels | None = None
         if options.replica_sync and not options.shadow:
             self.channels = SequenceChannels(self.discovery, options.namespace, options.router_id,
@@ -153,10 +183,10 @@ class ZmqPlane(PlaneTasks):
     # ----- lifecycle ----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._spawn(self._run(), self._tasks)
+        self._supervise(self._run, self._tasks, self._loop_died)
         if self.channels is not None:
             self.fleet.sequence_listener = self._publish_sequence
-            self._spawn(self._keep_alive(), self._tasks)
+            self._supervise(self._keep_alive, self._tasks)
 
     async def close(self) -> None:
         await self._stop_tasks()
@@ -171,22 +201,43 @@ class ZmqPlane(PlaneTasks):
         self.state = "closed"
 
     async def _run(self) -> None:
+        """List and follow the store for ever: a store that fails is tried again after a pause that doubles, up
+        to RETRY_MAX_S, while the plane's fault says so (the ledger logs it once)."""
         prefix = namespace_prefix(self.options.namespace)
         with contextlib.suppress(OSError):  # the ledger says so; each query tries again
             await self.recovery.client.start()
+        pause = self.options.poll_s
         while True:
             try:
                 async for records in self.discovery.changes(prefix, self.options.poll_s):
-                    if self._failing:
-                        log.info("event plane: discovery %s answers again", self.options.url)
-                    self._failing = False
                     await self._listed(records)
+                    self._judge(None)
+                    pause = self.options.poll_s
             except DiscoveryError as exc:
-                if not self._failing:  # once per outage, not once per poll
-                    log.warning("event plane: discovery %s: %s; retrying", self.options.url, exc)
-                self._failing = True
                 self.last_error = str(exc)
-            await asyncio.sleep(self.options.poll_s)
+                self._judge(f"discovery {self.options.url} fails: {exc}")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETRY_MAX_S)
+
+    def _loop_died(self, error: str, backoff_s: float) -> None:
+        self.state = "failed"
+        self._judge(f"the discovery loop stopped ({error}); it is started again after a backoff")
+
+    def _judge(self, down: str | None) -> None:
+        """The plane's fault in the health ledger: `down` says why discovery fails (None: it works, and the fault
+        is cleared). It blocks readiness once no live source is left: no channel of kv-events whose socket is
+        connected now, so that nothing at all reaches the model's index; while one still is, the index follows
+        the publishers it has, and only new or gone ones go unseen: partial."""
+        self._down = down
+        if down is None:
+            self.fleet.health.recover("plane.discovery")
+            return
+        live = any(link.connected.is_set() for link in self.links.values() if link.channel.topic == KV_EVENTS)
+        what = ("the publishers already connected are still followed; new and gone ones are not seen" if live else
+                f"no publisher of kv-events is connected: model {self.options.model!r}'s index hears nothing")
+        self.fleet.health.fail("plane.discovery", f"{down}; {what}",
+                               f"check that {self.options.url} answers from this host, quickly (the runbook's "
+                               "part:plane.discovery); kvctl keeps trying", blocks=not live)
 
     async def _listed(self, records: dict[str, bytes]) -> None:
         """The store's channel records now: follow them, recover the workers new among them, share in their
@@ -200,6 +251,7 @@ class ZmqPlane(PlaneTasks):
             await self._share()
         if not self._started.is_set():
             await self._first_connections(added)
+        self.state = "connected"
 
     async def _share(self) -> None:
         """A replica-sync channel of this router's in each scope whose workers it follows."""
@@ -245,6 +297,7 @@ class ZmqPlane(PlaneTasks):
         """Connect to each record's publisher not followed yet, drop those whose record went; the new links."""
         wanted: dict[str, EventChannel] = {}
         self.seen.clear()
+        self._skipped = {k: v for k, v in self._skipped.items() if k in records}
         for key, value in records.items():
             channel = self._channel(key, value)
             if channel is None:
@@ -253,8 +306,12 @@ class ZmqPlane(PlaneTasks):
             if self.options.component not in (None, channel.component) or \
                     self.options.endpoint not in (None, channel.endpoint):
                 continue
+            why = unreachable(channel.address, self._own)
+            if why is not None:
+                self._skip(key, value, why, f"{key}: {channel.address}")
+                continue
             wanted[key] = channel
-        self._bad_records = {k: v for k, v in self._bad_records.items() if k in records}
+        wanted = self._capped(wanted, records)
         gone = [k for k, link in self.links.items() if wanted.get(k) != link.channel]
         for key in gone:
             log.info("event plane: publisher %s gone from discovery", key)
@@ -263,9 +320,25 @@ class ZmqPlane(PlaneTasks):
             await self._drop(key)
         added = []
         for key, channel in wanted.items():
-            if key not in self.links:
-                added.append(self._connect(key, channel))
+            if key not in self.links and (link := self._connect(key, channel, records[key])) is not None:
+                added.append(link)
         return added
+
+    def _capped(self, wanted: dict[str, EventChannel], records: dict[str, bytes]) -> dict[str, EventChannel]:
+        """At most `max_channels` of the channels wanted (those followed already first, so that none churns),
+        the rest skipped and counted: each costs four file descriptors, and a store of 7,000 stale records
+        must not take them all. While some are refused the index is partial, and the ledger says so."""
+        if len(wanted) <= self.max_channels:
+            self.fleet.health.recover("plane.channels")
+            return wanted
+        order = sorted(wanted, key=lambda k: (k not in self.links or self.links[k].channel != wanted[k], k))
+        for key in order[self.max_channels:]:
+            self._skip(key, records[key], "too_many_channels", f"{key}: past {self.max_channels} channels")
+        self.fleet.health.fail(
+            "plane.channels", f"more channels listed than the {self.max_channels} followed (--max-channels): the "
+            "workers of the others are missing from the index (lost:discovery too_many_channels counts them)",
+            FIXES["too_many_channels"])
+        return {k: wanted[k] for k in order[:self.max_channels]}
 
     def _channel(self, key: str, value: bytes) -> EventChannel | None:
         """The record's channel; None (counted once per version of the record) when key or value are bad."""
@@ -274,12 +347,27 @@ class ZmqPlane(PlaneTasks):
             if parse_channel_key(key) != channel.key:
                 raise DecodeError(ErrorKind.bad_type, "key", "the key does not name the record's channel")
         except DecodeError as exc:
-            if self._bad_records.get(key) != value:
-                self._bad_records[key] = value
+            if self._skip(key, value, exc.kind.value, f"{key}: {exc}"):
                 self.record_errors[exc.kind.value] += 1
-                log.warning("event plane: discovery record %s skipped: %s", key, exc)
             return None
         return channel
+
+    def _skip(self, key: str, value: bytes, cause: str, detail: str) -> bool:
+        """A record not followed, counted in the ledger once per version of it; whether it was new."""
+        if self._skipped.get(key) == (value, cause):
+            return False
+        self._skipped[key] = (value, cause)
+        self._lose(cause, detail, FIXES.get(cause, "fix or remove the record in the discovery store"))
+        return True
+
+    def _lose(self, cause: str, detail: str, fix: str) -> None:
+        """A record or store entry skipped: the ledger counts each, the log says the first of a cause and then
+        one a minute at most."""
+        self.fleet.health.lose("discovery", cause, detail=detail, fix=fix)
+        now = time.monotonic()
+        if now - self._logged.get(cause, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged[cause] = now
+            log.warning("event plane: discovery entry skipped (%s): %s; %s", cause, detail, fix)
 
     def _pattern(self, component: str | None, endpoint: str | None, topic: str) -> str:
         return (f"{CHANNELS_BUCKET}/namespace/{self.options.namespace}/component/{component or '*'}"
@@ -308,17 +396,28 @@ class ZmqPlane(PlaneTasks):
 
     # ----- sockets ------------------------------------------------------------------------------------
 
-    def _connect(self, key: str, channel: EventChannel) -> _Link:
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, RCVHWM)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        monitor = sock.get_monitor_socket(_WATCHED)
-        sock.connect(channel.address)
+    def _connect(self, key: str, channel: EventChannel, value: bytes) -> _Link | None:
+        """A SUB socket following the channel; None (skipped, counted) when ZMQ refuses it (out of descriptors,
+        an address it cannot use)."""
+        sock = monitor = None
+        try:
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, RCVHWM)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            monitor = sock.get_monitor_socket(_WATCHED)
+            sock.connect(channel.address)
+        except zmq.ZMQError as exc:
+            for opened in (monitor, sock):
+                if opened is not None:
+                    opened.close(linger=0)
+            self._skip(key, value, "connect_failed", f"{key}: {channel.address}: {exc}")
+            return None
         link = _Link(key, channel, sock, monitor, time.monotonic())
         self.links[key] = link
-        self._spawn(self._watch(link), link.tasks)
-        self._spawn(self._receive(link), link.tasks)
+        self._skipped.pop(key, None)  # followed now: refused again, it counts again
+        self._supervise(partial(self._watch, link), link.tasks)
+        self._supervise(partial(self._receive, link), link.tasks)
         log.info("event plane: following %s (%s of publisher %d) at %s", key, channel.topic, channel.publisher_id,
                  channel.address)
         return link
@@ -345,6 +444,8 @@ class ZmqPlane(PlaneTasks):
             elif event == zmq.EVENT_DISCONNECTED:
                 link.disconnects += 1
                 link.connected.clear()
+            if self._down is not None:  # whether a live source is left may have changed
+                self._judge(self._down)
 
     async def _receive(self, link: _Link) -> None:
         channel = link.channel
@@ -396,8 +497,8 @@ class ZmqPlane(PlaneTasks):
             "discovery": {"url": o.url, "listings": self.listings, "poll_s": o.poll_s,
                           "follows": self.discovery.follows,
                           "listed_age_s": None if self.listed_at is None else round(now - self.listed_at, 3),
-                          "record_errors": dict(self.record_errors), "stray": dict(self.discovery.stray),
-                          "expired": self.discovery.expired},
+                          "record_errors": dict(self.record_errors), "stray": dict(self.discovery.refusals.counts),
+                          "expired": self.discovery.expired, "max_channels": self.max_channels},
             "connections": [link.row(now) for _, link in sorted(self.links.items())],
             "recovery": self.recovery.status(),
         }
