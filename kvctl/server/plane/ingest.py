@@ -72,10 +72,11 @@ class _Cursor:
 
 class PlaneIngest:
     def __init__(self, fleet: Fleet, writer: ModelWriter, *, model: str, router_id: int, replica_sync: bool,
-                 kv_events: bool = True) -> None:
+                 kv_events: bool = True, surface: str = "nats") -> None:
         """`kv_events=False`: KV events come another way (kvctl's JetStream stream); these are counted, not
-        applied, as a second copy would apply twice."""
+        applied, as a second copy would apply twice. `surface`: the transport, as the health ledger names it."""
         self.fleet = fleet
+        self.surface = surface
         self.writer = writer
         self.model = model
         self.router_id = router_id
@@ -105,14 +106,31 @@ class PlaneIngest:
             self.errors[exc.kind.value] += 1
             return
         now = time.monotonic()
-        order, publisher = self.publishers.observe(envelope.publisher_id, envelope.sequence, now, topic, component,
-                                                   endpoint)
+        book = self.publishers
+        evicted = book.evicted
+        order, publisher = book.observe(envelope.publisher_id, envelope.sequence, now, topic, component, endpoint)
+        if book.evicted != evicted:
+            self._forgot(publisher, now)
         if order is Order.repeat:
             return
         if order is Order.restart:
             log.warning("event plane: publisher %d of %s on %s.%s started over (sequence %d)",
                         publisher.publisher_id, topic, component, endpoint, envelope.sequence)
         await handler(envelope.payload, order, publisher, now)
+
+    def _forgot(self, newcomer: Publisher, now: float) -> None:
+        """A publisher forgotten to make room for `newcomer`: its position is lost (a gap of its own would go
+        unseen), and which workers it spoke for (a worker gone from discovery would be left in the index)."""
+        gone = self.publishers.last_evicted
+        assert gone is not None
+        detail = (f"publisher {gone.publisher_id} ({gone.topic} of {gone.component}.{gone.endpoint}, heard "
+                  f"{now - gone.last_seen:.1f} s ago) forgotten for publisher {newcomer.publisher_id}: "
+                  f"over {self.publishers.limit:,} at once")
+        if self.publishers.evicted == 1:
+            log.warning("event plane: %s; further ones are counted in /v1/status health", detail)
+        self.fleet.health.lose(self.surface, "too_many_publishers", detail=detail, fix=(
+            "a fleet has one publisher per engine process and topic: find who sends new publisher ids "
+            "(GET /v1/status event_plane.publishers), a crash-looping engine or a stray sender"))
 
     def _spoke_for(self, publisher: Publisher, worker: WorkerKey) -> None:
         publisher.workers.add(worker)
