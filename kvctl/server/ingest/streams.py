@@ -38,6 +38,10 @@ RESTART_MAX_S = 30.0
 QUEUE_BATCHES = 10_000
 """Decoded batches a model's writer may fall behind by before sources start dropping (and counting)."""
 
+SLICE_EVENTS = 256
+"""Events of one batch applied between two looks at the clock, ~1 ms: a batch larger than this is applied a slice
+of the loop at a time (one message of 100,000 events held the loop for 0.57 s in one step)."""
+
 
 _Item = tuple[WorkerKey, list[EventData], SeqMark | None, Callable[[], None] | None]
 """A queued batch: its worker, events, engine stream and seq, and what to call once it is applied."""
@@ -50,6 +54,11 @@ class ModelWriter:
     Engine streams do not get that far: once the queue and the batches still being decoded (which
     will land in it) fill half the queue (`full`), they stop reading until that is down to a quarter
     (`room`), so a burst waits in ZMQ, and what ZMQ drops comes back as a gap the engine replays.
+
+    A batch of more than `SLICE_EVENTS` events is applied in slices, in order, the loop let run between them;
+    nothing else of its model's queue comes in between, and whatever else would change its worker's index
+    meanwhile (a bulk load, a reset, the worker's removal) applies the rest of it first (`Fleet.unfinished`),
+    so the batch stays whole whatever comes when.
     """
 
     def __init__(self, fleet: Fleet, model: str, maxsize: int = QUEUE_BATCHES, decoder: Decoder | None = None
@@ -64,6 +73,7 @@ class ModelWriter:
         self._low = maxsize // 4
         self._has_room = asyncio.Event()
         self._trimmer = BurstTrimmer()
+        self.slicing = False  # a batch is being applied in slices
         self.queued = _QueueAlone(self)
         self.task = asyncio.get_running_loop().create_task(self._drain())
 
@@ -106,17 +116,23 @@ class ModelWriter:
     async def _drain(self) -> None:
         queue = self.queue
         while True:
-            self._apply(*await queue.get())
-            applied = 1
+            item = await queue.get()
+            applied = 0
             end = time.perf_counter() + SLICE_S
-            while not queue.empty():  # apply what is there, a slice of the loop at a time
+            while True:  # apply what is there, a slice of the loop at a time
+                if len(item[1]) > SLICE_EVENTS:
+                    end = await self._sliced(*item, end)
+                else:
+                    self._apply(*item)
+                applied += 1
+                if queue.empty():
+                    break
+                if queue.qsize() <= self._low:  # waiters check their own measure (see room_below)
+                    self._has_room.set()
                 if time.perf_counter() > end:
                     await asyncio.sleep(0)
                     end = time.perf_counter() + SLICE_S
-                self._apply(*queue.get_nowait())
-                applied += 1
-                if queue.qsize() <= self._low:  # waiters check their own measure (see room_below)
-                    self._has_room.set()
+                item = queue.get_nowait()
             self._has_room.set()
             self._trimmer.applied(applied)
             if not self._decoder.in_flight:
@@ -127,6 +143,39 @@ class ModelWriter:
         self.fleet.apply_engine_batch(self.model, worker, events, time.monotonic(), mark)
         if on_applied is not None:
             on_applied()
+
+    async def _sliced(self, worker: WorkerKey, events: list[EventData], mark: SeqMark | None,
+                      on_applied: Callable[[], None] | None, end: float) -> float:
+        """A large batch applied `SLICE_EVENTS` at a time, the loop let run whenever a slice of it is spent (from
+        `end` on); its `mark` goes with its last events. Returns when the current slice of the loop ends."""
+        fleet, key, done = self.fleet, (self.model, worker), 0
+
+        def rest() -> None:  # the rest of the batch at once: before another change to the worker, or on a cancel
+            nonlocal done
+            if done < len(events):
+                fleet.apply_engine_batch(self.model, worker, events[done:], time.monotonic(), mark)
+                done = len(events)
+
+        fleet.unfinished[key] = rest
+        self.slicing = True
+        try:
+            while done < len(events):
+                if time.perf_counter() > end:
+                    await asyncio.sleep(0)
+                    end = time.perf_counter() + SLICE_S
+                    continue  # what ran meanwhile may have applied the rest
+                upto = min(done + SLICE_EVENTS, len(events))
+                fleet.apply_engine_batch(self.model, worker, events[done:upto], time.monotonic(),
+                                         mark if upto == len(events) else None)
+                done = upto
+        finally:
+            rest()
+            if fleet.unfinished.get(key) is rest:
+                del fleet.unfinished[key]
+            self.slicing = False
+        if on_applied is not None:
+            on_applied()
+        return end
 
     async def flush(self) -> None:
         while not self.queue.empty() and not self.task.done():  # a dead writer drains nothing: do not spin
@@ -275,7 +324,7 @@ class Streams:
 
     def idle(self) -> bool:
         """Nothing received is waiting to be decoded or applied, and the decode process has been quiet."""
-        return self.decoder.idle() and all(w.queue.empty() for w in self.writers.values())
+        return self.decoder.idle() and all(w.queue.empty() and not w.slicing for w in self.writers.values())
 
     def engines(self) -> dict[str, Any]:
         """How many engines are followed, the most that may be, and how many were refused."""

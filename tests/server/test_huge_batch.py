@@ -1,0 +1,84 @@
+"""One engine message of 100,000 events held the router's loop for 0.57 s (issue 36): its model's writer now applies
+a batch that large a slice of the loop at a time, as bulk loads are. Shown with a probe that runs whenever the loop
+does and reads how much of the batch is in, not with a timer; and the batch stays whole in every order: a change to
+its worker that comes while it is half applied (a reset, the worker's removal, a bulk load) finds all of it in."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from kvctl.core.events import EventData, Removed, RouterEvent, Stored, Tier
+from kvctl.core.names import SeqMark
+from kvctl.server.ingest.streams import SLICE_EVENTS, ModelWriter
+from kvctl.server.state import Fleet
+
+EVENTS = 100_000
+WORKER = (1, 0)
+MARK: SeqMark = ((WORKER, "tcp://engine:5557"), 41)
+
+
+def chain(events: int) -> list[EventData]:
+    """A batch of stored blocks in a chain, each the child of the one before."""
+    return [Stored(i or None, [i + 1], [i + 1]) for i in range(events)]
+
+
+def blocks(fleet: Fleet) -> int:
+    return fleet.model("default").router.index.stats()[Tier.device].workers.get(WORKER, 0)
+
+
+async def apply_while_probing(fleet: Fleet, events: int, at_half: Callable[[], None] | None = None) -> list[int]:
+    """Queue a batch of `events` and wait for it, a probe reading the stored-event count each time the loop runs;
+    `at_half` is called by the probe the first time it finds the batch half applied or more."""
+    writer = ModelWriter(fleet, "default")
+    counts = fleet.model("default").applied
+    seen: list[int] = []
+
+    async def probe() -> None:
+        nonlocal at_half
+        while True:
+            await asyncio.sleep(0)
+            seen.append(counts[("stored", "ok")])
+            if 0 < seen[-1] < events:
+                assert MARK[0] not in fleet.stream_seqs, "the seq is told with the batch's last events"
+                if at_half is not None and seen[-1] >= events // 2:
+                    at_half()
+                    at_half = None
+
+    probing = asyncio.get_running_loop().create_task(probe())
+    writer.put(WORKER, chain(events), MARK)
+    await writer.applied()
+    probing.cancel()
+    writer.task.cancel()
+    assert not probing.done() or probing.cancelled(), probing.exception()
+    return seen
+
+
+async def test_a_100k_event_batch_is_applied_in_slices_with_the_loop_running_between() -> None:
+    fleet = Fleet()
+    seen = await apply_while_probing(fleet, EVENTS)
+    halfway = sorted({n for n in seen if 0 < n < EVENTS})
+    assert len(halfway) >= EVENTS // SLICE_EVENTS // 20, f"the loop ran {len(halfway)} times within the batch"
+    assert all(n % SLICE_EVENTS == 0 for n in halfway)  # between slices, never inside one
+    whole = Fleet()
+    whole.apply_engine_batch("default", WORKER, chain(EVENTS), 0.0, MARK)
+    assert fleet.model("default").router.index.dump() == whole.model("default").router.index.dump()
+    assert fleet.stream_seqs == whole.stream_seqs == {MARK[0]: MARK[1]}
+
+
+@pytest.mark.parametrize("change", ["reset", "unregister", "bulk load"])
+async def test_a_change_to_the_worker_midway_finds_the_whole_batch_in(change: str) -> None:
+    """What comes while the batch is half in applies after all of it, as if the batch had been one step."""
+    fleet, events = Fleet(), 40 * SLICE_EVENTS
+    changes = {
+        "reset": lambda: fleet.reset("default", *WORKER),
+        "unregister": lambda: fleet.unregister(*WORKER),
+        "bulk load": lambda: fleet.apply("default", [RouterEvent(WORKER[0], Removed([events]), WORKER[1])], 0.0),
+    }
+    seen = await apply_while_probing(fleet, events, changes[change])
+    assert any(events // 2 <= n < events for n in seen), "never found the batch half applied"
+    assert fleet.model("default").applied[("stored", "ok")] == events
+    assert blocks(fleet) == {"reset": 0, "unregister": 0, "bulk load": events - 1}[change]
+    assert (WORKER in fleet.workers) is (change != "unregister")
