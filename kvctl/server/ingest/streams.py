@@ -26,6 +26,7 @@ from kvctl.server.ingest.decode_process.parent import Decoder, InlineDecoder
 from kvctl.server.ingest.zmq_source import EngineStream
 from kvctl.server.logs import error_text
 from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.zmq_limits import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("kvctl.serve")
 _NOBODY: WorkerKey = (0, 0)  # the worker of an empty batch (a marker): applying it touches nothing
@@ -42,6 +43,9 @@ SLICE_EVENTS = 256
 """Events of one batch applied between two looks at the clock, ~1 ms: a batch larger than this is applied a slice
 of the loop at a time (one message of 100,000 events held the loop for 0.57 s in one step)."""
 
+
+TOO_LARGE_FIX = ("raise --max-zmq-message-bytes if the sender's batches are that large, else fix the sender; "
+                 "what it sent meanwhile is a gap, replayed or counted lost")
 
 _Item = tuple[WorkerKey, list[EventData], SeqMark | None, Callable[[], None] | None]
 """A queued batch: its worker, events, engine stream and seq, and what to call once it is applied."""
@@ -223,9 +227,10 @@ class Streams:
 
     def __init__(self, fleet: Fleet, *, queue_batches: int = QUEUE_BATCHES, decoder: Decoder | None = None,
                  context: zmq.asyncio.Context | None = None, restart_min_s: float = RESTART_MIN_S,
-                 max_engines: int | None = None) -> None:
+                 max_engines: int | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.fleet = fleet
         self.max_engines = max_engines
+        self.max_message_bytes = max_message_bytes
         self.refused = 0  # engines refused for want of room
         self.queue_batches = queue_batches
         self.decoder: Decoder = InlineDecoder() if decoder is None else decoder
@@ -271,10 +276,23 @@ class Streams:
         stream = EngineStream(worker=info.key, endpoint=info.endpoint, replay_endpoint=info.replay_endpoint,
                               topic=info.topic, block_size=self.fleet.model(model).block_size, sink=writer.put,
                               on_restart=on_restart, decoder=self.decoder, downstream=writer, queue=writer.queued,
-                              context=self.context, resume_seq=self.fleet.stream_seqs.get((info.key, info.endpoint)))
+                              context=self.context, resume_seq=self.fleet.stream_seqs.get((info.key, info.endpoint)),
+                              max_message_bytes=self.max_message_bytes, on_dropped=lambda: self._dropped(info))
         source = self._running[info.key] = _Source(stream)
         source.task = asyncio.get_running_loop().create_task(self._run(source))
         return True
+
+    def _dropped(self, info: WorkerInfo) -> None:
+        """libzmq dropped an engine's connection for a message over the limit (it is made again): counted, the
+        first time logged."""
+        engine = f"engine {format_worker(info.key)} at {info.endpoint}"
+        if ("zmq", "too_large") not in self.fleet.health.losses:
+            log.warning("%s sent a message over %s bytes (--max-zmq-message-bytes): its connection was dropped and "
+                        "made again; further ones are counted in /v1/status health", engine,
+                        f"{self.max_message_bytes:,}")
+        self.fleet.health.lose("zmq", "too_large", detail=f"{engine}: a message over {self.max_message_bytes:,} "
+                               "bytes (or a malformed ZMTP frame); its connection was dropped and made again",
+                               fix=TOO_LARGE_FIX)
 
     async def _run(self, source: _Source) -> None:
         """Run the stream until it is closed; one that dies is shown failed and run again after a backoff."""

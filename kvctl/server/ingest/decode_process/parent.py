@@ -36,8 +36,17 @@ from typing import Any, Protocol
 from kvctl.child_process import python_module
 from kvctl.core.events import EngineBatch, ErrorKind
 from kvctl.core.words import counted
-from kvctl.server.ingest.decode_process.wire import HEADER, Answer, Refused, control, decode_now, split_answers
+from kvctl.server.ingest.decode_process.wire import (
+    HEADER,
+    Answer,
+    Dropped,
+    Refused,
+    control,
+    decode_now,
+    split_answers,
+)
 from kvctl.server.serve_choices import DecoderMode
+from kvctl.zmq_limits import MAX_MESSAGE_BYTES
 
 __all__ = ["Backpressure", "Decoded", "Decoder", "InlineDecoder", "NeverFull", "OnLive",
            "ProcessDecoder", "Subscription", "make_decoder", "usable_cpus"]
@@ -96,7 +105,7 @@ class Subscription:
 
     `on_lost(why)` is called when the decode process is gone, or could not subscribe, and the stream
     must read its own socket; `hold` is where the stream's batches go, which answers wait on while it is
-    full."""
+    full; `on_dropped()` when libzmq dropped the connection for a frame over `max_bytes` (made again)."""
 
     endpoint: str
     topic: str
@@ -105,6 +114,8 @@ class Subscription:
     on_live: OnLive
     on_lost: Callable[[str], None]
     hold: Backpressure
+    max_bytes: int = MAX_MESSAGE_BYTES
+    on_dropped: Callable[[], None] = lambda: None
 
 
 class Decoder(Backpressure, Protocol):
@@ -236,7 +247,7 @@ class ProcessDecoder:
         self._subscriptions[key] = subscription
         self._gather_holds()
         self._outbox += control(["open", key, subscription.endpoint, subscription.topic, subscription.rcvhwm,
-                                 subscription.block_size])
+                                 subscription.block_size, subscription.max_bytes])
         self._send_soon()
         return key
 
@@ -364,6 +375,11 @@ class ProcessDecoder:
                 subscription = subscriptions.get(key)
                 if subscription is not None:  # else unsubscribed since
                     subscription.on_live(seq, result, seen)
+                continue
+            if type(answer) is Dropped:
+                subscription = subscriptions.get(answer.key)
+                if subscription is not None:
+                    subscription.on_dropped()
                 continue
             if type(answer) is Refused:
                 subscription = subscriptions.pop(answer.key, None)

@@ -9,8 +9,8 @@ no names), many of them per read.
 Requests (router -> child): u32 LE payload length, u32 LE block size, payload.
   - block size > 0: decode this payload (a replayed batch) and answer it;
   - block size 0 (`CONTROL`): the payload is a msgpack command, answered by nothing:
-    `["open", key, endpoint, topic, rcvhwm, block size]` subscribes to an engine's PUB and sends
-    every live message received there; `["close", key]` unsubscribes.
+    `["open", key, endpoint, topic, rcvhwm, block size, max message bytes]` subscribes to an engine's PUB and
+    sends every live message received there; `["close", key]` unsubscribes.
 Answers (child -> router): u32 LE body length, u8 origin, body.
   - origin 0 (`REQUEST`): the answer to the oldest unanswered decode request: msgpack
     `[ts, dp_rank, events, error kinds]` for a batch, or `[kind]` when the whole payload failed;
@@ -22,6 +22,8 @@ Answers (child -> router): u32 LE body length, u8 origin, body.
     message (`kvctl.server.ingest.schema_seen.sampled`), else nil.
   - origin 2 (`REFUSED`): the child could not subscribe for stream `key`: msgpack `[key, why]`; the
     stream reads its own socket, where the same error shows as it would have without a child.
+  - origin 3 (`DROPPED`): libzmq dropped stream `key`'s connection for a frame over its limit, and the child
+    connected again (`kvctl.zmq_limits`): msgpack `[key]`.
 A stored event's local hashes and a removed event's hashes are packed: a bin of native-endian u64s (both
 ends are one machine), which the router reads as an `array('Q')` without building an int per block. The
 index needs ints only for stored engine hashes, which become its lookup keys.
@@ -56,7 +58,7 @@ from kvctl.server.ingest.schema_seen import facts_of
 HEADER = struct.Struct("<II")
 ANSWER = struct.Struct("<IB")
 CONTROL = 0
-REQUEST, LIVE, REFUSED = 0, 1, 2
+REQUEST, LIVE, REFUSED, DROPPED = 0, 1, 2, 3
 
 _TIERS = {t.value: t for t in Tier}
 _ENCODE = msgspec.msgpack.Encoder().encode
@@ -75,6 +77,13 @@ class Refused:
 
     key: int
     why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """Stream `key`'s connection was dropped for too large a frame, and made again (see the module docstring)."""
+
+    key: int
 
 
 def control(command: list[Any]) -> bytes:
@@ -131,6 +140,11 @@ def refused(key: int, why: str) -> bytes:
     return ANSWER.pack(len(body), REFUSED) + body
 
 
+def dropped(key: int) -> bytes:
+    body = _ENCODE([key])
+    return ANSWER.pack(len(body), DROPPED) + body
+
+
 def decode_now(payload: bytes, block_size: int) -> EngineBatch | ErrorKind:
     """A payload decoded as the router takes it, here or in the decode process: removed hashes and
     stored local hashes packed."""
@@ -159,7 +173,7 @@ def _packed(hashes: Sequence[int]) -> bytes:
     return (hashes if type(hashes) is array else array("Q", hashes)).tobytes()
 
 
-Answer = EngineBatch | ErrorKind | Live | Refused
+Answer = EngineBatch | ErrorKind | Live | Refused | Dropped
 
 
 def split_answers(buf: bytearray) -> list[Answer]:
@@ -180,6 +194,8 @@ def split_answers(buf: bytearray) -> list[Answer]:
                 out.append((key, seq, sample, read_answer(inner)))
             elif origin == REFUSED:
                 out.append(Refused(*body))
+            elif origin == DROPPED:
+                out.append(Dropped(*body))
             else:
                 out.append(read_answer(body))
             at = end
