@@ -42,6 +42,7 @@ from kvctl.core.names import DEFAULT_MODEL, WorkerKey, format_worker
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
 from kvctl.errors import DiscoveryError
+from kvctl.server.budget import Slices
 from kvctl.server.ingest.fd_limits import sized
 from kvctl.server.ingest.streams import TOO_LARGE_FIX, ModelWriter, Streams
 from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, open_discovery
@@ -355,8 +356,9 @@ class ZmqPlane(PlaneTasks):
                                "was dropped and made again", fix=TOO_LARGE_FIX)
 
     async def _receive(self, link: _Link) -> None:
-        channel = link.channel
+        channel, slices = link.channel, Slices()
         while True:
+            await slices.tick()
             frames = await link.socket.recv_multipart()
             link.messages += 1
             try:
