@@ -82,3 +82,23 @@ async def test_a_change_to_the_worker_midway_finds_the_whole_batch_in(change: st
     assert fleet.model("default").applied[("stored", "ok")] == events
     assert blocks(fleet) == {"reset": 0, "unregister": 0, "bulk load": events - 1}[change]
     assert (WORKER in fleet.workers) is (change != "unregister")
+
+
+def test_the_decode_process_sends_a_large_batch_in_parts_read_as_they_come() -> None:
+    """The router reads its decode process's pipe 64 KiB a wake-up; a batch read whole held its loop for as long as
+    making all its events took (~0.2 s at 100,000). In parts, a wake-up makes a few thousand at most."""
+    from kvctl.core.events.engine_encode import VLLM, BlockStored, encode_batch
+    from kvctl.server.ingest.decode_process.wire import PART_EVENTS, decode_now, live_answer, split_answers
+
+    events = 20 * PART_EVENTS
+    payload = encode_batch(VLLM, 0.0, [BlockStored([i + 1], i or None, list(range(16)), 16) for i in range(events)])
+    wire = live_answer(1, [b"", (5).to_bytes(8, "big"), payload], 16, False)
+    buf, held, answers, most = bytearray(), [], [], 0
+    for at in range(0, len(wire), 64 * 1024):
+        before = len(held)
+        buf += wire[at:at + 64 * 1024]
+        answers += split_answers(buf, held)
+        most = max(most, (len(answers[0][3].events) if answers else len(held)) - before)
+    (answer,) = answers
+    assert answer[:2] == (1, 5) and answer[3] == decode_now(payload, 16) and not held
+    assert most <= 4 * PART_EVENTS, f"{most} events made in one read"

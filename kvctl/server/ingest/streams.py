@@ -39,9 +39,10 @@ RESTART_MAX_S = 30.0
 QUEUE_BATCHES = 10_000
 """Decoded batches a model's writer may fall behind by before sources start dropping (and counting)."""
 
-SLICE_EVENTS = 256
-"""Events of one batch applied between two looks at the clock, ~1 ms: a batch larger than this is applied a slice
-of the loop at a time (one message of 100,000 events held the loop for 0.57 s in one step)."""
+SLICE_EVENTS = 64
+"""Events of one batch applied between two looks at the clock (as bulk loads do: far under a slice even for long
+chains): a batch larger than this is applied a slice of the loop at a time (one message of 100,000 events held the
+loop for 0.57 s in one step)."""
 
 
 TOO_LARGE_FIX = ("raise --max-zmq-message-bytes if the sender's batches are that large, else fix the sender; "

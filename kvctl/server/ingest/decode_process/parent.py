@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvctl.child_process import python_module
-from kvctl.core.events import EngineBatch, ErrorKind
+from kvctl.core.events import EngineBatch, ErrorKind, EventData
 from kvctl.core.words import counted
 from kvctl.server.ingest.decode_process.wire import (
     HEADER,
@@ -181,6 +181,7 @@ class ProcessDecoder:
         self.in_flight = 0
         self._outbox = bytearray()
         self._inbox = bytearray()
+        self._held: list[EventData] = []  # the parts of a large batch read so far (wire.PART)
         self._answers: deque[Answer] = deque()  # read, not yet delivered
         self._flush_soon = False
         self._waiting_to_write = False
@@ -352,7 +353,7 @@ class ProcessDecoder:
             return
         self._read_at = time.monotonic()
         self._inbox += chunk
-        self._answers.extend(split_answers(self._inbox))
+        self._answers.extend(split_answers(self._inbox, self._held))
         self._dispatch(hold=True)
 
     def _dispatch(self, *, hold: bool) -> None:
@@ -427,6 +428,7 @@ class ProcessDecoder:
         self.in_flight = 0
         self._outbox.clear()
         self._inbox.clear()
+        self._held.clear()
         for entry in pending:
             if isinstance(entry, tuple):
                 payload, block_size, done = entry
