@@ -102,3 +102,50 @@ def test_the_decode_process_sends_a_large_batch_in_parts_read_as_they_come() -> 
     (answer,) = answers
     assert answer[:2] == (1, 5) and answer[3] == decode_now(payload, 16) and not held
     assert most <= 4 * PART_EVENTS, f"{most} events made in one read"
+
+
+async def test_a_large_event_plane_batch_is_decoded_in_slices_as_in_one_step() -> None:
+    """Dynamo's plane: a `kv-events` message of many events (100,000 took 1.2 s to decode in one step) is decoded
+    and handed on a slice of the loop at a time; its events, and what is bad in it, are what one step finds."""
+    from collections import Counter
+
+    import msgspec
+
+    from kvctl.core.events.dynamo import (
+        EventEnvelope,
+        decode_router_event_batch,
+        encode_envelope,
+        encode_router_event_batch,
+    )
+    from kvctl.server.plane.ingest import PlaneIngest
+
+    events = 5000  # under the writer's queue: putting them never waits
+    good = [RouterEvent(1, Stored(i or None, [i + 1], [i + 1]), 0, i) for i in range(events)]
+    items = msgspec.msgpack.decode(encode_router_event_batch(good))
+    items[700] = {"worker_id": "one"}  # a bad event costs itself
+    payload = msgspec.msgpack.encode(items)
+    fleet = Fleet()
+    writer = ModelWriter(fleet, "default")
+    ingest = PlaneIngest(fleet, writer, model="default", router_id=9, replica_sync=False)
+    runs = 0
+
+    async def probe() -> None:
+        nonlocal runs
+        while True:
+            await asyncio.sleep(0)
+            runs += 1
+
+    probing = asyncio.get_running_loop().create_task(probe())
+    await asyncio.sleep(0)
+    before = runs
+    await ingest.receive("backend", "generate", "kv-events", encode_envelope(
+        EventEnvelope(5, 0, 0, "kv-events", payload)))
+    during = runs - before
+    probing.cancel()
+    await writer.applied()
+    writer.task.cancel()
+    assert during >= events // SLICE_EVENTS // 4, f"the loop ran {during} times while the message was taken in"
+    decoded, bad = decode_router_event_batch(payload)
+    assert ingest.errors == Counter(e.kind.value for e in bad) and len(bad) == 1
+    assert ingest.counts["events"] == len(decoded) == events - 1
+    assert blocks(fleet) == 700  # the chain breaks where the bad event was: as one step leaves it
