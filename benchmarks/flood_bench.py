@@ -7,7 +7,8 @@ router's peak RSS (its decode process included). Target: p99 under 50 ms during 
 Floods (one function each, registered in `FLOODS`: add one with `@flood("name")`):
   - publisher-ids: Dynamo's ZMQ plane (file discovery, one publisher's record), 100,000 load reports each under a
     new publisher id, at 10,000 a second;
-  - huge-batches: an engine sending 3 messages of 100,000 stored events each (17 MB), one a second;
+  - huge-batches: an engine sending 3 messages of 100,000 stored events each (12 MB), one a second;
+  - plane-huge-batches: the same on Dynamo's ZMQ plane: 3 kv-events messages of 100,000 RouterEvents (18 MB);
   - oversized-frames: an engine sending ten 256 MiB frames (each after the router subscribed again, or 3 s),
     then one ordinary batch, which must be applied.
 
@@ -37,8 +38,9 @@ import zmq
 from _procs import Proc, rss_bytes
 from scale_bench import Prober
 
+from kvctl.core.events import RouterEvent, Stored
 from kvctl.core.events.discovery import ChannelKey, encode_file_name
-from kvctl.core.events.dynamo import EventEnvelope, encode_envelope
+from kvctl.core.events.dynamo import EventEnvelope, encode_envelope, encode_router_event_batch
 from kvctl.core.events.engine_encode import VLLM, BlockStored, encode_batch
 from kvctl.core.events.plane import ActiveLoad, encode_active_load
 from kvctl.core.events.zmq_wire import ZmqMessage, encode_zmq_message
@@ -164,19 +166,20 @@ def flood(name: str) -> Callable[[Callable[[Bench, argparse.Namespace], dict[str
     return register
 
 
-@flood("publisher-ids")
-def publisher_ids(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
-    """`args.ids` load reports on Dynamo's ZMQ plane, each from a publisher id never heard before."""
+@contextlib.contextmanager
+def plane_publisher(bench: Bench, topic: str) -> Iterator[tuple[zmq.Socket[bytes], Router]]:
+    """A publisher of `topic` on Dynamo's ZMQ plane (its record in a file-discovery dir, kept alive) and a router
+    following the plane, subscribed to it."""
     pub, address = bench.engine()
-    store = bench.workdir / "discovery"
+    store = bench.workdir / f"discovery-{topic}"
     bucket = store / "v1" / "event_channels"
     bucket.mkdir(parents=True, exist_ok=True)
-    key = ChannelKey("dynamo", "backend", "generate", "kv_metrics", 0x51).key
+    key = ChannelKey("dynamo", "backend", "generate", topic, 0x51).key
     record = bucket / encode_file_name(key.removeprefix("v1/event_channels/"))
     record.write_text(json.dumps({
         "type": "EventChannel", "scope": {"kind": "endpoint", "endpoint": {
             "namespace": "dynamo", "component": "backend", "name": "generate"}},
-        "topic": "kv_metrics", "instance_id": 0x51, "transport": {"kind": "Zmq", "config": {"endpoint": address}}}))
+        "topic": topic, "instance_id": 0x51, "transport": {"kind": "Zmq", "config": {"endpoint": address}}}))
     alive = threading.Event()
 
     def keep_alive() -> None:  # as its owner would: an untouched file record is dead after 10 s
@@ -184,29 +187,63 @@ def publisher_ids(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             os.utime(record)
 
     threading.Thread(target=keep_alive, daemon=True).start()
-    report = encode_active_load(ActiveLoad(7, 0, 1, 16, 100))
-    messages = [encode_zmq_message(ZmqMessage("kv_metrics", 10**6 + i, 0, encode_envelope(
-        EventEnvelope(10**6 + i, 0, 0, "kv_metrics", report)))) for i in range(args.ids)]
     try:
         with bench.router("--dynamo-discovery", f"file:{store}") as router:
             if not subscribed(pub, 30):
                 raise RuntimeError("the router never subscribed to the publisher")
-
-            def send() -> dict[str, Any]:
-                burst, start = max(1, args.rate // 100), time.perf_counter()
-                for i in range(0, len(messages), burst):
-                    for frames in messages[i:i + burst]:
-                        pub.send_multipart(frames)
-                    time.sleep(max(0.0, start + (i + burst) / args.rate - time.perf_counter()))
-                sent_s = time.perf_counter() - start
-                wait_until(lambda: (router.status()["event_plane"].get("topics") or {}).get("kv_metrics", 0)
-                           >= len(messages), 120, "every report ingested", router.proc)
-                return {"sent_per_s": round(len(messages) / sent_s), "losses": losses(router)}
-
-            return bench.probed(router, send)
+            yield pub, router
     finally:
         alive.set()
         pub.close(0)
+
+
+def plane_message(topic: str, publisher_id: int, sequence: int, payload: bytes) -> list[bytes]:
+    envelope = encode_envelope(EventEnvelope(publisher_id, sequence, 0, topic, payload))
+    return encode_zmq_message(ZmqMessage(topic, publisher_id, sequence, envelope))
+
+
+def ingested(router: Router, topic: str) -> int:
+    return int((router.status()["event_plane"].get("topics") or {}).get(topic, 0))
+
+
+@flood("publisher-ids")
+def publisher_ids(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
+    """`args.ids` load reports on Dynamo's ZMQ plane, each from a publisher id never heard before."""
+    report = encode_active_load(ActiveLoad(7, 0, 1, 16, 100))
+    messages = [plane_message("kv_metrics", 10**6 + i, 0, report) for i in range(args.ids)]
+    with plane_publisher(bench, "kv_metrics") as (pub, router):
+
+        def send() -> dict[str, Any]:
+            burst, start = max(1, args.rate // 100), time.perf_counter()
+            for i in range(0, len(messages), burst):
+                for frames in messages[i:i + burst]:
+                    pub.send_multipart(frames)
+                time.sleep(max(0.0, start + (i + burst) / args.rate - time.perf_counter()))
+            sent_s = time.perf_counter() - start
+            wait_until(lambda: ingested(router, "kv_metrics") >= len(messages), 120, "every report ingested",
+                       router.proc)
+            return {"sent_per_s": round(len(messages) / sent_s), "losses": losses(router)}
+
+        return bench.probed(router, send)
+
+
+@flood("plane-huge-batches")
+def plane_huge_batches(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
+    """`args.batches` kv-events messages of `args.events` events each on Dynamo's ZMQ plane, one a second."""
+    messages = [plane_message("kv-events", 0x51, b, encode_router_event_batch(
+        [RouterEvent(1, Stored(None, [b * args.events + i + 1], [i + 1]), 0, b * args.events + i)
+         for i in range(args.events)])) for b in range(args.batches)]
+    with plane_publisher(bench, "kv-events") as (pub, router):
+
+        def send() -> dict[str, Any]:
+            for frames in messages:
+                pub.send_multipart(frames)
+                time.sleep(1.0)
+            wait_until(lambda: (router.status()["event_plane"].get("counts") or {}).get("events", 0)
+                       >= args.events * len(messages), 300, "every event taken", router.proc)
+            return {"payload_mb": round(len(messages[0][3]) / 2**20, 1)}
+
+        return bench.probed(router, send)
 
 
 @flood("huge-batches")
@@ -288,8 +325,8 @@ def main() -> None:
     parser.add_argument("--floods", default=",".join(FLOODS), help=f"comma-separated, of: {', '.join(FLOODS)}")
     parser.add_argument("--ids", type=int, default=100_000, help="publisher-ids: new publisher ids")
     parser.add_argument("--rate", type=int, default=10_000, help="publisher-ids: ids a second")
-    parser.add_argument("--events", type=int, default=100_000, help="huge-batches: events a message")
-    parser.add_argument("--batches", type=int, default=3, help="huge-batches: messages")
+    parser.add_argument("--events", type=int, default=100_000, help="(plane-)huge-batches: events a message")
+    parser.add_argument("--batches", type=int, default=3, help="(plane-)huge-batches: messages")
     parser.add_argument("--frames", type=int, default=10, help="oversized-frames: frames")
     parser.add_argument("--frame-mb", type=int, default=256, help="oversized-frames: MiB a frame")
     parser.add_argument("--json", action="store_true", help="one JSON line per flood instead of the table")
