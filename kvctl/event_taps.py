@@ -4,11 +4,14 @@ plane found through its discovery store here; NATS in `kvctl.nats.tap`).
 What `kvctl events tail` and `events record` read. Each message is decoded as the router would, and its
 seq (ZMQ) or event id (NATS, per worker) judged by the router's own rules (`Sequence`): what arrives is
 yielded as `Tapped` (a decoded event, or a gap in the sequence), and `TapStats` keeps the counts the
-command prints on exit: the answer to "are events arriving at all, and whole?".
+command prints on exit: the answer to "are events arriving at all, and whole?". A ZMQ tap refuses a frame over
+`MAX_MESSAGE_BYTES`, as the router does (`kvctl.zmq_limits`): the connection libzmq drops for it is made again, and
+counted in `decode_errors` as `too_large`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections import Counter
@@ -28,6 +31,7 @@ from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.core.names import WorkerKey
 from kvctl.core.words import counted
 from kvctl.errors import DiscoveryError, Unreachable
+from kvctl.zmq_limits import MAX_MESSAGE_BYTES, WATCHED, Drops, limited, reconnect, waiting_events, watch
 
 POLL_MS = 200
 T = TypeVar("T")
@@ -84,21 +88,32 @@ def unheard(_: str) -> None:
 
 
 def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: str = "", worker_id: int = 0,
-            block_size: int | None = None, listening: Callable[[str], None] = unheard) -> Iterator[Tapped]:
+            block_size: int | None = None, listening: Callable[[str], None] = unheard,
+            max_bytes: int = MAX_MESSAGE_BYTES) -> Iterator[Tapped]:
     """An engine's live batches, as RouterEvents of `worker_id` (engines do not say who they are).
 
     `listening` is told once the SUB socket is connecting; ZMQ joins in the background, so an engine's
     first messages can still be missed (its PUB drops what it sends before the join completes)."""
     ctx = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
+    sub = limited(ctx.socket(zmq.SUB), max_bytes)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    monitor = sub.get_monitor_socket(WATCHED)
     sub.connect(endpoint)
     listening(f"subscribed to {endpoint}" + (f" (topic {topic!r})" if topic else ""))
     sequence = Sequence(once=True)
+    poller, drops = zmq.Poller(), Drops[str]()
+    poller.register(sub, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     try:
         while not stop():
-            if not sub.poll(POLL_MS):
+            ready = dict(poller.poll(POLL_MS))
+            for event, connection in waiting_events(monitor) if monitor in ready else ():
+                drops.seen(event, connection, time.monotonic())
+            for dropped in drops.due(time.monotonic()):
+                reconnect(sub, dropped)
+                stats.decode_errors["too_large"] += 1
+            if sub not in ready:
                 continue
             frames = sub.recv_multipart()
             stats.messages += 1
@@ -116,6 +131,8 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
                 stats.events += 1
                 yield Tapped(_now_ms(), message.seq, RouterEvent(worker_id, data, message.batch.dp_rank, n))
     finally:
+        sub.disable_monitor()
+        monitor.close(0)
         sub.close(0)
 
 
@@ -169,10 +186,15 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
 
     store = open_discovery(discovery_url)
     ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.SUB)
+    sock = limited(ctx.socket(zmq.SUB), MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, KV_EVENTS.encode())
+    monitor = sock.get_monitor_socket(WATCHED)
+    watching = asyncio.get_running_loop().create_task(watch(sock, monitor, lambda _: too_large()))
     followed: set[str] = set()
+
+    def too_large() -> None:
+        stats.decode_errors["too_large"] += 1
 
     async def follow() -> None:
         for key, value in (await store.list(namespace_prefix(scope.namespace))).items():
@@ -206,6 +228,9 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
             for tapped in tapped_events(_framed, await sock.recv_multipart(), sequences, stats):
                 yield tapped
     finally:
+        watching.cancel()
+        sock.disable_monitor()
+        monitor.close(linger=0)
         sock.close(linger=0)
         ctx.term()
         await store.close()

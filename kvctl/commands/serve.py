@@ -319,11 +319,15 @@ def serve_command(
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", envvar="KVCTL_MAX_BODY_BYTES", min=1,
         help="Largest request body accepted; larger ones are refused with 413.")] = 64 * 1024 * 1024,
+    max_zmq_message_bytes: Annotated[int, typer.Option(
+        "--max-zmq-message-bytes", envvar="KVCTL_MAX_ZMQ_MESSAGE_BYTES", min=1,
+        help="Largest ZMQ frame taken from an engine or an event-plane publisher; one larger makes ZMQ drop the "
+             "connection, which is made again at once and counted (/v1/status health).")] = 64 * 1024 * 1024,
     max_engines: Annotated[int | None, typer.Option(
         "--max-engines", envvar="KVCTL_MAX_ENGINES", min=1, show_default=False,
         help="Engine endpoints followed at most; registering one more is refused with 409 (counted in "
              "kvctl_engines_refused). Default: what the file limit allows, raised to its hard limit at start "
-             "(4 descriptors an engine, 512 or a quarter kept for the rest): 192 at ulimit -n 1024.")] = None,
+             "(6 descriptors an engine, 512 or a quarter kept for the rest): 128 at ulimit -n 1024.")] = None,
     idle_timeout: Annotated[float, typer.Option(
         "--idle-timeout", envvar="KVCTL_IDLE_TIMEOUT",
         help="Seconds a client connection may keep the router waiting: idle between requests, sending one "
@@ -539,6 +543,7 @@ def serve_command(
                            router=router, thresholds=thresholds, approx=approx, request_expiry_s=request_expiry,
                            models=models, nats=nats, zmq_plane=zmq_plane, queue_batches=queue_batches,
                            max_body_bytes=max_body_bytes, decoder=decoder, max_engines=max_engines,
+                           max_zmq_message_bytes=max_zmq_message_bytes,
                            idle_timeout_s=idle_timeout, max_connections=_fd_capped(max_connections),
                            max_head_bytes=max_head_bytes, head_timeout_s=head_timeout,
                            shutdown_timeout_s=shutdown_timeout, route_fast_path=route_fast_path,

@@ -67,6 +67,7 @@ from kvctl.server.readiness import Readiness
 from kvctl.server.sd_notify import Notifier
 from kvctl.server.serve_choices import DecoderMode, LogLevel
 from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
+from kvctl.zmq_limits import MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:  # loaded only where an event plane is asked for: nats-py and httpx slow every start
     from kvctl.server.http.metrics import Plane
@@ -165,6 +166,7 @@ class ServeOptions:
     limits: RouteLimits = field(default_factory=RouteLimits)  # what a route may make the router hold (429)
     decoder: DecoderMode = DecoderMode.auto  # where engine payloads are decoded (see ingest/decode_process/parent.py)
     max_engines: int | None = None  # engine endpoints followed at most; None: as the file limit allows
+    max_zmq_message_bytes: int = MAX_MESSAGE_BYTES  # a ZMQ frame's most from an engine or publisher (zmq_limits)
 
 
 async def run(options: ServeOptions, sock: socket.socket, announce: Callable[[str], None]) -> None:
@@ -198,7 +200,7 @@ async def _serve(fleet: Fleet, options: ServeOptions, sock: socket.socket, annou
     max_engines = options.max_engines or default_max_engines(files, context.get(zmq.MAX_SOCKETS))
     log.info("following at most %s (file limit %d)", counted(max_engines, "engine endpoint"), files)
     streams = Streams(fleet, queue_batches=options.queue_batches, decoder=make_decoder(options.decoder),
-                      context=context, max_engines=max_engines)
+                      context=context, max_engines=max_engines, max_message_bytes=options.max_zmq_message_bytes)
     plane: Plane | None = None
     if options.nats is not None:
         from kvctl.server.plane.nats_plane import EventPlane

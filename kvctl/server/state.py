@@ -165,6 +165,9 @@ class Fleet:
         # Each engine stream's last applied seq, kept with the index it describes (image and state log alike), so
         # that a restarted router asks the engines' replay for what they published while it was down.
         self.stream_seqs: dict[StreamId, int] = {}
+        # Engine batches being applied a slice of the loop at a time (`ingest.streams.ModelWriter`), by (model, worker):
+        # what applies the rest of each at once, called before anything else changes that worker's index.
+        self.unfinished: dict[tuple[str, WorkerKey], Callable[[], None]] = {}
         self.add_model(DEFAULT_MODEL)
 
     # ----- models and workers -----------------------------------------------------------------------
@@ -218,6 +221,7 @@ class Fleet:
         blocks = 0
         self._candidates.clear()
         for w in gone:
+            self._finish(w)
             info = self.workers.pop(w)
             self.reported.pop(w, None)
             self.forward_passes.pop(w, None)
@@ -240,8 +244,16 @@ class Fleet:
         applied = 0
         rejected: Counter[str] = Counter()
         for worker, run in groupby(events, key=lambda e: (e.worker_id, e.dp_rank)):
+            self._finish(worker, model)
             applied += self._apply_run(state, worker, (event.data for event in run), now, rejected)
         return applied, rejected
+
+    def _finish(self, worker: WorkerKey, model: str | None = None) -> None:
+        """Apply the rest of the worker's batch being applied in slices (in `model`, or any), if any, before another
+        change to its index: the batch stays whole."""
+        if self.unfinished:
+            for key in [k for k in self.unfinished if k[1] == worker and model in (None, k[0])]:
+                self.unfinished.pop(key)()
 
     def apply_engine_batch(self, model: str, worker: WorkerKey, events: Sequence[EventData], now: float,
                            mark: SeqMark | None = None) -> None:
@@ -468,6 +480,7 @@ class Fleet:
             if worker_id is not None:
                 workers = [w for w in workers if selects((worker_id, dp_rank), w)]
             for w in workers:
+                self._finish(w, name)
                 index.apply(RouterEvent(w[0], Cleared(), w[1]))
                 if self.journal is not None:
                     self.journal.batch(name, w, [Cleared()])

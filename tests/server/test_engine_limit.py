@@ -77,12 +77,13 @@ def test_past_max_engines_a_registration_is_refused_with_409_and_counted(tmp_pat
 def test_a_low_file_limit_refuses_engines_rather_than_losing_their_streams(tmp_path: Path) -> None:
     """At a file limit of 256, 160 engines were all accepted (201); the decode process died of `Too many open
     files`, 35 engines were never subscribed to, and the router could not answer /v1/status any more. Now the
-    default --max-engines (48 at 256) refuses the rest with 409, and every stream accepted delivers."""
+    default --max-engines (32 at 256: 6 descriptors an engine) refuses the rest with 409, and every stream
+    accepted delivers."""
     batch = encode_batch(FORMATS["vllm"], 0.0, [BlockStored([7], None, list(range(16)), 16)])
     with engines(160) as pubs, serve(tmp_path, nofile=256) as client:
         codes = [register(client, n, endpoint).status_code for n, (_, endpoint) in enumerate(pubs, 1)]
         accepted = codes.count(201)
-        assert codes == [201] * accepted + [409] * (160 - accepted) and accepted == 48
+        assert codes == [201] * accepted + [409] * (160 - accepted) and accepted == 32
         for pub, _ in pubs[:accepted]:
             assert pub.poll(10_000), "a stream never subscribed"
             pub.recv()

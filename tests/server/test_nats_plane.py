@@ -233,6 +233,23 @@ async def test_load_reports_are_shown_and_feed_the_busy_check(server: NatsServer
         await eventually_async(lambda: sum(router.plane.errors.values()) == 2, "both bad messages counted")
 
 
+async def test_a_flood_of_publisher_ids_keeps_the_last_4096_and_counts_the_rest(server: NatsServer,
+                                                                                  names: PlaneNames) -> None:
+    """50,000 new publisher ids once stalled the loop 0.35-0.64 s each way: the book scanned its 4,096 for each."""
+    from kvctl.core.events.publishers import MAX_PUBLISHERS
+
+    report = encode_active_load(ActiveLoad(3, 0, 4, 128, 95))
+    ids = range(MAX_PUBLISHERS + 50)
+    async with Router(options(server, names)) as router, connected(server) as nc:
+        for publisher_id in ids:
+            await nc.publish(names.kv_metrics, wrapped("kv_metrics", report, publisher_id=publisher_id))
+        await barrier(nc)
+        await eventually_async(lambda: router.plane.counts["load_reports"] == len(ids), "every report")
+        assert router.plane.status()["sequence"]["publishers"] == MAX_PUBLISHERS
+        loss = router.fleet.health.losses[("nats", "too_many_publishers")]
+        assert loss.count == 50 and "publisher 49 " in loss.detail
+
+
 async def test_forward_passes_make_a_worker_known_and_are_shown(server: NatsServer, names: PlaneNames) -> None:
     report = ForwardPass(2**63 + 9, 1, 40, 0.002, RequestCounts(1, 67, 0.0, 0, 3, 900, 0.0),
                          RequestCounts(prefill_requests=2, prefill_tokens=130))

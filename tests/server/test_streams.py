@@ -93,7 +93,7 @@ async def test_a_stream_that_dies_shows_failed_and_runs_again_once_it_can() -> N
     from tests.server.zmq_engine import Engine
 
     ours, theirs = zmq.asyncio.Context(), zmq.asyncio.Context()
-    ours.set(zmq.MAX_SOCKETS, 1)
+    ours.set(zmq.MAX_SOCKETS, 3)  # one stream's: its SUB and the SUB's monitor pair
     engines = [Engine(theirs), Engine(theirs)]
     fleet = Fleet()
     streams = Streams(fleet, context=ours, restart_min_s=0.05)

@@ -450,3 +450,55 @@ async def test_etcd_records_are_watched_not_polled(etcd: EtcdServer, tmp_path: P
     finally:
         await bench.close()
         etcd.delete_prefix("v1/")
+
+
+@pytest.mark.parametrize("bench", ["file"], indirect=True)
+async def test_a_frame_over_the_limit_is_counted_and_the_publisher_followed_again(bench: Bench) -> None:
+    """libzmq drops the connection that sent it and never makes it again; the plane does, and counts it."""
+    bench.streams.max_message_bytes = 64 * 1024
+    publisher = bench.publish_as("kv_metrics", 51)
+    await bench.start()
+    await publisher.joined()
+    await publisher.socket.send_multipart([b"kv_metrics", b"\0" * 8, b"\0" * 8, b"x" * (1 << 20)])
+    while await asyncio.wait_for(publisher.socket.recv(), 10) != b"\x01":  # until subscribed again
+        continue
+    await publisher.socket.send_multipart(captured()[("kv_metrics", 1610214894536196)][0])
+    await eventually_async(lambda: bench.status()["counts"].get("load_reports") == 1, "the report after it")
+    (row,) = bench.status()["connections"]
+    assert row["too_large"] == 1 and row["connected"] and row["decode_errors"] == {}
+    assert bench.fleet.health.losses[("zmq", "too_large")].count == 1
+
+
+@pytest.mark.parametrize("bench", ["file"], indirect=True)
+async def test_a_flood_of_publisher_ids_is_bounded_and_counted(bench: Bench) -> None:
+    """4,196 publisher ids on one socket: the book keeps the last 4,096 (a new id costs no scan of them), the 100
+    forgotten are counted in the ledger, and the loop runs while the socket's backlog is taken in (a probe that
+    runs whenever the loop does finds it part ingested, many times: not once the flood is over)."""
+    from kvctl.core.events.dynamo import EnvelopeWriter
+    from kvctl.core.events.publishers import MAX_PUBLISHERS
+    from kvctl.core.events.zmq_wire import ZmqMessage, encode_zmq_message
+
+    report = decode_envelope(decode_zmq_message(captured()[("kv_metrics", 1610214894536196)][0]).envelope).payload
+    publisher = bench.publish_as("kv_metrics", 61)
+    publisher.socket.setsockopt(zmq.SNDHWM, 0)  # the whole flood queued at once, none dropped
+    plane = await bench.start()
+    await publisher.joined()
+    ids = range(1000, 1000 + MAX_PUBLISHERS + 100)
+    counts, seen = plane.counts, set()
+
+    async def probe() -> None:
+        while True:
+            seen.add(counts.get("load_reports", 0))
+            await asyncio.sleep(0)
+
+    probing = asyncio.get_running_loop().create_task(probe())
+    for publisher_id in ids:
+        envelope = EnvelopeWriter(publisher_id, "kv_metrics").wrap(report, 0)
+        publisher.socket.send_multipart(encode_zmq_message(ZmqMessage("kv_metrics", publisher_id, 0, envelope)))
+    await eventually_async(lambda: counts.get("load_reports") == len(ids), "every report")
+    probing.cancel()
+    assert len({n for n in seen if 0 < n < len(ids)}) >= 10, sorted(seen)
+    assert bench.status()["sequence"]["publishers"] == MAX_PUBLISHERS
+    assert bench.fleet.health.losses[("zmq", "too_many_publishers")].count == 100
+    assert "publisher 1099 " in bench.fleet.health.losses[("zmq", "too_many_publishers")].detail
+    assert len(next(iter(plane.links.values())).publisher_ids) == MAX_PUBLISHERS

@@ -23,6 +23,7 @@ restart. No I/O, no clock: time is passed in.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -31,7 +32,7 @@ from kvctl.core.names import WorkerKey, format_worker
 
 MAX_PUBLISHERS = 4096
 """Publishers remembered at once; past it the one heard from longest ago is forgotten (a fleet's restarts
-are new identities, so ids accumulate)."""
+are new identities, so ids accumulate). A fleet has one per engine process and topic: thousands at most."""
 
 JUMP_MAX = 1 << 32
 """The most messages a gap may have lost: 4 billion is a year of 100 batches a second; anything further is a
@@ -123,21 +124,31 @@ class Publisher:
 
 
 class PublisherBook:
-    """Every publisher heard from, keyed by its id."""
+    """Every publisher heard from (the last `limit`), keyed by its id, the one heard from longest ago first.
+
+    Kept in the order they were last heard from, so forgetting the oldest is O(1): a scan of all of them for each
+    new id held a router's loop 40 % of the time under 10,000 new ids a second (issue 36). `now` never goes back
+    (a monotonic clock); of publishers last heard at the same instant, the one heard first is forgotten first.
+    `evicted` counts the publishers forgotten for want of room: their positions lost, a gap of theirs unseen."""
 
     def __init__(self, limit: int = MAX_PUBLISHERS) -> None:
         self.limit = limit
-        self.publishers: dict[int, Publisher] = {}
+        self.publishers: OrderedDict[int, Publisher] = OrderedDict()
+        self.evicted = 0
+        self.last_evicted: Publisher | None = None
 
     def observe(self, publisher_id: int, sequence: int, now: float, topic: str, component: str,
                 endpoint: str) -> tuple[Order, Publisher]:
         """Judge one envelope's place in its publisher's stream, and remember it."""
-        pub = self.publishers.get(publisher_id)
+        publishers = self.publishers
+        pub = publishers.get(publisher_id)
         if pub is None:
-            if len(self.publishers) >= self.limit:
-                oldest = min(self.publishers.values(), key=lambda p: p.last_seen)
-                del self.publishers[oldest.publisher_id]
-            pub = self.publishers[publisher_id] = Publisher(publisher_id, topic, component, endpoint, now, now)
+            if len(publishers) >= self.limit:
+                self.last_evicted = publishers.popitem(last=False)[1]
+                self.evicted += 1
+            pub = publishers[publisher_id] = Publisher(publisher_id, topic, component, endpoint, now, now)
+        else:
+            publishers.move_to_end(publisher_id)
         pub.last_seen = now
         return pub.sequence.observe(sequence), pub
 

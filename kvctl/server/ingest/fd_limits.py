@@ -17,9 +17,12 @@ import zmq
 
 log = logging.getLogger("kvctl.serve")
 
-FDS_PER_ENGINE = 4
-"""An engine's SUB and replay DEALER, each a TCP connection and a ZMQ mailbox (an eventfd): all in the router
-when it decodes inline, or once its decode process is gone."""
+FDS_PER_ENGINE = 6
+"""An engine's SUB and replay DEALER, each a TCP connection and a ZMQ mailbox (an eventfd), and the SUB's monitor
+(two mailboxes: libzmq's end and ours, `kvctl.zmq_limits`): all in the router when it decodes inline, or once its
+decode process is gone."""
+SOCKETS_PER_ENGINE = 4
+"""ZMQ sockets of an engine: its SUB, its DEALER and the SUB's monitor pair."""
 
 RESERVED_FDS = 512
 """Descriptors kept for the rest of the router (HTTP connections, snapshots, the decode process's pipes, NATS,
@@ -55,5 +58,5 @@ def sized(context: C) -> C:
 
 
 def default_max_engines(files: int, sockets: int) -> int:
-    """Engines a router may follow with `files` descriptors and a context of `sockets` sockets (two each)."""
-    return max(1, min((files - min(RESERVED_FDS, files // 4)) // FDS_PER_ENGINE, sockets // 2 - 1))
+    """Engines a router may follow with `files` descriptors and a context of `sockets` sockets."""
+    return max(1, min((files - min(RESERVED_FDS, files // 4)) // FDS_PER_ENGINE, sockets // SOCKETS_PER_ENGINE - 1))

@@ -26,6 +26,7 @@ from kvctl.server.ingest.decode_process.parent import Decoder, InlineDecoder
 from kvctl.server.ingest.zmq_source import EngineStream
 from kvctl.server.logs import error_text
 from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.zmq_limits import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("kvctl.serve")
 _NOBODY: WorkerKey = (0, 0)  # the worker of an empty batch (a marker): applying it touches nothing
@@ -38,6 +39,14 @@ RESTART_MAX_S = 30.0
 QUEUE_BATCHES = 10_000
 """Decoded batches a model's writer may fall behind by before sources start dropping (and counting)."""
 
+SLICE_EVENTS = 64
+"""Events of one batch applied between two looks at the clock (as bulk loads do: far under a slice even for long
+chains): a batch larger than this is applied a slice of the loop at a time (one message of 100,000 events held the
+loop for 0.57 s in one step)."""
+
+
+TOO_LARGE_FIX = ("raise --max-zmq-message-bytes if the sender's batches are that large, else fix the sender; "
+                 "what it sent meanwhile is a gap, replayed or counted lost")
 
 _Item = tuple[WorkerKey, list[EventData], SeqMark | None, Callable[[], None] | None]
 """A queued batch: its worker, events, engine stream and seq, and what to call once it is applied."""
@@ -50,6 +59,11 @@ class ModelWriter:
     Engine streams do not get that far: once the queue and the batches still being decoded (which
     will land in it) fill half the queue (`full`), they stop reading until that is down to a quarter
     (`room`), so a burst waits in ZMQ, and what ZMQ drops comes back as a gap the engine replays.
+
+    A batch of more than `SLICE_EVENTS` events is applied in slices, in order, the loop let run between them;
+    nothing else of its model's queue comes in between, and whatever else would change its worker's index
+    meanwhile (a bulk load, a reset, the worker's removal) applies the rest of it first (`Fleet.unfinished`),
+    so the batch stays whole whatever comes when.
     """
 
     def __init__(self, fleet: Fleet, model: str, maxsize: int = QUEUE_BATCHES, decoder: Decoder | None = None
@@ -64,6 +78,7 @@ class ModelWriter:
         self._low = maxsize // 4
         self._has_room = asyncio.Event()
         self._trimmer = BurstTrimmer()
+        self.slicing = False  # a batch is being applied in slices
         self.queued = _QueueAlone(self)
         self.task = asyncio.get_running_loop().create_task(self._drain())
 
@@ -106,17 +121,23 @@ class ModelWriter:
     async def _drain(self) -> None:
         queue = self.queue
         while True:
-            self._apply(*await queue.get())
-            applied = 1
+            item = await queue.get()
+            applied = 0
             end = time.perf_counter() + SLICE_S
-            while not queue.empty():  # apply what is there, a slice of the loop at a time
+            while True:  # apply what is there, a slice of the loop at a time
+                if len(item[1]) > SLICE_EVENTS:
+                    end = await self._sliced(*item, end)
+                else:
+                    self._apply(*item)
+                applied += 1
+                if queue.empty():
+                    break
+                if queue.qsize() <= self._low:  # waiters check their own measure (see room_below)
+                    self._has_room.set()
                 if time.perf_counter() > end:
                     await asyncio.sleep(0)
                     end = time.perf_counter() + SLICE_S
-                self._apply(*queue.get_nowait())
-                applied += 1
-                if queue.qsize() <= self._low:  # waiters check their own measure (see room_below)
-                    self._has_room.set()
+                item = queue.get_nowait()
             self._has_room.set()
             self._trimmer.applied(applied)
             if not self._decoder.in_flight:
@@ -127,6 +148,39 @@ class ModelWriter:
         self.fleet.apply_engine_batch(self.model, worker, events, time.monotonic(), mark)
         if on_applied is not None:
             on_applied()
+
+    async def _sliced(self, worker: WorkerKey, events: list[EventData], mark: SeqMark | None,
+                      on_applied: Callable[[], None] | None, end: float) -> float:
+        """A large batch applied `SLICE_EVENTS` at a time, the loop let run whenever a slice of it is spent (from
+        `end` on); its `mark` goes with its last events. Returns when the current slice of the loop ends."""
+        fleet, key, done = self.fleet, (self.model, worker), 0
+
+        def rest() -> None:  # the rest of the batch at once: before another change to the worker, or on a cancel
+            nonlocal done
+            if done < len(events):
+                fleet.apply_engine_batch(self.model, worker, events[done:], time.monotonic(), mark)
+                done = len(events)
+
+        fleet.unfinished[key] = rest
+        self.slicing = True
+        try:
+            while done < len(events):
+                if time.perf_counter() > end:
+                    await asyncio.sleep(0)
+                    end = time.perf_counter() + SLICE_S
+                    continue  # what ran meanwhile may have applied the rest
+                upto = min(done + SLICE_EVENTS, len(events))
+                fleet.apply_engine_batch(self.model, worker, events[done:upto], time.monotonic(),
+                                         mark if upto == len(events) else None)
+                done = upto
+        finally:
+            rest()
+            if fleet.unfinished.get(key) is rest:
+                del fleet.unfinished[key]
+            self.slicing = False
+        if on_applied is not None:
+            on_applied()
+        return end
 
     async def flush(self) -> None:
         while not self.queue.empty() and not self.task.done():  # a dead writer drains nothing: do not spin
@@ -174,9 +228,10 @@ class Streams:
 
     def __init__(self, fleet: Fleet, *, queue_batches: int = QUEUE_BATCHES, decoder: Decoder | None = None,
                  context: zmq.asyncio.Context | None = None, restart_min_s: float = RESTART_MIN_S,
-                 max_engines: int | None = None) -> None:
+                 max_engines: int | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.fleet = fleet
         self.max_engines = max_engines
+        self.max_message_bytes = max_message_bytes
         self.refused = 0  # engines refused for want of room
         self.queue_batches = queue_batches
         self.decoder: Decoder = InlineDecoder() if decoder is None else decoder
@@ -222,10 +277,23 @@ class Streams:
         stream = EngineStream(worker=info.key, endpoint=info.endpoint, replay_endpoint=info.replay_endpoint,
                               topic=info.topic, block_size=self.fleet.model(model).block_size, sink=writer.put,
                               on_restart=on_restart, decoder=self.decoder, downstream=writer, queue=writer.queued,
-                              context=self.context, resume_seq=self.fleet.stream_seqs.get((info.key, info.endpoint)))
+                              context=self.context, resume_seq=self.fleet.stream_seqs.get((info.key, info.endpoint)),
+                              max_message_bytes=self.max_message_bytes, on_dropped=lambda: self._dropped(info))
         source = self._running[info.key] = _Source(stream)
         source.task = asyncio.get_running_loop().create_task(self._run(source))
         return True
+
+    def _dropped(self, info: WorkerInfo) -> None:
+        """libzmq dropped an engine's connection for a message over the limit (it is made again): counted, the
+        first time logged."""
+        engine = f"engine {format_worker(info.key)} at {info.endpoint}"
+        if ("zmq", "too_large") not in self.fleet.health.losses:
+            log.warning("%s sent a message over %s bytes (--max-zmq-message-bytes): its connection was dropped and "
+                        "made again; further ones are counted in /v1/status health", engine,
+                        f"{self.max_message_bytes:,}")
+        self.fleet.health.lose("zmq", "too_large", detail=f"{engine}: a message over {self.max_message_bytes:,} "
+                               "bytes (or a malformed ZMTP frame); its connection was dropped and made again",
+                               fix=TOO_LARGE_FIX)
 
     async def _run(self, source: _Source) -> None:
         """Run the stream until it is closed; one that dies is shown failed and run again after a backoff."""
@@ -275,7 +343,7 @@ class Streams:
 
     def idle(self) -> bool:
         """Nothing received is waiting to be decoded or applied, and the decode process has been quiet."""
-        return self.decoder.idle() and all(w.queue.empty() for w in self.writers.values())
+        return self.decoder.idle() and all(w.queue.empty() and not w.slicing for w in self.writers.values())
 
     def engines(self) -> dict[str, Any]:
         """How many engines are followed, the most that may be, and how many were refused."""

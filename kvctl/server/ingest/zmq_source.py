@@ -69,6 +69,7 @@ from kvctl.server.ingest.gap_log import GapLog
 from kvctl.server.ingest.schema_seen import Schema, SchemaSeen, sampled
 from kvctl.server.ingest.stream_sockets import StreamSockets
 from kvctl.server.ingest.stream_stats import StreamStats
+from kvctl.zmq_limits import MAX_MESSAGE_BYTES
 
 __all__ = ["EngineStream", "SchemaSeen", "StreamStats"]
 
@@ -113,7 +114,8 @@ class EngineStream:
     message back decoded, and the stream sequences them exactly as it sequences what it reads itself
     (only the replay DEALER stays here). The child stops sending while `queue` (the writer's queue
     alone: batches in flight in the child cannot land before it reads them) is full. If the child
-    dies, the stream opens its own SUB.
+    dies, the stream opens its own SUB. Either refuses frames over `max_message_bytes`: `on_dropped` is told each
+    time libzmq dropped the connection for one (it is made again at once; what was missed is a gap).
     """
 
     def __init__(
@@ -134,6 +136,8 @@ class EngineStream:
         downstream: Backpressure | None = None,
         queue: Backpressure | None = None,
         resume_seq: int | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        on_dropped: Callable[[], None] = lambda: None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -150,7 +154,8 @@ class EngineStream:
         self._on_restart = on_restart
         self._clock = clock
         self._decoder: Decoder = InlineDecoder() if decoder is None else decoder
-        self._io = StreamSockets(endpoint, replay_endpoint, topic, rcvhwm, context, self._decoder)
+        self._io = StreamSockets(endpoint, replay_endpoint, topic, rcvhwm, context, self._decoder, max_message_bytes,
+                                 on_dropped)
         self._holds: tuple[Backpressure, ...] = (self._decoder,) if downstream is None else (self._decoder, downstream)
         self._queue: Backpressure = NeverFull() if queue is None else queue
 
@@ -266,8 +271,9 @@ class EngineStream:
     # -- sockets ------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        self._io.open(Subscription(self.endpoint, self.topic, self._io.rcvhwm, self.block_size, self._on_received,
-                                   self._on_receiver_lost, self._queue))
+        io = self._io
+        io.open(Subscription(self.endpoint, self.topic, io.rcvhwm, self.block_size, self._on_received,
+                             self._on_receiver_lost, self._queue, io.max_bytes, io.on_dropped))
 
     def _on_receiver_lost(self, why: str) -> None:
         """The decode process does not receive for us (any more): read our own socket from now on. What it

@@ -20,7 +20,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from kvctl.core.events import Cleared, EventData, RouterEvent
-from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch
+from kvctl.core.events.dynamo import (
+    decode_envelope,
+    decode_router_event_batch,
+    decode_router_event_items,
+    split_router_event_batch,
+)
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import (
     ACTIVE_SEQUENCES,
@@ -38,12 +43,16 @@ from kvctl.core.events.publishers import Order, Publisher, PublisherBook, Sequen
 from kvctl.core.events.request_plane import Recovered
 from kvctl.core.names import WorkerKey, format_worker
 from kvctl.core.router.sequences import ActiveRequest
-from kvctl.server.ingest.streams import ModelWriter
+from kvctl.server.budget import Slices
+from kvctl.server.ingest.streams import SLICE_EVENTS, ModelWriter
 from kvctl.server.plane.recovery import Recovery
 from kvctl.server.plane.replica_sync import SURFACE, PeerBookings, PeerLimits
 from kvctl.server.state import ADD, Fleet
 
 log = logging.getLogger("kvctl.serve")
+
+LARGE_BYTES = 64 * 1024
+"""A `kv-events` payload larger than this (some 350 events) is decoded a slice of the loop at a time."""
 
 Handler = Callable[[bytes, Order, Publisher, float], Awaitable[None]]
 
@@ -83,10 +92,12 @@ class _Cursor:
 
 class PlaneIngest:
     def __init__(self, fleet: Fleet, writer: ModelWriter, *, model: str, router_id: int, replica_sync: bool,
-                 kv_events: bool = True, peer_limits: PeerLimits | None = None) -> None:
+                 kv_events: bool = True, peer_limits: PeerLimits | None = None, surface: str = "nats") -> None:
         """`kv_events=False`: KV events come another way (kvctl's JetStream stream); these are counted, not
-        applied, as a second copy would apply twice. `peer_limits`: what replica sync takes from other routers."""
+        applied, as a second copy would apply twice. `peer_limits`: what replica sync takes from other routers.
+        `surface`: the transport, as the health ledger names it."""
         self.fleet = fleet
+        self.surface = surface
         self.writer = writer
         self.model = model
         self.router_id = router_id
@@ -98,6 +109,7 @@ class PlaneIngest:
         self.cursors: dict[WorkerKey, _Cursor] = {}
         self.publishers = PublisherBook()
         self.endpoints: dict[WorkerKey, tuple[str, str]] = {}  # (component, endpoint) each worker publishes under
+        self._slices = Slices()
         self.recovery: Recovery | None = None  # the ZMQ plane's: holds a worker's live events while it is recovered
         self.watch: LossWatch | None = None  # the NATS plane's: what its drops cost, and which workers are gapped
         self._handlers: dict[str, Handler] = {KV_EVENTS: self._on_kv_events, KV_METRICS: self._on_load,
@@ -117,8 +129,11 @@ class PlaneIngest:
             self.errors[exc.kind.value] += 1
             return
         now = time.monotonic()
-        order, publisher = self.publishers.observe(envelope.publisher_id, envelope.sequence, now, topic, component,
-                                                   endpoint)
+        book = self.publishers
+        evicted = book.evicted
+        order, publisher = book.observe(envelope.publisher_id, envelope.sequence, now, topic, component, endpoint)
+        if book.evicted != evicted:
+            self._forgot(publisher, now)
         if self.watch is not None:
             self.watch.heard(publisher, order)
         if order is Order.repeat:
@@ -127,6 +142,20 @@ class PlaneIngest:
             log.warning("event plane: publisher %d of %s on %s.%s started over (sequence %d)",
                         publisher.publisher_id, topic, component, endpoint, envelope.sequence)
         await handler(envelope.payload, order, publisher, now)
+
+    def _forgot(self, newcomer: Publisher, now: float) -> None:
+        """A publisher forgotten to make room for `newcomer`: its position is lost (a gap of its own would go
+        unseen), and which workers it spoke for (a worker gone from discovery would be left in the index)."""
+        gone = self.publishers.last_evicted
+        assert gone is not None
+        detail = (f"publisher {gone.publisher_id} ({gone.topic} of {gone.component}.{gone.endpoint}, heard "
+                  f"{now - gone.last_seen:.1f} s ago) forgotten for publisher {newcomer.publisher_id}: "
+                  f"over {self.publishers.limit:,} at once")
+        if self.publishers.evicted == 1:
+            log.warning("event plane: %s; further ones are counted in /v1/status health", detail)
+        self.fleet.health.lose(self.surface, "too_many_publishers", detail=detail, fix=(
+            "a fleet has one publisher per engine process and topic: find who sends new publisher ids "
+            "(GET /v1/status event_plane.publishers), a crash-looping engine or a stray sender"))
 
     def _spoke_for(self, publisher: Publisher, worker: WorkerKey) -> None:
         publisher.workers.add(worker)
@@ -138,7 +167,11 @@ class PlaneIngest:
         if not self.kv_events:
             self.counts["core_kv_events_ignored"] += 1
             return
-        for event in self._batch(decode_router_event_batch, payload):
+        slices = self._slices
+        events = await self._large_batch(payload) if len(payload) > LARGE_BYTES else None
+        for n, event in enumerate(self._batch(decode_router_event_batch, payload) if events is None else events):
+            if not n % SLICE_EVENTS:
+                await slices.tick()
             worker = (event.worker_id, event.dp_rank)
             self._spoke_for(publisher, worker)
             if self.recovery is not None and self.recovery.hold(event, order, publisher.publisher_id,
@@ -146,6 +179,27 @@ class PlaneIngest:
                 continue
             # Wait for room rather than drop: the transport's own buffer holds the backlog meanwhile.
             await self.writer.put_wait(worker, self._in_order(event, order, publisher.publisher_id))
+
+    async def _large_batch(self, payload: bytes) -> list[RouterEvent] | None:
+        """A large batch decoded `SLICE_EVENTS` at a time, the loop let run between (100,000 events took 1.2 s in
+        one step), with what `_batch` would count; None when it is no array (`_batch` reads or refuses it whole)."""
+        raws = split_router_event_batch(payload)
+        if raws is None:
+            return None
+        events: list[RouterEvent] = []
+        errors: list[DecodeError] = []
+        try:
+            for start in range(0, len(raws), SLICE_EVENTS):
+                await self._slices.tick()
+                got, bad = decode_router_event_items(raws[start:start + SLICE_EVENTS], start)
+                events += got
+                errors += bad
+        except DecodeError as exc:  # an event that is no msgpack: the whole batch, as in one step
+            self.errors[exc.kind.value] += 1
+            return []
+        for error in errors:
+            self.errors[error.kind.value] += 1
+        return events
 
     def _batch(self, decode: Callable[[bytes], tuple[list[E], list[DecodeError]]], payload: bytes,
                surface: str | None = None) -> list[E]:

@@ -55,6 +55,7 @@ from kvctl.errors import Unreachable
 from kvctl.nats.barrier import barrier
 from kvctl.nats.connection import PENDING_BYTES, PENDING_MSGS, NatsConnection, Reconnect, connect, server_id
 from kvctl.nats.jetstream import ensure_stream, radix_state
+from kvctl.server.budget import Slices
 from kvctl.server.ingest.streams import ModelWriter, Streams
 from kvctl.server.logs import error_text
 from kvctl.server.plane.ingest import PlaneIngest
@@ -116,6 +117,7 @@ class EventPlane(PlaneTasks):
         self.connects = 0
         self.reconnects = 0
         self._logged_errors: set[str] = set()  # said in the log since the last good connection
+        self._slices = Slices()  # the subscription's backlog is handed over without a wait
         self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
                                   replica_sync=options.replica_sync, kv_events=not options.jetstream,
                                   peer_limits=options.peer_limits)
@@ -227,6 +229,7 @@ class EventPlane(PlaneTasks):
 
     async def _on_message(self, msg: Msg) -> None:
         """Every message of the namespace: counted by subject, then ingested if in scope."""
+        await self._slices.tick()
         subject = msg.subject
         self.losses.taken += 1
         if subject in self.subjects_seen or len(self.subjects_seen) < SUBJECTS_SEEN_MAX:

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,7 +27,6 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from kvctl.core.events.discovery import (
     CHANNELS_BUCKET,
@@ -40,14 +39,16 @@ from kvctl.core.events.discovery import (
 )
 from kvctl.core.events.errors import DecodeError, ErrorKind
 from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, TOPICS
+from kvctl.core.events.publishers import MAX_PUBLISHERS
 from kvctl.core.events.request_plane import namespace_sources_prefix
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.core.names import DEFAULT_MODEL, WorkerKey, format_worker
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.core.words import counted
 from kvctl.errors import DiscoveryError
+from kvctl.server.budget import Slices
 from kvctl.server.ingest.fd_limits import default_max_engines, file_limit, sized
-from kvctl.server.ingest.streams import ModelWriter, Streams
+from kvctl.server.ingest.streams import TOO_LARGE_FIX, ModelWriter, Streams
 from kvctl.server.plane.discovery_limits import FIXES
 from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, open_discovery
 from kvctl.server.plane.ingest import PlaneIngest
@@ -57,6 +58,7 @@ from kvctl.server.plane.replica_sync import PeerLimits
 from kvctl.server.plane.tasks import PlaneTasks
 from kvctl.server.plane.zmq_sequences import SequenceChannels, default_advertise_host
 from kvctl.server.state import Fleet, UnknownWorker
+from kvctl.zmq_limits import WATCHED, limited, watch
 
 log = logging.getLogger("kvctl.serve")
 
@@ -71,7 +73,6 @@ LOG_EVERY_S = 60.0
 """A record skipped is logged the first time for its cause, then at most this often: the ledger counts the rest."""
 RCVHWM = 100_000
 """Messages a SUB socket holds while the loop is busy; beyond, ZMQ drops them (seen as sequence gaps)."""
-_WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,7 +131,9 @@ class _Link:
     connects: int = 0
     disconnects: int = 0
     messages: int = 0
-    publisher_ids: set[int] = field(default_factory=set)  # what its frames said (the record's instance id)
+    too_large: int = 0  # connections libzmq dropped for a message over the limit (each made again)
+    # what its frames said (the record's instance id), the last MAX_PUBLISHERS of them: a flood of ids stays bounded
+    publisher_ids: OrderedDict[int, None] = field(default_factory=OrderedDict)
     errors: Counter[str] = field(default_factory=Counter)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -139,7 +142,7 @@ class _Link:
         return {"address": c.address, "channel": self.key, "topic": c.topic, "publisher_id": c.publisher_id,
                 "component": c.component, "endpoint": c.endpoint, "connected": self.connected.is_set(),
                 "connects": self.connects, "disconnects": self.disconnects, "messages": self.messages,
-                "decode_errors": dict(self.errors), "age_s": round(now - self.since, 3)}
+                "too_large": self.too_large, "decode_errors": dict(self.errors), "age_s": round(now - self.since, 3)}
 
 
 class ZmqPlane(PlaneTasks):
@@ -152,8 +155,10 @@ class ZmqPlane(PlaneTasks):
         self.options = options
         self.discovery = discovery if discovery is not None else open_discovery(options.discovery)
         self.writer: ModelWriter = streams.writer(options.model)
+        self.max_message_bytes = streams.max_message_bytes  # the engines' limit (--max-zmq-message-bytes)
         self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
-                                  replica_sync=options.replica_sync, peer_limits=options.peer_limits)
+                                  replica_sync=options.replica_sync, peer_limits=options.peer_limits,
+                                  surface="zmq")
         self.counts = self.ingest.counts
         listener = AnswerListener(fleet.health, listen_host=options.listen_host,
                                   advertise_host=options.advertise_host, max_bytes=options.recovery_max_bytes)
@@ -401,11 +406,11 @@ class ZmqPlane(PlaneTasks):
         an address it cannot use)."""
         sock = monitor = None
         try:
-            sock = self._ctx.socket(zmq.SUB)
+            sock = limited(self._ctx.socket(zmq.SUB), self.max_message_bytes)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, RCVHWM)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
-            monitor = sock.get_monitor_socket(_WATCHED)
+            monitor = sock.get_monitor_socket(WATCHED)
             sock.connect(channel.address)
         except zmq.ZMQError as exc:
             for opened in (monitor, sock):
@@ -433,9 +438,10 @@ class ZmqPlane(PlaneTasks):
         link.socket.close(linger=0)
 
     async def _watch(self, link: _Link) -> None:
-        """The socket's connects and disconnects: status says which publishers are reachable right now."""
-        while True:
-            event = parse_monitor_message(await link.monitor.recv_multipart())["event"]
+        """The socket's connects and disconnects: status says which publishers are reachable right now; one that
+        libzmq dropped for too large a message is connected again, and counted."""
+
+        def seen(event: int) -> None:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.connects += 1
                 if link.connects > 1:
@@ -447,9 +453,23 @@ class ZmqPlane(PlaneTasks):
             if self._down is not None:  # whether a live source is left may have changed
                 self._judge(self._down)
 
+        await watch(link.socket, link.monitor, lambda _: self._dropped(link), seen)
+
+    def _dropped(self, link: _Link) -> None:
+        where = f"publisher {link.channel.publisher_id} at {link.channel.address} ({link.key})"
+        if not link.too_large:
+            log.warning("event plane: %s sent a message over %s bytes (--max-zmq-message-bytes): its connection was "
+                        "dropped and made again; further ones are counted", where,
+                        f"{self.max_message_bytes:,}")
+        link.too_large += 1
+        self.fleet.health.lose("zmq", "too_large", detail=f"{where}: a message over "
+                               f"{self.max_message_bytes:,} bytes (or a malformed ZMTP frame); its connection "
+                               "was dropped and made again", fix=TOO_LARGE_FIX)
+
     async def _receive(self, link: _Link) -> None:
-        channel = link.channel
+        channel, slices = link.channel, Slices()
         while True:
+            await slices.tick()
             frames = await link.socket.recv_multipart()
             link.messages += 1
             try:
@@ -458,7 +478,13 @@ class ZmqPlane(PlaneTasks):
                 link.errors[exc.kind.value] += 1
                 self.errors[exc.kind.value] += 1
                 continue
-            link.publisher_ids.add(message.publisher_id)
+            ids = link.publisher_ids
+            if message.publisher_id in ids:
+                ids.move_to_end(message.publisher_id)
+            else:
+                ids[message.publisher_id] = None
+                if len(ids) > MAX_PUBLISHERS:
+                    ids.popitem(last=False)
             if message.topic != channel.topic:
                 self.counts["topic_mismatches"] += 1  # ingested by what the message says it is
             await self.ingest.receive(channel.component, channel.endpoint, message.topic, message.envelope)

@@ -25,12 +25,17 @@ from kvctl.core.events.dynamo import EnvelopeWriter
 from kvctl.core.events.plane import ACTIVE_SEQUENCES, ActiveSequenceEvent, encode_sequence_events
 from kvctl.core.events.zmq_wire import ZmqMessage, encode_zmq_message
 from kvctl.server.plane.dynamo_discovery import Discovery
+from kvctl.zmq_limits import limited
 
 log = logging.getLogger("kvctl.serve")
 
 Scope = tuple[str, str]  # (component, endpoint)
 SNDHWM = 100_000
 """Messages a PUB socket holds for a slow subscriber; beyond, ZMQ drops them (the subscriber sees a gap)."""
+SUBSCRIPTION_MAX_BYTES = 64 * 1024
+"""The most a peer may send this router's PUB: only subscriptions come in (a topic prefix; Dynamo's routers
+subscribe to everything). libzmq drops a peer that sends more; a peer connects to us, so it is its to connect
+again, and the drop, indistinguishable here from a peer leaving, is not counted."""
 
 
 def default_advertise_host() -> str:
@@ -80,7 +85,7 @@ class SequenceChannels:
         """A socket and a record for each scope not served yet (a scope whose workers went keeps its own:
         the workers of a scope come back under it)."""
         for scope in sorted(scopes - self._outlets.keys()):
-            sock = self._ctx.socket(zmq.PUB)
+            sock = limited(self._ctx.socket(zmq.PUB), SUBSCRIPTION_MAX_BYTES)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, SNDHWM)
             port = sock.bind_to_random_port(f"tcp://{self.bind_host}")

@@ -34,10 +34,19 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvctl.child_process import python_module
-from kvctl.core.events import EngineBatch, ErrorKind
+from kvctl.core.events import EngineBatch, ErrorKind, EventData
 from kvctl.core.words import counted
-from kvctl.server.ingest.decode_process.wire import HEADER, Answer, Refused, control, decode_now, split_answers
+from kvctl.server.ingest.decode_process.wire import (
+    HEADER,
+    Answer,
+    Dropped,
+    Refused,
+    control,
+    decode_now,
+    split_answers,
+)
 from kvctl.server.serve_choices import DecoderMode
+from kvctl.zmq_limits import MAX_MESSAGE_BYTES
 
 __all__ = ["Backpressure", "Decoded", "Decoder", "InlineDecoder", "NeverFull", "OnLive",
            "ProcessDecoder", "Subscription", "make_decoder", "usable_cpus"]
@@ -96,7 +105,7 @@ class Subscription:
 
     `on_lost(why)` is called when the decode process is gone, or could not subscribe, and the stream
     must read its own socket; `hold` is where the stream's batches go, which answers wait on while it is
-    full."""
+    full; `on_dropped()` when libzmq dropped the connection for a frame over `max_bytes` (made again)."""
 
     endpoint: str
     topic: str
@@ -105,6 +114,8 @@ class Subscription:
     on_live: OnLive
     on_lost: Callable[[str], None]
     hold: Backpressure
+    max_bytes: int = MAX_MESSAGE_BYTES
+    on_dropped: Callable[[], None] = lambda: None
 
 
 class Decoder(Backpressure, Protocol):
@@ -170,6 +181,7 @@ class ProcessDecoder:
         self.in_flight = 0
         self._outbox = bytearray()
         self._inbox = bytearray()
+        self._held: list[EventData] = []  # the parts of a large batch read so far (wire.PART)
         self._answers: deque[Answer] = deque()  # read, not yet delivered
         self._flush_soon = False
         self._waiting_to_write = False
@@ -236,7 +248,7 @@ class ProcessDecoder:
         self._subscriptions[key] = subscription
         self._gather_holds()
         self._outbox += control(["open", key, subscription.endpoint, subscription.topic, subscription.rcvhwm,
-                                 subscription.block_size])
+                                 subscription.block_size, subscription.max_bytes])
         self._send_soon()
         return key
 
@@ -341,7 +353,7 @@ class ProcessDecoder:
             return
         self._read_at = time.monotonic()
         self._inbox += chunk
-        self._answers.extend(split_answers(self._inbox))
+        self._answers.extend(split_answers(self._inbox, self._held))
         self._dispatch(hold=True)
 
     def _dispatch(self, *, hold: bool) -> None:
@@ -364,6 +376,11 @@ class ProcessDecoder:
                 subscription = subscriptions.get(key)
                 if subscription is not None:  # else unsubscribed since
                     subscription.on_live(seq, result, seen)
+                continue
+            if type(answer) is Dropped:
+                subscription = subscriptions.get(answer.key)
+                if subscription is not None:
+                    subscription.on_dropped()
                 continue
             if type(answer) is Refused:
                 subscription = subscriptions.pop(answer.key, None)
@@ -411,6 +428,7 @@ class ProcessDecoder:
         self.in_flight = 0
         self._outbox.clear()
         self._inbox.clear()
+        self._held.clear()
         for entry in pending:
             if isinstance(entry, tuple):
                 payload, block_size, done = entry
