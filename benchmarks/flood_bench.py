@@ -10,7 +10,11 @@ Floods (one function each, registered in `FLOODS`: add one with `@flood("name")`
   - huge-batches: an engine sending 3 messages of 100,000 stored events each (12 MB), one a second;
   - plane-huge-batches: the same on Dynamo's ZMQ plane: 3 kv-events messages of 100,000 RouterEvents (18 MB);
   - oversized-frames: an engine sending ten 256 MiB frames (each after the router subscribed again, or 3 s),
-    then one ordinary batch, which must be applied.
+    then one ordinary batch, which must be applied;
+  - header-flood: 16 connections (--connections) each streaming header lines that never end, for 5 s (each refused with 431 at
+    --max-head-bytes and opened again);
+  - discovery-records: 5,000 kv-events channel records written into the router's file-discovery store at once,
+    each at a closed port, until the router has followed (or capped and counted) every one.
 
     python benchmarks/flood_bench.py [--floods publisher-ids,huge-batches] [--json]
 
@@ -24,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import sys
 import tempfile
 import threading
@@ -306,6 +311,79 @@ def oversized_frames(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         pub.close(0)
 
 
+@flood("header-flood")
+def header_flood(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
+    """`args.connections` clients streaming header lines for `args.seconds`: each connection the router cuts off
+    (431) is opened again at once."""
+    with bench.router() as router:
+        host, port = router.url.removeprefix("http://").rsplit(":", 1)
+        stop = threading.Event()
+        sent = [0]
+
+        def stream() -> None:
+            line = b"x-flood: " + b"a" * 100 + b"\r\n"
+            while not stop.is_set():
+                with socket.create_connection((host, int(port))) as sock:
+                    sock.sendall(b"POST /v1/route HTTP/1.1\r\nhost: x\r\n")
+                    with contextlib.suppress(OSError):
+                        while not stop.is_set():
+                            sock.sendall(line * 64)
+                            sent[0] += 64 * len(line)
+
+        def send() -> dict[str, Any]:
+            threads = [threading.Thread(target=stream, daemon=True) for _ in range(args.connections)]
+            for thread in threads:
+                thread.start()
+            time.sleep(args.seconds)
+            stop.set()
+            for thread in threads:
+                thread.join(10)
+            return {"sent_mb": round(sent[0] / 2**20), "losses": losses(router)}
+
+        return bench.probed(router, send)
+
+
+@flood("discovery-records")
+def discovery_records(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
+    """`args.records` kv-events records at closed ports, written into a followed file store at once."""
+    with plane_publisher(bench, "kv-events") as (_, router):
+        bucket = bench.workdir / "discovery-kv-events" / "v1" / "event_channels"
+
+        records = [bucket / encode_file_name(ChannelKey("dynamo", "backend", "generate", "kv-events", 0x1000 + i)
+                                             .key.removeprefix("v1/event_channels/")) for i in range(args.records)]
+        alive = threading.Event()
+
+        def keep_alive() -> None:  # as their owners would: an untouched file record is dead after 10 s
+            while not alive.wait(2.0):
+                for record in records:
+                    with contextlib.suppress(OSError):
+                        os.utime(record)
+
+        def send() -> dict[str, Any]:
+            for i, record in enumerate(records):
+                record.write_text(json.dumps({
+                    "type": "EventChannel", "scope": {"kind": "endpoint", "endpoint": {
+                        "namespace": "dynamo", "component": "backend", "name": "generate"}},
+                    "topic": "kv-events", "instance_id": 0x1000 + i,
+                    "transport": {"kind": "Zmq", "config": {"endpoint": f"tcp://127.0.0.1:{1 + i % 1000}"}}}))
+            threading.Thread(target=keep_alive, daemon=True).start()
+
+            def judged() -> bool:  # every record followed, or refused and counted (past --max-channels too)
+                status = router.status()
+                refused = sum(loss["count"] for loss in status["health"]["losses"] if loss["surface"] == "discovery")
+                return len(status["event_plane"]["connections"]) + refused > args.records
+
+            try:
+                wait_until(judged, 120, "every record followed or counted", router.proc, every=1.0)
+            finally:
+                alive.set()
+            status = router.status()["event_plane"]
+            return {"followed": len(status["connections"]), "refused": status["discovery"]["stray"],
+                    "losses": losses(router)}
+
+        return bench.probed(router, send)
+
+
 COLUMNS = ("routes", "p50_ms", "p99_ms", "max_ms", "loop_longest_ms", "rss_growth_mb", "flood_s")
 
 
@@ -329,6 +407,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=3, help="(plane-)huge-batches: messages")
     parser.add_argument("--frames", type=int, default=10, help="oversized-frames: frames")
     parser.add_argument("--frame-mb", type=int, default=256, help="oversized-frames: MiB a frame")
+    parser.add_argument("--connections", type=int, default=16, help="header-flood: clients")
+    parser.add_argument("--seconds", type=float, default=5.0, help="header-flood: how long they stream")
+    parser.add_argument("--records", type=int, default=5_000, help="discovery-records: records")
     parser.add_argument("--json", action="store_true", help="one JSON line per flood instead of the table")
     args = parser.parse_args()
     rows: dict[str, dict[str, Any]] = {}
