@@ -11,8 +11,8 @@ Floods (one function each, registered in `FLOODS`: add one with `@flood("name")`
   - plane-huge-batches: the same on Dynamo's ZMQ plane: 3 kv-events messages of 100,000 RouterEvents (18 MB);
   - oversized-frames: an engine sending ten 256 MiB frames (each after the router subscribed again, or 3 s),
     then one ordinary batch, which must be applied;
-  - header-flood: 16 connections (--connections) each streaming header lines that never end, for 5 s (each refused with 431 at
-    --max-head-bytes and opened again);
+  - header-flood: 16 connections (--connections) each streaming header lines that never end, for 5 s (each
+    refused with 431 at --max-head-bytes and opened again);
   - discovery-records: 5,000 kv-events channel records written into the router's file-discovery store at once,
     each at a closed port, until the router has followed (or capped and counted) every one.
 
