@@ -7,6 +7,7 @@ router's peak RSS (its decode process included). Target: p99 under 50 ms during 
 Floods (one function each, registered in `FLOODS`: add one with `@flood("name")`):
   - publisher-ids: Dynamo's ZMQ plane (file discovery, one publisher's record), 100,000 load reports each under a
     new publisher id, at 10,000 a second;
+  - nats-publisher-ids: the same on a NATS plane, 50,000 new ids at 10,000 a second;
   - huge-batches: an engine sending 3 messages of 100,000 stored events each (12 MB), one a second;
   - plane-huge-batches: the same on Dynamo's ZMQ plane: 3 kv-events messages of 100,000 RouterEvents (18 MB);
   - oversized-frames: an engine sending ten 256 MiB frames (each after the router subscribed again, or 3 s),
@@ -232,6 +233,46 @@ def publisher_ids(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         return bench.probed(router, send)
 
 
+@flood("nats-publisher-ids")
+def nats_publisher_ids(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
+    """`args.nats_ids` load reports on a NATS event plane, each from a publisher id never heard before."""
+    import asyncio
+
+    import nats
+
+    from kvctl.core.events.plane import PlaneNames
+    from tests.nats_server import NatsServer
+
+    server = NatsServer(bench.workdir / "nats")
+    subject = PlaneNames("dynamo", "backend", "generate").subject("kv_metrics")
+    report = encode_active_load(ActiveLoad(7, 0, 1, 16, 100))
+    payloads = [encode_envelope(EventEnvelope(10**6 + i, 0, 0, "kv_metrics", report)) for i in range(args.nats_ids)]
+
+    async def publish() -> float:
+        client = await nats.connect(server.url)
+        start, burst = time.perf_counter(), max(1, args.rate // 100)
+        for i in range(0, len(payloads), burst):
+            for payload in payloads[i:i + burst]:
+                await client.publish(subject, payload)
+            await asyncio.sleep(max(0.0, start + (i + burst) / args.rate - time.perf_counter()))
+        await client.flush()
+        await client.close()
+        return time.perf_counter() - start
+
+    try:
+        with bench.router("--nats", server.url, "--namespace", "dynamo") as router:
+
+            def send() -> dict[str, Any]:
+                sent_s = asyncio.run(publish())
+                wait_until(lambda: ingested(router, "kv_metrics") >= len(payloads), 120, "every report ingested",
+                           router.proc)
+                return {"sent_per_s": round(len(payloads) / sent_s), "losses": losses(router)}
+
+            return bench.probed(router, send)
+    finally:
+        server.stop()
+
+
 @flood("plane-huge-batches")
 def plane_huge_batches(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     """`args.batches` kv-events messages of `args.events` events each on Dynamo's ZMQ plane, one a second."""
@@ -402,7 +443,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--floods", default=",".join(FLOODS), help=f"comma-separated, of: {', '.join(FLOODS)}")
     parser.add_argument("--ids", type=int, default=100_000, help="publisher-ids: new publisher ids")
-    parser.add_argument("--rate", type=int, default=10_000, help="publisher-ids: ids a second")
+    parser.add_argument("--rate", type=int, default=10_000, help="(nats-)publisher-ids: ids a second")
+    parser.add_argument("--nats-ids", type=int, default=50_000, help="nats-publisher-ids: new publisher ids")
     parser.add_argument("--events", type=int, default=100_000, help="(plane-)huge-batches: events a message")
     parser.add_argument("--batches", type=int, default=3, help="(plane-)huge-batches: messages")
     parser.add_argument("--frames", type=int, default=10, help="oversized-frames: frames")
