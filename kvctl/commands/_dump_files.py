@@ -48,6 +48,7 @@ def state_dir_events(path: Path, model: str | None, out: Output) -> list[RouterE
     import time
 
     from kvctl.core.names import implied_model
+    from kvctl.core.words import counted
     from kvctl.server.persistence import replay, segments
     from kvctl.server.snapshot import FILENAME, PREVIOUS, SnapshotError
     from kvctl.server.state import Fleet
@@ -64,7 +65,8 @@ def state_dir_events(path: Path, model: str | None, out: Output) -> list[RouterE
     if done.stopped is not None:
         out.warn(f"{path}: the state log is damaged at {done.stopped}: what follows it is not in this answer")
     if done.dropped:
-        out.warn(f"{path}: the state log says {done.dropped} changes were dropped (its writer behind the disk)")
+        out.warn(f"{path}: the state log says {counted(done.dropped, 'change was', 'changes were')} dropped (its "
+                 "writer behind the disk)")
     by_model: dict[str, int] = {}
     for info in fleet.workers.values():
         by_model[info.model] = by_model.get(info.model, 0) + 1

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvctl import http_api as api
 
@@ -83,23 +81,3 @@ class Health:
                     for f in sorted(self.faults.values(), key=lambda f: f.part)],
             losses=[api.InputLoss(surface, cause, loss.count, round(now - loss.last_at, 3), loss.detail, loss.fix)
                     for (surface, cause), loss in sorted(self.losses.items())])
-
-
-class HealthCollector:
-    """`kvctl_input_lost_total{surface,cause}` and `kvctl_part_down{part,blocks_ready}` in /metrics."""
-
-    def __init__(self, health: Health) -> None:
-        self.health = health
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        lost = CounterMetricFamily("kvctl_input_lost", "inputs refused or dropped at an entry point, by surface "
-                                   "and cause (GET /v1/status health.losses names the last one)",
-                                   labels=["surface", "cause"])
-        for (surface, cause), loss in sorted(self.health.losses.items()):
-            lost.add_metric([surface, cause], loss.count)
-        down = GaugeMetricFamily("kvctl_part_down", "1 for each part of the router that is down or incomplete now "
-                                 "(GET /v1/status health.faults says why)", labels=["part", "blocks_ready"])
-        for fault in self.health.faults.values():
-            down.add_metric([fault.part, "true" if fault.blocks else "false"], 1)
-        yield lost
-        yield down

@@ -85,7 +85,8 @@ _BYTES = st.one_of(TEXTS.map(str.encode), st.binary(max_size=200),
 @given(_BYTES, st.booleans())
 @example(b"\xff\xfe\x00garbage", True)
 @example(b"[" * 100_000, False)
-def test_tree_diff_on_a_garbage_file_exits_2_with_one_line(tmp_path: Path, data: bytes, garbage_first: bool) -> None:
+def test_tree_diff_on_a_garbage_file_exits_with_one_line(tmp_path: Path, data: bytes, garbage_first: bool) -> None:
+    """Text that is no dump is a usage error (2); a binary file is not a dump at all (1, issue 37)."""
     garbage = tmp_path / "garbage.jsonl"
     garbage.write_bytes(data)
     a, b = (garbage, DUMP_FILE) if garbage_first else (DUMP_FILE, garbage)
@@ -95,7 +96,12 @@ def test_tree_diff_on_a_garbage_file_exits_2_with_one_line(tmp_path: Path, data:
     if result.exit_code == ExitCode.OK:
         assert json.loads(result.stdout)["a"] == str(a)
         return
-    assert result.exit_code == ExitCode.USAGE, (result.exit_code, result.stderr)
+    try:
+        data.decode("utf-8")
+        expected = ExitCode.USAGE
+    except UnicodeDecodeError:
+        expected = ExitCode.ERROR
+    assert result.exit_code == expected, (result.exit_code, result.stderr)
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {garbage}"), result.stderr
 

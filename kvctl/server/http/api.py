@@ -36,7 +36,6 @@ from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError, Th
 from kvctl.core.router.scoring import CREDITED_TIERS, BadKnob, Candidate
 from kvctl.core.words import counted
 from kvctl.errors import ApiError
-from kvctl.server.health import HealthCollector
 from kvctl.server.http.bodies import (
     OVERRIDES,
     Invalid,
@@ -50,7 +49,7 @@ from kvctl.server.http.bodies import (
 )
 from kvctl.server.http.bulk import BulkLoads, decoded
 from kvctl.server.http.dump_stream import dump_stream
-from kvctl.server.http.metrics import Metrics
+from kvctl.server.http.metrics import HealthCollector, Metrics
 from kvctl.server.http.openapi import OPERATIONS, document, pages
 from kvctl.server.http.route_protocol import Connections, missing_internals, route_protocol
 from kvctl.server.http.tree_stats import index_shape

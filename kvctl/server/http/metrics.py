@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvctl.server.health import Health
 from kvctl.server.http.loop_lag import LoopLag
 from kvctl.server.http.route_protocol import Connections
 from kvctl.server.ingest.streams import Streams
@@ -202,3 +203,23 @@ class Metrics:
         self.predicted_hit = Histogram(
             "kvctl_route_predicted_hit_rate", "cached fraction of the prompt on the chosen worker", ["model"],
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=self.registry)
+
+
+class HealthCollector:
+    """`kvctl_input_lost_total{surface,cause}` and `kvctl_part_down{part,blocks_ready}` in /metrics."""
+
+    def __init__(self, health: Health) -> None:
+        self.health = health
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        lost = CounterMetricFamily("kvctl_input_lost", "inputs refused or dropped at an entry point, by surface "
+                                   "and cause (GET /v1/status health.losses names the last one)",
+                                   labels=["surface", "cause"])
+        for (surface, cause), loss in sorted(self.health.losses.items()):
+            lost.add_metric([surface, cause], loss.count)
+        down = GaugeMetricFamily("kvctl_part_down", "1 for each part of the router that is down or incomplete now "
+                                 "(GET /v1/status health.faults says why)", labels=["part", "blocks_ready"])
+        for fault in self.health.faults.values():
+            down.add_metric([fault.part, "true" if fault.blocks else "false"], 1)
+        yield lost
+        yield down

@@ -98,9 +98,9 @@ class NatsLosses:
         self.client_drops += 1
         self.messages_lost += 1
         self.health.lose(SURFACE, SLOW_CONSUMER, 1, detail=(
-            f"nats-py dropped a message of {subject}: the subscription held {pending} messages, its limits are "
-            f"{self.pending_msgs} messages and {self.pending_bytes} bytes (--nats-pending-msgs, "
-            f"--nats-pending-bytes)"), fix=self._fix())
+            f"nats-py dropped a message of {subject}: the subscription held {counted(pending, 'message')}, its "
+            f"limits are {counted(self.pending_msgs, 'message')} and {counted(self.pending_bytes, 'byte')} "
+            "(--nats-pending-msgs, --nats-pending-bytes)"), fix=self._fix())
         where = self.scope.match(subject)
         if where is not None:  # its publisher's next message shows the gap, counted here already
             opened = where not in self._drop_marks  # the first drop of the subject since its publishers sent
@@ -114,9 +114,9 @@ class NatsLosses:
         now = self.clock()
         if now - self._logged_at >= LOG_EVERY_S:
             log.warning("event plane: the router fell behind NATS: nats-py dropped %s (the last of %s), its "
-                        "subscription full at %d messages / %d bytes; raise --nats-pending-msgs / "
-                        "--nats-pending-bytes", counted(self._unlogged, "message"), subject, self.pending_msgs,
-                        self.pending_bytes)
+                        "subscription full at %s / %s; raise --nats-pending-msgs / --nats-pending-bytes",
+                        counted(self._unlogged, "message"), subject, counted(self.pending_msgs, "message"),
+                        counted(self.pending_bytes, "byte"))
             self._logged_at, self._unlogged = now, 0
 
     def disconnected(self, pending: int) -> None:

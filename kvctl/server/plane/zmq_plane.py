@@ -346,7 +346,7 @@ class ZmqPlane(PlaneTasks):
             return wanted
         order = sorted(wanted, key=lambda k: (k not in self.links or self.links[k].channel != wanted[k], k))
         for key in order[self.max_channels:]:
-            self._skip(key, records[key], "too_many_channels", f"{key}: past {self.max_channels} channels")
+            self._skip(key, records[key], "too_many_channels", f"{key}: past {counted(self.max_channels, 'channel')}")
         self.fleet.health.fail(
             "plane.channels", f"more channels listed than the {self.max_channels} followed (--max-channels): the "
             "workers of the others are missing from the index (lost:discovery too_many_channels counts them)",
