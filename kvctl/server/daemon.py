@@ -60,7 +60,7 @@ from kvctl.server.ingest.decode_process.parent import make_decoder
 from kvctl.server.ingest.fd_limits import default_max_engines, raise_file_limit, sized
 from kvctl.server.ingest.streams import QUEUE_BATCHES, Streams
 from kvctl.server.listen import base_url, is_loopback
-from kvctl.server.persistence import compact, replay
+from kvctl.server.persistence import compact, gaps, replay
 from kvctl.server.persistence.compact import COMPACT_BYTES
 from kvctl.server.persistence.state_log import BACKLOG, LogCollector, StateLog
 from kvctl.server.readiness import Readiness
@@ -82,6 +82,9 @@ ROUTE_QUIET_S = 0.25
 SHUTDOWN_TIMEOUT_S = 10.0
 LOOP_PROBE_S = 0.01
 """How often the loop is probed for lag (see `watch_loop`): 100 wake-ups a second, ~0.1% of a core."""
+STATE_DIR_FIX = ("find what cut, deleted or filled the state dir's files (a full disk? a cleanup job?); the index "
+                 "fills again as the engines store blocks; `kvctl router reset --yes` starts it over and clears this "
+                 "(docs/runbook.md, part:state_dir)")
 
 
 class _Server(uvicorn.Server):
@@ -298,7 +301,8 @@ async def _become_ready(fleet: Fleet, options: ServeOptions, readiness: Readines
     elif options.state_dir is not None:
         assert restored is not None  # with a state dir, _load_state always says what it restored
         running.state_log = StateLog(options.state_dir, fleet, restored_from=restored["log_from"],
-                                      backlog=options.state_log_backlog)
+                                      position=restored["log_pos"], backlog=options.state_log_backlog)
+        running.state_log.stats.lost = restored["lost"] is not None  # an image of what there is, at once
         metrics_registry(app).register(LogCollector(running.state_log.stats))
         restored["log"] = running.state_log.stats
         running.background.append(asyncio.create_task(compact.keep(
@@ -332,6 +336,8 @@ async def _restore(fleet: Fleet, options: ServeOptions, readiness: Readiness,
 def _ready_status(url: str, restored: dict[str, Any] | None) -> str:
     """What `systemctl status` shows beside the unit once the router answers."""
     parts = [f"serving {url}"]
+    if restored is not None and restored["lost"] is not None:  # never a partial index told as whole
+        parts.append(f"PARTIAL index, {restored['lost']['reason']}")
     if restored is not None and restored["file"] is not None:
         parts.append(f"{counted(restored['events'], 'event')} restored from {restored['file']}")
     if restored is not None and restored["log_records"]:
@@ -345,7 +351,7 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> Generator[snapshot.Progr
     if options.state_dir is None:
         return None
     not_restored: dict[str, Any] = {"file": None, "events": 0, "problems": [], "log_records": 0, "log_from": None,
-                    "log_stopped": None}
+                                    "log_pos": 0, "log_stopped": None, "lost": None}
     if options.reset_states:
         if snapshot.delete(options.state_dir):
             log.warning("--reset-states: deleted the snapshot in %s", options.state_dir)
@@ -366,22 +372,38 @@ def _load_state(fleet: Fleet, options: ServeOptions) -> Generator[snapshot.Progr
         log.error("damaged snapshot: %s", problem)
     if replayed is not None and replayed.stopped is not None:
         log.error("state log damaged, replay stopped before it (set aside as .damaged): %s", replayed.stopped)
+    if replayed is not None and replayed.unknown_end is not None:
+        log.warning("state dir: %s: a log cut short at its end cannot be told from one that ended",
+                    replayed.unknown_end)
+    lost = replayed.lost(fleet) if replayed is not None else None
+    if lost is not None:
+        _report_loss(fleet, lost)
     records = replayed.records if replayed is not None else 0
-    if restored is not None or records:
+    if restored is not None or records:  # an ordinary restart: INFO (a loss is the ERROR above)
         stamps = [restored.taken_at if restored else None, replayed.written_at if replayed and records else None]
         age = max(0.0, time.time() - max(t for t in stamps if t is not None))
         image = f"{counted(restored.events, 'event')} from {restored.path.name}" if restored else "no image"
-        log.warning("restored %s and %s, the last written %.1f s ago (%d rejected); engine streams ask their "
-                    "replay for the KV events sent after it (what none holds any more is counted lost); events "
-                    "sent over HTTP or an event plane meanwhile were not seen",
-                    image, counted(records, "state log record"), age, restored.rejected if restored else 0)
+        log.info("restored %s and %s, the last written %.1f s ago (%d rejected); engine streams ask their "
+                 "replay for the KV events sent after it (what none holds any more is counted lost); events "
+                 "sent over HTTP or an event plane meanwhile were not seen",
+                 image, counted(records, "state log record"), age, restored.rejected if restored else 0)
     elif problems:
         log.error("no sound snapshot in %s: starting with an empty index", options.state_dir)
     return {"file": restored.path.name if restored is not None else None,
             "events": restored.events if restored is not None else 0, "problems": problems,
-            "log_records": replayed.records if replayed is not None else 0,
-            "log_from": replayed.log_from if replayed is not None else 0,
-            "log_stopped": replayed.stopped if replayed is not None else None}
+            "log_records": records, "log_from": replayed.log_from if replayed is not None else 0,
+            "log_pos": replayed.position if replayed is not None else 0,
+            "log_stopped": replayed.stopped if replayed is not None else None,
+            "lost": lost.status() if lost is not None else None}
+
+
+def _report_loss(fleet: Fleet, lost: gaps.Lost) -> None:
+    """A restore that restored less than the state dir acknowledged: `/readyz` "partial" (routes are answered from
+    what there is), ERROR once, each cause counted. It holds until a reset of the whole index, or the process ends;
+    the state dir is rewritten at once as an image of what there is, so the next restart reports only new losses."""
+    fleet.health.fail("state_dir", lost.reason, STATE_DIR_FIX)
+    for cause, n in sorted(lost.by_cause.items()):
+        fleet.health.lose("state_dir", cause, n, detail=lost.reason, fix=STATE_DIR_FIX)
 
 
 async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None:

@@ -4,9 +4,10 @@ The state log (`kvctl.server.persistence`) holds what changed since an image, an
 into the next image; approximate mode, whose index changes with every route, writes an image every
 snapshot interval and on shutdown instead.
 
-Format (`kvctl.snapshot/v3`): a JSON header line `{"schema", "taken_at", "log_from", "models": {name:
+Format (`kvctl.snapshot/v3`): a JSON header line `{"schema", "taken_at", "log_from", "log_pos", "models": {name:
 block_size}, "workers": [...], "seqs": [...], "indexes": {...}}` (`seqs`: each engine stream's last seq the
-image holds, where a restart resumes it; absent in older files), then each model's index as binary runs of
+image holds, where a restart resumes it; `log_pos`: how many of the state dir's changes it holds, the position
+the state log's marks go on from; both absent in older files), then each model's index as binary runs of
 nodes, built back in bulk on restore, and a checksummed trailer (`tree_image`). Images written before still
 load: v2 (JSON lines, one `{"model": name, "event": RouterEvent}` line per dumped event, then a trailer
 `{"end": {"lines": N, "sha256": hex}}` over every line before it), replayed event by event, and v1 (no trailer).
@@ -61,6 +62,7 @@ class Restored:
     rejected: int
     path: Path  # the newest snapshot, or the previous one when the newest was damaged
     log_from: int = 0  # the first state-log segment it does not hold (`persistence.segments`)
+    log_pos: int | None = None  # the state dir's changes it holds (`persistence.records.Mark`); None: not said
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +74,13 @@ class Capture:
     number: int = 0  # the order captures were taken in (`Writer`)
 
 
-def capture(fleet: Fleet, taken_at: float, number: int = 0, log_from: int = 0) -> Capture:
+def capture(fleet: Fleet, taken_at: float, number: int = 0, log_from: int = 0,
+            log_pos: int | None = None) -> Capture:
     header = {
         "schema": SCHEMA,
         "taken_at": taken_at,
         "log_from": log_from,
+        "log_pos": log_pos,
         "models": {name: state.block_size for name, state in sorted(fleet.models.items())},
         "workers": [{"worker_id": i.worker_id, "dp_rank": i.dp_rank, "model": i.model, "endpoint": i.endpoint,
                      "replay_endpoint": i.replay_endpoint, "topic": i.topic} for i in fleet.workers.values()],
@@ -253,6 +257,7 @@ class _Header(msgspec.Struct):
     models: dict[Name, Annotated[int, msgspec.Meta(ge=1, lt=2**32)]]
     workers: list[_Worker]
     log_from: Annotated[int, msgspec.Meta(ge=0)] = 0  # absent before the state log
+    log_pos: Annotated[int, msgspec.Meta(ge=0)] | None = None  # absent before the log's marks
     seqs: list[_Seq] = []  # absent before streams resumed after a restart
 
 
@@ -493,7 +498,7 @@ def _apply(fleet: Fleet, contents: _Contents, now: float) -> Generator[Progress,
         fleet.applied_seq(((s.worker_id, s.dp_rank), s.endpoint), s.seq)
     if contents.runs is not None:
         events, rejected = yield from _build(fleet, contents.runs, now)
-        return Restored(header.taken_at, events, rejected, contents.path, header.log_from)
+        return Restored(header.taken_at, events, rejected, contents.path, header.log_from, header.log_pos)
     events = rejected = 0
     total = len(contents.events)
     for n, (model, event) in enumerate(contents.events, 1):
@@ -501,7 +506,7 @@ def _apply(fleet: Fleet, contents: _Contents, now: float) -> Generator[Progress,
         events += applied
         rejected += sum(bad.values())
         yield Progress("applying the image", n, total, "events")
-    return Restored(header.taken_at, events, rejected, contents.path, header.log_from)
+    return Restored(header.taken_at, events, rejected, contents.path, header.log_from, header.log_pos)
 
 
 def _build(fleet: Fleet, models: dict[str, bulk.Runs], now: float) -> Generator[Progress, None, tuple[int, int]]:

@@ -92,7 +92,7 @@ class WorkerInfo:
 
 
 class Journal(Protocol):
-    """Told of every change that a snapshot holds, as it is applied: the state log (`server.persistence`)."""
+    """Told of every change that a snapshot holds once it is applied: the state log (`server.persistence`)."""
 
     def model(self, name: str, block_size: int) -> None: ...
     def worker(self, info: WorkerInfo) -> None: ...
@@ -216,8 +216,6 @@ class Fleet:
 
     def unregister(self, worker_id: int, dp_rank: int | None = None) -> api.Removed:
         gone = self.check_worker(worker_id, dp_rank)
-        if self.journal is not None:
-            self.journal.unregister(worker_id, dp_rank)
         blocks = 0
         self._candidates.clear()
         for w in gone:
@@ -234,6 +232,8 @@ class Fleet:
             self.busy.forget(worker_id)
         for stream in [s for s in self.stream_seqs if s[0] in gone]:
             del self.stream_seqs[stream]
+        if self.journal is not None:  # after the change, as every change: a write's mark counts the blocks held
+            self.journal.unregister(worker_id, dp_rank)
         return api.Removed([api.WorkerRef(w[0], w[1]) for w in gone], blocks)
 
     # ----- events -------------------------------------------------------------------------------------
@@ -288,9 +288,9 @@ class Fleet:
         if info is None:
             info = self.register(WorkerInfo(worker[0], worker[1], state.name))
         info.last_event_at = now
-        if self.journal is not None:
-            events = events if isinstance(events, list) else list(events)  # not the ABC: 0.3 us a batch
-            self.journal.batch(state.name, worker, events)
+        journal, kept = self.journal, None
+        if journal is not None:
+            events = kept = events if isinstance(events, list) else list(events)  # not the ABC: 0.3 us a batch
         index, counts = state.router.index, state.applied
         applied = 0
         for data in events:
@@ -302,6 +302,8 @@ class Fleet:
                 info.rejected[status.value] += 1
                 if rejected is not None:
                     rejected[status.value] += 1
+        if journal is not None and kept is not None:  # once applied: the write that takes it counts the blocks held
+            journal.batch(state.name, worker, kept)
         return applied
 
     # ----- routing ------------------------------------------------------------------------------------
@@ -490,6 +492,8 @@ class Fleet:
             after = index.stats()[_DEVICE]
             cleared.append(api.ClearedModel(name, [format_worker(w) for w in sorted(workers)],
                                         before.blocks - after.blocks))
+        if model is None and worker_id is None:  # the index started over: what a restore missed is moot
+            self.health.recover("state_dir")
         return api.Cleared(cleared)
 
     def _cleared(self, worker: WorkerKey) -> None:

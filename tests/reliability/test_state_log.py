@@ -52,6 +52,7 @@ def test_sigkill_at_random_points_restores_what_was_written(tmp_path: Path) -> N
     for round_ in range(6):
         with serving(tmp_path, *OFTEN) as (proc, client):
             assert pairs(client) == expected, f"round {round_}: the restart lost or invented blocks"
+            assert client.get("/readyz").json()["status"] == "ready", "a kill -9 loses nothing acknowledged"
             answer = client.post("/v1/events", content=chains(40, start=40 * round_), headers=NDJSON)
             assert answer.json()["rejected"] == {}
             if round_ % 2:
@@ -95,6 +96,7 @@ def _kill_mid_ingest(state_dir: Path, until_kill: Callable[[subprocess.Popen[str
         proc.kill()
         poster.join()
     with serving(state_dir) as (proc, client):
+        assert client.get("/readyz").json()["status"] == "ready", "a kill -9 loses nothing acknowledged"
         workers = client.get("/v1/tree/stats").json()["models"]["default"]["workers"]
         held = pairs(client)
     chains_of = {w: {n for n in range(400) if n % 4 == w} for w in range(4)}
@@ -134,6 +136,7 @@ def test_sigterm_writes_no_image_and_the_restart_restores_everything(tmp_path: P
     assert not (tmp_path / snapshot.FILENAME).exists(), "SIGTERM wrote a full image"
     with serving(tmp_path) as (proc, client):
         assert pairs(client) == expected
+        assert client.get("/readyz").json()["status"] == "ready"
 
 
 def test_disk_written_follows_the_changes_not_the_index(tmp_path: Path) -> None:

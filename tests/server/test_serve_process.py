@@ -102,7 +102,8 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
         assert client.get("/v1/tree").json() == before
         log = _stop(proc)
     entries = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
-    assert any("restored" in e["msg"] and "s ago" in e["msg"] and e["level"] == "warning" for e in entries)
+    assert any("restored" in e["msg"] and "s ago" in e["msg"] and e["level"] == "info" for e in entries)
+    assert [e for e in entries if e["level"] in ("warning", "error")] == [], "an ordinary restart warned"
 
 
 @pytest.mark.parametrize(("args", "needle"), [

@@ -157,7 +157,10 @@ def test_a_writer_behind_the_disk_drops_changes_and_the_restore_says_so(tmp_path
     again = Fleet()
     done = replay.restore(again, tmp_path, 0.0)
     assert done.dropped == 3 * FLUSH_RECORDS and done.stopped is None
-    assert any(f"{3 * FLUSH_RECORDS} changes dropped" in p for p in done.problems), done.problems
+    lost = done.lost(again)
+    assert lost is not None and lost.by_cause == {"dropped": 3 * FLUSH_RECORDS}
+    assert lost.reason == (f"restored {2 * FLUSH_RECORDS:,} of {5 * FLUSH_RECORDS:,} blocks: "
+                           f"{3 * FLUSH_RECORDS} changes dropped with the log's writer behind the disk")
     assert again.stats().models["default"].blocks == 2 * FLUSH_RECORDS
     assert segments.numbers(tmp_path) == [0]
 

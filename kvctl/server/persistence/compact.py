@@ -39,9 +39,10 @@ def due(state_log: StateLog, compact_bytes: int) -> bool:
 async def keep(state_log: StateLog, fleet: Fleet, *, interval_s: float, compact_bytes: int,
                block_size: int) -> None:
     """The log's background duties: written every `FLUSH_S` at most, fsynced and compaction considered every
-    `interval_s` (`--snapshot-interval`), an image of the fleet itself after lost writes. Cancelled at
-    shutdown; a compaction child then is killed."""
-    next_sync = time.monotonic() + interval_s
+    `interval_s` (`--snapshot-interval`), an image of the fleet itself after lost writes (at once after a restore
+    that lost some: the state dir then starts from what the router holds). Cancelled at shutdown; a compaction
+    child then is killed."""
+    next_sync = time.monotonic() + (0.0 if state_log.stats.lost else interval_s)
     compacting: asyncio.Task[bool] | None = None
     try:
         while True:
@@ -67,7 +68,7 @@ async def image_after_loss(state_log: StateLog, fleet: Fleet) -> None:
     log and written by a thread; until that succeeds it is retried every interval."""
     state_log.stats.lost = False
     cut, rotated = state_log.rotate()
-    taken = snapshot.capture(fleet, time.time(), log_from=cut)
+    taken = snapshot.capture(fleet, time.time(), log_from=cut, log_pos=state_log.position)
     at_cut = await asyncio.wrap_future(rotated)
     try:
         await asyncio.to_thread(snapshot.write, taken, state_log.state_dir)
@@ -77,7 +78,12 @@ async def image_after_loss(state_log: StateLog, fleet: Fleet) -> None:
         return
     state_log.stats.images_after_loss += 1
     state_log.image_from(at_cut)
-    log.warning("state log: wrote an image of the whole index after lost writes; the log is whole again")
+    partial = fleet.health.faults.get("state_dir")
+    if partial is not None:  # restored less than acknowledged: the image holds what there is, not what was
+        log.info("state log: wrote an image of the index as restored (partial: %s); the next restart starts "
+                 "from it", partial.reason)
+    else:
+        log.warning("state log: wrote an image of the whole index after lost writes; the log is whole again")
 
 
 async def compact(state_log: StateLog, block_size: int) -> bool:

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     if done.stopped is not None:  # the router restored the same way: its start set the damage aside
         print(f"not compacted: the log is damaged at {done.stopped}", file=sys.stderr)
         return 1
-    path = snapshot.write(snapshot.capture(fleet, time.time(), log_from=args.upto), args.state_dir)
+    path = snapshot.write(snapshot.capture(fleet, time.time(), log_from=args.upto, log_pos=done.position),
+                          args.state_dir)
     deleted = segments.delete_before(args.state_dir, done.log_from)
     print(json.dumps({"image": path.name, "records": done.records, "segments_deleted": deleted}))
     return 0

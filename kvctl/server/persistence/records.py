@@ -1,10 +1,15 @@
 """What the state log holds, and how it is framed on disk.
 
-A record is msgpack (an array whose first item says what it is). Frames are `length, crc32` (big-endian u32
-each) then the payload: a frame cut short by a kill is told from one that rotted in the middle. The writer
-thread frames each write as one payload holding the list of its records (`frame_into`): one encode and one
-CRC per write, none per change, and no work for the loop but keeping the change. A frame holding a single
-record is what the first version wrote, one per change; both are read.
+A record is msgpack (an array whose first item says what it is). Each write's frame begins with a MARK record
+`[MARK, first, count, blocks]`: the position of its first change in the state dir's count of changes (which goes on
+across restarts and images), how many it holds, and the device blocks the index held once they were applied. A
+restore follows the positions from frame to frame, so a frame, a segment or a run of segments that went missing
+shows as a gap of known size (`gaps`); frames written before the MARK carry none.
+
+Frames are `length, crc32` (big-endian u32 each) then the payload: a frame cut short by a kill is told from one
+that rotted in the middle. The writer thread frames each write as one payload holding the list of its records
+(`frame_into`): one encode and one CRC per write, none per change, and no work for the loop but keeping the change.
+A frame holding a single record is what the first version wrote, one per change; both are read.
 Hash arrays the decode process hands over (`array('Q')`) are written as their bytes, in this machine's
 byte order: a state dir is not moved across architectures.
 """
@@ -24,8 +29,8 @@ import msgspec
 from kvctl.core.events import Cleared, EventData, Removed, Stored, Tier
 from kvctl.core.names import MAX_DP_RANK, MAX_WORKER_ID, SeqMark
 
-MODEL, WORKER, UNREGISTER, BATCH, DROPPED, SEQS = 0, 1, 2, 3, 4, 5
-KINDS = (MODEL, WORKER, UNREGISTER, BATCH, DROPPED, SEQS)
+MODEL, WORKER, UNREGISTER, BATCH, DROPPED, SEQS, MARK = 0, 1, 2, 3, 4, 5, 6
+KINDS = (MODEL, WORKER, UNREGISTER, BATCH, DROPPED, SEQS, MARK)
 HEAD = struct.Struct(">II")
 
 
@@ -126,3 +131,27 @@ def seq_mark(item: Any) -> SeqMark:
             and 0 <= worker_id <= MAX_WORKER_ID and 0 <= dp_rank <= MAX_DP_RANK and 0 <= seq < 2**64):
         raise ValueError(f"not a stream seq: {item!r}")
     return ((worker_id, dp_rank), endpoint), seq
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """A frame's MARK: its changes are positions `first` to `first + count - 1`; the index then held `blocks`."""
+
+    first: int
+    count: int
+    blocks: int
+
+    @property
+    def end(self) -> int:
+        return self.first + self.count
+
+
+def mark_of(record: Any) -> Mark | None:
+    """The MARK a frame begins with, or None for a frame written before there were marks (ValueError when
+    malformed)."""
+    if record[0] != MARK:
+        return None
+    _, first, count, blocks = record
+    if not all(isinstance(n, int) and 0 <= n < 2**63 for n in (first, count, blocks)):
+        raise ValueError(f"not a frame mark: {record!r}")
+    return Mark(first, count, blocks)

@@ -2,7 +2,8 @@
 
 A frame cut short at a segment's end (a kill mid-write) is dropped; a damaged frame with more after it
 stops the replay there, with the problem reported, so the state is what it was before that record, never
-a crash. Replay is a generator of slices, so a caller can yield to its loop between them.
+a crash. Replay is a generator of slices, so a caller can yield to its loop between them. On the way it follows
+the frames' marks (`gaps`), and says what it restored less than the state dir acknowledged (`Restore.lost`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.core.names import SeqMark
-from kvctl.core.words import counted
 from kvctl.server import snapshot
 from kvctl.server.ingest.endpoint import check_endpoint
-from kvctl.server.persistence import records, segments
+from kvctl.server.persistence import acked, gaps, records, segments
 from kvctl.server.state import Fleet, UnknownWorker, WorkerInfo
 
 
@@ -32,9 +32,20 @@ class Restore:
     segments: int = 0
     torn: int = 0  # segments whose last record was cut short, and dropped
     stopped: str | None = None  # where a damaged record stopped the replay
-    dropped: int = 0  # changes the log says it dropped (its writer behind the disk): the index misses them
     written_at: float | None = None  # when the newest segment replayed was last written to (epoch seconds)
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # images that were damaged, and set aside
+    unknown_end: str | None = None  # why the log's acknowledged end is not known (`acked`): its file is damaged
+    marks: gaps.Tracker = field(default_factory=lambda: gaps.Tracker(0))  # followed frame by frame: what is missing
+    position: int = 0  # where the state dir's count of changes goes on from (`StateLog`'s `position`)
+
+    @property
+    def dropped(self) -> int:
+        """Changes the log says it dropped (its writer behind the disk): the index misses them."""
+        return self.marks.dropped
+
+    def lost(self, fleet: Fleet) -> gaps.Lost | None:
+        """What this restore into `fleet` restored less than the state dir acknowledged; None: nothing."""
+        return self.marks.lost(gaps.blocks_held(fleet))
 
 
 def restore(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = None, repair: bool = False) -> Restore:
@@ -51,32 +62,33 @@ def slices(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = None
     restored."""
     image, problems = yield from snapshot.restore_in_slices(fleet, state_dir, now)
     done = Restore(image, image.log_from if image is not None else 0, problems=problems)
+    done.marks = gaps.Tracker(image.log_pos if image is not None else 0, done.log_from, image_damaged=bool(problems))
     numbers = [n for n in segments.numbers(state_dir) if n >= done.log_from and (upto is None or n < upto)]
     total = sum(_size(segments.path(state_dir, n)) for n in numbers)
     before = 0  # bytes of the segments replayed before this one
     for number in numbers:
         path = segments.path(state_dir, number)
         scans: list[records.Scan] = []
-        dropped = done.dropped
         for at, found in records.read(path, scans):
             try:  # a frame is checked whole before any of it is applied
-                for change in [_change(fleet, record, now) for record in found]:
-                    if isinstance(change, int):
-                        done.dropped += change
-                    else:
-                        change()
-                    done.records += 1
+                mark = records.mark_of(found[0])
+                changes = [_change(fleet, record, now) for record in (found[1:] if mark is not None else found)]
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 scans.append(records.Scan(at, corrupt=f"bad record at byte {at}: {exc}"))
                 break
+            done.marks.frame(number, at, mark, len(changes))
+            for change in changes:
+                if isinstance(change, int):
+                    done.marks.dropped += change
+                else:
+                    change()
+                done.records += 1
             yield snapshot.Progress("replaying the state log", before + at, total, "bytes")
         before += _size(path)
-        if done.dropped > dropped:
-            done.problems.append(f"{path.name}: {counted(done.dropped - dropped, 'change')} dropped, the log's "
-                                 "writer behind the disk: the index restored misses them")
         done.segments += 1
         done.written_at = path.stat().st_mtime
         scan = scans[-1]
+        done.marks.segment_end(number, scan.good)
         if scan.torn:
             done.torn += 1
             if repair:
@@ -86,6 +98,12 @@ def slices(fleet: Fleet, state_dir: Path, now: float, *, upto: int | None = None
             if repair:
                 _set_aside(state_dir, number, scan.good)
             break
+    if upto is None:  # a compaction folds part of the log: its end is no loss
+        told, done.unknown_end = acked.read(state_dir)
+        done.marks.tail(told, segments.numbers(state_dir), lambda n: _size(segments.path(state_dir, n)), done.stopped)
+        done.position = done.marks.resume_at(told)
+    else:
+        done.position = done.marks.resume_at(None)
     return done
 
 
@@ -112,6 +130,8 @@ def _set_aside(state_dir: Path, number: int, good: int) -> None:
 def _change(fleet: Fleet, record: list[Any], now: float) -> Callable[[], object] | int:
     """A record checked and made ready to apply; a DROPPED record is the count of changes it stands for."""
     kind = record[0]
+    if kind == records.MARK:
+        raise ValueError("a frame's mark inside it")
     if kind == records.MODEL:
         _, name, block_size = record
         return partial(fleet.add_model, str(name), block_size=int(block_size))

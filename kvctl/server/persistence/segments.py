@@ -12,8 +12,12 @@ from pathlib import Path
 PREFIX = "state.log."
 
 
+def name(number: int) -> str:
+    return f"{PREFIX}{number:08d}"
+
+
 def path(state_dir: Path, number: int) -> Path:
-    return state_dir / f"{PREFIX}{number:08d}"
+    return state_dir / name(number)
 
 
 def numbers(state_dir: Path) -> list[int]:

@@ -9,6 +9,11 @@ at shutdown; a kill loses at most the last second. Changes handed to the writer 
 (`backlog`): past it, with the disk slower than ingest, the next ones are dropped, a DROPPED record says so in
 their place (a restore before the next image reports it), and the log counts as lost until an image of the whole
 index is written, as after a failed write.
+
+Each write begins with a MARK (`records.Mark`): the position of its first change in the state dir's count of
+changes, and the index's device blocks once they were applied; after each fsync, and after each write that failed,
+the writer records in `state.log.acked` how far the log is acknowledged (`acked`). A restore compares the two
+(`gaps`), so a log that lost records says how many.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -29,7 +34,7 @@ from kvctl.core.events import EventData
 from kvctl.core.names import StreamId, WorkerKey, selects
 from kvctl.core.words import counted
 from kvctl.server import snapshot
-from kvctl.server.persistence import records, segments
+from kvctl.server.persistence import acked, gaps, records, segments
 from kvctl.server.state import Fleet, WorkerInfo
 
 log = logging.getLogger("kvctl.serve")
@@ -60,15 +65,28 @@ class LogStats:
 class StateLog:
     """Appends the fleet's changes to `state.log.N`; `rotate` starts the next segment for a compaction."""
 
-    def __init__(self, state_dir: Path, fleet: Fleet, *, restored_from: int | None, backlog: int = BACKLOG) -> None:
+    def __init__(self, state_dir: Path, fleet: Fleet, *, restored_from: int | None, position: int = 0,
+                 backlog: int = BACKLOG) -> None:
         """`restored_from`: the `log_from` of the image the fleet was restored from, its log replayed after it
         (0: no image); None: the fleet did not restore (`--no-restore`, JetStream), so its own image, nearly
-        empty, is written first, lest a compaction fold the files of an earlier run in."""
+        empty, is written first, lest a compaction fold the files of an earlier run in. `position`: where the
+        state dir's count of changes goes on from (`replay.Restore.position`)."""
+        state_dir.mkdir(parents=True, exist_ok=True)
         numbers = segments.numbers(state_dir)
         self.state_dir = state_dir
         self.stats = LogStats(numbers[-1] + 1 if numbers else 0)
+        self.fleet = fleet
+        self.position = position  # of the next change handed to the writer, in the state dir's count
+        self._acked_file = acked.File(state_dir)
+        self._acked: acked.Acked | None = None  # how far the writer got (or failed): recorded at the next fsync
+        self._told: acked.Acked | None = None  # what `state.log.acked` holds
+        self._acked_failing = False
+        self._writing = self.stats.segment  # the segment the writer thread appends to
         if restored_from is None:
-            snapshot.write(snapshot.capture(fleet, time.time(), log_from=self.stats.segment), state_dir)
+            snapshot.write(snapshot.capture(fleet, time.time(), log_from=self.stats.segment, log_pos=position),
+                           state_dir)
+            self._acked = acked.Acked(position, gaps.blocks_held(self.fleet), self._writing, 0)
+            self._tell_acked()  # an earlier run's record would count this run's start as a loss
         else:
             self.stats.since_image = segments.size_from(state_dir, restored_from)
         self._image_at = -self.stats.since_image  # `stats.bytes` where the log after the image starts
@@ -112,7 +130,8 @@ class StateLog:
             self.flush(fsync=False)
 
     def _hand_over(self) -> list[tuple[Any, ...]]:
-        """What waits, for the writer; dropped for a DROPPED record when the writer is `backlog` behind."""
+        """What waits, for the writer, after its MARK; dropped for a DROPPED record when the writer is `backlog`
+        behind. The fleet has applied every change handed (`Fleet` tells its journal after applying)."""
         pending, self._pending = self._pending, []
         if self._seqs:
             pending.append((records.SEQS, [(w, dp, endpoint, seq) for ((w, dp), endpoint), seq in self._seqs.items()]))
@@ -121,6 +140,8 @@ class StateLog:
             return pending
         stats = self.stats
         stats.records += len(pending)
+        mark = (records.MARK, self.position, len(pending), gaps.blocks_held(self.fleet))
+        self.position += len(pending)
         if self._handed - self._written + len(pending) > self.backlog:
             if not stats.lost:  # once per episode
                 log.error("state log: the disk is slower than ingest, %s wait for %s; dropping changes until "
@@ -130,7 +151,7 @@ class StateLog:
             stats.lost = True
             pending = [(records.DROPPED, len(pending))]
         self._handed += len(pending)
-        return pending
+        return [mark, *pending]
 
     def image_from(self, at: int) -> None:
         """The newest image holds the log written before `stats.bytes` was `at` (a cut's)."""
@@ -158,11 +179,13 @@ class StateLog:
         finally:
             self._thread.shutdown()
             self._file.close()
+            self._acked_file.close()
 
     def _write(self, pending: list[tuple[Any, ...]], fsync: bool) -> int:
         """Write `pending` as one frame; returns `stats.bytes` after it."""
         end = self._file.tell()
         stats = self.stats
+        mark = records.mark_of(pending[0]) if pending else None
         try:
             if pending:
                 frame = bytearray()
@@ -173,26 +196,52 @@ class StateLog:
                         at += self._file.write(data[at:]) or 0
                 stats.bytes += len(frame)
                 stats.since_image = stats.bytes - self._image_at
+                if mark is not None:
+                    self._acked = acked.Acked(mark.end, mark.blocks, self._writing, end + len(frame))
             if fsync:
                 os.fsync(self._file.fileno())
                 stats.fsyncs += 1
+                self._tell_acked()
         except OSError as exc:  # a full disk must not stop the router; what was lost is counted and logged
             stats.write_errors += 1
             stats.lost = True
             log.error("state log %s: %s not written, a restart will not have them: %s",
-                      self._file.name, counted(len(pending), "change"), exc)
+                      self._file.name, counted(len(pending) - (mark is not None), "change"), exc)
             with contextlib.suppress(OSError):  # no half record for the next write to follow
                 os.ftruncate(self._file.fileno(), end)
                 self._file.seek(end)
+            if mark is not None:  # acknowledged to its senders, yet never in the log: a restart must say so
+                self._acked = acked.Acked(mark.end, mark.blocks, self._writing, end, failed=True)
+            elif self._acked is not None:  # an fsync that failed: what it should have made durable may be gone
+                self._acked = replace(self._acked, failed=True)
+            self._tell_acked()
         finally:
-            self._written += len(pending)
+            self._written += len(pending) - (mark is not None)
         return stats.bytes
 
     def _write_and_rotate(self, pending: list[tuple[Any, ...]], number: int) -> int:
         written = self._write(pending, fsync=True)
         self._file.close()
         self._file = _open(segments.path(self.state_dir, number))
+        self._writing = number
         return written
+
+    def _tell_acked(self) -> None:
+        """Record how far the log is acknowledged (`acked`), unless it is recorded already. It takes no new room,
+        so it should not fail where a write did; if it does, the log goes on, said once until it works again."""
+        now = self._acked
+        if now is None or now == self._told:
+            return
+        try:
+            self._acked_file.write(now)
+        except OSError as exc:
+            if not self._acked_failing:
+                log.error("state log: cannot record how far it is acknowledged in %s (%s): a restart cannot tell "
+                          "a log cut short from one that ended", acked.FILENAME, exc)
+            self._acked_failing = True
+            return
+        self._acked_failing = False
+        self._told = now
 
 
 def _open(path: Path) -> BinaryIO:
