@@ -191,10 +191,11 @@ SourceDiscovery = Annotated[str | None, typer.Option(
 JetStreamOpt = Annotated[bool, typer.Option("--jetstream", help="NATS: the JetStream stream's JSON instead.")]
 WorkerIdOpt = Annotated[int, typer.Option("--worker-id", help="ZMQ: the worker id to give the events.")]
 TopicOpt = Annotated[str, typer.Option("--topic", help="ZMQ topic filter.")]
-BlockSizeOpt = Annotated[int | None, typer.Option("--block-size", show_default=False,
+BlockSizeOpt = Annotated[int | None, typer.Option("--block-size", "-b", show_default=False,
                                                   help="ZMQ: for events that carry none.")]
 CountOpt = Annotated[int | None, typer.Option("--count", "-n", show_default=False, help="Stop after N events.")]
-DurationOpt = Annotated[float | None, typer.Option("--duration", show_default=False, help="Stop after S seconds.")]
+DurationOpt = Annotated[float | None, typer.Option("--duration", "-d", show_default=False,
+                                                  help="Stop after S seconds.")]
 
 
 @app.command("tail", help="Decode KV events live from an engine (--zmq) or an event plane (--nats, or "
@@ -311,7 +312,7 @@ def replay_command(
     source: Annotated[str, typer.Argument(help="A recorder, JSONL or dump file; - for stdin.")],
     speed: Annotated[float, typer.Option("--speed", help="Pace multiplier for recorded timestamps; 0: no "
                                                          "waiting.")] = 0.0,
-    model: Annotated[str, typer.Option("--model", help="The router's model.")] = DEFAULT_MODEL,
+    model: Annotated[str, typer.Option("--model", "-m", help="The router's model.")] = DEFAULT_MODEL,
     allow_partial: Annotated[bool, typer.Option(
         "--allow-partial", help="Exit 0 when some events were rejected (a warning instead), as long as one "
                                 "applied; without it any rejection exits 1.")] = False,
