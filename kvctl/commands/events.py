@@ -114,7 +114,9 @@ def _describe(tapped: Tapped) -> str:
 
 
 class _Until:
-    """Stop after `count` events, `duration` seconds, or Ctrl-C (SIGINT or SIGTERM): what a tap checks."""
+    """Stop after `count` events, `duration` seconds, or Ctrl-C (SIGINT or SIGTERM): what a tap checks before it
+    receives the next message. What it received before is shown whole (counted as shown, never dropped after
+    being counted); only `--count` stops inside a message, which may carry several events (`counted_out`)."""
 
     def __init__(self, count: int | None, duration: float | None) -> None:
         self.count, self.seen = count, 0
@@ -127,8 +129,11 @@ class _Until:
     def _interrupt(self, *_: object) -> None:
         self.interrupted = True
 
+    def counted_out(self) -> bool:
+        return self.count is not None and self.seen >= self.count
+
     def __call__(self) -> bool:
-        return (self.interrupted or (self.count is not None and self.seen >= self.count)
+        return (self.interrupted or self.counted_out()
                 or (self.deadline is not None and time.monotonic() >= self.deadline))
 
 
@@ -219,14 +224,14 @@ def tail_command(
     scope = PlaneScope(namespace, component, endpoint)
     for tapped in _taps(zmq_endpoint, nats_url, discovery, nats_auth, scope, jetstream, worker_id, topic, block_size,
                         until, stats, out.note):
-        if until():  # a message may carry several events: --count stops at an event, not a message
-            break
         if out.format is OutputFormat.json:
             out.line(json.dumps({"timestamp": tapped.received_ms, "seq": tapped.seq, "missing": tapped.missing,
                                  "event": None if tapped.event is None else _event_obj(tapped.event)}))
         else:
             out.line(_describe(tapped))
         until.seen += tapped.event is not None
+        if until.counted_out():  # closes the tap at this event: it counts no event it did not hand over
+            break
     out.note(f"{counted(stats.messages, 'message')}, {counted(stats.events, 'event')}, "
              f"{counted(stats.gaps, 'gap')} ({stats.missing} missing), "
              f"decode errors {dict(stats.decode_errors) or 'none'}")
@@ -259,12 +264,12 @@ def record_command(
     with sink:
         for tapped in _taps(zmq_endpoint, nats_url, discovery, nats_auth, PlaneScope(namespace, component, endpoint),
                             jetstream, worker_id, topic, block_size, until, stats, out.note):
-            if until():
-                break
             if tapped.event is not None:
                 sink.write(json.dumps({"timestamp": tapped.received_ms, "event": _event_obj(tapped.event)}) + "\n")
                 sink.flush()
                 until.seen += 1
+                if until.counted_out():
+                    break
     out.emit({"file": str(file), **stats.as_dict()}, _RECORD_VIEW)
     _nothing_received(out, stats, zmq_endpoint, nats_url, topic, jetstream)
 
