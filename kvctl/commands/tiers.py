@@ -16,7 +16,6 @@ it is a Nagios check of one tier's hit rate: one status line, and exit 0 OK / 1 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import time
@@ -36,7 +35,7 @@ from kvctl.commands._options import (
     settings_for,
 )
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
-from kvctl.errors import UsageError
+from kvctl.errors import KvctlError, UsageError
 from kvctl.output import Column, Output, OutputFormat, View
 
 if TYPE_CHECKING:
@@ -140,13 +139,23 @@ def tiers_command(
         raise UsageError(f"--instance: {exc}") from None
     auth = Auth(auth_user, auth_password, bearer_token)
     tables = out.format in (OutputFormat.table, OutputFormat.wide)
-    answers = _answers(ctx, prometheus, metrics or [], window_s, auth, since_start=not (wait or checking),
-                       wait_until=_waiter(out, window))
+
+    def source() -> Generator[list[Window]]:
+        return _answers(ctx, prometheus, metrics or [], window_s, auth, since_start=not (wait or checking),
+                        wait_until=_waiter(out, window))
+
+    answers = source()
     where = _where(settings_for(ctx, prometheus=prometheus).prometheus, metrics or [])
     note, warning = _once(out.note), _once(out.warn)
 
     def fetch() -> TierReport:
-        tier_report = report(next(answers), instance=pattern)
+        nonlocal answers
+        try:
+            windows = next(answers)
+        except KvctlError:  # a generator that raised is over: a --watch's next try reads the source afresh
+            answers = source()
+            raise
+        tier_report = report(windows, instance=pattern)
         if not tier_report.instances:
             warning("no instance exposes any of the metric families kvctl reads" if pattern is None
                     else f"no instance matches --instance {instance!r}")
@@ -161,7 +170,7 @@ def tiers_command(
     def render(data: TierReport) -> None:
         out.emit(data.to_dict() if _structured(out) else data, dataclasses.replace(_VIEW, title=_title(data, window)))
 
-    with contextlib.closing(answers):
+    try:
         if checking:
             _run_check(out, fetch(), tier, warn, crit)  # exits with the check's status
         if watch:
@@ -175,6 +184,8 @@ def tiers_command(
             except KeyboardInterrupt:
                 out.note("stopped before the window passed: the figures above count since each engine started")
                 raise typer.Exit(130) from None
+    finally:
+        answers.close()
 
 
 def _where(prometheus: str | None, metrics: list[str]) -> str:
