@@ -10,8 +10,9 @@ window's, as an alert is about now. Prometheus has the window's at once (`"basis
 Each number says which metric family it came from, and families nobody exposes are listed, never guessed;
 instances that export no counter of a tier below the device (a Dynamo frontend, the mocker)
 are named once, in a note (`no_tier_counters` in -o json), not shown as 0.0 % per tier. With --warn/--crit
-it is a Nagios check of one tier's hit rate: one status line, and exit 0 OK / 1 WARNING / 2 CRITICAL /
-3 UNKNOWN (no data, or the source cannot be reached).
+(or -o nagios) it is a Nagios check of one tier's hit rate: one status line with perfdata, a line per other
+instance, and exit 0 OK / 1 WARNING / 2 CRITICAL / 3 UNKNOWN (no data, the source not reached, or a usage error:
+`kvctl.cli.CHECKS`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.commands._options import (
+    CheckOutputOpt,
     JsonOpt,
     MetricsPasswordOpt,
     MetricsTokenOpt,
     MetricsUserOpt,
-    OutputOpt,
     metrics_window,
     output_for,
     settings_for,
@@ -49,7 +50,8 @@ EXAMPLES = (
     "  kvctl tiers --metrics http://engine-0:8000 --metrics http://engine-1:8000 --window 30s\n\n"
     "  kvctl tiers --metrics http://engine-0:8000 --window 1m --wait -o json   # the window's rates, not "
     "since start\n\n"
-    "  kvctl tiers --tier host --warn 0.2 --crit 0.05   # Nagios: exit 0/1/2/3\n\n"
+    "  kvctl tiers --prometheus http://prometheus:9090 --tier host --warn 0.2 --crit 0.05   # Nagios: exit "
+    "0/1/2/3\n\n"
     "  kvctl tiers -o json | jq '.totals[] | select(.metric == \"hit_rate\")'"
 )
 _BAR_WIDTH = 20
@@ -123,14 +125,14 @@ def tiers_command(
     tier: TierOpt = "host",
     watch: WatchOpt = False,
     interval: IntervalOpt = 5.0,
-    output: OutputOpt = None,
+    output: CheckOutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     from kvctl.client.tier_sources import Auth
     from kvctl.core.tiers import CHECK_TIERS, Basis, report
 
-    out = output_for(ctx, output, as_json)
-    checking = warn is not None or crit is not None
+    out = output_for(ctx, output, as_json, check=True)
+    checking = warn is not None or crit is not None or out.format is OutputFormat.nagios
     _check_options(tier, warn, crit, checking and watch, CHECK_TIERS)
     window_s = metrics_window(metrics, prometheus, window)
     try:
@@ -252,7 +254,7 @@ def _check_options(tier: str, warn: float | None, crit: float | None, watching: 
         raise UsageError(f"--crit {crit} is above --warn {warn}", hint="a hit rate below --crit is worse than one "
                          "below --warn: give --crit <= --warn")
     if watching:
-        raise UsageError("--warn/--crit check once; they do not go with --watch")
+        raise UsageError("--warn/--crit and -o nagios check once; they do not go with --watch")
 
 
 def _answers(ctx: typer.Context, prometheus: str | None, metrics: list[str], window_s: float, auth: Auth, *,
