@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from typer.core import TyperCommand, TyperGroup, TyperOption
@@ -17,7 +17,7 @@ from kvctl import __version__
 from kvctl.argv_secrets import scrub_process_argv
 from kvctl.commands._options import JsonOpt, OutputOpt
 from kvctl.errors import KvctlError
-from kvctl.exit_codes import ExitCode
+from kvctl.exit_codes import CheckStatus, ExitCode
 from kvctl.output import OutputFormat
 
 
@@ -106,26 +106,27 @@ class KvctlGroup(TyperGroup):
         argv = hoist_global_options(self, list(sys.argv[1:] if args is None else args))
         if args is None:
             scrub_process_argv()
+        fail = _Failure(check_of(argv))
         try:
             rv = super().main(argv, prog_name or "kvctl", complete_var, standalone_mode=False,
                               windows_expand_args=windows_expand_args, **extra)
         except typer.BadParameter as exc:
-            _fail(exc.format_message(), _help_hint(exc), ExitCode.USAGE)
+            fail(exc.format_message(), _help_hint(exc), ExitCode.USAGE)
         except typer._click.exceptions.NoArgsIsHelpError as exc:  # noqa: SLF001 - bare `kvctl`, `kvctl tree`
             # help was asked for by giving nothing: it is the answer (stdout, exit 0), as with kubectl, not an error
             assert exc.ctx is not None
             sys.stdout.write(exc.ctx.get_help() + "\n")
             sys.exit(ExitCode.OK)
         except typer._click.exceptions.UsageError as exc:  # noqa: SLF001 - typer vendors click here
-            _fail(exc.format_message(), _help_hint(exc), ExitCode.USAGE)
+            fail(exc.format_message(), _help_hint(exc), ExitCode.USAGE)
         except KvctlError as exc:
             if _debug_requested(argv):
                 raise
-            _fail(exc.message, exc.hint, exc.exit_code)
+            fail(exc.message, exc.hint, exc.exit_code)
         except Exit as exc:
             sys.exit(exc.exit_code)
         except Abort:
-            _fail("aborted", None, ExitCode.ERROR)
+            fail("aborted", None, ExitCode.ERROR)
         sys.exit(rv if isinstance(rv, int) else ExitCode.OK)
 
 
@@ -179,13 +180,60 @@ def _command_start(argv: list[str]) -> int | None:
     return None
 
 
+CHECKS: dict[str, frozenset[str]] = {"doctor": frozenset(), "tiers": frozenset({"--warn", "--crit"})}
+"""The commands whose exit code is a monitoring plugin's (`CheckStatus`): always, or given one of these options
+(or `-o nagios`). In one, an error that stops the check (a usage error, a source not reached) is UNKNOWN, exit 3:
+Nagios reads the usual exit 2 as CRITICAL, and a typo in a check's options must not page as a critical fleet."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """A command line that runs a check: which one, and whether it prints a plugin's output (-o nagios)."""
+
+    name: str
+    nagios: bool
+
+
+def check_of(argv: list[str]) -> Check | None:
+    """The check this command line runs, or None (read from the words, as parsing may be what failed)."""
+    words = argv[:argv.index("--")] if "--" in argv else argv
+    at = _command_start(words)
+    if at is None or words[at] not in CHECKS:
+        return None
+    nagios = any(w in ("-onagios", "--output=nagios") or (w in ("-o", "--output") and words[n + 1:n + 2] == ["nagios"])
+                 for n, w in enumerate(words))
+    given = {w.split("=", 1)[0] for w in words[at + 1:]}
+    if CHECKS[words[at]] and not nagios and not given & CHECKS[words[at]]:
+        return None
+    return Check(words[at], nagios)
+
+
+class _Failure:
+    """How this command line reports an error that stops it: one line on stderr with the error's exit code; in a
+    check, exit 3 UNKNOWN, and with -o nagios the line is the plugin's status line, on stdout."""
+
+    def __init__(self, check: Check | None) -> None:
+        self.check = check
+
+    def __call__(self, message: str, hint: str | None, code: int) -> NoReturn:
+        if self.check is None:
+            _fail(message, hint, code)
+        if not self.check.nagios:
+            _fail(message, hint, CheckStatus.UNKNOWN)
+        from kvctl.core.nagios import plugin_output
+
+        text = f"error: {message}" + (f" ({hint})" if hint else "")
+        sys.stdout.write(plugin_output(self.check.name, CheckStatus.UNKNOWN.name, text) + "\n")
+        sys.exit(CheckStatus.UNKNOWN)
+
+
 def _help_hint(exc: Any) -> str:
     ctx = getattr(exc, "ctx", None)
     path = ctx.command_path if ctx is not None else "kvctl"
     return f"see '{path} --help'"
 
 
-def _fail(message: str, hint: str | None, code: int) -> None:
+def _fail(message: str, hint: str | None, code: int) -> NoReturn:
     sys.stderr.write(f"error: {message}" + (f" ({hint})" if hint else "") + "\n")
     sys.exit(code)
 

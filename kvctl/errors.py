@@ -5,6 +5,7 @@
     │   ├── StateDirError                    a `serve --state-dir` that cannot be used (not writable, in use)
     │   └── CannotListen                     a `serve --listen` address that cannot be had
     ├── ConfigError                 exit 2   a bad config file (`kvctl serve --config` too) or context
+    ├── TimedOut                    exit 1   a server that did not answer within --timeout
     ├── Unreachable                 exit 3   cannot connect to the server (a router, NATS, a discovery store)
     │   └── DiscoveryError                   Dynamo's discovery store cannot be read now (the next poll retries)
     ├── SnapshotError               exit 1   a damaged router snapshot (the router starts without it)
@@ -58,6 +59,10 @@ class CannotListen(UsageError):
 
     def __init__(self, address: str, reason: str) -> None:
         super().__init__(f"cannot listen on {address}: {reason}", hint="pick another --listen port")
+
+
+class TimedOut(KvctlError):
+    """A server that did not answer within --timeout: up, perhaps, but too slow now; a `--watch` tries again."""
 
 
 class Unreachable(KvctlError):

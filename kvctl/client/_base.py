@@ -19,7 +19,7 @@ import msgspec
 from kvctl import __version__
 from kvctl import http_api as api
 from kvctl.core.names import DEFAULT_MODEL
-from kvctl.errors import AllBusy, ApiError, KvctlError, NotFound, Refused, Restoring, Unreachable, there
+from kvctl.errors import AllBusy, ApiError, KvctlError, NotFound, Refused, Restoring, TimedOut, Unreachable, there
 
 T = TypeVar("T")
 
@@ -134,7 +134,7 @@ def translate(base_url: str) -> Iterator[None]:
     try:
         yield
     except (httpx.TimeoutException, TimeoutError):
-        raise KvctlError(f"{base_url} did not answer in time",
+        raise TimedOut(f"{base_url} did not answer in time",
                          hint="raise --timeout, or check the router's load") from None
     except httpx.TransportError as exc:
         raise Unreachable(f"cannot reach the router at {base_url}: {exc or type(exc).__name__}",

@@ -22,7 +22,7 @@ import httpx
 from kvctl.client._base import pool_limits
 from kvctl.client.deadline import deadline_transport, within
 from kvctl.core.tiers import Sample, Window, family_of, increases
-from kvctl.errors import ApiError, KvctlError, Unreachable
+from kvctl.errors import ApiError, KvctlError, TimedOut, Unreachable
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,7 @@ def _reaching(what: str, url: str, timeouts: tuple[type[Exception], ...],
     try:
         yield
     except timeouts:
-        raise KvctlError(f"{what} at {url} did not answer in time", hint="raise --timeout") from None
+        raise TimedOut(f"{what} at {url} did not answer in time", hint="raise --timeout") from None
     except failures as exc:
         raise Unreachable(f"cannot reach {what} at {url}: {exc or type(exc).__name__}") from None
 

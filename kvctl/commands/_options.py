@@ -18,17 +18,28 @@ OutputOpt = Annotated[
     typer.Option("--output", "-o", help="Output format: table, wide, json, yaml or name.", show_default=False,
                  metavar="FORMAT"),
 ]
+CheckOutputOpt = Annotated[
+    OutputFormat | None,
+    typer.Option("--output", "-o", help="Output format: table, wide, json, yaml, name, or nagios: a monitoring "
+                                        "plugin's status line with perfdata, then one line per finding; exit 0 OK, "
+                                        "1 WARNING, 2 CRITICAL, 3 UNKNOWN (docs/checks.md).", show_default=False,
+                 metavar="FORMAT"),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Alias for -o json.")]
 
 
-def output_for(ctx: typer.Context, output: OutputFormat | None, as_json: bool) -> Output:
-    """The sink for this command: its own -o/--json win over the global ones."""
+def output_for(ctx: typer.Context, output: OutputFormat | None, as_json: bool, *, check: bool = False) -> Output:
+    """The sink for this command: its own -o/--json win over the global ones. `-o nagios` only for a `check`
+    command (one whose exit code is a monitoring plugin's)."""
+    from kvctl.errors import UsageError
+
     state = ctx.find_root().obj
     if output is not None and as_json and output is not OutputFormat.json:
-        from kvctl.errors import UsageError
-
         raise UsageError("--json and -o disagree", hint="give only one of them")
     chosen = OutputFormat.json if as_json else (output or state.output)
+    if chosen is OutputFormat.nagios and not check:
+        raise UsageError(f"{ctx.command_path}: -o nagios is a check's output",
+                         hint="the checks are kvctl doctor and kvctl tiers")
     return Output(format=chosen, color=state.color)
 
 

@@ -1,8 +1,9 @@
 """`kvctl doctor`: the checks an expert runs when KV-aware routing goes wrong, in one command.
 
 Each finding names a cause, the numbers behind it and the next command; the exit code is Nagios'
-(0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN), so a monitoring system can run it as a check. An
-unreachable router is a CRITICAL finding, not a usage error: it is the first thing doctor diagnoses.
+(0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN), so a monitoring system can run it as a check (`-o nagios` prints the
+plugin's status line first). An unreachable router is a CRITICAL finding, not an error: it is the first thing
+doctor diagnoses; an error that stops the check itself (a bad option) is UNKNOWN (`kvctl.cli.CHECKS`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.commands._options import (
+    CheckOutputOpt,
     JsonOpt,
     MetricsPasswordOpt,
     MetricsTokenOpt,
     MetricsUserOpt,
-    OutputOpt,
     metrics_window,
     output_for,
     router_client,
@@ -37,7 +38,8 @@ from kvctl.core.doctor import (
     worst,
 )
 from kvctl.core.silence import SILENT_AFTER_S
-from kvctl.output import Column, Output, View
+from kvctl.errors import UsageError
+from kvctl.output import Column, Output, OutputFormat, View
 
 if TYPE_CHECKING:
     from kvctl.client import RouterClient
@@ -51,9 +53,13 @@ EXAMPLES = (
     "  kvctl doctor --server http://router-a:7433 --peer http://router-b:7433\n\n"
     "  kvctl doctor -o json | jq '.findings[] | select(.severity != \"OK\")'\n\n"
     "  kvctl doctor --watch --interval 10\n\n"
-    "--timeout bounds the whole check (every call to the router, its peers and the engines together).\n\n"
+    "  kvctl doctor --server http://router:7433 -o nagios   # a Nagios, Icinga or NRPE check\n\n"
+    "--timeout bounds the whole check (every call to the router, its peers and the engines together). "
+    "-o nagios prints a monitoring plugin's output: one status line with perfdata, then one line per finding "
+    "(docs/checks.md).\n\n"
     "Exit codes: 0 OK, 1 WARNING, 2 CRITICAL (an unreachable router too, or one not answering in time), "
-    "3 UNKNOWN. --watch checks again every --interval seconds until Ctrl-C, which exits 0."
+    "3 UNKNOWN (a check that could not run: a bad option or --server too). --watch checks again every --interval "
+    "seconds until Ctrl-C, which exits 0."
 )
 
 
@@ -98,18 +104,22 @@ def doctor_command(
     bearer_token: MetricsTokenOpt = None,
     watch: WatchOpt = False,
     interval: IntervalOpt = 5.0,
-    output: OutputOpt = None,
+    output: CheckOutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     from kvctl.client.deadline import within
     from kvctl.exit_codes import CheckStatus
 
-    out = output_for(ctx, output, as_json)
+    out = output_for(ctx, output, as_json, check=True)
+    if watch and out.format is OutputFormat.nagios:
+        raise UsageError("-o nagios checks once; it does not go with --watch",
+                         hint="let the monitoring system run the check each interval")
     window_s = metrics_window(metrics, prometheus, window)
     settings = settings_for(ctx)
     limits = Limits(silent_after_s=silent_after, divergence_share=divergence, unreachable_after_s=unreachable_after)
+    previous: list[Finding] = []  # the last round's, with --watch: the loop check's hysteresis reads them
 
-    def check() -> dict[str, Any]:
+    def check() -> list[Finding]:
         with within(settings.timeout):  # a check's whole run, not each call: what Nagios' own timeout expects
             gathered = _gather(ctx, model)
             if isinstance(gathered, Finding):
@@ -121,15 +131,25 @@ def doctor_command(
 
                 engines = _Engines(metrics or [], prometheus, window_s, Auth(auth_user, auth_password, bearer_token))
                 hit_rates = _hit_rates(ctx, engines) if metrics or prometheus else None
-                findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates), *not_compared]
+                findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates, previous),
+                            *not_compared]
+        previous[:] = findings
+        return findings
+
+    def report(findings: list[Finding]) -> dict[str, Any]:
         return {"server": settings.server, "status": worst(findings).name, "findings": [f.as_dict() for f in findings]}
 
     if watch:  # for a person watching a fleet: Ctrl-C ends it with 0, as every --watch does
-        show(out, check, lambda report: _render(out, report), watch=True, interval=interval)
+        show(out, check, lambda findings: _render(out, report(findings)), watch=True, interval=interval)
         return
-    report = check()
-    _render(out, report)
-    raise typer.Exit(CheckStatus[report["status"]])
+    findings = check()
+    if out.format is OutputFormat.nagios:
+        from kvctl.core.doctor.plugin import doctor_check
+
+        out.line(doctor_check(findings, limits))
+    else:
+        _render(out, report(findings))
+    raise typer.Exit(CheckStatus[worst(findings).name])
 
 
 def _render(out: Output, report: dict[str, Any]) -> None:

@@ -115,7 +115,9 @@ def _describe(tapped: Tapped) -> str:
 
 
 class _Until:
-    """Stop after `count` events, `duration` seconds, or Ctrl-C (SIGINT or SIGTERM): what a tap checks."""
+    """Stop after `count` events, `duration` seconds, or Ctrl-C (SIGINT or SIGTERM): what a tap checks before it
+    receives the next message. What it received before is shown whole (counted as shown, never dropped after
+    being counted); only `--count` stops inside a message, which may carry several events (`counted_out`)."""
 
     def __init__(self, count: int | None, duration: float | None) -> None:
         self.count, self.seen = count, 0
@@ -128,8 +130,11 @@ class _Until:
     def _interrupt(self, *_: object) -> None:
         self.interrupted = True
 
+    def counted_out(self) -> bool:
+        return self.count is not None and self.seen >= self.count
+
     def __call__(self) -> bool:
-        return (self.interrupted or (self.count is not None and self.seen >= self.count)
+        return (self.interrupted or self.counted_out()
                 or (self.deadline is not None and time.monotonic() >= self.deadline))
 
 
@@ -192,10 +197,11 @@ SourceDiscovery = Annotated[str | None, typer.Option(
 JetStreamOpt = Annotated[bool, typer.Option("--jetstream", help="NATS: the JetStream stream's JSON instead.")]
 WorkerIdOpt = Annotated[int, typer.Option("--worker-id", help="ZMQ: the worker id to give the events.")]
 TopicOpt = Annotated[str, typer.Option("--topic", help="ZMQ topic filter.")]
-BlockSizeOpt = Annotated[int | None, typer.Option("--block-size", show_default=False,
+BlockSizeOpt = Annotated[int | None, typer.Option("--block-size", "-b", show_default=False,
                                                   help="ZMQ: for events that carry none.")]
 CountOpt = Annotated[int | None, typer.Option("--count", "-n", show_default=False, help="Stop after N events.")]
-DurationOpt = Annotated[float | None, typer.Option("--duration", show_default=False, help="Stop after S seconds.")]
+DurationOpt = Annotated[float | None, typer.Option("--duration", "-d", show_default=False,
+                                                  help="Stop after S seconds.")]
 
 
 @app.command("tail", help="Decode KV events live from an engine (--zmq) or an event plane (--nats, or "
@@ -219,14 +225,14 @@ def tail_command(
     scope = PlaneScope(namespace, component, endpoint)
     for tapped in _taps(zmq_endpoint, nats_url, discovery, nats_auth, scope, jetstream, worker_id, topic, block_size,
                         until, stats, out.note):
-        if until():  # a message may carry several events: --count stops at an event, not a message
-            break
         if out.format is OutputFormat.json:
             out.line(json.dumps({"timestamp": tapped.received_ms, "seq": tapped.seq, "missing": tapped.missing,
                                  "event": None if tapped.event is None else _event_obj(tapped.event)}))
         else:
             out.line(_describe(tapped))
         until.seen += tapped.event is not None
+        if until.counted_out():  # closes the tap at this event: it counts no event it did not hand over
+            break
     out.note(f"{counted(stats.messages, 'message')}, {counted(stats.events, 'event')}, "
              f"{counted(stats.gaps, 'gap')} ({stats.missing} missing), "
              f"decode errors {dict(stats.decode_errors) or 'none'}")
@@ -259,12 +265,12 @@ def record_command(
     with sink:
         for tapped in _taps(zmq_endpoint, nats_url, discovery, nats_auth, PlaneScope(namespace, component, endpoint),
                             jetstream, worker_id, topic, block_size, until, stats, out.note):
-            if until():
-                break
             if tapped.event is not None:
                 sink.write(json.dumps({"timestamp": tapped.received_ms, "event": _event_obj(tapped.event)}) + "\n")
                 sink.flush()
                 until.seen += 1
+                if until.counted_out():
+                    break
     out.emit({"file": str(file), **stats.as_dict()}, _RECORD_VIEW)
     _nothing_received(out, stats, zmq_endpoint, nats_url, topic, jetstream)
 
@@ -312,7 +318,7 @@ def replay_command(
     source: Annotated[str, typer.Argument(help="A recorder, JSONL or dump file; - for stdin.")],
     speed: Annotated[float, typer.Option("--speed", help="Pace multiplier for recorded timestamps; 0: no "
                                                          "waiting.")] = 0.0,
-    model: Annotated[str | None, typer.Option("--model", show_default=False,
+    model: Annotated[str | None, typer.Option("--model", "-m", show_default=False,
                                               help="The router's model (default: as for every command).")] = None,
     allow_partial: Annotated[bool, typer.Option(
         "--allow-partial", help="Exit 0 when some events were rejected (a warning instead), as long as one "

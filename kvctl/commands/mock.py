@@ -93,7 +93,7 @@ def mock_command(
     fault_engine: Annotated[list[int] | None, typer.Option("--fault-engine", show_default=False,
                                                            help="Index (from 0) of an engine the faults apply to "
                                                                 "(repeatable; default: all).")] = None,
-    duration: Annotated[float | None, typer.Option("--duration", show_default=False,
+    duration: Annotated[float | None, typer.Option("--duration", "-d", show_default=False,
                                                    help="Stop after this many seconds.")] = None,
     seed: Annotated[int | None, typer.Option("--seed", show_default=False,
                                              help="Makes --nondeterministic-hash reproducible.")] = None,
@@ -264,7 +264,7 @@ def load_command(
     baseline: Annotated[str | None, typer.Option("--baseline", show_default=False,
                                                  help="Also run random or round-robin, from cold caches too.")]
     = None,
-    model: Annotated[str | None, typer.Option("--model", show_default=False,
+    model: Annotated[str | None, typer.Option("--model", "-m", show_default=False,
                                               help="The router's model (default: the engines-file's model if "
                                                    "it names one, else as for every command).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Workload, baseline and arrival seed.")] = 0,

@@ -203,8 +203,8 @@ def serve_command(
     ctx: typer.Context,
     listen: Annotated[str, typer.Option("--listen", envvar="KVCTL_LISTEN", help="HOST:PORT to bind (port 0: any).")]
     = "127.0.0.1:7433",
-    block_size: Annotated[int, typer.Option("--block-size", envvar="KVCTL_BLOCK_SIZE", help="Tokens per KV block.")]
-    = 16,
+    block_size: Annotated[int, typer.Option("--block-size", "-b", envvar="KVCTL_BLOCK_SIZE",
+                                            help="Tokens per KV block.")] = 16,
     config: Annotated[Path | None, typer.Option("--config", "-c", envvar="KVCTL_SERVE_CONFIG", show_default=False,
                                                 help="TOML file declaring models and workers (format: see "
                                                      "docs/configuration.md; kvctl mock --config-out writes "

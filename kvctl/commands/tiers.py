@@ -10,13 +10,13 @@ window's, as an alert is about now. Prometheus has the window's at once (`"basis
 Each number says which metric family it came from, and families nobody exposes are listed, never guessed;
 instances that export no counter of a tier below the device (a Dynamo frontend, the mocker)
 are named once, in a note (`no_tier_counters` in -o json), not shown as 0.0 % per tier. With --warn/--crit
-it is a Nagios check of one tier's hit rate: one status line, and exit 0 OK / 1 WARNING / 2 CRITICAL /
-3 UNKNOWN (no data, or the source cannot be reached).
+(or -o nagios) it is a Nagios check of one tier's hit rate: one status line with perfdata, a line per other
+instance, and exit 0 OK / 1 WARNING / 2 CRITICAL / 3 UNKNOWN (no data, the source not reached, or a usage error:
+`kvctl.cli.CHECKS`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import time
@@ -26,17 +26,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.commands._options import (
+    CheckOutputOpt,
     JsonOpt,
     MetricsPasswordOpt,
     MetricsTokenOpt,
     MetricsUserOpt,
-    OutputOpt,
     metrics_window,
     output_for,
     settings_for,
 )
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
-from kvctl.errors import UsageError
+from kvctl.errors import KvctlError, UsageError
 from kvctl.output import Column, Output, OutputFormat, View
 
 if TYPE_CHECKING:
@@ -50,7 +50,8 @@ EXAMPLES = (
     "  kvctl tiers --metrics http://engine-0:8000 --metrics http://engine-1:8000 --window 30s\n\n"
     "  kvctl tiers --metrics http://engine-0:8000 --window 1m --wait -o json   # the window's rates, not "
     "since start\n\n"
-    "  kvctl tiers --tier host --warn 0.2 --crit 0.05   # Nagios: exit 0/1/2/3\n\n"
+    "  kvctl tiers --prometheus http://prometheus:9090 --tier host --warn 0.2 --crit 0.05   # Nagios: exit "
+    "0/1/2/3\n\n"
     "  kvctl tiers -o json | jq '.totals[] | select(.metric == \"hit_rate\")'"
 )
 _BAR_WIDTH = 20
@@ -124,14 +125,14 @@ def tiers_command(
     tier: TierOpt = "host",
     watch: WatchOpt = False,
     interval: IntervalOpt = 5.0,
-    output: OutputOpt = None,
+    output: CheckOutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     from kvctl.client.tier_sources import Auth
     from kvctl.core.tiers import CHECK_TIERS, Basis, report
 
-    out = output_for(ctx, output, as_json)
-    checking = warn is not None or crit is not None
+    out = output_for(ctx, output, as_json, check=True)
+    checking = warn is not None or crit is not None or out.format is OutputFormat.nagios
     _check_options(tier, warn, crit, checking and watch, CHECK_TIERS)
     window_s = metrics_window(metrics, prometheus, window)
     try:
@@ -140,13 +141,23 @@ def tiers_command(
         raise UsageError(f"--instance: {exc}") from None
     auth = Auth(auth_user, auth_password, bearer_token)
     tables = out.format in (OutputFormat.table, OutputFormat.wide)
-    answers = _answers(ctx, prometheus, metrics or [], window_s, auth, since_start=not (wait or checking),
-                       wait_until=_waiter(out, window))
+
+    def source() -> Generator[list[Window]]:
+        return _answers(ctx, prometheus, metrics or [], window_s, auth, since_start=not (wait or checking),
+                        wait_until=_waiter(out, window))
+
+    answers = source()
     where = _where(settings_for(ctx, prometheus=prometheus).prometheus, metrics or [])
     note, warning = _once(out.note), _once(out.warn)
 
     def fetch() -> TierReport:
-        tier_report = report(next(answers), instance=pattern)
+        nonlocal answers
+        try:
+            windows = next(answers)
+        except KvctlError:  # a generator that raised is over: a --watch's next try reads the source afresh
+            answers = source()
+            raise
+        tier_report = report(windows, instance=pattern)
         if not tier_report.instances:
             warning("no instance exposes any of the metric families kvctl reads" if pattern is None
                     else f"no instance matches --instance {instance!r}")
@@ -161,7 +172,7 @@ def tiers_command(
     def render(data: TierReport) -> None:
         out.emit(data.to_dict() if _structured(out) else data, dataclasses.replace(_VIEW, title=_title(data, window)))
 
-    with contextlib.closing(answers):
+    try:
         if checking:
             _run_check(out, fetch(), tier, warn, crit)  # exits with the check's status
         if watch:
@@ -175,6 +186,8 @@ def tiers_command(
             except KeyboardInterrupt:
                 out.note("stopped before the window passed: the figures above count since each engine started")
                 raise typer.Exit(130) from None
+    finally:
+        answers.close()
 
 
 def _where(prometheus: str | None, metrics: list[str]) -> str:
@@ -241,7 +254,7 @@ def _check_options(tier: str, warn: float | None, crit: float | None, watching: 
         raise UsageError(f"--crit {crit} is above --warn {warn}", hint="a hit rate below --crit is worse than one "
                          "below --warn: give --crit <= --warn")
     if watching:
-        raise UsageError("--warn/--crit check once; they do not go with --watch")
+        raise UsageError("--warn/--crit and -o nagios check once; they do not go with --watch")
 
 
 def _answers(ctx: typer.Context, prometheus: str | None, metrics: list[str], window_s: float, auth: Auth, *,

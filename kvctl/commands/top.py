@@ -36,7 +36,8 @@ EXAMPLES = (
     "  kvctl top --server http://router:7433 --metrics http://engine-0:8000 --metrics http://engine-1:8000\n\n"
     "  kvctl top --record incident.jsonl      # later: kvctl top --replay incident.jsonl\n\n"
     "  kvctl top --once -o json | jq '.workers[] | select(.marks != [])'\n\n"
-    "Keys: q quit, p pause, s sort, / filter, t shared prefixes, enter worker detail, ? help, r reset (--admin)."
+    "Keys: q (or Ctrl-C) quit, p pause, s sort, / filter, t shared prefixes, enter worker detail, ? help, "
+    "r reset (--admin)."
 )
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from kvctl.core.nagios import Perf, plugin_output
+
 CHECK_TIERS = ("host", "disk", "object", "device")
 
 
@@ -429,10 +431,13 @@ class CheckResult:
     readings: tuple[Reading, ...]
 
     def nagios(self, warn: float | None, crit: float | None) -> str:
-        """`TIERS WARNING - … | 'instance'=value;warn;crit;0;1`: the one line monitoring systems parse."""
-        limits = ";".join("" if x is None else f"{x:g}" for x in (warn, crit))
-        perf = " ".join(f"'{r.instance}'={r.value:.4f};{limits};0;1" for r in self.readings)
-        return f"TIERS {self.status.value} - {self.message}" + (f" | {perf}" if perf else "")
+        """`KVCTL TIERS WARNING - … | 'instance'=value;warn;crit;0;1`, then each instance's hit rate a line: the
+        plugin output monitoring systems parse (`kvctl.core.nagios`)."""
+        perf = [Perf(r.instance, round(r.value, 4), warn=warn, crit=crit, min=0, max=1)
+                for r in self.readings if r.value is not None]
+        details = [f"{r.tier} hit rate {r.value:.1%} on {r.instance} ({r.family})" for r in self.readings
+                   if r.value is not None and r is not self.worst]
+        return plugin_output("tiers", self.status.value, self.message, perf, details)
 
     def to_dict(self) -> dict[str, Any]:
         return {"status": self.status.value, "message": self.message,

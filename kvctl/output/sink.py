@@ -26,6 +26,7 @@ class OutputFormat(StrEnum):
     json = "json"
     yaml = "yaml"
     name = "name"
+    nagios = "nagios"  # the check commands' (doctor, tiers): a monitoring plugin's output, `kvctl.core.nagios`
 
 
 Row = Mapping[str, Any]

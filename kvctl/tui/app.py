@@ -36,6 +36,8 @@ class TopApp(App[None]):
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = [
         Binding("q", "quit", "Quit"),
+        # Textual's Ctrl-C only says "press ctrl+q" (and copies in the filter box): every terminal tool quits on it
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
         Binding("p", "pause", "Pause"),
         Binding("s", "cycle_sort", "Sort"),
         Binding("slash", "filter", "Filter"),

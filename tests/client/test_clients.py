@@ -15,7 +15,7 @@ import pytest
 from kvctl import http_api as api
 from kvctl.client import AsyncRouterClient, RouterClient, calls
 from kvctl.client._base import Call
-from kvctl.errors import AllBusy, ApiError, KvctlError, NotFound, Refused, Unreachable
+from kvctl.errors import AllBusy, ApiError, KvctlError, NotFound, Refused, TimedOut, Unreachable
 from kvctl.exit_codes import ExitCode
 from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet
@@ -116,14 +116,14 @@ def silent() -> Iterator[str]:
 def test_sync_a_router_that_never_answers_is_a_timeout(silent: str) -> None:
     with RouterClient(silent, timeout=0.3) as client, pytest.raises(KvctlError) as caught:
         client.send(calls.status())
-    assert type(caught.value) is KvctlError and caught.value.message == f"{silent} did not answer in time"
+    assert type(caught.value) is TimedOut and caught.value.message == f"{silent} did not answer in time"
 
 
 async def test_async_a_router_that_never_answers_is_a_timeout(silent: str) -> None:
     async with AsyncRouterClient(silent, timeout=0.3) as client:
         with pytest.raises(KvctlError) as caught:
             await client.send(calls.status())
-    assert type(caught.value) is KvctlError and caught.value.message == f"{silent} did not answer in time"
+    assert type(caught.value) is TimedOut and caught.value.message == f"{silent} did not answer in time"
 
 
 def test_sync_an_unreachable_url_is_unreachable_naming_it() -> None:

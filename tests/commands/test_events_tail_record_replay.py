@@ -21,6 +21,8 @@ import zmq
 
 from kvctl.core.events.dump_file import read_timed_events
 from kvctl.core.events.engine import decode_engine_batch
+from kvctl.core.events.engine_encode import VLLM as VLLM_FORMAT
+from kvctl.core.events.engine_encode import BlockRemoved, encode_batch
 from tests.fixtures_path import FIXTURES
 from tests.nats_server import NatsServer, free_port
 
@@ -84,6 +86,56 @@ def test_a_tap_that_receives_nothing_warns_and_exits_4(command: list[str], topic
     assert warning.startswith(f"warning: received nothing: nothing publishes at {endpoint} (wrong host or port?); "
                               "or the engine publishes no KV events"), warning
     assert ("--topic 'kv@'" in warning) is bool(topic)
+
+
+def removals(count: int) -> bytes:
+    """One engine message carrying `count` events (a block removed each)."""
+    return encode_batch(VLLM_FORMAT, 0.0, [BlockRemoved([n + 1]) for n in range(count)])
+
+
+def summary_events(err: str) -> int:
+    """The event count of tail's closing summary (`N messages, M events, ...`)."""
+    found = re.search(r"(\d+) events?,", err.splitlines()[-1])
+    assert found, err
+    return int(found.group(1))
+
+
+@pytest.mark.parametrize("command", [["tail", "-o", "json"], ["record", "rec.jsonl", "-o", "json"]])
+def test_count_stops_inside_a_message_counting_only_what_it_shows(command: list[str], tmp_path: Path) -> None:
+    """`-n 3` of a 5-event message showed 3 and counted 4: the tap had counted the event it was closed at."""
+    with engine() as (pub, endpoint):
+        proc = subprocess.Popen([sys.executable, "-m", "kvctl", "events", *command, "--zmq", endpoint, "-n", "3",
+                                 "-d", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        assert pub.poll(10_000), "the tap never subscribed"
+        pub.recv()
+        pub.send_multipart([b"", (0).to_bytes(8, "big"), removals(5)])
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    if command[0] == "tail":
+        assert len(out.splitlines()) == summary_events(err) == 3, (out, err)
+    else:
+        assert len((tmp_path / "rec.jsonl").read_text().splitlines()) == json.loads(out)["events"] == 3, out
+
+
+def test_what_came_before_the_duration_is_shown_whole_however_slow_the_reader(tmp_path: Path) -> None:
+    """17 lines against a summary of 18: an event received before --duration ran out, shown after it, was dropped.
+    Here the reader is slow by construction: the tail's stdout (a pipe nobody reads) fills up in the middle of a
+    message received at once, and is read only once the deadline has surely passed."""
+    events, duration = 3000, 2.0  # 3000 JSON lines: several times a pipe's 64 KiB
+    with engine() as (pub, endpoint), kvctl("events", "tail", "--zmq", endpoint, "--duration", str(duration),
+                                            "-o", "json") as proc:
+        assert pub.poll(10_000), "the tail never subscribed"
+        pub.recv()
+        subscribed = time.monotonic()  # after the tail set its deadline
+        pub.send_multipart([b"", (0).to_bytes(8, "big"), removals(events)])
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.readline()  # received: it shows the first event, then blocks on the full pipe
+        assert first
+        time.sleep(max(0.0, subscribed + duration - time.monotonic()) + 0.2)
+        out = first + proc.stdout.read()  # what readline buffered too (communicate would skip it)
+        err = proc.stderr.read()  # two lines: they never fill the pipe
+        assert proc.wait(timeout=30) == 0, err
+    assert len(out.splitlines()) == summary_events(err) == events, err
 
 
 def record(path: Path, seqs: list[int]) -> int:

@@ -45,6 +45,18 @@ def test_each_long_name_has_at_most_one_short_flag() -> None:
     assert not {long: s for long, s in letters.items() if len(s) > 1}
 
 
+def test_a_long_name_with_a_short_flag_anywhere_has_it_everywhere() -> None:
+    """`-m` on `route` but not on `mock load` is a flag that works in one command and fails in the next, the README
+    promising both. Only long names that have a short flag somewhere count: a new long-only option is fine."""
+    letters: dict[str, set[str]] = defaultdict(set)
+    for _, shorts, longs in OPTIONS:
+        for long in longs:
+            letters[long].update(shorts)
+    gaps = sorted(f"{path} {long} (elsewhere {', '.join(sorted(letters[long]))})"
+                  for path, shorts, longs in OPTIONS for long in longs if letters[long] and not shorts)
+    assert not gaps, gaps
+
+
 def test_the_walk_sees_the_whole_tree() -> None:
     """The walk reaches nested groups' commands and their shared options (it cannot pass by finding nothing)."""
     paths = {path for path, _, _ in OPTIONS}

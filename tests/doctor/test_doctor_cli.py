@@ -32,9 +32,10 @@ def test_the_table_has_one_row_per_finding_and_the_summary_goes_to_stderr(tmp_pa
 @pytest.mark.parametrize("columns", [80, 120])
 def test_rows_wrap_to_the_terminal_and_json_keeps_every_word(tmp_path: Path, columns: int) -> None:
     with loaded_router(tmp_path) as client:
-        # --silent-after 0: every worker is silent, a finding with a long cause and next step
-        report = kvctl(client, "doctor", "--silent-after", "0", "-o", "json")
-        table = kvctl(client, "doctor", "--silent-after", "0", "-o", "wide", env={"COLUMNS": str(columns)})
+        # a peer not there: a finding with a long cause (the URL twice, the error) and next step
+        peer = ("--peer", free_port_url())
+        report = kvctl(client, "doctor", *peer, "-o", "json")
+        table = kvctl(client, "doctor", *peer, "-o", "wide", env={"COLUMNS": str(columns)})
     assert table.exit_code == report.exit_code == 1, table.output
     report = json.loads(report.stdout)
     assert max(len(line) for line in table.stdout.splitlines()) <= columns
@@ -52,9 +53,21 @@ def test_rows_wrap_to_the_terminal_and_json_keeps_every_word(tmp_path: Path, col
     ["--window", "soon", "--prometheus", "http://127.0.0.1:1"],
     ["--prometheus", "http://127.0.0.1:1", "--metrics", "http://127.0.0.1:1"],
 ])
-def test_a_bad_option_is_a_usage_error_before_anything_is_asked(args: list[str]) -> None:
+def test_a_bad_option_is_unknown_before_anything_is_asked(args: list[str]) -> None:
+    """A check that cannot run is UNKNOWN (3): its usage error's exit 2 read as CRITICAL to Nagios, paging for a
+    typo. With -o nagios its status line says so on stdout, where the monitoring system reads it."""
     result = kvctl(free_port_url(), "doctor", *args)  # nothing listens there: usage is checked first
-    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert result.exit_code == 3 and result.stdout == "", result.output
+    assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1, result.stderr
+    result = kvctl(free_port_url(), "doctor", *args, "-o", "nagios")
+    assert result.exit_code == 3 and result.stdout.startswith("KVCTL DOCTOR UNKNOWN - error: "), result.output
+    assert len(result.stdout.splitlines()) == 1, result.stdout
+
+
+def test_a_server_without_a_scheme_is_unknown_not_critical() -> None:
+    result = kvctl(free_port_url().removeprefix("http://"), "doctor", "-o", "nagios")
+    assert result.exit_code == 3, result.output
+    assert result.stdout.startswith("KVCTL DOCTOR UNKNOWN - error: --server '127.0.0.1:"), result.stdout
 
 
 async def test_a_url_that_is_not_a_router_is_unknown() -> None:

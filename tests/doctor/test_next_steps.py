@@ -19,10 +19,11 @@ Answers = tuple[dict[str, Any], list[dict[str, Any]]]
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Answers]:
     """/v1/status and /v1/workers of a router fed Dynamo's fixture dump by POST, an hour later (as each worker's
-    last event age reads then): every worker silent."""
+    last event age reads then) with a request in flight on each: every worker silent while serving."""
     with loaded_router(Path(tmp_path_factory.mktemp("router"))) as client:
         workers = client.get("/v1/workers").json()["workers"]
-        yield client.get("/v1/status").json(), [{**w, "last_event_age_s": 3600.0} for w in workers]
+        yield client.get("/v1/status").json(), [{**w, "last_event_age_s": 3600.0, "active_requests": 1}
+                                                for w in workers]
 
 
 def silent_step(status: dict[str, Any], workers: list[dict[str, Any]]) -> str:

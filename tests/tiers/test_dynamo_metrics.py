@@ -175,7 +175,7 @@ def test_tiers_table_says_it_once_and_shows_no_zero_rows(captures: Captures) -> 
 def test_tiers_check_of_a_lower_tier_is_unknown_naming_the_reason(captures: Captures) -> None:
     result = tiers("--window", "1s", "--metrics", captures.frontend, "--tier", "disk", "--warn", "0.1")
     assert result.exit_code == 3, result.output
-    assert result.stdout.startswith("TIERS UNKNOWN - no disk hit rate (no tier counters exported by ")
+    assert result.stdout.startswith("KVCTL TIERS UNKNOWN - no disk hit rate (no tier counters exported by ")
 
 
 def test_only_the_instances_without_tier_counters_are_named(captures: Captures) -> None:

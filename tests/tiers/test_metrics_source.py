@@ -202,7 +202,7 @@ def test_check_exit_codes(exporters: list[TierExporter], warn: str, crit: str, s
     # host: vLLM's cached-by-source over queries (100/500 = 0.2) wins over KVBM's gauge (0.35): it is over the window
     result = tiers("--window", "1s", "--metrics", exporters[0].url, "--tier", "host", "--warn", warn, "--crit", crit)
     assert result.exit_code == code, result.output
-    assert result.stdout.startswith(f"TIERS {status} - host hit rate 20.0% on {exporters[0].instance}")
+    assert result.stdout.startswith(f"KVCTL TIERS {status} - host hit rate 20.0% on {exporters[0].instance}")
 
 
 def test_check_unknown_without_data_and_json_verdict() -> None:
@@ -225,11 +225,23 @@ def test_unreachable_endpoint_exits_3_naming_it() -> None:
 @pytest.mark.parametrize("args", [
     ["--window", "5x", "--metrics", "http://127.0.0.1:1"],
     ["--instance", "(", "--metrics", "http://127.0.0.1:1"],
-    ["--tier", "gpu", "--warn", "0.1", "--metrics", "http://127.0.0.1:1"],
-    ["--warn", "0.1", "--crit", "0.5", "--metrics", "http://127.0.0.1:1"],
-    ["--warn", "0.1", "--watch", "--metrics", "http://127.0.0.1:1"],
     ["--prometheus", "http://127.0.0.1:1", "--metrics", "http://127.0.0.1:1"],
     [],
 ])
 def test_usage_errors(args: list[str]) -> None:
     assert tiers(*args).exit_code == 2
+
+
+@pytest.mark.parametrize("args", [
+    ["--tier", "gpu", "--warn", "0.1", "--metrics", "http://127.0.0.1:1"],
+    ["--warn", "0.1", "--crit", "0.5", "--metrics", "http://127.0.0.1:1"],
+    ["--warn", "0.1", "--watch", "--metrics", "http://127.0.0.1:1"],
+    ["--tier", "host", "--warn", "0.2", "--crit", "0.05"],  # the help's example, run with no source configured
+    ["--window=5x", "--crit=0.1", "--metrics", "http://127.0.0.1:1"],
+])
+def test_a_check_that_cannot_run_is_unknown_not_critical(args: list[str]) -> None:
+    """A check's usage error was exit 2: CRITICAL to Nagios, a page for a typo."""
+    result = tiers(*args)
+    assert result.exit_code == 3 and result.stderr.startswith("error: "), result.output
+    result = tiers(*args, "-o", "nagios")
+    assert result.exit_code == 3 and result.stdout.startswith("KVCTL TIERS UNKNOWN - error: "), result.output

@@ -59,7 +59,7 @@ def test_check_on_the_disk_tier(scraped: tuple[str, list[TierExporter]]) -> None
     url, _ = scraped
     result = tiers("--prometheus", url, "--window", WINDOW, "--tier", "disk", "--warn", "0.1", "--crit", "0.09")
     assert result.exit_code == 2, result.output  # vLLM's disk source: 40 / 500 = 8 %
-    assert result.stdout.startswith("TIERS CRITICAL - disk hit rate 8.0%")
+    assert result.stdout.startswith("KVCTL TIERS CRITICAL - disk hit rate 8.0%")
 
 
 def test_prometheus_down_exits_3_naming_the_url() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
 from textual.pilot import Pilot
 from textual.widgets import HelpPanel, Input, Tree
 
@@ -140,3 +141,13 @@ async def test_iterations_stop_the_app_after_that_many_polls() -> None:
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause(0.3)
     assert source.polled == 3 and app.return_code == 0
+
+
+@pytest.mark.parametrize("keys", [["ctrl+c"], ["slash", "ctrl+c"]])
+async def test_ctrl_c_quits_even_in_the_filter_box(keys: list[str]) -> None:
+    """Textual's own Ctrl-C only says "press ctrl+q to quit" (and copies in an input box): at 3 a.m. Ctrl-C quits."""
+    async with top() as (app, pilot, _):
+        for key in keys:
+            await pilot.press(key)
+        await pilot.pause()
+        assert not app.is_running

@@ -334,24 +334,39 @@ def check_index(status: Mapping[str, Any], limits: Limits) -> list[Finding]:
 
 # ----- 9. the router's loop -----------------------------------------------------------------------------------
 
-def check_loop(status: Mapping[str, Any], limits: Limits) -> list[Finding]:
+def check_loop(status: Mapping[str, Any], limits: Limits, *, held: bool = False) -> list[Finding]:
     """The share of the last minute the router's loop was held past its 10 ms promise: every route and event
     arriving then waited behind the stall. A share, not a quantile of the loop-lag histogram, where a 0.5 s
-    stall is one late probe among thousands. A router too old to report it gets no finding."""
+    stall is one late probe among thousands. A router too old to report it gets no finding.
+
+    With hysteresis, so that a share about the limit does not flap between OK and WARNING: a minute over
+    `loop_blocked_share` warns when it held at least `loop_min_stalls` stalls (a one-off pause is not a held loop)
+    or `loop_alone_share`; a loop already held warns until its minute falls under `loop_clear_share`. Held means
+    the previous round warned (`held`: `doctor --watch` remembers) or, for a check with no memory of its own, the
+    router's whole life (its share since start, over a minute at least) was over `loop_blocked_share`."""
     loop = status.get("loop")
     if loop is None:
         return []
     share, window = loop["window_blocked_share"], loop["window_s"]
-    evidence = {k: loop[k] for k in ("window_s", "window_blocked_share", "window_stalls", "window_longest_s",
-                                     "blocked_s", "tolerance_s")}
-    if share < limits.loop_blocked_share:
+    life = loop["blocked_s"] / max(status.get("uptime_s") or 0.0, window, 1e-9)
+    held = held or life >= limits.loop_blocked_share
+    evidence = {**{k: loop[k] for k in ("window_s", "window_blocked_share", "window_stalls", "window_longest_s",
+                                        "blocked_s", "tolerance_s")}, "life_blocked_share": round(life, 4),
+                "held": held}
+    if held:
+        warn = share >= limits.loop_clear_share
+    else:
+        warn = share >= limits.loop_blocked_share and (loop["window_stalls"] >= limits.loop_min_stalls
+                                                        or share >= limits.loop_alone_share)
+    if not warn:
         return [Finding("loop", Severity.OK, f"the router's loop was held {share:.1%} of the last {window:.0f} s",
                         evidence)]
     return [Finding(
         "loop", Severity.WARNING,
         f"the router's loop was held {share:.1%} of the last {window:.0f} s "
         f"({counted(loop['window_stalls'], 'stall')}, the longest {loop['window_longest_s'] * 1e3:.0f} ms past "
-        f"{loop['tolerance_s'] * 1e3:.0f} ms): every route and event arriving then waited behind it",
+        f"{loop['tolerance_s'] * 1e3:.0f} ms; {life:.1%} since it started): every route and event arriving then "
+        "waited behind it",
         evidence, "kvctl top --once  (ingest rate? a tree dump or stats, a snapshot, a bulk POST /v1/events, a "
                   "starved host?); the runbook's loop-lag")]
 
@@ -373,10 +388,13 @@ def check_restoring(status: Mapping[str, Any]) -> list[Finding]:
 
 def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
              thresholds: Sequence[Mapping[str, Any]], peers: Sequence[PeerDiff] = (),
-             limits: Limits | None = None, hit_rates: list[Finding] | None = None) -> list[Finding]:
+             limits: Limits | None = None, hit_rates: list[Finding] | None = None,
+             previous: Sequence[Finding] = ()) -> list[Finding]:
     """Every check, worst first; registration problems make the rest moot, so they come alone.
-    `hit_rates`: `check_hit_rates`' finding, when engines' metrics were read."""
+    `hit_rates`: `check_hit_rates`' finding, when engines' metrics were read. `previous`: the last round's
+    findings, for the checks with hysteresis (`doctor --watch`)."""
     limits = limits or Limits()
+    loop_held = any(f.check == "loop" and f.severity is Severity.WARNING for f in previous)
     restoring = check_restoring(status)
     if restoring:
         return restoring
@@ -388,6 +406,6 @@ def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
                 *check_block_size(status, workers), *check_hashing(workers), *check_partial(workers),
                 *check_recovery(status),
                 *check_busy(workers, thresholds, limits), *check_divergence(peers, limits),
-                *check_index(status, limits), *check_loop(status, limits), *check_health(status, limits),
-                *(hit_rates or [])]
+                *check_index(status, limits), *check_loop(status, limits, held=loop_held),
+                *check_health(status, limits), *(hit_rates or [])]
     return worst_first(findings)

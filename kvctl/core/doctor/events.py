@@ -26,30 +26,40 @@ def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]
     """Silence alone may be an idle fleet: an engine publishes events only when its cache changes. It is a
     fault for sure when the worker serves regardless: routes won with no event ever, requests in flight
     now, or messages arriving that deliver no event. CRITICAL only when every worker is silent and some
-    are known to be serving: the router routes blind (Dynamo #4249: engines not emitting KV events)."""
+    are known to be serving: the router routes blind (Dynamo #4249: engines not emitting KV events).
+    A silent worker that serves nothing while no worker of its model publishes either is idle: OK, so that a
+    quiet night pages nobody; one whose model's other workers publish stays a WARNING (why is it left out?)."""
     approximate = {m for m, stats in (status.get("models") or {}).items() if stats.get("approximate")}
     workers = [w for w in workers if w["model"] not in approximate]  # they publish no events, by design
     if not workers:
         return [Finding("silent", Severity.OK, "approximate mode: the router indexes its own routes, not events")]
-    never = [worker_name(w) for w in workers if w.get("last_event_age_s") is None]
-    stale = [(worker_name(w), w["last_event_age_s"]) for w in workers
-             if w.get("last_event_age_s") is not None and is_silent(w["last_event_age_s"], limits.silent_after_s)]
-    if not never and not stale:
+    quiet = [w for w in workers if is_silent(w.get("last_event_age_s"), limits.silent_after_s)]
+    if not quiet:
         return [Finding("silent", Severity.OK, f"every worker sent events in the last {limits.silent_after_s:g} s")]
-    silent = never + [n for n, _ in stale]
-    serving = _serving_while_silent(status, [w for w in workers if worker_name(w) in silent], limits)
-    severity = Severity.CRITICAL if len(silent) == len(workers) and serving else Severity.WARNING
+    serving = _serving_while_silent(status, quiet, limits)
+    quiet_names = {worker_name(w) for w in quiet}
+    publishing = {w["model"] for w in workers if worker_name(w) not in quiet_names}
+    idle = [worker_name(w) for w in quiet if worker_name(w) not in serving and w["model"] not in publishing]
+    if len(idle) == len(quiet):
+        return [Finding("silent", Severity.OK,
+                        f"{len(idle)} of {len(workers)} workers silent for over {limits.silent_after_s:g} s, none "
+                        "serving and no worker of their models publishing: an idle fleet", named(idle))]
+    resting = set(idle)
+    silent = [w for w in quiet if worker_name(w) not in resting]
+    never = [worker_name(w) for w in silent if w.get("last_event_age_s") is None]
+    stale = [(worker_name(w), w["last_event_age_s"]) for w in silent if w.get("last_event_age_s") is not None]
+    severity = Severity.CRITICAL if len(quiet) == len(workers) and serving else Severity.WARNING
     cause = (f"{len(silent)} of {len(workers)} workers silent: "
              + ", ".join(filter(None, [f"{len(never)} never sent an event" if never else "",
                                        f"{len(stale)} quiet for over {limits.silent_after_s:g} s" if stale else "",
                                        f"{len(serving)} of them serving regardless" if serving
                                        else "none known to be serving (idle, or not publishing?)"])))
-    evidence = {**named(silent), "never": never[:SHOWN], "quiet_s": dict(stale[:SHOWN]),
-                "serving": dict(list(serving.items())[:SHOWN])}
-    first = next(w for w in workers if worker_name(w) == silent[0])
+    names = [worker_name(w) for w in silent]
+    evidence = {**named(names), "never": never[:SHOWN], "quiet_s": dict(stale[:SHOWN]),
+                "serving": dict(list(serving.items())[:SHOWN]), "idle": idle[:SHOWN]}
     return [Finding("silent", severity, cause, evidence,
-                    f"{_tap(first, status)}  (is worker {first_id(silent)} publishing at all? check the engine's "
-                    "kv-events config and the endpoint registered)")]
+                    f"{_tap(silent[0], status)}  (is worker {first_id(names)} publishing at all? check the "
+                    "engine's kv-events config and the endpoint registered)")]
 
 
 def _tap(worker: Mapping[str, Any], status: Mapping[str, Any]) -> str:

@@ -49,6 +49,9 @@ class Limits:
     unreachable_after_s: float = 10.0  # a discovered publisher not connected by then is not reachable from here
     recent_loss_s: float = 600.0  # an input refused or lost this recently is a WARNING; older, it is evidence
     loop_blocked_share: float = 0.005  # the loop held past 10 ms this share of the last minute: a route in 200 waits
+    loop_clear_share: float = 0.0025  # a held loop's WARNING clears under this: hysteresis, so that it does not flap
+    loop_min_stalls: int = 3  # a minute over the share in fewer stalls is a one-off pause (a snapshot), not a held loop
+    loop_alone_share: float = 0.02  # ...unless it alone held the loop this long: over a second without an answer
 
 
 @dataclass(frozen=True)
