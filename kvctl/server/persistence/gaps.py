@@ -132,8 +132,9 @@ class Tracker:
                         f"{'; '.join(named)}")
         if self.dropped:
             what.append(f"{counted(self.dropped, 'change')} dropped with the log's writer behind the disk")
+        noun = "block" if (self.blocks if of else blocks) == 1 else "blocks"
         return Lost(total, blocks, self.blocks, causes, list(self.named),
-                    f"restored {blocks:,}{of} blocks: {'; '.join(what)}")
+                    f"restored {blocks:,}{of} {noun}: {'; '.join(what)}")
 
     def _jump_to(self, segment: int, at: int) -> tuple[str, str]:
         """Where the changes went that should come before byte `at` of `segment`, and why: the cause label."""
