@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from kvctl.core.names import parse_worker
 from kvctl.server import snapshot
@@ -23,6 +24,7 @@ from tests.reliability.test_snapshot_kill import blocks, chains
 from tests.server.test_sd_notify import children_of
 from tests.server.test_serve_process import _stop, serving
 from tests.support.eventually import eventually
+from tests.support.holding import holding
 
 NDJSON = {"content-type": "application/x-ndjson"}
 CHAIN = 64  # blocks per chain (`chains`)
@@ -241,6 +243,14 @@ def test_a_start_without_restore_never_folds_the_earlier_runs_log_in(tmp_path: P
         assert blocks(client) == CHAIN, "the run before --no-restore came back"
 
 
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
 def _compacting(pid: int) -> list[int]:
     """The router's compaction children now."""
     found = []
@@ -251,15 +261,30 @@ def _compacting(pid: int) -> list[int]:
     return found
 
 
-def test_sigkill_during_compaction_restores_everything(tmp_path: Path) -> None:
+def test_sigkill_during_compaction_restores_everything(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router killed while a compaction of its events is under way: the child dies with it (before it deletes
+    a segment the next restore needs), and the restart restores every pair. The child is held mid-way, so the kill
+    lands during it however fast or loaded the machine."""
+    gate = holding(monkeypatch, "FOLD", tmp_path_factory.mktemp("gates") / "fold")
+    gate.touch()  # the first compactions (of the start's own records) run
     with serving(tmp_path, "--snapshot-interval", "0.01", "--compact-log-bytes", "0") as (proc, client):
         eventually(lambda: client.get("/v1/status").json()["restore"]["log"]["compactions"] and not
                    _compacting(proc.pid), "the first compaction (of the start's own records) done")
         client.post("/v1/events", content=chains(1000), headers=NDJSON)  # far larger than the image: compacted
         written(client)
         expected = pairs(client)
-        eventually(lambda: _compacting(proc.pid), "a compaction child", interval=0.005)
+        gate.unlink()  # a compaction begun from here on folds these events, and is held
+
+        def held() -> list[int]:
+            running = _compacting(proc.pid)
+            return [pid for pid in (int(p.name.rsplit(".", 1)[1]) for p in gate.parent.glob("fold.held.*"))
+                    if pid in running]
+
+        child = eventually(held, "a compaction of the new events, held")[0]
         proc.kill()
         proc.wait()
+        eventually(lambda: not _alive(child), "the child dead with it")
+    gate.touch()
     with serving(tmp_path) as (proc, client):
         assert pairs(client) == expected
