@@ -292,6 +292,16 @@ def plane_huge_batches(bench: Bench, args: argparse.Namespace) -> dict[str, Any]
         return bench.probed(router, send)
 
 
+@contextlib.contextmanager
+def _following(bench: Bench, pub: zmq.Socket[bytes], endpoint: str) -> Iterator[Router]:
+    """A router with the engine at `endpoint` registered as worker 1, once it has subscribed to `pub`."""
+    with bench.router() as router:
+        router.http.post("/v1/workers", json={"worker_id": 1, "endpoint": endpoint}).raise_for_status()
+        if not subscribed(pub, 30):
+            raise RuntimeError("the router never subscribed to the engine")
+        yield router
+
+
 @flood("huge-batches")
 def huge_batches(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     """`args.batches` engine messages of `args.events` stored events each, one a second."""
@@ -299,10 +309,7 @@ def huge_batches(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     payloads = [encode_batch(VLLM, 0.0, [BlockStored([b * args.events + i + 1], None, list(range(16)), 16)
                                          for i in range(args.events)]) for b in range(args.batches)]
     try:
-        with bench.router() as router:
-            router.http.post("/v1/workers", json={"worker_id": 1, "endpoint": endpoint}).raise_for_status()
-            if not subscribed(pub, 30):
-                raise RuntimeError("the router never subscribed to the engine")
+        with _following(bench, pub, endpoint) as router:
 
             def send() -> dict[str, Any]:
                 for seq, payload in enumerate(payloads):
@@ -328,10 +335,7 @@ def oversized_frames(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     huge = b"\x93" + b"x" * ((args.frame_mb << 20) - 1)
     ordinary = encode_batch(VLLM, 0.0, [BlockStored([7], None, list(range(16)), 16)])
     try:
-        with bench.router() as router:
-            router.http.post("/v1/workers", json={"worker_id": 1, "endpoint": endpoint}).raise_for_status()
-            if not subscribed(pub, 30):
-                raise RuntimeError("the router never subscribed to the engine")
+        with _following(bench, pub, endpoint) as router:
 
             def send() -> dict[str, Any]:
                 resubscribed = 0
