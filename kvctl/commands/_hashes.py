@@ -36,9 +36,14 @@ def shown_hashes(data: Any, fmt: HashFormat) -> Any:
     return data
 
 
+def hash_text(value: int, fmt: HashFormat) -> str:
+    """One hash in a line of text: 0x-prefixed for `hex`, decimal otherwise."""
+    return f"{value:#x}" if fmt is HashFormat.hex else str(value)
+
+
 def _written(value: Any, fmt: HashFormat) -> Any:
     if isinstance(value, list):
         return [_written(v, fmt) for v in value]
     if isinstance(value, int) and not isinstance(value, bool):
-        return f"{value:#x}" if fmt is HashFormat.hex else str(value)
+        return hash_text(value, fmt)
     return value

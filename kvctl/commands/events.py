@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvctl.commands._hashes import HashFormat, HashFormatOpt, hash_text, shown_hashes
 from kvctl.commands._model import model_for
 from kvctl.commands._nats import (
     ComponentOpt,
@@ -96,7 +97,7 @@ def _event_obj(event: RouterEvent) -> dict[str, Any]:
     return json.loads(encode_router_event_json(event))
 
 
-def _describe(tapped: Tapped) -> str:
+def _describe(tapped: Tapped, hash_format: HashFormat) -> str:
     """One human line per event or gap."""
     from kvctl.core.events import Removed, Stored
 
@@ -107,7 +108,7 @@ def _describe(tapped: Tapped) -> str:
     ev, data = tapped.event, tapped.event.data
     head = f"{when} seq={tapped.seq} {format_worker(ev.worker)}"
     if isinstance(data, Stored):
-        parent = "root" if data.parent_hash is None else str(data.parent_hash)  # decimal, as tree and hash
+        parent = "root" if data.parent_hash is None else hash_text(data.parent_hash, hash_format)
         return f"{head} stored  {counted(len(data.block_hashes), 'block')} under {parent} [{data.tier.value}]"
     if isinstance(data, Removed):
         return f"{head} removed {counted(len(data.block_hashes), 'block')} [{data.tier.value}]"
@@ -214,7 +215,7 @@ def tail_command(
     namespace: NamespaceOpt = "dynamo", component: ComponentScopeOpt = None, endpoint: EndpointScopeOpt = None,
     jetstream: JetStreamOpt = False,
     worker_id: WorkerIdOpt = 0, topic: TopicOpt = "", block_size: BlockSizeOpt = None, count: CountOpt = None,
-    duration: DurationOpt = None, nats_auth: NatsAuth | None = None,
+    duration: DurationOpt = None, nats_auth: NatsAuth | None = None, hash_format: HashFormatOpt = HashFormat.dec,
     output: OutputOpt = None, as_json: JsonOpt = False,
 ) -> None:
     from kvctl.core.events.plane import PlaneScope
@@ -227,9 +228,10 @@ def tail_command(
                         until, stats, out.note):
         if out.format is OutputFormat.json:
             out.line(json.dumps({"timestamp": tapped.received_ms, "seq": tapped.seq, "missing": tapped.missing,
-                                 "event": None if tapped.event is None else _event_obj(tapped.event)}))
+                                 "event": None if tapped.event is None
+                                 else shown_hashes(_event_obj(tapped.event), hash_format)}))
         else:
-            out.line(_describe(tapped))
+            out.line(_describe(tapped, hash_format))
         until.seen += tapped.event is not None
         if until.counted_out():  # closes the tap at this event: it counts no event it did not hand over
             break
@@ -250,7 +252,7 @@ def record_command(
     namespace: NamespaceOpt = "dynamo", component: ComponentScopeOpt = None, endpoint: EndpointScopeOpt = None,
     jetstream: JetStreamOpt = False,
     worker_id: WorkerIdOpt = 0, topic: TopicOpt = "", block_size: BlockSizeOpt = None, count: CountOpt = None,
-    duration: DurationOpt = None, nats_auth: NatsAuth | None = None,
+    duration: DurationOpt = None, nats_auth: NatsAuth | None = None, hash_format: HashFormatOpt = HashFormat.dec,
     output: OutputOpt = None, as_json: JsonOpt = False,
 ) -> None:
     from kvctl.core.events.plane import PlaneScope

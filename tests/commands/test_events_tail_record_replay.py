@@ -74,6 +74,27 @@ def test_tail_from_an_engine_shows_events_and_the_gap() -> None:
     assert "1 gap (2 missing)" in err
 
 
+def _tailed(*args: str) -> list[dict[str, Any]]:
+    """The events `events tail --zmq ... -o json ARGS` shows of the captures a, b, c, sent at seqs 0, 1, 2."""
+    with engine() as (pub, endpoint):
+        proc = kvctl("events", "tail", "--zmq", endpoint, "--count", "1000", "--duration", "3", "-o", "json", *args)
+        send(pub, [0, 1, 2])
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    return [line["event"] for line in map(json.loads, out.splitlines()) if line["event"]]
+
+
+def test_tail_writes_hashes_as_strings_that_jq_16_keeps_exact() -> None:
+    """Decimal numbers by default, as `tree` and `hash`; `--hash-format str` for tools that read doubles."""
+    numbers, strings = _tailed(), _tailed("--hash-format", "str")
+    hashes = [b["block_hash"] for e in numbers for b in e["event"]["data"].get("stored", {}).get("blocks", [])]
+    assert hashes and all(isinstance(h, int) for h in hashes) and any(h > 2**53 for h in hashes)
+    assert json.loads(json.dumps(strings), parse_int=str) == json.loads(json.dumps(numbers), parse_int=str)
+    jq = subprocess.run(["jq", "-r", ".event.data.stored.blocks[]?.block_hash"], input="\n".join(
+        json.dumps(e) for e in strings), capture_output=True, text=True, check=True)
+    assert jq.stdout.split() == [str(h) for h in hashes]
+
+
 @pytest.mark.parametrize(("command", "topic"), [(["tail"], ""), (["record", "rec.jsonl"], "kv@")])
 def test_a_tap_that_receives_nothing_warns_and_exits_4(command: list[str], topic: str, tmp_path: Path) -> None:
     """An engine that publishes nothing (or a wrong port: ZMQ connects without complaint) was exit 0, no word."""
