@@ -52,6 +52,7 @@ from kvctl.server.http.dump_stream import dump_stream
 from kvctl.server.http.metrics import HealthCollector, Metrics
 from kvctl.server.http.openapi import OPERATIONS, document, pages
 from kvctl.server.http.route_protocol import Connections, missing_internals, route_protocol
+from kvctl.server.http.runbook_page import runbook_route
 from kvctl.server.http.tree_stats import index_shape
 from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.ingest.streams import Streams
@@ -541,7 +542,8 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         "table of the document disagree"
     refusals = dict.fromkeys((_BodyTooLarge, ApiError, OverLimit, AllBusy, Invalid), _refuse)
     app = Starlette(routes=[Route(path, handler, methods=[method]) for (method, path), handler in handlers.items()]
-                    + pages(openapi_document), exception_handlers={**refusals, HTTPException: _no_route})
+                    + pages(openapi_document) + [runbook_route()],
+                    exception_handlers={**refusals, HTTPException: _no_route})
     return _Front(app, routing, readiness, admin_token=admin_token, max_body_bytes=max_body_bytes)
 
 
