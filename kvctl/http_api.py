@@ -204,7 +204,8 @@ class ForwardPass(Struct):
 
 class Worker(Struct):
     """One (worker, dp_rank) the router knows. `reported` and `forward_pass`: what it said of itself on an event
-    plane (null otherwise); `event_plane`, with an event plane, where its events come from."""
+    plane (null otherwise); `event_plane`, with an event plane, where its events come from. `restored`: known
+    only from the state dir, nothing heard since the router started (`last_event_age_s` is then null)."""
 
     worker_id: int
     dp_rank: int
@@ -226,6 +227,7 @@ class Worker(Struct):
     reported: Reported | None
     forward_pass: ForwardPass | None
     event_plane: dict[str, Any] | None | UnsetType = UNSET
+    restored: bool = False
 
 
 class Workers(Struct):

@@ -35,7 +35,7 @@ def _row(worker: dict[str, Any]) -> dict[str, Any]:
     reported = worker.get("reported") or {}
     passed = worker.get("forward_pass") or {}
     return {**worker, NAME_KEY: format_worker((worker["worker_id"], worker["dp_rank"])),
-            "last_event_age": age(worker.get("last_event_age_s")),
+            "last_event_age": age(worker.get("last_event_age_s")) or ("restored" if worker.get("restored") else None),
             **{f"reported_{key}": value for key, value in reported.items()},
             "reported_age": age(reported.get("age_s")),
             "queued": _requests(passed, "queued"), "scheduled": _requests(passed, "scheduled"),

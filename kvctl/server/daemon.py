@@ -286,6 +286,7 @@ async def _become_ready(fleet: Fleet, options: ServeOptions, readiness: Readines
                         streams: Streams, plane: Plane | None, app: Any, running: _Running) -> None:
     """Restore the state dir on the loop, then start what feeds the index and what persists it; then ready."""
     restored = await _restore(fleet, options, readiness, notifier)
+    fleet.mark_restored()
     for info in options.engines:
         fleet.register(info)
     for info in list(fleet.workers.values()):  # restored from the snapshot

@@ -85,6 +85,9 @@ class WorkerInfo:
     # (block_not_found) hashes tokens differently from its peers or lost events; doctor names which.
     rejected: Counter[str] = field(default_factory=Counter)
     routes: int = 0  # decisions that chose this worker: its share of the traffic
+    # Known only from the state dir: nothing heard from it since this router started. Its blocks may belong to
+    # an engine that is gone, or to another configuration's fleet (doctor's `silent` names such workers).
+    restored: bool = False
 
     @property
     def key(self) -> WorkerKey:
@@ -281,13 +284,19 @@ class Fleet:
             info.last_event_at = now
         state.applied[(_EVENT_TYPES[Stored], _STATUS_VALUES[Status.ok])] += stored
 
+    def mark_restored(self) -> None:
+        """Once a restore is done: every worker it made known is restored, not heard from (no last event),
+        until an event of this run arrives, so a restart never shows the state dir's workers as alive."""
+        for info in self.workers.values():
+            info.last_event_at, info.restored = None, True
+
     def _apply_run(self, state: ModelState, worker: WorkerKey, events: Iterable[EventData], now: float,
                    rejected: Counter[str] | None) -> int:
         """Apply one worker's events in order; returns how many applied, adds the others to `rejected`."""
         info = self.workers.get(worker)
         if info is None:
             info = self.register(WorkerInfo(worker[0], worker[1], state.name))
-        info.last_event_at = now
+        info.last_event_at, info.restored = now, False
         journal, kept = self.journal, None
         if journal is not None:
             events = kept = events if isinstance(events, list) else list(events)  # not the ABC: 0.3 us a batch
@@ -451,7 +460,7 @@ class Fleet:
                 reported=None if report is None else api.Reported(
                     report[0].active_decode_blocks, report[0].active_prefill_tokens, report[0].kv_used_blocks,
                     round(now - report[1], 3)),
-                forward_pass=None if passed is None else _forward_pass_row(*passed, now),
+                forward_pass=None if passed is None else _forward_pass_row(*passed, now), restored=info.restored,
             ))
         return rows
 

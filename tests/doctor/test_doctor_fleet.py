@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +15,7 @@ from kvctl.client.engine import EngineClient
 from kvctl.mock.engine import Faults
 from tests.commands.live_router import free_port_url
 from tests.doctor.rig import BASE, Rig, doctor, engines_behind_router, findings
-from tests.server.test_serve_process import serving
+from tests.server.test_serve_process import DUMP, _stop, serving
 from tests.support import eventually_async
 
 
@@ -231,3 +232,37 @@ async def test_a_healthy_fleet_s_hit_rates_agree(tmp_path: Path) -> None:
         code, report = await rig.doctor(*(arg for e in rig.fleet.engines for arg in ("--metrics", e.url)))
     [finding] = findings(report, "hit_rate")
     assert finding["severity"] == "OK" and finding["evidence"]["router_predicted"] > 0
+
+
+def test_a_router_restarted_on_another_fleet_names_the_state_dirs_workers(tmp_path: Path) -> None:
+    """Walking the README (issue 37), a router restarted with another configuration on the same state dir showed
+    the old fleet's workers with a last event a few seconds ago, and doctor said "every worker sent events":
+    they were restored, and nothing this router follows spoke for them."""
+    with serving(tmp_path) as (proc, client):
+        client.post("/v1/events", content=DUMP, headers={"content-type": "application/x-ndjson"})
+        old = {(w["worker_id"], w["dp_rank"]) for w in client.get("/v1/workers").json()["workers"]}
+        _stop(proc)
+    engine = f"9=tcp://127.0.0.1:{free_port_url().rsplit(':', 1)[1]}"  # this configuration's one engine, idle
+    with serving(tmp_path, "--worker", engine) as (proc, client):
+        url = str(client.base_url).rstrip("/")
+        rows = {(w["worker_id"], w["dp_rank"]): w for w in client.get("/v1/workers").json()["workers"]}
+        assert {i for i, w in rows.items() if w["restored"]} == old and all(
+            rows[i]["last_event_age_s"] is None for i in old), rows
+        code, report = doctor(url)
+        orphaned, idle = findings(report, "silent")
+        assert code == 1 and orphaned["severity"] == "WARNING" and "known only from the state dir" in orphaned["cause"]
+        assert orphaned["evidence"]["count"] == len(old) and orphaned["evidence"]["blocks"] > 0
+        assert orphaned["next_step"].startswith("kvctl router reset --worker")
+        assert idle["severity"] == "OK" and idle["evidence"]["workers"] == ["9:0"]  # the configured one is idle
+        first = min(old)
+        client.post("/v1/events", content=_one_event(first[0]), headers={"content-type": "application/x-ndjson"})
+        row = next(w for w in client.get("/v1/workers").json()["workers"] if (w["worker_id"], w["dp_rank"]) == first)
+        assert not row["restored"] and row["last_event_age_s"] is not None  # heard from: alive again
+        _stop(proc)
+
+
+def _one_event(worker_id: int) -> str:
+    """The dump's first line, re-addressed to `worker_id`: an event of this run."""
+    line = json.loads(DUMP.splitlines()[0])
+    line["worker_id"] = worker_id
+    return json.dumps(line) + "\n"

@@ -34,6 +34,11 @@ def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]
     if not workers:
         return [Finding("silent", Severity.OK, "approximate mode: the router indexes its own routes, not events")]
     quiet = [w for w in workers if is_silent(w.get("last_event_age_s"), limits.silent_after_s)]
+    orphans = _orphans(status, quiet)
+    if orphans:
+        gone = {id(w) for w in orphans}
+        rest = [w for w in workers if id(w) not in gone]
+        return [_orphaned(orphans, len(workers)), *(check_silent(status, rest, limits) if rest else [])]
     if not quiet:
         return [Finding("silent", Severity.OK, f"every worker sent events in the last {limits.silent_after_s:g} s")]
     serving = _serving_while_silent(status, quiet, limits)
@@ -60,6 +65,30 @@ def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]
     return [Finding("silent", severity, cause, evidence,
                     f"{_tap(silent[0], status)}  (is worker {first_id(names)} publishing at all? check the "
                     "engine's kv-events config and the endpoint registered)")]
+
+
+def _orphans(status: Mapping[str, Any], quiet: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Restored workers that nothing this router follows can speak for: with engine streams or an event plane,
+    a worker known only from the state dir, with no stream and no publisher, is another fleet's or a gone
+    engine's. Its blocks win routes on stale data, so it is never an idle fleet. An HTTP-fed router cannot
+    tell (its events come by POST), so there silence rules alone apply."""
+    if not status.get("streams") and status.get("event_plane") is None:
+        return []
+    return [w for w in quiet if w.get("restored") and not w.get("endpoint") and not w.get("event_plane")]
+
+
+def _orphaned(orphans: Sequence[Mapping[str, Any]], known: int) -> Finding:
+    names = [worker_name(w) for w in orphans]
+    blocks = sum(w.get("blocks") or 0 for w in orphans)
+    models = sorted({str(w["model"]) for w in orphans})
+    return Finding(
+        "silent", Severity.WARNING,
+        f"{len(orphans)} of {known} workers known only from the state dir: no engine stream or event-plane "
+        f"publisher of this router names them and nothing came from them since it started; their "
+        f"{counted(blocks, 'block')} are stale (an earlier configuration's fleet, or engines that are gone)",
+        {**named(names), "blocks": blocks, "models": models},
+        f"kvctl router reset --worker {first_id(names)} --yes  (forget them; or serve the configuration that "
+        "follows them)")
 
 
 def _tap(worker: Mapping[str, Any], status: Mapping[str, Any]) -> str:
