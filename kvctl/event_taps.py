@@ -55,11 +55,13 @@ class TapStats:
     repeats: int = 0  # the same seq again: skipped
     jumps: int = 0  # a seq implausibly far ahead: shown, not counted as missing
     decode_errors: Counter[str] = field(default_factory=Counter)
+    publishers: int | None = None  # through a discovery store: how many it named (None: a tap of one address)
 
     def as_dict(self) -> dict[str, object]:
+        found = {} if self.publishers is None else {"publishers": self.publishers}
         return {"messages": self.messages, "events": self.events, "gaps": self.gaps, "missing": self.missing,
                 "restarts": self.restarts, "repeats": self.repeats, "jumps": self.jumps,
-                "decode_errors": dict(self.decode_errors)}
+                "decode_errors": dict(self.decode_errors), **found}
 
     def judge(self, sequence: Sequence, seq: int) -> tuple[Order, Tapped | None]:
         """Count where `seq` stands in `sequence`; with the marker of the gap before it when messages were lost."""
@@ -208,6 +210,7 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
                     and scope.endpoint in (None, channel.endpoint) and channel.address not in followed:
                 sock.connect(channel.address)
                 followed.add(channel.address)
+        stats.publishers = len(followed)
 
     sequences: dict[WorkerKey, Sequence] = {}
     try:

@@ -292,8 +292,12 @@ def _nothing_received(out: Output, stats: TapStats, zmq_endpoint: str | None, na
         causes = ["no worker publishes under this --namespace/--component/--endpoint",
                   "the workers publish on NATS Core, not JetStream (drop --jetstream)" if jetstream else
                   "the fleet's events go to its JetStream stream (add --jetstream)"]
+    elif not stats.publishers:
+        causes = ["no publisher of this --namespace/--component/--endpoint is registered in the discovery store "
+                  "(do the workers register in this store, under this namespace?)"]
     else:
-        causes = ["no publisher of the namespace is registered in the discovery store, or none is publishing"]
+        causes = [f"the {counted(stats.publishers, 'publisher')} found published nothing: an engine publishes only "
+                  "when its cache changes (send it a request)", "the store names addresses this host cannot reach"]
     out.warn("received nothing: " + "; or ".join(causes))
     raise typer.Exit(ExitCode.NOTHING_RECEIVED)
 

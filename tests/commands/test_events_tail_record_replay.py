@@ -23,6 +23,7 @@ from kvctl.core.events.dump_file import read_timed_events
 from kvctl.core.events.engine import decode_engine_batch
 from kvctl.core.events.engine_encode import VLLM as VLLM_FORMAT
 from kvctl.core.events.engine_encode import BlockRemoved, encode_batch
+from tests.doctor.test_doctor_zmq_plane import record_file
 from tests.fixtures_path import FIXTURES
 from tests.nats_server import NatsServer, free_port
 
@@ -251,6 +252,26 @@ def test_tail_of_a_discovery_store_not_there_is_one_line_and_exit_3() -> None:
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 3 and err.startswith("error: cannot read discovery etcd:http://127.0.0.1:"), err
     assert len(err.strip().splitlines()) <= 2, err  # the error, and at most a hint
+
+
+@pytest.mark.parametrize("publishers", [0, 1])
+def test_tail_of_a_discovery_store_that_hears_nothing_says_whether_it_found_publishers(
+        tmp_path: Path, publishers: int) -> None:
+    """It said "no publisher is registered, or none is publishing" with 2 publishers found on an idle fleet."""
+    store = tmp_path / "discovery"
+    store.mkdir()
+    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as pub:  # a real publisher that has nothing to say
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        if publishers:
+            record_file(store, "kv-events", 0x11, f"tcp://127.0.0.1:{port}")
+        proc = kvctl("events", "tail", "--dynamo-discovery", f"file:{store}", "--duration", "1")
+        _, err = proc.communicate(timeout=20)
+    warning = err.splitlines()[-1]
+    assert proc.returncode == 4 and warning.startswith("warning: received nothing: "), err
+    if publishers:
+        assert "the 1 publisher found published nothing" in warning and "send it a request" in warning
+    else:
+        assert "no publisher of this --namespace/--component/--endpoint is registered" in warning
 
 
 @pytest.fixture

@@ -16,11 +16,11 @@ from tests.server.test_zmq_plane import record_for
 from tests.support import eventually
 
 
-def _file(root: Path, topic: str, publisher_id: int, address: str) -> None:
+def record_file(root: Path, topic: str, publisher_id: int, address: str) -> None:
     key = ChannelKey("dynamo", "backend", "generate", topic, publisher_id).key
     path = root / "v1" / "event_channels" / encode_file_name(key.removeprefix("v1/event_channels/"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(record_for(topic, publisher_id, address))
+    path.write_bytes(record_for(topic, publisher_id, address))  # a captured record, at `address`
 
 
 def _event_plane_until(url: str, wanted: str, *args: str) -> tuple[int, dict[str, Any]]:
@@ -48,8 +48,8 @@ def test_publishers_never_reached_are_named_a_loopback_one_as_not_routable(tmp_p
     with socket.socket() as held:  # bound, never listening: refused, and no other test's server can take it
         held.bind(("127.0.0.1", 0))
         loopback = f"tcp://127.0.0.1:{held.getsockname()[1]}"  # only its own host could reach it anyway
-        _file(store, "kv-events", 0x11, loopback)
-        _file(store, "kv_metrics", 0x12, "tcp://192.0.2.1:5557")  # TEST-NET-1: routable, never answers
+        record_file(store, "kv-events", 0x11, loopback)
+        record_file(store, "kv_metrics", 0x12, "tcp://192.0.2.1:5557")  # TEST-NET-1: routable, never answers
         with serving(tmp_path / "router", "--no-restore", "--dynamo-discovery", f"file:{store}") as (_, client):
             code, finding = _event_plane_until(str(client.base_url).rstrip("/"), "never reached",
                                                "--unreachable-after", "1")
