@@ -306,7 +306,7 @@ class ZmqPlane(PlaneTasks):
         """Connect to each record's publisher not followed yet, drop those whose record went; the new links. A
         slice of the loop at a time: a store of thousands of records must not hold routes (5,000 held it 0.9 s)."""
         wanted: dict[str, EventChannel] = {}
-        self.seen.clear()
+        seen: Counter[str] = Counter()  # swapped in whole at the end: a status read between slices sees a listing
         self._skipped = {k: v for k, v in self._skipped.items() if k in records}
         slices = Slices()
         for key, value in records.items():
@@ -314,7 +314,7 @@ class ZmqPlane(PlaneTasks):
             channel = self._channel(key, value)
             if channel is None:
                 continue
-            self.seen[self._pattern(channel.component, channel.endpoint, channel.topic)] += 1
+            seen[self._pattern(channel.component, channel.endpoint, channel.topic)] += 1
             if self.options.component not in (None, channel.component) or \
                     self.options.endpoint not in (None, channel.endpoint):
                 continue
@@ -323,6 +323,7 @@ class ZmqPlane(PlaneTasks):
                 self._skip(key, value, why, f"{key}: {channel.address}")
                 continue
             wanted[key] = channel
+        self.seen = seen
         wanted = self._capped(wanted, records)
         gone = [k for k, link in self.links.items() if wanted.get(k) != link.channel]
         for key in gone:
