@@ -40,7 +40,8 @@ async def served(app: Any, path: str) -> AsyncIterator[httpx.AsyncClient]:
     try:
         await eventually_async(lambda: server.started or task.done(), "uvicorn to start")
         host, port = sock.getsockname()[:2]
-        async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+        # A bulk load of 30,000 events outlasts httpx's 5 s default on a busy machine: only a hang should fail.
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=60) as client:
             yield client
     finally:
         server.should_exit = True
