@@ -94,7 +94,8 @@ def frozen(pid: int) -> Iterator[None]:
 
 @contextmanager
 def router(state_dir: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], httpx.Client, Path]]:
-    """A real `kvctl serve` on a free port; its log goes to a file (a pipe nobody reads would stall it)."""
+    """A real `kvctl serve` on a free port, once its restore is done (its URL comes first, and /v1/tree answers
+    503 until then); its log goes to a file (a pipe nobody reads would stall it)."""
     log = state_dir.parent / f"{state_dir.name}-serve.log"
     cmd = [sys.executable, "-m", "kvctl", "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
            "--log-level", "info", *args]
@@ -103,7 +104,8 @@ def router(state_dir: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str],
         try:
             url = proc.stdout.readline().strip()  # type: ignore[union-attr]
             assert url.startswith("http://127.0.0.1:"), f"kvctl serve did not start: {log.read_text()}"
-            with httpx.Client(base_url=url, timeout=5) as client:
+            with httpx.Client(base_url=url, timeout=60) as client:  # a busy machine is slow, not broken
+                eventually(lambda: client.get("/readyz").status_code == 200, "the restore", timeout=120)
                 yield proc, client, log
         finally:
             stop_process(proc)

@@ -176,7 +176,6 @@ def test_both_images_damaged_after_compactions_restart_partial_then_the_next_sta
 def test_a_full_disk_then_kill_9_restarts_partial_saying_what_was_never_written(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with router(state, "--snapshot-interval", "0.2") as (proc, client, log):
-        eventually(lambda: client.get("/readyz").status_code == 200, "the router ready")
         first = full(client, state, proc.pid, log, 0)  # what it holds is written and fsynced; then no room
         before = held(client)
         post(client, chains(first, 3 * first))  # taken, acknowledged to the sender, never written
@@ -185,7 +184,6 @@ def test_a_full_disk_then_kill_9_restarts_partial_saying_what_was_never_written(
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     with router(state) as (proc, client, log):
-        eventually(lambda: client.get("/readyz").status_code == 200, "the restore")
         lost = partial(client)
         assert held(client) == before
     assert lost["reason"].startswith(f"restored {len(before):,} of {4 * len(before):,} blocks: "
