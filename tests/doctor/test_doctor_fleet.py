@@ -254,6 +254,7 @@ def test_a_router_restarted_on_another_fleet_names_the_state_dirs_workers(tmp_pa
         assert orphaned["evidence"]["count"] == len(old) and orphaned["evidence"]["blocks"] > 0
         assert orphaned["next_step"].startswith("kvctl router reset --worker")
         assert idle["severity"] == "OK" and idle["evidence"]["workers"] == ["9:0"]  # the configured one is idle
+        assert "1 of 1 workers silent" in idle["cause"]
         first = min(old)
         client.post("/v1/events", content=_one_event(first[0]), headers={"content-type": "application/x-ndjson"})
         row = next(w for w in client.get("/v1/workers").json()["workers"] if (w["worker_id"], w["dp_rank"]) == first)

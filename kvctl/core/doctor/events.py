@@ -22,13 +22,15 @@ from kvctl.core.words import counted
 
 # ----- 2. silent workers ----------------------------------------------------------------------------------
 
-def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]], limits: Limits) -> list[Finding]:
+def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]], limits: Limits, *,
+                 scope: str = "every worker") -> list[Finding]:
     """Silence alone may be an idle fleet: an engine publishes events only when its cache changes. It is a
     fault for sure when the worker serves regardless: routes won with no event ever, requests in flight
     now, or messages arriving that deliver no event. CRITICAL only when every worker is silent and some
     are known to be serving: the router routes blind (Dynamo #4249: engines not emitting KV events).
     A silent worker that serves nothing while no worker of its model publishes either is idle: OK, so that a
-    quiet night pages nobody; one whose model's other workers publish stays a WARNING (why is it left out?)."""
+    quiet night pages nobody; one whose model's other workers publish stays a WARNING (why is it left out?).
+    `scope` names the workers when some were judged apart (orphans of a restore)."""
     approximate = {m for m, stats in (status.get("models") or {}).items() if stats.get("approximate")}
     workers = [w for w in workers if w["model"] not in approximate]  # they publish no events, by design
     if not workers:
@@ -38,9 +40,10 @@ def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]
     if orphans:
         gone = {id(w) for w in orphans}
         rest = [w for w in workers if id(w) not in gone]
-        return [_orphaned(orphans, len(workers)), *(check_silent(status, rest, limits) if rest else [])]
+        others = f"the other {counted(len(rest), 'worker')}"
+        return [_orphaned(orphans, len(workers)), *(check_silent(status, rest, limits, scope=others) if rest else [])]
     if not quiet:
-        return [Finding("silent", Severity.OK, f"every worker sent events in the last {limits.silent_after_s:g} s")]
+        return [Finding("silent", Severity.OK, f"{scope} sent events in the last {limits.silent_after_s:g} s")]
     serving = _serving_while_silent(status, quiet, limits)
     quiet_names = {worker_name(w) for w in quiet}
     publishing = {w["model"] for w in workers if worker_name(w) not in quiet_names}
