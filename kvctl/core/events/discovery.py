@@ -13,9 +13,8 @@ import ipaddress
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
 
-from kvctl.core.events.errors import DecodeError, ErrorKind, describe, parse_json, require
+from kvctl.core.events.errors import DecodeError, ErrorKind, as_map, as_text, describe, parse_json, require
 
 CHANNELS_BUCKET = "v1/event_channels"
 _U64_MAX = (1 << 64) - 1
@@ -76,19 +75,19 @@ def parse_channel_key(key: str) -> ChannelKey:
 def parse_event_channel(data: bytes | str) -> EventChannel:
     """An `EventChannel` record (JSON). A record of another type or transport is unknown_type; a missing or
     mistyped field missing_field / bad_type."""
-    obj = _map(parse_json(data), "record")
+    obj = as_map(parse_json(data), "record")
     kind = require(obj, "type")
     if kind != "EventChannel":
         raise DecodeError(ErrorKind.unknown_type, "type", f"expected EventChannel, got {describe(kind)}")
-    scope = _map(require(obj, "scope"), "scope")
+    scope = as_map(require(obj, "scope"), "scope")
     if scope.get("kind") != "endpoint":
         raise DecodeError(ErrorKind.unknown_type, "scope.kind", f"expected endpoint, got {describe(scope.get('kind'))}")
-    where = _map(require(scope, "endpoint", "scope.endpoint"), "scope.endpoint")
-    transport = _map(require(obj, "transport"), "transport")
+    where = as_map(require(scope, "endpoint", "scope.endpoint"), "scope.endpoint")
+    transport = as_map(require(obj, "transport"), "transport")
     if transport.get("kind") != "Zmq":
         raise DecodeError(ErrorKind.unknown_type, "transport.kind",
                           f"expected Zmq, got {describe(transport.get('kind'))}")
-    address = _str(require(_map(require(transport, "config", "transport.config"), "transport.config"), "endpoint",
+    address = as_text(require(as_map(require(transport, "config", "transport.config"), "transport.config"), "endpoint",
                            "transport.config.endpoint"), "transport.config.endpoint")
     if not re.fullmatch(r"tcp://[^\s/]+:\d{1,5}", address):
         raise DecodeError(ErrorKind.bad_type, "transport.config.endpoint", f"expected tcp://HOST:PORT, got "
@@ -97,10 +96,10 @@ def parse_event_channel(data: bytes | str) -> EventChannel:
     if type(instance_id) is not int or not 0 <= instance_id <= _U64_MAX:
         raise DecodeError(ErrorKind.bad_type, "instance_id", f"expected a u64, got {describe(instance_id)}")
     return EventChannel(
-        namespace=_str(require(where, "namespace", "scope.endpoint.namespace"), "scope.endpoint.namespace"),
-        component=_str(require(where, "component", "scope.endpoint.component"), "scope.endpoint.component"),
-        endpoint=_str(require(where, "name", "scope.endpoint.name"), "scope.endpoint.name"),
-        topic=_str(require(obj, "topic"), "topic"),
+        namespace=as_text(require(where, "namespace", "scope.endpoint.namespace"), "scope.endpoint.namespace"),
+        component=as_text(require(where, "component", "scope.endpoint.component"), "scope.endpoint.component"),
+        endpoint=as_text(require(where, "name", "scope.endpoint.name"), "scope.endpoint.name"),
+        topic=as_text(require(obj, "topic"), "topic"),
         publisher_id=instance_id,
         address=address,
     )
@@ -154,14 +153,3 @@ def decode_file_name(name: str) -> str:
         raise DecodeError(ErrorKind.bad_type, "file name", f"not a percent-encoded key: {describe(name)}")
     return key
 
-
-def _map(value: Any, field: str) -> dict[Any, Any]:
-    if not isinstance(value, dict):
-        raise DecodeError(ErrorKind.bad_type, field, f"expected a map, got {describe(value)}")
-    return value
-
-
-def _str(value: Any, field: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise DecodeError(ErrorKind.bad_type, field, f"expected a non-empty string, got {describe(value)}")
-    return value

@@ -64,6 +64,27 @@ def require(fields: Mapping[Any, Any], key: str, field: str | None = None) -> An
     return value
 
 
+def as_map(value: Any, field: str) -> dict[Any, Any]:
+    """`value` if it is a map, else a bad_type DecodeError naming `field`."""
+    if not isinstance(value, dict):
+        raise DecodeError(ErrorKind.bad_type, field, f"expected a map, got {describe(value)}")
+    return value
+
+
+def as_text(value: Any, field: str) -> str:
+    """`value` if it is a non-empty string, else a bad_type DecodeError naming `field`."""
+    if not isinstance(value, str) or not value:
+        raise DecodeError(ErrorKind.bad_type, field, f"expected a non-empty string, got {describe(value)}")
+    return value
+
+
+def as_u64(value: Any, field: str) -> int:
+    """`value` if it is an integer in u64 range, else a bad_type DecodeError naming `field`."""
+    if type(value) is not int or not 0 <= value < 1 << 64:
+        raise DecodeError(ErrorKind.bad_type, field, f"expected a u64, got {describe(value)}")
+    return value
+
+
 def decode_each(items: list[Any], decode: Callable[[Any], T]) -> tuple[list[T], list[DecodeError]]:
     """Decode every item of a batch: a bad one costs itself, not the batch, and comes back as a DecodeError
     carrying its index."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from kvctl.core.events.errors import DecodeError, ErrorKind, decode_each, describe, parse_msgpack, require
+from kvctl.core.events.errors import DecodeError, ErrorKind, as_map, decode_each, describe, parse_msgpack, require
 
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
@@ -131,7 +131,7 @@ class ActiveLoad:
 
 
 def decode_active_load(data: bytes) -> ActiveLoad:
-    obj = _map(parse_msgpack(data), "ActiveLoad")
+    obj = as_map(parse_msgpack(data), "ActiveLoad")
     return ActiveLoad(
         worker_id=_uint(require(obj, "worker_id"), "worker_id"),
         dp_rank=_uint(obj.get("dp_rank", 0), "dp_rank", _U32_MAX),
@@ -195,11 +195,11 @@ def encode_sequence_events(events: list[ActiveSequenceEvent]) -> bytes:
 
 
 def _sequence_event(value: Any) -> ActiveSequenceEvent:
-    obj = _map(value, "ActiveSequenceEvent")
+    obj = as_map(value, "ActiveSequenceEvent")
     request_id = require(obj, "request_id")
     if not isinstance(request_id, str):
         raise DecodeError(ErrorKind.bad_type, "request_id", f"expected a string, got {describe(request_id)}")
-    worker = _map(require(obj, "worker"), "worker")
+    worker = as_map(require(obj, "worker"), "worker")
     lora_name = obj.get("lora_name")
     if lora_name is not None and not isinstance(lora_name, str):
         raise DecodeError(ErrorKind.bad_type, "lora_name", f"expected a string, got {describe(lora_name)}")
@@ -235,7 +235,7 @@ def _action(data: Any) -> SequenceAction:
     if not (isinstance(data, dict) and len(data) == 1 and "AddRequest" in data):
         raise DecodeError(ErrorKind.unknown_type, "data",
                           f"expected AddRequest, Free or MarkPrefillCompleted, got {describe(data)}")
-    add = _map(data["AddRequest"], "data.AddRequest")
+    add = as_map(data["AddRequest"], "data.AddRequest")
     tokens = add.get("token_sequence")
     if tokens is not None and not (isinstance(tokens, list) and all(type(t) is int and 0 <= t <= _U64_MAX
                                                                     for t in tokens)):
@@ -246,7 +246,7 @@ def _action(data: Any) -> SequenceAction:
     hint = add.get("prefill_load_hint")
     hint_tokens = None
     if hint is not None:
-        hint_tokens = _optional_uint(_map(hint, "prefill_load_hint").get("initial_effective_prefill_tokens"),
+        hint_tokens = _optional_uint(as_map(hint, "prefill_load_hint").get("initial_effective_prefill_tokens"),
                                      "prefill_load_hint.initial_effective_prefill_tokens")
     return AddRequest(tokens, track, _optional_uint(add.get("expected_output_tokens"), "expected_output_tokens",
                                                     _U32_MAX), hint_tokens)
@@ -291,7 +291,7 @@ class ForwardPass:
 
 
 def decode_forward_pass(data: bytes) -> ForwardPass:
-    obj = _map(parse_msgpack(data), "ForwardPassMetrics")
+    obj = as_map(parse_msgpack(data), "ForwardPassMetrics")
     worker_id = require(obj, "worker_id")
     if isinstance(worker_id, str) and len(worker_id) <= 20 and worker_id.isascii() and worker_id.isdecimal():
         worker_id = int(worker_id)  # a u64 has at most 20 digits; int() of thousands would raise ValueError
@@ -323,7 +323,7 @@ def encode_forward_pass(report: ForwardPass) -> bytes:
 
 
 def _request_counts(value: Any, field: str) -> RequestCounts:
-    obj = _map(value, field)
+    obj = as_map(value, field)
     values: dict[str, Any] = {}
     for wire, name, is_int in _COUNT_KEYS:
         if wire in obj:
@@ -335,12 +335,6 @@ def _number(value: Any, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, float | int) or not math.isfinite(value):
         raise DecodeError(ErrorKind.bad_type, field, f"expected a finite number, got {describe(value)}")
     return float(value)
-
-
-def _map(value: Any, field: str) -> dict[Any, Any]:
-    if not isinstance(value, dict):
-        raise DecodeError(ErrorKind.bad_type, field, f"expected a map, got {describe(value)}")
-    return value
 
 
 def _uint(value: Any, field: str, maximum: int = _U64_MAX) -> int:

@@ -27,7 +27,16 @@ from typing import Any
 import msgspec
 
 from kvctl.core.events.dynamo import decode_router_events
-from kvctl.core.events.errors import DecodeError, ErrorKind, describe, parse_json, parse_msgpack, require
+from kvctl.core.events.errors import (
+    DecodeError,
+    ErrorKind,
+    as_map,
+    as_u64,
+    describe,
+    parse_json,
+    parse_msgpack,
+    require,
+)
 from kvctl.core.events.types import RouterEvent
 from kvctl.core.names import WorkerKey
 
@@ -90,23 +99,23 @@ def namespace_sources_prefix(namespace: str) -> str:
 def parse_event_source(data: bytes | str) -> RecoveryTarget | None:
     """An `EventSource` record; None for a source of another topic than kv-events (it has nothing to recover).
     A record of another shape is a DecodeError."""
-    obj = _map(parse_json(data), "record")
+    obj = as_map(parse_json(data), "record")
     if require(obj, "type") != "EventSource":
         raise DecodeError(ErrorKind.unknown_type, "type", f"expected EventSource, got {describe(obj['type'])}")
     if obj.get("topic") != "kv-events":
         return None
-    meta = _map(require(obj, "metadata"), "metadata")
-    worker = _map(require(meta, "worker", "metadata.worker"), "metadata.worker")
-    target = _map(require(meta, "recovery_target", "metadata.recovery_target"), "metadata.recovery_target")
+    meta = as_map(require(obj, "metadata"), "metadata")
+    worker = as_map(require(meta, "worker", "metadata.worker"), "metadata.worker")
+    target = as_map(require(meta, "recovery_target", "metadata.recovery_target"), "metadata.recovery_target")
     codec = target.get("request_plane_codec", "msgpack")
     if codec != "msgpack":
         raise DecodeError(ErrorKind.unknown_type, "metadata.recovery_target.request_plane_codec",
                           f"expected msgpack, got {describe(codec)}")
-    transport = _map(require(target, "transport", "metadata.recovery_target.transport"),
+    transport = as_map(require(target, "transport", "metadata.recovery_target.transport"),
                      "metadata.recovery_target.transport")
-    ids = (_uint(require(worker, "worker_id"), "metadata.worker.worker_id"),
-           _uint(worker.get("dp_rank", 0), "metadata.worker.dp_rank"),
-           _uint(require(obj, "publisher_id"), "publisher_id"))
+    ids = (as_u64(require(worker, "worker_id"), "metadata.worker.worker_id"),
+           as_u64(worker.get("dp_rank", 0), "metadata.worker.dp_rank"),
+           as_u64(require(obj, "publisher_id"), "publisher_id"))
     if len(transport) == 1 and "tcp" not in transport:
         return RecoveryTarget(*ids, host="", port=0, path="", transport=str(next(iter(transport))))
     tcp = transport.get("tcp")
@@ -164,10 +173,10 @@ def decode_request_frame(frame: bytes) -> RequestFrame:
         ((control, data),) = TwoPartReader().feed(payload)
     except (struct.error, UnicodeDecodeError, ValueError) as exc:
         raise DecodeError(ErrorKind.bad_batch, "request", str(exc)) from None
-    control_obj = _map(parse_json(control), "control")
-    info = require(_map(require(control_obj, "connection_info"), "connection_info"), "info", "connection_info.info")
-    return RequestFrame(path, _map(headers, "headers"), control_obj, _map(parse_json(info), "connection_info.info"),
-                        _map(parse_msgpack(data), "query"))
+    control_obj = as_map(parse_json(control), "control")
+    info = require(as_map(require(control_obj, "connection_info"), "connection_info"), "info", "connection_info.info")
+    return RequestFrame(path, as_map(headers, "headers"), control_obj, as_map(parse_json(info), "connection_info.info"),
+                        as_map(parse_msgpack(data), "query"))
 
 
 def encode_two_part(control: bytes, data: bytes) -> bytes:
@@ -230,7 +239,7 @@ class TwoPartReader:
 
 def handshake_subject(control: bytes) -> str:
     """The subject a response connection's first message names (which request it answers)."""
-    obj = _map(parse_json(control), "handshake")
+    obj = as_map(parse_json(control), "handshake")
     subject = require(obj, "subject")
     if not isinstance(subject, str) or obj.get("stream_type") != "response":
         raise DecodeError(ErrorKind.bad_type, "handshake", f"expected a response stream's subject, got {describe(obj)}")
@@ -262,7 +271,7 @@ class ResponseStream:
         if control == SENTINEL:
             self.done = True
         elif control:
-            prologue = _map(parse_json(control), "prologue")
+            prologue = as_map(parse_json(control), "prologue")
             if prologue.get("error") is not None:
                 self.error = str(prologue["error"])
                 self.done = True
@@ -291,22 +300,12 @@ def decode_recovery_response(stream: ResponseStream) -> Recovered:
     ((variant, body),) = answer.items()
     if variant not in ("TreeDump", "Events"):
         raise RecoveryRefused(f"the worker answered {variant}: {str(body)[:200]}")
-    body = _map(body, variant)
+    body = as_map(body, variant)
     items = require(body, "events", f"{variant}.events")
     if not isinstance(items, list):
         raise DecodeError(ErrorKind.bad_type, f"{variant}.events", f"expected an array, got {describe(items)}")
     events, errors = decode_router_events(items)
-    return Recovered(events, errors, _uint(require(body, "last_event_id", f"{variant}.last_event_id"),
+    return Recovered(events, errors, as_u64(require(body, "last_event_id", f"{variant}.last_event_id"),
                                            f"{variant}.last_event_id"), reset=variant == "TreeDump")
 
 
-def _map(value: Any, field: str) -> dict[Any, Any]:
-    if not isinstance(value, dict):
-        raise DecodeError(ErrorKind.bad_type, field, f"expected a map, got {describe(value)}")
-    return value
-
-
-def _uint(value: Any, field: str) -> int:
-    if type(value) is not int or not 0 <= value < 1 << 64:
-        raise DecodeError(ErrorKind.bad_type, field, f"expected a u64, got {describe(value)}")
-    return value
