@@ -205,7 +205,8 @@ class ForwardPass(Struct):
 class Worker(Struct):
     """One (worker, dp_rank) the router knows. `reported` and `forward_pass`: what it said of itself on an event
     plane (null otherwise); `event_plane`, with an event plane, where its events come from. `restored`: known
-    only from the state dir, nothing heard since the router started (`last_event_age_s` is then null)."""
+    only from the state dir, nothing heard since the router started (`last_event_age_s` is then null). `role`
+    (aggregated, prefill, decode) and `publishes_kv_events`: from its model card, null without one."""
 
     worker_id: int
     dp_rank: int
@@ -228,6 +229,8 @@ class Worker(Struct):
     forward_pass: ForwardPass | None
     event_plane: dict[str, Any] | None | UnsetType = UNSET
     restored: bool = False
+    role: str | None = None
+    publishes_kv_events: bool | None = None
 
 
 class Workers(Struct):

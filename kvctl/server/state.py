@@ -88,6 +88,10 @@ class WorkerInfo:
     # Known only from the state dir: nothing heard from it since this router started. Its blocks may belong to
     # an engine that is gone, or to another configuration's fleet (doctor's `silent` names such workers).
     restored: bool = False
+    # From the worker's model card (a discovery-fed plane): aggregated, prefill or decode, and whether it publishes
+    # KV events at all (a disaggregated fleet's decode workers do not, by design). None: no card seen.
+    role: str | None = None
+    publishes_kv_events: bool | None = None
 
     @property
     def key(self) -> WorkerKey:
@@ -461,6 +465,7 @@ class Fleet:
                     report[0].active_decode_blocks, report[0].active_prefill_tokens, report[0].kv_used_blocks,
                     round(now - report[1], 3)),
                 forward_pass=None if passed is None else _forward_pass_row(*passed, now), restored=info.restored,
+                role=info.role, publishes_kv_events=info.publishes_kv_events,
             ))
         return rows
 

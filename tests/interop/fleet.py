@@ -308,11 +308,12 @@ class Frontend:
     url: str
 
     def workers(self, fleet: Fleet) -> set[int]:
-        """Instances of the fleet's worker endpoint this frontend knows (its /health)."""
+        """Instances of the fleet's worker endpoint this frontend knows (its /health), the prefill component's
+        of a disaggregated fleet included."""
         health = httpx.get(f"{self.url}/health", timeout=5).json()
         return {int(i["instance_id"]) for i in health.get("instances") or []
-                if (i.get("namespace"), i.get("component"), i.get("endpoint"))
-                == (fleet.namespace, fleet.component, fleet.endpoint)}
+                if (i.get("namespace"), i.get("endpoint")) == (fleet.namespace, fleet.endpoint)
+                and i.get("component") in (fleet.component, "prefill")}
 
 
 @dataclass
@@ -403,12 +404,16 @@ class Fleet:
 
     # ----- starting ------------------------------------------------------------------------------------------
 
-    def start_mocker(self) -> Mocker:
+    def start_mocker(self, mode: str = "agg") -> Mocker:
+        """`mode`: `--disaggregation-mode` (agg, prefill or decode); prefill workers serve Dynamo's default
+        prefill component, as a disaggregated fleet's do."""
         n, rpc_port, zmq_port, replay_port = len(self.mockers), free_port(), free_port(), free_port()
+        component = "prefill" if mode == "prefill" else self.component
         argv = [self.python, "-m", "dynamo.mocker", "--model-path", self.model_dir, "--model-name", self.model,
-                "--endpoint", f"dyn://{self.namespace}.{self.component}.{self.endpoint}",
+                "--endpoint", f"dyn://{self.namespace}.{component}.{self.endpoint}",
                 "--num-gpu-blocks-override", KV_BLOCKS, "--block-size", self.block_size, "--speedup-ratio", "0",
-                "--zmq-kv-events-ports", zmq_port, "--zmq-replay-ports", replay_port, *self.planes()]
+                "--zmq-kv-events-ports", zmq_port, "--zmq-replay-ports", replay_port, *self.planes(),
+                *(["--disaggregation-mode", mode] if mode != "agg" else [])]
         proc = Proc(f"mocker{n}", argv, self.workdir / f"mocker{n}.log", self.env(DYN_TCP_RPC_PORT=str(rpc_port)))
         self.mockers.append(Mocker(proc, rpc_port, zmq_port, replay_port))
         return self.mockers[-1]
@@ -553,21 +558,23 @@ JOIN_S = 1.0
 
 def start_fleet(workdir: Path, python: Path, *, mockers: int = 3, nats_url: str | None = None,
                 namespace: str = NAMESPACE, indexer: bool = True, kvctl: bool = True,
-                routers: Mapping[str, Sequence[str]] | None = None, etcd_url: str | None = None) -> Fleet:
+                routers: Mapping[str, Sequence[str]] | None = None, etcd_url: str | None = None,
+                modes: Sequence[str] = (), block_size: int = BLOCK_SIZE) -> Fleet:
     """Start a fleet and wait until every part of it is ready; on failure stop what started, then raise.
 
     `routers`: more `kvctl serve` processes, by name, with their arguments (the mockers' worker ids and endpoints
     are not known yet: say `{"nats": ["--nats", nats_url]}`), started with the fleet so that, like the indexer
     and the `kvctl` router, they are there before any request is made (Dynamo's event planes keep no history).
     `fleet.await_router` has waited for their URL; what else makes one ready is for its user to wait for.
-    `etcd_url`: Dynamo's discovery in that etcd (`--discovery-backend etcd`, `ETCD_ENDPOINTS`), not files."""
+    `etcd_url`: Dynamo's discovery in that etcd (`--discovery-backend etcd`, `ETCD_ENDPOINTS`), not files.
+    `modes`: each mocker's `--disaggregation-mode`, in place of `mockers` aggregated ones."""
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(workdir=workdir, python=python, nats_url=nats_url, namespace=namespace,
-                  model_dir=write_model_dir(workdir / "model"), etcd_url=etcd_url)
+                  model_dir=write_model_dir(workdir / "model"), etcd_url=etcd_url, block_size=block_size)
     (workdir / "home").mkdir(exist_ok=True)
     try:
-        for _ in range(mockers):
-            fleet.start_mocker()
+        for mode in modes or ["agg"] * mockers:
+            fleet.start_mocker(mode)
         for mocker in fleet.mockers:
             fleet.await_mocker(mocker)
         frontend = fleet.start_frontend()

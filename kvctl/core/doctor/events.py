@@ -35,6 +35,15 @@ def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]
     workers = [w for w in workers if w["model"] not in approximate]  # they publish no events, by design
     if not workers:
         return [Finding("silent", Severity.OK, "approximate mode: the router indexes its own routes, not events")]
+    by_design = [worker_name(w) for w in workers if w.get("publishes_kv_events") is False]
+    if by_design:  # their model cards say so: a disaggregated fleet's decode workers
+        designed = set(by_design)
+        rest = [w for w in workers if worker_name(w) not in designed]
+        finding = Finding("silent", Severity.OK, f"{len(by_design)} of {counted(len(workers), 'worker')} publish no "
+                        "KV events by their model cards (a disaggregated fleet's decode workers): silent by design",
+                        named(by_design))
+        return [finding, *(check_silent(status, rest, limits, scope=f"the other {counted(len(rest), 'worker')}")
+                         if rest else [])]
     quiet = [w for w in workers if is_silent(w.get("last_event_age_s"), limits.silent_after_s)]
     orphans = _orphans(status, quiet)
     if orphans:

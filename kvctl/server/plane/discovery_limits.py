@@ -41,6 +41,7 @@ FIXES = {
     "bad_etcd_value": "the value is not base64 in etcd's answer: check what fronts etcd (a proxy) and its version",
     "bad_document": "fix the DynamoWorkerMetadata resource: its spec.data is not Dynamo's layout",
     "bad_channel_key": "the DynamoWorkerMetadata's event_channels use another layout than Dynamo 1.6.1's",
+    "bad_card_key": "the DynamoWorkerMetadata's model_cards use another layout than Dynamo 1.6.1's",
     "wildcard_address": "the publisher advertised its bind address: set DYN_EVENT_PLANE_HOST (or its "
                         "--advertise-host) to an address subscribers reach it at",
     "unroutable_address": "the record's address (port 0 or past 65535, multicast, broadcast) reaches no "

@@ -31,6 +31,7 @@ import yaml
 
 from kvctl.core.events.discovery import CHANNELS_BUCKET, parse_channel_key
 from kvctl.core.events.errors import DecodeError
+from kvctl.core.events.model_card import CARDS_BUCKET, is_card_key_rest
 from kvctl.core.events.request_plane import SOURCES_BUCKET
 from kvctl.errors import DiscoveryError
 from kvctl.server.plane.discovery_limits import IDENTITY, MAX_RECORD_BYTES, Refusals, TooLarge, read_capped
@@ -44,8 +45,20 @@ the listing (retried) rather than holding it for ever."""
 MAX_PAGE_BYTES = 64 << 20
 """The largest page of the list read: a worker's document (model cards included) is tens of KB, so this is
 thousands of workers; past it the listing fails, named, rather than growing the router without bound."""
-BUCKETS = {CHANNELS_BUCKET: "event_channels", SOURCES_BUCKET: "event_sources"}
+BUCKETS = {CHANNELS_BUCKET: "event_channels", SOURCES_BUCKET: "event_sources", CARDS_BUCKET: "model_cards"}
 """Each bucket a store lists, and where a DynamoWorkerMetadata's `spec.data` holds its records."""
+
+
+def _key_layout_ok(bucket: str, rest: str) -> bool:
+    """Whether a record's key (less its bucket) has its bucket's layout: channels and sources are filed by scope
+    and topic (Dynamo 1.2's `ns/component/topic/id` is not), cards by scope and instance."""
+    if bucket == CARDS_BUCKET:
+        return is_card_key_rest(rest)
+    try:
+        parse_channel_key(rest)  # the same layout in either bucket
+    except DecodeError:
+        return False
+    return True
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 """Where a pod's service-account token, CA and namespace are mounted."""
 NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -212,10 +225,9 @@ class KubernetesDiscovery:
                 continue
             for rest, record in channels.items():
                 key = f"{bucket}/{rest}"
-                try:
-                    parse_channel_key(rest)  # the same layout in either bucket
-                except DecodeError:  # another layout: Dynamo 1.2's `ns/component/topic/id`
-                    refuse(f"{bucket}/{name}/{rest}", version, "bad_channel_key", f"{name}: key {rest!r:.80}")
+                if not _key_layout_ok(bucket, rest):
+                    cause = "bad_card_key" if bucket == CARDS_BUCKET else "bad_channel_key"
+                    refuse(f"{bucket}/{name}/{rest}", version, cause, f"{name}: key {rest!r:.80}")
                     continue
                 if not key.startswith(prefix):
                     continue

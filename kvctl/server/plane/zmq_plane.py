@@ -38,6 +38,7 @@ from kvctl.core.events.discovery import (
     unreachable,
 )
 from kvctl.core.events.errors import DecodeError, ErrorKind
+from kvctl.core.events.model_card import cards_prefix
 from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, TOPICS
 from kvctl.core.events.publishers import MAX_PUBLISHERS
 from kvctl.core.events.request_plane import namespace_sources_prefix
@@ -52,6 +53,7 @@ from kvctl.server.ingest.streams import TOO_LARGE_FIX, ModelWriter, Streams
 from kvctl.server.plane.discovery_limits import FIXES
 from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, open_discovery
 from kvctl.server.plane.ingest import PlaneIngest
+from kvctl.server.plane.model_cards import CardBook
 from kvctl.server.plane.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
 from kvctl.server.plane.recovery_answers import RECOVERY_MAX_BYTES, AnswerListener
 from kvctl.server.plane.replica_sync import PeerLimits
@@ -173,6 +175,7 @@ class ZmqPlane(PlaneTasks):
         self.reconnects = 0  # sockets that connected again after losing their publisher
         self.links: dict[str, _Link] = {}
         self.seen: Counter[str] = Counter()  # channels of the namespace by scope and topic: publishers listed
+        self.cards = CardBook(options.component, options.endpoint)
         self.record_errors: Counter[str] = Counter()  # records that do not parse, by kind
         self.listings = 0
         self.listed_at: float | None = None
@@ -256,6 +259,8 @@ class ZmqPlane(PlaneTasks):
         added = await self._follow(records)
         sources = await self.discovery.list(namespace_sources_prefix(self.options.namespace))
         self.recovery.follow(sources)  # after the sockets: what the recovery misses, they hold
+        self.cards.read(await self.discovery.list(cards_prefix(self.options.namespace)))
+        self.cards.apply(self.fleet)
         if self.channels is not None:
             await self._share()
         if not self._started.is_set():
@@ -537,4 +542,5 @@ class ZmqPlane(PlaneTasks):
                           "expired": self.discovery.expired, "max_channels": self.max_channels},
             "connections": [link.row(now) for _, link in sorted(self.links.items())],
             "recovery": self.recovery.status(),
+            "model_cards": self.cards.status(),
         }

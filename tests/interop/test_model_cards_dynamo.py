@@ -1,0 +1,72 @@
+"""The model cards of a Dynamo 1.6.1 disaggregated fleet, read by `kvctl serve --dynamo-discovery` (issue 38):
+two prefill and two decode mockers at 32-token blocks, Dynamo's frontend, and two kvctl routers on the fleet's
+file discovery, one at the cards' block size and one at kvctl's default 16. Each worker's role comes from its
+card; the decode workers, which publish no KV events by design, are not called silent; and the router at 16 is
+told, CRITICAL, what block size the fleet uses, where it said OK before."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.doctor.rig import doctor, findings
+from tests.interop.fleet import Fleet, shared_prefix_load, start_fleet, wait_until
+
+AT_32, AT_16 = "cards32", "cards16"
+
+
+@pytest.fixture(scope="module")
+def disaggregated(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    workdir = tmp_path_factory.mktemp("interop-cards")
+    plane = ["--dynamo-discovery", f"file:{workdir / 'discovery'}", "--namespace", "dynamo"]
+    started = start_fleet(workdir, dynamo, modes=["prefill", "prefill", "decode", "decode"], indexer=False,
+                          kvctl=False, block_size=32, routers={AT_32: plane, AT_16: [*plane, "--block-size", "16"]})
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def _workers(url: str) -> dict[int, dict[str, Any]]:
+    return {w["worker_id"]: w for w in httpx.get(f"{url}/v1/workers", timeout=10).json()["workers"]}
+
+
+def _cards(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/v1/status", timeout=10).json()["event_plane"]["model_cards"]
+
+
+def test_roles_come_from_the_cards_and_decode_workers_are_silent_by_design(disaggregated: Fleet) -> None:
+    url = disaggregated.routers[AT_32].url
+    assert shared_prefix_load(disaggregated.frontend_url, requests=16).failed == []
+    prefill = {m.worker_id for m in disaggregated.mockers[:2]}
+    decode = {m.worker_id for m in disaggregated.mockers[2:]}
+    def with_roles() -> dict[int, dict[str, Any]] | None:
+        rows = _workers(url)
+        return rows if {w for w, row in rows.items() if row["role"]} >= prefill | decode else None
+
+    rows = wait_until(with_roles, "every worker's role from its card", timeout=30, procs=disaggregated.procs)
+    assert {w: rows[w]["role"] for w in prefill | decode} == {**dict.fromkeys(prefill, "prefill"),
+                                                              **dict.fromkeys(decode, "decode")}
+    assert all(rows[w]["publishes_kv_events"] is False for w in decode)
+    assert all(rows[w]["total_blocks"] == 128 for w in prefill | decode)  # the mockers' --num-gpu-blocks-override
+    assert _cards(url)["models"] == {"tiny": {"block_sizes": [32], "roles": {"prefill": 2, "decode": 2},
+                                              "workers": 4, "silent_by_design": 2}}
+    _, report = doctor(url, "--silent-after", "3600")
+    by_design = next(f for f in findings(report, "silent") if "silent by design" in f["cause"])
+    assert by_design["severity"] == "OK" and set(by_design["evidence"]["workers"]) == {f"{w}:0" for w in decode}
+    [block_size] = findings(report, "block_size")
+    assert block_size["severity"] == "OK" and "model 'tiny'" in block_size["cause"], block_size
+
+
+def test_a_router_at_another_block_size_than_the_cards_is_critical(disaggregated: Fleet) -> None:
+    url = disaggregated.routers[AT_16].url
+    wait_until(lambda: _cards(url)["cards"] == 4 and _workers(url) or None, "the cards read and workers known",
+               timeout=30, procs=disaggregated.procs)
+    code, report = doctor(url)
+    [block_size] = findings(report, "block_size")
+    assert code == 2 and block_size["severity"] == "CRITICAL", block_size
+    assert block_size["next_step"] == "restart kvctl serve with --block-size 32"

@@ -1,0 +1,116 @@
+"""The model cards a `--dynamo-discovery` plane reads (issue 38): each worker's role, event publishing and KV
+capacity onto the fleet; what the cards name in status; and doctor setting the cards' block size against the
+router's. Real records: the captured 1.6.1 store's cards, rewritten field by field where a test needs another."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvctl.core.doctor import Limits, Severity, check_silent
+from kvctl.core.events.discovery import decode_file_name, encode_file_name
+from kvctl.server.plane.model_cards import CardBook
+from kvctl.server.state import Fleet, WorkerInfo
+from tests.doctor.rig import doctor, findings
+from tests.fixtures_path import FIXTURES
+from tests.server.test_serve_process import serving
+from tests.support import eventually
+
+CARDS = FIXTURES / "dynamo-1.6.1-fleet" / "zmq-plane" / "file-discovery" / "v1" / "mdc"
+
+
+def captured() -> dict[str, bytes]:
+    return {"v1/mdc/" + decode_file_name(p.name): p.read_bytes() for p in sorted(CARDS.iterdir())}
+
+
+def rewritten(value: bytes, *, component: str | None = None, instance_id: int | None = None,
+              **card: Any) -> dict[str, Any]:
+    record = json.loads(value)
+    record["card_json"].update(card)
+    if component is not None:
+        record["component"] = component
+    if instance_id is not None:
+        record["instance_id"] = instance_id
+    return record
+
+
+def test_the_cards_of_the_scope_are_read_and_the_rest_counted() -> None:
+    records = captured()
+    prefill = rewritten(next(iter(records.values())), component="prefill", instance_id=1)
+    records["v1/mdc/dynamo/prefill/generate/1"] = json.dumps(prefill).encode()
+    records["v1/mdc/dynamo/backend/generate/2"] = b'{"type": "Model"}'
+    book = CardBook("backend", None)
+    book.read(records)
+    assert book.status() == {"cards": 2, "errors": {"missing_field": 1}, "over_cap": 0, "models": {"tiny": {
+        "block_sizes": [16], "roles": {"aggregated": 2}, "workers": 2, "silent_by_design": 0}}}
+    everything = CardBook(None, None)
+    everything.read(records)
+    assert everything.status()["cards"] == 3
+
+
+def test_a_card_gives_its_worker_a_role_and_a_capacity_unless_one_was_set() -> None:
+    records = captured()
+    (key, value), (other_key, other) = records.items()
+    records[key] = json.dumps(rewritten(value, worker_type="decode", runtime_config={
+        **json.loads(value)["card_json"]["runtime_config"], "kv_event_publishing_enabled": False})).encode()
+    decode, agg = (json.loads(records[k])["instance_id"] for k in (key, other_key))
+    fleet = Fleet()
+    fleet.register(WorkerInfo(decode, 0, "default"))
+    fleet.register(WorkerInfo(agg, 0, "default", total_blocks=40))
+    book = CardBook(None, None)
+    book.read(records)
+    book.apply(fleet)
+    one, two = fleet.workers[(decode, 0)], fleet.workers[(agg, 0)]
+    assert (one.role, one.publishes_kv_events, one.total_blocks) == ("decode", False, 96)
+    assert (two.role, two.publishes_kv_events, two.total_blocks) == ("aggregated", True, 40)
+
+
+def test_doctor_keeps_decode_workers_that_publish_nothing_out_of_silent() -> None:
+    rows = [{"worker_id": 1, "dp_rank": 0, "model": "default", "last_event_age_s": None, "routes": 0,
+             "publishes_kv_events": False},
+            {"worker_id": 2, "dp_rank": 0, "model": "default", "last_event_age_s": 1.0, "routes": 3,
+             "publishes_kv_events": True}]
+    by_design, rest = check_silent({"models": {}, "streams": []}, rows, Limits())
+    assert by_design.severity is Severity.OK and by_design.evidence["workers"] == ["1:0"]
+    assert by_design.cause.startswith("1 of 2 workers publish no KV events by their model cards")
+    assert rest.severity is Severity.OK and rest.cause.startswith("the other 1 worker sent events")
+
+
+def _store(root: Path, records: dict[str, bytes]) -> Path:
+    for key, value in records.items():
+        path = root / "v1" / "mdc" / encode_file_name(key.removeprefix("v1/mdc/"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(value)
+    return root
+
+
+def _block_size_finding(client: httpx.Client) -> dict[str, Any]:
+    """Doctor's block_size finding once the plane has read the cards, with the cards' workers registered (a
+    router without workers gets no further than saying so)."""
+    for value in captured().values():
+        client.post("/v1/workers", json={"worker_id": json.loads(value)["instance_id"]}).raise_for_status()
+    url = str(client.base_url).rstrip("/")
+    report = eventually(lambda: doctor(url)[1], "doctor to read the cards",
+                        until=lambda r: any("card" in f["cause"] for f in findings(r, "block_size")))
+    [finding] = findings(report, "block_size")
+    return finding
+
+
+def test_doctor_sets_the_cards_block_size_against_the_routers(tmp_path: Path) -> None:
+    """An SGLang-style fleet at page size 32 followed at kvctl's default 16: the index fills, every overlap is 0,
+    and doctor said OK (issue 38)."""
+    store = _store(tmp_path / "discovery", {k: json.dumps(rewritten(v, kv_cache_block_size=32)).encode()
+                                            for k, v in captured().items()})
+    with serving(tmp_path / "router", "--no-restore", "--dynamo-discovery", f"file:{store}") as (_, client):
+        finding = _block_size_finding(client)
+    assert finding["severity"] == "CRITICAL" and "model 'tiny' 32-token blocks" in finding["cause"]
+    assert finding["next_step"] == "restart kvctl serve with --block-size 32"
+    assert finding["evidence"]["router_block_size"] == 16 and finding["evidence"]["indexed_as"] == "default"
+    with serving(tmp_path / "router", "--no-restore", "--dynamo-discovery", f"file:{store}", "--block-size", "32"
+                 ) as (_, client):
+        finding = _block_size_finding(client)
+    assert finding["severity"] == "OK" and finding["cause"] == ("block size 32 matches the fleet's model cards "
+                                                                "(model 'tiny', indexed as 'default')")
