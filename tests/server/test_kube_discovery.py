@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from kvctl.core.events.discovery import CHANNELS_BUCKET, encode_file_name, namespace_prefix, parse_event_channel
+from kvctl.core.events.model_card import CARDS_BUCKET, cards_prefix, parse_model_card
 from kvctl.errors import DiscoveryError
 from kvctl.server.plane.dynamo_discovery import FileDiscovery, open_discovery
 from kvctl.server.plane.kube_discovery import KubernetesDiscovery
@@ -112,6 +113,21 @@ async def test_a_record_goes_with_its_document(api: KubeApi) -> None:
         assert await store.list(namespace_prefix("dynamo2")) == {}
     finally:
         await store.close()
+
+
+async def test_the_model_cards_are_listed_as_file_and_etcd_discovery_key_them(api: KubeApi) -> None:
+    items = recorded_list()["items"]
+    for item in items:
+        api.set(item)
+    store = open_discovery("kubernetes:dynamo-test")
+    try:
+        cards = await store.list(cards_prefix("dynamo"))
+    finally:
+        await store.close()
+    assert set(cards) == {f"{CARDS_BUCKET}/{k}" for item in items for k in item["spec"]["data"]["model_cards"]}
+    parsed = [parse_model_card(value) for value in cards.values()]
+    assert len(parsed) == 2 and {c.model for c in parsed} == {"tiny"}
+    assert all(key.endswith(f"/{c.instance_id:x}") for key, c in zip(cards, parsed, strict=True))
 
 
 async def test_documents_of_another_shape_are_counted_once_and_the_rest_listed(api: KubeApi) -> None:
