@@ -108,6 +108,7 @@ class KvctlGroup(TyperGroup):
             scrub_process_argv()
         fail = _Failure(check_of(argv))
         try:
+            argv = _dynamo_flags_translated(argv)
             rv = super().main(argv, prog_name or "kvctl", complete_var, standalone_mode=False,
                               windows_expand_args=windows_expand_args, **extra)
         except typer.BadParameter as exc:
@@ -167,6 +168,16 @@ def hoist_global_options(group: TyperGroup, argv: list[str]) -> list[str]:
         into += argv[i:i + 2] if takes_value else [token]
         i += 2 if takes_value else 1
     return argv[:at] + hoisted + kept[at:]
+
+
+def _dynamo_flags_translated(argv: list[str]) -> list[str]:
+    """`kvctl serve` takes a Dynamo frontend's router flags (`commands/_dynamo_flags.py`)."""
+    at = _command_start(argv)
+    if at is None or argv[at] != "serve":
+        return argv
+    from kvctl.commands._dynamo_flags import translate
+
+    return argv[:at + 1] + translate(argv[at + 1:])
 
 
 def _command_start(argv: list[str]) -> int | None:
