@@ -16,8 +16,10 @@ if TYPE_CHECKING:
 def zmq_options(discovery: str, namespace: str, component: str | None, endpoint: str | None, model: str,
                  router_id: int | None, state_dir: Path, replica_sync: bool, shadow: bool, jetstream: bool,
                  advertise_host: str | None, recovery_timeout: float, recovery_max_bytes: int,
-                 listen_host: str, peers: PeerLimits, max_channels: int | None) -> ZmqOptions:
-    """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
+                 listen_host: str, peers: PeerLimits, max_channels: int | None, *,
+                 adopt_block_size: bool = False) -> ZmqOptions:
+    """`--dynamo-discovery`'s plane; --jetstream is NATS's alone. `adopt_block_size`: no block size was given
+    for the plane's model, so the fleet's model cards give it."""
     from kvctl.errors import DiscoveryError
     from kvctl.server.plane.dynamo_discovery import open_discovery
     from kvctl.server.plane.zmq_plane import ZmqOptions
@@ -38,6 +40,7 @@ def zmq_options(discovery: str, namespace: str, component: str | None, endpoint:
                       router_id=router_id_of(router_id, state_dir), replica_sync=replica_sync, shadow=shadow,
                       advertise_host=advertise_host, recovery_timeout_s=recovery_timeout,
                       recovery_max_bytes=recovery_max_bytes, listen_host=listen_host, peer_limits=peers,
+                      adopt_block_size=adopt_block_size,
                       max_channels=max_channels)
 
 

@@ -19,7 +19,7 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._serve_planes import peer_limits, router_id_of, zmq_options
-from kvctl.core.names import DEFAULT_MODEL, parse_worker
+from kvctl.core.names import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, parse_worker
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.nats.connection import PENDING_BYTES, PENDING_MSGS
@@ -203,8 +203,10 @@ def serve_command(
     ctx: typer.Context,
     listen: Annotated[str, typer.Option("--listen", envvar="KVCTL_LISTEN", help="HOST:PORT to bind (port 0: any).")]
     = "127.0.0.1:7433",
-    block_size: Annotated[int, typer.Option("--block-size", "-b", envvar="KVCTL_BLOCK_SIZE",
-                                            help="Tokens per KV block.")] = 16,
+    block_size: Annotated[int | None, typer.Option(
+        "--block-size", "-b", envvar="KVCTL_BLOCK_SIZE", show_default=False,
+        help="Tokens per KV block. Default: 16; with --dynamo-discovery, the block size the fleet's model cards "
+             "give (kv_cache_block_size), as Dynamo's router takes it.")] = None,
     config: Annotated[Path | None, typer.Option("--config", "-c", envvar="KVCTL_SERVE_CONFIG", show_default=False,
                                                 help="TOML file declaring models and workers (format: see "
                                                      "docs/configuration.md; kvctl mock --config-out writes "
@@ -448,7 +450,7 @@ def serve_command(
     host, port = parse_listen(listen)
     if admin_token_file is not None:
         admin_token = _token_from(admin_token_file, admin_token)
-    if block_size <= 0:
+    if block_size is not None and block_size <= 0:
         raise UsageError(f"--block-size must be positive, got {block_size}")
     if not is_loopback(host) and not admin_token and not insecure:
         raise UsageError(f"refusing to serve on {host} without --admin-token",
@@ -520,7 +522,8 @@ def serve_command(
     elif dynamo_discovery is not None:
         zmq_plane = zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
                                  replica_sync, shadow, jetstream, advertise_host, recovery_timeout,
-                                 recovery_max_bytes, host, peers, max_channels)
+                                 recovery_max_bytes, host, peers, max_channels, adopt_block_size=block_size is None
+                                 and not any(m.name == nats_model and m.block_size for m in models))
     elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
                          "an event plane: --nats URL or --dynamo-discovery STORE")
@@ -535,7 +538,8 @@ def serve_command(
     from kvctl.server.daemon import ServeOptions, run
     from kvctl.server.state import RouteLimits
 
-    options = ServeOptions(host=host, port=port, block_size=block_size, admin_token=admin_token, insecure=insecure,
+    options = ServeOptions(host=host, port=port, block_size=block_size or DEFAULT_BLOCK_SIZE,
+                           admin_token=admin_token, insecure=insecure,
                            engines=engines, log_level=log_level, state_dir=state_dir,
                            snapshot_interval_s=snapshot_interval, compact_log_bytes=compact_log_bytes,
                            state_log_backlog=state_log_backlog,

@@ -25,6 +25,9 @@ WorkerSelector: TypeAlias = tuple[int, int | None]
 DEFAULT_MODEL = "default"
 """The model of a request, event or worker that names none: what a single-model router serves."""
 
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV block of a model given none (vLLM's default on GPU, and kvctl's since its start)."""
+
 
 
 def implied_model(workers_by_model: Mapping[str, int]) -> tuple[str, str | None]:

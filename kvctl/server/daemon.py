@@ -32,6 +32,7 @@ import uvicorn
 import zmq
 import zmq.asyncio
 
+from kvctl.core.names import DEFAULT_BLOCK_SIZE
 from kvctl.core.router.approx import ApproxConfig
 from kvctl.core.router.busy import Thresholds
 from kvctl.core.router.scoring import RouterConfig
@@ -140,7 +141,7 @@ class ServeOptions:
 
     host: str = "127.0.0.1"
     port: int = 7433
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     admin_token: str | None = None
     insecure: bool = False
     engines: list[WorkerInfo] = field(default_factory=list)  # --worker flags and the config file's workers

@@ -17,7 +17,7 @@ from kvctl import http_api as api
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
 from kvctl.core.events.plane import FREE, PREFILL_COMPLETED, ActiveLoad, ForwardPass
 from kvctl.core.index import Status
-from kvctl.core.names import DEFAULT_MODEL, SeqMark, StreamId, WorkerKey, format_worker, selects
+from kvctl.core.names import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, SeqMark, StreamId, WorkerKey, format_worker, selects
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
 from kvctl.core.router.busy import (
     AllBusy,
@@ -143,8 +143,8 @@ class ModelState:
 
 
 class Fleet:
-    def __init__(self, *, block_size: int = 16, config: RouterConfig | None = None, seed: int | None = None,
-                 thresholds: Thresholds | None = None, approx: ApproxConfig | None = None,
+    def __init__(self, *, block_size: int = DEFAULT_BLOCK_SIZE, config: RouterConfig | None = None,
+                 seed: int | None = None, thresholds: Thresholds | None = None, approx: ApproxConfig | None = None,
                  request_expiry_s: float = EXPIRY_S, limits: RouteLimits | None = None) -> None:
         """`approx`: approximate mode (no KV events): every model indexes its own routing decisions."""
         self.limits = limits or RouteLimits()

@@ -494,12 +494,13 @@ class Fleet:
         wait_until(lambda: httpx.get(f"{self.indexer_url}/dump", timeout=5).status_code == 200,
                    "the indexer answering GET /dump", timeout=START_S, procs=[self.indexer])
 
-    def start_router(self, name: str, *args: str | int | Path) -> Router:
+    def start_router(self, name: str, *args: str | int | Path, block_size: bool = True) -> Router:
         """`kvctl serve` (the project's own, from this venv) with `args` (say `--nats URL`), state in the fleet's
-        workdir, log in `{name}.log`; stopped with the fleet."""
+        workdir, log in `{name}.log`; stopped with the fleet. `block_size`: pass the fleet's (else none: with
+        `--dynamo-discovery`, the router takes the model cards')."""
         argv = [sys.executable, "-m", "kvctl", "serve", "--listen", "127.0.0.1:0", "--state-dir",
                 self.workdir / f"{name}-state", "--reset-states", "--log-level", "info",
-                "--block-size", self.block_size, *args]
+                *(["--block-size", self.block_size] if block_size else []), *args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
         router = Router(Proc(name, argv, self.workdir / f"{name}.log", {**env, "PYTHONUNBUFFERED": "1"},
                              pipe_stdout=True))

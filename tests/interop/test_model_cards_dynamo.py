@@ -1,8 +1,8 @@
 """The model cards of a Dynamo 1.6.1 disaggregated fleet, read by `kvctl serve --dynamo-discovery` (issue 38):
 two prefill and two decode mockers at 32-token blocks, Dynamo's frontend, and two kvctl routers on the fleet's
-file discovery, one at the cards' block size and one at kvctl's default 16. Each worker's role comes from its
-card; the decode workers, which publish no KV events by design, are not called silent; and the router at 16 is
-told, CRITICAL, what block size the fleet uses, where it said OK before."""
+file discovery, one given no block size and one given 16. Each worker's role comes from its card; the decode
+workers, which publish no KV events by design, are not called silent; the router given no block size takes the
+cards' 32, and the one at 16 is told, CRITICAL, what block size the fleet uses, where it said OK before."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from tests.doctor.rig import doctor, findings
 from tests.interop.fleet import Fleet, shared_prefix_load, start_fleet, wait_until
 
-AT_32, AT_16 = "cards32", "cards16"
+ADOPTING, AT_16 = "cards", "cards16"
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,9 @@ def disaggregated(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     workdir = tmp_path_factory.mktemp("interop-cards")
     plane = ["--dynamo-discovery", f"file:{workdir / 'discovery'}", "--namespace", "dynamo"]
     started = start_fleet(workdir, dynamo, modes=["prefill", "prefill", "decode", "decode"], indexer=False,
-                          kvctl=False, block_size=32, routers={AT_32: plane, AT_16: [*plane, "--block-size", "16"]})
+                          kvctl=False, block_size=32, routers={AT_16: [*plane, "--block-size", "16"]})
     try:
+        started.await_router(started.start_router(ADOPTING, *plane, block_size=False))
         yield started
     finally:
         started.stop()
@@ -39,8 +40,9 @@ def _cards(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/v1/status", timeout=10).json()["event_plane"]["model_cards"]
 
 
-def test_roles_come_from_the_cards_and_decode_workers_are_silent_by_design(disaggregated: Fleet) -> None:
-    url = disaggregated.routers[AT_32].url
+def test_roles_and_the_block_size_come_from_the_cards_and_decode_workers_are_silent_by_design(
+        disaggregated: Fleet) -> None:
+    url = disaggregated.routers[ADOPTING].url
     assert shared_prefix_load(disaggregated.frontend_url, requests=16).failed == []
     prefill = {m.worker_id for m in disaggregated.mockers[:2]}
     decode = {m.worker_id for m in disaggregated.mockers[2:]}
@@ -60,6 +62,8 @@ def test_roles_come_from_the_cards_and_decode_workers_are_silent_by_design(disag
     assert by_design["severity"] == "OK" and set(by_design["evidence"]["workers"]) == {f"{w}:0" for w in decode}
     [block_size] = findings(report, "block_size")
     assert block_size["severity"] == "OK" and "model 'tiny'" in block_size["cause"], block_size
+    stats = httpx.get(f"{url}/v1/tree/stats", timeout=10).json()["models"]["default"]
+    assert stats["block_size"] == 32 and sum(stats["workers"].values()) > 0  # the cards' size, and it indexes
 
 
 def test_a_router_at_another_block_size_than_the_cards_is_critical(disaggregated: Fleet) -> None:

@@ -99,18 +99,20 @@ def _block_size_finding(client: httpx.Client) -> dict[str, Any]:
     return finding
 
 
-def test_doctor_sets_the_cards_block_size_against_the_routers(tmp_path: Path) -> None:
-    """An SGLang-style fleet at page size 32 followed at kvctl's default 16: the index fills, every overlap is 0,
-    and doctor said OK (issue 38)."""
+def test_a_block_size_given_against_the_cards_is_critical_and_none_given_takes_theirs(tmp_path: Path) -> None:
+    """An SGLang-style fleet at page size 32 followed at kvctl's default 16: the index filled, every overlap was 0,
+    and doctor said OK (issue 38). Given no --block-size, the router now takes the cards'; given one that
+    differs, doctor names the block size to pass."""
     store = _store(tmp_path / "discovery", {k: json.dumps(rewritten(v, kv_cache_block_size=32)).encode()
                                             for k, v in captured().items()})
-    with serving(tmp_path / "router", "--no-restore", "--dynamo-discovery", f"file:{store}") as (_, client):
+    plane = ["--no-restore", "--dynamo-discovery", f"file:{store}"]
+    with serving(tmp_path / "router", *plane, "--block-size", "16") as (_, client):
         finding = _block_size_finding(client)
     assert finding["severity"] == "CRITICAL" and "model 'tiny' 32-token blocks" in finding["cause"]
     assert finding["next_step"] == "restart kvctl serve with --block-size 32"
     assert finding["evidence"]["router_block_size"] == 16 and finding["evidence"]["indexed_as"] == "default"
-    with serving(tmp_path / "router", "--no-restore", "--dynamo-discovery", f"file:{store}", "--block-size", "32"
-                 ) as (_, client):
+    with serving(tmp_path / "router", *plane) as (_, client):
         finding = _block_size_finding(client)
-    assert finding["severity"] == "OK" and finding["cause"] == ("block size 32 matches the fleet's model cards "
-                                                                "(model 'tiny', indexed as 'default')")
+        block_size = client.get("/v1/tree/stats").json()["models"]["default"]["block_size"]
+    assert block_size == 32 and finding["severity"] == "OK"
+    assert finding["cause"] == "block size 32 matches the fleet's model cards (model 'tiny', indexed as 'default')"

@@ -4,6 +4,7 @@ name, so that doctor can set them against what this router indexes (Dynamo's rou
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.model_card import ModelCard, parse_model_card
 from kvctl.server.state import Fleet
+
+log = logging.getLogger("kvctl.serve")
 
 MAX_CARDS = 65_536
 """Cards kept at most: one per worker instance, so a fleet far past any real one; the rest are counted."""
@@ -46,8 +49,17 @@ class CardBook:
             cards[card.instance_id] = card
         self.cards, self.errors, self.over_cap = cards, errors, over
 
-    def apply(self, fleet: Fleet) -> None:
-        """Each known worker's role, event publishing and (unless set otherwise) KV capacity, from its card."""
+    def apply(self, fleet: Fleet, adopting: str | None = None) -> None:
+        """Each known worker's role, event publishing and (unless set otherwise) KV capacity, from its card; and
+        `adopting`'s block size, when the cards agree on one (no block size was given for that model)."""
+        sizes = {card.block_size for card in self.cards.values() if card.block_size is not None}
+        if adopting is not None and len(sizes) == 1:
+            (size,) = sizes
+            router = fleet.add_model(adopting).router
+            if router.block_size != size:
+                log.info("event plane: model %r hashes %d-token blocks, the fleet's model cards' (kv_cache_block_size)",
+                         adopting, size)
+                router.block_size = size
         for card in self.cards.values():
             for rank in card.ranks:
                 info = fleet.workers.get((card.instance_id, rank))

@@ -102,6 +102,7 @@ class ZmqOptions:
     recovery_max_bytes: int = RECOVERY_MAX_BYTES  # one recovery answer's bytes
     max_channels: int | None = None  # channels followed at most (None: as the file limit allows, as --max-engines)
     http_listen: tuple[str, int] | None = None  # this router's HTTP address: a record naming it is skipped
+    adopt_block_size: bool = False  # no block size given for `model`: the model cards' is taken
 
     @property
     def url(self) -> str:
@@ -260,7 +261,7 @@ class ZmqPlane(PlaneTasks):
         sources = await self.discovery.list(namespace_sources_prefix(self.options.namespace))
         self.recovery.follow(sources)  # after the sockets: what the recovery misses, they hold
         self.cards.read(await self.discovery.list(cards_prefix(self.options.namespace)))
-        self.cards.apply(self.fleet)
+        self.cards.apply(self.fleet, self.options.model if self.options.adopt_block_size else None)
         if self.channels is not None:
             await self._share()
         if not self._started.is_set():
