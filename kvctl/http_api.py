@@ -158,7 +158,7 @@ class Candidate(Struct):
 
 class Decision(Struct):
     """Where a request should go, and why (`reason`: only_candidate, lowest_logit, tie_random or sampled);
-    `candidates` when it was asked to explain."""
+    `candidates` when it was asked to explain; `caveats` when kvctl knows its pick may not be Dynamo's."""
 
     worker_id: int
     dp_rank: int
@@ -167,6 +167,7 @@ class Decision(Struct):
     request_id: str | None
     reason: str
     candidates: list[Candidate] | UnsetType = UNSET
+    caveats: list[str] | UnsetType = UNSET  # why this pick may not be the one Dynamo's router makes
 
 
 class PrefillCompleted(Struct):

@@ -135,6 +135,8 @@ def route_command(
         elif dry_run:
             out.note("dry run: nothing was reserved")
         answer = client.send(call)
+    for caveat in answer.caveats or ():  # on stderr, whatever the format: a pick that may not be Dynamo's
+        out.warn(caveat)
     shown = {**msgspec.to_builtins(answer), "dry_run": True} if dry_run else answer
     explained = explain and out.format is not OutputFormat.name  # -o name prints the chosen worker only
     out.emit(shown, _explained_view(answer) if explained else _DECISION_VIEW)

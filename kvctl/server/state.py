@@ -165,6 +165,9 @@ class Fleet:
         self.reported: dict[WorkerKey, tuple[ActiveLoad, float]] = {}  # load reports from the event plane
         self.forward_passes: dict[WorkerKey, tuple[ForwardPass, float]] = {}  # the last one of each worker
         self.sequence_listener: SequenceListener | None = None  # told of local add / prefill / free
+        # Per model, its workers' roles by their model cards, once it has both prefill and decode workers: a
+        # disaggregated fleet, which Dynamo routes as two pools and kvctl, for now, as one (issue 38).
+        self.disaggregated: dict[str, Counter[str]] = {}
         # told of each worker a reset cleared or an unregister removed: it holds nothing from before now
         self.clear_listeners: list[Callable[[WorkerKey], None]] = []
         self.last_route_at = float("-inf")  # housekeeping that can wait does so while routes come in

@@ -62,6 +62,11 @@ def test_roles_and_the_block_size_come_from_the_cards_and_decode_workers_are_sil
     assert by_design["severity"] == "OK" and set(by_design["evidence"]["workers"]) == {f"{w}:0" for w in decode}
     [block_size] = findings(report, "block_size")
     assert block_size["severity"] == "OK" and "model 'tiny'" in block_size["cause"], block_size
+    [workers] = findings(report, "workers")
+    assert "disaggregated fleet: by their model cards this model has 2 prefill workers and 2 decode workers" \
+        in workers["cause"]
+    route = httpx.post(f"{url}/v1/route", json={"token_ids": list(range(64))}, timeout=10).json()
+    assert route["caveats"][0].startswith("disaggregated fleet")  # the pick is not Dynamo's, and says so
     stats = httpx.get(f"{url}/v1/tree/stats", timeout=10).json()["models"]["default"]
     assert stats["block_size"] == 32 and sum(stats["workers"].values()) > 0  # the cards' size, and it indexes
 

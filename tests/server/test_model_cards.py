@@ -12,6 +12,7 @@ import httpx
 
 from kvctl.core.doctor import Limits, Severity, check_silent
 from kvctl.core.events.discovery import decode_file_name, encode_file_name
+from kvctl.server.http.api import create_app
 from kvctl.server.plane.model_cards import CardBook
 from kvctl.server.state import Fleet, WorkerInfo
 from tests.doctor.rig import doctor, findings
@@ -66,6 +67,28 @@ def test_a_card_gives_its_worker_a_role_and_a_capacity_unless_one_was_set() -> N
     one, two = fleet.workers[(decode, 0)], fleet.workers[(agg, 0)]
     assert (one.role, one.publishes_kv_events, one.total_blocks) == ("decode", False, 96)
     assert (two.role, two.publishes_kv_events, two.total_blocks) == ("aggregated", True, 40)
+
+
+async def test_a_route_on_a_disaggregated_fleet_says_its_pick_is_not_dynamos() -> None:
+    records = captured()
+    (key, value), (other_key, other) = records.items()
+    records[key] = json.dumps(rewritten(value, worker_type="decode")).encode()
+    records[other_key] = json.dumps(rewritten(other, worker_type="prefill")).encode()
+    fleet = Fleet()
+    for record in records.values():
+        fleet.register(WorkerInfo(json.loads(record)["instance_id"], 0, "default"))
+    app = create_app(fleet)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        before = (await client.post("/v1/route", json={"token_ids": list(range(64))})).json()
+        book = CardBook(None, None)
+        book.read(records)
+        book.apply(fleet)
+        after = (await client.post("/v1/route", json={"token_ids": list(range(64))})).json()
+    assert "caveats" not in before
+    [caveat] = after["caveats"]
+    assert caveat.startswith("disaggregated fleet: by their model cards this model has 1 prefill worker and 1 "
+                             "decode worker; kvctl scores them as one pool, so its pick is not Dynamo's")
+    assert dict(fleet.disaggregated["default"]) == {"prefill": 1, "decode": 1}
 
 
 def test_doctor_keeps_decode_workers_that_publish_nothing_out_of_silent() -> None:

@@ -3,6 +3,7 @@ replica divergence and index health, and `diagnose`, which runs every check (the
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from kvctl.core.doctor.findings import (
     worst_first,
 )
 from kvctl.core.doctor.health import check_health
+from kvctl.core.events.model_card import disaggregated_caveat
 from kvctl.core.names import DEFAULT_MODEL
 from kvctl.core.router.busy import THRESHOLD_FIELDS, BusyTracker, Thresholds, WorkerLoad
 from kvctl.core.words import counted
@@ -41,8 +43,15 @@ def check_registration(status: Mapping[str, Any], workers: Sequence[Mapping[str,
         return [Finding("workers", Severity.WARNING, f"model {empty[0]!r} has no workers: its routes are refused",
                         {"models_without_workers": empty, "workers_by_model": by_model},
                         f"kvctl workers; register workers for {empty[0]!r} (POST /v1/workers with model_name)")]
-    return [Finding("workers", Severity.OK, f"{counted(len(workers), 'worker')} registered",
-                    {"workers_by_model": by_model})]
+    roles: dict[str, Counter[str]] = {}
+    for row in workers:
+        if row.get("role"):
+            roles.setdefault(row["model"], Counter())[row["role"]] += 1
+    split = {model: counts for model, counts in roles.items() if counts["prefill"] and counts["decode"]}
+    caveat = "".join(f"; model {model!r}: {disaggregated_caveat(counts)}" for model, counts in split.items())
+    return [Finding("workers", Severity.OK, f"{counted(len(workers), 'worker')} registered{caveat}",
+                    {"workers_by_model": by_model, **({"disaggregated": {m: dict(c) for m, c in split.items()}}
+                                                      if split else {})})]
 
 
 # ----- 4. block size -----------------------------------------------------------------------------------------

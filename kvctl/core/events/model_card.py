@@ -10,10 +10,12 @@ aggregated, prefill or decode) and its data-parallel ranks. Parsing only: the li
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvctl.core.events.errors import DecodeError, ErrorKind, as_map, as_text, describe, parse_json, require
+from kvctl.core.words import counted
 
 CARDS_BUCKET = "v1/mdc"
 ROLES = ("aggregated", "prefill", "decode")
@@ -50,6 +52,16 @@ class ModelCard:
     @property
     def ranks(self) -> range:
         return range(self.dp_start, self.dp_start + self.dp_size)
+
+
+def disaggregated_caveat(roles: Mapping[str, int]) -> str:
+    """What a route answer and doctor say of a model whose cards give it prefill and decode workers: kvctl scores
+    them as one aggregated pool, where Dynamo makes two picks (issue 38)."""
+    prefill, decode = counted(roles.get("prefill", 0), "prefill worker"), counted(roles.get("decode", 0),
+                                                                                 "decode worker")
+    return (f"disaggregated fleet: by their model cards this model has {prefill} and {decode}; kvctl scores them "
+            "as one pool, so its pick is not Dynamo's (Dynamo picks a prefill worker without the decode term, then "
+            "a decode worker)")
 
 
 def parse_model_card(data: bytes | str) -> ModelCard:

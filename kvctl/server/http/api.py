@@ -31,6 +31,7 @@ from kvctl import __version__
 from kvctl import http_api as api
 from kvctl.core import native
 from kvctl.core.events import Tier
+from kvctl.core.events.model_card import disaggregated_caveat
 from kvctl.core.names import DEFAULT_MODEL, format_worker, parse_worker
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError, Thresholds
 from kvctl.core.router.scoring import CREDITED_TIERS, BadKnob, Candidate
@@ -175,6 +176,9 @@ class _Routing:
                            body.request_id, decision.reason.value)
         if body.explain:
             out.candidates = [_candidate(c) for c in decision.candidates]
+        roles = self.fleet.disaggregated.get(body.model or DEFAULT_MODEL) if self.fleet.disaggregated else None
+        if roles is not None:
+            out.caveats = [disaggregated_caveat(roles)]
         return 200, _dumps(out)
 
 

@@ -60,6 +60,7 @@ class CardBook:
                 log.info("event plane: model %r hashes %d-token blocks, the fleet's model cards' (kv_cache_block_size)",
                          adopting, size)
                 router.block_size = size
+        roles: dict[str, Counter[str]] = {}
         for card in self.cards.values():
             for rank in card.ranks:
                 info = fleet.workers.get((card.instance_id, rank))
@@ -68,6 +69,9 @@ class CardBook:
                 info.role, info.publishes_kv_events = card.role, card.publishes_kv_events
                 if info.total_blocks is None:
                     info.total_blocks = card.total_kv_blocks
+                roles.setdefault(info.model, Counter())[card.role] += 1
+        fleet.disaggregated = {model: counts for model, counts in roles.items()
+                               if counts["prefill"] and counts["decode"]}
 
     def status(self) -> dict[str, Any]:
         """What the cards say per model: block sizes, roles and workers; what could not be read."""
