@@ -91,6 +91,7 @@ def test_alert_thresholds_are_kvctl_doctors() -> None:
     """Written in the same terms as `kvctl doctor`: a page and a doctor run agree on what is wrong."""
     hit_rates = inspect.signature(check_hit_rates).parameters
     assert _threshold("KvctlOverlapAlwaysZero") == [hit_rates["zero"].default, hit_rates["high"].default]
+    assert _threshold("KvctlPredictedHitsNotReal") == [hit_rates["gap"].default]
     assert _threshold("KvctlReplicasDiverge") == [Limits().divergence_share]
     assert _threshold("KvctlIndexNearCap") == [Limits().near_cap]
 

@@ -116,15 +116,17 @@ def _cards_against_the_index(plane: Mapping[str, Any], models: Mapping[str, Any]
                     evidence)]
 
 
-def check_hit_rates(engines: Mapping[str, float], predicted: float | None, *,
-                    zero: float = 0.05, high: float = 0.3, predicted_by: str | None = None) -> list[Finding]:
+def check_hit_rates(engines: Mapping[str, float], predicted: float | None, *, zero: float = 0.05,
+                    high: float = 0.3, gap: float = 0.3, predicted_by: str | None = None) -> list[Finding]:
     """Engines' own prefix-cache hit rates against the router's predicted hit rate (both since start).
 
     An engine's hit rate is its prefix cache's (vLLM, SGLang, a Dynamo worker's gauge) or, for engines that
     export none (Dynamo's mocker), the share of prompt tokens they reported cached to a Dynamo frontend.
     `predicted_by` names the metric the prediction came from (kvctl's router, or Dynamo's).
     Engines that find their prefixes cached while the router predicts no overlap means the router's
-    blocks never match the engines' (block size, hash seed, LoRA or salt): it routes blind."""
+    blocks never match the engines' (block size, hash seed, LoRA or salt): it routes blind. Short of that, a
+    `gap` either way is still a router that does not see the caches it routes on (issue 38: "predicts 39 %,
+    engines hit 67 %" read OK)."""
     if not engines:
         return [Finding("hit_rate", Severity.UNKNOWN, "no engine prefix-cache hit rate in the metrics given",
                         {}, "kvctl tiers --metrics URL  (which families do the engines expose?)")]
@@ -141,6 +143,19 @@ def check_hit_rates(engines: Mapping[str, float], predicted: float | None, *,
             f"the router predicts {predicted:.0%} cache hits while engines hit {mean:.0%} of prompt tokens: "
             "router and engines disagree on blocks, so routing ignores the cache",
             evidence, "kvctl doctor's block_size and hashing findings; kvctl hash TOKENS vs the engine's hashes")]
+    who = f"the router ({predicted_by})" if predicted_by else "the router"
+    if mean - predicted > gap:
+        return [Finding(
+            "hit_rate", Severity.WARNING,
+            f"{who} predicts {predicted:.0%} cache hits, engines hit {mean:.0%}: the engines find cache the router "
+            "does not see (a host or disk tier they publish no events for, events lost, or requests routed by "
+            "another router)", evidence, "kvctl tiers --metrics URL; kvctl doctor's streams and event_plane findings")]
+    if predicted - mean > gap:
+        return [Finding(
+            "hit_rate", Severity.WARNING,
+            f"{who} predicts {predicted:.0%} cache hits, engines hit {mean:.0%}: the router holds blocks the engines "
+            "no longer have (evictions it missed: lost events, or a worker that restarted)", evidence,
+            "kvctl router status (lost batches, restarts); kvctl tree diff ROUTER dynamo+http://INDEXER")]
     return [Finding("hit_rate", Severity.OK,
                     f"router predicts {predicted:.0%} hits, engines hit {mean:.0%}", evidence)]
 
