@@ -504,6 +504,9 @@ def serve_command(
         raise UsageError(f"--router-id must be a u64, got {router_id}")
     peers = peer_limits(replica_peers, max_peer_reservations, max_peer_reserved_tokens, replica_sync)
     nats = zmq_plane = None
+    if approximate and jetstream:
+        raise UsageError("--approximate indexes the router's own routes: --jetstream (a stream of KV events) does "
+                         "not go with it", hint="drop one of them")
     if nats_url is not None:
         from kvctl.server.plane.nats_plane import NatsOptions
 

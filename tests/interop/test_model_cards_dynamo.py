@@ -16,7 +16,7 @@ import pytest
 from tests.doctor.rig import doctor, findings
 from tests.interop.fleet import Fleet, shared_prefix_load, start_fleet, wait_until
 
-ADOPTING, AT_16 = "cards", "cards16"
+ADOPTING, AT_16, APPROXIMATE = "cards", "cards16", "approximate"
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,8 @@ def disaggregated(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     workdir = tmp_path_factory.mktemp("interop-cards")
     plane = ["--dynamo-discovery", f"file:{workdir / 'discovery'}", "--namespace", "dynamo"]
     started = start_fleet(workdir, dynamo, modes=["prefill", "prefill", "decode", "decode"], indexer=False,
-                          kvctl=False, block_size=32, routers={AT_16: [*plane, "--block-size", "16"]})
+                          kvctl=False, block_size=32, routers={AT_16: [*plane, "--block-size", "16"],
+                                                               APPROXIMATE: [*plane, "--approximate"]})
     try:
         started.await_router(started.start_router(ADOPTING, *plane, block_size=False))
         yield started
@@ -79,3 +80,22 @@ def test_a_router_at_another_block_size_than_the_cards_is_critical(disaggregated
     [block_size] = findings(report, "block_size")
     assert code == 2 and block_size["severity"] == "CRITICAL", block_size
     assert block_size["next_step"] == "restart kvctl serve with --block-size 32"
+
+
+def test_an_approximate_router_on_the_plane_indexes_its_routes_not_the_fleets_events(disaggregated: Fleet) -> None:
+    """`--approximate` on a discovery fleet still applied the fleet's KV events while doctor said the router
+    indexes its own routes (issue 38). As Dynamo's --no-router-kv-events: counted, not applied."""
+    url = disaggregated.routers[APPROXIMATE].url
+    assert shared_prefix_load(disaggregated.frontend_url, requests=8, seed=11).failed == []
+
+    def ignored() -> int:
+        counts = httpx.get(f"{url}/v1/status", timeout=10).json()["event_plane"]["counts"]
+        return int(counts.get("core_kv_events_ignored", 0))
+
+    wait_until(lambda: ignored() > 0, "the fleet's KV events reaching the approximate router", timeout=30,
+               procs=disaggregated.procs)
+    stats = httpx.get(f"{url}/v1/tree/stats", timeout=10).json()["models"]["default"]
+    assert stats["blocks"] == 0  # nothing from the fleet's events: only its own routes would index blocks
+    _, report = doctor(url)
+    assert findings(report, "silent")[0]["cause"].startswith("approximate mode: the router indexes its own routes")
+

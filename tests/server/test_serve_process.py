@@ -110,6 +110,8 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--listen", "0.0.0.0:0"], "without --admin-token"),
     (["serve", "--listen", "7433"], "HOST:PORT"),
     (["serve", "--worker", "x=tcp://a:1"], "--worker: a worker is ID or ID:DP"),
+    (["serve", "--approximate", "--jetstream", "--nats", "nats://127.0.0.1:1"],
+     "--approximate indexes the router's own routes: --jetstream"),
     (["serve", "--worker", "1=tcp://127.0.0.1:1,bogus=2"], "unknown option 'bogus'"),
     (["serve", "--block-size", "0"], "--block-size must be positive"),
     (["serve", "--snapshot-interval", "0"], "--snapshot-interval must be > 0"),

@@ -118,15 +118,18 @@ class EventPlane(PlaneTasks):
         self.reconnects = 0
         self._logged_errors: set[str] = set()  # said in the log since the last good connection
         self._slices = Slices()  # the subscription's backlog is handed over without a wait
+        # KV events on the plane feed the index unless they come from the stream, or the router indexes its own
+        # routes (approximate mode, Dynamo's --no-router-kv-events): then they are counted, not applied.
+        kv_events = not options.jetstream and fleet.approx is None
         self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
-                                  replica_sync=options.replica_sync, kv_events=not options.jetstream,
+                                  replica_sync=options.replica_sync, kv_events=kv_events,
                                   peer_limits=options.peer_limits)
         self.counts = self.ingest.counts  # the plane's counters, connection's and ingest's alike
         self.errors = self.ingest.errors
         self.cursors = self.ingest.cursors
         self.losses = NatsLosses(fleet.health, self.ingest.publishers, self.scope, url=options.url,
                                  pending_msgs=options.pending_msgs, pending_bytes=options.pending_bytes,
-                                 kv_events=not options.jetstream)
+                                 kv_events=kv_events)
         self.ingest.watch = self.losses
         fleet.clear_listeners.append(self.losses.cleared)
         self.sub: Subscription | None = None  # the namespace's, once subscribed

@@ -165,7 +165,7 @@ class ZmqPlane(PlaneTasks):
         self.max_message_bytes = streams.max_message_bytes  # the engines' limit (--max-zmq-message-bytes)
         self.ingest = PlaneIngest(fleet, self.writer, model=options.model, router_id=options.router_id,
                                   replica_sync=options.replica_sync, peer_limits=options.peer_limits,
-                                  surface="zmq")
+                                  surface="zmq", kv_events=fleet.approx is None)  # approximate: counted only
         self.counts = self.ingest.counts
         listener = AnswerListener(fleet.health, listen_host=options.listen_host,
                                   advertise_host=options.advertise_host, max_bytes=options.recovery_max_bytes)
@@ -259,7 +259,8 @@ class ZmqPlane(PlaneTasks):
         self.listed_at = time.monotonic()
         added = await self._follow(records)
         sources = await self.discovery.list(namespace_sources_prefix(self.options.namespace))
-        self.recovery.follow(sources)  # after the sockets: what the recovery misses, they hold
+        if self.ingest.kv_events:  # approximate mode recovers no index: it is the router's own routes
+            self.recovery.follow(sources)  # after the sockets: what the recovery misses, they hold
         self.cards.read(await self.discovery.list(cards_prefix(self.options.namespace)))
         self.cards.apply(self.fleet, self.options.model if self.options.adopt_block_size else None)
         if self.channels is not None:
