@@ -276,6 +276,9 @@ def shared_prefix_load(frontend_url: str, *, requests: int = 72, prefixes: int =
 
 # ----- the fleet ---------------------------------------------------------------------------------------------
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_SELECTED = re.compile(r"Selected worker .*? worker_id=(\d+) worker_type=(\w+) dp_rank=(\d+) logit=([0-9.]+)")
+
 @dataclass
 class Mocker:
     proc: Proc
@@ -306,6 +309,12 @@ class Mocker:
 class Frontend:
     proc: Proc
     url: str
+
+    def decisions(self) -> list[tuple[int, int, str, float]]:
+        """Its KV router's picks, in order, from its log's INFO lines ("Selected worker … worker_id=… worker_type=…
+        dp_rank=… logit=…"): (worker id, dp rank, worker type, logit)."""
+        text = _ANSI.sub("", self.proc.log.read_text(errors="replace"))
+        return [(int(m[1]), int(m[3]), m[2], float(m[4])) for m in _SELECTED.finditer(text)]
 
     def workers(self, fleet: Fleet) -> set[int]:
         """Instances of the fleet's worker endpoint this frontend knows (its /health), the prefill component's
@@ -404,16 +413,16 @@ class Fleet:
 
     # ----- starting ------------------------------------------------------------------------------------------
 
-    def start_mocker(self, mode: str = "agg") -> Mocker:
+    def start_mocker(self, mode: str = "agg", *extra: str) -> Mocker:
         """`mode`: `--disaggregation-mode` (agg, prefill or decode); prefill workers serve Dynamo's default
-        prefill component, as a disaggregated fleet's do."""
+        prefill component, as a disaggregated fleet's do. `extra`: more mocker flags (`--engine-type sglang`)."""
         n, rpc_port, zmq_port, replay_port = len(self.mockers), free_port(), free_port(), free_port()
         component = "prefill" if mode == "prefill" else self.component
         argv = [self.python, "-m", "dynamo.mocker", "--model-path", self.model_dir, "--model-name", self.model,
                 "--endpoint", f"dyn://{self.namespace}.{component}.{self.endpoint}",
                 "--num-gpu-blocks-override", KV_BLOCKS, "--block-size", self.block_size, "--speedup-ratio", "0",
                 "--zmq-kv-events-ports", zmq_port, "--zmq-replay-ports", replay_port, *self.planes(),
-                *(["--disaggregation-mode", mode] if mode != "agg" else [])]
+                *(["--disaggregation-mode", mode] if mode != "agg" else []), *extra]
         proc = Proc(f"mocker{n}", argv, self.workdir / f"mocker{n}.log", self.env(DYN_TCP_RPC_PORT=str(rpc_port)))
         self.mockers.append(Mocker(proc, rpc_port, zmq_port, replay_port))
         return self.mockers[-1]
@@ -560,7 +569,7 @@ JOIN_S = 1.0
 def start_fleet(workdir: Path, python: Path, *, mockers: int = 3, nats_url: str | None = None,
                 namespace: str = NAMESPACE, indexer: bool = True, kvctl: bool = True,
                 routers: Mapping[str, Sequence[str]] | None = None, etcd_url: str | None = None,
-                modes: Sequence[str] = (), block_size: int = BLOCK_SIZE) -> Fleet:
+                modes: Sequence[str] = (), block_size: int = BLOCK_SIZE, mocker_args: Sequence[str] = ()) -> Fleet:
     """Start a fleet and wait until every part of it is ready; on failure stop what started, then raise.
 
     `routers`: more `kvctl serve` processes, by name, with their arguments (the mockers' worker ids and endpoints
@@ -568,14 +577,15 @@ def start_fleet(workdir: Path, python: Path, *, mockers: int = 3, nats_url: str 
     and the `kvctl` router, they are there before any request is made (Dynamo's event planes keep no history).
     `fleet.await_router` has waited for their URL; what else makes one ready is for its user to wait for.
     `etcd_url`: Dynamo's discovery in that etcd (`--discovery-backend etcd`, `ETCD_ENDPOINTS`), not files.
-    `modes`: each mocker's `--disaggregation-mode`, in place of `mockers` aggregated ones."""
+    `modes`: each mocker's `--disaggregation-mode`, in place of `mockers` aggregated ones; `mocker_args`: more
+    flags for every mocker."""
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(workdir=workdir, python=python, nats_url=nats_url, namespace=namespace,
                   model_dir=write_model_dir(workdir / "model"), etcd_url=etcd_url, block_size=block_size)
     (workdir / "home").mkdir(exist_ok=True)
     try:
         for mode in modes or ["agg"] * mockers:
-            fleet.start_mocker(mode)
+            fleet.start_mocker(mode, *mocker_args)
         for mocker in fleet.mockers:
             fleet.await_mocker(mocker)
         frontend = fleet.start_frontend()

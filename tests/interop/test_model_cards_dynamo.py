@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.doctor.rig import doctor, findings
-from tests.interop.fleet import Fleet, shared_prefix_load, start_fleet, wait_until
+from tests.interop.fleet import Fleet, shared_prefix_load, start_fleet, wait_until, words
 
 ADOPTING, AT_16, APPROXIMATE = "cards", "cards16", "approximate"
 
@@ -99,3 +99,42 @@ def test_an_approximate_router_on_the_plane_indexes_its_routes_not_the_fleets_ev
     _, report = doctor(url)
     assert findings(report, "silent")[0]["cause"].startswith("approximate mode: the router indexes its own routes")
 
+
+
+@pytest.fixture(scope="module")
+def sglang_fleet(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two SGLang-style mockers at page size 32 and a kvctl router given no block size."""
+    workdir = tmp_path_factory.mktemp("interop-sglang")
+    started = start_fleet(workdir, dynamo, mockers=2, indexer=False, kvctl=False, block_size=32,
+                          mocker_args=["--engine-type", "sglang", "--sglang-page-size", "32"])
+    try:
+        plane = ["--dynamo-discovery", f"file:{workdir / 'discovery'}", "--namespace", "dynamo"]
+        started.await_router(started.start_router(ADOPTING, *plane, block_size=False))
+        yield started
+    finally:
+        started.stop()
+
+
+def test_an_sglang_fleet_at_page_32_is_scored_as_dynamo_with_no_block_size_given(sglang_fleet: Fleet) -> None:
+    """Given no --block-size, kvctl left at 16 saw overlap 0 and logit 22.0 on every candidate where Dynamo logged
+    4 blocks and logit 6.5 (issue 38). The arbiter is the frontend's own log: a prompt of five pages sent twice,
+    the second pick with its logit; kvctl, idle as the frontend was, must pick the same worker at that logit."""
+    url = sglang_fleet.routers[ADOPTING].url
+    wait_until(lambda: _cards(url)["cards"] == 2 or None, "the cards read", timeout=30, procs=sglang_fleet.procs)
+    prompt = list(range(160))  # five pages of 32 tokens
+    body = {"model": sglang_fleet.model, "messages": [{"role": "user", "content": words(prompt)}], "max_tokens": 1}
+    with httpx.Client(base_url=sglang_fleet.frontend_url, timeout=60) as client:
+        for _ in range(2):  # one after the other: each decision is made on an idle fleet
+            client.post("/v1/chat/completions", json=body).raise_for_status()
+    (_, _, _, cold), (worker, rank, _, warm) = sglang_fleet.frontend.decisions()[-2:]
+    assert (cold, warm) == (10.0, 5.0)  # 5 prefill + 5 decode blocks; then the 5 prefill blocks cached
+
+    def explained() -> dict[str, Any] | None:
+        answer = httpx.post(f"{url}/v1/route", json={"token_ids": [t + 3 for t in prompt], "explain": True},
+                            timeout=10).json()
+        return answer if max(c["overlap_blocks"] for c in answer["candidates"]) == 5 else None
+
+    answer = wait_until(explained, "kvctl seeing the prompt's five pages", timeout=30, procs=sglang_fleet.procs)
+    assert (answer["worker_id"], answer["dp_rank"]) == (worker, rank)
+    logits = {c["worker_id"]: c["logit"] for c in answer["candidates"]}
+    assert logits.pop(worker) == warm and list(logits.values()) == [cold]
