@@ -255,12 +255,14 @@ def _compare(own: RouterClient, peer: RouterClient, mine: dict[str, Any],
 
 
 def _hit_rates(ctx: typer.Context, engines: _Engines) -> list[Finding]:
-    """Engines' device prefix-cache hit rates and the router's mean predicted hit rate since it started.
+    """Engines' device prefix-cache hit rates and the router's mean predicted hit rate since it started; and a
+    Dynamo frontend's router queue, when one is among the metrics.
 
     An engine without a prefix-cache family of its own (Dynamo's mocker) counts by what a Dynamo frontend among
     the metrics says its engines reported cached (`cached_share`). The prediction is kvctl's own when it has
     routed; else a Dynamo router's among the metrics (its kv_hit_rate histogram: Σ sum / Σ count)."""
     from kvctl.client.tier_sources import Auth, Scraper, prometheus_windows
+    from kvctl.core.doctor.frontend_queue import check_frontend_queue
     from kvctl.core.tiers import hit_rates, ratio, report
     from kvctl.errors import KvctlError
 
@@ -291,4 +293,4 @@ def _hit_rates(ctx: typer.Context, engines: _Engines) -> list[Finding]:
         if predicted is not None:
             by = ", ".join(sorted({r.family for r in found}))
             break
-    return check_hit_rates(rates, predicted, predicted_by=by)
+    return [*check_hit_rates(rates, predicted, predicted_by=by), *check_frontend_queue(windows)]

@@ -112,11 +112,19 @@ DYNAMO_USAGE = _family("dynamo_component_gpu_cache_usage_percent", r"dynamo_comp
                        counter=False)
 DYNAMO_WORKER_HIT = _family("dynamo_component_kv_cache_hit_rate", r"dynamo_component_kv_cache_hit_rate",
                             counter=False)
+# A Dynamo frontend's router queue (`--router-queue-threshold`): requests pending now, and refusals at its caps.
+# Not tier metrics: doctor's frontend_queue check reads them from the same scrapes.
+DYNAMO_QUEUE_PENDING = _family("dynamo_frontend_router_queue_pending_requests",
+                               r"dynamo_frontend_router_queue_pending_requests", counter=False)
+DYNAMO_QUEUE_REFUSED = _family("dynamo_frontend_router_queue_backpressure_total",
+                               r"dynamo_frontend_router_queue_backpressure", counter=True)
 
 FAMILIES = (KVBM_HIT, KVBM_OFFLOAD, KVBM_ONBOARD, KVBM_MATCHED, KVBM_FAILURES, VLLM_BY_SOURCE, VLLM_QUERIES,
             VLLM_HITS, VLLM_USAGE, SGLANG_CACHED, SGLANG_HIT, SGLANG_USAGE, LMCACHE_HIT, LMCACHE_REQUESTED,
             LMCACHE_RATES, KVCTL_PREDICTED, DYNAMO_PREDICTED, DYNAMO_CACHED, DYNAMO_INPUT, DYNAMO_USAGE,
             DYNAMO_WORKER_HIT)
+READ = (*FAMILIES, DYNAMO_QUEUE_PENDING, DYNAMO_QUEUE_REFUSED)
+"""Every family a scrape keeps: the tier report's, and what doctor reads beside them."""
 
 LOWER_TIERS = ("host", "disk", "object", "p2p", "external")
 """The tiers below the device's own memory: an instance exports tier counters when it reports any of them."""
@@ -128,7 +136,7 @@ _ONBOARD_TIER = {"h2d": "host", "d2d": "disk", "o2d": "object"}
 
 def family_of(name: str, labels: Mapping[str, str] | None = None) -> tuple[Family, str] | None:
     """The family a sample name belongs to, with the sample's variant; None for names kvctl does not read."""
-    for family in FAMILIES:
+    for family in READ:
         variant = family.variant(name, labels or {})
         if variant is not None:
             return family, variant

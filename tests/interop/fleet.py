@@ -469,11 +469,13 @@ class Fleet:
                 return int(record["instance_id"])
         return None
 
-    def start_frontend(self, name: str = "frontend") -> Frontend:
-        """A `dynamo.frontend` with Dynamo's KV router; the first one started is the fleet's `frontend`."""
+    def start_frontend(self, name: str = "frontend", *extra: str) -> Frontend:
+        """A `dynamo.frontend` with Dynamo's KV router; the first one started is the fleet's `frontend`. `extra`:
+        more router flags (`--router-queue-threshold 0.0`)."""
         port = free_port()
         argv = [self.python, "-m", "dynamo.frontend", "--router-mode", "kv", "--router-replica-sync",
-                "--http-host", "127.0.0.1", "--http-port", port, "--namespace", self.namespace, *self.planes()]
+                "--http-host", "127.0.0.1", "--http-port", port, "--namespace", self.namespace, *self.planes(),
+                *extra]
         frontend = Frontend(Proc(name, argv, self.workdir / f"{name}.log", self.env()), f"http://127.0.0.1:{port}")
         self.frontends.append(frontend)
         return frontend
@@ -569,7 +571,8 @@ JOIN_S = 1.0
 def start_fleet(workdir: Path, python: Path, *, mockers: int = 3, nats_url: str | None = None,
                 namespace: str = NAMESPACE, indexer: bool = True, kvctl: bool = True,
                 routers: Mapping[str, Sequence[str]] | None = None, etcd_url: str | None = None,
-                modes: Sequence[str] = (), block_size: int = BLOCK_SIZE, mocker_args: Sequence[str] = ()) -> Fleet:
+                modes: Sequence[str] = (), block_size: int = BLOCK_SIZE, mocker_args: Sequence[str] = (),
+                frontend_args: Sequence[str] = ()) -> Fleet:
     """Start a fleet and wait until every part of it is ready; on failure stop what started, then raise.
 
     `routers`: more `kvctl serve` processes, by name, with their arguments (the mockers' worker ids and endpoints
@@ -577,8 +580,8 @@ def start_fleet(workdir: Path, python: Path, *, mockers: int = 3, nats_url: str 
     and the `kvctl` router, they are there before any request is made (Dynamo's event planes keep no history).
     `fleet.await_router` has waited for their URL; what else makes one ready is for its user to wait for.
     `etcd_url`: Dynamo's discovery in that etcd (`--discovery-backend etcd`, `ETCD_ENDPOINTS`), not files.
-    `modes`: each mocker's `--disaggregation-mode`, in place of `mockers` aggregated ones; `mocker_args`: more
-    flags for every mocker."""
+    `modes`: each mocker's `--disaggregation-mode`, in place of `mockers` aggregated ones; `mocker_args` and
+    `frontend_args`: more flags for every mocker and for the frontend."""
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(workdir=workdir, python=python, nats_url=nats_url, namespace=namespace,
                   model_dir=write_model_dir(workdir / "model"), etcd_url=etcd_url, block_size=block_size)
@@ -588,7 +591,7 @@ def start_fleet(workdir: Path, python: Path, *, mockers: int = 3, nats_url: str 
             fleet.start_mocker(mode, *mocker_args)
         for mocker in fleet.mockers:
             fleet.await_mocker(mocker)
-        frontend = fleet.start_frontend()
+        frontend = fleet.start_frontend("frontend", *frontend_args)
         if indexer:
             fleet.start_indexer()
         if kvctl:

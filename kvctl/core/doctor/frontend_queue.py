@@ -1,0 +1,53 @@
+"""Doctor's check of a Dynamo frontend's router queue, read from its metrics (`doctor --metrics` or
+`--prometheus`): a frontend with `--router-queue-threshold` holds requests while every eligible worker is past it,
+and rejects past its caps. kvctl serve does not queue yet (issue 38), so without this a queueing fleet read as idle
+workers and an OK doctor."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from kvctl.core.doctor.findings import Finding, Severity
+from kvctl.core.tiers import DYNAMO_QUEUE_PENDING, DYNAMO_QUEUE_REFUSED, Window
+from kvctl.core.words import counted
+
+
+def check_frontend_queue(windows: Sequence[Window]) -> list[Finding]:
+    """Requests pending in any frontend's router queue now, and those its queue refused over the window; no
+    finding when no frontend among the metrics has a router queue."""
+    pending: Counter[tuple[str, str, str, str]] = Counter()
+    refused: Counter[tuple[str, str]] = Counter()
+    found = False
+    for window in windows:
+        for sample in window.samples:
+            if DYNAMO_QUEUE_PENDING.pattern.fullmatch(sample.name):
+                found = True
+                labels = sample.labels
+                pending[(window.instance, labels.get("model", "?"), labels.get("policy_class", "?"),
+                         labels.get("worker_type", "?"))] += int(sample.value)
+            elif DYNAMO_QUEUE_REFUSED.pattern.fullmatch(sample.name):
+                found = True
+                refused[(window.instance, sample.labels.get("reason", "?"))] += int(sample.value)
+    if not found:
+        return []
+    findings = []
+    queued = {key: n for key, n in pending.items() if n > 0}
+    if queued:
+        (instance, model, policy, role), n = max(queued.items(), key=lambda kv: kv[1])
+        findings.append(Finding(
+            "frontend_queue", Severity.WARNING,
+            f"the Dynamo frontend at {instance} holds {counted(sum(queued.values()), 'request')} in its router "
+            f"queue ({n} of model {model!r}, policy class {policy!r}, {role} workers): every eligible worker is "
+            "past the queue threshold; kvctl serve does not queue, so its own routes would be answered at once",
+            {"pending": {"/".join(key): value for key, value in queued.items()}},
+            f"kvctl busy get --server http://{instance}; add capacity, or raise the frontend's queue threshold"))
+    rejected = {key: n for key, n in refused.items() if n > 0}
+    if rejected:
+        (instance, reason), n = max(rejected.items(), key=lambda kv: kv[1])
+        findings.append(Finding(
+            "frontend_queue", Severity.WARNING,
+            f"the Dynamo frontend at {instance} refused {counted(sum(rejected.values()), 'request')} at its router "
+            f"queue's caps ({n} for {reason})", {"refused": {"/".join(key): value for key, value in rejected.items()}},
+            "the queue caps of the frontend's --router-policy-config"))
+    return findings or [Finding("frontend_queue", Severity.OK, "no request waits in a Dynamo frontend's router queue")]

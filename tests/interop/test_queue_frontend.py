@@ -1,0 +1,68 @@
+"""A Dynamo 1.6.1 frontend that queues (issue 38): two mockers in real time (`--speedup-ratio 1`) behind a frontend
+with `--router-queue-threshold 0.0 --router-queue-policy wspt`, overloaded. kvctl serve does not queue, and a
+router following the fleet showed idle workers and an OK doctor while the frontend held requests for seconds;
+`doctor --metrics FRONTEND/metrics` now names the queue, and says when it is empty again."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.doctor.rig import doctor, findings
+from tests.interop.fleet import Fleet, start_fleet, wait_until, words
+
+ROUTER = "following"
+
+
+@pytest.fixture(scope="module")
+def queueing(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    workdir = tmp_path_factory.mktemp("interop-queue")
+    plane = ["--dynamo-discovery", f"file:{workdir / 'discovery'}", "--namespace", "dynamo"]
+    started = start_fleet(workdir, dynamo, mockers=2, indexer=False, kvctl=False, routers={ROUTER: plane},
+                          mocker_args=["--speedup-ratio", "1"],
+                          frontend_args=["--router-queue-threshold", "0.0", "--router-queue-policy", "wspt"])
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def _queue(fleet: Fleet) -> dict[str, Any]:
+    _, report = doctor(fleet.routers[ROUTER].url, "--metrics", f"{fleet.frontend_url}/metrics")
+    return findings(report, "frontend_queue")[0]
+
+
+def test_doctor_names_a_frontend_holding_requests_then_its_empty_queue(queueing: Fleet) -> None:
+    done = threading.Event()
+
+    def overload() -> None:
+        def one(n: int) -> None:
+            body = {"model": queueing.model, "max_tokens": 32,
+                    "messages": [{"role": "user", "content": words(range(n * 1000, n * 1000 + 900))}]}
+            httpx.post(f"{queueing.frontend_url}/v1/chat/completions", json=body, timeout=120)
+
+        n = 0
+        with ThreadPoolExecutor(32) as pool:
+            while not done.is_set():
+                list(pool.map(one, range(n, n + 32)))
+                n += 32
+
+    loader = threading.Thread(target=overload, daemon=True)
+    loader.start()
+    try:
+        held = wait_until(lambda: (f := _queue(queueing))["severity"] == "WARNING" and f or None,
+                          "doctor naming the frontend's queue", timeout=60, procs=queueing.procs, interval=0.2)
+    finally:
+        done.set()
+        loader.join(120)
+    assert "in its router queue" in held["cause"] and "policy class 'default'" in held["cause"], held
+    assert held["next_step"].startswith(f"kvctl busy get --server {queueing.frontend_url}")
+    empty = wait_until(lambda: (f := _queue(queueing))["severity"] == "OK" and f or None,
+                       "the queue drained", timeout=60, procs=queueing.procs)
+    assert empty["cause"] == "no request waits in a Dynamo frontend's router queue"
