@@ -13,6 +13,7 @@ from kvctl.core.events.discovery import decode_file_name
 from kvctl.core.events.errors import DecodeError, ErrorKind
 from kvctl.core.events.model_card import ModelCard, cards_prefix, is_card_key_rest, parse_model_card
 from tests.fixtures_path import FIXTURES
+from tests.support.records import DROP, rewritten
 
 FLEET = FIXTURES / "dynamo-1.6.1-fleet"
 FILE_CARDS = sorted((FLEET / "zmq-plane" / "file-discovery" / "v1" / "mdc").iterdir())
@@ -44,20 +45,7 @@ def test_kubernetes_cards_are_the_same_records_keyed_without_the_bucket() -> Non
 
 
 def _card(**changes: Any) -> bytes:
-    record = json.loads(FILE_CARDS[0].read_bytes())
-    for dotted, value in changes.items():
-        *path, last = dotted.split("__")
-        node = record
-        for part in path:
-            node = node[part]
-        if value is _DROP:
-            del node[last]
-        else:
-            node[last] = value
-    return json.dumps(record).encode()
-
-
-_DROP = object()
+    return rewritten(FILE_CARDS[0].read_bytes(), **changes)
 
 
 def test_a_disaggregated_decode_card_says_it_publishes_no_events() -> None:
@@ -69,7 +57,7 @@ def test_a_disaggregated_decode_card_says_it_publishes_no_events() -> None:
 
 
 def test_fields_not_advertised_are_none_not_guessed() -> None:
-    card = parse_model_card(_card(card_json__kv_cache_block_size=None, card_json__runtime_config=_DROP))
+    card = parse_model_card(_card(card_json__kv_cache_block_size=None, card_json__runtime_config=DROP))
     assert card.block_size is None and card.total_kv_blocks is None and card.publishes_kv_events
     assert (card.dp_start, card.dp_size) == (0, 1)
 
@@ -77,7 +65,7 @@ def test_fields_not_advertised_are_none_not_guessed() -> None:
 @pytest.mark.parametrize(("changes", "kind", "field"), [
     ({"type": "EventChannel"}, ErrorKind.unknown_type, "type"),
     ({"instance_id": -1}, ErrorKind.bad_type, "instance_id"),
-    ({"card_json": _DROP}, ErrorKind.missing_field, "card_json"),
+    ({"card_json": DROP}, ErrorKind.missing_field, "card_json"),
     ({"card_json__display_name": ""}, ErrorKind.bad_type, "card_json.display_name"),
     ({"card_json__kv_cache_block_size": 0}, ErrorKind.bad_type, "card_json.kv_cache_block_size"),
     ({"card_json__worker_type": "router"}, ErrorKind.bad_type, "card_json.worker_type"),

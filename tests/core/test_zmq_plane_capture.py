@@ -41,6 +41,7 @@ from kvctl.core.events.plane import (
 )
 from kvctl.core.events.zmq_wire import ZmqMessage, decode_zmq_message, encode_zmq_message
 from tests.fixtures_path import FIXTURES
+from tests.support.records import DROP, rewritten
 
 ZMQ = FIXTURES / "dynamo-1.6.1-fleet" / "zmq-plane"
 CAPTURES = ("zmq_capture.jsonl", "zmq_capture_replica.jsonl", "zmq_capture_restart.jsonl")
@@ -190,17 +191,7 @@ def test_the_etcd_records_are_the_same_values() -> None:
 
 
 def _record(**changes: Any) -> bytes:
-    record = json.loads(next(CHANNELS.iterdir()).read_text())
-    for path, value in changes.items():
-        *parents, leaf = path.split("__")
-        node = record
-        for part in parents:
-            node = node[part]
-        if value is None:
-            del node[leaf]
-        else:
-            node[leaf] = value
-    return json.dumps(record).encode()
+    return rewritten(next(CHANNELS.iterdir()).read_text(), **changes)
 
 
 @pytest.mark.parametrize(("record", "kind"), [
@@ -212,8 +203,8 @@ def _record(**changes: Any) -> bytes:
     (_record(transport__config__endpoint="ipc:///tmp/x"), ErrorKind.bad_type),
     (_record(instance_id=-1), ErrorKind.bad_type),
     (_record(instance_id="12"), ErrorKind.bad_type),
-    (_record(instance_id=None), ErrorKind.missing_field),
-    (_record(topic=None), ErrorKind.missing_field),
+    (_record(instance_id=DROP), ErrorKind.missing_field),
+    (_record(topic=DROP), ErrorKind.missing_field),
     (_record(scope__endpoint__name=""), ErrorKind.bad_type),
 ])
 def test_malformed_records_are_decode_errors_of_a_stable_kind(record: bytes, kind: ErrorKind) -> None:
