@@ -269,8 +269,10 @@ def test_sigkill_during_compaction_restores_everything(tmp_path: Path, tmp_path_
     gate = holding(monkeypatch, "FOLD", tmp_path_factory.mktemp("gates") / "fold")
     gate.touch()  # the first compactions (of the start's own records) run
     with serving(tmp_path, "--snapshot-interval", "0.01", "--compact-log-bytes", "0") as (proc, client):
+        # The bounds below are on a child process starting or dying (seconds on a loaded machine), never on order:
+        # the hold is what puts the kill inside the compaction.
         eventually(lambda: client.get("/v1/status").json()["restore"]["log"]["compactions"] and not
-                   _compacting(proc.pid), "the first compaction (of the start's own records) done")
+                   _compacting(proc.pid), "the first compaction (of the start's own records) done", timeout=120)
         client.post("/v1/events", content=chains(1000), headers=NDJSON)  # far larger than the image: compacted
         written(client)
         expected = pairs(client)
@@ -281,10 +283,10 @@ def test_sigkill_during_compaction_restores_everything(tmp_path: Path, tmp_path_
             return [pid for pid in (int(p.name.rsplit(".", 1)[1]) for p in gate.parent.glob("fold.held.*"))
                     if pid in running]
 
-        child = eventually(held, "a compaction of the new events, held")[0]
+        child = eventually(held, "a compaction of the new events, held", timeout=120)[0]
         proc.kill()
         proc.wait()
-        eventually(lambda: not _alive(child), "the child dead with it")
+        eventually(lambda: not _alive(child), "the child dead with it", timeout=60)
     gate.touch()
     with serving(tmp_path) as (proc, client):
         assert pairs(client) == expected

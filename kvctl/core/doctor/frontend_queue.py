@@ -38,7 +38,7 @@ def check_frontend_queue(windows: Sequence[Window]) -> list[Finding]:
         findings.append(Finding(
             "frontend_queue", Severity.WARNING,
             f"the Dynamo frontend at {instance} holds {counted(sum(queued.values()), 'request')} in its router "
-            f"queue ({n} of model {model!r}, policy class {policy!r}, {role} workers): every eligible worker is "
+            f"queue ({n} of model {model!r}, policy class {policy!r}, worker type {role!r}): every eligible worker is "
             "past the queue threshold; kvctl serve does not queue, so its own routes would be answered at once",
             {"pending": {"/".join(key): value for key, value in queued.items()}},
             f"kvctl busy get --server http://{instance}; add capacity, or raise the frontend's queue threshold"))
