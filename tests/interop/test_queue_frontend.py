@@ -5,9 +5,9 @@ router following the fleet showed idle workers and an OK doctor while the fronte
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,28 +41,27 @@ def _queue(fleet: Fleet) -> dict[str, Any]:
 def test_doctor_names_a_frontend_holding_requests_then_its_empty_queue(queueing: Fleet) -> None:
     done = threading.Event()
 
-    def overload() -> None:
-        def one(n: int) -> None:
+    def client(k: int) -> None:  # one of 48 clients, each sending as soon as its last answer came: the queue
+        n = k  # never empties between rounds, however slow the machine makes the doctor that samples it
+        while not done.is_set():
+            prompt = random.Random(n).sample(range(1000), 900)  # a prompt of its own: all of it to prefill
             body = {"model": queueing.model, "max_tokens": 32,
-                    "messages": [{"role": "user", "content": words(range(n * 1000, n * 1000 + 900))}]}
+                    "messages": [{"role": "user", "content": words(prompt)}]}
             httpx.post(f"{queueing.frontend_url}/v1/chat/completions", json=body, timeout=120)
+            n += 48
 
-        n = 0
-        with ThreadPoolExecutor(32) as pool:
-            while not done.is_set():
-                list(pool.map(one, range(n, n + 32)))
-                n += 32
-
-    loader = threading.Thread(target=overload, daemon=True)
-    loader.start()
+    clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(48)]
+    for thread in clients:
+        thread.start()
     try:
         held = wait_until(lambda: (f := _queue(queueing))["severity"] == "WARNING" and f or None,
-                          "doctor naming the frontend's queue", timeout=60, procs=queueing.procs, interval=0.2)
+                          "doctor naming the frontend's queue", timeout=120, procs=queueing.procs, interval=0.2)
     finally:
         done.set()
-        loader.join(120)
+        for thread in clients:
+            thread.join(150)
     assert "in its router queue" in held["cause"] and "policy class 'default'" in held["cause"], held
     assert held["next_step"].startswith(f"kvctl busy get --server {queueing.frontend_url}")
     empty = wait_until(lambda: (f := _queue(queueing))["severity"] == "OK" and f or None,
-                       "the queue drained", timeout=60, procs=queueing.procs)
+                       "the queue drained", timeout=120, procs=queueing.procs)
     assert empty["cause"] == "no request waits in a Dynamo frontend's router queue"
