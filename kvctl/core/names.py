@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import TypeAlias
 
 from kvctl.core.words import counted
@@ -24,6 +25,15 @@ WorkerSelector: TypeAlias = tuple[int, int | None]
 
 DEFAULT_MODEL = "default"
 """The model of a request, event or worker that names none: what a single-model router serves."""
+
+class Role(StrEnum):
+    """A worker's part in serving its model (its model card's worker_type): a disaggregated fleet splits each
+    request between a prefill pool and a decode pool, and Dynamo picks from each apart."""
+
+    aggregated = "aggregated"
+    prefill = "prefill"
+    decode = "decode"
+
 
 DEFAULT_BLOCK_SIZE = 16
 """Tokens per KV block of a model given none (vLLM's default on GPU, and kvctl's since its start)."""

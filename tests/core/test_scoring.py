@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvctl.core.events import RouterEvent, Stored, Tier
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.index import IndexMatches
+from kvctl.core.names import Role
 from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import (
     BadKnob,
@@ -62,7 +63,7 @@ def reference_logits(ranks: list[Rank], isl: int, bs: int, c: RouterConfig) -> l
             decay = 1 / (1 + f(c.overlap_score_credit_decay) * (f(r.active_prefill - floor, bs) / request_blocks))
         credit = (f(c.overlap_score_credit) * decay * r.device + f(c.host_cache_hit_weight) * r.host
                   + f(c.disk_cache_hit_weight) * r.disk)
-        decode = r.active_blocks + r.new_blocks
+        decode = (r.active_blocks if c.track_active_blocks else 0) + r.new_blocks
         requests = f(c.decode_active_request_weight) * r.requests
         if not c.track_prefill_tokens and c.overlap_score_credit > 0:
             out.append(max(decode - credit, f(0)) + requests)
@@ -75,7 +76,8 @@ def reference_logits(ranks: list[Rank], isl: int, bs: int, c: RouterConfig) -> l
 knob = st.one_of(st.just(0.0), st.floats(0, 4, allow_nan=False, allow_infinity=False))
 configs = st.builds(RouterConfig, overlap_score_credit=knob, overlap_score_credit_decay=knob,
                     prefill_load_scale=knob, decode_active_request_weight=knob, host_cache_hit_weight=knob,
-                    disk_cache_hit_weight=knob, track_prefill_tokens=st.booleans())
+                    disk_cache_hit_weight=knob, track_prefill_tokens=st.booleans(),
+                    track_active_blocks=st.booleans())
 ranks = st.builds(Rank, st.integers(0, 12), st.integers(0, 6), st.integers(0, 6), st.integers(0, 400),
                   st.integers(0, 40), st.integers(0, 12), st.integers(0, 5))
 
@@ -255,3 +257,44 @@ def test_approximate_mode_learns_from_its_own_decisions() -> None:
     assert router.route([A, B], token_ids=tokens, now=121.0).overlap_blocks == 0
     with pytest.raises(ValueError):
         Router(index=router.index, approx=ApproxIndexer())
+
+
+def test_a_disaggregated_fleets_pools_price_as_dynamos_frontend_logged() -> None:
+    """The numbers a 1.6.1 frontend logged on a 2 prefill + 2 decode mocker fleet at B=16 (issue 38): a prefill
+    pick has no decode term and full overlap credit; a decode pick weighs the prompt's full blocks alone."""
+    router = Router(block_size=16, rng=random.Random(0))
+    prompt = list(range(100))  # 6 full blocks and 4 tokens
+    cold = router.route([A, B], token_ids=prompt, role=Role.prefill)
+    assert [c.logit for c in cold.candidates] == [6.25, 6.25] and cold.candidates[0].decode_blocks == 0
+    local = local_block_hashes(prompt, 16)
+    router.index.apply(RouterEvent(1, Stored(None, sequence_hashes(local), local)))
+    warm = router.route([A, B], token_ids=prompt, role=Role.prefill)
+    assert (warm.worker, [c.logit for c in warm.candidates]) == (A, [0.25, 6.25])
+    decode = router.route([A, B], token_ids=prompt, role=Role.decode)
+    assert [c.logit for c in decode.candidates] == [6.0, 6.0]  # A's cached blocks earn a decode pick nothing
+    assert [c.logit for c in router.route([A], token_ids=prompt[:81], role=Role.decode).candidates] == [5.0]
+
+
+def test_the_pools_book_as_dynamos_routers_do() -> None:
+    """The prefill router books prefill tokens and no blocks; the decode router books no prefill tokens and the
+    prompt's blocks as its own, so a second request of the same prompt on that worker pays for all of them."""
+    router = Router(block_size=4, rng=random.Random(0))
+    prompt = list(range(1, 23))  # 5 full blocks of 4
+    router.route([A], token_ids=prompt, request_id="p", reserve=True, role=Role.prefill)
+    assert router.sequences.load(A) == Load(active_blocks=0, active_prefill_tokens=22, requests=1)
+    router.route([B], token_ids=prompt, request_id="d", reserve=True, role=Role.decode)
+    assert router.sequences.load(B) == Load(active_blocks=5, active_prefill_tokens=0, requests=1)
+    again = router.route([B], token_ids=prompt, role=Role.decode)
+    assert again.candidates[0].decode_blocks == 10  # not deduplicated against "d", as Dynamo assumes no reuse
+    aggregated = router.route([B], token_ids=prompt)
+    assert aggregated.candidates[0].decode_blocks == 10  # "d"'s blocks are its own: no prompt prefix in flight
+    prefill_pool = router.route([A, B], token_ids=prompt, role=Role.prefill)
+    assert [c.decode_blocks for c in prefill_pool.candidates] == [0, 0]  # B's 5 blocks in flight: no decode term
+
+
+def test_an_aggregated_pool_routes_as_configured() -> None:
+    config = RouterConfig(overlap_score_credit=2.0)
+    assert config.for_pool(Role.aggregated) is config
+    assert config.for_pool(Role.prefill).overlap_score_credit == 2.0
+    decode = config.for_pool(Role.decode)
+    assert (decode.overlap_score_credit, decode.track_prefill_tokens, decode.assume_kv_reuse) == (0.0, False, False)

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvctl.core.events.errors import DecodeError, ErrorKind, as_map, as_text, describe, parse_json, require
+from kvctl.core.names import Role
 from kvctl.core.words import counted
 
 CARDS_BUCKET = "v1/mdc"
-ROLES = ("aggregated", "prefill", "decode")
+ROLES = tuple(Role)
 _U64_MAX = (1 << 64) - 1
 _KEY_REST = re.compile(r"^[^/]+/[^/]+/[^/]+/[0-9a-f]{1,16}$")
 
@@ -44,7 +45,7 @@ class ModelCard:
     model: str  # display_name: the name /v1/models lists and the frontend routes by
     block_size: int | None  # kv_cache_block_size
     total_kv_blocks: int | None  # the worker's KV capacity
-    role: str  # aggregated, prefill or decode
+    role: Role
     publishes_kv_events: bool  # decode workers of a disaggregated fleet publish none, by design
     dp_start: int
     dp_size: int
@@ -93,7 +94,7 @@ def parse_model_card(data: bytes | str) -> ModelCard:
         block_size=_count(card.get("kv_cache_block_size"), "card_json.kv_cache_block_size", positive=True),
         total_kv_blocks=_count(runtime.get("total_kv_blocks"), "card_json.runtime_config.total_kv_blocks",
                                positive=True),
-        role=role,
+        role=Role(role),
         publishes_kv_events=publishes,
         dp_start=_count(runtime.get("data_parallel_start_rank"), "data_parallel_start_rank") or 0,
         dp_size=_count(runtime.get("data_parallel_size"), "data_parallel_size", positive=True) or 1,

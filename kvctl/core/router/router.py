@@ -7,11 +7,11 @@ decides which workers are candidates and which are busy.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvctl.core.hashing import packed_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import Role, WorkerKey
 from kvctl.core.router.approx import ApproxIndexer
 from kvctl.core.router.scoring import Decision, RouterConfig, booked_prefill_tokens, decide, score
 from kvctl.core.router.sequences import ActiveSequences
@@ -32,6 +32,7 @@ class Router:
         self.index = approx.index if approx is not None else (index if index is not None else KvIndex())
         self.sequences = sequences if sequences is not None else ActiveSequences()
         self.rng = rng or random.Random()
+        self._fresh = random.Random()  # the decode pool's booked blocks: apart from `rng`, which draws ties
 
     def route(
         self,
@@ -45,12 +46,13 @@ class Router:
         overrides: Mapping[str, float | bool | None] | None = None,
         busy: Mapping[WorkerKey, bool] | None = None,
         now: float = 0.0,
+        role: Role = Role.aggregated,
     ) -> Decision:
         """Choose a worker for a prompt given as token ids or as Dynamo local hashes (then ISL = blocks x B).
 
         With `reserve`, the request is tracked as in flight on the chosen worker until it is freed. `overrides`
         are this request's own knobs (`RouterConfig.override`: Dynamo names or the legacy aliases); BadKnob
-        when one is out of range.
+        when one is out of range. `role`: the pool the candidates form, priced as `RouterConfig.for_pool`.
         """
         b = self.block_size
         if token_ids is not None:
@@ -61,14 +63,20 @@ class Router:
             isl = len(local) * b
         else:
             raise ValueError("give token_ids or local_hashes")
-        config = self.config.override(**overrides) if overrides else self.config
+        config = (self.config.override(**overrides) if overrides else self.config).for_pool(role)
         matches = self.index.find_matches(local)  # the approx indexer's own index in approximate mode
         sequences = self.sequences
         loads = sequences.loads()
         # Sequence hashes matter only against in-flight blocks, or to reserve: skip them otherwise.
         seq = sequence_hashes(local) if loads or reserve else local
         n_blocks = len(local)
-        new_blocks = (lambda w: sequences.new_prompt_blocks(w, seq)) if loads else n_blocks
+        new_blocks: Callable[[WorkerKey], int] | int
+        if not config.track_active_blocks:
+            new_blocks, booked = 0, ()
+        elif not config.assume_kv_reuse:  # blocks of its own, as Dynamo books them: fresh random hashes
+            new_blocks, booked = n_blocks, [self._fresh.getrandbits(64) for _ in range(n_blocks)] if reserve else ()
+        else:
+            new_blocks, booked = (lambda w: sequences.new_prompt_blocks(w, seq)) if loads else n_blocks, seq
         scores = score(candidates, matches, loads, new_blocks, isl_tokens=isl, block_size=b, config=config,
                        busy=busy)
         decision = decide(scores, isl_tokens=isl, block_size=b, temperature=config.router_temperature, rng=self.rng)
@@ -76,7 +84,7 @@ class Router:
             if request_id is None:
                 raise ValueError("reserve needs a request_id")
             prefill = booked_prefill_tokens(isl, decision.effective_overlap, b, config)
-            sequences.add(request_id, decision.worker, seq, prefill, now, decision.overlap_blocks)
+            sequences.add(request_id, decision.worker, booked, prefill, now, decision.overlap_blocks)
             if self.approx is not None:
                 self.approx.record(decision.worker, local, seq, now)
         return decision

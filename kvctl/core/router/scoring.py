@@ -15,7 +15,9 @@ blocks, as in Dynamo's `disk_extension_blocks`. The minimum is over the candidat
 exact ties are drawn uniformly. With prefill-token tracking off, the prompt adds no prefill (raw counts
 in-flight tokens only), there is no decay, and while the overlap credit is positive the logit is
 `max(0, decode - credit)` plus the request term. Above temperature 0 the choice is sampled from a
-softmax of the logits scaled by their range.
+softmax of the logits scaled by their range. A disaggregated fleet is two pools, each with its own config
+(`RouterConfig.for_pool`): the prefill pool tracks no active blocks (decode = 0), and the decode pool gives no
+overlap credit, tracks no prefill tokens and assumes no KV reuse (decode = active blocks + every full block).
 The arithmetic is Dynamo's, in its order, so exact ties are the same ties. Randomness is injected
 (`random.Random`), so tests are seeded.
 """
@@ -31,7 +33,7 @@ from enum import StrEnum
 
 from kvctl.core.events import Tier
 from kvctl.core.index import IndexMatches
-from kvctl.core.names import WorkerKey
+from kvctl.core.names import Role, WorkerKey
 from kvctl.core.router.sequences import Load, LoadView
 
 CREDITED_TIERS = (Tier.device, Tier.host_pinned, Tier.disk, Tier.external)
@@ -77,12 +79,29 @@ class RouterConfig:
     booked_tier_weights: tuple[float, float] | None = None
     """Host and disk weights of the effective overlap a reservation books, when not the two above: Dynamo
     1.6.1 books with its router-wide weights even where a policy file's instance scores with its own."""
+    track_active_blocks: bool = True
+    """False (a disaggregated fleet's prefill pool): no decode term, and a reservation books no blocks."""
+    assume_kv_reuse: bool = True
+    """False (the decode pool): a prompt's blocks never share those already in flight on a worker; every one
+    counts, and a reservation books them as blocks of its own."""
 
     def __post_init__(self) -> None:
         for name in KNOBS[:-1]:
             _check_knob(name, getattr(self, name))
-        if not isinstance(self.track_prefill_tokens, bool):
-            raise BadKnob(f"track_prefill_tokens must be true or false, got {self.track_prefill_tokens!r}")
+        for name in ("track_prefill_tokens", "track_active_blocks", "assume_kv_reuse"):
+            if not isinstance(getattr(self, name), bool):
+                raise BadKnob(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    def for_pool(self, role: Role) -> RouterConfig:
+        """The config Dynamo 1.6.1's frontend routes a disaggregated fleet's pool with: the prefill router's copy
+        tracks no active blocks; each decode pick overrides the overlap credit to 0, assumes no KV reuse and
+        books no prefill tokens (so it weighs decode load alone). An aggregated pool routes as configured."""
+        if role is Role.prefill:
+            return dataclasses.replace(self, track_active_blocks=False)
+        if role is Role.decode:
+            return dataclasses.replace(self, overlap_score_credit=0.0, assume_kv_reuse=False,
+                                       track_prefill_tokens=False)
+        return self
 
     def override(self, *, overlap_score_weight: float | None = None, temperature: float | None = None,
                  **knobs: float | bool | None) -> RouterConfig:
@@ -252,7 +271,7 @@ def _priced(candidates: Sequence[WorkerKey], overlap: list[int], host: list[int]
     credit_k, decay_k, scale = config.overlap_score_credit, config.overlap_score_credit_decay, config.prefill_load_scale
     host_w, disk_w, request_w = config.host_cache_hit_weight, config.disk_cache_hit_weight, \
         config.decode_active_request_weight
-    track = config.track_prefill_tokens
+    track, track_blocks = config.track_prefill_tokens, config.track_active_blocks
     request_blocks = -(-isl_tokens // block_size)
     decaying = track and decay_k > 0 and request_blocks > 0
     floor = min(x.active_prefill_tokens for x in load) if decaying and load else 0
@@ -263,7 +282,7 @@ def _priced(candidates: Sequence[WorkerKey], overlap: list[int], host: list[int]
         d = 1.0 / (1.0 + decay_k * ((x.active_prefill_tokens - floor) / block_size / request_blocks)) \
             if decaying else 1.0
         credit = credit_k * d * overlap[i] + host_w * host[i] + disk_w * disk[i]
-        dec = x.active_blocks + blocks_of(w)
+        dec = (x.active_blocks if track_blocks else 0) + blocks_of(w)
         request_cost = request_w * x.requests
         r = (x.active_prefill_tokens + prompt_tokens) / block_size
         if not track and credit_k > 0:
