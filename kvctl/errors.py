@@ -124,12 +124,14 @@ class NoWorkers(Refused):
     """The 503 of a route for a model with no worker: it names the model and the models that do have workers
     (`workers_by_model`), since the common cause is the wrong model, not a missing registration."""
 
-    def __init__(self, model: str, workers_by_model: Mapping[str, int]) -> None:
+    def __init__(self, model: str, workers_by_model: Mapping[str, int], pool: str | None = None) -> None:
+        """`pool`: the one of a disaggregated model's two (prefill, decode) that has none."""
         elsewhere = {m: n for m, n in sorted(workers_by_model.items()) if n and m != model}
         fix = (f"models with workers: {', '.join(f'{m} ({n})' for m, n in elsewhere.items())}: name one "
-               "(-m MODEL, or the request's model)" if elsewhere else
+               "(-m MODEL, or the request's model)" if elsewhere and pool is None else
                "register one: kvctl serve --worker ID=tcp://HOST:PORT, or POST /v1/workers")
-        super().__init__(f"model {model!r} has no workers to route to; {fix}", status=503,
+        workers = f"{pool} workers" if pool is not None else "workers"
+        super().__init__(f"model {model!r} has no {workers} to route to; {fix}", status=503,
                          fields={"workers_by_model": elsewhere})
 
 

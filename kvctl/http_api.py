@@ -158,7 +158,8 @@ class Candidate(Struct):
 
 class Decision(Struct):
     """Where a request should go, and why (`reason`: only_candidate, lowest_logit, tie_random or sampled);
-    `candidates` when it was asked to explain; `caveats` when kvctl knows its pick may not be Dynamo's."""
+    `candidates` when it was asked to explain. A disaggregated model's answer is its prefill pick (`role`
+    prefill), with its decode pick, made apart, in `decode` (`role` decode)."""
 
     worker_id: int
     dp_rank: int
@@ -167,7 +168,8 @@ class Decision(Struct):
     request_id: str | None
     reason: str
     candidates: list[Candidate] | UnsetType = UNSET
-    caveats: list[str] | UnsetType = UNSET  # why this pick may not be the one Dynamo's router makes
+    role: str | UnsetType = UNSET  # the pool picked from, on a disaggregated model only
+    decode: Decision | UnsetType = UNSET
 
 
 class PrefillCompleted(Struct):

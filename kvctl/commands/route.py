@@ -8,7 +8,7 @@ bad routing decision came from the cache view or the load.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
@@ -20,9 +20,6 @@ from kvctl.commands.hash import parse_token_text
 from kvctl.core.names import format_worker
 from kvctl.errors import UsageError
 from kvctl.output import Column, OutputFormat, View
-
-if TYPE_CHECKING:
-    from kvctl.http_api import Decision
 
 HELP = (
     "Ask a router which worker a request's token ids would go to, and why. (read-only; read-write with --reserve)\n\n"
@@ -39,17 +36,22 @@ EXAMPLES = (
 )
 
 
-def _decision_row(answer: dict[str, Any]) -> dict[str, Any]:
-    return {**answer, NAME_KEY: format_worker((answer["worker_id"], answer["dp_rank"]))}
+def _picks(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    """The answer's picks: one, or a disaggregated model's prefill pick and then its decode pick."""
+    return [answer, *([answer["decode"]] if answer.get("decode") else [])]
 
 
-_DECISION_VIEW = View(
-    rows=lambda answer: [_decision_row(answer)],
-    columns=[*WORKER_COLUMNS, Column("overlap blocks", "overlap_blocks", justify="right"),
-             Column("required blocks", "required_blocks", justify="right"), Column("request id", "request_id"),
-             Column("reason", "reason")],
-    name_key=NAME_KEY,
-)
+def _decision_view(split: bool) -> View:
+    """One row per pick; a disaggregated model's two rows say which pool each is from."""
+    return View(
+        rows=lambda answer: [{**pick, NAME_KEY: format_worker((pick["worker_id"], pick["dp_rank"]))}
+                             for pick in _picks(answer)],
+        columns=[*([Column("pool", "role")] if split else []), *WORKER_COLUMNS,
+                 Column("overlap blocks", "overlap_blocks", justify="right"),
+                 Column("required blocks", "required_blocks", justify="right"), Column("request id", "request_id"),
+                 Column("reason", "reason")],
+        name_key=NAME_KEY,
+    )
 
 
 def _candidate_rows(answer: dict[str, Any]) -> list[dict[str, Any]]:
@@ -81,10 +83,11 @@ _CANDIDATE_COLUMNS = [
 ]
 
 
-def _explained_view(answer: Decision) -> View:
-    """Every candidate, the chosen one marked `*`, titled with the decision and its reason."""
-    title = (f"routed to {format_worker((answer.worker_id, answer.dp_rank))}: {answer.reason} "
-             f"({answer.overlap_blocks} of {answer.required_blocks} blocks cached)")
+def _explained_view(pick: dict[str, Any]) -> View:
+    """Every candidate of a pick's pool, the chosen one marked `*`, titled with the pick and its reason."""
+    pool = f"{pick['role']} pool " if pick.get("role") else ""
+    title = (f"{pool}routed to {format_worker((pick['worker_id'], pick['dp_rank']))}: {pick['reason']} "
+             f"({pick['overlap_blocks']} of {pick['required_blocks']} blocks cached)")
     return View(rows=_candidate_rows, columns=_CANDIDATE_COLUMNS, name_key=NAME_KEY, title=title)
 
 
@@ -135,11 +138,12 @@ def route_command(
         elif dry_run:
             out.note("dry run: nothing was reserved")
         answer = client.send(call)
-    for caveat in answer.caveats or ():  # on stderr, whatever the format: a pick that may not be Dynamo's
-        out.warn(caveat)
-    shown = {**msgspec.to_builtins(answer), "dry_run": True} if dry_run else answer
-    explained = explain and out.format is not OutputFormat.name  # -o name prints the chosen worker only
-    out.emit(shown, _explained_view(answer) if explained else _DECISION_VIEW)
+    shown = {**msgspec.to_builtins(answer), "dry_run": True} if dry_run else msgspec.to_builtins(answer)
+    if explain and out.format in (OutputFormat.table, OutputFormat.wide):  # a table per pool picked from
+        for pick in _picks(shown):
+            out.emit(pick, _explained_view(pick))
+    else:  # -o name prints the chosen workers only; json and yaml the answer whole
+        out.emit(shown, _decision_view(split="decode" in shown))
 
 
 def _request_numbers(tokens: list[str] | None, file: Path | None, local_hashes: bool, text: str | None,

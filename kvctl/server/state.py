@@ -6,6 +6,7 @@ method takes `now` from the caller, so the server owns the one clock.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -15,9 +16,19 @@ from typing import Any, Protocol
 
 from kvctl import http_api as api
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
+from kvctl.core.events.model_card import disaggregated_roles
 from kvctl.core.events.plane import FREE, PREFILL_COMPLETED, ActiveLoad, ForwardPass
 from kvctl.core.index import Status
-from kvctl.core.names import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, SeqMark, StreamId, WorkerKey, format_worker, selects
+from kvctl.core.names import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MODEL,
+    Role,
+    SeqMark,
+    StreamId,
+    WorkerKey,
+    format_worker,
+    selects,
+)
 from kvctl.core.router.approx import ApproxConfig, ApproxIndexer
 from kvctl.core.router.busy import (
     AllBusy,
@@ -32,7 +43,7 @@ from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, NoCandidates, RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
 from kvctl.core.words import counted
-from kvctl.errors import NoWorkers, UnknownModel
+from kvctl.errors import NoWorkers, Refused, UnknownModel
 from kvctl.server.health import Health
 
 _DEVICE = Tier.device
@@ -166,7 +177,7 @@ class Fleet:
         self.forward_passes: dict[WorkerKey, tuple[ForwardPass, float]] = {}  # the last one of each worker
         self.sequence_listener: SequenceListener | None = None  # told of local add / prefill / free
         # Per model, its workers' roles by their model cards, once it has both prefill and decode workers: a
-        # disaggregated fleet, which Dynamo routes as two pools and kvctl, for now, as one (issue 38).
+        # disaggregated fleet, routed as two pools (`pools`).
         self.disaggregated: dict[str, Counter[str]] = {}
         # told of each worker a reset cleared or an unregister removed: it holds nothing from before now
         self.clear_listeners: list[Callable[[WorkerKey], None]] = []
@@ -342,23 +353,43 @@ class Fleet:
                           kv_used_blocks=report[0].kv_used_blocks if report else None,
                           total_blocks=info.total_blocks if info else None)
 
+    def pools(self, model: str) -> dict[Role, list[WorkerKey]]:
+        """The model's candidates by the pool Dynamo picks each from: one aggregated pool, or, for a disaggregated
+        model, its prefill workers and the rest (decode workers, and any its cards do not make prefill)."""
+        candidates = self.candidates(model)
+        if model not in self.disaggregated:
+            return {Role.aggregated: candidates}
+        workers = self.workers
+        prefill = [w for w in candidates if workers[w].role == Role.prefill]
+        return {Role.prefill: prefill, Role.decode: [w for w in candidates if workers[w].role != Role.prefill]}
+
     def route(self, model: str, *, now: float, **request: Any) -> Decision:
-        """Raises UnknownModel, OverLimit, AllBusy (every worker busy), NoWorkers (no worker registered)."""
+        """A disaggregated model's decision is its prefill pick, its decode pick in `decode`. Raises UnknownModel,
+        OverLimit, AllBusy (every worker of a pool busy), NoWorkers (a pool with no worker), Refused (a
+        disaggregated model asked to reserve)."""
         state = self.model(model)
         self._check_limits(state, request)
+        pools = self.pools(model)
+        if request.get("reserve") and Role.aggregated not in pools:
+            raise Refused(f"model {model!r} is disaggregated ({disaggregated_roles(self.disaggregated[model])}): "
+                          "kvctl does not book a request on two pools yet; route it without reserving", status=409)
         busy = None
         if self.thresholds.get(model) != _NO_THRESHOLDS:  # nothing can be busy without a threshold
             ranks = self.rank_busy(model)
             try:
-                check_admission(model, ranks, self.thresholds.get(model))
+                for pool in pools.values():
+                    check_admission(model, {w: ranks[w] for w in pool}, self.thresholds.get(model))
             except AllBusy:
                 self.all_busy[model] += 1
                 raise
             busy = {w: r.busy for w, r in ranks.items()}
-        try:
-            decision = state.router.route(self.candidates(model), busy=busy, now=now, **request)
-        except NoCandidates:
-            raise NoWorkers(model, Counter(info.model for info in self.workers.values())) from None
+        picks = []
+        for role, pool in pools.items():
+            try:
+                picks.append(state.router.route(pool, busy=busy, now=now, role=role, **request))
+            except NoCandidates:
+                raise NoWorkers(model, Counter(info.model for info in self.workers.values()), role) from None
+        decision = picks[0] if len(picks) == 1 else dataclasses.replace(picks[0], decode=picks[1])
         self.last_route_at = now
         if (chosen := self.workers.get(decision.worker)) is not None:
             chosen.routes += 1

@@ -7,14 +7,16 @@ cards' 32, and the one at 16 is told, CRITICAL, what block size the fleet uses, 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.commands.live_router import kvctl
 from tests.doctor.rig import doctor, findings
-from tests.interop.fleet import Fleet, shared_prefix_load, start_fleet, wait_until, words
+from tests.interop.fleet import VOCAB, Fleet, shared_prefix_load, start_fleet, wait_until, words
 
 ADOPTING, AT_16, APPROXIMATE = "cards", "cards16", "approximate"
 
@@ -64,12 +66,72 @@ def test_roles_and_the_block_size_come_from_the_cards_and_decode_workers_are_sil
     [block_size] = findings(report, "block_size")
     assert block_size["severity"] == "OK" and "model 'tiny'" in block_size["cause"], block_size
     [workers] = findings(report, "workers")
-    assert "disaggregated fleet: by their model cards this model has 2 prefill workers and 2 decode workers" \
-        in workers["cause"]
+    assert "disaggregated fleet: by their model cards this model has 2 prefill workers and 2 decode workers, " \
+        "routed as two pools" in workers["cause"]
     route = httpx.post(f"{url}/v1/route", json={"token_ids": list(range(64))}, timeout=10).json()
-    assert route["caveats"][0].startswith("disaggregated fleet")  # the pick is not Dynamo's, and says so
+    assert (route["role"], route["decode"]["role"]) == ("prefill", "decode")
+    assert route["worker_id"] in prefill and route["decode"]["worker_id"] in decode
+    tokens = [str(t) for t in range(64)]
+    table = kvctl(url, "route", *tokens).stdout.splitlines()  # a row per pick, each naming its pool
+    assert table[0].split()[:2] == ["POOL", "WORKER"] and [row.split()[0] for row in table[1:]] == ["prefill",
+                                                                                                     "decode"]
+    explained = kvctl(url, "route", "--explain", *tokens).stdout
+    assert "prefill pool routed to" in explained and "decode pool routed to" in explained
+    assert kvctl(url, "route", "--reserve", "--request-id", "r", "--yes", *tokens).exit_code == 1
     stats = httpx.get(f"{url}/v1/tree/stats", timeout=10).json()["models"]["default"]
     assert stats["block_size"] == 32 and sum(stats["workers"].values()) > 0  # the cards' size, and it indexes
+
+
+def test_twenty_prompts_get_the_frontends_prefill_and_decode_picks(disaggregated: Fleet) -> None:
+    """The issue-38 acceptance on the ZMQ plane. Twenty prompts, one after another, each one of four 4-block
+    prefixes then a 2-block suffix of its own, sent through the frontend as chats; before each, kvctl explains the
+    same prompt. The frontend's prefill pick must be among kvctl's lowest prefill logits, at the logit it logged,
+    and so must its decode pick among kvctl's decode logits. A prompt's prefix was stored four prompts before it,
+    so both routers have long since seen the events its overlap depends on; kvctl is first made to show the
+    previous prompt's blocks, so nothing it missed can pass as a different pick."""
+    url, b = disaggregated.routers[ADOPTING].url, disaggregated.block_size
+    frontend = disaggregated.frontend
+    # Prefixes that start where no earlier test's prompt does (theirs start at multiples of 192).
+    prefixes = [list(range(50 + p * 4 * b, 50 + (p + 1) * 4 * b)) for p in range(4)]
+    prompts = [prefixes[i % 4] + list(range(i * 2 * b, (i + 1) * 2 * b)) for i in range(20)]
+
+    def explained(prompt: list[int]) -> dict[str, Any]:
+        tokens = [t % VOCAB + 3 for t in prompt]  # what words() turns into
+        return httpx.post(f"{url}/v1/route", json={"token_ids": tokens, "explain": True}, timeout=10).json()
+
+    def lowest(pick: dict[str, Any]) -> dict[int, float]:
+        logits = {c["worker_id"]: c["logit"] for c in pick["candidates"]}
+        return {w: v for w, v in logits.items() if v == min(logits.values())}
+
+    def cached(prompt: list[int]) -> bool:
+        return max(c["overlap_blocks"] for c in explained(prompt)["candidates"]) == 6
+
+    def picked(after: int) -> list[tuple[int, int, str, float]] | None:
+        made = frontend.decisions()[after:]
+        return made if len(made) >= 2 else None
+
+    wait_until(lambda: "decode" in explained(prompts[0]) or None, "kvctl routing the fleet as two pools, by its "
+               "cards", timeout=30, procs=disaggregated.procs)
+    seen = []
+    with httpx.Client(base_url=disaggregated.frontend_url, timeout=60) as client:
+        for i, prompt in enumerate(prompts):
+            if i:  # the previous prompt's six blocks in kvctl's index
+                wait_until(partial(cached, prompts[i - 1]), f"kvctl seeing prompt {i - 1}'s blocks", timeout=30,
+                           procs=disaggregated.procs)
+            answer = explained(prompt)
+            before = len(frontend.decisions())
+            body = {"model": disaggregated.model, "messages": [{"role": "user", "content": words(prompt)}],
+                    "max_tokens": 1}
+            client.post("/v1/chat/completions", json=body).raise_for_status()
+            made = wait_until(partial(picked, before), f"the frontend's two picks for prompt {i}", timeout=30,
+                              procs=disaggregated.procs)
+            picks = {kind: (worker, logit) for worker, _, kind, logit in made[:2]}
+            for kind, pick in (("prefill", answer), ("decode", answer["decode"])):
+                worker, logit = picks[kind]
+                assert lowest(pick).get(worker) == logit, (i, kind, picks[kind], pick["candidates"])
+            seen.append((answer["overlap_blocks"], picks["prefill"][1], picks["decode"][1]))
+    # Cold prefixes, then each one cached: 6 blocks to prefill, then 2; a decode pick weighs the 6 blocks alone.
+    assert seen[:4] == [(0, 6.0, 6.0)] * 4 and set(seen[4:]) == {(4, 2.0, 6.0)}, seen
 
 
 def test_a_router_at_another_block_size_than_the_cards_is_critical(disaggregated: Fleet) -> None:

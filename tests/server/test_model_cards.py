@@ -69,25 +69,32 @@ def test_a_card_gives_its_worker_a_role_and_a_capacity_unless_one_was_set() -> N
     assert (two.role, two.publishes_kv_events, two.total_blocks) == ("aggregated", True, 40)
 
 
-async def test_a_route_on_a_disaggregated_fleet_says_its_pick_is_not_dynamos() -> None:
+async def test_a_route_on_a_disaggregated_fleet_picks_from_each_pool_apart() -> None:
+    """Once the cards make the model disaggregated, a route answers Dynamo's two picks: the prefill pool's, with
+    no decode term, and the decode pool's, with no overlap credit and no prefill term (issue 38)."""
     records = captured()
     (key, value), (other_key, other) = records.items()
     records[key] = json.dumps(rewritten(value, worker_type="decode")).encode()
     records[other_key] = json.dumps(rewritten(other, worker_type="prefill")).encode()
+    decode, prefill = (json.loads(records[k])["instance_id"] for k in (key, other_key))
     fleet = Fleet()
-    for record in records.values():
-        fleet.register(WorkerInfo(json.loads(record)["instance_id"], 0, "default"))
+    for worker in (decode, prefill):
+        fleet.register(WorkerInfo(worker, 0, "default"))
+    body = {"token_ids": list(range(64)), "explain": True}
     app = create_app(fleet)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
-        before = (await client.post("/v1/route", json={"token_ids": list(range(64))})).json()
+        before = (await client.post("/v1/route", json=body)).json()
         book = CardBook(None, None)
         book.read(records)
         book.apply(fleet)
-        after = (await client.post("/v1/route", json={"token_ids": list(range(64))})).json()
-    assert "caveats" not in before
-    [caveat] = after["caveats"]
-    assert caveat.startswith("disaggregated fleet: by their model cards this model has 1 prefill worker and 1 "
-                             "decode worker; kvctl scores them as one pool, so its pick is not Dynamo's")
+        after = (await client.post("/v1/route", json=body)).json()
+        reserved = await client.post("/v1/route", json={**body, "request_id": "r", "reserve": True})
+    assert "decode" not in before and "role" not in before and len(before["candidates"]) == 2
+    assert (after["role"], after["worker_id"], [c["logit"] for c in after["candidates"]]) == ("prefill", prefill, [4.0])
+    split = after["decode"]
+    assert (split["role"], split["worker_id"], [c["logit"] for c in split["candidates"]]) == ("decode", decode, [4.0])
+    assert reserved.status_code == 409 and "disaggregated (1 prefill worker and 1 decode worker)" in \
+        reserved.json()["error"]
     assert dict(fleet.disaggregated["default"]) == {"prefill": 1, "decode": 1}
 
 

@@ -22,7 +22,7 @@ from kvctl.core.doctor.findings import (
     worst_first,
 )
 from kvctl.core.doctor.health import check_health
-from kvctl.core.events.model_card import disaggregated_caveat
+from kvctl.core.events.model_card import disaggregated_roles
 from kvctl.core.names import DEFAULT_MODEL
 from kvctl.core.router.busy import THRESHOLD_FIELDS, BusyTracker, Thresholds, WorkerLoad
 from kvctl.core.words import counted
@@ -48,7 +48,8 @@ def check_registration(status: Mapping[str, Any], workers: Sequence[Mapping[str,
         if row.get("role"):
             roles.setdefault(row["model"], Counter())[row["role"]] += 1
     split = {model: counts for model, counts in roles.items() if counts["prefill"] and counts["decode"]}
-    caveat = "".join(f"; model {model!r}: {disaggregated_caveat(counts)}" for model, counts in split.items())
+    caveat = "".join(f"; model {model!r}: disaggregated fleet: by their model cards this model has "
+                     f"{disaggregated_roles(counts)}, routed as two pools" for model, counts in split.items())
     return [Finding("workers", Severity.OK, f"{counted(len(workers), 'worker')} registered{caveat}",
                     {"workers_by_model": by_model, **({"disaggregated": {m: dict(c) for m, c in split.items()}}
                                                       if split else {})})]

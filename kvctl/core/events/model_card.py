@@ -55,14 +55,11 @@ class ModelCard:
         return range(self.dp_start, self.dp_start + self.dp_size)
 
 
-def disaggregated_caveat(roles: Mapping[str, int]) -> str:
-    """What a route answer and doctor say of a model whose cards give it prefill and decode workers: kvctl scores
-    them as one aggregated pool, where Dynamo makes two picks (issue 38)."""
+def disaggregated_roles(roles: Mapping[str, int]) -> str:
+    """A disaggregated model's pools as its cards give them: "2 prefill workers and 2 decode workers"."""
     prefill, decode = counted(roles.get("prefill", 0), "prefill worker"), counted(roles.get("decode", 0),
                                                                                  "decode worker")
-    return (f"disaggregated fleet: by their model cards this model has {prefill} and {decode}; kvctl scores them "
-            "as one pool, so its pick is not Dynamo's (Dynamo picks a prefill worker without the decode term, then "
-            "a decode worker)")
+    return f"{prefill} and {decode}"
 
 
 def parse_model_card(data: bytes | str) -> ModelCard:

@@ -79,7 +79,8 @@ class Router:
             new_blocks, booked = (lambda w: sequences.new_prompt_blocks(w, seq)) if loads else n_blocks, seq
         scores = score(candidates, matches, loads, new_blocks, isl_tokens=isl, block_size=b, config=config,
                        busy=busy)
-        decision = decide(scores, isl_tokens=isl, block_size=b, temperature=config.router_temperature, rng=self.rng)
+        decision = decide(scores, isl_tokens=isl, block_size=b, temperature=config.router_temperature, rng=self.rng,
+                          role=role)
         if reserve:
             if request_id is None:
                 raise ValueError("reserve needs a request_id")

@@ -190,12 +190,17 @@ class Scores:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """A pick from one pool (`role`). A disaggregated model's decision is its prefill pick, with the decode pick
+    made apart in `decode`, as Dynamo's frontend makes both."""
+
     worker: WorkerKey
     overlap_blocks: int
     effective_overlap: float
     required_blocks: int
     reason: Reason
     scores: Scores
+    role: Role = Role.aggregated
+    decode: Decision | None = None
 
     @property
     def candidates(self) -> list[Candidate]:
@@ -326,7 +331,8 @@ def _sample(logits: list[float], temperature: float, rng: random.Random) -> int:
     return rng.choices(range(n), weights=[math.exp(-(v - low) / (spread * temperature)) for v in logits])[0]
 
 
-def decide(scores: Scores, *, isl_tokens: int, block_size: int, temperature: float, rng: random.Random) -> Decision:
+def decide(scores: Scores, *, isl_tokens: int, block_size: int, temperature: float, rng: random.Random,
+           role: Role = Role.aggregated) -> Decision:
     i, reason = select(scores, temperature, rng)
     return Decision(scores.workers[i], scores.overlap[i], scores.effective[i], -(-isl_tokens // block_size), reason,
-                    scores)
+                    scores, role)

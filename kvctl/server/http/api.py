@@ -31,10 +31,9 @@ from kvctl import __version__
 from kvctl import http_api as api
 from kvctl.core import native
 from kvctl.core.events import Tier
-from kvctl.core.events.model_card import disaggregated_caveat
-from kvctl.core.names import DEFAULT_MODEL, format_worker, parse_worker
+from kvctl.core.names import DEFAULT_MODEL, Role, format_worker, parse_worker
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError, Thresholds
-from kvctl.core.router.scoring import CREDITED_TIERS, BadKnob, Candidate
+from kvctl.core.router.scoring import CREDITED_TIERS, BadKnob, Candidate, Decision
 from kvctl.core.words import counted
 from kvctl.errors import ApiError
 from kvctl.server.http.bodies import (
@@ -172,14 +171,19 @@ class _Routing:
             return _error_bytes(422, f"invalid route request: {exc}")
         self._unobserved.append((body.model, time.perf_counter() - started, min(
             1.0, decision.overlap_blocks / decision.required_blocks) if decision.required_blocks else None))
-        out = api.Decision(decision.worker[0], decision.worker[1], decision.overlap_blocks, decision.required_blocks,
-                           body.request_id, decision.reason.value)
-        if body.explain:
-            out.candidates = [_candidate(c) for c in decision.candidates]
-        roles = self.fleet.disaggregated.get(body.model or DEFAULT_MODEL) if self.fleet.disaggregated else None
-        if roles is not None:
-            out.caveats = [disaggregated_caveat(roles)]
-        return 200, _dumps(out)
+        return 200, _dumps(_decision(decision, body.request_id, body.explain))
+
+
+def _decision(decision: Decision, request_id: str | None, explain: bool) -> api.Decision:
+    out = api.Decision(decision.worker[0], decision.worker[1], decision.overlap_blocks, decision.required_blocks,
+                       request_id, decision.reason.value)
+    if explain:
+        out.candidates = [_candidate(c) for c in decision.candidates]
+    if decision.role is not Role.aggregated:
+        out.role = decision.role.value
+    if decision.decode is not None:
+        out.decode = _decision(decision.decode, request_id, explain)
+    return out
 
 
 def _candidate(row: Candidate) -> api.Candidate:
