@@ -130,8 +130,8 @@ class NoWorkers(Refused):
         fix = (f"models with workers: {', '.join(f'{m} ({n})' for m, n in elsewhere.items())}: name one "
                "(-m MODEL, or the request's model)" if elsewhere and pool is None else
                "register one: kvctl serve --worker ID=tcp://HOST:PORT, or POST /v1/workers")
-        workers = f"{pool} workers" if pool is not None else "workers"
-        super().__init__(f"model {model!r} has no {workers} to route to; {fix}", status=503,
+        kind = "workers" if pool is None else f"workers in its {pool} pool"
+        super().__init__(f"model {model!r} has no {kind} to route to; {fix}", status=503,
                          fields={"workers_by_model": elsewhere})
 
 

@@ -388,7 +388,8 @@ class Fleet:
             try:
                 picks.append(state.router.route(pool, busy=busy, now=now, role=role, **request))
             except NoCandidates:
-                raise NoWorkers(model, Counter(info.model for info in self.workers.values()), role) from None
+                raise NoWorkers(model, Counter(info.model for info in self.workers.values()),
+                                None if role is Role.aggregated else role) from None
         decision = picks[0] if len(picks) == 1 else dataclasses.replace(picks[0], decode=picks[1])
         self.last_route_at = now
         if (chosen := self.workers.get(decision.worker)) is not None:
