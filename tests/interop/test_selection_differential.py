@@ -14,6 +14,8 @@ or a `--router-policy-config` YAML (DYN_ROUTER_POLICY_CONFIG); per request, the 
   tied set (ties are uniform in both); above temperature 0, every draw's logit is kvctl's for that rank;
 - after reservations, prefill completions and frees: each rank's booked prefill tokens, active blocks and
   active requests (`loads`).
+The `decode_pool` scenarios give the service the config kvctl prices a disaggregated fleet's decode pool with
+(no overlap credit, no prefill tokens, no KV reuse: booked blocks are never shared).
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ import zmq
 from kvctl.core.events.engine import decode_engine_batch
 from kvctl.core.events.engine_encode import VLLM, AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, encode_batch
 from kvctl.core.events.types import Tier
-from kvctl.core.hashing import local_block_hashes, sequence_hashes
-from kvctl.core.names import WorkerKey
+from kvctl.core.hashing import local_block_hashes
+from kvctl.core.names import Role, WorkerKey
 from kvctl.core.router.policy_config import PolicyConfigError, parse_policy_config
 from kvctl.core.router.router import Router
-from kvctl.core.router.scoring import RouterConfig, score
+from kvctl.core.router.scoring import Decision, RouterConfig
 from tests.interop.fleet import REQUIRE_INTEROP
 
 try:
@@ -105,6 +107,9 @@ class Scenario:
     prefill_done: list[str] = field(default_factory=list)
     free: list[str] = field(default_factory=list)
     draws: int = 3
+    # A disaggregated fleet's pool: kvctl prices it with RouterConfig.for_pool, and the service is given that
+    # config. Only the decode pool's: the 1.6.1 service has no worker type and ignores track_active_blocks.
+    pool: Role = Role.aggregated
 
 
 SENTINEL = tokens(64, base=900_000)
@@ -192,7 +197,15 @@ SCENARIOS = [
              draws=12),
     Scenario("temperature_high", {1: 1, 2: 1, 3: 1}, TIERS, P, knobs={"router_temperature": 2.0}, draws=12),
     Scenario("policy_yaml", {1: 1, 2: 1, 3: 1}, TIERS, P, policy=POLICY, reserve=LOADED),
+    Scenario("decode_pool", {1: 1, 2: 1, 3: 1}, TIERS, P, pool=Role.decode, draws=24),
+    Scenario("decode_pool_loaded", {1: 1, 2: 1, 3: 1}, TIERS, P, pool=Role.decode,
+             reserve=[*LOADED, ("r4", P, (2, 0))], free=["r3"], draws=24),
+    Scenario("decode_pool_request_weight", {1: 2, 2: 1}, DP_EVENTS[:2], P, pool=Role.decode,
+             knobs={"decode_active_request_weight": 2}, reserve=[("d1", Q, (1, 0)), ("d2", P[:8], (1, 1))]),
 ]
+POOL_ENV = {"overlap_score_credit": "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",
+            "track_prefill_tokens": "DYN_ROUTER_TRACK_PREFILL_TOKENS", "assume_kv_reuse": "DYN_ROUTER_ASSUME_KV_REUSE"}
+"""What `RouterConfig.for_pool` changes -> the variable the service reads it from."""
 
 
 # ----- the two sides ------------------------------------------------------------------------------------
@@ -235,6 +248,9 @@ def stderr_log() -> Iterator[StderrLog]:
 def dynamo_env(sc: Scenario, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     for knob, value in sc.knobs.items():
         monkeypatch.setenv(ENV[knob], str(value).lower())
+    pool = kvctl_config(sc).for_pool(sc.pool)
+    for knob, variable in POOL_ENV.items() if sc.pool is not Role.aggregated else ():
+        monkeypatch.setenv(variable, str(getattr(pool, knob)).lower())
     if sc.policy is not None:
         path = tmp_path / "policy.yaml"
         path.write_text(sc.policy)
@@ -320,7 +336,8 @@ class Side:
         for sid, prompt, worker in self.sc.reserve:
             await self.service.select_and_reserve(self.request(prompt, selection_id=sid, pinned_worker={
                 "worker_id": worker[0], "dp_rank": worker[1]}))
-            self.router.route([worker], token_ids=prompt, request_id=sid, reserve=True, overrides=self.sc.override)
+            self.router.route([worker], token_ids=prompt, request_id=sid, reserve=True, overrides=self.sc.override,
+                              role=self.sc.pool)
         for sid in self.sc.prefill_done:
             await self.service.prefill_complete(sid)
             assert self.router.sequences.mark_prefill_completed(sid)
@@ -328,15 +345,13 @@ class Side:
             await self.service.free_reservation(sid)
             assert self.router.sequences.free(sid)
 
+    def route(self, candidates: list[WorkerKey]) -> Decision:
+        """kvctl's own routing path, for the scenario's prompt and pool."""
+        return self.router.route(candidates, token_ids=self.sc.prompt, overrides=self.sc.override, role=self.sc.pool)
+
     def kvctl_scores(self, candidates: list[WorkerKey]) -> tuple[dict[WorkerKey, float], dict[WorkerKey, float]]:
         """kvctl's logits and effective overlaps over `candidates`, priced as its router prices a route."""
-        r, sc = self.router, self.sc
-        local = self.local()
-        seq = sequence_hashes(local)
-        config = r.config.override(**sc.override)
-        s = score(candidates, r.index.find_matches(local), r.sequences.loads(),
-                  lambda w: r.sequences.new_prompt_blocks(w, seq), isl_tokens=len(sc.prompt),
-                  block_size=sc.block_size, config=config)
+        s = self.route(candidates).scores
         return dict(zip(candidates, s.logit, strict=True)), dict(zip(candidates, s.effective, strict=True))
 
     async def pinned(self, worker: WorkerKey) -> tuple[float, float]:
@@ -403,13 +418,12 @@ async def _compare(side: Side) -> None:
         assert abs(eff[w] - effective) <= 5e-3 + 1e-9, (w, eff[w], effective)
     groups = [[w for w in side.candidates if w[0] == wid] for wid in sorted(sc.workers)]
     for group in [*groups, side.candidates] if temperature == 0 else [side.candidates]:
-        first = side.router.route(group, token_ids=sc.prompt, overrides=sc.override)  # kvctl's own routing path
+        first = side.route(group)
         logits = dict(zip(first.scores.workers, first.scores.logit, strict=True))
         lowest = {w for w, v in logits.items() if v == min(logits.values())}
         allowed = None if group is side.candidates else [group[0][0]]
         draws = sc.draws if group is side.candidates or len(lowest) > 1 else 1
-        mine = {first.worker, *(side.router.route(group, token_ids=sc.prompt, overrides=sc.override).worker
-                                for _ in range(draws - 1))}
+        mine = {first.worker, *(side.route(group).worker for _ in range(draws - 1))}
         seen = set()
         for _ in range(draws):
             worker, logit = await side.chosen(allowed)
