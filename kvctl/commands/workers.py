@@ -65,6 +65,7 @@ _VIEW = View(
     columns=[
         *WORKER_COLUMNS,
         Column("model", "model"),
+        Column("role", "role"),
         Column("endpoint", "endpoint"),
         Column("blocks", "blocks", justify="right"),
         Column("active decode blocks", "active_decode_blocks", justify="right"),

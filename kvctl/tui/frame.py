@@ -47,6 +47,7 @@ class WorkerRow:
     route_share: float | None  # of the routes decided since the previous poll; None: unknown
     queued: int | None  # requests waiting at the worker, from its last forward pass (Dynamo); None: no report
     marks: tuple[Mark, ...]
+    role: str | None  # from its model card: aggregated, prefill or decode; None: no card
     raw: dict[str, Any] = field(compare=False)  # the worker's /v1/workers row, and its stream row under "stream"
 
     @property
@@ -58,7 +59,8 @@ class WorkerRow:
                 "blocks": self.blocks, "active_decode_blocks": self.active_decode_blocks,
                 "active_prefill_tokens": self.active_prefill_tokens, "busy": self.busy,
                 "last_event_age_s": self.last_event_age_s, "gaps": self.gaps, "decode_errors": self.decode_errors,
-                "route_share": self.route_share, "queued": self.queued, "marks": [m.value for m in self.marks]}
+                "route_share": self.route_share, "queued": self.queued, "marks": [m.value for m in self.marks],
+                "role": self.role}
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +135,9 @@ def _marks(worker: dict[str, Any], stream: dict[str, Any] | None) -> tuple[Mark,
         marks.append(Mark.busy)
     if stream is not None and (stream.get("gapped") or stream.get("lost_batches")):
         marks.append(Mark.gapped)
-    if is_silent(age):  # the doctor's rule: an engine that stopped publishing looks idle in every other column
+    # The doctor's rule: an engine that stopped publishing looks idle in every other column. One whose model card
+    # says it publishes no KV events (a disaggregated fleet's decode worker) is silent by design, not marked.
+    if is_silent(age) and worker.get("publishes_kv_events") is not False:
         marks.append(Mark.silent)
     return tuple(marks)
 
@@ -168,7 +172,7 @@ def _workers(before: Poll | None, after: Poll) -> tuple[WorkerRow, ...]:
             gaps=None if stream is None else stream["gaps"],
             decode_errors=None if stream is None else sum((stream.get("decode_errors") or {}).values()),
             route_share=shares.get(key), queued=_queued(w.get("forward_pass")), marks=_marks(w, stream),
-            raw={**w, "stream": stream}))
+            role=w.get("role"), raw={**w, "stream": stream}))
     return tuple(rows)
 
 

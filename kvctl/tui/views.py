@@ -56,7 +56,8 @@ def size(n: int | None) -> str:
 def worker_cells(row: WorkerRow) -> dict[str, str]:
     """A worker row as the strings its cells show, by column key."""
     return {
-        "name": row.key, "model": row.model, "blocks": count(row.blocks),
+        "name": row.key, "model": row.model if row.role in (None, "aggregated") else f"{row.model} ({row.role})",
+        "blocks": count(row.blocks),
         "active_decode_blocks": count(row.active_decode_blocks),
         "active_prefill_tokens": count(row.active_prefill_tokens), "busy": "yes" if row.busy else "no",
         "last_event": age(row.last_event_age_s) or "never", "gaps": count(row.gaps),

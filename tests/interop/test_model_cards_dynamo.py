@@ -71,6 +71,9 @@ def test_roles_and_the_block_size_come_from_the_cards_and_decode_workers_are_sil
     route = httpx.post(f"{url}/v1/route", json={"token_ids": list(range(64))}, timeout=10).json()
     assert (route["role"], route["decode"]["role"]) == ("prefill", "decode")
     assert route["worker_id"] in prefill and route["decode"]["worker_id"] in decode
+    rows_shown = [row.split() for row in kvctl(url, "workers").stdout.splitlines()[1:]]  # WORKER DP MODEL ROLE …
+    listed = {int(row[0]): row[3] for row in rows_shown}
+    assert {listed[w] for w in prefill} == {"prefill"} and {listed[w] for w in decode} == {"decode"}
     tokens = [str(t) for t in range(64)]
     table = kvctl(url, "route", *tokens).stdout.splitlines()  # a row per pick, each naming its pool
     assert table[0].split()[:2] == ["POOL", "WORKER"] and [row.split()[0] for row in table[1:]] == ["prefill",

@@ -11,6 +11,7 @@ from kvctl.core.doctor import Limits, check_silent
 from kvctl.core.silence import SILENT_AFTER_S
 from kvctl.tui.frame import SORTS, FrameBuilder, Mark, arrange, next_sort
 from kvctl.tui.poll import EVENTS, PREDICTED_COUNT, PREDICTED_SUM, ROUTES, Poll, router_counters
+from kvctl.tui.views import worker_cells
 from tests.tui.fake import fleet
 
 
@@ -73,6 +74,17 @@ def test_top_and_doctor_call_a_worker_silent_at_the_same_age() -> None:
     in_top = {f"{w.worker_id}:0" for w in frame.workers if Mark.silent in w.marks}
     [finding] = check_silent({"models": {}, "streams": []}, workers, Limits())
     assert set(finding.evidence["workers"]) == in_top == {"4:0", "5:0", "6:0"}
+
+
+def test_a_decode_worker_silent_by_design_is_shown_with_its_role_and_not_marked() -> None:
+    """A disaggregated fleet's decode workers publish no KV events (their cards say so): top names their pool and
+    does not mark them silent, as doctor does not; a prefill worker that stopped publishing is still marked."""
+    workers = [_worker(1, role="prefill", publishes_kv_events=True, last_event_age_s=None),
+               _worker(2, role="decode", publishes_kv_events=False, last_event_age_s=None), _worker(3)]
+    frame = FrameBuilder("r").update(_poll(0.0, {}, workers))
+    assert {w.worker_id: w.marks for w in frame.workers} == {1: (Mark.silent,), 2: (), 3: ()}
+    assert [worker_cells(w)["model"] for w in frame.workers] == ["default (prefill)", "default (decode)", "default"]
+    assert [w.to_dict()["role"] for w in frame.workers] == ["prefill", "decode", None]
 
 
 def test_share_of_routes_is_of_the_routes_decided_since_the_previous_poll() -> None:
