@@ -46,7 +46,8 @@ async def test_an_oversized_frame_is_counted_and_the_stream_carries_on(decoder: 
         await engine.subscribed()
         await engine.publish(0, b"\x91" + b"x" * (4 * LIMIT))  # refused before it is taken in: never decoded
         await engine.subscribed(timeout=10)  # subscribed again: the router made the connection again
-        assert too_large(fleet) == 1
+        # Counted at once inline; the decoder process tells the router after it connects again, so wait for it.
+        await eventually_async(lambda: too_large(fleet), "the refusal counted", until=lambda n: n == 1)
         await engine.publish(1, BATCH)
         (row,) = await eventually_async(streams.status, "the next batch applied", until=lambda r: r[0]["events"] == 1)
         assert row["state"] == "running" and row["decode_errors"] == {}
