@@ -156,6 +156,16 @@ class Candidate(Struct):
     busy: bool
 
 
+class Queued(Struct):
+    """Why Dynamo's frontend would hold a request in its router queue before dispatching it (kvctl holds none):
+    every rank's prefill tokens in flight, over `threshold` times its max batched tokens (`over`: per rank,
+    `active_prefill_tokens_frac TOKENS > LIMIT`)."""
+
+    policy: str
+    threshold: float
+    over: dict[str, str]
+
+
 class Decision(Struct):
     """Where a request should go, and why (`reason`: only_candidate, lowest_logit, tie_random or sampled);
     `candidates` when it was asked to explain. A disaggregated model's answer is its prefill pick (`role`
@@ -170,6 +180,7 @@ class Decision(Struct):
     candidates: list[Candidate] | UnsetType = UNSET
     role: str | UnsetType = UNSET  # the pool picked from, on a disaggregated model only
     decode: Decision | UnsetType = UNSET
+    queued: Queued | UnsetType = UNSET  # with --router-queue-threshold, when the frontend would queue it
 
 
 class PrefillCompleted(Struct):
@@ -209,7 +220,8 @@ class Worker(Struct):
     """One (worker, dp_rank) the router knows. `reported` and `forward_pass`: what it said of itself on an event
     plane (null otherwise); `event_plane`, with an event plane, where its events come from. `restored`: known
     only from the state dir, nothing heard since the router started (`last_event_age_s` is then null). `role`
-    (aggregated, prefill, decode) and `publishes_kv_events`: from its model card, null without one."""
+    (aggregated, prefill, decode), `publishes_kv_events` and `max_num_batched_tokens`: from its model card, null
+    without one."""
 
     worker_id: int
     dp_rank: int
@@ -234,6 +246,7 @@ class Worker(Struct):
     restored: bool = False
     role: str | None = None
     publishes_kv_events: bool | None = None
+    max_num_batched_tokens: int | None = None  # from its model card: the prefill busy and queue limits' unit
 
 
 class Workers(Struct):

@@ -52,14 +52,10 @@ FLAGS: dict[str, DynamoFlag] = {
                                          why=f"keyed tracking hashes are {_NOT_YET}"),
     "--router-approximate-cache-policy": DynamoFlag(None, value=True, same=frozenset({"ttl"}),
                                                     why=f"the lru policy is {_NOT_YET}; --approximate is ttl"),
-    "--router-queue-policy": DynamoFlag(None, value=True, same=frozenset({"fcfs", "wspt"}),
-                                        why="the policies are fcfs and wspt"),  # no queue without a threshold
     "--router-prefill-load-model": DynamoFlag(None, value=True, same=frozenset({"none"}),
                                               why=f"the ais prefill load model is {_NOT_YET}"),
     "--shared-cache-type": DynamoFlag(None, value=True, same=frozenset({"none"}), why=f"shared caches are {_NOT_YET}"),
     # would change decisions kvctl cannot make yet: refused
-    "--router-queue-threshold": DynamoFlag(None, value=True, why=f"the router queue is {_NOT_YET}: kvctl answers "
-                                                                 "every route at once"),
     "--router-tracking-key-file": DynamoFlag(None, value=True, why=f"keyed tracking hashes are {_NOT_YET}"),
     "--router-tracking-key-id": DynamoFlag(None, value=True, why=f"keyed tracking hashes are {_NOT_YET}"),
     "--router-session-affinity-ttl-secs": DynamoFlag(None, value=True, why=f"session affinity is {_NOT_YET}"),

@@ -18,6 +18,7 @@ from kvctl.commands._options import JsonOpt, OutputOpt, YesOpt, confirm, output_
 from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number
 from kvctl.commands.hash import parse_token_text
 from kvctl.core.names import format_worker
+from kvctl.core.words import counted
 from kvctl.errors import UsageError
 from kvctl.output import Column, OutputFormat, View
 
@@ -139,6 +140,13 @@ def route_command(
             out.note("dry run: nothing was reserved")
         answer = client.send(call)
     shown = {**msgspec.to_builtins(answer), "dry_run": True} if dry_run else msgspec.to_builtins(answer)
+    for pick in _picks(shown):  # on stderr, whatever the format: a pick the frontend would not act on at once
+        if queued := pick.get("queued"):
+            pool = f"{pick['role']} " if pick.get("role") else ""
+            out.warn(f"Dynamo's frontend would hold this request in its {pool}router queue (policy "
+                     f"{queued['policy']}): each of the pool's {counted(len(queued['over']), 'rank')} has more "
+                     f"prefill tokens in flight than {queued['threshold']:g} x its max batched tokens; the pick "
+                     "shown is the one it would make now")
     if explain and out.format in (OutputFormat.table, OutputFormat.wide):  # a table per pool picked from
         for pick in _picks(shown):
             out.emit(pick, _explained_view(pick))

@@ -20,6 +20,7 @@ from kvctl.commands._nats import (
 )
 from kvctl.commands._serve_planes import peer_limits, router_id_of, zmq_options
 from kvctl.core.names import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, parse_worker
+from kvctl.core.router.queue import QueuePolicy, RouterQueue
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.nats.connection import PENDING_BYTES, PENDING_MSGS
@@ -295,6 +296,14 @@ def serve_command(
     prefill_frac: Annotated[float | None, typer.Option(
         "--active-prefill-tokens-threshold-frac", envvar="KVCTL_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",
         show_default=False, help="Busy above this multiple (0 to 1e6) of max batched tokens in flight.")] = None,
+    queue_threshold: Annotated[float | None, typer.Option(
+        "--router-queue-threshold", envvar=["KVCTL_ROUTER_QUEUE_THRESHOLD", "DYN_ROUTER_QUEUE_THRESHOLD"],
+        show_default=False, help="The frontend's router queue (Dynamo's flag): each route says whether the frontend "
+        "would hold it, every rank being over this fraction of its max batched tokens. kvctl holds no request.")]
+    = None,
+    queue_policy: Annotated[QueuePolicy, typer.Option(
+        "--router-queue-policy", envvar=["KVCTL_ROUTER_QUEUE_POLICY", "DYN_ROUTER_QUEUE_POLICY"],
+        help="The order the frontend's queue dispatches in, named in the routes' verdicts.")] = QueuePolicy.fcfs,
     approximate: Annotated[bool, typer.Option("--approximate", envvar="KVCTL_APPROXIMATE",
                                               help="No KV events: index the router's own decisions.")] = False,
     router_ttl: Annotated[float, typer.Option("--router-ttl", envvar="KVCTL_ROUTER_TTL",
@@ -489,6 +498,7 @@ def serve_command(
             "router_temperature": temperature, "track_prefill_tokens": track_prefill_tokens},
             overlap_score_weight, tier_credits, policy_config)
         thresholds = Thresholds(decode_threshold, prefill_threshold, prefill_frac)
+        queue = RouterQueue(queue_threshold, queue_policy) if queue_threshold is not None else None
         approx = None
         if approximate:  # the index's code loads after the port opens, unless this mode needs it to check flags
             from kvctl.core.router.approx import ApproxConfig
@@ -547,7 +557,8 @@ def serve_command(
                            snapshot_interval_s=snapshot_interval, compact_log_bytes=compact_log_bytes,
                            state_log_backlog=state_log_backlog,
                            restore=not no_restore, reset_states=reset_states,
-                           router=router, thresholds=thresholds, approx=approx, request_expiry_s=request_expiry,
+                           router=router, thresholds=thresholds, queue=queue, approx=approx,
+                           request_expiry_s=request_expiry,
                            models=models, nats=nats, zmq_plane=zmq_plane, queue_batches=queue_batches,
                            max_body_bytes=max_body_bytes, decoder=decoder, max_engines=max_engines,
                            max_zmq_message_bytes=max_zmq_message_bytes,

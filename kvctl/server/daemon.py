@@ -35,6 +35,7 @@ import zmq.asyncio
 from kvctl.core.names import DEFAULT_BLOCK_SIZE
 from kvctl.core.router.approx import ApproxConfig
 from kvctl.core.router.busy import Thresholds
+from kvctl.core.router.queue import RouterQueue
 from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.core.words import counted
@@ -154,6 +155,7 @@ class ServeOptions:
     reset_states: bool = False
     router: RouterConfig = field(default_factory=RouterConfig)
     thresholds: Thresholds = field(default_factory=Thresholds)
+    queue: RouterQueue | None = None  # the frontend's router queue (--router-queue-threshold): its verdict per pick
     approx: ApproxConfig | None = None  # approximate mode: no KV events, the router indexes its decisions
     request_expiry_s: float = EXPIRY_S
     models: list[Any] = field(default_factory=list)  # config_file.ModelSpec, declared before anything else
@@ -178,7 +180,8 @@ async def run(options: ServeOptions, sock: socket.socket, announce: Callable[[st
     this module loads), and `announce` its URL once the server takes them."""
     notifier = Notifier.from_environment()  # first: no child process may inherit NOTIFY_SOCKET
     fleet = Fleet(block_size=options.block_size, config=options.router, thresholds=options.thresholds,
-                  approx=options.approx, request_expiry_s=options.request_expiry_s, limits=options.limits)
+                  approx=options.approx, request_expiry_s=options.request_expiry_s, limits=options.limits,
+                  queue=options.queue)
     for spec in options.models:
         fleet.add_model(spec.name, block_size=spec.block_size, config=options.router.override(**spec.router))
         if spec.thresholds:

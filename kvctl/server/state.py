@@ -39,6 +39,7 @@ from kvctl.core.router.busy import (
     WorkerLoad,
     check_admission,
 )
+from kvctl.core.router.queue import RouterQueue, would_queue
 from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, NoCandidates, RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
@@ -92,6 +93,7 @@ class WorkerInfo:
     topic: str = ""
     last_event_at: float | None = None
     total_blocks: int | None = None  # KV capacity, for the decode busy check against reported usage
+    max_num_batched_tokens: int | None = None  # from its model card: the prefill thresholds' unit
     # Events the index refused, by status: a worker whose removals name blocks it never stored
     # (block_not_found) hashes tokens differently from its peers or lost events; doctor names which.
     rejected: Counter[str] = field(default_factory=Counter)
@@ -156,9 +158,12 @@ class ModelState:
 class Fleet:
     def __init__(self, *, block_size: int = DEFAULT_BLOCK_SIZE, config: RouterConfig | None = None,
                  seed: int | None = None, thresholds: Thresholds | None = None, approx: ApproxConfig | None = None,
-                 request_expiry_s: float = EXPIRY_S, limits: RouteLimits | None = None) -> None:
-        """`approx`: approximate mode (no KV events): every model indexes its own routing decisions."""
+                 request_expiry_s: float = EXPIRY_S, limits: RouteLimits | None = None,
+                 queue: RouterQueue | None = None) -> None:
+        """`approx`: approximate mode (no KV events): every model indexes its own routing decisions. `queue`:
+        the frontend's router queue, whose verdict each pick carries (kvctl itself holds no request)."""
         self.limits = limits or RouteLimits()
+        self.queue = queue
         self.health = Health()  # what every entry point refused or lost, and the parts that are down
         self.over_limit: Counter[str] = Counter()  # routes refused, by `RouteLimits` field
         self.all_busy: Counter[str] = Counter()  # routes refused (503) with every worker busy, by model
@@ -351,7 +356,8 @@ class Fleet:
         info = self.workers.get(worker)
         return WorkerLoad(load.active_blocks, load.active_prefill_tokens,
                           kv_used_blocks=report[0].kv_used_blocks if report else None,
-                          total_blocks=info.total_blocks if info else None)
+                          total_blocks=info.total_blocks if info else None,
+                          max_num_batched_tokens=info.max_num_batched_tokens if info else None)
 
     def pools(self, model: str) -> dict[Role, list[WorkerKey]]:
         """The model's candidates by the pool Dynamo picks each from: one aggregated pool, or, for a disaggregated
@@ -386,10 +392,16 @@ class Fleet:
         picks = []
         for role, pool in pools.items():
             try:
-                picks.append(state.router.route(pool, busy=busy, now=now, role=role, **request))
+                pick = state.router.route(pool, busy=busy, now=now, role=role, **request)
             except NoCandidates:
                 raise NoWorkers(model, Counter(info.model for info in self.workers.values()),
                                 None if role is Role.aggregated else role) from None
+            if self.queue is not None:
+                sequences = state.router.sequences
+                verdict = would_queue(self.queue, {w: self._load(w, sequences) for w in pool})
+                if verdict is not None:
+                    pick = dataclasses.replace(pick, queued=verdict)
+            picks.append(pick)
         decision = picks[0] if len(picks) == 1 else dataclasses.replace(picks[0], decode=picks[1])
         self.last_route_at = now
         if (chosen := self.workers.get(decision.worker)) is not None:
@@ -501,6 +513,7 @@ class Fleet:
                     round(now - report[1], 3)),
                 forward_pass=None if passed is None else _forward_pass_row(*passed, now), restored=info.restored,
                 role=info.role, publishes_kv_events=info.publishes_kv_events,
+                max_num_batched_tokens=info.max_num_batched_tokens,
             ))
         return rows
 

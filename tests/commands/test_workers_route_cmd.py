@@ -21,6 +21,7 @@ from tests.commands.live_router import (
     loaded_router,
     one_line_error,
 )
+from tests.server.test_serve_process import serving
 from tests.support.served import on_both_route_paths
 
 TOKENS = [str(t) for t in PROMPT]
@@ -169,3 +170,22 @@ def other_version() -> Iterator[str]:
                                             (["workers"], "GET /v1/workers")])
 def test_an_answer_of_another_shape_is_one_line_naming_the_call(other_version: str, args: list[str], call: str) -> None:
     one_line_error(kvctl(other_version, *args), 1, f"{call}: the router's answer is not what kvctl ")
+
+
+def test_a_route_says_when_the_frontends_router_queue_would_hold_it(tmp_path: Path) -> None:
+    """Given Dynamo's queue flags, every route says whether the frontend would queue it: each rank of the pool over
+    the threshold (0: any prefill in flight) times its max batched tokens. kvctl still answers at once."""
+    with serving(tmp_path, "--router-queue-threshold", "0", "--router-queue-policy", "wspt") as (_, client):
+        for worker_id in (1, 2):
+            client.post("/v1/workers", json={"worker_id": worker_id})
+        idle = json_of(kvctl(client, "route", "-o", "json", *TOKENS))
+        assert "queued" not in idle
+        for request_id in ("a", "b"):  # the second goes to the other worker: the first's prefill costs it
+            kvctl(client, "route", "--reserve", "--request-id", request_id, "--yes", *TOKENS)
+        loaded = kvctl(client, "route", "-o", "json", *TOKENS)
+        assert json_of(loaded)["queued"] == {"policy": "wspt", "threshold": 0.0, "over": {
+            "1:0": "active_prefill_tokens_frac 64 > 0", "2:0": "active_prefill_tokens_frac 64 > 0"}}
+        assert "warning: Dynamo's frontend would hold this request in its router queue (policy wspt): each of the " \
+               "pool's 2 ranks has more prefill tokens in flight than 0 x its max batched tokens" in loaded.stderr
+        client.post("/v1/requests/a/prefill_complete")
+        assert "queued" not in json_of(kvctl(client, "route", "-o", "json", *TOKENS))

@@ -32,6 +32,7 @@ def test_a_file_discovery_card_reads_as_the_router_uses_it(path: Path) -> None:
     assert key.endswith(f"/{card.instance_id:x}")  # the key names the instance its card describes
     assert card == ModelCard(instance_id=card.instance_id, namespace="dynamo", component="backend",
                              endpoint="generate", model="tiny", block_size=16, total_kv_blocks=96, role="aggregated",
+                             max_num_batched_tokens=8192,
                              publishes_kv_events=True, dp_start=0, dp_size=1)
     assert list(card.ranks) == [0]
 

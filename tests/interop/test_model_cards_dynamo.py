@@ -58,6 +58,7 @@ def test_roles_and_the_block_size_come_from_the_cards_and_decode_workers_are_sil
                                                               **dict.fromkeys(decode, "decode")}
     assert all(rows[w]["publishes_kv_events"] is False for w in decode)
     assert all(rows[w]["total_blocks"] == 128 for w in prefill | decode)  # the mockers' --num-gpu-blocks-override
+    assert all(rows[w]["max_num_batched_tokens"] == 8192 for w in prefill | decode)  # the mocker's default
     assert _cards(url)["models"] == {"tiny": {"block_sizes": [32], "roles": {"prefill": 2, "decode": 2},
                                               "workers": 4, "silent_by_design": 2}}
     _, report = doctor(url, "--silent-after", "3600")

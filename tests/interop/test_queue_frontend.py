@@ -1,7 +1,9 @@
 """A Dynamo 1.6.1 frontend that queues (issue 38): two mockers in real time (`--speedup-ratio 1`) behind a frontend
 with `--router-queue-threshold 0.0 --router-queue-policy wspt`, overloaded. kvctl serve does not queue, and a
 router following the fleet showed idle workers and an OK doctor while the frontend held requests for seconds;
-`doctor --metrics FRONTEND/metrics` now names the queue, and says when it is empty again."""
+`doctor --metrics FRONTEND/metrics` now names the queue, and says when it is empty again. A router given the
+frontend's queue flags, and its in-flight requests by replica sync, says of its routes that the frontend would
+queue them."""
 
 from __future__ import annotations
 
@@ -18,15 +20,16 @@ from tests.doctor.rig import doctor, findings
 from tests.interop.fleet import Fleet, start_fleet, wait_until, words
 
 ROUTER = "following"
+QUEUE = ["--router-queue-threshold", "0.0", "--router-queue-policy", "wspt"]
 
 
 @pytest.fixture(scope="module")
 def queueing(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     workdir = tmp_path_factory.mktemp("interop-queue")
-    plane = ["--dynamo-discovery", f"file:{workdir / 'discovery'}", "--namespace", "dynamo"]
+    plane = ["--dynamo-discovery", f"file:{workdir / 'discovery'}", "--namespace", "dynamo", "--replica-sync",
+             "--shadow", *QUEUE]
     started = start_fleet(workdir, dynamo, mockers=2, indexer=False, kvctl=False, routers={ROUTER: plane},
-                          mocker_args=["--speedup-ratio", "1"],
-                          frontend_args=["--router-queue-threshold", "0.0", "--router-queue-policy", "wspt"])
+                          mocker_args=["--speedup-ratio", "1"], frontend_args=[*QUEUE, "--router-replica-sync"])
     try:
         yield started
     finally:
@@ -36,6 +39,11 @@ def queueing(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def _queue(fleet: Fleet) -> dict[str, Any]:
     _, report = doctor(fleet.routers[ROUTER].url, "--metrics", f"{fleet.frontend_url}/metrics")
     return findings(report, "frontend_queue")[0]
+
+
+def _route(fleet: Fleet) -> dict[str, Any]:
+    answer = httpx.post(f"{fleet.routers[ROUTER].url}/v1/route", json={"token_ids": list(range(64))}, timeout=10)
+    return answer.raise_for_status().json()
 
 
 def test_doctor_names_a_frontend_holding_requests_then_its_empty_queue(queueing: Fleet) -> None:
@@ -56,11 +64,14 @@ def test_doctor_names_a_frontend_holding_requests_then_its_empty_queue(queueing:
     try:
         held = wait_until(lambda: (f := _queue(queueing))["severity"] == "WARNING" and f or None,
                           "doctor naming the frontend's queue", timeout=120, procs=queueing.procs, interval=0.2)
+        queued = wait_until(lambda: _route(queueing).get("queued"), "kvctl saying the frontend would queue a route",
+                            timeout=120, procs=queueing.procs, interval=0.2)
     finally:
         done.set()
         for thread in clients:
             thread.join(150)
     assert "in its router queue" in held["cause"] and "policy class 'default'" in held["cause"], held
+    assert queued["policy"] == "wspt" and len(queued["over"]) == 2, queued  # both mockers, prefill in flight
     assert held["next_step"].startswith(f"kvctl busy get --server {queueing.frontend_url}")
     empty = wait_until(lambda: (f := _queue(queueing))["severity"] == "OK" and f or None,
                        "the queue drained", timeout=120, procs=queueing.procs)

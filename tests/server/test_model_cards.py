@@ -65,7 +65,8 @@ def test_a_card_gives_its_worker_a_role_and_a_capacity_unless_one_was_set() -> N
     book.read(records)
     book.apply(fleet)
     one, two = fleet.workers[(decode, 0)], fleet.workers[(agg, 0)]
-    assert (one.role, one.publishes_kv_events, one.total_blocks) == ("decode", False, 96)
+    assert (one.role, one.publishes_kv_events, one.total_blocks, one.max_num_batched_tokens) == ("decode", False, 96,
+                                                                                                8192)
     assert (two.role, two.publishes_kv_events, two.total_blocks) == ("aggregated", True, 40)
 
 

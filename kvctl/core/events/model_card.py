@@ -45,6 +45,7 @@ class ModelCard:
     model: str  # display_name: the name /v1/models lists and the frontend routes by
     block_size: int | None  # kv_cache_block_size
     total_kv_blocks: int | None  # the worker's KV capacity
+    max_num_batched_tokens: int | None  # what the prefill busy and queue thresholds are fractions of
     role: Role
     publishes_kv_events: bool  # decode workers of a disaggregated fleet publish none, by design
     dp_start: int
@@ -91,6 +92,8 @@ def parse_model_card(data: bytes | str) -> ModelCard:
         block_size=_count(card.get("kv_cache_block_size"), "card_json.kv_cache_block_size", positive=True),
         total_kv_blocks=_count(runtime.get("total_kv_blocks"), "card_json.runtime_config.total_kv_blocks",
                                positive=True),
+        max_num_batched_tokens=_count(runtime.get("max_num_batched_tokens"),
+                                      "card_json.runtime_config.max_num_batched_tokens", positive=True),
         role=Role(role),
         publishes_kv_events=publishes,
         dp_start=_count(runtime.get("data_parallel_start_rank"), "data_parallel_start_rank") or 0,

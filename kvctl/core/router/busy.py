@@ -210,14 +210,20 @@ def _prefill_reasons(load: WorkerLoad, thresholds: Thresholds) -> list[BusyReaso
         limits.append((BusySignal.active_prefill_tokens, thresholds.active_prefill_tokens_threshold))
     frac = thresholds.active_prefill_tokens_threshold_frac
     if frac is not None:
-        max_batched = load.max_num_batched_tokens
-        if max_batched is None:
-            max_batched = DEFAULT_MAX_NUM_BATCHED_TOKENS
-        # Truncated to whole tokens before comparing, as Dynamo's `(frac * max_batched) as u64` (which
-        # saturates: so does this, so that no stored frac or reported batch size can overflow into a 500).
-        limits.append((BusySignal.active_prefill_tokens_frac, int(min(frac * max_batched, _U64_MAX))))
+        limits.append((BusySignal.active_prefill_tokens_frac, prefill_limit(frac, load)))
     tokens = load.active_prefill_tokens
     return [BusyReason(signal, tokens, limit) for signal, limit in limits if tokens > limit]
+
+
+def prefill_limit(frac: float, load: WorkerLoad) -> int:
+    """`frac` of the rank's max_num_batched_tokens, in whole tokens: a rank is over it with more in flight.
+
+    Truncated, as Dynamo's `(frac * max_batched) as u64` (which saturates: so does this, so that no stored frac
+    or reported batch size can overflow into a 500)."""
+    max_batched = load.max_num_batched_tokens
+    if max_batched is None:
+        max_batched = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return int(min(frac * max_batched, _U64_MAX))
 
 
 class BusyTracker:

@@ -71,6 +71,7 @@ class Router:
         seq = sequence_hashes(local) if loads or reserve else local
         n_blocks = len(local)
         new_blocks: Callable[[WorkerKey], int] | int
+        booked: Sequence[int]  # the block hashes a reservation books
         if not config.track_active_blocks:
             new_blocks, booked = 0, ()
         elif not config.assume_kv_reuse:  # blocks of its own, as Dynamo books them: fresh random hashes

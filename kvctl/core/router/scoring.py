@@ -30,11 +30,15 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from kvctl.core.events import Tier
 from kvctl.core.index import IndexMatches
 from kvctl.core.names import Role, WorkerKey
 from kvctl.core.router.sequences import Load, LoadView
+
+if TYPE_CHECKING:
+    from kvctl.core.router.queue import WouldQueue
 
 CREDITED_TIERS = (Tier.device, Tier.host_pinned, Tier.disk, Tier.external)
 """The tiers the cost function credits; external blocks earn the disk weight (Dynamo counts them as disk)."""
@@ -201,6 +205,7 @@ class Decision:
     scores: Scores
     role: Role = Role.aggregated
     decode: Decision | None = None
+    queued: WouldQueue | None = None  # Dynamo's frontend would hold the request in its router queue first
 
     @property
     def candidates(self) -> list[Candidate]:

@@ -183,6 +183,9 @@ def _decision(decision: Decision, request_id: str | None, explain: bool) -> api.
         out.role = decision.role.value
     if decision.decode is not None:
         out.decode = _decision(decision.decode, request_id, explain)
+    if (verdict := decision.queued) is not None:
+        out.queued = api.Queued(verdict.queue.policy.value, verdict.queue.threshold,
+                                {format_worker(w): str(reason) for w, reason in verdict.over.items()})
     return out
 
 

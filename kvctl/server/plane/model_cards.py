@@ -69,6 +69,7 @@ class CardBook:
                 info.role, info.publishes_kv_events = card.role, card.publishes_kv_events
                 if info.total_blocks is None:
                     info.total_blocks = card.total_kv_blocks
+                info.max_num_batched_tokens = card.max_num_batched_tokens
                 roles.setdefault(info.model, Counter())[card.role] += 1
         fleet.disaggregated = {model: counts for model, counts in roles.items()
                                if counts["prefill"] and counts["decode"]}
