@@ -40,7 +40,9 @@ from kvctl.core.events.engine_encode import VLLM, AllBlocksCleared, BlockRemoved
 from kvctl.core.events.types import Tier
 from kvctl.core.hashing import local_block_hashes
 from kvctl.core.names import Role, WorkerKey
+from kvctl.core.router.busy import WorkerLoad
 from kvctl.core.router.policy_config import PolicyConfigError, parse_policy_config
+from kvctl.core.router.queue import RouterQueue, would_queue
 from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, RouterConfig
 from tests.interop.fleet import REQUIRE_INTEROP
@@ -110,6 +112,7 @@ class Scenario:
     # A disaggregated fleet's pool: kvctl prices it with RouterConfig.for_pool, and the service is given that
     # config. Only the decode pool's: the 1.6.1 service has no worker type and ignores track_active_blocks.
     pool: Role = Role.aggregated
+    max_batched: int | None = None  # each worker's max_num_batched_tokens (the queue threshold's unit)
 
 
 SENTINEL = tokens(64, base=900_000)
@@ -284,7 +287,8 @@ class Side:
                 endpoints[rank] = f"tcp://127.0.0.1:{port}"
             record = {"worker_id": wid, "model_name": MODEL, "block_size": self.sc.block_size,
                       "endpoint": endpoints[0], "kv_events_endpoints": endpoints,
-                      "data_parallel_start_rank": 0, "data_parallel_size": ranks}
+                      "data_parallel_start_rank": 0, "data_parallel_size": ranks,
+                      "max_num_batched_tokens": self.sc.max_batched}
             await self.service.upsert_worker(record)
         await asyncio.sleep(0.25)  # the service's SUB sockets connect (a PUB drops what it sends before)
 
@@ -397,6 +401,55 @@ async def test_same_choice_and_logits(sc: Scenario, monkeypatch: pytest.MonkeyPa
             assert await side.overlaps(sc.prompt) == side.kvctl_overlaps(sc.prompt)
             await side.book()
             await _compare(side)
+        finally:
+            service.shutdown()
+            side.close()
+
+
+async def test_the_router_queue_holds_a_selection_exactly_when_kvctl_says_it_would(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`DYN_ROUTER_QUEUE_THRESHOLD` 0.5 and 40 max batched tokens a worker: the service holds a selection while
+    each worker has more than 20 prefill tokens booked (strictly), and dispatches it once one has no more; kvctl's
+    verdict (`would_queue`) must say so at each step, and its pick be the one the queue dispatched."""
+    sc = Scenario("queue", {1: 1, 2: 1}, [], tokens(8, base=9000), max_batched=40)
+    queue = RouterQueue(0.5)
+    monkeypatch.setenv("DYN_ROUTER_QUEUE_THRESHOLD", "0.5")
+    with stderr_log() as log:
+        service = core.SelectionService(indexer_threads=1)
+        side = Side(sc, service, log)
+        try:
+            await side.start()
+
+            async def book(sid: str, prompt: list[int], worker: WorkerKey) -> None:
+                await service.select_and_reserve(side.request(prompt, selection_id=sid, pinned_worker={
+                    "worker_id": worker[0], "dp_rank": worker[1]}))
+                side.router.route([worker], token_ids=prompt, request_id=sid, reserve=True)
+
+            def verdict() -> bool:
+                booked = side.router.sequences
+                loads = {w: WorkerLoad(0, booked.load(w).active_prefill_tokens, max_num_batched_tokens=40)
+                         for w in side.candidates}
+                return would_queue(queue, loads) is not None
+
+            def pending() -> int:
+                return int(service.loads(model_name=MODEL)[0]["pending_count"])
+
+            await book("r1", P, (1, 0))  # 22 tokens: over 20
+            await book("r2", Q[:20], (2, 0))  # 20: at the limit, not over it
+            assert not verdict()
+            assert (await service.select(side.request(sc.prompt, selection_id="s1")))["worker_id"] == 2
+            assert side.route(side.candidates).worker == (2, 0)
+            await book("r3", Q[20:24], (2, 0))  # 24: both over
+            assert verdict()
+            held = asyncio.ensure_future(service.select(side.request(sc.prompt, selection_id="s2")))
+            deadline = time.monotonic() + 3
+            while pending() != 1:
+                assert time.monotonic() < deadline and not held.done(), "the service did not queue the selection"
+                await asyncio.sleep(0.01)
+            await service.prefill_complete("r1")
+            assert side.router.sequences.mark_prefill_completed("r1") and not verdict()
+            dispatched = await asyncio.wait_for(held, 3)
+            assert (dispatched["worker_id"], dispatched["dp_rank"]) == side.route(side.candidates).worker == (1, 0)
         finally:
             service.shutdown()
             side.close()
