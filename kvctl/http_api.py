@@ -25,6 +25,7 @@ U64 = Annotated[int, Meta(ge=0, extra_json_schema={"maximum": MAX_WORKER_ID})]
 where one is read (`over_u64`)."""
 Count = Annotated[int, Meta(ge=0)]
 Weight = Annotated[float, Meta(ge=0)]
+SessionId = Annotated[str, Meta(min_length=1, max_length=1024)]
 TokenIds = Annotated[Raw, Meta(extra_json_schema={
     "anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": _U32_MAX}},
               {"type": "null"}]})]
@@ -55,6 +56,7 @@ class RouteBody(Struct, forbid_unknown_fields=True):
     request_id: str | None = None
     reserve: bool = False
     explain: bool = False
+    session_id: SessionId | None = None  # with session affinity on: its pinned worker (a booked route pins it)
     # This request's own router knobs (docs/contract.md), by their Dynamo names; the last two are legacy aliases.
     overlap_score_credit: Weight | None = None
     overlap_score_credit_decay: Weight | None = None

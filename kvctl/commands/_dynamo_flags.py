@@ -58,8 +58,6 @@ FLAGS: dict[str, DynamoFlag] = {
     # would change decisions kvctl cannot make yet: refused
     "--router-tracking-key-file": DynamoFlag(None, value=True, why=f"keyed tracking hashes are {_NOT_YET}"),
     "--router-tracking-key-id": DynamoFlag(None, value=True, why=f"keyed tracking hashes are {_NOT_YET}"),
-    "--router-session-affinity-ttl-secs": DynamoFlag(None, value=True, why=f"session affinity is {_NOT_YET}"),
-    "--router-session-affinity-mode": DynamoFlag(None, value=True, why=f"session affinity is {_NOT_YET}"),
     "--no-router-track-active-blocks": DynamoFlag(None, why=f"not tracking active blocks is {_NOT_YET}"),
     "--no-track-active-blocks": DynamoFlag(None, why=f"not tracking active blocks is {_NOT_YET}"),
     "--router-track-output-blocks": DynamoFlag(None, why=f"tracking output blocks is {_NOT_YET}"),

@@ -109,6 +109,9 @@ def route_command(
                                           "(needs --request-id).")] = False,
     request_id: Annotated[str | None, typer.Option("--request-id", help="The request's id (to free it later).",
                                                    show_default=False)] = None,
+    session_id: Annotated[str | None, typer.Option("--session-id", help="The request's session (Dynamo's "
+                                                   "x-dynamo-session-id): its pinned worker, with session affinity "
+                                                   "on; with --reserve, pins it.", show_default=False)] = None,
     yes: YesOpt = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="With --reserve: route, but book nothing.")] = False,
     text: Annotated[str | None, typer.Option("--text", help="A prompt to tokenize (needs --tokenizer).",
@@ -131,7 +134,7 @@ def route_command(
     booking = reserve and not dry_run
     model = model_for(ctx, out, model)
     call = calls.route(token_ids=None if local_hashes else ids, local_hashes=ids if local_hashes else None,
-                       model=model, request_id=request_id, reserve=booking, explain=explain)
+                       model=model, request_id=request_id, reserve=booking, explain=explain, session_id=session_id)
     with router_client(ctx) as client:
         if booking:
             confirm(f"book request {request_id} ({len(ids)} {'hashes' if local_hashes else 'tokens'}) as in "

@@ -19,8 +19,10 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._serve_planes import peer_limits, router_id_of, zmq_options
+from kvctl.commands._serve_routing import router_config
 from kvctl.core.names import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, parse_worker
 from kvctl.core.router.queue import QueuePolicy, RouterQueue
+from kvctl.core.router.sessions import SessionBook, SessionMode
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError, UsageError
 from kvctl.nats.connection import PENDING_BYTES, PENDING_MSGS
@@ -30,7 +32,6 @@ from kvctl.server.serve_choices import DecoderMode, LogFormat, LogLevel
 if TYPE_CHECKING:
     import asyncio
 
-    from kvctl.core.router.scoring import RouterConfig
     from kvctl.server.state import WorkerInfo
 
 HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. (daemon)"
@@ -74,67 +75,6 @@ def parse_engine(text: str) -> WorkerInfo:
         raise UsageError(f"--worker: {exc}") from None
     return WorkerInfo(worker_id, dp_rank or 0, opts.get("model", DEFAULT_MODEL), endpoint=m["endpoint"],
                       replay_endpoint=opts.get("replay"), topic=opts.get("topic", ""))
-
-
-def parse_tier_credits(text: str) -> dict[str, float]:
-    """The deprecated --tier-credits ('default' or 'host_pinned=W,disk=W') as Dynamo's tier weights."""
-    from kvctl.core.router.scoring import RouterConfig
-
-    if text == "default":
-        defaults = RouterConfig()
-        return {"host_cache_hit_weight": defaults.host_cache_hit_weight,
-                "disk_cache_hit_weight": defaults.disk_cache_hit_weight}
-    weights = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        knob = {"host_pinned": "host_cache_hit_weight", "disk": "disk_cache_hit_weight"}.get(name.strip())
-        try:
-            if knob is None:
-                raise ValueError(name)
-            weights[knob] = float(value)
-        except ValueError:
-            raise UsageError(f"--tier-credits: bad item {item!r} (deprecated: use --host-cache-hit-weight and "
-                             "--disk-cache-hit-weight; Dynamo gives other tiers no credit)",
-                             hint="e.g. host_pinned=0.75,disk=0.25, or 'default'") from None
-    return weights
-
-
-def router_config(flags: dict[str, float | bool | None], overlap_score_weight: float | None,
-                  tier_credits: str | None, policy_file: Path | None) -> RouterConfig:
-    """The router's knobs: Dynamo's defaults, then the flags, then the policy file's aggregated instance.
-
-    The file wins over the flags as in Dynamo (its parameters resolve over KvRouterConfig). UsageError
-    (exit 2) on a bad value or a file Dynamo would refuse, with its reason on one line."""
-    from kvctl.core.router.scoring import RouterConfig
-
-    knobs = dict(flags)
-    if tier_credits is not None:
-        for knob, weight in parse_tier_credits(tier_credits).items():
-            knobs[knob] = weight if knobs.get(knob) is None else knobs[knob]
-    try:
-        config = RouterConfig().override(overlap_score_weight=overlap_score_weight, **knobs)
-    except ValueError as exc:
-        raise UsageError(f"--{str(exc).replace('_', '-')}") from None
-    if policy_file is None:
-        return config
-    import logging
-
-    from kvctl.core.router.policy_config import PolicyConfigError, parse_policy_config  # YAML: loaded if asked
-
-    try:
-        policy = parse_policy_config(policy_file.read_text())
-    except OSError as exc:
-        raise UsageError(f"--router-policy-config: failed to read router policy config {policy_file}: "
-                         f"{exc.strerror}") from None
-    except (PolicyConfigError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--router-policy-config {policy_file}: {exc}") from None
-    log = logging.getLogger("kvctl.serve")
-    if policy.ignored:
-        log.warning("--router-policy-config: kvctl routes aggregated workers with the default cost function "
-                    "and ignores %s", ", ".join(policy.ignored))
-    if policy.shared_cache_multiplier is not None:
-        log.info("--router-policy-config: shared_cache_multiplier has no effect (kvctl indexes no shared cache)")
-    return policy.apply(config)
 
 
 COST_PANEL = "Routing cost (Dynamo 1.6.1's knobs, also under its flag names)"
@@ -304,6 +244,17 @@ def serve_command(
     queue_policy: Annotated[QueuePolicy, typer.Option(
         "--router-queue-policy", envvar=["KVCTL_ROUTER_QUEUE_POLICY", "DYN_ROUTER_QUEUE_POLICY"],
         help="The order the frontend's queue dispatches in, named in the routes' verdicts.")] = QueuePolicy.fcfs,
+    session_ttl: Annotated[float | None, typer.Option(
+        "--router-session-affinity-ttl-secs", envvar=["KVCTL_ROUTER_SESSION_AFFINITY_TTL_SECS",
+                                                       "DYN_ROUTER_SESSION_AFFINITY_TTL_SECS"], show_default=False,
+        help="Session affinity (Dynamo's flag): a route's session_id goes to its pinned worker, pinned by the "
+             "frontend's session_affinity_events or this router's booked routes; idle bindings go after this.")]
+    = None,
+    session_mode: Annotated[SessionMode, typer.Option(
+        "--router-session-affinity-mode", envvar=["KVCTL_ROUTER_SESSION_AFFINITY_MODE",
+                                                   "DYN_ROUTER_SESSION_AFFINITY_MODE"],
+        help="hard or soft: with the default cost function both pin, as Dynamo's default selector does.")]
+    = SessionMode.hard,
     approximate: Annotated[bool, typer.Option("--approximate", envvar="KVCTL_APPROXIMATE",
                                               help="No KV events: index the router's own decisions.")] = False,
     router_ttl: Annotated[float, typer.Option("--router-ttl", envvar="KVCTL_ROUTER_TTL",
@@ -499,6 +450,7 @@ def serve_command(
             overlap_score_weight, tier_credits, policy_config)
         thresholds = Thresholds(decode_threshold, prefill_threshold, prefill_frac)
         queue = RouterQueue(queue_threshold, queue_policy) if queue_threshold is not None else None
+        sessions = SessionBook(session_ttl) if session_ttl is not None else None
         approx = None
         if approximate:  # the index's code loads after the port opens, unless this mode needs it to check flags
             from kvctl.core.router.approx import ApproxConfig
@@ -557,7 +509,7 @@ def serve_command(
                            snapshot_interval_s=snapshot_interval, compact_log_bytes=compact_log_bytes,
                            state_log_backlog=state_log_backlog,
                            restore=not no_restore, reset_states=reset_states,
-                           router=router, thresholds=thresholds, queue=queue, approx=approx,
+                           router=router, thresholds=thresholds, queue=queue, sessions=sessions, approx=approx,
                            request_expiry_s=request_expiry,
                            models=models, nats=nats, zmq_plane=zmq_plane, queue_batches=queue_batches,
                            max_body_bytes=max_body_bytes, decoder=decoder, max_engines=max_engines,

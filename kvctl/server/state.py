@@ -41,8 +41,9 @@ from kvctl.core.router.busy import (
 )
 from kvctl.core.router.queue import RouterQueue, would_queue
 from kvctl.core.router.router import Router
-from kvctl.core.router.scoring import Decision, NoCandidates, RouterConfig
+from kvctl.core.router.scoring import Decision, NoCandidates, Reason, RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
+from kvctl.core.router.sessions import SessionBook
 from kvctl.core.words import counted
 from kvctl.errors import NoWorkers, Refused, UnknownModel
 from kvctl.server.health import Health
@@ -159,11 +160,13 @@ class Fleet:
     def __init__(self, *, block_size: int = DEFAULT_BLOCK_SIZE, config: RouterConfig | None = None,
                  seed: int | None = None, thresholds: Thresholds | None = None, approx: ApproxConfig | None = None,
                  request_expiry_s: float = EXPIRY_S, limits: RouteLimits | None = None,
-                 queue: RouterQueue | None = None) -> None:
+                 queue: RouterQueue | None = None, sessions: SessionBook | None = None) -> None:
         """`approx`: approximate mode (no KV events): every model indexes its own routing decisions. `queue`:
-        the frontend's router queue, whose verdict each pick carries (kvctl itself holds no request)."""
+        the frontend's router queue, whose verdict each pick carries (kvctl itself holds no request).
+        `sessions`: session affinity on, its bindings."""
         self.limits = limits or RouteLimits()
         self.queue = queue
+        self.sessions = sessions
         self.health = Health()  # what every entry point refused or lost, and the parts that are down
         self.over_limit: Counter[str] = Counter()  # routes refused, by `RouteLimits` field
         self.all_busy: Counter[str] = Counter()  # routes refused (503) with every worker busy, by model
@@ -389,19 +392,8 @@ class Fleet:
                 self.all_busy[model] += 1
                 raise
             busy = {w: r.busy for w, r in ranks.items()}
-        picks = []
-        for role, pool in pools.items():
-            try:
-                pick = state.router.route(pool, busy=busy, now=now, role=role, **request)
-            except NoCandidates:
-                raise NoWorkers(model, Counter(info.model for info in self.workers.values()),
-                                None if role is Role.aggregated else role) from None
-            if self.queue is not None:
-                sequences = state.router.sequences
-                verdict = would_queue(self.queue, {w: self._load(w, sequences) for w in pool})
-                if verdict is not None:
-                    pick = dataclasses.replace(pick, queued=verdict)
-            picks.append(pick)
+        session_id = request.pop("session_id", None)
+        picks = [self._pick(state, role, pool, busy, now, session_id, request) for role, pool in pools.items()]
         decision = picks[0] if len(picks) == 1 else dataclasses.replace(picks[0], decode=picks[1])
         self.last_route_at = now
         if (chosen := self.workers.get(decision.worker)) is not None:
@@ -409,6 +401,30 @@ class Fleet:
         if request.get("reserve") and self.sequence_listener is not None:
             self.sequence_listener(model, ADD, state.router.sequences.get(request["request_id"]), request)
         return decision
+
+    def _pick(self, state: ModelState, role: Role, pool: list[WorkerKey], busy: Mapping[WorkerKey, bool] | None,
+              now: float, session_id: str | None, request: dict[str, Any]) -> Decision:
+        """One pool's pick: the session's pinned worker while it is in the pool (a booked route pins it), else
+        the cost function's; with the verdict of the frontend's router queue."""
+        sessions = self.sessions
+        pinned = None
+        if sessions is not None and session_id is not None and (held := sessions.pinned(role, session_id, now)):
+            pinned = held if held in pool else None
+        try:
+            pick = state.router.route([pinned] if pinned else pool, busy=busy, now=now, role=role, **request)
+        except NoCandidates:
+            raise NoWorkers(state.name, Counter(info.model for info in self.workers.values()),
+                            None if role is Role.aggregated else role) from None
+        if pinned:
+            pick = dataclasses.replace(pick, reason=Reason.pinned)
+        elif sessions is not None and session_id is not None and request.get("reserve"):
+            sessions.bind(role, session_id, pick.worker, now)
+        if self.queue is not None:
+            sequences = state.router.sequences
+            verdict = would_queue(self.queue, {w: self._load(w, sequences) for w in pool})
+            if verdict is not None:
+                pick = dataclasses.replace(pick, queued=verdict)
+        return pick
 
     def _check_limits(self, state: ModelState, request: Mapping[str, Any]) -> None:
         limits, block_size = self.limits, state.block_size
@@ -482,9 +498,11 @@ class Fleet:
         return more
 
     def tick(self, now: float) -> None:
-        """Time-driven housekeeping of every model: stale requests, approximate-mode expiry."""
+        """Time-driven housekeeping of every model: stale requests, approximate-mode expiry; idle sessions."""
         for state in self.models.values():
             state.router.tick(now)
+        if self.sessions is not None:
+            self.sessions.expire(now)
 
     # ----- views and levers ---------------------------------------------------------------------------
 

@@ -64,8 +64,8 @@ def test_nothing_after_a_double_dash_is_read() -> None:
 
 
 def test_a_refused_flag_is_one_line_and_exit_2() -> None:
-    result = CliRunner().invoke(app, ["serve", "--router-queue-threshold", "0.5"])
+    result = CliRunner().invoke(app, ["serve", "--router-tracking-key-id", "k1"])
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines()[0] == (
-        "error: --router-queue-threshold 0.5 (Dynamo's) is not taken by kvctl serve: the router queue is not "
-        "implemented yet (issue 38): kvctl answers every route at once")
+        "error: --router-tracking-key-id k1 (Dynamo's) is not taken by kvctl serve: keyed tracking hashes are not "
+        "implemented yet (issue 38)")

@@ -278,6 +278,7 @@ def shared_prefix_load(frontend_url: str, *, requests: int = 72, prefixes: int =
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _SELECTED = re.compile(r"Selected worker .*? worker_id=(\d+) worker_type=(\w+) dp_rank=(\d+) logit=([0-9.]+)")
+_PINNED = re.compile(r"Selected pinned worker: worker_type=(\w+), worker_id=(\d+) dp_rank=(\d+), logit: ([0-9.]+)")
 
 @dataclass
 class Mocker:
@@ -315,6 +316,12 @@ class Frontend:
         dp_rank=… logit=…"): (worker id, dp rank, worker type, logit)."""
         text = _ANSI.sub("", self.proc.log.read_text(errors="replace"))
         return [(int(m[1]), int(m[3]), m[2], float(m[4])) for m in _SELECTED.finditer(text)]
+
+    def pinned(self) -> list[tuple[int, int, str, float]]:
+        """Its picks of a session's pinned worker, in order ("Selected pinned worker: worker_type=…, worker_id=…
+        dp_rank=…, logit: …", INFO, the logit to 3 decimals): (worker id, dp rank, worker type, logit)."""
+        text = _ANSI.sub("", self.proc.log.read_text(errors="replace"))
+        return [(int(m[2]), int(m[3]), m[1], float(m[4])) for m in _PINNED.finditer(text)]
 
     def workers(self, fleet: Fleet) -> set[int]:
         """Instances of the fleet's worker endpoint this frontend knows (its /health), the prefill component's

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from kvctl import errors
 from kvctl.cli import app
-from kvctl.commands.serve import router_config
+from kvctl.commands._serve_routing import router_config
 from kvctl.errors import CannotListen, DiscoveryError, KvctlError, StateDirError, Unreachable, UsageError
 from kvctl.exit_codes import ExitCode
 from kvctl.server import snapshot

@@ -171,7 +171,7 @@ def test_a_policy_file_dynamo_refuses_exits_2_on_one_line(tmp_path: Path, parame
 
 
 def test_knobs_come_from_flags_then_the_policy_file(tmp_path: Path) -> None:
-    from kvctl.commands.serve import router_config
+    from kvctl.commands._serve_routing import router_config
 
     path = tmp_path / "policy.yaml"
     path.write_text("worker_selection:\n  aggregated: a\n  instances:\n    - name: a\n      type: "

@@ -71,6 +71,13 @@ def as_map(value: Any, field: str) -> dict[Any, Any]:
     return value
 
 
+def as_uint(value: Any, field: str, maximum: int = (1 << 64) - 1) -> int:
+    """`value` if it is an int in [0, maximum] (a u64 by default), else a bad_type DecodeError naming `field`."""
+    if type(value) is not int or not 0 <= value <= maximum:
+        raise DecodeError(ErrorKind.bad_type, field, f"expected an unsigned int, got {describe(value)}")
+    return value
+
+
 def as_text(value: Any, field: str) -> str:
     """`value` if it is a non-empty string, else a bad_type DecodeError naming `field`."""
     if not isinstance(value, str) or not value:

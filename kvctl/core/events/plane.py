@@ -17,7 +17,16 @@ from typing import Any
 
 import msgspec
 
-from kvctl.core.events.errors import DecodeError, ErrorKind, as_map, decode_each, describe, parse_msgpack, require
+from kvctl.core.events.errors import (
+    DecodeError,
+    ErrorKind,
+    as_map,
+    as_uint,
+    decode_each,
+    describe,
+    parse_msgpack,
+    require,
+)
 
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
@@ -133,8 +142,8 @@ class ActiveLoad:
 def decode_active_load(data: bytes) -> ActiveLoad:
     obj = as_map(parse_msgpack(data), "ActiveLoad")
     return ActiveLoad(
-        worker_id=_uint(require(obj, "worker_id"), "worker_id"),
-        dp_rank=_uint(obj.get("dp_rank", 0), "dp_rank", _U32_MAX),
+        worker_id=as_uint(require(obj, "worker_id"), "worker_id"),
+        dp_rank=as_uint(obj.get("dp_rank", 0), "dp_rank", _U32_MAX),
         active_decode_blocks=_optional_uint(obj.get("active_decode_blocks"), "active_decode_blocks"),
         active_prefill_tokens=_optional_uint(obj.get("active_prefill_tokens"), "active_prefill_tokens"),
         kv_used_blocks=_optional_uint(obj.get("kv_used_blocks"), "kv_used_blocks"),
@@ -205,10 +214,10 @@ def _sequence_event(value: Any) -> ActiveSequenceEvent:
         raise DecodeError(ErrorKind.bad_type, "lora_name", f"expected a string, got {describe(lora_name)}")
     return ActiveSequenceEvent(
         request_id=request_id,
-        worker_id=_uint(require(worker, "worker_id", "worker.worker_id"), "worker.worker_id"),
-        dp_rank=_uint(worker.get("dp_rank", 0), "worker.dp_rank", _U32_MAX),
+        worker_id=as_uint(require(worker, "worker_id", "worker.worker_id"), "worker.worker_id"),
+        dp_rank=as_uint(worker.get("dp_rank", 0), "worker.dp_rank", _U32_MAX),
         action=_action(require(obj, "data")),
-        router_id=_uint(require(obj, "router_id"), "router_id"),
+        router_id=as_uint(require(obj, "router_id"), "router_id"),
         lora_name=lora_name,
     )
 
@@ -296,13 +305,13 @@ def decode_forward_pass(data: bytes) -> ForwardPass:
     if isinstance(worker_id, str) and len(worker_id) <= 20 and worker_id.isascii() and worker_id.isdecimal():
         worker_id = int(worker_id)  # a u64 has at most 20 digits; int() of thousands would raise ValueError
     return ForwardPass(
-        worker_id=_uint(worker_id, "worker_id"),
-        dp_rank=_uint(obj.get("dp_rank", 0), "dp_rank", _U32_MAX),
-        counter_id=_uint(obj.get("counter_id", 0), "counter_id"),
+        worker_id=as_uint(worker_id, "worker_id"),
+        dp_rank=as_uint(obj.get("dp_rank", 0), "dp_rank", _U32_MAX),
+        counter_id=as_uint(obj.get("counter_id", 0), "counter_id"),
         wall_time=_number(obj.get("wall_time", 0.0), "wall_time"),
         scheduled=_request_counts(require(obj, "scheduled_requests"), "scheduled_requests"),
         queued=_request_counts(require(obj, "queued_requests"), "queued_requests"),
-        version=_uint(obj.get("version", 1), "version", _U32_MAX),
+        version=as_uint(obj.get("version", 1), "version", _U32_MAX),
     )
 
 
@@ -327,7 +336,7 @@ def _request_counts(value: Any, field: str) -> RequestCounts:
     values: dict[str, Any] = {}
     for wire, name, is_int in _COUNT_KEYS:
         if wire in obj:
-            values[name] = _uint(obj[wire], f"{field}.{wire}") if is_int else _number(obj[wire], f"{field}.{wire}")
+            values[name] = as_uint(obj[wire], f"{field}.{wire}") if is_int else _number(obj[wire], f"{field}.{wire}")
     return RequestCounts(**values)
 
 
@@ -337,11 +346,5 @@ def _number(value: Any, field: str) -> float:
     return float(value)
 
 
-def _uint(value: Any, field: str, maximum: int = _U64_MAX) -> int:
-    if type(value) is not int or not 0 <= value <= maximum:
-        raise DecodeError(ErrorKind.bad_type, field, f"expected an unsigned int, got {describe(value)}")
-    return value
-
-
 def _optional_uint(value: Any, field: str, maximum: int = _U64_MAX) -> int | None:
-    return None if value is None else _uint(value, field, maximum)
+    return None if value is None else as_uint(value, field, maximum)

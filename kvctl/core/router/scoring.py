@@ -53,6 +53,7 @@ class Reason(StrEnum):
     lowest_logit = "lowest_logit"
     tie_random = "tie_random"  # several lowest logits: drawn uniformly among them
     sampled = "sampled"  # temperature > 0: drawn from the softmax
+    pinned = "pinned"  # the session's pinned worker (session affinity), its cost shown as Dynamo logs it
 
 
 class NoCandidates(Exception):

@@ -164,7 +164,8 @@ class _Routing:
         try:
             decision = self.fleet.route(
                 body.model, now=self.clock(), token_ids=token_ids, local_hashes=body.local_hashes,
-                lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve, overrides=overrides)
+                lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve, overrides=overrides,
+                session_id=body.session_id)
         except (ApiError, OverLimit, AllBusy) as exc:
             return _refusal(exc)
         except BadKnob as exc:  # finite and >= 0 passed msgspec; a number too large for a float did not

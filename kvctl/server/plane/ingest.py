@@ -41,7 +41,8 @@ from kvctl.core.events.plane import (
 )
 from kvctl.core.events.publishers import Order, Publisher, PublisherBook, Sequence
 from kvctl.core.events.request_plane import Recovered
-from kvctl.core.names import WorkerKey, format_worker
+from kvctl.core.events.session_affinity import SESSION_AFFINITY, decode_session_binding
+from kvctl.core.names import Role, WorkerKey, format_worker
 from kvctl.core.router.sequences import ActiveRequest
 from kvctl.server.budget import Slices
 from kvctl.server.ingest.streams import SLICE_EVENTS, ModelWriter
@@ -113,7 +114,8 @@ class PlaneIngest:
         self.recovery: Recovery | None = None  # the ZMQ plane's: holds a worker's live events while it is recovered
         self.watch: LossWatch | None = None  # the NATS plane's: what its drops cost, and which workers are gapped
         self._handlers: dict[str, Handler] = {KV_EVENTS: self._on_kv_events, KV_METRICS: self._on_load,
-                                              ACTIVE_SEQUENCES: self._on_sequence, FORWARD_PASS: self._on_forward_pass}
+                                              ACTIVE_SEQUENCES: self._on_sequence, FORWARD_PASS: self._on_forward_pass,
+                                              SESSION_AFFINITY: self._on_session}
 
     async def receive(self, component: str, endpoint: str, topic: str, body: bytes) -> None:
         """One message of a topic, as it came: the envelope, then the topic's payload inside it."""
@@ -308,6 +310,19 @@ class PlaneIngest:
         report = self._report(payload, decode_forward_pass, "forward_passes", publisher)
         if report is not None:
             self.fleet.report_forward_pass(report, now, self.model)
+
+    async def _on_session(self, payload: bytes, _order: Order, publisher: Publisher, now: float) -> None:
+        """A frontend's session binding, in the pool its channel's component names (`prefill`, or the model's own
+        worker set); counted and dropped without session affinity on."""
+        try:
+            binding = decode_session_binding(payload)
+        except DecodeError as exc:
+            self.errors[exc.kind.value] += 1
+            return
+        self.counts["session_bindings"] += 1
+        if self.fleet.sessions is not None:
+            pool = Role.prefill if publisher.component == Role.prefill else Role.decode
+            self.fleet.sessions.bind(pool, binding.session_id, binding.worker, now, binding.sequence)
 
     def _report(self, payload: bytes, decode: Callable[[bytes], R], counter: str, publisher: Publisher) -> R | None:
         """A worker's report of itself (its load, a forward pass): decoded, counted, and its worker known as the
