@@ -431,6 +431,15 @@ class Status(Struct):
     loop: LoopHeld | UnsetType = UNSET  # a router before 0.x reports none
     readiness: Readiness | UnsetType = UNSET  # a router before /readyz reports none
     health: HealthLedger | UnsetType = UNSET  # a router before issue 36 reports none
+    modes: RoutingModes | UnsetType = UNSET  # a router before issue 38 reports none
+
+
+class RoutingModes(Struct):
+    """The frontend behaviours the router mirrors, null where off: its router queue's verdicts (`threshold`,
+    `policy`) and session affinity (`ttl_s`, the `sessions` pinned now, those `evicted` for room)."""
+
+    queue: dict[str, Any] | None
+    session_affinity: dict[str, Any] | None
 
 
 class LoopHeld(Struct):

@@ -142,6 +142,20 @@ def test_a_worker_whose_forward_passes_stopped_is_named(answers: Answers) -> Non
     assert finding.severity is Severity.OK
 
 
+def test_a_frontend_pinning_sessions_for_a_router_without_session_affinity_is_named(answers: Answers) -> None:
+    status, workers, _ = fresh(answers)
+    status["event_plane"] = {"ready": True, "following_s": 300.0, "topics": {"kv_metrics": 9},
+                             "subjects": {}, "sequence": {"lost": 0}, "counts": {"session_bindings": 6}}
+    assert status["modes"] == {"queue": None, "session_affinity": None}  # the live router's: both off
+    [finding] = check_event_plane(status, workers, Limits())
+    assert finding.severity is Severity.WARNING and "pins sessions (6 bindings heard" in finding.cause
+    assert finding.next_step == "restart kvctl serve with the frontend's --router-session-affinity-ttl-secs"
+    status["modes"] = {**status["modes"], "session_affinity": {"ttl_s": 30.0, "sessions": 2, "evicted": 0}}
+    assert [f.severity for f in check_event_plane(status, workers, Limits())] == [Severity.OK]
+    del status["modes"]  # a router from before issue 38: it cannot say, so nothing is claimed
+    assert [f.severity for f in check_event_plane(status, workers, Limits())] == [Severity.OK]
+
+
 def loop_at(status: dict[str, Any], share: float, stalls: int, *, life_s: float = 0.0) -> dict[str, Any]:
     """`status` with its loop held `share` of the last minute in `stalls` stalls, and `life_s` in an hour's life."""
     longest = share * 60 / max(stalls, 1)

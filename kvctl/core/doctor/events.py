@@ -268,6 +268,14 @@ def check_event_plane(status: Mapping[str, Any], workers: Sequence[Mapping[str, 
             "the plane (NATS Core, or ZMQ PUB sockets) drops what a slow or disconnected subscriber misses: "
             "kvctl router status; "
             "kvctl router reset --worker W --yes to resync a worker whose KV events were lost"))
+    bindings, modes = (plane.get("counts") or {}).get("session_bindings", 0), status.get("modes")
+    if bindings and modes is not None and not modes.get("session_affinity"):
+        findings.append(Finding(
+            "event_plane", Severity.WARNING,
+            f"the fleet's frontend pins sessions ({counted(bindings, 'binding')} heard on session_affinity_events) "
+            "and this router has session affinity off: its picks for a session are not the frontend's",
+            {"session_bindings": bindings},
+            "restart kvctl serve with the frontend's --router-session-affinity-ttl-secs"))
     stopped = [(worker_name(w), w["forward_pass"]["age_s"]) for w in workers
                if (w.get("forward_pass") or {}).get("age_s", 0) > limits.silent_after_s]
     if stopped:

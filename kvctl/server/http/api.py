@@ -382,7 +382,10 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             connections=api.ConnectionStats(**dataclasses.asdict(metrics.connections)),
             loop=api.LoopHeld(**metrics.loop_lag.status()),
             limits=api.Limits(**dataclasses.asdict(fleet.limits), refused=dict(fleet.over_limit)),
-            readiness=readiness.answer(fleet.health), health=fleet.health.answer()))
+            readiness=readiness.answer(fleet.health), health=fleet.health.answer(), modes=api.RoutingModes(
+                None if (q := fleet.queue) is None else {"threshold": q.threshold, "policy": q.policy.value},
+                None if (book := fleet.sessions) is None else {"ttl_s": book.ttl_s, "sessions": len(book),
+                                                                 "evicted": book.evicted})))
 
     async def healthz(_: Request) -> Response:
         return _json(api.Health("ok", __version__))
