@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,33 @@ from kvctl.errors import UsageError
 
 if TYPE_CHECKING:
     from kvctl.core.router.scoring import RouterConfig
+    from kvctl.core.tracking_hash import TrackingKey
+
+
+class TrackingHash(StrEnum):
+    public = "public-xxh3-v1"
+    keyed = "keyed-xxh3-v1"
+
+
+def tracking_key(algorithm: TrackingHash, key_file: Path | None, key_id: str | None) -> TrackingKey | None:
+    """The key of --router-tracking-hash keyed-xxh3-v1, checked as Dynamo checks it; None for public hashes.
+    UsageError (exit 2) for a key option without keyed hashes, a missing one with them, or a bad key."""
+    if algorithm is TrackingHash.public:
+        if key_file is not None or key_id is not None:
+            raise UsageError("--router-tracking-key-file and --router-tracking-key-id go with --router-tracking-hash "
+                             "keyed-xxh3-v1")
+        return None
+    if key_file is None or key_id is None:
+        raise UsageError("--router-tracking-hash keyed-xxh3-v1 needs --router-tracking-key-file and "
+                         "--router-tracking-key-id, as the frontend is given them")
+    from kvctl.core.tracking_hash import TrackingKey
+
+    try:
+        return TrackingKey.read(key_file, key_id)
+    except OSError as exc:
+        raise UsageError(f"--router-tracking-key-file: cannot read {str(key_file)!r}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UsageError(f"--router-tracking-key-file {str(key_file)!r}: {exc}") from None
 
 
 def parse_tier_credits(text: str) -> dict[str, float]:

@@ -19,7 +19,7 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._serve_planes import peer_limits, router_id_of, zmq_options
-from kvctl.commands._serve_routing import router_config
+from kvctl.commands._serve_routing import TrackingHash, router_config, tracking_key
 from kvctl.core.names import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, parse_worker
 from kvctl.core.router.queue import QueuePolicy, RouterQueue
 from kvctl.core.router.sessions import SessionBook, SessionMode
@@ -255,6 +255,16 @@ def serve_command(
                                                    "DYN_ROUTER_SESSION_AFFINITY_MODE"],
         help="hard or soft: with the default cost function both pin, as Dynamo's default selector does.")]
     = SessionMode.hard,
+    tracking_hash: Annotated[TrackingHash, typer.Option(
+        "--router-tracking-hash", envvar=["KVCTL_ROUTER_TRACKING_HASH", "DYN_ROUTER_TRACKING_HASH"],
+        help="How in-flight requests are tracked (Dynamo's flag): keyed-xxh3-v1 matches a frontend so configured, "
+             "whose replica-synced requests public hashes never match.")] = TrackingHash.public,
+    tracking_key_file: Annotated[Path | None, typer.Option(
+        "--router-tracking-key-file", envvar=["KVCTL_ROUTER_TRACKING_KEY_FILE", "DYN_ROUTER_TRACKING_KEY_FILE"],
+        show_default=False, dir_okay=False, help="keyed-xxh3-v1: the frontend's key, 32 raw bytes.")] = None,
+    tracking_key_id: Annotated[str | None, typer.Option(
+        "--router-tracking-key-id", envvar=["KVCTL_ROUTER_TRACKING_KEY_ID", "DYN_ROUTER_TRACKING_KEY_ID"],
+        show_default=False, help="keyed-xxh3-v1: the key's id, as the frontend is given it.")] = None,
     approximate: Annotated[bool, typer.Option("--approximate", envvar="KVCTL_APPROXIMATE",
                                               help="No KV events: index the router's own decisions.")] = False,
     router_ttl: Annotated[float, typer.Option("--router-ttl", envvar="KVCTL_ROUTER_TTL",
@@ -451,6 +461,7 @@ def serve_command(
         thresholds = Thresholds(decode_threshold, prefill_threshold, prefill_frac)
         queue = RouterQueue(queue_threshold, queue_policy) if queue_threshold is not None else None
         sessions = SessionBook(session_ttl) if session_ttl is not None else None
+        tracking = tracking_key(tracking_hash, tracking_key_file, tracking_key_id)
         approx = None
         if approximate:  # the index's code loads after the port opens, unless this mode needs it to check flags
             from kvctl.core.router.approx import ApproxConfig
@@ -509,7 +520,8 @@ def serve_command(
                            snapshot_interval_s=snapshot_interval, compact_log_bytes=compact_log_bytes,
                            state_log_backlog=state_log_backlog,
                            restore=not no_restore, reset_states=reset_states,
-                           router=router, thresholds=thresholds, queue=queue, sessions=sessions, approx=approx,
+                           router=router, thresholds=thresholds, queue=queue, sessions=sessions, tracking=tracking,
+                           approx=approx,
                            request_expiry_s=request_expiry,
                            models=models, nats=nats, zmq_plane=zmq_plane, queue_batches=queue_batches,
                            max_body_bytes=max_body_bytes, decoder=decoder, max_engines=max_engines,

@@ -39,6 +39,7 @@ from kvctl.core.router.queue import RouterQueue
 from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.core.router.sessions import SessionBook
+from kvctl.core.tracking_hash import TrackingKey
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError
 from kvctl.runtime import survivors_frozen, trim_heap
@@ -158,6 +159,7 @@ class ServeOptions:
     thresholds: Thresholds = field(default_factory=Thresholds)
     queue: RouterQueue | None = None  # the frontend's router queue (--router-queue-threshold): its verdict per pick
     sessions: SessionBook | None = None  # session affinity (--router-session-affinity-ttl-secs)
+    tracking: TrackingKey | None = None  # keyed tracking hashes (--router-tracking-hash keyed-xxh3-v1)
     approx: ApproxConfig | None = None  # approximate mode: no KV events, the router indexes its decisions
     request_expiry_s: float = EXPIRY_S
     models: list[Any] = field(default_factory=list)  # config_file.ModelSpec, declared before anything else
@@ -183,7 +185,7 @@ async def run(options: ServeOptions, sock: socket.socket, announce: Callable[[st
     notifier = Notifier.from_environment()  # first: no child process may inherit NOTIFY_SOCKET
     fleet = Fleet(block_size=options.block_size, config=options.router, thresholds=options.thresholds,
                   approx=options.approx, request_expiry_s=options.request_expiry_s, limits=options.limits,
-                  queue=options.queue, sessions=options.sessions)
+                  queue=options.queue, sessions=options.sessions, tracking=options.tracking)
     for spec in options.models:
         fleet.add_model(spec.name, block_size=spec.block_size, config=options.router.override(**spec.router))
         if spec.thresholds:

@@ -44,6 +44,7 @@ from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, NoCandidates, Reason, RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
 from kvctl.core.router.sessions import SessionBook
+from kvctl.core.tracking_hash import TrackingKey
 from kvctl.core.words import counted
 from kvctl.errors import NoWorkers, Refused, UnknownModel
 from kvctl.server.health import Health
@@ -160,13 +161,15 @@ class Fleet:
     def __init__(self, *, block_size: int = DEFAULT_BLOCK_SIZE, config: RouterConfig | None = None,
                  seed: int | None = None, thresholds: Thresholds | None = None, approx: ApproxConfig | None = None,
                  request_expiry_s: float = EXPIRY_S, limits: RouteLimits | None = None,
-                 queue: RouterQueue | None = None, sessions: SessionBook | None = None) -> None:
+                 queue: RouterQueue | None = None, sessions: SessionBook | None = None,
+                 tracking: TrackingKey | None = None) -> None:
         """`approx`: approximate mode (no KV events): every model indexes its own routing decisions. `queue`:
         the frontend's router queue, whose verdict each pick carries (kvctl itself holds no request).
-        `sessions`: session affinity on, its bindings."""
+        `sessions`: session affinity on, its bindings. `tracking`: the key of Dynamo's keyed tracking hashes."""
         self.limits = limits or RouteLimits()
         self.queue = queue
         self.sessions = sessions
+        self.tracking = tracking
         self.health = Health()  # what every entry point refused or lost, and the parts that are down
         self.over_limit: Counter[str] = Counter()  # routes refused, by `RouteLimits` field
         self.all_busy: Counter[str] = Counter()  # routes refused (503) with every worker busy, by model
@@ -205,7 +208,8 @@ class Fleet:
         if name not in self.models:
             router = Router(block_size=block_size or self.default_block_size, config=config or self.default_config,
                             rng=self._rng, sequences=ActiveSequences(self.request_expiry_s),
-                            approx=ApproxIndexer(self.approx) if self.approx is not None else None)
+                            approx=ApproxIndexer(self.approx) if self.approx is not None else None,
+                            tracking=self.tracking, tracking_model=name)
             self.models[name] = ModelState(name, router)
             if self.journal is not None:
                 self.journal.model(name, router.block_size)

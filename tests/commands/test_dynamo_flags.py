@@ -64,8 +64,8 @@ def test_nothing_after_a_double_dash_is_read() -> None:
 
 
 def test_a_refused_flag_is_one_line_and_exit_2() -> None:
-    result = CliRunner().invoke(app, ["serve", "--router-tracking-key-id", "k1"])
+    result = CliRunner().invoke(app, ["serve", "--router-predicted-ttl-secs", "5"])
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines()[0] == (
-        "error: --router-tracking-key-id k1 (Dynamo's) is not taken by kvctl serve: keyed tracking hashes are not "
+        "error: --router-predicted-ttl-secs 5 (Dynamo's) is not taken by kvctl serve: predicted-block TTLs are not "
         "implemented yet (issue 38)")

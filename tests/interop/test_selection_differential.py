@@ -25,6 +25,7 @@ import contextlib
 import os
 import random
 import re
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,19 +33,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 
 from kvctl.core.events.engine import decode_engine_batch
 from kvctl.core.events.engine_encode import VLLM, AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, encode_batch
 from kvctl.core.events.types import Tier
-from kvctl.core.hashing import local_block_hashes
+from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.names import Role, WorkerKey
 from kvctl.core.router.busy import WorkerLoad
 from kvctl.core.router.policy_config import PolicyConfigError, parse_policy_config
 from kvctl.core.router.queue import RouterQueue, would_queue
 from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, RouterConfig
+from kvctl.core.tracking_hash import TrackingKey
 from tests.interop.fleet import REQUIRE_INTEROP
 
 try:
@@ -556,3 +559,41 @@ def test_a_policy_type_kvctl_does_not_implement_is_refused_by_name(monkeypatch: 
     core.SelectionService(indexer_threads=1).shutdown()
     with pytest.raises(PolicyConfigError, match="kvctl implements only dynamo-default-cost-fn"):
         parse_policy_config(text)
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "public"])
+async def test_in_flight_requests_are_tracked_by_the_hashes_dynamo_books(keyed: bool, monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """`DYN_ROUTER_TRACKING_HASH=keyed-xxh3-v1`: the service books a request by keyed sequence hashes, as its
+    replica-sync message shows; kvctl given the same key books the same ones (public: the public ones)."""
+    key = TrackingKey(bytes(range(32)), "2026-12")
+    if keyed:
+        (tmp_path / "key").write_bytes(key.key)
+        monkeypatch.setenv("DYN_ROUTER_TRACKING_HASH", "keyed-xxh3-v1")
+        monkeypatch.setenv("DYN_ROUTER_TRACKING_KEY_FILE", str(tmp_path / "key"))
+        monkeypatch.setenv("DYN_ROUTER_TRACKING_KEY_ID", key.key_id)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sc = Scenario("tracking", {1: 1}, [], P)
+    with stderr_log() as log:
+        service = core.SelectionService(indexer_threads=1, replica_sync_port=port)
+        side = Side(sc, service, log)
+        sub = side.ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"tcp://127.0.0.1:{port}")
+            await side.start()  # its wait lets the SUB connect too
+            await service.select_and_reserve(side.request(P, selection_id="r1", pinned_worker={"worker_id": 1,
+                                                                                              "dp_rank": 0}))
+            assert sub.poll(3000), "no replica-sync message from the service"
+            booked = msgspec.msgpack.decode(sub.recv_multipart()[-1])["event"]["data"]["AddRequest"]["token_sequence"]
+            router = Router(block_size=sc.block_size, tracking=key if keyed else None, tracking_model=MODEL)
+            router.route([(1, 0)], token_ids=P, request_id="r1", reserve=True)
+            [mine] = router.sequences.requests()
+            assert booked == list(mine.block_hashes)
+            assert (booked == sequence_hashes(local_block_hashes(P, sc.block_size))) is not keyed
+        finally:
+            sub.close(0)
+            service.shutdown()
+            side.close()

@@ -15,13 +15,17 @@ from kvctl.core.names import Role, WorkerKey
 from kvctl.core.router.approx import ApproxIndexer
 from kvctl.core.router.scoring import Decision, RouterConfig, booked_prefill_tokens, decide, score
 from kvctl.core.router.sequences import ActiveSequences
+from kvctl.core.tracking_hash import TrackingKey
 
 
 class Router:
     def __init__(self, *, block_size: int = 16, config: RouterConfig | None = None, index: KvIndex | None = None,
                  sequences: ActiveSequences | None = None, rng: random.Random | None = None,
-                 approx: ApproxIndexer | None = None) -> None:
-        """With `approx` (no KV events), the router's own decisions are what the index learns from."""
+                 approx: ApproxIndexer | None = None, tracking: TrackingKey | None = None,
+                 tracking_model: str = "") -> None:
+        """With `approx` (no KV events), the router's own decisions are what the index learns from. With
+        `tracking` (Dynamo's keyed-xxh3-v1), in-flight requests are tracked by keyed sequence hashes, in the scope
+        of `tracking_model`: the model name the frontend hashes under (its model card's)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -33,6 +37,8 @@ class Router:
         self.sequences = sequences if sequences is not None else ActiveSequences()
         self.rng = rng or random.Random()
         self._fresh = random.Random()  # the decode pool's booked blocks: apart from `rng`, which draws ties
+        self.tracking = tracking
+        self.tracking_model = tracking_model
 
     def route(
         self,
@@ -68,7 +74,7 @@ class Router:
         sequences = self.sequences
         loads = sequences.loads()
         # Sequence hashes matter only against in-flight blocks, or to reserve: skip them otherwise.
-        seq = sequence_hashes(local) if loads or reserve else local
+        seq = self._tracked(token_ids, local, lora_name) if loads or reserve else local
         n_blocks = len(local)
         new_blocks: Callable[[WorkerKey], int] | int
         booked: Sequence[int]  # the block hashes a reservation books
@@ -87,9 +93,18 @@ class Router:
                 raise ValueError("reserve needs a request_id")
             prefill = booked_prefill_tokens(isl, decision.effective_overlap, b, config)
             sequences.add(request_id, decision.worker, booked, prefill, now, decision.overlap_blocks)
-            if self.approx is not None:
-                self.approx.record(decision.worker, local, seq, now)
+            if self.approx is not None:  # the index's own hashes: public, whatever in-flight requests are tracked by
+                self.approx.record(decision.worker, local, seq if self.tracking is None else sequence_hashes(local),
+                                   now)
         return decision
+
+    def _tracked(self, token_ids: Sequence[int] | None, local: Sequence[int], lora_name: str | None) -> Sequence[int]:
+        """The hashes a request's blocks are tracked by in flight: its sequence hashes, keyed where Dynamo's are."""
+        if self.tracking is None:
+            return sequence_hashes(local)
+        if token_ids is None:
+            raise ValueError("keyed tracking hashes need the prompt's token_ids: local_hashes do not carry them")
+        return self.tracking.sequence_hashes(token_ids, self.tracking_model, self.block_size, lora_name=lora_name)
 
     def tick(self, now: float) -> tuple[list[str], int]:
         """Time-driven housekeeping: force-free stale requests, expire approximate-mode blocks."""

@@ -33,7 +33,7 @@ from kvctl.core import native
 from kvctl.core.events import Tier
 from kvctl.core.names import DEFAULT_MODEL, Role, format_worker, parse_worker
 from kvctl.core.router.busy import THRESHOLD_FIELDS, AllBusy, ThresholdError, Thresholds
-from kvctl.core.router.scoring import CREDITED_TIERS, BadKnob, Candidate, Decision
+from kvctl.core.router.scoring import CREDITED_TIERS, Candidate, Decision
 from kvctl.core.words import counted
 from kvctl.errors import ApiError
 from kvctl.server.http.bodies import (
@@ -168,8 +168,8 @@ class _Routing:
                 session_id=body.session_id)
         except (ApiError, OverLimit, AllBusy) as exc:
             return _refusal(exc)
-        except BadKnob as exc:  # finite and >= 0 passed msgspec; a number too large for a float did not
-            return _error_bytes(422, f"invalid route request: {exc}")
+        except ValueError as exc:  # BadKnob (a number too large for a float passes msgspec), or local_hashes where
+            return _error_bytes(422, f"invalid route request: {exc}")  # keyed tracking needs token ids
         self._unobserved.append((body.model, time.perf_counter() - started, min(
             1.0, decision.overlap_blocks / decision.required_blocks) if decision.required_blocks else None))
         return 200, _dumps(_decision(decision, body.request_id, body.explain))

@@ -49,10 +49,15 @@ class CardBook:
             cards[card.instance_id] = card
         self.cards, self.errors, self.over_cap = cards, errors, over
 
-    def apply(self, fleet: Fleet, adopting: str | None = None) -> None:
-        """Each known worker's role, event publishing and (unless set otherwise) KV capacity, from its card; and
-        `adopting`'s block size, when the cards agree on one (no block size was given for that model)."""
+    def apply(self, fleet: Fleet, model: str | None = None, *, adopt_block_size: bool = False) -> None:
+        """Each known worker's role, event publishing and (unless set otherwise) KV capacity, from its card. For the
+        plane's `model`, when the cards agree: the model name its keyed tracking hashes are scoped by (the
+        frontend's), and with `adopt_block_size` (no block size was given for it) their block size."""
+        names = {card.model for card in self.cards.values()}
+        if model is not None and len(names) == 1:
+            fleet.add_model(model).router.tracking_model = next(iter(names))
         sizes = {card.block_size for card in self.cards.values() if card.block_size is not None}
+        adopting = model if adopt_block_size else None
         if adopting is not None and len(sizes) == 1:
             (size,) = sizes
             router = fleet.add_model(adopting).router

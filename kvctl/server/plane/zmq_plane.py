@@ -262,7 +262,7 @@ class ZmqPlane(PlaneTasks):
         if self.ingest.kv_events:  # approximate mode recovers no index: it is the router's own routes
             self.recovery.follow(sources)  # after the sockets: what the recovery misses, they hold
         self.cards.read(await self.discovery.list(cards_prefix(self.options.namespace)))
-        self.cards.apply(self.fleet, self.options.model if self.options.adopt_block_size else None)
+        self.cards.apply(self.fleet, self.options.model, adopt_block_size=self.options.adopt_block_size)
         if self.channels is not None:
             await self._share()
         if not self._started.is_set():
