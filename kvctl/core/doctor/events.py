@@ -234,6 +234,11 @@ def _decoder_died(decoder: Mapping[str, Any]) -> list[Finding]:
 
 # ----- the Dynamo event plane (NATS) ----------------------------------------------------------------------
 
+KEYED_AFTER = 8
+"""Peers' ended requests whose first hash was in no worker's index before doctor calls their hashes keyed: one or
+two can have lost their first block to an eviction."""
+
+
 def check_event_plane(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
                       limits: Limits) -> list[Finding]:
     """A router following an event plane (NATS, or Dynamo's ZMQ plane through discovery) that delivers
@@ -268,6 +273,16 @@ def check_event_plane(status: Mapping[str, Any], workers: Sequence[Mapping[str, 
             "the plane (NATS Core, or ZMQ PUB sockets) drops what a slow or disconnected subscriber misses: "
             "kvctl router status; "
             "kvctl router reset --worker W --yes to resync a worker whose KV events were lost"))
+    tracking = (plane.get("peers") or {}).get("tracking") or {}
+    if tracking.get("checked", 0) >= KEYED_AFTER and not tracking.get("matched"):
+        findings.append(Finding(
+            "event_plane", Severity.WARNING,
+            f"none of the {counted(tracking['checked'], 'peer request')} that ended was tracked by a hash the index "
+            "holds: the frontend tracks in-flight requests by keyed hashes (--router-tracking-hash keyed-xxh3-v1), "
+            "and this router prices the prefixes they share as new decode load",
+            {"tracking": tracking},
+            "restart kvctl serve with the frontend's --router-tracking-hash keyed-xxh3-v1 "
+            "--router-tracking-key-file FILE --router-tracking-key-id ID"))
     bindings, modes = (plane.get("counts") or {}).get("session_bindings", 0), status.get("modes")
     if bindings and modes is not None and not modes.get("session_affinity"):
         findings.append(Finding(

@@ -17,12 +17,14 @@ it, but never of this router's own bookings (completed through its own API).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from kvctl.core.events.plane import FREE, PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest
 from kvctl.core.names import format_worker
-from kvctl.core.router.sequences import ActiveSequences
+from kvctl.core.router.router import Router
+from kvctl.core.router.sequences import ActiveRequest, ActiveSequences
 from kvctl.core.words import counted
 from kvctl.server.state import Fleet
 
@@ -70,6 +72,7 @@ class PeerBookings:
         self.fleet = fleet
         self.model = model
         self.trusted = limits.trusted
+        self.tracking: Counter[str] = Counter(checked=0, matched=0)  # peers' ended requests: do their hashes match
         self.max_reservations = own.max_reservations if limits.max_reservations is None else limits.max_reservations
         self.max_reserved_tokens = (own.max_reserved_tokens if limits.max_reserved_tokens is None
                                     else limits.max_reserved_tokens)
@@ -93,6 +96,8 @@ class PeerBookings:
         if isinstance(action, AddRequest):
             return self._add(event, action, sequences, state.block_size, now)
         freeing = action == FREE
+        if freeing and (done := sequences.get(event.request_id, event.router_id)) is not None:
+            self._probe(state.router, done)
         if (sequences.free(event.request_id, event.router_id) if freeing
                 else sequences.mark_prefill_completed(event.request_id, event.router_id)):
             return "peer_freed" if freeing else "peer_prefill_completed"
@@ -143,7 +148,17 @@ class PeerBookings:
         sequences = state.router.sequences
         return {"trusted": None if self.trusted is None else sorted(self.trusted),
                 "max_peer_reservations": self.max_reservations, "max_peer_reserved_tokens": self.max_reserved_tokens,
-                "requests": sequences.peer_requests, "reserved_tokens": sequences.peer_blocks * state.block_size}
+                "requests": sequences.peer_requests, "reserved_tokens": sequences.peer_blocks * state.block_size,
+                "tracking": None if state.router.tracking is not None else dict(self.tracking)}
+
+    def _probe(self, router: Router, done: ActiveRequest) -> None:
+        """Whether peers track requests by the hashes this router does, judged on each peer request that ends:
+        one tracked by public hashes starts with its first block's local hash, which the index holds once the
+        engine stored the block; keyed ones (`keyed-xxh3-v1`) never match. Requests with no prefill (a decode
+        pool's, tracked by random hashes) say nothing; with the router's own key, nothing is judged."""
+        if router.tracking is None and done.prefill_tokens and done.block_hashes:
+            self.tracking["checked"] += 1
+            self.tracking["matched"] += bool(router.index.find_matches(done.block_hashes[:1]).scores)
 
 
 def _request(event: ActiveSequenceEvent) -> str:
