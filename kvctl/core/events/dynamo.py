@@ -94,7 +94,7 @@ def split_router_event_batch(data: bytes) -> list[msgspec.Raw] | None:
     `decode_router_event_batch` then reads (or refuses) whole."""
     try:
         return msgspec.msgpack.decode(data, type=list[msgspec.Raw])
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # nested too deep to skip over
         return None
 
 
