@@ -49,6 +49,7 @@ from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, RouterConfig
 from kvctl.core.tracking_hash import TrackingKey
 from tests.interop.fleet import REQUIRE_INTEROP
+from tests.support import eventually_async
 
 try:
     import dynamo._core as core
@@ -445,10 +446,8 @@ async def test_the_router_queue_holds_a_selection_exactly_when_kvctl_says_it_wou
             await book("r3", Q[20:24], (2, 0))  # 24: both over
             assert verdict()
             held = asyncio.ensure_future(service.select(side.request(sc.prompt, selection_id="s2")))
-            deadline = time.monotonic() + 3
-            while pending() != 1:
-                assert time.monotonic() < deadline and not held.done(), "the service did not queue the selection"
-                await asyncio.sleep(0.01)
+            await eventually_async(pending, "the service queueing the selection", until=lambda n: n == 1)
+            assert not held.done()
             await service.prefill_complete("r1")
             assert side.router.sequences.mark_prefill_completed("r1") and not verdict()
             dispatched = await asyncio.wait_for(held, 3)
