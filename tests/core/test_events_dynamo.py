@@ -25,6 +25,7 @@ from kvctl.core.events import (
     encode_router_event_json,
     encode_router_event_msgpack,
 )
+from kvctl.core.events.dynamo import decode_router_event_batch, split_router_event_batch
 from tests.fixtures_path import FIXTURES
 
 DYNAMO = FIXTURES / "dynamo-1.6.1"
@@ -308,3 +309,13 @@ def test_envelope_rejects(wire: bytes, kind: ErrorKind, field: str) -> None:
     with pytest.raises(DecodeError) as info:
         decode_envelope(wire)
     assert (info.value.kind, info.value.field) == (kind, field)
+
+
+def test_a_batch_nested_too_deep_is_refused_not_raised() -> None:
+    """msgspec raises RecursionError (no DecodeError) on 200,000 nested arrays: the large-batch splitter must hand
+    such a payload to the whole-batch decoder, which refuses it as bad msgpack, not let it kill the ingest loop."""
+    deep = b"\x91" * 200_000 + b"\xc0"
+    assert split_router_event_batch(deep) is None
+    with pytest.raises(DecodeError) as caught:
+        decode_router_event_batch(deep)
+    assert caught.value.kind is ErrorKind.bad_msgpack
