@@ -280,12 +280,25 @@ class TierStats(Struct):
     nodes: int
 
 
+class LruRetention(Struct):
+    """Approximate LRU's ranks: retained against their capacity, or on TTL for want of one; the blocks they hold
+    and how many of those are past capacity (held by requests in flight)."""
+
+    lru_ranks: int
+    ttl_ranks: int
+    resident_blocks: int
+    overcapacity_blocks: int
+
+
 class Approximate(Struct):
-    """The cap an approximate-mode index is pruned at, and its entries' life."""
+    """The cap an approximate-mode index is pruned at, its entries' life, and its cache policy (`lru`: with what
+    each rank retains)."""
 
     max_tree_size: int
     ttl_s: float
     prune_target_ratio: float
+    policy: str = "ttl"
+    lru: LruRetention | None = None
 
 
 class ModelStats(Struct):

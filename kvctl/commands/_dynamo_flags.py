@@ -48,8 +48,6 @@ FLAGS: dict[str, DynamoFlag] = {
     "--no-load-aware": DynamoFlag(None, same=True),
     "--router-mode": DynamoFlag(None, value=True, same=frozenset({"kv"}),
                                 why="kvctl serve is a KV router: it routes as --router-mode kv, and only so"),
-    "--router-approximate-cache-policy": DynamoFlag(None, value=True, same=frozenset({"ttl"}),
-                                                    why=f"the lru policy is {_NOT_YET}; --approximate is ttl"),
     "--router-prefill-load-model": DynamoFlag(None, value=True, same=frozenset({"none"}),
                                               why=f"the ais prefill load model is {_NOT_YET}"),
     "--shared-cache-type": DynamoFlag(None, value=True, same=frozenset({"none"}), why=f"shared caches are {_NOT_YET}"),

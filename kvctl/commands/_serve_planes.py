@@ -3,12 +3,15 @@ the planes take: apart from serve's own module, which holds its flags."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvctl.errors import UsageError
 
 if TYPE_CHECKING:
+    from kvctl.server.config_file import ModelSpec
+    from kvctl.server.plane.model_cards import CardBlockSizes
     from kvctl.server.plane.replica_sync import PeerLimits
     from kvctl.server.plane.zmq_plane import ZmqOptions
 
@@ -16,10 +19,9 @@ if TYPE_CHECKING:
 def zmq_options(discovery: str, namespace: str, component: str | None, endpoint: str | None, model: str,
                  router_id: int | None, state_dir: Path, replica_sync: bool, shadow: bool, jetstream: bool,
                  advertise_host: str | None, recovery_timeout: float, recovery_max_bytes: int,
-                 listen_host: str, peers: PeerLimits, max_channels: int | None, *,
-                 adopt_block_size: bool = False) -> ZmqOptions:
-    """`--dynamo-discovery`'s plane; --jetstream is NATS's alone. `adopt_block_size`: no block size was given
-    for the plane's model, so the fleet's model cards give it."""
+                 listen_host: str, peers: PeerLimits, max_channels: int | None,
+                 block_sizes: CardBlockSizes) -> ZmqOptions:
+    """`--dynamo-discovery`'s plane; --jetstream is NATS's alone."""
     from kvctl.errors import DiscoveryError
     from kvctl.server.plane.dynamo_discovery import open_discovery
     from kvctl.server.plane.zmq_plane import ZmqOptions
@@ -40,8 +42,31 @@ def zmq_options(discovery: str, namespace: str, component: str | None, endpoint:
                       router_id=router_id_of(router_id, state_dir), replica_sync=replica_sync, shadow=shadow,
                       advertise_host=advertise_host, recovery_timeout_s=recovery_timeout,
                       recovery_max_bytes=recovery_max_bytes, listen_host=listen_host, peer_limits=peers,
-                      adopt_block_size=adopt_block_size,
-                      max_channels=max_channels)
+                      block_sizes=block_sizes, max_channels=max_channels)
+
+
+def card_block_sizes(block_size: int | None, models: Sequence[ModelSpec]) -> CardBlockSizes:
+    """Which models take their model cards' block size: all, with no --block-size, but those --config sizes."""
+    from kvctl.server.plane.model_cards import CardBlockSizes
+
+    return CardBlockSizes(block_size is None, frozenset(m.name for m in models if m.block_size))
+
+
+def cards_store(discovery: str | None, jetstream: bool) -> str | None:
+    """--nats's --dynamo-discovery: the store its workers' model cards are read from (the events come over NATS)."""
+    from kvctl.errors import DiscoveryError
+    from kvctl.server.plane.dynamo_discovery import open_discovery
+
+    if discovery is None:
+        return None
+    if jetstream:
+        raise UsageError("--jetstream snapshots one model's index, and --dynamo-discovery's model cards index each "
+                         "model apart: give one of them", hint="drop --dynamo-discovery to follow one model")
+    try:
+        open_discovery(discovery)
+    except (ValueError, DiscoveryError) as exc:
+        raise UsageError(str(exc)) from None
+    return discovery
 
 
 def peer_limits(ids: str | None, reservations: int | None, tokens: int | None, replica_sync: bool) -> PeerLimits:

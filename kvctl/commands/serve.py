@@ -18,9 +18,10 @@ from kvctl.commands._nats import (
     NatsAuth,
     with_nats_credentials,
 )
-from kvctl.commands._serve_planes import peer_limits, router_id_of, zmq_options
+from kvctl.commands._serve_planes import card_block_sizes, cards_store, peer_limits, router_id_of, zmq_options
 from kvctl.commands._serve_routing import TrackingHash, router_config, tracking_key
 from kvctl.core.names import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, parse_worker
+from kvctl.core.router.approx_lru import CachePolicy
 from kvctl.core.router.queue import QueuePolicy, RouterQueue
 from kvctl.core.router.sessions import SessionBook, SessionMode
 from kvctl.core.words import counted
@@ -32,7 +33,8 @@ from kvctl.server.serve_choices import DecoderMode, LogFormat, LogLevel
 if TYPE_CHECKING:
     import asyncio
 
-    from kvctl.server.state import WorkerInfo
+    from kvctl.server.config_file import ModelSpec
+    from kvctl.server.worker_info import WorkerInfo
 
 HELP = "Run a router + KV indexer daemon: engine ZMQ events in, routing decisions out. (daemon)"
 EXAMPLES = (
@@ -55,7 +57,7 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def parse_engine(text: str) -> WorkerInfo:
-    from kvctl.server.state import WorkerInfo
+    from kvctl.server.worker_info import WorkerInfo
 
     m = _ENGINE.match(text)
     if m is None:
@@ -267,6 +269,12 @@ def serve_command(
         show_default=False, help="keyed-xxh3-v1: the key's id, as the frontend is given it.")] = None,
     approximate: Annotated[bool, typer.Option("--approximate", envvar="KVCTL_APPROXIMATE",
                                               help="No KV events: index the router's own decisions.")] = False,
+    cache_policy: Annotated[CachePolicy, typer.Option(
+        "--router-approximate-cache-policy", envvar=["KVCTL_ROUTER_APPROXIMATE_CACHE_POLICY",
+                                                      "DYN_ROUTER_APPROXIMATE_CACHE_POLICY"],
+        help="Approximate mode: ttl (a timer per routed block) or lru (each rank's booked blocks against its "
+             "card's total_kv_blocks, evicted only for room; a rank with none falls back to ttl).")
+    ] = CachePolicy.ttl,
     router_ttl: Annotated[float, typer.Option("--router-ttl", envvar="KVCTL_ROUTER_TTL",
                                               help="Approximate mode: seconds a routed block is assumed cached.")]
     = 120.0,
@@ -346,12 +354,15 @@ def serve_command(
         help="Follow a Dynamo fleet's ZMQ event plane (its default), its publishers found in this discovery "
              "store: file:DIR (DYN_FILE_KV), etcd:http://HOST:2379[,...] or kubernetes[:NAMESPACE] (its "
              "DynamoWorkerMetadata resources, through KUBECONFIG or the pod's service account; needs RBAC list "
-             "on dynamoworkermetadatas.nvidia.com; namespace: the context's).")] = None,
+             "on dynamoworkermetadatas.nvidia.com; namespace: the context's). With --nats: only the workers' "
+             "model cards are read from it (their models, roles, block sizes); the events come over NATS.")] = None,
     namespace: NamespaceOpt = "dynamo",
     component: ComponentScopeOpt = None,
     endpoint: EndpointScopeOpt = None,
     nats_model: Annotated[str, typer.Option("--nats-model", envvar="KVCTL_NATS_MODEL", rich_help_panel=PANEL,
-                                            help="The model the event plane's workers serve.")] = DEFAULT_MODEL,
+                                            help="The model of the event plane's workers that have no model card "
+                                                 "(each other worker is in the model its card names).")
+                ] = DEFAULT_MODEL,
     router_id: Annotated[int | None, typer.Option(
         "--router-id", envvar="KVCTL_ROUTER_ID", show_default=False, rich_help_panel=PANEL,
         help="This router's id (u64): its JetStream consumer and replica-sync identity. Default: an id kept "
@@ -426,7 +437,7 @@ def serve_command(
         raise UsageError(f"refusing to serve on {host} without --admin-token",
                          hint="set KVCTL_ADMIN_TOKEN, or pass --insecure on a trusted network")
     engines = [parse_engine(w) for w in worker or []]
-    models = []
+    models: list[ModelSpec] = []
     if config is not None:
         from kvctl.server.config_file import load
 
@@ -463,20 +474,22 @@ def serve_command(
         sessions = SessionBook(session_ttl) if session_ttl is not None else None
         tracking = tracking_key(tracking_hash, tracking_key_file, tracking_key_id)
         approx = None
+        if cache_policy is CachePolicy.lru and not approximate:
+            raise ValueError("--router-approximate-cache-policy lru needs --approximate: it retains the blocks the "
+                             "router books, where no KV events come (Dynamo: use_kv_events=false)")
         if approximate:  # the index's code loads after the port opens, unless this mode needs it to check flags
             from kvctl.core.router.approx import ApproxConfig
 
-            approx = ApproxConfig(router_ttl, max_tree_size, prune_target_ratio)
+            approx = ApproxConfig(router_ttl, max_tree_size, prune_target_ratio, cache_policy)
         if not request_expiry > 0:
             raise ValueError(f"--request-expiry must be > 0 seconds, got {request_expiry}")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if nats_url is not None and dynamo_discovery is not None:
-        raise UsageError("--nats and --dynamo-discovery name two event planes: give one")
     if router_id is not None and not 0 <= router_id < 2**64:
         raise UsageError(f"--router-id must be a u64, got {router_id}")
     peers = peer_limits(replica_peers, max_peer_reservations, max_peer_reserved_tokens, replica_sync)
     nats = zmq_plane = None
+    sizes = card_block_sizes(block_size, models)
     if approximate and jetstream:
         raise UsageError("--approximate indexes the router's own routes: --jetstream (a stream of KV events) does "
                          "not go with it", hint="drop one of them")
@@ -494,12 +507,12 @@ def serve_command(
                            model=nats_model, router_id=router_id_of(router_id, state_dir), shadow=shadow,
                            jetstream=jetstream, snapshot_threshold=snapshot_threshold, reset_states=reset_states,
                            replica_sync=replica_sync, peer_limits=peers, pending_msgs=nats_pending_msgs,
-                           pending_bytes=nats_pending_bytes)
+                           pending_bytes=nats_pending_bytes,
+                           cards=cards_store(dynamo_discovery, jetstream), block_sizes=sizes)
     elif dynamo_discovery is not None:
         zmq_plane = zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
                                  replica_sync, shadow, jetstream, advertise_host, recovery_timeout,
-                                 recovery_max_bytes, host, peers, max_channels, adopt_block_size=block_size is None
-                                 and not any(m.name == nats_model and m.block_size for m in models))
+                                 recovery_max_bytes, host, peers, max_channels, sizes)
     elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
                          "an event plane: --nats URL or --dynamo-discovery STORE")
@@ -512,7 +525,7 @@ def serve_command(
     import asyncio
 
     from kvctl.server.daemon import ServeOptions, run
-    from kvctl.server.state import RouteLimits
+    from kvctl.server.route_limits import RouteLimits
 
     options = ServeOptions(host=host, port=port, block_size=block_size or DEFAULT_BLOCK_SIZE,
                            admin_token=admin_token, insecure=insecure,

@@ -13,7 +13,7 @@ from typing import Any
 from kvctl.mock.engine import EngineConfig, Faults, MockEngine
 from kvctl.runtime import tune_gc
 from kvctl.server.config_file import ModelSpec, ServeFile
-from kvctl.server.state import WorkerInfo
+from kvctl.server.worker_info import WorkerInfo
 
 PORTS_PER_ENGINE = 3
 """With a base port P, engine i (from 0) takes P+3i (HTTP), P+3i+1 (ZMQ PUB), P+3i+2 (replay ROUTER)."""

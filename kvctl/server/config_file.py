@@ -37,7 +37,7 @@ from kvctl.core.router.busy import THRESHOLD_FIELDS, Thresholds
 from kvctl.core.router.scoring import KNOBS, RouterConfig
 from kvctl.errors import ConfigError
 from kvctl.server.ingest.endpoint import check_endpoint
-from kvctl.server.state import WorkerInfo
+from kvctl.server.worker_info import WorkerInfo
 
 _ROUTER_KEYS = (*KNOBS, "overlap_score_weight", "temperature")
 _MODEL_KEYS = {"name", "block_size", *_ROUTER_KEYS, *THRESHOLD_FIELDS}

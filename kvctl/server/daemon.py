@@ -68,9 +68,11 @@ from kvctl.server.persistence import compact, gaps, replay
 from kvctl.server.persistence.compact import COMPACT_BYTES
 from kvctl.server.persistence.state_log import BACKLOG, LogCollector, StateLog
 from kvctl.server.readiness import Readiness
+from kvctl.server.route_limits import RouteLimits
 from kvctl.server.sd_notify import Notifier
 from kvctl.server.serve_choices import DecoderMode, LogLevel
-from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from kvctl.zmq_limits import MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:  # loaded only where an event plane is asked for: nats-py and httpx slow every start

@@ -43,7 +43,8 @@ from kvctl.core.names import DEFAULT_MODEL
 from kvctl.errors import SnapshotError
 from kvctl.server import tree_image
 from kvctl.server.ingest.endpoint import check_endpoint
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 
 SCHEMA = tree_image.SCHEMA
 V2 = "kvctl.snapshot/v2"  # JSON lines, replayed event by event

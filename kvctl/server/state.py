@@ -16,9 +16,10 @@ from typing import Any, Protocol
 
 from kvctl import http_api as api
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
-from kvctl.core.events.model_card import disaggregated_roles
+from kvctl.core.events.model_card import ModelCard, disaggregated_roles
 from kvctl.core.events.plane import FREE, PREFILL_COMPLETED, ActiveLoad, ForwardPass
 from kvctl.core.index import Status
+from kvctl.core.index.kv_index import events_of
 from kvctl.core.names import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MODEL,
@@ -48,6 +49,8 @@ from kvctl.core.tracking_hash import TrackingKey
 from kvctl.core.words import counted
 from kvctl.errors import NoWorkers, Refused, UnknownModel
 from kvctl.server.health import Health
+from kvctl.server.route_limits import OverLimit, RouteLimits
+from kvctl.server.worker_info import WorkerInfo
 
 _DEVICE = Tier.device
 _NO_THRESHOLDS = Thresholds()
@@ -60,57 +63,6 @@ SequenceListener = Callable[[str, str, "ActiveRequest | None", Mapping[str, Any]
 
 class UnknownWorker(KeyError):
     pass
-
-
-@dataclass(frozen=True)
-class RouteLimits:
-    """Caps on what a route, which needs no token, can make the router hold (`kvctl serve --max-*`).
-
-    A reserved request keeps its prompt's block hashes until it is freed or expires: ~100 bytes a
-    block, so 150 reservations of 1M tokens held 870 MB. The defaults leave room for a 1M-token prompt
-    and for a thousand requests of 32k tokens in flight per model, and hold reservations to ~200 MB.
-    """
-
-    max_request_tokens: int = 1 << 20  # prompt tokens of one route request
-    max_reservations: int = 100_000  # requests in flight, per model
-    max_reserved_tokens: int = 1 << 25  # prompt tokens of the requests in flight, per model
-
-
-class OverLimit(Exception):
-    """A route refused by a `RouteLimits` cap (HTTP 429): `limit` names it, `flag` sets it."""
-
-    def __init__(self, limit: str, message: str) -> None:
-        self.limit = limit
-        self.flag = "--" + limit.replace("_", "-")
-        super().__init__(f"{message}; the limit is {self.flag}")
-
-
-@dataclass(slots=True)
-class WorkerInfo:
-    worker_id: int
-    dp_rank: int
-    model: str
-    endpoint: str | None = None
-    replay_endpoint: str | None = None
-    topic: str = ""
-    last_event_at: float | None = None
-    total_blocks: int | None = None  # KV capacity, for the decode busy check against reported usage
-    max_num_batched_tokens: int | None = None  # from its model card: the prefill thresholds' unit
-    # Events the index refused, by status: a worker whose removals name blocks it never stored
-    # (block_not_found) hashes tokens differently from its peers or lost events; doctor names which.
-    rejected: Counter[str] = field(default_factory=Counter)
-    routes: int = 0  # decisions that chose this worker: its share of the traffic
-    # Known only from the state dir: nothing heard from it since this router started. Its blocks may belong to
-    # an engine that is gone, or to another configuration's fleet (doctor's `silent` names such workers).
-    restored: bool = False
-    # From the worker's model card (a discovery-fed plane): aggregated, prefill or decode, and whether it publishes
-    # KV events at all (a disaggregated fleet's decode workers do not, by design). None: no card seen.
-    role: str | None = None
-    publishes_kv_events: bool | None = None
-
-    @property
-    def key(self) -> WorkerKey:
-        return (self.worker_id, self.dp_rank)
 
 
 class Journal(Protocol):
@@ -200,6 +152,7 @@ class Fleet:
         # Engine batches being applied a slice of the loop at a time (`ingest.streams.ModelWriter`), by (model, worker):
         # what applies the rest of each at once, called before anything else changes that worker's index.
         self.unfinished: dict[tuple[str, WorkerKey], Callable[[], None]] = {}
+        self.cards: Mapping[int, ModelCard] = {}  # worker id -> its model card (an event plane's discovery)
         self.add_model(DEFAULT_MODEL)
 
     # ----- models and workers -----------------------------------------------------------------------
@@ -208,12 +161,17 @@ class Fleet:
         if name not in self.models:
             router = Router(block_size=block_size or self.default_block_size, config=config or self.default_config,
                             rng=self._rng, sequences=ActiveSequences(self.request_expiry_s),
-                            approx=ApproxIndexer(self.approx) if self.approx is not None else None,
+                            approx=ApproxIndexer(self.approx, self._capacity) if self.approx is not None else None,
                             tracking=self.tracking, tracking_model=name)
             self.models[name] = ModelState(name, router)
             if self.journal is not None:
                 self.journal.model(name, router.block_size)
         return self.models[name]
+
+    def _capacity(self, worker: WorkerKey) -> int | None:
+        """A rank's KV blocks (its card's, or as registered): what approximate LRU retains blocks against."""
+        info = self.workers.get(worker)
+        return None if info is None else info.total_blocks
 
     def model(self, name: str) -> ModelState:
         state = self.models.get(name)
@@ -294,8 +252,10 @@ class Fleet:
         seq never goes out without the batch's (see `StateLog.seq`)."""
         if mark is not None:
             self.applied_seq(*mark)
-        if events:  # an empty batch (the writer's marker) makes no worker known
-            self._apply_run(self.add_model(model), worker, events, now, None)
+        if events:  # an empty batch (the writer's marker) makes no worker known; a worker with a model card is in
+            # the model the card names, whichever model's writer brought its events (a plane's serves several)
+            card = self.cards.get(worker[0])
+            self._apply_run(self.add_model(model if card is None else card.model), worker, events, now, None)
 
     def applied_seq(self, stream: StreamId, seq: int) -> None:
         """`stream`'s batches up to `seq` are in the index (and in the journal's records before this one)."""
@@ -323,9 +283,7 @@ class Fleet:
     def _apply_run(self, state: ModelState, worker: WorkerKey, events: Iterable[EventData], now: float,
                    rejected: Counter[str] | None) -> int:
         """Apply one worker's events in order; returns how many applied, adds the others to `rejected`."""
-        info = self.workers.get(worker)
-        if info is None:
-            info = self.register(WorkerInfo(worker[0], worker[1], state.name))
+        info = self._heard_of(worker, state.name)
         info.last_event_at, info.restored = now, False
         journal, kept = self.journal, None
         if journal is not None:
@@ -465,9 +423,9 @@ class Fleet:
         return self._settle(model, request_id, FREE)
 
     def _settle(self, model: str, request_id: str, action: str) -> bool:
-        sequences = self.model(model).router.sequences
-        request = sequences.get(request_id)
-        done = sequences.free(request_id) if action == FREE else sequences.mark_prefill_completed(request_id)
+        router = self.model(model).router
+        request = router.sequences.get(request_id)
+        done = router.free(request_id) if action == FREE else router.sequences.mark_prefill_completed(request_id)
         if done and self.sequence_listener is not None:
             self.sequence_listener(model, action, request, {})
         return done
@@ -484,11 +442,42 @@ class Fleet:
         self.forward_passes[worker] = (report, now)
         self._heard_of(worker, model)
 
-    def _heard_of(self, worker: WorkerKey, model: str) -> None:
+    def _heard_of(self, worker: WorkerKey, model: str) -> WorkerInfo:
         """A worker the event plane speaks of is a candidate before its first KV event, as Dynamo's routers
-        know it from discovery: an idle worker that has stored nothing yet must still get requests."""
-        if worker not in self.workers:
-            self.register(WorkerInfo(worker[0], worker[1], model))
+        know it from discovery: an idle worker that has stored nothing yet must still get requests. One with a
+        model card is in the model the card names (not `model`), with what the card says of it."""
+        info = self.workers.get(worker)
+        if info is None:
+            card = self.cards.get(worker[0])
+            info = WorkerInfo(worker[0], worker[1], model if card is None else card.model)
+            if card is not None:
+                info.take_card(card)
+            self.register(info)
+        return info
+
+    def rehome(self, cards: Mapping[int, ModelCard], now: float) -> list[WorkerKey]:
+        """Each worker in the model its card names: from now on, and for one heard of before its card, moved there
+        whole with its blocks (nothing cleared, so nothing to recover again); requests booked on it in its old
+        model end. One capture per old model. Returns the ranks moved."""
+        self.cards = cards
+        homes = {worker_id: card.model for worker_id, card in cards.items()}
+        moved = sorted(w for w, info in self.workers.items() if homes.get(w[0], info.model) != info.model)
+        for name in {self.workers[w].model for w in moved}:
+            keys = {w for w in moved if self.workers[w].model == name}
+            for w in keys:
+                self._finish(w)
+            router = self.models[name].router
+            edges = [edge for edge in router.index.capture() if edge.worker in keys]
+            for w in sorted(keys):
+                router.index.remove_worker(*w)
+                for request in router.sequences.requests(w):
+                    router.sequences.free(request.request_id, request.owner)
+                if self.journal is not None:
+                    self.journal.unregister(*w)
+                self.register(dataclasses.replace(self.workers[w], model=homes[w[0]]))
+            for home in {homes[w[0]] for w in keys}:
+                self.apply(home, events_of(e for e in edges if homes[e.worker[0]] == home), now)
+        return moved
 
     def reclaim_debt(self) -> int:
         """Freed index lookup entries not given back yet, every model (`RadixTree.debt`)."""
@@ -550,9 +539,11 @@ class Fleet:
                 block_size=self.models[name].block_size, blocks=device.blocks, nodes=device.nodes,
                 workers={format_worker(w): n for w, n in sorted(device.workers.items())},
                 tiers={t.value: api.TierStats(s.blocks, s.nodes) for t, s in tiers.items()})
-            if self.approx is not None:  # the cap the index is pruned at: blocks near it mean churn
+            approx = self.models[name].router.approx
+            if self.approx is not None and approx is not None:  # the cap it is pruned at: blocks near it mean churn
+                lru = None if approx.lru is None else api.LruRetention(*dataclasses.astuple(approx.lru.stats()))
                 out[name].approximate = api.Approximate(self.approx.max_tree_size, self.approx.ttl_s,
-                                                    self.approx.prune_target_ratio)
+                                                        self.approx.prune_target_ratio, self.approx.policy, lru)
         return api.TreeStats(out)
 
     def reset(self, model: str | None, worker_id: int | None, dp_rank: int | None) -> api.Cleared:

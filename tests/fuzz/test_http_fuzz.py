@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from kvctl.core.events.dynamo import decode_router_event_json
 from kvctl.server.http.api import create_app, openapi_document
 from kvctl.server.ingest.streams import Streams
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from tests.fixtures_path import FIXTURES
 from tests.fuzz.junk import DEPTHS, JSON_JUNK, JSON_SCALARS, NAMES, Blob, deep_json, hostile
 from tests.support.served import served

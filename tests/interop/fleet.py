@@ -659,10 +659,11 @@ def settled(read: Callable[[], T], what: str, *, quiet_s: float = 1.0, timeout: 
     return wait_until(check, f"{what} settling", timeout=timeout, procs=procs, interval=0.2)
 
 
-def replica_sync_both_ways(fleet: Fleet, url: str, plane: Callable[[str], dict[str, Any]]) -> None:
+def replica_sync_both_ways(fleet: Fleet, url: str, plane: Callable[[str], dict[str, Any]], model: str) -> None:
     """Replica sync between the router at `url` and the fleet's frontend (`--router-replica-sync`), either way:
     each request the frontend routes is added, prefilled and freed on the router; a request the router books
-    shows in the frontend's own per-worker load, and goes when freed. `plane`: the router's event-plane status."""
+    shows in the frontend's own per-worker load, and goes when freed. `plane`: the router's event-plane status;
+    `model`: the model its workers are in there (a plane with model cards: theirs)."""
     peers_before = plane(url)["counts"].get("peer_sequence_events", 0)
     assert shared_prefix_load(fleet.frontend_url, requests=8, seed=4).failed == []
     wait_until(lambda: plane(url)["counts"].get("peer_sequence_events", 0) >= peers_before + 3 * 8,
@@ -676,13 +677,13 @@ def replica_sync_both_ways(fleet: Fleet, url: str, plane: Callable[[str], dict[s
     assert refused == [], refused
 
     tokens = list(range(5000, 5000 + 20 * 16))
-    decision = httpx.post(f"{url}/v1/route", json={"token_ids": tokens, "reserve": True, "request_id": "kvctl-1"},
-                          timeout=10).json()
+    decision = httpx.post(f"{url}/v1/route", json={"model": model, "token_ids": tokens, "reserve": True,
+                                                   "request_id": "kvctl-1"}, timeout=10).json()
     worker = str(decision["worker_id"])
     wait_until(lambda: frontend_load(fleet, worker).get("prefill_tokens", 0) >= len(tokens) or None,
                "the frontend counting the router's booked prefill", timeout=15, procs=fleet.procs)
     assert frontend_load(fleet, worker)["decode_blocks"] >= 20
-    assert httpx.delete(f"{url}/v1/requests/kvctl-1", timeout=10).status_code == 200
+    assert httpx.delete(f"{url}/v1/requests/kvctl-1", params={"model": model}, timeout=10).status_code == 200
     wait_until(lambda: frontend_load(fleet, worker) == {"prefill_tokens": 0, "decode_blocks": 0},
                "the frontend dropping the router's freed request", timeout=15, procs=fleet.procs)
 

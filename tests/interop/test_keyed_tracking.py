@@ -50,7 +50,8 @@ def test_with_the_key_a_shared_prefix_in_flight_is_priced_as_the_frontend_prices
 
     def explained(router: str) -> dict[int, float]:
         answer = httpx.post(f"{fleet.routers[router].url}/v1/route", timeout=10,
-                            json={"token_ids": [t + 3 for t in shared], "explain": True}).raise_for_status().json()
+                            json={"model": fleet.model, "token_ids": [t + 3 for t in shared],
+                                  "explain": True}).raise_for_status().json()
         return {c["worker_id"]: c["logit"] for c in answer["candidates"]}
 
     def running(router: str) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ import pytest
 from tests.commands.live_router import kvctl
 from tests.doctor.rig import doctor, findings
 from tests.interop.fleet import VOCAB, Fleet, shared_prefix_load, start_fleet, wait_until, words
+from tests.nats_server import NatsServer
 
 ADOPTING, AT_16, APPROXIMATE = "cards", "cards16", "approximate"
 
@@ -69,7 +70,7 @@ def test_roles_and_the_block_size_come_from_the_cards_and_decode_workers_are_sil
     [workers] = findings(report, "workers")
     assert "disaggregated fleet: by their model cards this model has 2 prefill workers and 2 decode workers, " \
         "routed as two pools" in workers["cause"]
-    route = httpx.post(f"{url}/v1/route", json={"token_ids": list(range(64))}, timeout=10).json()
+    route = httpx.post(f"{url}/v1/route", json={"model": "tiny", "token_ids": list(range(64))}, timeout=10).json()
     assert (route["role"], route["decode"]["role"]) == ("prefill", "decode")
     assert route["worker_id"] in prefill and route["decode"]["worker_id"] in decode
     rows_shown = [row.split() for row in kvctl(url, "workers").stdout.splitlines()[1:]]  # WORKER DP MODEL ROLE …
@@ -82,17 +83,22 @@ def test_roles_and_the_block_size_come_from_the_cards_and_decode_workers_are_sil
     explained = kvctl(url, "route", "--explain", *tokens).stdout
     assert "prefill pool routed to" in explained and "decode pool routed to" in explained
     assert kvctl(url, "route", "--reserve", "--request-id", "r", "--yes", *tokens).exit_code == 1
-    stats = httpx.get(f"{url}/v1/tree/stats", timeout=10).json()["models"]["default"]
+    stats = httpx.get(f"{url}/v1/tree/stats", timeout=10).json()["models"]["tiny"]
     assert stats["block_size"] == 32 and sum(stats["workers"].values()) > 0  # the cards' size, and it indexes
 
 
 def test_twenty_prompts_get_the_frontends_prefill_and_decode_picks(disaggregated: Fleet) -> None:
-    """The issue-38 acceptance on the ZMQ plane. Twenty prompts, one after another, each one of four 4-block
-    prefixes then a 2-block suffix of its own, sent through the frontend as chats; before each, kvctl explains the
-    same prompt. The frontend's prefill pick must be among kvctl's lowest prefill logits, at the logit it logged,
-    and so must its decode pick among kvctl's decode logits. A prompt's prefix was stored four prompts before it,
-    so both routers have long since seen the events its overlap depends on; kvctl is first made to show the
-    previous prompt's blocks, so nothing it missed can pass as a different pick."""
+    """The issue-38 acceptance on the ZMQ plane."""
+    twenty_prompts_get_the_frontends_picks(disaggregated)
+
+
+def twenty_prompts_get_the_frontends_picks(disaggregated: Fleet) -> None:
+    """Twenty prompts, one after another, each one of four 4-block prefixes then a 2-block suffix of its own, sent
+    through the frontend as chats; before each, kvctl explains the same prompt. The frontend's prefill pick must be
+    among kvctl's lowest prefill logits, at the logit it logged, and so must its decode pick among kvctl's decode
+    logits. A prompt's prefix was stored four prompts before it, so both routers have long since seen the events
+    its overlap depends on; kvctl is first made to show the previous prompt's blocks, so nothing it missed can
+    pass as a different pick."""
     url, b = disaggregated.routers[ADOPTING].url, disaggregated.block_size
     frontend = disaggregated.frontend
     # Prefixes that start where no earlier test's prompt does (theirs start at multiples of 192).
@@ -101,7 +107,8 @@ def test_twenty_prompts_get_the_frontends_prefill_and_decode_picks(disaggregated
 
     def explained(prompt: list[int]) -> dict[str, Any]:
         tokens = [t % VOCAB + 3 for t in prompt]  # what words() turns into
-        return httpx.post(f"{url}/v1/route", json={"token_ids": tokens, "explain": True}, timeout=10).json()
+        return httpx.post(f"{url}/v1/route", json={"model": "tiny", "token_ids": tokens, "explain": True},
+                          timeout=10).json()
 
     def lowest(pick: dict[str, Any]) -> dict[int, float]:
         logits = {c["worker_id"]: c["logit"] for c in pick["candidates"]}
@@ -160,11 +167,39 @@ def test_an_approximate_router_on_the_plane_indexes_its_routes_not_the_fleets_ev
 
     wait_until(lambda: ignored() > 0, "the fleet's KV events reaching the approximate router", timeout=30,
                procs=disaggregated.procs)
-    stats = httpx.get(f"{url}/v1/tree/stats", timeout=10).json()["models"]["default"]
-    assert stats["blocks"] == 0  # nothing from the fleet's events: only its own routes would index blocks
+    stats = httpx.get(f"{url}/v1/tree/stats", timeout=10).json()["models"]
+    assert all(m["blocks"] == 0 for m in stats.values())  # nothing from the fleet's events: only its routes index
     _, report = doctor(url)
     assert findings(report, "silent")[0]["cause"].startswith("approximate mode: the router indexes its own routes")
 
+
+
+@pytest.fixture(scope="module")
+def nats_disaggregated(dynamo: Path, nats: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """The same fleet's shape on the NATS event plane (its own namespace on the package's nats-server), and a kvctl
+    router on it that reads the workers' model cards from the fleet's file discovery."""
+    workdir = tmp_path_factory.mktemp("interop-cards-nats")
+    plane = ["--nats", nats.url, "--dynamo-discovery", f"file:{workdir / 'discovery'}", "--namespace", "disagg"]
+    started = start_fleet(workdir, dynamo, modes=["prefill", "prefill", "decode", "decode"], indexer=False,
+                          kvctl=False, block_size=32, nats_url=nats.url, namespace="disagg",
+                          routers={ADOPTING: plane})
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def test_on_nats_twenty_prompts_get_the_frontends_prefill_and_decode_picks(nats_disaggregated: Fleet) -> None:
+    """The issue-38 acceptance on the NATS plane: before it read model cards, all four workers were one pool of
+    model `default`, and 4 of 8 cold prompts went to a decode worker. Then doctor on the healthy fleet is OK."""
+    url = nats_disaggregated.routers[ADOPTING].url
+    wait_until(lambda: _cards(url)["cards"] == 4 or None, "the cards read", timeout=30,
+               procs=nats_disaggregated.procs)
+    twenty_prompts_get_the_frontends_picks(nats_disaggregated)
+    code, report = doctor(url, "--silent-after", "3600")
+    assert code == 0, report
+    [workers] = findings(report, "workers")
+    assert "2 prefill workers and 2 decode workers, routed as two pools" in workers["cause"], workers
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +231,8 @@ def test_an_sglang_fleet_at_page_32_is_scored_as_dynamo_with_no_block_size_given
     assert (cold, warm) == (10.0, 5.0)  # 5 prefill + 5 decode blocks; then the 5 prefill blocks cached
 
     def explained() -> dict[str, Any] | None:
-        answer = httpx.post(f"{url}/v1/route", json={"token_ids": [t + 3 for t in prompt], "explain": True},
-                            timeout=10).json()
+        body = {"model": "tiny", "token_ids": [t + 3 for t in prompt], "explain": True}
+        answer = httpx.post(f"{url}/v1/route", json=body, timeout=10).json()
         return answer if max(c["overlap_blocks"] for c in answer["candidates"]) == 5 else None
 
     answer = wait_until(explained, "kvctl seeing the prompt's five pages", timeout=30, procs=sglang_fleet.procs)

@@ -55,7 +55,7 @@ def test_the_nats_router_holds_dynamos_index_and_decodes_every_topic(fleet: Flee
 
 
 def test_replica_sync_both_ways_with_dynamos_frontend(fleet: Fleet) -> None:
-    replica_sync_both_ways(fleet, fleet.routers[NATS_ROUTER].url, plane)
+    replica_sync_both_ways(fleet, fleet.routers[NATS_ROUTER].url, plane, "default")
 
 
 def test_events_tail_decodes_the_fleets_nats_plane(fleet: Fleet) -> None:

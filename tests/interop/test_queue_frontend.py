@@ -42,7 +42,8 @@ def _queue(fleet: Fleet) -> dict[str, Any]:
 
 
 def _route(fleet: Fleet) -> dict[str, Any]:
-    answer = httpx.post(f"{fleet.routers[ROUTER].url}/v1/route", json={"token_ids": list(range(64))}, timeout=10)
+    body = {"model": fleet.model, "token_ids": list(range(64))}
+    answer = httpx.post(f"{fleet.routers[ROUTER].url}/v1/route", json=body, timeout=10)
     return answer.raise_for_status().json()
 
 

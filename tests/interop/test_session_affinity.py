@@ -35,7 +35,8 @@ def test_a_session_pinned_by_the_frontend_gets_its_pick_in_kvctl(pinning: Fleet)
     url = pinning.routers[ROUTER].url
 
     def route(prompt: list[int], **body: Any) -> dict[str, Any]:
-        answer = httpx.post(f"{url}/v1/route", json={"token_ids": [t + 3 for t in prompt], "explain": True, **body},
+        answer = httpx.post(f"{url}/v1/route", json={"model": pinning.model, "token_ids": [t + 3 for t in prompt],
+                                                     "explain": True, **body},
                             timeout=10)
         return answer.raise_for_status().json()
 

@@ -73,7 +73,7 @@ def holds_dynamos_index_and_decodes_every_topic(fleet: Fleet, seed: int) -> None
     load = shared_prefix_load(fleet.frontend_url, seed=seed)
     assert load.failed == [] and load.cached_tokens > 0
 
-    ours = settled(lambda: kvctl_blocks(url), "the ZMQ router's index", procs=fleet.procs)
+    ours = settled(lambda: kvctl_blocks(url, fleet.model), "the ZMQ router's index", procs=fleet.procs)
     theirs = settled(lambda: indexer_blocks(fleet), "the indexer's dump", procs=fleet.procs)
     diff = kvctl(url, "tree", "diff", "--exit-code", "-o", "json", url, f"dynamo+{fleet.indexer_url}")
     assert diff.exit_code == 0, f"{diff.output}\nkvctl: {ours}\nindexer: {theirs}\n{fleet.dump()}"
@@ -134,7 +134,7 @@ def test_replica_sync_both_ways_over_the_zmq_plane(zmq_fleet: Fleet) -> None:
 def replica_sync_both_ways_over_zmq(fleet: Fleet) -> None:
     """The frontend's requests on kvctl, and kvctl's on the frontend, through each one's own channel record."""
     url = fleet.routers[ROUTER].url
-    replica_sync_both_ways(fleet, url, plane)
+    replica_sync_both_ways(fleet, url, plane, fleet.model)
     (shared,) = plane(url)["sharing"]["channels"]
     assert shared["sent"] >= 2 and shared["address"].startswith("tcp://127.0.0.1:"), shared
     assert shared["channel"].startswith("v1/event_channels/namespace/dynamo/component/backend/endpoint/generate/"
@@ -175,7 +175,7 @@ def restarted_mocker_is_followed(fleet: Fleet) -> None:
     old_id = restarted.dynamo_id
     old = {p["publisher_id"] for p in plane(url)["publishers"] if f"{old_id}:0" in p["workers"]}
     assert len(old) >= 3, plane(url)["publishers"]  # its KV events, load reports and forward passes
-    assert old_id in kvctl_blocks(url)
+    assert old_id in kvctl_blocks(url, fleet.model)
 
     fleet.restart_mocker(restarted)
     fleet.await_mocker(restarted)
@@ -190,12 +190,12 @@ def restarted_mocker_is_followed(fleet: Fleet) -> None:
     wait_until(lambda: len([c for c in connections() if c["topic"] == "kv-events" and c["connected"]]) == 2 or None,
                "the new identity's kv-events channel followed", timeout=30, procs=fleet.procs)
     workers = {w["worker_id"] for w in httpx.get(f"{url}/v1/workers", timeout=10).json()["workers"]}
-    assert old_id not in workers and old_id not in kvctl_blocks(url), workers  # its blocks went with it
+    assert old_id not in workers and old_id not in kvctl_blocks(url, fleet.model), workers  # its blocks went with it
     wait_until(lambda: fleet.frontend.workers(fleet) == {new_id, other.worker_id} or None,
                "the frontend routing to the restarted mocker", timeout=30, procs=fleet.procs)
 
     assert shared_prefix_load(fleet.frontend_url, requests=24, seed=6).failed == []
-    ours = settled(lambda: kvctl_blocks(url), "the ZMQ router's index", procs=fleet.procs)
+    ours = settled(lambda: kvctl_blocks(url, fleet.model), "the ZMQ router's index", procs=fleet.procs)
     assert set(ours) == {new_id, other.worker_id} and 0 < ours[new_id] <= KV_BLOCKS, ours
     status = plane(url)
     assert status["decode_errors"] == {} and status["counts"]["workers_removed"] == 1, status

@@ -58,7 +58,7 @@ def recovery(url: str) -> dict[int, dict[str, Any]]:
 
 
 def same_index(fleet: Fleet, url: str) -> None:
-    ours = settled(lambda: kvctl_blocks(url), "the late router's index", procs=fleet.procs)
+    ours = settled(lambda: kvctl_blocks(url, fleet.model), "the late router's index", procs=fleet.procs)
     theirs = settled(lambda: indexer_blocks(fleet), "the indexer's dump", procs=fleet.procs)
     diff = kvctl(url, "tree", "diff", "--exit-code", "-o", "json", url, f"dynamo+{fleet.indexer_url}")
     assert diff.exit_code == 0, f"{diff.output}\nkvctl: {ours}\nindexer: {theirs}\n{fleet.dump()}"

@@ -14,7 +14,9 @@ from kvctl.core.events.dynamo import decode_router_event_json, encode_router_eve
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
 from kvctl.server.http.api import create_app
-from kvctl.server.state import Fleet, RouteLimits, WorkerInfo
+from kvctl.server.route_limits import RouteLimits
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from tests.fixtures_path import FIXTURES
 from tests.support.eventually import eventually_async
 from tests.support.served import served

@@ -12,6 +12,7 @@ import pytest
 
 from kvctl import http_api as api
 from kvctl.core.router.approx import ApproxConfig
+from kvctl.core.router.approx_lru import CachePolicy
 from kvctl.core.router.busy import Thresholds
 from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet
@@ -20,9 +21,10 @@ BIG = 2**63 + 7
 TOKENS = list(range(100, 164))
 
 
-@pytest.fixture(params=["exact", "approximate"])
+@pytest.fixture(params=["exact", "approximate", "lru"])
 async def client(request: pytest.FixtureRequest) -> AsyncIterator[httpx.AsyncClient]:
-    approx = ApproxConfig() if request.param == "approximate" else None
+    approx = None if request.param == "exact" else ApproxConfig(policy=CachePolicy(request.param.replace(
+        "approximate", "ttl")))
     app = create_app(Fleet(block_size=16, seed=0, approx=approx))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvctl") as c:
         yield c
@@ -87,3 +89,31 @@ async def test_a_number_sent_as_a_string_is_refused_naming_the_field(client: htt
     assert isinstance(invalid, api.Invalid)
     [field] = invalid.detail
     assert field.loc == ["body", next(k for k, v in body.items() if not isinstance(v, int))] and "int" in field.msg
+
+
+async def test_tree_stats_say_what_approximate_lru_retains() -> None:
+    """A rank of 2 blocks booked a 4-block prompt: all 4 held (in use), 2 past its capacity."""
+    app = create_app(Fleet(block_size=16, seed=0, approx=ApproxConfig(policy=CachePolicy.lru)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvctl") as c:
+        await c.post("/v1/workers", json={"worker_id": 1, "total_blocks": 2})
+        await c.post("/v1/route", json={"token_ids": TOKENS, "request_id": "r", "reserve": True})
+        stats = exactly(await c.get("/v1/tree/stats"), 200, api.TreeStats)
+    approximate = stats.models["default"].approximate  # type: ignore[attr-defined]
+    assert approximate.policy == "lru" and approximate.lru == api.LruRetention(1, 0, 4, 2)
+
+
+async def test_freeing_in_the_wrong_model_names_the_model_that_has_it() -> None:
+    """A plane's workers are in their cards' model (`tiny`): a free that names none looked in `default` and said
+    only "not in flight (already freed?)", which reads as a lost request."""
+    fleet = Fleet(block_size=16, seed=0)
+    app = create_app(fleet)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvctl") as c:
+        await c.post("/v1/workers", json={"worker_id": 1, "model": "tiny"})
+        await c.post("/v1/route", json={"model": "tiny", "token_ids": TOKENS, "request_id": "r", "reserve": True})
+        wrong = await c.delete("/v1/requests/r")
+        gone = await c.delete("/v1/requests/r", params={"model": "tiny"})
+        again = await c.post("/v1/requests/r/prefill_complete", params={"model": "tiny"})
+    assert wrong.status_code == 404 and wrong.json()["error"] == (
+        "request 'r' is not in flight in model 'default': it is in flight in model 'tiny' (pass ?model=tiny)")
+    assert gone.status_code == 200
+    assert again.json()["error"] == "request 'r' is not in flight in model 'tiny' (already freed?)"

@@ -5,7 +5,8 @@ from __future__ import annotations
 from kvctl.core.doctor.checks import diagnose
 from kvctl.core.doctor.findings import Severity
 from kvctl.server.http.api import create_app
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from tests.support.served import served
 
 

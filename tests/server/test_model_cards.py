@@ -5,16 +5,24 @@ router's. Real records: the captured 1.6.1 store's cards, rewritten field by fie
 from __future__ import annotations
 
 import json
+from array import array
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from kvctl.core.doctor import Limits, Severity, check_silent
+from kvctl.core.events import Stored, Tier
 from kvctl.core.events.discovery import decode_file_name, encode_file_name
+from kvctl.core.names import WorkerKey
 from kvctl.server.http.api import create_app
+from kvctl.server.persistence import replay
+from kvctl.server.persistence.state_log import StateLog
+from kvctl.server.plane import model_cards
 from kvctl.server.plane.model_cards import CardBook
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from tests.doctor.rig import doctor, findings
 from tests.fixtures_path import FIXTURES
 from tests.server.test_serve_process import serving
@@ -63,7 +71,7 @@ def test_a_card_gives_its_worker_a_role_and_a_capacity_unless_one_was_set() -> N
     fleet.register(WorkerInfo(agg, 0, "default", total_blocks=40))
     book = CardBook(None, None)
     book.read(records)
-    book.apply(fleet)
+    book.apply(fleet, 0.0, lambda _: False)
     one, two = fleet.workers[(decode, 0)], fleet.workers[(agg, 0)]
     assert (one.role, one.publishes_kv_events, one.total_blocks, one.max_num_batched_tokens) == ("decode", False, 96,
                                                                                                 8192)
@@ -81,13 +89,13 @@ async def test_a_route_on_a_disaggregated_fleet_picks_from_each_pool_apart() -> 
     fleet = Fleet()
     for worker in (decode, prefill):
         fleet.register(WorkerInfo(worker, 0, "default"))
-    body = {"token_ids": list(range(64)), "explain": True}
+    body = {"model": "tiny", "token_ids": list(range(64)), "explain": True}
     app = create_app(fleet)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
-        before = (await client.post("/v1/route", json=body)).json()
+        before = (await client.post("/v1/route", json={**body, "model": "default"})).json()
         book = CardBook(None, None)
         book.read(records)
-        book.apply(fleet)
+        book.apply(fleet, 0.0, lambda _: False)
         after = (await client.post("/v1/route", json=body)).json()
         reserved = await client.post("/v1/route", json={**body, "request_id": "r", "reserve": True})
     assert "decode" not in before and "role" not in before and len(before["candidates"]) == 2
@@ -96,7 +104,7 @@ async def test_a_route_on_a_disaggregated_fleet_picks_from_each_pool_apart() -> 
     assert (split["role"], split["worker_id"], [c["logit"] for c in split["candidates"]]) == ("decode", decode, [4.0])
     assert reserved.status_code == 409 and "disaggregated (1 prefill worker and 1 decode worker)" in \
         reserved.json()["error"]
-    assert dict(fleet.disaggregated["default"]) == {"prefill": 1, "decode": 1}
+    assert dict(fleet.disaggregated) == {"tiny": {"prefill": 1, "decode": 1}}
 
 
 def test_doctor_keeps_decode_workers_that_publish_nothing_out_of_silent() -> None:
@@ -141,9 +149,59 @@ def test_a_block_size_given_against_the_cards_is_critical_and_none_given_takes_t
         finding = _block_size_finding(client)
     assert finding["severity"] == "CRITICAL" and "model 'tiny' 32-token blocks" in finding["cause"]
     assert finding["next_step"] == "restart kvctl serve with --block-size 32"
-    assert finding["evidence"]["router_block_size"] == 16 and finding["evidence"]["indexed_as"] == "default"
+    assert finding["evidence"]["router_block_sizes"] == {"tiny": 16}
     with serving(tmp_path / "router", *plane) as (_, client):
         finding = _block_size_finding(client)
-        block_size = client.get("/v1/tree/stats").json()["models"]["default"]["block_size"]
+        block_size = client.get("/v1/tree/stats").json()["models"]["tiny"]["block_size"]
     assert block_size == 32 and finding["severity"] == "OK"
-    assert finding["cause"] == "block size 32 matches the fleet's model cards (model 'tiny', indexed as 'default')"
+    assert finding["cause"] == "block sizes match the fleet's model cards: model 'tiny' at 32"
+
+
+def _chain(fleet: Fleet, model: str, worker: WorkerKey, first: int, n: int) -> None:
+    """`n` blocks stored in a chain by `worker`, through the path an event plane's writer takes."""
+    fleet.apply_engine_batch(model, worker, [Stored(None, list(range(first, first + n)),
+                                                    array("Q", range(first, first + n)))], 0.0)
+
+
+def _held(fleet: Fleet, model: str) -> dict[WorkerKey, int]:
+    return dict(fleet.model(model).router.index.stats()[Tier.device].workers)
+
+
+def test_a_worker_heard_of_before_its_card_moves_to_the_cards_model_with_its_blocks(tmp_path: Path) -> None:
+    """A plane put every worker into one model (`default`) where Dynamo names it by its card (`tiny`), so every
+    command without -m read a model nobody routes (issue 38). A worker heard of before its card is read moves
+    whole: its blocks, not a cleared index to recover; a request booked on it in the old model ends; the state
+    log says so, so a restore with no plane at all finds it where it went; its next events follow it."""
+    (card,) = list(captured().values())[:1]
+    worker = (json.loads(card)["instance_id"], 0)
+    fleet = Fleet()
+    state_log = StateLog(tmp_path, fleet, restored_from=None)
+    _chain(fleet, "default", worker, 1, 4)
+    _chain(fleet, "default", (7, 0), 100, 2)  # no card: stays
+    fleet.model("default").router.sequences.add("r", worker, [1, 2], 32, 0.0)
+    book = CardBook(None, None)
+    book.read({"v1/mdc/x": card})
+    book.apply(fleet, 0.0, lambda _: False)
+    assert fleet.workers[worker].model == "tiny" and fleet.workers[(7, 0)].model == "default"
+    assert _held(fleet, "tiny") == {worker: 4} and _held(fleet, "default") == {(7, 0): 2}
+    assert fleet.model("default").router.sequences.requests(worker) == []
+    _chain(fleet, "default", worker, 5, 1)  # the plane's writer still names its own model: the card's wins
+    assert _held(fleet, "tiny") == {worker: 5}
+    state_log.flush(fsync=True).result()
+    state_log.close()
+    restored = Fleet()
+    replay.restore(restored, tmp_path, 0.0)
+    assert restored.workers[worker].model == "tiny"
+    assert _held(restored, "tiny") == {worker: 5} and _held(restored, "default") == {(7, 0): 2}
+
+
+def test_cards_naming_more_models_than_the_cap_are_counted_not_indexed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each model a card names is an index and a router: a discovery store naming thousands must not make them."""
+    monkeypatch.setattr(model_cards, "MAX_MODELS", 1)
+    first, second = list(captured().values())[:2]
+    records = {"v1/mdc/a": first, "v1/mdc/b": json.dumps(rewritten(second, display_name="other")).encode()}
+    book = CardBook(None, None)
+    book.read(records)
+    fleet = Fleet()
+    book.apply(fleet, 0.0, lambda _: True)
+    assert book.status()["over_cap"] == 1 and set(fleet.models) == {"default", "tiny"}

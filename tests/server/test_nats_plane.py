@@ -38,7 +38,8 @@ from kvctl.nats.barrier import barrier
 from kvctl.nats.connection import NatsConnection
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from tests.fixtures_path import FIXTURES
 from tests.nats_server import NatsServer
 from tests.support import eventually_async

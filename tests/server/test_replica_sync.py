@@ -38,7 +38,9 @@ from kvctl.core.router.sequences import ActiveSequences
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.plane.nats_plane import EventPlane, NatsOptions
 from kvctl.server.plane.replica_sync import PeerLimits
-from kvctl.server.state import Fleet, OverLimit, RouteLimits, WorkerInfo
+from kvctl.server.route_limits import OverLimit, RouteLimits
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from tests.nats_server import NatsServer
 from tests.server.test_nats_plane import Router, connected, options
 from tests.server.test_serve_process import serving

@@ -22,7 +22,8 @@ from kvctl.core.doctor.checks import diagnose
 from kvctl.core.doctor.findings import Severity
 from kvctl.server.http.api import create_app
 from kvctl.server.http.route_protocol import MAX_HEAD_BYTES, MAX_HEADERS, Connections
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from tests.server.test_serve_process import serving
 from tests.support.served import on_both_route_paths, served
 

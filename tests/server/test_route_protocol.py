@@ -18,7 +18,8 @@ from uvicorn.server import ServerState
 from kvctl.server.http import route_protocol
 from kvctl.server.http.api import create_app, http_protocol
 from kvctl.server.http.route_protocol import missing_internals
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from tests.support.served import served
 
 TOKENS = list(range(64))

@@ -126,7 +126,10 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     (["serve", "--approximate", "--router-ttl", "0"], "ttl_s"),
     (["serve", "--jetstream"], "need an event plane"),
     (["serve", "--advertise-host", "10.0.0.1"], "need an event plane"),
-    (["serve", "--nats", "nats://127.0.0.1:1", "--dynamo-discovery", "file:/tmp"], "give one"),
+    (["serve", "--nats", "nats://127.0.0.1:1", "--dynamo-discovery", "file:/tmp", "--jetstream"],
+     "--jetstream snapshots one model's index"),
+    (["serve", "--nats", "nats://127.0.0.1:1", "--dynamo-discovery", "etc:/tmp"], "--dynamo-discovery wants"),
+    (["serve", "--router-approximate-cache-policy", "lru"], "lru needs --approximate"),
     (["serve", "--dynamo-discovery", "etc:/tmp"], "--dynamo-discovery wants"),
     (["serve", "--dynamo-discovery", "etcd:127.0.0.1:2379"], "--dynamo-discovery wants"),
     (["serve", "--dynamo-discovery", "file:/tmp", "--jetstream"], "--jetstream needs --nats URL"),
@@ -243,7 +246,7 @@ def test_config_file_sets_router_knobs_per_model(tmp_path: Path) -> None:
 
 def test_a_rendered_config_file_loads_back_the_same(tmp_path: Path) -> None:
     from kvctl.server.config_file import ModelSpec, ServeFile, load, render
-    from kvctl.server.state import WorkerInfo
+    from kvctl.server.worker_info import WorkerInfo
 
     models = [ModelSpec('q"uoted', 32, {"prefill_load_scale": 2.5, "track_prefill_tokens": False},
                         {"active_prefill_tokens_threshold": 5000}), ModelSpec("plain")]

@@ -18,7 +18,8 @@ from kvctl.core.router.sessions import SessionBook
 from kvctl.server.http.api import create_app
 from kvctl.server.ingest.streams import ModelWriter
 from kvctl.server.plane.ingest import PlaneIngest
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from tests.fixtures_path import FIXTURES
 
 CAPTURE = FIXTURES / "dynamo-1.6.1-fleet" / "zmq-plane" / "zmq_capture_session_affinity.jsonl"

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from kvctl.core.events.dump_file import read_router_events
 from kvctl.server import snapshot
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from tests.fixtures_path import FIXTURES
 from tests.fuzz.junk import JSON_JUNK, mutated, replaced
 from tests.server import v2_image

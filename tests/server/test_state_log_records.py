@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from kvctl.core.events import Cleared, EventData, Removed, Stored, Tier
 from kvctl.server.persistence import fold, records, replay, segments
 from kvctl.server.persistence.state_log import FLUSH_RECORDS, StateLog
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 
 U64 = st.integers(0, 2**64 - 1)
 TIERS = st.sampled_from(list(Tier))

@@ -34,7 +34,7 @@ async def test_writer_applies_in_order_and_counts_drops() -> None:
 
 async def test_events_per_second_comes_from_successive_samples() -> None:
     from kvctl.server.ingest.streams import Streams
-    from kvctl.server.state import WorkerInfo
+    from kvctl.server.worker_info import WorkerInfo
 
     streams = Streams(Fleet())
     assert streams.start(WorkerInfo(1, 0, "default", endpoint="tcp://127.0.0.1:9"))
@@ -53,7 +53,7 @@ async def test_a_burst_far_larger_than_the_writer_queue_waits_in_zmq_and_loses_n
     from kvctl.core.events.engine_encode import BlockStored, encode_batch
     from kvctl.server.ingest.decode_process.parent import make_decoder
     from kvctl.server.ingest.streams import Streams
-    from kvctl.server.state import WorkerInfo
+    from kvctl.server.worker_info import WorkerInfo
     from tests.server.zmq_engine import Engine
 
     fmt = FORMATS["vllm"]
@@ -89,7 +89,7 @@ async def test_a_stream_that_dies_shows_failed_and_runs_again_once_it_can() -> N
     again, with its events, once a socket is free."""
     from kvctl.core.events.engine_encode import BlockStored, encode_batch
     from kvctl.server.ingest.streams import Streams
-    from kvctl.server.state import WorkerInfo
+    from kvctl.server.worker_info import WorkerInfo
     from tests.server.zmq_engine import Engine
 
     ours, theirs = zmq.asyncio.Context(), zmq.asyncio.Context()
@@ -129,7 +129,7 @@ async def test_metrics_clamp_a_counter_past_u64() -> None:
 
     from kvctl.server.http.metrics import Metrics
     from kvctl.server.ingest.streams import Streams
-    from kvctl.server.state import WorkerInfo
+    from kvctl.server.worker_info import WorkerInfo
 
     fleet = Fleet()
     streams = Streams(fleet)

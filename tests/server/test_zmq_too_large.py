@@ -21,7 +21,8 @@ from kvctl.event_taps import TapStats, tap_zmq
 from kvctl.server.ingest.decode_process.parent import make_decoder
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.serve_choices import DecoderMode
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from kvctl.zmq_limits import Drops
 from tests.server.zmq_engine import Engine
 from tests.support import eventually, eventually_async

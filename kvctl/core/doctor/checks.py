@@ -83,38 +83,27 @@ def check_block_size(status: Mapping[str, Any], workers: Sequence[Mapping[str, A
 
 
 def _cards_against_the_index(plane: Mapping[str, Any], models: Mapping[str, Any]) -> list[Finding]:
-    """A discovery-fed plane puts every worker it follows into one model's index; the workers' model cards say
-    which model each serves and at which block size, as Dynamo's router reads them. A block size that differs
-    hashes no prompt as the engines do (every overlap 0, while the index still fills); cards of several models
-    in one index mix what Dynamo keeps apart."""
-    indexed = plane.get("model") or DEFAULT_MODEL
-    ours = (models.get(indexed) or {}).get("block_size")
+    """A discovery-fed plane indexes each worker in the model its card names, as Dynamo's router does, and hashes
+    prompts at that model's block size. One that differs from the cards' (kv_cache_block_size) hashes no prompt as
+    the engines do: every overlap is 0 while the index still fills."""
     named_models = plane["model_cards"].get("models") or {}
     if not named_models:
         return []
-    evidence = {"indexed_as": indexed, "router_block_size": ours,
-                "cards": {name: row.get("block_sizes") for name, row in named_models.items()}}
+    ours = {name: (models.get(name) or {}).get("block_size") for name in named_models}
+    evidence = {"router_block_sizes": ours, "cards": {name: row.get("block_sizes") for name, row in
+                                                      named_models.items()}}
     wrong = {name: row["block_sizes"] for name, row in named_models.items()
-             if ours is not None and any(b != ours for b in row.get("block_sizes") or [])}
+             if ours[name] is not None and any(b != ours[name] for b in row.get("block_sizes") or [])}
     if wrong:
         name, sizes = next(iter(wrong.items()))
         return [Finding(
             "block_size", Severity.CRITICAL,
             f"the fleet's model cards give model {name!r} {sizes[0]}-token blocks (kv_cache_block_size); this router "
-            f"hashes model {indexed!r} with {ours}: no prompt hashes as the engines' blocks do, so every overlap is "
-            "0 while the index still fills", evidence,
+            f"hashes it with {ours[name]}: no prompt hashes as the engines' blocks do, so every overlap is 0 while "
+            "the index still fills", evidence,
             f"restart kvctl serve with --block-size {sizes[0]}")]
-    if len(named_models) > 1:
-        return [Finding(
-            "block_size", Severity.WARNING,
-            f"the plane's workers serve {counted(len(named_models), 'model')} by their cards "
-            f"({', '.join(map(repr, named_models))}), indexed together as model {indexed!r}: Dynamo keeps a "
-            "router per model, so overlaps across them are not Dynamo's", evidence,
-            "one kvctl serve per model, scoped with --component/--endpoint to its workers")]
-    (name,) = named_models
-    return [Finding("block_size", Severity.OK,
-                    f"block size {ours} matches the fleet's model cards (model {name!r}, indexed as {indexed!r})",
-                    evidence)]
+    shown = ", ".join(f"model {name!r} at {ours[name]}" for name in named_models)
+    return [Finding("block_size", Severity.OK, f"block sizes match the fleet's model cards: {shown}", evidence)]
 
 
 def check_hit_rates(engines: Mapping[str, float], predicted: float | None, *, zero: float = 0.05,

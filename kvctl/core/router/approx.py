@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import count
 
-from kvctl.core.events import Removed, RouterEvent, Stored
+from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored
 from kvctl.core.index import IndexMatches, KvIndex
 from kvctl.core.names import WorkerKey, selects
+from kvctl.core.router.approx_lru import CachePolicy, LruRanks
 
 HEAP_REBUILD_FACTOR = 50
 """Rebuild the heap when it holds more than this many block entries per live timer (Dynamo's threshold)."""
@@ -55,6 +56,7 @@ class ApproxConfig:
     ttl_s: float = 120.0
     max_tree_size: int = 2**20
     prune_target_ratio: float = 0.8
+    policy: CachePolicy = CachePolicy.ttl
 
     def __post_init__(self) -> None:
         if not self.ttl_s > 0:  # also rejects NaN
@@ -87,8 +89,12 @@ class ApproxIndexer:
     Read it through `index` (dumps, tree sizes), never write to it.
     """
 
-    def __init__(self, config: ApproxConfig | None = None) -> None:
+    def __init__(self, config: ApproxConfig | None = None,
+                 capacity: Callable[[WorkerKey], int | None] | None = None) -> None:
+        """`capacity`: a rank's advertised KV blocks (its card's), which the LRU policy retains blocks against."""
         self.config = config if config is not None else ApproxConfig()
+        self.lru = LruRanks() if self.config.policy is CachePolicy.lru else None
+        self.capacity = capacity if capacity is not None else (lambda _: None)
         self._index = KvIndex()
         self._tree = self._index.device
         self._timers: dict[WorkerKey, dict[tuple[int, int], float]] = {}  # worker -> (seq hash, position) -> expiry
@@ -109,23 +115,37 @@ class ApproxIndexer:
 
     # ----- writes --------------------------------------------------------------------------------------
 
-    def record(self, worker: WorkerKey, local_hashes: Sequence[int], sequence_hashes: Sequence[int], now: float) -> int:
-        """Assume `worker` now caches this request's blocks; returns the (worker, block) pairs the cap pruned.
+    def record(self, worker: WorkerKey, local_hashes: Sequence[int], sequence_hashes: Sequence[int], now: float,
+               *, request_id: str | None = None, private: int = 0) -> int:
+        """Assume `worker` now caches this request's blocks; returns the (worker, block) pairs pruned or evicted.
 
-        Every block's timer is set (or refreshed) to `now + ttl`. An empty request changes nothing.
+        TTL: every block's timer is set (or refreshed) to `now + ttl`; an empty request changes nothing. LRU (a
+        booked `request_id`, on a rank with a capacity): the rank acquires the blocks and `private` more (a prompt
+        ending in a partial block), evicting for room; nothing for a request id it holds already.
         """
         n = len(local_hashes)
         if n != len(sequence_hashes):
             raise ValueError(f"{n} local hashes but {len(sequence_hashes)} sequence hashes")
         if not math.isfinite(now):
             raise ValueError(f"now must be finite, got {now!r}")  # a NaN expiry could never fire nor be refreshed
+        keys = list(sequence_hashes)
+        if self.lru is not None and request_id is not None:
+            state, evicted, cleared = self.lru.rank(worker, self.capacity(worker))
+            if cleared:
+                self._apply(worker, Cleared())
+            self._evict(worker, evicted)
+            if state is not None:
+                removed = self.lru.acquire(request_id, worker, state, keys, private)
+                if removed is None:
+                    return 0
+                if n:
+                    self._apply(worker, Stored(None, keys[:], list(local_hashes)))
+                self._evict(worker, removed)
+                return len(evicted) + len(removed)
         if not n:
             return 0
-        keys = list(sequence_hashes)
-        worker_id, dp_rank = worker
-        self._event_id += 1
         # The event gets its own list: the batch below must not share one with the tree's edges.
-        self._index.apply(RouterEvent(worker_id, Stored(None, keys[:], list(local_hashes)), dp_rank, self._event_id))
+        self._apply(worker, Stored(None, keys[:], list(local_hashes)))
         expiry = now + self.config.ttl_s
         timers = self._timers.get(worker)
         if timers is None:
@@ -144,6 +164,24 @@ class ApproxIndexer:
         self._drain(math.inf, size - self.config.prune_target)
         return size - self._tree.blocks
 
+    def release(self, request_id: str) -> int:
+        """A booked request freed or expired: under LRU its rank releases its blocks (evicting what no longer fits);
+        returns the (worker, block) pairs evicted."""
+        released = self.lru.release(request_id) if self.lru is not None else None
+        if released is None:
+            return 0
+        worker, removed = released
+        self._evict(worker, removed)
+        return len(removed)
+
+    def _apply(self, worker: WorkerKey, data: EventData) -> None:
+        self._event_id += 1
+        self._index.apply(RouterEvent(worker[0], data, worker[1], self._event_id))
+
+    def _evict(self, worker: WorkerKey, blocks: list[int]) -> None:
+        if blocks:
+            self._apply(worker, Removed(blocks))
+
     def expire(self, now: float) -> int:
         """Remove every block whose timer is due (expiry ≤ now); returns the (worker, block) pairs removed."""
         heap = self._heap
@@ -157,6 +195,8 @@ class ApproxIndexer:
         """Forget a worker (all its dp ranks, or one) and its timers; returns the blocks it held."""
         for worker in [w for w in self._timers if selects((worker_id, dp_rank), w)]:
             self._live -= len(self._timers.pop(worker))
+        if self.lru is not None:
+            self.lru.forget(worker_id, dp_rank)
         self._maybe_rebuild()
         return self._index.remove_worker(worker_id, dp_rank)
 

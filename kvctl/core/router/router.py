@@ -95,7 +95,7 @@ class Router:
             sequences.add(request_id, decision.worker, booked, prefill, now, decision.overlap_blocks)
             if self.approx is not None:  # the index's own hashes: public, whatever in-flight requests are tracked by
                 self.approx.record(decision.worker, local, seq if self.tracking is None else sequence_hashes(local),
-                                   now)
+                                   now, request_id=request_id, private=int(isl > n_blocks * b))
         return decision
 
     def _tracked(self, token_ids: Sequence[int] | None, local: Sequence[int], lora_name: str | None) -> Sequence[int]:
@@ -108,5 +108,13 @@ class Router:
 
     def tick(self, now: float) -> tuple[list[str], int]:
         """Time-driven housekeeping: force-free stale requests, expire approximate-mode blocks."""
-        expired = self.approx.expire(now) if self.approx is not None else 0
-        return self.sequences.expire(now), expired
+        freed = self.sequences.expire(now)
+        if self.approx is None:
+            return freed, 0
+        return freed, self.approx.expire(now) + sum(self.approx.release(request_id) for request_id in freed)
+
+    def free(self, request_id: str) -> bool:
+        """A booked request done: no longer in flight; under approximate LRU its blocks released."""
+        if self.approx is not None:
+            self.approx.release(request_id)
+        return self.sequences.free(request_id)

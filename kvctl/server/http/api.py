@@ -1,8 +1,6 @@
 """The HTTP API of `kvctl serve` (docs/http-api.md): thin handlers over `Fleet`, one place mapping errors to statuses.
-
-Every body is a `kvctl.http_api` Struct, decoded and encoded by msgspec. Integers in bodies exceed 2^53 (hashes,
-worker ids): msgspec reads and writes them exactly, never through floats.
-"""
+Every body is a `kvctl.http_api` Struct, decoded and encoded by msgspec: integers over 2^53 (hashes, worker ids)
+are read and written exactly, never through floats."""
 
 from __future__ import annotations
 
@@ -57,7 +55,9 @@ from kvctl.server.http.tree_stats import index_shape
 from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.readiness import RETRY_AFTER_S, SAFE_METHODS, Readiness, ReadinessCollector
-from kvctl.server.state import Fleet, OverLimit, UnknownWorker, WorkerInfo
+from kvctl.server.route_limits import OverLimit
+from kvctl.server.state import Fleet, UnknownWorker
+from kvctl.server.worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from kvctl.server.http.metrics import Plane
@@ -91,10 +91,16 @@ _OPEN_MUTATIONS = (
     ("POST", re.compile(r"/v1/requests/[^/]+/prefill_complete")),
     ("DELETE", re.compile(r"/v1/requests/[^/]+")),
 )
-"""The non-GET calls that never need the admin token: the data plane's request lifecycle (route, with or
-without a reservation, prefill complete, free), which a request router calls on every request and which
-cannot change the index. Every other method but GET/HEAD/OPTIONS needs the token when one is set,
-endpoints added later included (deny by default)."""
+"""The non-GET calls that never need the admin token: the request lifecycle (route, reserve, prefill complete,
+free), which a request router calls on every request and which cannot change the index. Every other method but
+GET/HEAD/OPTIONS needs the token when one is set, endpoints added later included (deny by default)."""
+
+
+def _not_in_flight(fleet: Fleet, model: str, request_id: str) -> Response:
+    """404, naming the model that has the request in flight when one does (a request booked on a card's model)."""
+    held = next((m for m, state in sorted(fleet.models.items()) if state.router.sequences.get(request_id)), None)
+    return _error(404, f"request {request_id!r} is not in flight in model {model!r}" + (
+        f": it is in flight in model {held!r} (pass ?model={held})" if held else " (already freed?)"))
 
 
 def _needs_admin(method: str, path: str) -> bool:
@@ -462,13 +468,13 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         raw = await request.body()
         body = None if raw.strip() in (b"", b"null") else decode_body(raw, api.PrefillBody)
         if not fleet.prefill_complete(model, request_id, None if body is None else body.cached_tokens):
-            return _error(404, f"request {request_id!r} is not in flight")
+            return _not_in_flight(fleet, model, request_id)
         return _json(api.PrefillCompleted(request_id))
 
     async def free_request(request: Request) -> Response:
         request_id, model = request.path_params["request_id"], request.query_params.get("model", DEFAULT_MODEL)
         if not fleet.free(model, request_id):
-            return _error(404, f"request {request_id!r} is not in flight (already freed?)")
+            return _not_in_flight(fleet, model, request_id)
         return _json(api.Freed(request_id))
 
     async def tree(request: Request) -> Response:

@@ -25,7 +25,8 @@ from kvctl.server.budget import SLICE_S
 from kvctl.server.ingest.decode_process.parent import Decoder, InlineDecoder
 from kvctl.server.ingest.zmq_source import EngineStream
 from kvctl.server.logs import error_text
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 from kvctl.zmq_limits import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("kvctl.serve")

@@ -21,7 +21,8 @@ from kvctl.core.names import SeqMark
 from kvctl.server import snapshot
 from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.persistence import acked, gaps, records, segments
-from kvctl.server.state import Fleet, UnknownWorker, WorkerInfo
+from kvctl.server.state import Fleet, UnknownWorker
+from kvctl.server.worker_info import WorkerInfo
 
 
 @dataclass(slots=True)

@@ -35,7 +35,8 @@ from kvctl.core.names import StreamId, WorkerKey, selects
 from kvctl.core.words import counted
 from kvctl.server import snapshot
 from kvctl.server.persistence import acked, gaps, records, segments
-from kvctl.server.state import Fleet, WorkerInfo
+from kvctl.server.state import Fleet
+from kvctl.server.worker_info import WorkerInfo
 
 log = logging.getLogger("kvctl.serve")
 

@@ -37,6 +37,11 @@ KEEP_ALIVE_S = KEY_TTL_S / 3
 """How often this router refreshes its own records (Dynamo refreshes at a third of the TTL)."""
 RefusedEntries = list[tuple[str, object, str, str]]
 """A file listing's entries refused: (entry, its version, cause, detail), counted on the loop."""
+POLL_S = 0.5
+"""How often a store without a watch (files) is listed, and the pause before trying a lost store again: a new
+publisher is followed within this (Dynamo registers a channel as it binds, before its messages matter)."""
+RETRY_MAX_S = 15.0
+"""The longest pause between tries of a store that fails (from `poll_s`, doubled at each failure in a row)."""
 TEMP_PREFIX = ".tmp_"
 """Dynamo's file backend's half-written records: never read, never counted."""
 

@@ -351,8 +351,8 @@ class PlaneIngest:
         """This router's add / prefill complete / free as the event to publish, and the (component, endpoint)
         of the worker it concerns (where Dynamo's routers of that worker listen; None when the worker was never
         heard of on the plane); None when there is nothing to publish. Each plane frames it its own way."""
-        if model != self.model or request is None:
-            return None
+        if request is None or (model != self.model and request.worker not in self.endpoints):
+            return None  # a model the plane's workers do not serve (the plane's own, or one their cards name)
         data = AddRequest(list(request.block_hashes), True, None, request.prefill_tokens) if action == ADD else action
         event = ActiveSequenceEvent(request.request_id, request.worker[0], request.worker[1], data, self.router_id,
                                     route.get("lora_name"))

@@ -58,7 +58,10 @@ from kvctl.nats.jetstream import ensure_stream, radix_state
 from kvctl.server.budget import Slices
 from kvctl.server.ingest.streams import ModelWriter, Streams
 from kvctl.server.logs import error_text
+from kvctl.server.plane.card_watch import CardWatch
+from kvctl.server.plane.dynamo_discovery import open_discovery
 from kvctl.server.plane.ingest import PlaneIngest
+from kvctl.server.plane.model_cards import CardBlockSizes
 from kvctl.server.plane.nats_losses import NatsLosses
 from kvctl.server.plane.replica_sync import PeerLimits
 from kvctl.server.plane.tasks import STOP_TIMEOUT_S, PlaneTasks
@@ -93,6 +96,8 @@ class NatsOptions:
     peer_limits: PeerLimits = PeerLimits()  # what replica sync takes from other routers
     pending_msgs: int = PENDING_MSGS  # the subscription's, past which nats-py drops (counted as lost)
     pending_bytes: int = PENDING_BYTES
+    cards: str | None = None  # the discovery store the workers' model cards are read from (--dynamo-discovery)
+    block_sizes: CardBlockSizes = CardBlockSizes()  # which models take their cards' block size
 
     @property
     def url(self) -> str:
@@ -138,6 +143,9 @@ class EventPlane(PlaneTasks):
         self.subjects_seen: Counter[str] = Counter()
         self.ready_at: float | None = None
         self.snapshot: dict[str, Any] = {"loaded_events": None, "bad_lines": 0, "uploads": 0, "purged_below": None}
+        self.cards = None if options.cards is None else CardWatch(
+            fleet, open_discovery(options.cards), options.namespace, (options.component, options.endpoint),
+            options.block_sizes)
         self._publishes: set[asyncio.Task[None]] = set()
 
     # ----- lifecycle ----------------------------------------------------------------------------------
@@ -151,6 +159,8 @@ class EventPlane(PlaneTasks):
         with contextlib.suppress(ValueError):
             self.fleet.clear_listeners.remove(self.losses.cleared)
         await self._stop_tasks()
+        if self.cards is not None:
+            await self.cards.close()
         if self.nc is not None and not self.nc.is_closed:
             # close, not drain: a cancelled pull fetch keeps drain waiting for its whole timeout; what is
             # unacked is redelivered to the durable consumer, and our own publishes are flushed by close
@@ -159,6 +169,9 @@ class EventPlane(PlaneTasks):
         self.state = "closed"
 
     async def _run(self) -> None:
+        if self.cards is not None:  # before the first event: each then goes to the model its worker's card names
+            await self.cards.first()
+            self._supervise(self.cards.run)
         self.nc = await self._connect()
         nc = self.nc
         self.losses.connected(server_id(nc))
@@ -403,4 +416,5 @@ class EventPlane(PlaneTasks):
             **self.ingest.status(),
             "losses": self.losses.status(),
             "snapshot": dict(self.snapshot) if self.options.jetstream else None,
+            "model_cards": None if self.cards is None else self.cards.status(),
         }

@@ -40,8 +40,8 @@ _PUBLISHERS = "/v1/status event_plane.publishers, topic active_sequences_events"
 _FIXES = {
     "untrusted_router": "if that router is one of yours, add its id to --replica-peers; otherwise find its publisher "
                         f"({_PUBLISHERS})",
-    "unknown_worker": "check that the peer router follows the same fleet and model (--namespace, --component, "
-                      "--nats-model); a worker this router has not heard of yet is taken once it publishes",
+    "unknown_worker": "check that the peer router follows the same fleet (--namespace, --component, --endpoint); "
+                      "a worker this router has not heard of yet is taken once it publishes",
     "out_of_range": "raise --max-request-tokens if the peers route prompts that long; otherwise the peer is broken "
                     "or hostile (--replica-peers keeps it out)",
     "duplicate": f"a peer publishing each booking twice, or reusing request ids: find its publisher ({_PUBLISHERS})",
@@ -65,7 +65,8 @@ class PeerLimits:
 
 
 class PeerBookings:
-    """One model's bookings by peers, each event checked before it touches them."""
+    """Peers' bookings, each in the model of the worker it names (`model`: for a worker this router has not heard
+    of), each event checked before it touches them."""
 
     def __init__(self, fleet: Fleet, model: str, limits: PeerLimits) -> None:
         own = fleet.limits
@@ -81,7 +82,8 @@ class PeerBookings:
     def take(self, event: ActiveSequenceEvent, now: float) -> str:
         """Apply one peer's event if it passes; returns what became of it (the name of a counter)."""
         action = event.action
-        state = self.fleet.add_model(self.model)
+        info = self.fleet.workers.get((event.worker_id, event.dp_rank))
+        state = self.fleet.add_model(self.model if info is None else info.model)
         sequences = state.router.sequences
         if action == PREFILL_COMPLETED and event.router_id == event.worker_id:
             worker = (event.worker_id, event.dp_rank)
@@ -110,10 +112,9 @@ class PeerBookings:
              now: float) -> str:
         worker = (event.worker_id, event.dp_rank)
         who = f"router {event.router_id}'s {_request(event)}"
-        info = self.fleet.workers.get(worker)
-        if info is None or info.model != self.model:
-            return self._refuse("unknown_worker", f"{who} is booked on worker {format_worker(worker)}, which model "
-                                                  f"{self.model!r} does not have")
+        if worker not in self.fleet.workers:
+            return self._refuse("unknown_worker", f"{who} is booked on worker {format_worker(worker)}, which this "
+                                                  "router has not heard of")
         blocks = add.token_sequence or []
         prompt, hint, limit = len(blocks) * block_size, add.prefill_tokens_hint, self.fleet.limits.max_request_tokens
         if len(event.request_id) > MAX_REQUEST_ID_CHARS:
@@ -126,10 +127,10 @@ class PeerBookings:
             return self._refuse("duplicate", f"{who} booked twice: the first booking kept")
         if sequences.peer_requests >= self.max_reservations:
             return self._refuse("max_peer_reservations", f"{counted(sequences.peer_requests, 'request')} of other "
-                                f"routers in flight on model {self.model!r} already: {who} not booked")
+                                f"routers in flight on its model already: {who} not booked")
         if (sequences.peer_blocks + len(blocks)) * block_size > self.max_reserved_tokens:
             return self._refuse("max_peer_reserved_tokens", f"{sequences.peer_blocks * block_size} prompt tokens of "
-                                f"other routers in flight on model {self.model!r}, and {who} with {prompt} more would "
+                                f"other routers in flight on its model, and {who} with {prompt} more would "
                                 f"pass {self.max_reserved_tokens}")
         prefill = 0 if not add.track_prefill_tokens else prompt if hint is None else hint
         sequences.add(event.request_id, worker, blocks, prefill, now, owner=event.router_id)
@@ -144,12 +145,13 @@ class PeerBookings:
         return "peer_refused"
 
     def status(self) -> dict[str, Any]:
-        state = self.fleet.add_model(self.model)
-        sequences = state.router.sequences
+        """What peers have booked, every model together (the caps are per model)."""
+        routers = [state.router for state in self.fleet.models.values()]
         return {"trusted": None if self.trusted is None else sorted(self.trusted),
                 "max_peer_reservations": self.max_reservations, "max_peer_reserved_tokens": self.max_reserved_tokens,
-                "requests": sequences.peer_requests, "reserved_tokens": sequences.peer_blocks * state.block_size,
-                "tracking": None if state.router.tracking is not None else dict(self.tracking)}
+                "requests": sum(r.sequences.peer_requests for r in routers),
+                "reserved_tokens": sum(r.sequences.peer_blocks * r.block_size for r in routers),
+                "tracking": None if self.fleet.tracking is not None else dict(self.tracking)}
 
     def _probe(self, router: Router, done: ActiveRequest) -> None:
         """Whether peers track requests by the hashes this router does, judged on each peer request that ends:

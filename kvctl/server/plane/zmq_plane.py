@@ -51,9 +51,9 @@ from kvctl.server.budget import Slices
 from kvctl.server.ingest.fd_limits import default_max_engines, file_limit, sized
 from kvctl.server.ingest.streams import TOO_LARGE_FIX, ModelWriter, Streams
 from kvctl.server.plane.discovery_limits import FIXES
-from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, Discovery, open_discovery
+from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, POLL_S, RETRY_MAX_S, Discovery, open_discovery
 from kvctl.server.plane.ingest import PlaneIngest
-from kvctl.server.plane.model_cards import CardBook
+from kvctl.server.plane.model_cards import CardBlockSizes, CardBook
 from kvctl.server.plane.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
 from kvctl.server.plane.recovery_answers import RECOVERY_MAX_BYTES, AnswerListener
 from kvctl.server.plane.replica_sync import PeerLimits
@@ -64,13 +64,8 @@ from kvctl.zmq_limits import WATCHED, limited, watch
 
 log = logging.getLogger("kvctl.serve")
 
-POLL_S = 0.5
-"""How often a store without a watch (files) is listed, and the pause before trying a lost store again: a new
-publisher is followed within this (Dynamo registers a channel as it binds, before its messages matter)."""
 CONNECT_WAIT_S = 5.0
 """How long readiness waits for the first listing's sockets to connect (a stale record's never does)."""
-RETRY_MAX_S = 15.0
-"""The longest pause between tries of a store that fails (from `poll_s`, doubled at each failure in a row)."""
 LOG_EVERY_S = 60.0
 """A record skipped is logged the first time for its cause, then at most this often: the ledger counts the rest."""
 RCVHWM = 100_000
@@ -90,7 +85,7 @@ class ZmqOptions:
     namespace: str = "dynamo"
     component: str | None = None  # None: every component of the namespace
     endpoint: str | None = None  # None: every endpoint
-    model: str = DEFAULT_MODEL
+    model: str = DEFAULT_MODEL  # where workers whose card names no model go (no card: a publisher outside Dynamo)
     router_id: int = 0
     replica_sync: bool = False  # take peers' in-flight requests and, unless shadow, share this router's own
     peer_limits: PeerLimits = PeerLimits()  # what replica sync takes from other routers
@@ -102,7 +97,7 @@ class ZmqOptions:
     recovery_max_bytes: int = RECOVERY_MAX_BYTES  # one recovery answer's bytes
     max_channels: int | None = None  # channels followed at most (None: as the file limit allows, as --max-engines)
     http_listen: tuple[str, int] | None = None  # this router's HTTP address: a record naming it is skipped
-    adopt_block_size: bool = False  # no block size given for `model`: the model cards' is taken
+    block_sizes: CardBlockSizes = CardBlockSizes()  # which models take their cards' block size
 
     @property
     def url(self) -> str:
@@ -257,12 +252,13 @@ class ZmqPlane(PlaneTasks):
         scopes, and be ready after the first time."""
         self.listings += 1
         self.listed_at = time.monotonic()
+        # The cards first: a worker's events then go to the model its card names from the first one on.
+        self.cards.read(await self.discovery.list(cards_prefix(self.options.namespace)))
+        self.cards.apply(self.fleet, time.monotonic(), self.options.block_sizes)
         added = await self._follow(records)
         sources = await self.discovery.list(namespace_sources_prefix(self.options.namespace))
         if self.ingest.kv_events:  # approximate mode recovers no index: it is the router's own routes
             self.recovery.follow(sources)  # after the sockets: what the recovery misses, they hold
-        self.cards.read(await self.discovery.list(cards_prefix(self.options.namespace)))
-        self.cards.apply(self.fleet, self.options.model, adopt_block_size=self.options.adopt_block_size)
         if self.channels is not None:
             await self._share()
         if not self._started.is_set():
