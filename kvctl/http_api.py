@@ -160,12 +160,16 @@ class Candidate(Struct):
 
 class Queued(Struct):
     """Why Dynamo's frontend would hold a request in its router queue before dispatching it (kvctl holds none):
-    every rank's prefill tokens in flight, over `threshold` times its max batched tokens (`over`: per rank,
-    `active_prefill_tokens_frac TOKENS > LIMIT`)."""
+    the policy class the request falls in (`default` with the flags), its queue's order, and every rank's prefill
+    tokens in flight over one of the class's thresholds: `threshold` times its max batched tokens, or
+    `threshold_tokens` (`over`: per rank, `active_prefill_tokens_frac TOKENS > LIMIT` or
+    `active_prefill_tokens TOKENS > LIMIT`)."""
 
     policy: str
-    threshold: float
+    threshold: float | None
     over: dict[str, str]
+    policy_class: str = "default"
+    threshold_tokens: int | None = None
 
 
 class Decision(Struct):

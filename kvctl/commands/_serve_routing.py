@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from kvctl.errors import UsageError
 
 if TYPE_CHECKING:
+    from kvctl.core.router.policy_classes import QueueProfiles
+    from kvctl.core.router.queue import RouterQueue
     from kvctl.core.router.scoring import RouterConfig
     from kvctl.core.tracking_hash import TrackingKey
 
@@ -64,11 +66,14 @@ def parse_tier_credits(text: str) -> dict[str, float]:
 
 
 def router_config(flags: dict[str, float | bool | None], overlap_score_weight: float | None,
-                  tier_credits: str | None, policy_file: Path | None) -> RouterConfig:
-    """The router's knobs: Dynamo's defaults, then the flags, then the policy file's aggregated instance.
+                  tier_credits: str | None, policy_file: Path | None,
+                  queue: RouterQueue | None) -> tuple[RouterConfig, QueueProfiles | None]:
+    """The router's knobs: Dynamo's defaults, then the flags, then the policy file's aggregated instance; and the
+    router queue's policy classes: the file's profiles, else the flags' one class (`queue`), else none.
 
     The file wins over the flags as in Dynamo (its parameters resolve over KvRouterConfig). UsageError
     (exit 2) on a bad value or a file Dynamo would refuse, with its reason on one line."""
+    from kvctl.core.router.policy_classes import QueueProfiles, synthetic
     from kvctl.core.router.scoring import RouterConfig
 
     knobs = dict(flags)
@@ -80,7 +85,7 @@ def router_config(flags: dict[str, float | bool | None], overlap_score_weight: f
     except ValueError as exc:
         raise UsageError(f"--{str(exc).replace('_', '-')}") from None
     if policy_file is None:
-        return config
+        return config, None if queue is None else QueueProfiles(synthetic(queue))
     import logging
 
     from kvctl.core.router.policy_config import PolicyConfigError, parse_policy_config  # YAML: loaded if asked
@@ -98,4 +103,5 @@ def router_config(flags: dict[str, float | bool | None], overlap_score_weight: f
                     "and ignores %s", ", ".join(policy.ignored))
     if policy.shared_cache_multiplier is not None:
         log.info("--router-policy-config: shared_cache_multiplier has no effect (kvctl indexes no shared cache)")
-    return policy.apply(config)
+    queues = QueueProfiles(synthetic(queue), policy.root, policy.models)
+    return policy.apply(config), queues if queue is not None or queues.from_file else None

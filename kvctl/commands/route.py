@@ -146,10 +146,12 @@ def route_command(
     for pick in _picks(shown):  # on stderr, whatever the format: a pick the frontend would not act on at once
         if queued := pick.get("queued"):
             pool = f"{pick['role']} " if pick.get("role") else ""
-            out.warn(f"Dynamo's frontend would hold this request in its {pool}router queue (policy "
-                     f"{queued['policy']}): each of the pool's {counted(len(queued['over']), 'rank')} has more "
-                     f"prefill tokens in flight than {queued['threshold']:g} x its max batched tokens; the pick "
-                     "shown is the one it would make now")
+            limits = [f"{queued['threshold']:g} x its max batched tokens"] if queued["threshold"] is not None else []
+            limits += [f"{queued['threshold_tokens']} tokens"] if queued.get("threshold_tokens") is not None else []
+            out.warn(f"Dynamo's frontend would hold this request in its {pool}router queue (class "
+                     f"{queued.get('policy_class', 'default')}, policy {queued['policy']}): each of the pool's "
+                     f"{counted(len(queued['over']), 'rank')} has more prefill tokens in flight than "
+                     f"{' or '.join(limits)}; the pick shown is the one it would make now")
     if explain and out.format in (OutputFormat.table, OutputFormat.wide):  # a table per pool picked from
         for pick in _picks(shown):
             out.emit(pick, _explained_view(pick))

@@ -463,14 +463,14 @@ def serve_command(
     configure(log_level, log_format)
     _warn_of_secrets_in_argv()
     try:
-        router = router_config({
+        queue = RouterQueue(queue_threshold, queue_policy) if queue_threshold is not None else None
+        router, queues = router_config({
             "overlap_score_credit": overlap_score_credit, "overlap_score_credit_decay": overlap_score_credit_decay,
             "prefill_load_scale": prefill_load_scale, "decode_active_request_weight": decode_active_request_weight,
             "host_cache_hit_weight": host_cache_hit_weight, "disk_cache_hit_weight": disk_cache_hit_weight,
             "router_temperature": temperature, "track_prefill_tokens": track_prefill_tokens},
-            overlap_score_weight, tier_credits, policy_config)
+            overlap_score_weight, tier_credits, policy_config, queue)
         thresholds = Thresholds(decode_threshold, prefill_threshold, prefill_frac)
-        queue = RouterQueue(queue_threshold, queue_policy) if queue_threshold is not None else None
         sessions = SessionBook(session_ttl) if session_ttl is not None else None
         tracking = tracking_key(tracking_hash, tracking_key_file, tracking_key_id)
         approx = None
@@ -533,7 +533,7 @@ def serve_command(
                            snapshot_interval_s=snapshot_interval, compact_log_bytes=compact_log_bytes,
                            state_log_backlog=state_log_backlog,
                            restore=not no_restore, reset_states=reset_states,
-                           router=router, thresholds=thresholds, queue=queue, sessions=sessions, tracking=tracking,
+                           router=router, thresholds=thresholds, queues=queues, sessions=sessions, tracking=tracking,
                            approx=approx,
                            request_expiry_s=request_expiry,
                            models=models, nats=nats, zmq_plane=zmq_plane, queue_batches=queue_batches,

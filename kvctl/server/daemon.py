@@ -35,7 +35,7 @@ import zmq.asyncio
 from kvctl.core.names import DEFAULT_BLOCK_SIZE
 from kvctl.core.router.approx import ApproxConfig
 from kvctl.core.router.busy import Thresholds
-from kvctl.core.router.queue import RouterQueue
+from kvctl.core.router.policy_classes import QueueProfiles
 from kvctl.core.router.scoring import RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S
 from kvctl.core.router.sessions import SessionBook
@@ -159,7 +159,7 @@ class ServeOptions:
     reset_states: bool = False
     router: RouterConfig = field(default_factory=RouterConfig)
     thresholds: Thresholds = field(default_factory=Thresholds)
-    queue: RouterQueue | None = None  # the frontend's router queue (--router-queue-threshold): its verdict per pick
+    queues: QueueProfiles | None = None  # the frontend's router queue's policy classes: their verdict per pick
     sessions: SessionBook | None = None  # session affinity (--router-session-affinity-ttl-secs)
     tracking: TrackingKey | None = None  # keyed tracking hashes (--router-tracking-hash keyed-xxh3-v1)
     approx: ApproxConfig | None = None  # approximate mode: no KV events, the router indexes its decisions
@@ -187,7 +187,7 @@ async def run(options: ServeOptions, sock: socket.socket, announce: Callable[[st
     notifier = Notifier.from_environment()  # first: no child process may inherit NOTIFY_SOCKET
     fleet = Fleet(block_size=options.block_size, config=options.router, thresholds=options.thresholds,
                   approx=options.approx, request_expiry_s=options.request_expiry_s, limits=options.limits,
-                  queue=options.queue, sessions=options.sessions, tracking=options.tracking)
+                  queues=options.queues, sessions=options.sessions, tracking=options.tracking)
     for spec in options.models:
         fleet.add_model(spec.name, block_size=spec.block_size, config=options.router.override(**spec.router))
         if spec.thresholds:

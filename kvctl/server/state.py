@@ -7,6 +7,7 @@ method takes `now` from the caller, so the server owns the one clock.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -40,7 +41,8 @@ from kvctl.core.router.busy import (
     WorkerLoad,
     check_admission,
 )
-from kvctl.core.router.queue import RouterQueue, would_queue
+from kvctl.core.router.policy_classes import QueueProfiles
+from kvctl.core.router.queue import would_queue
 from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, NoCandidates, Reason, RouterConfig
 from kvctl.core.router.sequences import EXPIRY_S, ActiveRequest, ActiveSequences
@@ -113,13 +115,13 @@ class Fleet:
     def __init__(self, *, block_size: int = DEFAULT_BLOCK_SIZE, config: RouterConfig | None = None,
                  seed: int | None = None, thresholds: Thresholds | None = None, approx: ApproxConfig | None = None,
                  request_expiry_s: float = EXPIRY_S, limits: RouteLimits | None = None,
-                 queue: RouterQueue | None = None, sessions: SessionBook | None = None,
+                 queues: QueueProfiles | None = None, sessions: SessionBook | None = None,
                  tracking: TrackingKey | None = None) -> None:
-        """`approx`: approximate mode (no KV events): every model indexes its own routing decisions. `queue`:
-        the frontend's router queue, whose verdict each pick carries (kvctl itself holds no request).
+        """`approx`: approximate mode (no KV events): every model indexes its own routing decisions. `queues`:
+        the frontend's router queue's policy classes, whose verdict each pick carries (kvctl holds no request).
         `sessions`: session affinity on, its bindings. `tracking`: the key of Dynamo's keyed tracking hashes."""
         self.limits = limits or RouteLimits()
-        self.queue = queue
+        self.queues = queues
         self.sessions = sessions
         self.tracking = tracking
         self.health = Health()  # what every entry point refused or lost, and the parts that are down
@@ -381,9 +383,13 @@ class Fleet:
             pick = dataclasses.replace(pick, reason=Reason.pinned)
         elif sessions is not None and session_id is not None and request.get("reserve"):
             sessions.bind(role, session_id, pick.worker, now)
-        if self.queue is not None:
+        if self.queues is not None:
             sequences = state.router.sequences
-            verdict = would_queue(self.queue, {w: self._load(w, sequences) for w in pool})
+            best = max((c.effective_overlap for c in pick.candidates), default=0.0) * state.block_size
+            tokens = request.get("token_ids")
+            isl = len(tokens) if tokens is not None else len(request.get("local_hashes") or ()) * state.block_size
+            policy_class = self.queues.profile(state.name).classify(isl - min(isl, math.floor(best + 0.5)))
+            verdict = would_queue(policy_class, {w: self._load(w, sequences) for w in pool})
             if verdict is not None:
                 pick = dataclasses.replace(pick, queued=verdict)
         return pick

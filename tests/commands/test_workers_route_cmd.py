@@ -184,8 +184,40 @@ def test_a_route_says_when_the_frontends_router_queue_would_hold_it(tmp_path: Pa
             kvctl(client, "route", "--reserve", "--request-id", request_id, "--yes", *TOKENS)
         loaded = kvctl(client, "route", "-o", "json", *TOKENS)
         assert json_of(loaded)["queued"] == {"policy": "wspt", "threshold": 0.0, "over": {
-            "1:0": "active_prefill_tokens_frac 64 > 0", "2:0": "active_prefill_tokens_frac 64 > 0"}}
-        assert "warning: Dynamo's frontend would hold this request in its router queue (policy wspt): each of the " \
-               "pool's 2 ranks has more prefill tokens in flight than 0 x its max batched tokens" in loaded.stderr
+            "1:0": "active_prefill_tokens_frac 64 > 0", "2:0": "active_prefill_tokens_frac 64 > 0"},
+            "policy_class": "default", "threshold_tokens": None}  # the flags' one class
+        assert "warning: Dynamo's frontend would hold this request in its router queue (class default, policy " \
+               "wspt): each of the pool's 2 ranks has more prefill tokens in flight than 0 x its max batched " \
+               "tokens" in loaded.stderr
         client.post("/v1/requests/a/prefill_complete")
         assert "queued" not in json_of(kvctl(client, "route", "-o", "json", *TOKENS))
+
+
+CLASSES = """\
+default_policy_family: standard
+uncached_isl_buckets: [{min_tokens: 0, bucket: short}, {min_tokens: 32, bucket: long}]
+policy_classes:
+  - {name: quick, policy_family: standard, cache_bucket: short, quantum: 1, prefill_busy_threshold: 500}
+  - {name: bulk, policy_family: standard, cache_bucket: long, queue_policy: wspt, quantum: 4,
+     prefill_busy_threshold: 50}
+"""
+
+
+def test_a_route_names_the_policy_class_that_would_hold_it(tmp_path: Path) -> None:
+    """`--router-policy-config`'s classes were read and ignored (issue 38): a frontend given them queued while kvctl
+    said nothing. Each route now falls in its class by its uncached tokens, and says when that class would hold it."""
+    policy = tmp_path / "classes.yaml"
+    policy.write_text(CLASSES)
+    with serving(tmp_path / "state", "--router-policy-config", str(policy)) as (_, client):
+        for worker_id in (1, 2):
+            client.post("/v1/workers", json={"worker_id": worker_id})
+        for request_id in ("a", "b"):
+            kvctl(client, "route", "--reserve", "--request-id", request_id, "--yes", *TOKENS)
+        loaded = kvctl(client, "route", "-o", "json", *TOKENS)  # 64 uncached tokens: class bulk, over 50 each
+        assert json_of(loaded)["queued"] == {"policy": "wspt", "threshold": None, "policy_class": "bulk",
+                                             "threshold_tokens": 50, "over": {"1:0": "active_prefill_tokens 64 > 50",
+                                                                              "2:0": "active_prefill_tokens 64 > 50"}}
+        assert "(class bulk, policy wspt)" in loaded.stderr and "than 50 tokens" in loaded.stderr
+        assert "queued" not in json_of(kvctl(client, "route", "-o", "json", *TOKENS[:16]))  # quick: under 500
+        modes = client.get("/v1/status").json()["modes"]["queue"]
+        assert modes == {"threshold": None, "policy": "fcfs", "profiles": {"root": ["quick", "bulk"]}}

@@ -43,11 +43,13 @@ from kvctl.core.events.types import Tier
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.names import Role, WorkerKey
 from kvctl.core.router.busy import WorkerLoad
+from kvctl.core.router.policy_classes import synthetic
 from kvctl.core.router.policy_config import PolicyConfigError, parse_policy_config
 from kvctl.core.router.queue import RouterQueue, would_queue
 from kvctl.core.router.router import Router
 from kvctl.core.router.scoring import Decision, RouterConfig
 from kvctl.core.tracking_hash import TrackingKey
+from tests.core.test_policy_classes import PROFILE
 from tests.interop.fleet import REQUIRE_INTEROP
 from tests.support import eventually_async
 
@@ -416,7 +418,7 @@ async def test_the_router_queue_holds_a_selection_exactly_when_kvctl_says_it_wou
     each worker has more than 20 prefill tokens booked (strictly), and dispatches it once one has no more; kvctl's
     verdict (`would_queue`) must say so at each step, and its pick be the one the queue dispatched."""
     sc = Scenario("queue", {1: 1, 2: 1}, [], tokens(8, base=9000), max_batched=40)
-    queue = RouterQueue(0.5)
+    queue = synthetic(RouterQueue(0.5)).classes[0]
     monkeypatch.setenv("DYN_ROUTER_QUEUE_THRESHOLD", "0.5")
     with stderr_log() as log:
         service = core.SelectionService(indexer_threads=1)
@@ -450,6 +452,55 @@ async def test_the_router_queue_holds_a_selection_exactly_when_kvctl_says_it_wou
             assert not held.done()
             await service.prefill_complete("r1")
             assert side.router.sequences.mark_prefill_completed("r1") and not verdict()
+            dispatched = await asyncio.wait_for(held, 3)
+            assert (dispatched["worker_id"], dispatched["dp_rank"]) == side.route(side.candidates).worker == (1, 0)
+        finally:
+            service.shutdown()
+            side.close()
+
+
+CLASSES = PROFILE  # two classes by uncached tokens, and an explicit one
+
+
+async def test_policy_classes_hold_a_selection_exactly_when_kvctl_says_it_would(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A root profile of two classes by uncached prompt tokens (under 32: at most 10 tokens of prefill in flight a
+    rank; 32 and over: half of its 40 max batched tokens) and 15 tokens booked on each of two workers. The service
+    holds an 8-token prompt (over 10 everywhere) and dispatches a 40-token one (under 20 somewhere) at once; kvctl's
+    class and verdict must say the same, and the held one go where kvctl picks once a booking is freed."""
+    path = tmp_path / "classes.yaml"
+    path.write_text(CLASSES)
+    monkeypatch.setenv("DYN_ROUTER_POLICY_CONFIG", str(path))
+    root = parse_policy_config(CLASSES).root
+    assert root is not None
+    sc = Scenario("classes", {1: 1, 2: 1}, [], tokens(8, base=9000), max_batched=40)
+    with stderr_log() as log:
+        service = core.SelectionService(indexer_threads=1)
+        side = Side(sc, service, log)
+        try:
+            await side.start()
+
+            def verdict(prompt: list[int]) -> tuple[str, bool]:
+                held = root.classify(len(prompt))  # nothing cached: every token uncached
+                loads = {w: WorkerLoad(0, side.router.sequences.load(w).active_prefill_tokens,
+                                       max_num_batched_tokens=40) for w in side.candidates}
+                return held.name, would_queue(held, loads) is not None
+
+            for sid, worker, base in (("r1", (1, 0), 1000), ("r2", (2, 0), 2000)):
+                prompt = tokens(15, base=base)
+                await service.select_and_reserve(side.request(prompt, selection_id=sid, pinned_worker={
+                    "worker_id": worker[0], "dp_rank": worker[1]}))
+                side.router.route([worker], token_ids=prompt, request_id=sid, reserve=True)
+            short, long = sc.prompt, tokens(40, base=6000)
+            assert verdict(short) == ("std_cached", True) and verdict(long) == ("std_uncached", False)
+            held = asyncio.ensure_future(service.select(side.request(short, selection_id="short")))
+            await eventually_async(lambda: int(service.loads(model_name=MODEL)[0]["pending_count"]),
+                                   "the service queueing the short prompt", until=lambda n: n == 1)
+            admitted = await asyncio.wait_for(service.select(side.request(long, selection_id="long")), 3)
+            assert not held.done() and admitted["worker_id"] in (1, 2)
+            await service.free_reservation("r1")
+            side.router.free("r1")
+            assert verdict(short) == ("std_cached", False)
             dispatched = await asyncio.wait_for(held, 3)
             assert (dispatched["worker_id"], dispatched["dp_rank"]) == side.route(side.candidates).worker == (1, 0)
         finally:
@@ -522,6 +573,21 @@ POLICY_FILES = {
     "no_type": "worker_selection:\n  aggregated: a\n  instances:\n    - {name: a}\n",
     "unknown_key": "worker_selection:\n  aggregated: a\n  colour: red\n",
     "unknown_section": "queue: {}\n",
+    "classes": CLASSES,
+    "classes_quantum_zero": CLASSES.replace("quantum: 8", "quantum: 0"),
+    "classes_lcfs": CLASSES.replace("queue_policy: wspt", "queue_policy: lcfs"),
+    "classes_negative_frac": CLASSES.replace("frac: 0.5", "frac: -1"),
+    "classes_unknown_bucket": CLASSES.replace("cache_bucket: uncached,", "cache_bucket: nope,"),
+    "classes_half_bound": CLASSES.replace("{name: vip,", "{name: vip, policy_family: standard,"),
+    "classes_bucket_start": CLASSES.replace("{min_tokens: 0,", "{min_tokens: 1,"),
+    "classes_bucket_order": CLASSES.replace("min_tokens: 32", "min_tokens: 0"),
+    "classes_unknown_default": CLASSES.replace("default_policy_family: standard", "default_policy_family: x"),
+    "classes_collision": CLASSES.replace("{name: vip,", "{name: standard,"),
+    "classes_duplicate_binding": CLASSES.replace("cache_bucket: uncached,", "cache_bucket: cached,"),
+    "classes_duplicate_name": CLASSES.replace("name: std_uncached", "name: std_cached"),
+    "classes_no_quantum": CLASSES.replace("quantum: 8,", ""),
+    "classes_partial_root": "default_policy_family: standard\n",
+    "classes_model_missing_field": "models:\n  m: {default_policy_family: f}\n",
     "empty": "",
     "empty_selection": "worker_selection: {}\n",
 }

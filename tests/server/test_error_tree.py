@@ -117,7 +117,7 @@ def test_a_policy_file_dynamo_refuses_is_a_usage_error(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text("worker_selection: [not, a, table]\n")
     with pytest.raises(UsageError, match=f"--router-policy-config {path}: "):
-        router_config({}, None, None, path)
+        router_config({}, None, None, path, None)
     code, err = _kvctl("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
                        "--router-policy-config", str(path))
     assert code == ExitCode.USAGE and f"--router-policy-config {path}: " in _one_line(err)

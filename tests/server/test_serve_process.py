@@ -180,11 +180,12 @@ def test_knobs_come_from_flags_then_the_policy_file(tmp_path: Path) -> None:
     path.write_text("worker_selection:\n  aggregated: a\n  instances:\n    - name: a\n      type: "
                     "dynamo-default-cost-fn\n      parameters: {host_cache_hit_weight: 0.5, router_temperature: 0.2}\n")
     flags = {"host_cache_hit_weight": 0.9, "overlap_score_credit_decay": 3.0, "track_prefill_tokens": False}
-    config = router_config(flags, 2.0, None, path)
+    config, queues = router_config(flags, 2.0, None, path, None)
+    assert queues is None  # no queue flag, no profile in the file: nothing queues
     assert (config.host_cache_hit_weight, config.router_temperature, config.overlap_score_credit_decay,
             config.prefill_load_scale, config.track_prefill_tokens) == (0.5, 0.2, 3.0, 2.0, False)
     assert config.booked_tier_weights == (0.9, 0.25)  # Dynamo books with the router-wide weights
-    legacy = router_config({}, 0.0, "host_pinned=0.5", None)
+    legacy, _ = router_config({}, 0.0, "host_pinned=0.5", None, None)
     assert (legacy.overlap_score_credit, legacy.host_cache_hit_weight, legacy.disk_cache_hit_weight) == (0, 0.5, 0.25)
 
 

@@ -10,12 +10,13 @@ The file (docs/contract.md) names worker-selection policy instances and which on
           parameters: {overlap_score_credit: 0.5, router_temperature: 0.1, ...}
 
 kvctl routes aggregated workers, so it takes the `aggregated` instance's parameters, which win over the
-flags (as Dynamo's `Parameters::resolve` does). What Dynamo rejects is rejected with its words: unknown
+flags (as Dynamo's `Parameters::resolve` does). The root and per-model profiles' policy classes are the router
+queue's (policy_classes.py). What Dynamo rejects is rejected with its words: unknown
 keys, bad names, duplicate or missing instances, a parameter that is not a finite number >= 0, an unknown
 policy type. Like Dynamo, only the instance in use has its type and parameters checked. kvctl implements
 one policy type, Dynamo's default cost function; the other types Dynamo links are refused by name.
-The sections kvctl has no use for (queue policy classes, request classifiers, ...) are accepted and
-reported in `ignored`. Scalars are resolved as YAML 1.2 (Dynamo's serde_yaml) does: `yes` is a string,
+The sections kvctl has no use for (router settings, request classifiers) are accepted and reported in
+`ignored`. Scalars are resolved as YAML 1.2 (Dynamo's serde_yaml) does: `yes` is a string,
 `1e3` a float. Pure: the caller reads the file.
 """
 
@@ -29,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from kvctl.core.router.policy_classes import Profile, ProfileError, parse_profiles
 from kvctl.core.router.scoring import KNOBS, RouterConfig
 
 TOP_LEVEL = ("router", "default_policy_family", "policy_classes", "uncached_isl_buckets", "models",
@@ -56,6 +58,9 @@ class PolicyConfig:
     instance: str | None
     ignored: list[str]
     """Sections and stage selections kvctl reads but has no use for."""
+    root: Profile | None = None
+    """The root profile's policy classes (the router queue's, for every model without a profile of its own)."""
+    models: dict[str, Profile] = dataclasses.field(default_factory=dict)
 
     def apply(self, config: RouterConfig) -> RouterConfig:
         """`config` (the flags') with the instance's parameters over it, as Dynamo resolves them.
@@ -137,10 +142,14 @@ def parse_policy_config(text: str) -> PolicyConfig:
     if not any(top.get(key) is not None for key in TOP_LEVEL):
         raise PolicyConfigError("invalid router policy config: router policy config must define router settings, "
                                 "a root profile, at least one model profile, worker_selection, or request_classifier")
-    ignored = [key for key in TOP_LEVEL if key != "worker_selection" and top.get(key) is not None]
+    try:
+        root, models = parse_profiles(top)
+    except ProfileError as exc:
+        raise PolicyConfigError(str(exc)) from None
+    ignored = [key for key in ("router", "request_classifier") if top.get(key) is not None]
     raw = top.get("worker_selection")
     if raw is None:
-        return PolicyConfig({}, None, None, ignored)
+        return PolicyConfig({}, None, None, ignored, root, models)
     selection = _fields("failed to parse router policy config: worker_selection: ", raw, (*STAGES, "instances"),
                         "struct RawWorkerSelectionConfig")
     if not any(selection.get(key) for key in (*STAGES, "instances")):
@@ -174,11 +183,11 @@ def parse_policy_config(text: str) -> PolicyConfig:
     ignored += [f"worker_selection.{stage}" for stage in STAGES[1:] if selection.get(stage) is not None]
     chosen = selection.get("aggregated")
     if chosen is None or chosen == "default":
-        return PolicyConfig({}, None, None, ignored)
+        return PolicyConfig({}, None, None, ignored, root, models)
     policy_type, parameters = instances[chosen]
     knobs = _parameters(policy_type, parameters)
     shared = knobs.pop("shared_cache_multiplier", None)
-    return PolicyConfig(knobs, shared, chosen, ignored)
+    return PolicyConfig(knobs, shared, chosen, ignored, root, models)
 
 
 def _parameters(policy_type: str, parameters: dict[str, Any]) -> dict[str, float]:

@@ -1,8 +1,10 @@
-"""Dynamo 1.6.1's router queue as a verdict (`--router-queue-threshold`, `--router-queue-policy`).
+"""Dynamo 1.6.1's router queue as a verdict (`--router-queue-threshold`, `--router-queue-policy`, or the policy
+classes of `--router-policy-config`: policy_classes.py).
 
 Dynamo's frontend holds a request in its router queue when every eligible rank of the pool has more prefill
-tokens in flight than the threshold times its max_num_batched_tokens, and dispatches the queue by its policy
-(fcfs: arrival order; wspt: shortest job first, by (1 + priority) / tokens). kvctl answers every route at once:
+tokens in flight than a threshold of the request's class (absolute tokens, or a fraction of max_num_batched_tokens;
+the flags' one class: the fraction), and dispatches the queue by the class's policy (fcfs: arrival order; wspt:
+shortest job first, by (1 + priority) / uncached tokens). kvctl answers every route at once:
 given the same threshold, it says when the frontend would hold the request instead, and why, so that a pick made
 while the fleet queues is never read as one Dynamo would act on at once.
 """
@@ -13,9 +15,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from kvctl.core.names import WorkerKey
 from kvctl.core.router.busy import BusyReason, BusySignal, WorkerLoad, prefill_limit
+
+if TYPE_CHECKING:
+    from kvctl.core.router.policy_classes import PolicyClass
 
 
 class QueuePolicy(StrEnum):
@@ -37,18 +43,33 @@ class RouterQueue:
 
 @dataclass(frozen=True, slots=True)
 class WouldQueue:
-    """Why a route would wait in the frontend's queue: every rank's prefill tokens over its limit."""
+    """Why a route would wait in the frontend's queue: the class it falls in, and every rank of its pool over one
+    of the class's thresholds (absolute tokens, or a fraction of max_num_batched_tokens)."""
 
-    queue: RouterQueue
+    policy_class: PolicyClass
     over: Mapping[WorkerKey, BusyReason]
 
 
-def would_queue(queue: RouterQueue, loads: Mapping[WorkerKey, WorkerLoad]) -> WouldQueue | None:
-    """The verdict over one pool's ranks (their loads): None while some rank is at or under its limit."""
+def rank_over(policy_class: PolicyClass, load: WorkerLoad) -> BusyReason | None:
+    """The threshold of the class a rank's prefill tokens in flight are strictly over, if any (either is enough)."""
+    tokens = load.active_prefill_tokens
+    absolute, frac = policy_class.prefill_busy_threshold, policy_class.prefill_busy_threshold_frac
+    if absolute is not None and tokens > absolute:
+        return BusyReason(BusySignal.active_prefill_tokens, tokens, absolute)
+    if frac is not None and tokens > (limit := prefill_limit(frac, load)):
+        return BusyReason(BusySignal.active_prefill_tokens_frac, tokens, limit)
+    return None
+
+
+def would_queue(policy_class: PolicyClass, loads: Mapping[WorkerKey, WorkerLoad]) -> WouldQueue | None:
+    """The verdict over one pool's eligible ranks (their loads): None while the class holds nothing (no threshold)
+    or some rank is at or under its thresholds."""
+    if not policy_class.queues:
+        return None
     over = {}
     for worker, load in loads.items():
-        limit = prefill_limit(queue.threshold, load)
-        if load.active_prefill_tokens <= limit:
+        reason = rank_over(policy_class, load)
+        if reason is None:
             return None
-        over[worker] = BusyReason(BusySignal.active_prefill_tokens_frac, load.active_prefill_tokens, limit)
-    return WouldQueue(queue, over) if over else None
+        over[worker] = reason
+    return WouldQueue(policy_class, over) if over else None

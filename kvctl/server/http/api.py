@@ -191,8 +191,10 @@ def _decision(decision: Decision, request_id: str | None, explain: bool) -> api.
     if decision.decode is not None:
         out.decode = _decision(decision.decode, request_id, explain)
     if (verdict := decision.queued) is not None:
-        out.queued = api.Queued(verdict.queue.policy.value, verdict.queue.threshold,
-                                {format_worker(w): str(reason) for w, reason in verdict.over.items()})
+        held = verdict.policy_class
+        out.queued = api.Queued(held.queue_policy.value, held.prefill_busy_threshold_frac,
+                                {format_worker(w): str(reason) for w, reason in verdict.over.items()}, held.name,
+                                held.prefill_busy_threshold)
     return out
 
 
@@ -389,7 +391,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
             loop=api.LoopHeld(**metrics.loop_lag.status()),
             limits=api.Limits(**dataclasses.asdict(fleet.limits), refused=dict(fleet.over_limit)),
             readiness=readiness.answer(fleet.health), health=fleet.health.answer(), modes=api.RoutingModes(
-                None if (q := fleet.queue) is None else {"threshold": q.threshold, "policy": q.policy.value},
+                None if (q := fleet.queues) is None else q.status(),
                 None if (book := fleet.sessions) is None else {"ttl_s": book.ttl_s, "sessions": len(book),
                                                                  "evicted": book.evicted})))
 
