@@ -8,19 +8,22 @@ bad routing decision came from the cache view or the load.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from kvctl.commands._input import parse_hash_text, read_numbers
 from kvctl.commands._model import model_for
-from kvctl.commands._options import JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client
+from kvctl.commands._options import JsonOpt, OutputOpt, YesOpt, confirm, output_for, router_client, settings_for
 from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS, counts, number
 from kvctl.commands.hash import parse_token_text
 from kvctl.core.names import format_worker
 from kvctl.core.words import counted
 from kvctl.errors import UsageError
-from kvctl.output import Column, OutputFormat, View
+from kvctl.output import Column, Output, OutputFormat, View
+
+if TYPE_CHECKING:
+    from kvctl.core.tiers import Sample
 
 HELP = (
     "Ask a router which worker a request's token ids would go to, and why. (read-only; read-write with --reserve)\n\n"
@@ -118,6 +121,10 @@ def route_command(
                                              show_default=False)] = None,
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="Hugging Face tokenizer name or path for "
                                                   "--text.", show_default=False)] = None,
+    metrics: Annotated[str | None, typer.Option("--metrics", help="A Dynamo frontend's /metrics: a route it would "
+                                                "queue says how many requests of its class it holds now (they are "
+                                                "ahead of it, with fcfs and no priorities).", show_default=False)]
+    = None,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -143,20 +150,48 @@ def route_command(
             out.note("dry run: nothing was reserved")
         answer = client.send(call)
     shown = {**msgspec.to_builtins(answer), "dry_run": True} if dry_run else msgspec.to_builtins(answer)
+    samples = _frontend_samples(ctx, metrics) if metrics and any(p.get("queued") for p in _picks(shown)) else None
     for pick in _picks(shown):  # on stderr, whatever the format: a pick the frontend would not act on at once
         if queued := pick.get("queued"):
-            pool = f"{pick['role']} " if pick.get("role") else ""
-            limits = [f"{queued['threshold']:g} x its max batched tokens"] if queued["threshold"] is not None else []
-            limits += [f"{queued['threshold_tokens']} tokens"] if queued.get("threshold_tokens") is not None else []
-            out.warn(f"Dynamo's frontend would hold this request in its {pool}router queue (class "
-                     f"{queued.get('policy_class', 'default')}, policy {queued['policy']}): each of the pool's "
-                     f"{counted(len(queued['over']), 'rank')} has more prefill tokens in flight than "
-                     f"{' or '.join(limits)}; the pick shown is the one it would make now")
+            _say_queued(out, pick, queued, model, samples)
     if explain and out.format in (OutputFormat.table, OutputFormat.wide):  # a table per pool picked from
         for pick in _picks(shown):
             out.emit(pick, _explained_view(pick))
     else:  # -o name prints the chosen workers only; json and yaml the answer whole
         out.emit(shown, _decision_view(split="decode" in shown))
+
+
+def _frontend_samples(ctx: typer.Context, url: str) -> list[Sample]:
+    """One scrape of the frontend's metrics (its router queue's gauges), with the command's timeout."""
+    from kvctl.client.tier_sources import Auth, Scraper
+
+    with Scraper([url], auth=Auth(), timeout=settings_for(ctx).timeout) as scraper:
+        return scraper.scrape(scraper.urls[0])
+
+
+def _say_queued(out: Output, pick: dict[str, Any], queued: dict[str, Any], model: str,
+                samples: list[Sample] | None) -> None:
+    """The verdict on stderr; with the frontend's metrics, how many of the request's class it holds now (added to
+    the answer shown, as `frontend_pending`)."""
+    from kvctl.core.doctor.frontend_queue import pending_in_class
+
+    pool = f"{pick['role']} " if pick.get("role") else ""
+    limits = [f"{queued['threshold']:g} x its max batched tokens"] if queued["threshold"] is not None else []
+    limits += [f"{queued['threshold_tokens']} tokens"] if queued.get("threshold_tokens") is not None else []
+    policy_class = queued.get("policy_class", "default")
+    place = ""
+    if samples is not None:
+        ahead = pending_in_class(samples, model, policy_class, "prefill" if pick.get("role") == "prefill" else
+                                 "decode")
+        queued["frontend_pending"] = ahead
+        place = ("; the frontend exports no router queue" if ahead is None else
+                 f"; the frontend holds {counted(ahead, 'request')} of class {policy_class} now, ahead of it with "
+                 f"{queued['policy']} and no priorities" if queued["policy"] == "fcfs" else
+                 f"; the frontend holds {counted(ahead, 'request')} of class {policy_class} now (wspt dispatches "
+                 "the cheapest first: some may go after it)")
+    out.warn(f"Dynamo's frontend would hold this request in its {pool}router queue (class {policy_class}, policy "
+             f"{queued['policy']}): each of the pool's {counted(len(queued['over']), 'rank')} has more prefill "
+             f"tokens in flight than {' or '.join(limits)}; the pick shown is the one it would make now{place}")
 
 
 def _request_numbers(tokens: list[str] | None, file: Path | None, local_hashes: bool, text: str | None,

@@ -21,8 +21,10 @@ from tests.commands.live_router import (
     loaded_router,
     one_line_error,
 )
+from tests.fixtures_path import FIXTURES
 from tests.server.test_serve_process import serving
 from tests.support.served import on_both_route_paths
+from tests.tiers.exporter import metrics_handler
 
 TOKENS = [str(t) for t in PROMPT]
 
@@ -221,3 +223,29 @@ def test_a_route_names_the_policy_class_that_would_hold_it(tmp_path: Path) -> No
         assert "queued" not in json_of(kvctl(client, "route", "-o", "json", *TOKENS[:16]))  # quick: under 500
         modes = client.get("/v1/status").json()["modes"]["queue"]
         assert modes == {"threshold": None, "policy": "fcfs", "profiles": {"root": ["quick", "bulk"]}}
+
+
+def test_with_the_frontends_metrics_a_queued_route_says_how_many_wait_ahead(tmp_path: Path) -> None:
+    """Its place (issue 38): kvctl holds no queue, the frontend exports its pending requests per class. Its 1.6.1
+    metrics (captured), with 3 requests of class `default` of model `tiny` pending in the decode pool's queue."""
+    frontend = (FIXTURES / "dynamo-1.6.1-fleet" / "metrics" / "frontend.prom").read_text()
+    pending = 'dynamo_frontend_router_queue_pending_requests{model="tiny",policy_class="default",worker_type="decode"}'
+    assert f"{pending} 0\n" in frontend
+    body = frontend.replace(f"{pending} 0\n", f"{pending} 3\n").encode()
+    with ThreadingHTTPServer(("127.0.0.1", 0), metrics_handler(lambda: body)) as exporter, \
+            serving(tmp_path, "--router-queue-threshold", "0") as (_, client):
+        thread = threading.Thread(target=exporter.serve_forever)
+        thread.start()
+        try:
+            for worker_id in (1, 2):
+                client.post("/v1/workers", json={"worker_id": worker_id, "model": "tiny"})
+            for request_id in ("a", "b"):
+                kvctl(client, "route", "-m", "tiny", "--reserve", "--request-id", request_id, "--yes", *TOKENS)
+            url = f"http://127.0.0.1:{exporter.server_address[1]}/metrics"
+            loaded = kvctl(client, "route", "-m", "tiny", "--metrics", url, "-o", "json", *TOKENS)
+        finally:
+            exporter.shutdown()
+            thread.join()
+    assert json_of(loaded)["queued"]["frontend_pending"] == 3
+    assert "the frontend holds 3 requests of class default now, ahead of it with fcfs and no priorities" in \
+        loaded.stderr

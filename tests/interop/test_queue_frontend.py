@@ -7,6 +7,7 @@ queue them."""
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.commands.live_router import kvctl
 from tests.doctor.rig import doctor, findings
 from tests.interop.fleet import Fleet, start_fleet, wait_until, words
 
@@ -47,6 +49,14 @@ def _route(fleet: Fleet) -> dict[str, Any]:
     return answer.raise_for_status().json()
 
 
+def _placed(fleet: Fleet) -> tuple[int, str] | None:
+    """`kvctl route --metrics FRONTEND`: the requests of its class the frontend holds, while it holds some."""
+    shown = kvctl(fleet.routers[ROUTER].url, "route", "-m", fleet.model, "--metrics", f"{fleet.frontend_url}/metrics",
+                  "-o", "json", *map(str, range(64)))
+    ahead = (json.loads(shown.stdout).get("queued") or {}).get("frontend_pending") if shown.exit_code == 0 else None
+    return (ahead, shown.stderr) if ahead else None
+
+
 def test_doctor_names_a_frontend_holding_requests_then_its_empty_queue(queueing: Fleet) -> None:
     done = threading.Event()
 
@@ -67,6 +77,8 @@ def test_doctor_names_a_frontend_holding_requests_then_its_empty_queue(queueing:
                           "doctor naming the frontend's queue", timeout=120, procs=queueing.procs, interval=0.2)
         queued = wait_until(lambda: _route(queueing).get("queued"), "kvctl saying the frontend would queue a route",
                             timeout=120, procs=queueing.procs, interval=0.2)
+        placed = wait_until(lambda: _placed(queueing), "kvctl route --metrics counting requests ahead of it",
+                            timeout=120, procs=queueing.procs, interval=0.2)
     finally:
         done.set()
         for thread in clients:
@@ -74,6 +86,8 @@ def test_doctor_names_a_frontend_holding_requests_then_its_empty_queue(queueing:
     assert "in its router queue" in held["cause"] and "policy class 'default'" in held["cause"], held
     assert queued["policy"] == "wspt" and len(queued["over"]) == 2, queued  # both mockers, prefill in flight
     assert held["next_step"].startswith(f"kvctl busy get --server {queueing.frontend_url}")
+    ahead, said = placed
+    assert f"the frontend holds {ahead} request" in said and "of class default now (wspt" in said, said
     empty = wait_until(lambda: (f := _queue(queueing))["severity"] == "OK" and f or None,
                        "the queue drained", timeout=120, procs=queueing.procs)
     assert empty["cause"] == "no request waits in a Dynamo frontend's router queue"

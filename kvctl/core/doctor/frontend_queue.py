@@ -1,16 +1,26 @@
-"""Doctor's check of a Dynamo frontend's router queue, read from its metrics (`doctor --metrics` or
-`--prometheus`): a frontend with `--router-queue-threshold` holds requests while every eligible worker is past it,
-and rejects past its caps. kvctl serve does not queue yet (issue 38), so without this a queueing fleet read as idle
-workers and an OK doctor."""
+"""A Dynamo frontend's router queue, read from its metrics (`doctor --metrics` or `--prometheus`, `route
+--metrics`): a frontend with `--router-queue-threshold` (or policy classes) holds requests while every eligible
+worker is past it, and rejects past its caps. kvctl serve holds no request, so without this a queueing fleet read
+as idle workers and an OK doctor; and a route's verdict could not say how many wait ahead of it."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvctl.core.doctor.findings import Finding, Severity
-from kvctl.core.tiers import DYNAMO_QUEUE_PENDING, DYNAMO_QUEUE_REFUSED, Window
+from kvctl.core.tiers import DYNAMO_QUEUE_PENDING, DYNAMO_QUEUE_REFUSED, Sample, Window
 from kvctl.core.words import counted
+
+
+def pending_in_class(samples: Iterable[Sample], model: str, policy_class: str, worker_type: str) -> int | None:
+    """Requests the frontend holds now in one class of a model's pool (`worker_type`: prefill, or decode for
+    the aggregated and decode pools, as its metrics label them); None when it exports no router queue."""
+    found = [s for s in samples if DYNAMO_QUEUE_PENDING.pattern.fullmatch(s.name)]
+    if not found:
+        return None
+    return sum(int(s.value) for s in found if (s.labels.get("model"), s.labels.get("policy_class"),
+                                                s.labels.get("worker_type")) == (model, policy_class, worker_type))
 
 
 def check_frontend_queue(windows: Sequence[Window]) -> list[Finding]:
@@ -39,7 +49,8 @@ def check_frontend_queue(windows: Sequence[Window]) -> list[Finding]:
             "frontend_queue", Severity.WARNING,
             f"the Dynamo frontend at {instance} holds {counted(sum(queued.values()), 'request')} in its router "
             f"queue ({n} of model {model!r}, policy class {policy!r}, worker type {role!r}): every eligible worker is "
-            "past the queue threshold; kvctl serve does not queue, so its own routes would be answered at once",
+            "past the queue threshold; kvctl serve holds no request (its routes say `queued` when given the "
+            "frontend's queue flags or policy file)",
             {"pending": {"/".join(key): value for key, value in queued.items()}},
             f"kvctl busy get --server http://{instance}; add capacity, or raise the frontend's queue threshold"))
     rejected = {key: n for key, n in refused.items() if n > 0}
