@@ -303,6 +303,7 @@ class Approximate(Struct):
     prune_target_ratio: float
     policy: str = "ttl"
     lru: LruRetention | None = None
+    pruned_blocks: int = 0  # pairs the cap pruned since start: kvctl's memory bound, which 1.6.1 does not have
 
 
 class ModelStats(Struct):

@@ -549,7 +549,8 @@ class Fleet:
             if self.approx is not None and approx is not None:  # the cap it is pruned at: blocks near it mean churn
                 lru = None if approx.lru is None else api.LruRetention(*dataclasses.astuple(approx.lru.stats()))
                 out[name].approximate = api.Approximate(self.approx.max_tree_size, self.approx.ttl_s,
-                                                        self.approx.prune_target_ratio, self.approx.policy, lru)
+                                                        self.approx.prune_target_ratio, self.approx.policy, lru,
+                                                        approx.pruned)
         return api.TreeStats(out)
 
     def reset(self, model: str | None, worker_id: int | None, dp_rank: int | None) -> api.Cleared:

@@ -71,7 +71,9 @@ async def test_the_approximate_mode_cap_is_exported_only_in_approximate_mode(cli
     assert not any(name == "kvctl_index_cap_blocks" for name, _ in await samples(client))
     app = create_app(Fleet(block_size=16, approx=ApproxConfig(max_tree_size=4000)))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvctl") as approx:
-        assert (await samples(approx))["kvctl_index_cap_blocks", (("model", "default"),)] == 4000
+        exported = await samples(approx)
+        assert exported["kvctl_index_cap_blocks", (("model", "default"),)] == 4000
+        assert exported["kvctl_index_pruned_blocks_total", (("model", "default"),)] == 0
 
 
 async def test_the_router_process_memory_is_exported(client: httpx.AsyncClient) -> None:

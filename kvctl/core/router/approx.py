@@ -103,6 +103,7 @@ class ApproxIndexer:
         self._heap_blocks = 0  # block entries over all heap items, live and stale
         self._order = count()  # heap tie-break: items due at the same instant never compare their batches
         self._event_id = 0
+        self.pruned = 0  # (worker, block) pairs the --max-tree-size cap pruned: kvctl's bound, not 1.6.1's
 
     @property
     def index(self) -> KvIndex:
@@ -160,8 +161,10 @@ class ApproxIndexer:
         size = self._tree.blocks
         if size <= self.config.max_tree_size:
             return 0
-        # Dynamo's prune: pop `size − target` live timers in heap order, each a single-block Removed.
+        # The earlier PruneManager's prune: pop `size − target` live timers in heap order, each a single-block
+        # Removed. 1.6.1 has no cap: what this prunes, its router would still hold, so it is counted.
         self._drain(math.inf, size - self.config.prune_target)
+        self.pruned += size - self._tree.blocks
         return size - self._tree.blocks
 
     def release(self, request_id: str) -> int:

@@ -77,9 +77,13 @@ class FleetCollector(Collector):
         if fleet.approx is not None:
             cap = GaugeMetricFamily("kvctl_index_cap_blocks", "approximate mode: --max-tree-size, the (worker, "
                                     "block) pairs the index is pruned at", labels=["model"])
-            for name in sorted(fleet.models):
+            pruned = CounterMetricFamily("kvctl_index_pruned_blocks", "approximate mode: (worker, block) pairs the "
+                                         "--max-tree-size cap pruned (Dynamo 1.6.1 has no cap: its index would "
+                                         "still hold them)", labels=["model"])
+            for name, state in sorted(fleet.models.items()):
                 cap.add_metric([name], fleet.approx.max_tree_size)
-            yield cap
+                pruned.add_metric([name], state.router.approx.pruned if state.router.approx is not None else 0)
+            yield from (cap, pruned)
         if self.streams is not None:
             yield from self._streams(self.streams)
         if self.plane is not None:
