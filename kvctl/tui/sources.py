@@ -18,6 +18,7 @@ import msgspec
 
 from kvctl.client import AsyncRouterClient, calls
 from kvctl.client.tier_sources import Auth, Scraper, metrics_url, prometheus_windows
+from kvctl.core.doctor.frontend_queue import queue_note
 from kvctl.core.tiers import CHECK_TIERS, Sample, Window, hit_rates, increases, report
 from kvctl.errors import KvctlError, UsageError
 from kvctl.http_api import Cleared
@@ -49,7 +50,8 @@ class TierFeed:
 
     Besides each tier's hit rate: a router's predicted hit rate (tier `router`: kvctl's or Dynamo's
     `dynamo_component_router_kv_hit_rate`) and the share of prompt tokens a Dynamo frontend's engines reported
-    cached (tier `cached`); `note` names the instances that export no tier counters (None when each does).
+    cached (tier `cached`); `note` says how many requests a Dynamo frontend's router queue holds, and names the
+    instances that export no tier counters (None when neither needs saying).
 
     Prometheus is asked for `increase()` over `window_s`; engines' `/metrics` are scraped each refresh and the
     window is the time since the previous scrape (so the first refresh has no rates yet). Prometheus is asked
@@ -75,12 +77,13 @@ class TierFeed:
         now = self._clock()
         if self.prometheus is not None and self._refreshed is not None and now - self._refreshed < self.every_s:
             return self._rates
-        tier_report = report(self._windows(now))
+        windows = self._windows(now)
+        tier_report = report(windows)
         self._rates = (*(TierRate(r.instance, tier, r.value, r.family)
                          for tier in CHECK_TIERS for r in hit_rates(tier_report, tier) if r.value is not None),
                        *(TierRate(r.instance, _PANEL_METRICS[r.metric], r.value, r.family)
                          for r in tier_report.readings if r.metric in _PANEL_METRICS and r.value is not None))
-        self.note = tier_report.untiered_note
+        self.note = "; ".join(filter(None, [queue_note(windows), tier_report.untiered_note])) or None
         self._refreshed = now
         return self._rates
 

@@ -204,6 +204,28 @@ def test_tiers_panel_shows_the_router_and_cached_share_and_the_note(captures: Ca
     assert feed.note is not None and feed.note.startswith("no tier counters exported by ")
 
 
+def test_tiers_panel_says_when_a_frontends_router_queue_holds_requests() -> None:
+    """`kvctl top` showed a queueing fleet as idle workers (issue 38): the loaded capture, with 14 requests pending
+    in the frontend's queue, puts how many wait, and where, in the panel's note."""
+    pending = 'dynamo_frontend_router_queue_pending_requests{model="tiny",policy_class="default",worker_type="decode"}'
+    assert f"{pending} 0\n" in FRONTEND
+    server = _serve([FRONTEND_IDLE, FRONTEND.replace(f"{pending} 0\n", f"{pending} 14\n")])
+    now = [0.0]
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    feed = TierFeed(metrics=[url], clock=lambda: now[0])
+    try:
+        feed.rates()
+        assert feed.note is None  # one scrape, and an idle queue
+        now[0] = 5.0
+        feed.rates()
+    finally:
+        feed.close()
+        server.shutdown()
+        server.server_close()
+    assert feed.note is not None
+    assert feed.note.startswith(f"router queue: 14 requests waiting at {url}; no tier counters exported by ")
+
+
 def test_doctor_compares_the_engines_reported_cache_hits_with_dynamo_s_prediction(
         captures: Captures, tmp_path: pytest.TempPathFactory) -> None:
     captures.skip_idle()

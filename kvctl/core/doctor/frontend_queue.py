@@ -23,6 +23,19 @@ def pending_in_class(samples: Iterable[Sample], model: str, policy_class: str, w
                                                 s.labels.get("worker_type")) == (model, policy_class, worker_type))
 
 
+def queue_note(windows: Sequence[Window]) -> str | None:
+    """What `kvctl top` says of the frontends among its metrics whose router queue holds requests now; None when
+    none does (or none exports one)."""
+    waiting: Counter[str] = Counter()
+    for window in windows:
+        for sample in window.samples:
+            if DYNAMO_QUEUE_PENDING.pattern.fullmatch(sample.name):
+                waiting[window.instance] += int(sample.value)
+    held = {instance: n for instance, n in sorted(waiting.items()) if n > 0}
+    return ("router queue: " + ", ".join(f"{counted(n, 'request')} waiting at {instance}"
+                                         for instance, n in held.items())) if held else None
+
+
 def check_frontend_queue(windows: Sequence[Window]) -> list[Finding]:
     """Requests pending in any frontend's router queue now, and those its queue refused over the window; no
     finding when no frontend among the metrics has a router queue."""
