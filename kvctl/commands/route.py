@@ -177,7 +177,7 @@ def _say_queued(out: Output, pick: dict[str, Any], queued: dict[str, Any], model
 
     pool = f"{pick['role']} " if pick.get("role") else ""
     limits = [f"{queued['threshold']:g} x its max batched tokens"] if queued["threshold"] is not None else []
-    limits += [f"{queued['threshold_tokens']} tokens"] if queued.get("threshold_tokens") is not None else []
+    limits += [counted(queued["threshold_tokens"], "token")] if queued.get("threshold_tokens") is not None else []
     policy_class = queued.get("policy_class", "default")
     place = ""
     if samples is not None:

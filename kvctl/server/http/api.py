@@ -191,10 +191,9 @@ def _decision(decision: Decision, request_id: str | None, explain: bool) -> api.
     if decision.decode is not None:
         out.decode = _decision(decision.decode, request_id, explain)
     if (verdict := decision.queued) is not None:
-        held = verdict.policy_class
-        out.queued = api.Queued(held.queue_policy.value, held.prefill_busy_threshold_frac,
-                                {format_worker(w): str(reason) for w, reason in verdict.over.items()}, held.name,
-                                held.prefill_busy_threshold)
+        c = verdict.policy_class
+        out.queued = api.Queued(c.queue_policy.value, c.prefill_busy_threshold_frac, {format_worker(w): str(reason)
+                                for w, reason in verdict.over.items()}, c.name, c.prefill_busy_threshold)
     return out
 
 
