@@ -184,7 +184,7 @@ def _say_queued(out: Output, pick: dict[str, Any], queued: dict[str, Any], model
         ahead = pending_in_class(samples, model, policy_class, "prefill" if pick.get("role") == "prefill" else
                                  "decode")
         queued["frontend_pending"] = ahead
-        place = ("; the frontend exports no router queue" if ahead is None else
+        place = (f"; the frontend exports no router queue for model {model}, class {policy_class}" if ahead is None else
                  f"; the frontend holds {counted(ahead, 'request')} of class {policy_class} now, ahead of it with "
                  f"{queued['policy']} and no priorities" if queued["policy"] == "fcfs" else
                  f"; the frontend holds {counted(ahead, 'request')} of class {policy_class} now (wspt dispatches "

@@ -385,7 +385,7 @@ class Fleet:
             sessions.bind(role, session_id, pick.worker, now)
         if self.queues is not None:
             sequences = state.router.sequences
-            best = max((c.effective_overlap for c in pick.candidates), default=0.0) * state.block_size
+            best = max(pick.scores.effective, default=0.0) * state.block_size  # the column: no rows built
             tokens = request.get("token_ids")
             isl = len(tokens) if tokens is not None else len(request.get("local_hashes") or ()) * state.block_size
             policy_class = self.queues.profile(state.name).classify(isl - min(isl, math.floor(best + 0.5)))

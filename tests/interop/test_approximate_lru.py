@@ -24,14 +24,19 @@ from kvctl.core.router.router import Router
 from tests.interop.fleet import Fleet, write_model_dir
 
 CAPACITY = 8
+POLLING = Path(__file__).parents[1] / "support" / "eventually.py"  # eventually_async, for the Dynamo-venv script
 A = list(range(1000, 1096))  # 6 blocks
 B = A[:16] + list(range(5000, 5080))  # A's first block, 5 of its own
 STEPS: list[tuple[str, str, list[int]]] = [
     ("route", "a", A), ("free", "a", []), ("route", "b", B), ("prefill", "b", []), ("route", "a2", A)]
 
 KV_ROUTER = r'''
-import asyncio, json, sys
+import asyncio, json, runpy, sys
 import dynamo._core as core
+
+# The tests' one polling loop (tests/support/eventually.py, stdlib only), loaded by path: this runs in Dynamo's venv.
+eventually_async = runpy.run_path(sys.argv[4])["eventually_async"]
+
 
 async def main():
     policy, workers, steps = sys.argv[1], set(json.loads(sys.argv[2])), json.loads(sys.argv[3])
@@ -39,12 +44,12 @@ async def main():
     config = core.KvRouterConfig(use_kv_events=False, router_approximate_cache_policy=policy,
                                  router_temperature=0.0)
     router = core.KvRouter(runtime.endpoint("dyn://dynamo.backend.generate"), 16, config)
-    for _ in range(1200):  # until discovery gave it both workers (and their cards, the capacity)
-        if {load["worker_id"] for load in await router.get_potential_loads(list(range(16)))} >= workers:
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise SystemExit("the KvRouter never saw both workers")
+
+    async def known():
+        return {load["worker_id"] for load in await router.get_potential_loads(list(range(16)))}
+
+    await eventually_async(known, "the KvRouter knowing both workers from discovery (their cards: the capacity)",
+                           until=lambda seen: seen >= workers)
     picks = []
     for op, request_id, tokens in steps:
         if op == "route":
@@ -80,7 +85,8 @@ def small_workers(dynamo: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 def _dynamo_picks(fleet: Fleet, policy: CachePolicy) -> list[list[Any]]:
     workers = json.dumps([m.worker_id for m in fleet.mockers])
-    done = subprocess.run([str(fleet.python), "-c", KV_ROUTER, policy.value, workers, json.dumps(STEPS)],
+    done = subprocess.run([str(fleet.python), "-c", KV_ROUTER, policy.value, workers, json.dumps(STEPS),
+                           str(POLLING)],
                           env=fleet.env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     picks: list[list[Any]] = json.loads(done.stdout.splitlines()[-1])

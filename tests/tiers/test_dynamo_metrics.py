@@ -238,3 +238,15 @@ def test_doctor_compares_the_engines_reported_cache_hits_with_dynamo_s_predictio
     assert evidence["engines"] == {captures.frontend_instance: round(TRUE_CACHED, 3)}
     assert evidence["router_predicted"] == round(TRUE_PREDICTED, 3)
     assert evidence["router_predicted_by"] == PREDICTED
+
+
+def test_a_class_the_frontend_exports_no_queue_for_is_none_not_zero() -> None:
+    """Its queue series are there while idle, at 0: a route of another model or class must not read as 'nobody
+    waits' (`kvctl route --metrics`)."""
+    from kvctl.core.doctor.frontend_queue import pending_in_class
+
+    samples = parse_metrics(FRONTEND)
+    assert pending_in_class(samples, "tiny", "default", "decode") == 0
+    assert pending_in_class(samples, "default", "default", "decode") is None  # kvctl's name, not the frontend's
+    assert pending_in_class(samples, "tiny", "bulk", "decode") is None
+    assert pending_in_class(samples, "tiny", "default", "prefill") is None

@@ -15,12 +15,12 @@ from kvctl.core.words import counted
 
 def pending_in_class(samples: Iterable[Sample], model: str, policy_class: str, worker_type: str) -> int | None:
     """Requests the frontend holds now in one class of a model's pool (`worker_type`: prefill, or decode for
-    the aggregated and decode pools, as its metrics label them); None when it exports no router queue."""
-    found = [s for s in samples if DYNAMO_QUEUE_PENDING.pattern.fullmatch(s.name)]
-    if not found:
-        return None
-    return sum(int(s.value) for s in found if (s.labels.get("model"), s.labels.get("policy_class"),
-                                                s.labels.get("worker_type")) == (model, policy_class, worker_type))
+    the aggregated and decode pools, as its metrics label them); None when it exports no queue for that class
+    (its series are there while idle, at 0: a missing one is another model or class, not an empty queue)."""
+    wanted = (model, policy_class, worker_type)
+    found = [int(s.value) for s in samples if DYNAMO_QUEUE_PENDING.pattern.fullmatch(s.name)
+             and (s.labels.get("model"), s.labels.get("policy_class"), s.labels.get("worker_type")) == wanted]
+    return sum(found) if found else None
 
 
 def queue_note(windows: Sequence[Window]) -> str | None:

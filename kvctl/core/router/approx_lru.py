@@ -58,9 +58,6 @@ class RankLru:
         """Copies, active and inactive, and private blocks: what the capacity bounds."""
         return len(self._copies) + self.private
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._leases
-
     def acquire(self, request_id: str, blocks: Sequence[int], private: int) -> list[int]:
         """A booked request's prompt blocks (sequence hashes) on this rank; returns the hashes evicted for room.
         The caller refuses a request id already held (Dynamo: a duplicate attempt records nothing)."""

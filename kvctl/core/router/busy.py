@@ -204,18 +204,19 @@ class RankBusy:
         return bool(self.reasons)
 
 
-def _prefill_reasons(load: WorkerLoad, thresholds: Thresholds) -> list[BusyReason]:
+def prefill_reasons(load: WorkerLoad, absolute: int | None, frac: float | None) -> list[BusyReason]:
+    """The prefill thresholds a rank's tokens in flight are strictly over (either makes it busy), as the busy
+    check and a router queue's policy class (queue.py) both judge them."""
     limits: list[tuple[BusySignal, int]] = []
-    if thresholds.active_prefill_tokens_threshold is not None:
-        limits.append((BusySignal.active_prefill_tokens, thresholds.active_prefill_tokens_threshold))
-    frac = thresholds.active_prefill_tokens_threshold_frac
+    if absolute is not None:
+        limits.append((BusySignal.active_prefill_tokens, absolute))
     if frac is not None:
-        limits.append((BusySignal.active_prefill_tokens_frac, prefill_limit(frac, load)))
+        limits.append((BusySignal.active_prefill_tokens_frac, _prefill_limit(frac, load)))
     tokens = load.active_prefill_tokens
     return [BusyReason(signal, tokens, limit) for signal, limit in limits if tokens > limit]
 
 
-def prefill_limit(frac: float, load: WorkerLoad) -> int:
+def _prefill_limit(frac: float, load: WorkerLoad) -> int:
     """`frac` of the rank's max_num_batched_tokens, in whole tokens: a rank is over it with more in flight.
 
     Truncated, as Dynamo's `(frac * max_batched) as u64` (which saturates: so does this, so that no stored frac
@@ -246,7 +247,9 @@ class BusyTracker:
         """Record `load` for the rank and judge it: busy if any check trips (Dynamo's OR across checks)."""
         if load.kv_used_blocks is not None:
             self._kv_used[worker] = load.kv_used_blocks
-        return RankBusy(tuple(_prefill_reasons(load, thresholds) + self._decode_reasons(worker, load, thresholds)))
+        prefill = prefill_reasons(load, thresholds.active_prefill_tokens_threshold,
+                                  thresholds.active_prefill_tokens_threshold_frac)
+        return RankBusy(tuple(prefill + self._decode_reasons(worker, load, thresholds)))
 
     def forget(self, worker_id: int) -> None:
         """Drop the latch state of every rank of a worker that left."""

@@ -18,7 +18,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from kvctl.core.names import WorkerKey
-from kvctl.core.router.busy import BusyReason, BusySignal, WorkerLoad, prefill_limit
+from kvctl.core.router.busy import BusyReason, WorkerLoad, prefill_reasons
 
 if TYPE_CHECKING:
     from kvctl.core.router.policy_classes import PolicyClass
@@ -52,13 +52,8 @@ class WouldQueue:
 
 def rank_over(policy_class: PolicyClass, load: WorkerLoad) -> BusyReason | None:
     """The threshold of the class a rank's prefill tokens in flight are strictly over, if any (either is enough)."""
-    tokens = load.active_prefill_tokens
-    absolute, frac = policy_class.prefill_busy_threshold, policy_class.prefill_busy_threshold_frac
-    if absolute is not None and tokens > absolute:
-        return BusyReason(BusySignal.active_prefill_tokens, tokens, absolute)
-    if frac is not None and tokens > (limit := prefill_limit(frac, load)):
-        return BusyReason(BusySignal.active_prefill_tokens_frac, tokens, limit)
-    return None
+    over = prefill_reasons(load, policy_class.prefill_busy_threshold, policy_class.prefill_busy_threshold_frac)
+    return over[0] if over else None
 
 
 def would_queue(policy_class: PolicyClass, loads: Mapping[WorkerKey, WorkerLoad]) -> WouldQueue | None:

@@ -4,7 +4,6 @@ This follows the fleet's discovery store for its cards alone, as the ZMQ plane r
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from typing import Any
 
 from kvctl.core.events.model_card import cards_prefix
 from kvctl.errors import DiscoveryError
-from kvctl.server.plane.dynamo_discovery import POLL_S, RETRY_MAX_S, Discovery
+from kvctl.server.plane.dynamo_discovery import POLL_S, Discovery, follow
 from kvctl.server.plane.model_cards import CardBook
 from kvctl.server.state import Fleet
 
@@ -23,19 +22,17 @@ PART = "plane.discovery"
 
 class CardWatch:
     """Lists a namespace's cards each `poll_s` (or on a watch's change), each listing applied to the fleet; a store
-    that fails is tried again after a pause that doubles up to `retry_max_s`, while the health ledger says what is
-    not seen meanwhile (it blocks nothing: the events still come)."""
+    that fails is tried again (`dynamo_discovery.follow`), while the health ledger says what is not seen meanwhile
+    (it blocks nothing: the events still come)."""
 
     def __init__(self, fleet: Fleet, discovery: Discovery, namespace: str, scope: tuple[str | None, str | None],
-                 adopts_block_size: Callable[[str], bool], *, poll_s: float = POLL_S,
-                 retry_max_s: float = RETRY_MAX_S) -> None:
+                 adopts_block_size: Callable[[str], bool], *, poll_s: float = POLL_S) -> None:
         self.fleet = fleet
         self.discovery = discovery
         self.prefix = cards_prefix(namespace)
         self.book = CardBook(*scope)
         self.adopts_block_size = adopts_block_size
         self.poll_s = poll_s
-        self.retry_max_s = retry_max_s
         self.listings = 0
         self.last_error: str | None = None
 
@@ -48,16 +45,10 @@ class CardWatch:
             self._failed(exc)
 
     async def run(self) -> None:
-        pause = self.poll_s
-        while True:
-            try:
-                async for records in self.discovery.changes(self.prefix, self.poll_s):
-                    self._apply(records)
-                    pause = self.poll_s
-            except DiscoveryError as exc:
-                self._failed(exc)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, self.retry_max_s)
+        async def listed(records: dict[str, bytes]) -> None:
+            self._apply(records)
+
+        await follow(self.discovery, self.prefix, self.poll_s, listed, self._failed)
 
     async def close(self) -> None:
         await self.discovery.close()

@@ -21,7 +21,7 @@ import secrets
 import stat
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -85,6 +85,24 @@ async def polled(store: Discovery, prefix: str, poll_s: float) -> AsyncIterator[
     while True:
         yield await store.list(prefix)
         await asyncio.sleep(poll_s)
+
+
+async def follow(store: Discovery, prefix: str, poll_s: float,
+                 listed: Callable[[dict[str, bytes]], Awaitable[None]], failed: Callable[[DiscoveryError], None],
+                 ) -> None:
+    """The records under `prefix` for ever, each listing handed to `listed`: a store that fails (`failed` is told)
+    is tried again after a pause that doubles from `poll_s` up to RETRY_MAX_S, and back to `poll_s` once it
+    answers."""
+    pause = poll_s
+    while True:
+        try:
+            async for records in store.changes(prefix, poll_s):
+                await listed(records)
+                pause = poll_s
+        except DiscoveryError as exc:
+            failed(exc)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, RETRY_MAX_S)
 
 
 class FileDiscovery:

@@ -51,7 +51,7 @@ from kvctl.server.budget import Slices
 from kvctl.server.ingest.fd_limits import default_max_engines, file_limit, sized
 from kvctl.server.ingest.streams import TOO_LARGE_FIX, ModelWriter, Streams
 from kvctl.server.plane.discovery_limits import FIXES
-from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, POLL_S, RETRY_MAX_S, Discovery, open_discovery
+from kvctl.server.plane.dynamo_discovery import KEEP_ALIVE_S, POLL_S, Discovery, follow, open_discovery
 from kvctl.server.plane.ingest import PlaneIngest
 from kvctl.server.plane.model_cards import CardBlockSizes, CardBook
 from kvctl.server.plane.recovery import RECOVERY_TIMEOUT_S, Recovery, RecoveryClient
@@ -211,21 +211,18 @@ class ZmqPlane(PlaneTasks):
     async def _run(self) -> None:
         """List and follow the store for ever: a store that fails is tried again after a pause that doubles, up
         to RETRY_MAX_S, while the plane's fault says so (the ledger logs it once)."""
-        prefix = namespace_prefix(self.options.namespace)
         with contextlib.suppress(OSError):  # the ledger says so; each query tries again
             await self.recovery.client.start()
-        pause = self.options.poll_s
-        while True:
-            try:
-                async for records in self.discovery.changes(prefix, self.options.poll_s):
-                    await self._listed(records)
-                    self._judge(None)
-                    pause = self.options.poll_s
-            except DiscoveryError as exc:
-                self.last_error = str(exc)
-                self._judge(f"discovery {self.options.url} fails: {exc}")
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, RETRY_MAX_S)
+
+        async def listed(records: dict[str, bytes]) -> None:
+            await self._listed(records)
+            self._judge(None)
+
+        def failed(exc: DiscoveryError) -> None:
+            self.last_error = str(exc)
+            self._judge(f"discovery {self.options.url} fails: {exc}")
+
+        await follow(self.discovery, namespace_prefix(self.options.namespace), self.options.poll_s, listed, failed)
 
     def _loop_died(self, error: str, backoff_s: float) -> None:
         self.state = "failed"
