@@ -5,7 +5,9 @@ notices, so this module follows Dynamo 1.6.1's `compute_block_hash_for_seq` exac
 
 - local hash of a full block of B tokens = XXH3-64(seed) over the tokens as consecutive u32 LE;
   a trailing partial block is ignored and B = 0 gives no hashes;
-- seed = 1337, or (1337 + XXH3-64(lora_name, seed 0)) mod 2^64 with a LoRA;
+- seed = 1337, plus XXH3-64(lora_name, seed 0) with a LoRA, plus XXH3-64(cache_salt, seed 1) with a salt
+  (SGLang's `cache_salt`), mod 2^64: a salt changes only the seed, never the bytes hashed;
+- EAGLE blocks (SGLang's bigram pages) hash B + 1 tokens each, block i's window overlapping block i+1's by one;
 - multimodal blocks append their mm hashes, sorted, as u64 LE after the token bytes;
 - sequence hash: seq[0] = local[0], seq[i] = XXH3-64(le64(seq[i-1]) ‖ le64(local[i]), 1337).
 
@@ -37,11 +39,15 @@ if array("I").itemsize != 4:  # pragma: no cover - no such platform is supported
     raise ImportError("kvctl needs a 4-byte unsigned int array type ('I'), which this platform lacks")
 
 
-def lora_seed(lora_name: str | None) -> int:
-    """The XXH3 seed for a request: Dynamo mixes the LoRA name into the seed (it does not append it)."""
-    if not lora_name:
-        return XXH3_SEED
-    return (XXH3_SEED + xxh3_64_intdigest(lora_name.encode("utf-8"), seed=0)) & U64_MASK
+def block_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    """The XXH3 seed for a request: Dynamo mixes the LoRA name and the cache salt into the seed (it appends
+    neither); an empty name or salt is none."""
+    seed = XXH3_SEED
+    if lora_name:
+        seed += xxh3_64_intdigest(lora_name.encode("utf-8"), seed=0)
+    if cache_salt:
+        seed += xxh3_64_intdigest(cache_salt.encode("utf-8"), seed=1)
+    return seed & U64_MASK
 
 
 def pack_tokens(tokens: Sequence[int] | array[int]) -> memoryview:
@@ -69,15 +75,16 @@ def local_block_hashes(
     block_size: int,
     *,
     lora_name: str | None = None,
+    cache_salt: str | None = None,
     mm_hashes: Mapping[int, Iterable[int]] | None = None,
 ) -> list[int]:
     """Local hashes of every full block; `mm_hashes` maps a block index to that block's mm hashes."""
     if not mm_hashes:
-        return packed_block_hashes(tokens, block_size, lora_name=lora_name).tolist()
+        return packed_block_hashes(tokens, block_size, lora_name=lora_name, cache_salt=cache_salt).tolist()
     if block_size <= 0:
         return []
     buf = pack_tokens(tokens)
-    seed = lora_seed(lora_name)
+    seed = block_seed(lora_name, cache_salt)
     stride = 4 * block_size
     out = []
     for b in range(len(buf) // stride):
@@ -90,21 +97,33 @@ def local_block_hashes(
     return out
 
 
-def packed_block_hashes(tokens: Sequence[int] | array[int], block_size: int, *,
-                        lora_name: str | None = None) -> array[int]:
+def packed_block_hashes(tokens: Sequence[int] | array[int], block_size: int, *, lora_name: str | None = None,
+                        cache_salt: str | None = None, eagle: bool = False) -> array[int]:
     """`local_block_hashes` (no multimodal hashes) as an array('Q'): what a route matches against the index's
-    packed edges without an int object per block."""
+    packed edges without an int object per block. `eagle`: the blocks of an EAGLE worker (`eagle_block_hashes`)."""
     if block_size <= 0:
         return array("Q")
-    return block_hashes_of_packed(pack_tokens(tokens), block_size, lora_name=lora_name)
+    packed = pack_tokens(tokens)
+    seed = block_seed(lora_name, cache_salt)
+    return eagle_block_hashes(packed, block_size, seed) if eagle else block_hashes_of_packed(packed, block_size, seed)
 
 
-def block_hashes_of_packed(packed: Buffer, block_size: int, *, lora_name: str | None = None) -> array[int]:
+def block_hashes_of_packed(packed: Buffer, block_size: int, seed: int = XXH3_SEED) -> array[int]:
     """`packed_block_hashes` of token ids already packed as little-endian u32s (`pack_tokens`' layout)."""
     hashes = array("Q")
     if block_size > 0:
-        hashes.frombytes(native.xxh3_blocks(packed, 4 * block_size, lora_seed(lora_name)))
+        hashes.frombytes(native.xxh3_blocks(packed, 4 * block_size, seed))
     return hashes
+
+
+def eagle_block_hashes(packed: Buffer, block_size: int, seed: int = XXH3_SEED) -> array[int]:
+    """Local hashes of an EAGLE worker's blocks: block i hashes tokens [iB, iB + B + 1), so n blocks need nB + 1
+    tokens. SGLang's EAGLE pages key each token with the next one, and Dynamo hashes them so (`is_eagle`)."""
+    with memoryview(packed).cast("B") as view:
+        stride = 4 * block_size
+        blocks = (len(view) - 4) // stride if block_size > 0 and len(view) >= 4 else 0
+        return array("Q", [xxh3_64_intdigest(view[i * stride:(i + 1) * stride + 4], seed=seed)
+                           for i in range(blocks)])
 
 
 def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:

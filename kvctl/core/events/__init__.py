@@ -20,21 +20,23 @@ from kvctl.core.events.engine import (
     encode_replay_request,
     live_seq,
     normalize_hash,
-    tier_from_medium,
 )
+from kvctl.core.events.engine_fields import Dropped, tier_of_medium
 from kvctl.core.events.errors import DecodeError, ErrorKind
-from kvctl.core.events.types import TIER_VALUES, Cleared, EventData, Removed, RouterEvent, Stored, Tier
+from kvctl.core.events.types import TIER_VALUES, Cleared, EventData, Group, Removed, RouterEvent, Stored, Tier
 
 __all__ = [
     "END_SEQ",
     "TIER_VALUES",
     "Cleared",
     "DecodeError",
+    "Dropped",
     "EngineBatch",
     "EngineMessage",
     "ErrorKind",
     "EventData",
     "EventEnvelope",
+    "Group",
     "Removed",
     "ReplayFrame",
     "RouterEvent",
@@ -54,5 +56,5 @@ __all__ = [
     "encode_router_event_msgpack",
     "live_seq",
     "normalize_hash",
-    "tier_from_medium",
+    "tier_of_medium",
 ]

@@ -22,32 +22,25 @@ from typing import Annotated, Any
 import msgspec
 
 from kvctl.core import native
+from kvctl.core.events.engine_fields import (
+    Dropped,
+    cache_salt_of,
+    eagle_tokens,
+    group_of,
+    residency_drop,
+    tier_of_medium,
+)
 from kvctl.core.events.errors import DecodeError, ErrorKind, describe, parse_msgpack, require
-from kvctl.core.events.types import Cleared, EventData, Removed, Stored, Tier
-from kvctl.core.hashing import U64_MASK, block_hashes_of_packed, local_block_hashes
-from kvctl.core.words import counted
+from kvctl.core.events.types import Cleared, EventData, Group, Removed, Stored
+from kvctl.core.hashing import U64_MASK, block_hashes_of_packed, block_seed, eagle_block_hashes, pack_tokens
 
 END_SEQ = U64_MASK
 """The seq of the replay end marker (vLLM's END_SEQ = -1 as 8 unsigned big-endian bytes)."""
 
 _I64_MIN = -(1 << 63)
 _U32_LIMIT = 1 << 32
+_CLEARED = Cleared()
 
-_MEDIUM_TIERS = {
-    "GPU": Tier.device,
-    "DEVICE": Tier.device,
-    "CPU": Tier.host_pinned,
-    "CPU_PINNED": Tier.host_pinned,
-    "CPU_TIER1": Tier.host_pinned,
-    "DISK": Tier.disk,
-    "STORAGE": Tier.disk,
-    "NVME": Tier.disk,
-    "CPU_TIER2": Tier.disk,
-    "EXTERNAL": Tier.external,
-    "REMOTE": Tier.external,
-    "NETWORK": Tier.external,
-    "SHARED": Tier.external,
-}
 
 # Field names of the positional (vLLM <= 0.23, array_like=True) events, after the tag. Later
 # positions (extra_keys, group_idx, ...) are not needed and ignored; older versions send fewer.
@@ -76,6 +69,8 @@ class EngineBatch(msgspec.Struct, frozen=True, gc=False):
     dp_rank: int
     events: list[EventData]
     errors: list[DecodeError]
+    filtered: list[str] = msgspec.field(default_factory=list)
+    """The `Dropped` cause of each event that decoded but is not indexed (as Dynamo 1.6.1 drops it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,16 +110,6 @@ def normalize_hash(value: object, field: str) -> int:
     raise DecodeError(ErrorKind.bad_hash, field, f"expected an int or bytes, got {describe(value)}")
 
 
-def tier_from_medium(medium: object) -> Tier:
-    """The tier of an engine `medium` (case-insensitive); no medium means the GPU, as in early vLLM."""
-    if medium is None:
-        return Tier.device
-    tier = _MEDIUM_TIERS.get(medium.upper()) if isinstance(medium, str) else None
-    if tier is None:
-        raise DecodeError(ErrorKind.bad_tier, "medium", f"unknown medium {describe(medium)}")
-    return tier
-
-
 def decode_engine_message(frames: Sequence[bytes], *, default_block_size: int | None = None) -> EngineMessage:
     """Decode one live multipart message `[topic, seq (u64 BE), payload]`; other shapes are bad_batch."""
     if len(frames) != 3:
@@ -151,13 +136,13 @@ def decode_engine_batch(payload: bytes, *, default_block_size: int | None = None
     return _decode_any(payload, default_block_size) if batch is None else batch
 
 
-# The typed pass declares every field vLLM 0.33 and SGLang 0.5 send and forbids the others: a field it
+# The typed pass declares every field vLLM 0.34 and SGLang 0.5.23 send and forbids the others: a field it
 # does not know would be skipped unread, where the walk reads it (and refuses the payload if it is not
 # even valid msgpack), so an event with an unknown field goes to the walk. Fields kvctl ignores are Any.
 class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unknown_fields=True):
-    block_hashes: list[Annotated[int, msgspec.Meta(ge=0)]]
-    token_ids: msgspec.Raw  # read by `_packed_local_hashes`, without an int per token
-    parent_block_hash: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    block_hashes: list[int]  # msgspec bounds ints to [-2^63, 2^64): SGLang's signed hashes are taken mod 2^64
+    token_ids: msgspec.Raw  # read by `_tokens_of_raw`, without an int per token
+    parent_block_hash: int | None = None
     block_size: Any = None
     lora_name: Any = None
     medium: Any = None
@@ -165,20 +150,27 @@ class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unk
     extra_keys: Any = None
     group_idx: Any = None
     kv_cache_spec_kind: Any = None
+    kv_cache_spec_sliding_window: Any = None
     locality: Any = None
+    ownership: Any = None
     session_id: Any = None
+    cache_salt: Any = None
+    lookahead_token_ids: Any = None  # Dynamo 1.6.1 hashes a block's own tokens only: read and ignored
 
 
 class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved", forbid_unknown_fields=True):
     block_hashes: msgspec.Raw  # read by `_removed_hashes`, without an int per block where it may stay packed
     medium: Any = None
     group_idx: Any = None
+    kv_cache_spec_kind: Any = None
     locality: Any = None
+    ownership: Any = None
 
 
 class _ClearedMap(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", forbid_unknown_fields=True):
     group_idx: Any = None
     locality: Any = None
+    ownership: Any = None
 
 
 class _CommonBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -188,35 +180,43 @@ class _CommonBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 _COMMON = msgspec.msgpack.Decoder(_CommonBatch)
+_PAIRS = msgspec.msgpack.Decoder(list[tuple[int, int]])
+_INTS = msgspec.msgpack.Decoder(list[int])
 
 
 def _decode_common(payload: bytes, default_block_size: int | None, packed: bool = False) -> EngineBatch | None:
-    """The shape nearly every batch has (vLLM >= 0.24: `[ts, events, dp_rank]` of map events with u64
-    hashes, every event sound), decoded by one typed msgspec pass instead of a walk over untyped values,
-    token ids and removed hashes read by C straight from their msgpack (a 1024-token store: 17 us here,
-    42 us when msgspec made an int of each id). None for anything else,
-    which `_decode_any` then decodes and reports; the fields the typed pass does not check go through the
-    same helpers as there, so the two agree on every payload this one accepts (a property test holds
-    them to it)."""
+    """The shape nearly every batch has (vLLM >= 0.24 and SGLang: `[ts, events, dp_rank]` of map events, every
+    event sound), decoded by one typed msgspec pass instead of a walk over untyped values, token ids and
+    removed hashes read by C straight from their msgpack (a 1024-token store: 17 us here, 42 us when msgspec
+    made an int of each id). None for anything else, which `_decode_any` then decodes and reports; both
+    passes build their events with the same helpers, so they agree on every payload this one accepts (a
+    property test holds them to it)."""
     try:
         raw = _COMMON.decode(payload)
         events: list[EventData] = []
+        filtered: list[str] = []
         for event in raw.events:
-            if type(event) is _RemovedMap:
-                events.append(Removed(_removed_hashes(event.block_hashes, packed),
-                                      tier_from_medium(event.medium)))
-            elif type(event) is _StoredMap:
-                hashes = event.block_hashes
-                events.append(Stored(event.parent_block_hash, hashes,
-                                     _packed_local_hashes(event.token_ids, len(hashes),
-                                                          _block_size(event.block_size, default_block_size),
-                                                          event.lora_name, packed),
-                                     tier_from_medium(event.medium)))
+            decoded: EventData | Dropped
+            if type(event) is _StoredMap:
+                decoded = _stored(event.locality, event.ownership, event.medium, event.parent_block_hash,
+                                 event.block_hashes, _tokens_of_raw(event.token_ids), event.block_size,
+                                 default_block_size, event.lora_name, event.cache_salt, event.extra_keys,
+                                 group_of(event.group_idx, event.kv_cache_spec_kind,
+                                          event.kv_cache_spec_sliding_window, event.block_size), packed)
+            elif type(event) is _RemovedMap:
+                decoded = _removed(event.locality, event.ownership, event.medium,
+                                  _removed_hashes(event.block_hashes, packed),
+                                  group_of(event.group_idx, event.kv_cache_spec_kind))
             else:
-                events.append(Cleared())
+                drop = residency_drop(event.locality, event.ownership)
+                decoded = _CLEARED if drop is None else drop
+            if isinstance(decoded, Dropped):
+                filtered.append(decoded.value)
+            else:
+                events.append(decoded)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError, DecodeError):
         return None  # not the common shape, or not sound: the general walk says why
-    return EngineBatch(float(raw.ts), 0 if raw.dp_rank is None else raw.dp_rank, events, [])
+    return EngineBatch(float(raw.ts), 0 if raw.dp_rank is None else raw.dp_rank, events, [], filtered)
 
 
 def _decode_any(payload: bytes, default_block_size: int | None) -> EngineBatch:
@@ -224,12 +224,18 @@ def _decode_any(payload: bytes, default_block_size: int | None) -> EngineBatch:
     ts, raw_events, dp_rank = _batch_parts(parse_msgpack(payload))
     events: list[EventData] = []
     errors: list[DecodeError] = []
+    filtered: list[str] = []
     for index, raw in enumerate(raw_events):
         try:
-            events.append(_decode_event(raw, default_block_size))
+            event = _decode_event(raw, default_block_size)
         except DecodeError as exc:
             errors.append(DecodeError(exc.kind, exc.field, exc.detail, index))
-    return EngineBatch(ts, dp_rank, events, errors)
+            continue
+        if isinstance(event, Dropped):
+            filtered.append(event.value)
+        else:
+            events.append(event)
+    return EngineBatch(ts, dp_rank, events, errors, filtered)
 
 
 def decode_replay_reply(frames: Sequence[bytes]) -> ReplayFrame:
@@ -323,13 +329,23 @@ def _decode_dp_rank(value: Any) -> int:
     raise DecodeError(ErrorKind.bad_batch, "dp_rank", f"expected a u32 or null, got {describe(value)}")
 
 
-def _decode_event(raw: Any, default_block_size: int | None) -> EventData:
+def _decode_event(raw: Any, default_block_size: int | None) -> EventData | Dropped:
     tag, fields = _tagged_fields(raw)
+    get = fields.get
     if tag == "BlockStored":
-        return _decode_stored(fields, default_block_size)
+        block_hashes = _hash_list(require(fields, "block_hashes"))
+        parent = get("parent_block_hash")
+        return _stored(get("locality"), get("ownership"), get("medium"),
+                       None if parent is None else normalize_hash(parent, "parent_block_hash"), block_hashes,
+                       _tokens_of_list(require(fields, "token_ids")), get("block_size"), default_block_size,
+                       get("lora_name"), get("cache_salt"), get("extra_keys"),
+                       group_of(get("group_idx"), get("kv_cache_spec_kind"), get("kv_cache_spec_sliding_window"),
+                                get("block_size")), False)
     if tag == "BlockRemoved":
-        return Removed(_hash_list(require(fields, "block_hashes")), tier_from_medium(fields.get("medium")))
-    return Cleared()
+        return _removed(get("locality"), get("ownership"), get("medium"), _hash_list(require(fields, "block_hashes")),
+                        group_of(get("group_idx"), get("kv_cache_spec_kind")))
+    drop = residency_drop(get("locality"), get("ownership"))
+    return _CLEARED if drop is None else drop
 
 
 def _tagged_fields(raw: Any) -> tuple[str, Mapping[Any, Any]]:
@@ -350,17 +366,6 @@ def _known_tag(tag: Any) -> str:
     return tag
 
 
-def _decode_stored(fields: Mapping[Any, Any], default_block_size: int | None) -> Stored:
-    block_hashes = _hash_list(require(fields, "block_hashes"))
-    parent = fields.get("parent_block_hash")
-    return Stored(
-        parent_hash=None if parent is None else normalize_hash(parent, "parent_block_hash"),
-        block_hashes=block_hashes,
-        tokens_hashes=_tokens_hashes(fields, len(block_hashes), default_block_size),
-        tier=tier_from_medium(fields.get("medium")),
-    )
-
-
 def _hash_list(value: Any) -> list[int]:
     if not isinstance(value, list):
         raise DecodeError(ErrorKind.bad_hash, "block_hashes", f"expected an array, got {describe(value)}")
@@ -373,58 +378,92 @@ def _hash_list(value: Any) -> list[int]:
     return value
 
 
-def _tokens_hashes(fields: Mapping[Any, Any], n_blocks: int, default_block_size: int | None) -> list[int]:
-    """Local hashes of the event's first `n_blocks` full blocks of token ids."""
-    block_size = _block_size(fields.get("block_size"), default_block_size)
-    return _local_hashes(require(fields, "token_ids"), n_blocks, block_size, fields.get("lora_name"))
-
-
-def _local_hashes(tokens: Any, n_blocks: int, block_size: int, lora_name: Any) -> list[int]:
-    if not isinstance(tokens, list):
-        raise DecodeError(ErrorKind.bad_tokens, "token_ids", f"expected an array, got {describe(tokens)}")
-    needed = n_blocks * block_size
-    if len(tokens) < needed:
-        raise DecodeError(
-            ErrorKind.bad_tokens,
-            "token_ids",
-            f"{len(tokens)} token ids do not fill {counted(n_blocks, 'block')} of {block_size}",
-        )
+def _stored(locality: Any, ownership: Any, medium: Any, parent: int | None, hashes: list[int],
+            tokens: tuple[bytes, bool], block_size: Any, default_block_size: int | None, lora_name: Any,
+            cache_salt: Any, extra_keys: Any, group: Group | None, packed: bool) -> Stored | Dropped:
+    """A store as Dynamo 1.6.1 converts it, or why it drops it. `tokens`: the token ids as u32 LE, and whether
+    they came as EAGLE pairs. Block i is hashed from token window i from the start; the blocks that have no
+    full window, all of them when the store's block size is not the model's, and all of them when a hash
+    repeats, are cut and counted (`Stored.cut`), as Dynamo drops them."""
+    drop = residency_drop(locality, ownership)
+    tier = tier_of_medium(medium)
+    if drop is not None or tier is None:
+        return Dropped.unknown_medium if drop is None else drop
     if lora_name is not None and not isinstance(lora_name, str):
         raise DecodeError(ErrorKind.bad_type, "lora_name", f"expected a string, got {describe(lora_name)}")
+    if hashes and min(hashes) < 0:
+        hashes = [h & U64_MASK for h in hashes]
+    if parent is not None:
+        parent &= U64_MASK
+    salt = cache_salt_of(cache_salt, extra_keys, lora_name)
+    size = _block_size(block_size, default_block_size)
+    n = len(hashes)
+    if default_block_size is not None and size != default_block_size:
+        return Stored(parent, [], array("Q") if packed else [], tier, group, salt, Dropped.block_size_mismatch.value, n)
+    if not native.u64s_distinct(array("Q", hashes if parent is None else [parent, *hashes])):
+        return Stored(parent, [], array("Q") if packed else [], tier, group, salt, Dropped.self_reference.value, n)
+    packed_tokens, eagle = tokens
+    extra = 4 if eagle else 0
+    kept = min(n, max(0, len(packed_tokens) - extra) // (4 * size))
+    seed = block_seed(lora_name, salt)
+    with memoryview(packed_tokens) as view:
+        window = view[:4 * kept * size + extra]
+        local = eagle_block_hashes(window, size, seed) if eagle else block_hashes_of_packed(window, size, seed)
+    if kept < n:
+        return Stored(parent, hashes[:kept], local if packed else local.tolist(), tier, group, salt,
+                      Dropped.short_tokens.value, n - kept)
+    return Stored(parent, hashes, local if packed else local.tolist(), tier, group, salt)
+
+
+def _removed(locality: Any, ownership: Any, medium: Any, hashes: Sequence[int], group: Group | None
+             ) -> Removed | Dropped:
+    drop = residency_drop(locality, ownership)
+    tier = tier_of_medium(medium)
+    if drop is not None or tier is None:
+        return Dropped.unknown_medium if drop is None else drop
+    return Removed(hashes, tier, group)
+
+
+def _tokens_of_list(value: Any) -> tuple[bytes, bool]:
+    """The walk's token ids (a list of ints, or of EAGLE pairs) as u32 LE, and whether they were pairs."""
+    if not isinstance(value, list):
+        raise DecodeError(ErrorKind.bad_tokens, "token_ids", f"expected an array, got {describe(value)}")
+    tokens = eagle_tokens(value)
     try:
-        return local_block_hashes(tokens if len(tokens) == needed else tokens[:needed], block_size,
-                                  lora_name=lora_name)
+        return pack_tokens(value if tokens is None else tokens).tobytes(), tokens is not None
     except (ValueError, TypeError) as exc:  # an id outside u32, or not an int at all
         raise DecodeError(ErrorKind.bad_tokens, "token_ids", str(exc)) from None
 
 
+def _tokens_of_raw(raw: msgspec.Raw) -> tuple[bytes, bool]:
+    """`_tokens_of_list` of the typed pass, from the token ids' msgpack as it is: C reads plain ids without an int
+    per token. Anything the walk would refuse (and a bool it would take as an int) raises a DecodeError
+    without detail: the typed pass then gives the batch up, and the walk words the error."""
+    try:
+        return native.u32le_from_msgpack(raw), False
+    except ValueError:
+        pass
+    try:
+        pairs = _PAIRS.decode(raw)
+        tokens = [first for first, _ in pairs]
+        if pairs:
+            tokens.append(pairs[-1][1])
+        return pack_tokens(tokens).tobytes(), True
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError):
+        raise DecodeError(ErrorKind.bad_tokens, "token_ids", "") from None
+
+
 def _removed_hashes(raw: msgspec.Raw, packed: bool) -> Sequence[int]:
-    """A removal's block hashes from their msgpack as it is. Anything but ints in [0, 2^64) (the walk also
-    takes negative ints, bit-cast, and bytes digests) gives the batch up to the walk, as `_packed_local_hashes`
-    does."""
+    """A removal's block hashes from their msgpack as it is, read by C where they are u64s; signed ones (SGLang)
+    are taken mod 2^64. Anything else (the walk also takes bytes digests) gives the batch up to the walk."""
     hashes = array("Q")
     try:
         hashes.frombytes(native.u64_from_msgpack(raw))
     except ValueError:
-        raise DecodeError(ErrorKind.bad_hash, "block_hashes", "") from None
-    return hashes if packed else hashes.tolist()
-
-
-def _packed_local_hashes(raw: msgspec.Raw, n_blocks: int, block_size: int, lora_name: Any,
-                         packed: bool) -> Sequence[int]:
-    """`_local_hashes` of the typed pass, from the token ids' msgpack as it is (with `packed`, as the
-    array('Q') they are computed in). Anything `_local_hashes` would refuse (and a bool it would take as an
-    int) raises a DecodeError without detail: the typed pass then gives the batch up, and the general walk
-    decodes it and words the error."""
-    try:
-        tokens = native.u32le_from_msgpack(raw)
-    except ValueError:
-        raise DecodeError(ErrorKind.bad_tokens, "token_ids", "") from None
-    needed = 4 * n_blocks * block_size
-    if len(tokens) < needed or (lora_name is not None and not isinstance(lora_name, str)):
-        raise DecodeError(ErrorKind.bad_tokens, "token_ids", "")
-    with memoryview(tokens) as view:
-        hashes = block_hashes_of_packed(view[:needed], block_size, lora_name=lora_name)
+        try:
+            hashes = array("Q", [h & U64_MASK for h in _INTS.decode(raw)])
+        except (msgspec.DecodeError, ValueError):
+            raise DecodeError(ErrorKind.bad_hash, "block_hashes", "") from None
     return hashes if packed else hashes.tolist()
 
 

@@ -30,16 +30,34 @@ TIER_VALUES: dict[Tier, str] = {t: t.value for t in Tier}
 """Each tier's value, by dict lookup: an enum's `.value` is a Python-level property, slow once per event."""
 
 
+class Group(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    """The KV cache group an engine event names (vLLM's hybrid models publish every group on one stream): what
+    Dynamo keeps or drops an event by (`kvctl.core.events.normalizer`). Fields are as the engine sent them."""
+
+    idx: int | None
+    kind: str | None = None
+    window: int | None = None
+    block_size: int | None = None
+
+
 class Stored(msgspec.Struct, frozen=True, gc=False):
+    """A store. `group` and `salt` (the cache salt its local hashes were made with) are for the stream's
+    normalizer; `cut` names why the engine's last `cut_blocks` blocks could not be hashed (Dynamo drops them)."""
+
     parent_hash: int | None
     block_hashes: list[int]
     tokens_hashes: Sequence[int]
     tier: Tier = Tier.device
+    group: Group | None = None
+    salt: str | None = None
+    cut: str | None = None
+    cut_blocks: int = 0
 
 
 class Removed(msgspec.Struct, frozen=True, gc=False):
     block_hashes: Sequence[int]
     tier: Tier = Tier.device
+    group: Group | None = None
 
 
 class Cleared(msgspec.Struct, frozen=True, gc=False):

@@ -15,7 +15,9 @@ Answers (child -> router): u32 LE body length, u8 origin, body.
   - origin 0 (`REQUEST`): the answer to the oldest unanswered decode request: msgpack
     `[ts, dp_rank, events, error kinds]` for a batch, or `[kind]` when the whole payload failed;
     events are `[0, parent, hashes, locals, tier]` (stored), `[1, hashes, tier]` (removed) or `[2]`
-    (cleared). Requests are answered one each, in request order.
+    (cleared); a store that names a group, a salt or a cut adds `[group, salt, cut, cut_blocks]`, a removal that
+    names a group adds `[group]` (`Group` as its array), and a batch with filtered events adds their causes.
+    Requests are answered one each, in request order.
   - origin 1 (`LIVE`): a message received on stream `key`: msgpack `[key, seq, seen, answer]`,
     `seq` nil when the frames carry none (then `answer` is `[kind]`), `seen` what the payload shows of
     the stream's schema (`kvctl.server.ingest.schema_seen.facts_of`) when the stream's schema samples this
@@ -48,6 +50,7 @@ from kvctl.core.events import (
     EngineBatch,
     ErrorKind,
     EventData,
+    Group,
     Removed,
     Stored,
     Tier,
@@ -179,14 +182,22 @@ def _decoded(payload: bytes, block_size: int) -> list[Any]:
     batch = decode_now(payload, block_size)
     if isinstance(batch, ErrorKind):
         return [batch.value]
-    return [batch.ts, batch.dp_rank, [_event(e) for e in batch.events], [e.kind.value for e in batch.errors]]
+    body = [batch.ts, batch.dp_rank, [_event(e) for e in batch.events], [e.kind.value for e in batch.errors]]
+    if batch.filtered:
+        body.append(batch.filtered)
+    return body
 
 
 def _event(event: EventData) -> list[Any]:
     if type(event) is Stored:
-        return [0, event.parent_hash, event.block_hashes, _packed(event.tokens_hashes), TIER_VALUES[event.tier]]
+        body: list[Any] = [0, event.parent_hash, event.block_hashes, _packed(event.tokens_hashes),
+                           TIER_VALUES[event.tier]]
+        if event.group is not None or event.salt is not None or event.cut is not None:
+            body += [event.group, event.salt, event.cut, event.cut_blocks]
+        return body
     if type(event) is Removed:
-        return [1, _packed(event.block_hashes), TIER_VALUES[event.tier]]
+        return [1, _packed(event.block_hashes), TIER_VALUES[event.tier]] if event.group is None else \
+            [1, _packed(event.block_hashes), TIER_VALUES[event.tier], event.group]
     return [2]
 
 
@@ -232,13 +243,13 @@ def read_answer(body: list[Any], held: list[EventData] | None = None) -> EngineB
     """A batch answer, after the events of its parts (`held`, emptied)."""
     if len(body) == 1:
         return ErrorKind(body[0])
-    ts, dp_rank, raw_events, kinds = body
+    ts, dp_rank, raw_events, kinds, *filtered = body
     events = _events(raw_events)
     if held:
         events = held + events
         held.clear()
     errors = [DecodeError(ErrorKind(kind), "", "") for kind in kinds]
-    return EngineBatch(ts, dp_rank, events, errors)
+    return EngineBatch(ts, dp_rank, events, errors, filtered[0] if filtered else [])
 
 
 def _events(raw_events: list[Any]) -> list[EventData]:
@@ -246,9 +257,14 @@ def _events(raw_events: list[Any]) -> list[EventData]:
     for raw in raw_events:
         tag = raw[0]
         if tag == 0:
-            events.append(Stored(raw[1], raw[2], array("Q", raw[3]), _TIERS[raw[4]]))
+            if len(raw) == 5:
+                events.append(Stored(raw[1], raw[2], array("Q", raw[3]), _TIERS[raw[4]]))
+            else:
+                group = None if raw[5] is None else Group(*raw[5])
+                events.append(Stored(raw[1], raw[2], array("Q", raw[3]), _TIERS[raw[4]], group, *raw[6:]))
         elif tag == 1:
-            events.append(Removed(array("Q", raw[1]), _TIERS[raw[2]]))
+            group = None if len(raw) == 3 else Group(*raw[3])
+            events.append(Removed(array("Q", raw[1]), _TIERS[raw[2]], group))
         else:
             events.append(_CLEARED)
     return events
