@@ -118,7 +118,7 @@ def test_engine_batch_raises_only_decode_error(data: bytes) -> None:
     if batch is not None:
         raw_events = msgspec.msgpack.decode(data)
         raw_events = raw_events[1] if isinstance(raw_events, list) else raw_events["events"]
-        assert len(batch.events) + len(batch.errors) == len(raw_events)
+        assert len(batch.events) + len(batch.errors) + len(batch.filtered) == len(raw_events)  # each accounted for
 
 
 @FUZZ

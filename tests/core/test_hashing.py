@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
 from kvctl.core import native
-from kvctl.core.hashing import local_block_hashes, lora_seed, pack_tokens, packed_block_hashes, sequence_hashes
+from kvctl.core.hashing import block_seed, local_block_hashes, pack_tokens, packed_block_hashes, sequence_hashes
 from tests.fixtures_path import FIXTURES
 
 VECTORS = json.loads((FIXTURES / "hashes" / "dynamo-1.6.1.json").read_text())
@@ -57,8 +57,41 @@ def test_design_examples() -> None:
     assert sequence_hashes(local)[1] == 4945711292740353085
 
 
-def test_empty_lora_name_means_no_lora() -> None:
-    assert lora_seed("") == lora_seed(None) == 1337
+def test_empty_lora_name_and_salt_mean_none() -> None:
+    assert block_seed("", "") == block_seed(None, None) == block_seed() == 1337
+
+
+SALTED = [v for v in VECTORS["variants"] if "cache_namespace" in v["kwargs"]]
+EAGLE = [v for v in VECTORS["variants"] if v["kwargs"].get("is_eagle")]
+
+
+@pytest.mark.parametrize("variant", SALTED, ids=lambda v: v["case"])
+def test_cache_salt_changes_only_the_seed_as_dynamo_does(variant: dict) -> None:
+    """Dynamo 1.6.1's `cache_namespace` vectors, which this fixture left opaque: the salt, hashed with seed 1,
+    is added to the seed."""
+    salt = variant["kwargs"]["cache_namespace"]
+    assert local_block_hashes(variant["tokens"], variant["block_size"], cache_salt=salt) == variant[
+        "local_block_hashes_u64"]
+    assert local_block_hashes(variant["tokens"], variant["block_size"]) != variant["local_block_hashes_u64"]
+
+
+@pytest.mark.parametrize("variant", EAGLE, ids=lambda v: v["case"])
+def test_eagle_blocks_hash_one_token_more_overlapping_as_dynamo_does(variant: dict) -> None:
+    """Dynamo 1.6.1's `is_eagle` vectors: block i hashes tokens [iB, iB + B + 1)."""
+    tokens, size = variant["tokens"], variant["block_size"]
+    got = packed_block_hashes(tokens, size, eagle=True).tolist()
+    assert got == variant["local_block_hashes_u64"]
+    assert len(got) == (len(tokens) - 1) // size
+    assert packed_block_hashes(tokens[:-1], size, eagle=True).tolist() == got[:-1]  # nB tokens make n - 1 blocks
+
+
+def test_salt_and_lora_both_fold_into_the_seed() -> None:
+    """Vectors computed by Dynamo 1.6.1's `compute_block_hash_for_seq` (docs/contract.md)."""
+    assert local_block_hashes(list(range(1, 5)), 4, lora_name="x", cache_salt="abc") == [16952943150278192909]
+    assert local_block_hashes(list(range(1, 9)), 4, lora_name="ad", cache_salt="s1") == [
+        1913161269847530638, 11706537663988974315]
+    assert packed_block_hashes(list(range(1, 10)), 4, cache_salt="abc", eagle=True).tolist() == [
+        8193509459896728495, 1235186127040339240]
 
 
 def test_block_size_zero_gives_no_hashes() -> None:

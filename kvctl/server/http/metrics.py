@@ -127,12 +127,16 @@ class FleetCollector(Collector):
                                      labels=[*labels, "kind"])
         gapped = GaugeMetricFamily("kvctl_stream_gapped", "1 while a lost batch leaves the index incomplete",
                                    labels=labels)
+        dropped_events = CounterMetricFamily("kvctl_stream_events_dropped", "events decoded but not indexed, as "
+                                             "Dynamo 1.6.1 drops them, by cause", labels=[*labels, "cause"])
         for row in streams.status():
             key = [str(row["worker"]["worker_id"]), str(row["worker"]["dp_rank"]), row["endpoint"]]
             for name, family in counters.items():
                 family.add_metric(key, _u64(row[name]))
             for kind, n in sorted(row["decode_errors"].items()):
                 errors.add_metric([*key, kind], _u64(n))
+            for cause, n in sorted(row["events_dropped"].items()):
+                dropped_events.add_metric([*key, cause], _u64(n))
             gapped.add_metric(key, 1 if row["gapped"] else 0)
         dropped = CounterMetricFamily("kvctl_queue_dropped_batches", "decoded batches dropped: writer behind",
                                       labels=["model"])
@@ -142,7 +146,7 @@ class FleetCollector(Collector):
         refused = CounterMetricFamily("kvctl_engines_refused", "engine endpoints refused: the router followed "
                                       "--max-engines already", value=engines["refused"])
         running = GaugeMetricFamily("kvctl_engines", "engine endpoints followed", value=engines["running"])
-        yield from (*counters.values(), errors, gapped, dropped, refused, running)
+        yield from (*counters.values(), errors, dropped_events, gapped, dropped, refused, running)
 
 
 def _joined(fleet: Fleet) -> Iterator[CounterMetricFamily]:

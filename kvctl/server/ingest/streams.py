@@ -371,7 +371,7 @@ class Streams:
     def status(self) -> list[dict[str, Any]]:
         out = []
         for (worker_id, dp_rank), source in sorted(self._running.items()):
-            stats = dataclasses.asdict(source.stream.stats) | source.row()
+            stats = dataclasses.asdict(source.stream.stats) | source.row() | source.stream.drops.status()
             stats["worker"] = {"worker_id": worker_id, "dp_rank": dp_rank}
             stats["schema"] = {k: sorted(v) for k, v in stats["schema"].items()}
             stats["last_event_age_s"] = None if stats["last_event_at"] is None else round(

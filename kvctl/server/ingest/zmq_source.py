@@ -67,6 +67,7 @@ from kvctl.server.budget import SLICE_S
 from kvctl.server.ingest.decode_process.parent import Backpressure, Decoder, InlineDecoder, NeverFull, Subscription
 from kvctl.server.ingest.gap_log import GapLog
 from kvctl.server.ingest.schema_seen import Schema, SchemaSeen, sampled
+from kvctl.server.ingest.stream_drops import StreamDrops
 from kvctl.server.ingest.stream_sockets import StreamSockets
 from kvctl.server.ingest.stream_stats import StreamStats
 from kvctl.zmq_limits import MAX_MESSAGE_BYTES
@@ -186,6 +187,7 @@ class EngineStream:
         self._gapped = False
         self._schema = Schema()
         self.gap_log = GapLog(self._name(), clock)
+        self.drops = StreamDrops(self._name())
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -511,6 +513,7 @@ class EngineStream:
             self._gap(seq, item)
 
     def _clear_seen(self) -> None:
+        self.drops.normalizer.forget_blocks()
         keys = sorted(self._keys_seen) or [self.worker]
         self._keys_seen.clear()
         for key in keys:
@@ -560,17 +563,18 @@ class EngineStream:
             self._count_error(error.kind)
         schema = self._schema
         schema.dp_ranks.add(batch.dp_rank)
-        if not batch.events:
+        events = self.drops.admit(batch)
+        if not events:
             return
-        for event in batch.events:
+        for event in events:
             tier = getattr(event, "tier", None)
             if tier is not None:
                 schema.tiers.add(TIER_VALUES[tier])
         key = (self.worker[0], batch.dp_rank)
         self._keys_seen.add(key)
-        self._events += len(batch.events)
+        self._events += len(events)
         self._last_event_at = self._clock()
-        self._sink(key, batch.events, mark)
+        self._sink(key, events, mark)
 
     def _count_error(self, kind: ErrorKind) -> None:
         label = kind.value
