@@ -53,6 +53,7 @@ class RouteBody(Struct, forbid_unknown_fields=True):
     token_ids: TokenIds | UnsetType = UNSET
     local_hashes: list[U64] | None = None
     lora_name: str | None = None
+    cache_salt: str | None = None  # SGLang's: the prompt's blocks hash under it, as its engine's stores do
     request_id: str | None = None
     reserve: bool = False
     explain: bool = False

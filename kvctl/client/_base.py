@@ -172,10 +172,12 @@ def register_worker(worker_id: int, endpoint: str | None = None, *, dp_rank: int
 
 def route(*, token_ids: list[int] | None = None, local_hashes: list[int] | None = None,
           model: str = DEFAULT_MODEL, request_id: str | None = None, reserve: bool = False,
-          explain: bool = False, session_id: str | None = None) -> Call[api.Decision]:
+          explain: bool = False, session_id: str | None = None, lora_name: str | None = None,
+          cache_salt: str | None = None) -> Call[api.Decision]:
     body: dict[str, Any] = {"model": model, "reserve": reserve, "explain": explain}
     body.update({k: v for k, v in (("token_ids", token_ids), ("local_hashes", local_hashes),
-                                   ("request_id", request_id), ("session_id", session_id)) if v is not None})
+                                   ("request_id", request_id), ("session_id", session_id), ("lora_name", lora_name),
+                                   ("cache_salt", cache_salt)) if v is not None})
     return Call("POST", "/v1/route", json=body, answer=api.Decision)
 
 

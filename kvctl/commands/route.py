@@ -115,6 +115,11 @@ def route_command(
     session_id: Annotated[str | None, typer.Option("--session-id", help="The request's session (Dynamo's "
                                                    "x-dynamo-session-id): its pinned worker, with session affinity "
                                                    "on; with --reserve, pins it.", show_default=False)] = None,
+    lora_name: Annotated[str | None, typer.Option("--lora-name", help="The request's LoRA adapter: its blocks "
+                                                  "hash under it.", show_default=False)] = None,
+    cache_salt: Annotated[str | None, typer.Option("--cache-salt", help="The request's cache salt (SGLang's "
+                                                   "cache_salt, Dynamo's nvext.cache_salt): only blocks stored "
+                                                   "under the same salt match.", show_default=False)] = None,
     yes: YesOpt = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="With --reserve: route, but book nothing.")] = False,
     text: Annotated[str | None, typer.Option("--text", help="A prompt to tokenize (needs --tokenizer).",
@@ -137,11 +142,15 @@ def route_command(
         raise UsageError("--reserve needs --request-id ID", hint="the id is how the request is freed later")
     if dry_run and not reserve:
         raise UsageError("--dry-run goes with --reserve", hint="route alone books nothing: drop --dry-run")
+    if local_hashes and (cache_salt is not None or lora_name is not None):
+        raise UsageError("--cache-salt and --lora-name go with token ids", hint="local hashes are hashed under "
+                         "them already: drop the option, or give token ids")
     ids = _request_numbers(tokens, file, local_hashes, text, tokenizer)
     booking = reserve and not dry_run
     model = model_for(ctx, out, model)
     call = calls.route(token_ids=None if local_hashes else ids, local_hashes=ids if local_hashes else None,
-                       model=model, request_id=request_id, reserve=booking, explain=explain, session_id=session_id)
+                       model=model, request_id=request_id, reserve=booking, explain=explain, session_id=session_id,
+                       lora_name=lora_name, cache_salt=cache_salt)
     with router_client(ctx) as client:
         if booking:
             confirm(f"book request {request_id} ({len(ids)} {'hashes' if local_hashes else 'tokens'}) as in "

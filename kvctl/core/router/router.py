@@ -47,6 +47,7 @@ class Router:
         token_ids: Sequence[int] | None = None,
         local_hashes: Sequence[int] | None = None,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
         request_id: str | None = None,
         reserve: bool = False,
         overrides: Mapping[str, float | bool | None] | None = None,
@@ -59,10 +60,11 @@ class Router:
         With `reserve`, the request is tracked as in flight on the chosen worker until it is freed. `overrides`
         are this request's own knobs (`RouterConfig.override`: Dynamo names or the legacy aliases); BadKnob
         when one is out of range. `role`: the pool the candidates form, priced as `RouterConfig.for_pool`.
+        `lora_name` and `cache_salt` are hashed into the prompt's blocks as Dynamo does (`hashing.block_seed`).
         """
         b = self.block_size
         if token_ids is not None:
-            local: Sequence[int] = packed_block_hashes(token_ids, b, lora_name=lora_name)
+            local: Sequence[int] = packed_block_hashes(token_ids, b, lora_name=lora_name, cache_salt=cache_salt)
             isl = len(token_ids)
         elif local_hashes is not None:
             local = list(local_hashes)

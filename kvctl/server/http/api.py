@@ -154,23 +154,23 @@ class _Routing:
     def reply(self, raw: bytes) -> tuple[int, bytes]:
         try:
             body, token_ids = read_route_body(raw)
-        # ValidationError included: it says which field. Bad UTF-8 inside a JSON string
-        # raises UnicodeDecodeError, and a bad token id ValueError; both are as undecodable as any malformed
-        # body, so the same 422.
+        # ValidationError included: it says which field. Bad UTF-8 inside a JSON string raises UnicodeDecodeError,
+        # and a bad token id ValueError; both are as undecodable as any malformed body, so the same 422.
         except (msgspec.DecodeError, ValueError) as exc:
             return _error_bytes(422, f"invalid route request: {exc}")
         if body.local_hashes and max(body.local_hashes) > 2**64 - 1:
             return _error_bytes(422, "local_hashes must be u64 (< 2^64)")
-        if (token_ids is None) == (body.local_hashes is None):
-            return _error_bytes(400, "give exactly one of token_ids and local_hashes")
+        if (token_ids is None) == (body.local_hashes is None) or (body.cache_salt and token_ids is None):
+            return _error_bytes(400, "give exactly one of token_ids and local_hashes" if body.cache_salt is None
+                                else "cache_salt goes with token_ids: local_hashes are hashed already")
         if body.reserve and not body.request_id:
             return _error_bytes(400, "reserve needs a request_id")
         started = time.perf_counter()
         overrides = {name: value for name in OVERRIDES if (value := getattr(body, name)) is not None}
         try:
             decision = self.fleet.route(
-                body.model, now=self.clock(), token_ids=token_ids, local_hashes=body.local_hashes,
-                lora_name=body.lora_name, request_id=body.request_id, reserve=body.reserve, overrides=overrides,
+                body.model, now=self.clock(), token_ids=token_ids, local_hashes=body.local_hashes, reserve=body.reserve,
+                lora_name=body.lora_name, cache_salt=body.cache_salt, request_id=body.request_id, overrides=overrides,
                 session_id=body.session_id)
         except (ApiError, OverLimit, AllBusy) as exc:
             return _refusal(exc)
