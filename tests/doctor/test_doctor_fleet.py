@@ -81,13 +81,21 @@ async def test_a_fleet_quiet_for_longer_than_silent_after_and_serving_nothing_is
 
 
 async def test_a_block_size_mismatch_is_critical(tmp_path: Path) -> None:
+    """Engine 2's 32-token blocks are not indexed (Dynamo's "Block not published"): doctor says why, twice."""
     async with engines_behind_router(tmp_path, faults=Faults(block_size=32), fault_engines=[1]) as rig:
         await rig.load()
-        await rig.until(lambda ws: all(w.blocks for w in ws), "every engine's blocks")
+        await rig.until(lambda ws: all(w.blocks for w in ws if w.worker_id != 2), "the other engines' blocks")
+        await eventually_async(rig.status, "engine 2's stores dropped", until=lambda s: any(
+            row["worker"]["worker_id"] == 2 and row["events_dropped"].get("block_size_mismatch")
+            for row in s.streams))
         code, report = await rig.doctor()
+        workers = {w.worker_id: w.blocks for w in await rig.until(lambda ws: True, "the workers")}
     [finding] = findings(report, "block_size")
     assert code == 2 and finding["severity"] == "CRITICAL"
     assert finding["evidence"]["block_sizes"] == {"2:0": {"engine": [32], "router": 16}}
+    [dropped] = findings(report, "dropped")
+    assert dropped["severity"] == "CRITICAL" and "block_size_mismatch" in dropped["cause"]
+    assert dropped["evidence"]["emptied"] == ["2:0"] and workers[2] == 0
 
 
 async def test_engines_hashing_differently_are_named(tmp_path: Path) -> None:
@@ -219,11 +227,14 @@ async def _stream_of(rig: Rig, worker_id: int, predicate: Callable[[dict[str, An
 async def test_engines_hitting_their_cache_while_the_router_predicts_none_is_critical(tmp_path: Path) -> None:
     async with engines_behind_router(tmp_path, faults=Faults(block_size=32)) as rig:  # every engine: 32
         await rig.load()
-        await rig.until(lambda ws: all(w.blocks for w in ws), "every engine's blocks")
+        await eventually_async(rig.status, "every engine's 32-token stores dropped", until=lambda s: all(
+            row["events_dropped"].get("block_size_mismatch") for row in s.streams))
         code, report = await rig.doctor(*(arg for e in rig.fleet.engines for arg in ("--metrics", e.url)))
     [finding] = findings(report, "hit_rate")
     assert code == 2 and finding["severity"] == "CRITICAL"
     assert finding["evidence"]["router_predicted"] == 0 and finding["evidence"]["engines_mean"] >= 0.3
+    [dropped] = findings(report, "dropped")  # and why: nothing is indexed, as Dynamo indexes nothing of them
+    assert dropped["severity"] == "CRITICAL" and sorted(dropped["evidence"]["emptied"]) == ["1:0", "2:0", "3:0"]
 
 
 async def test_a_healthy_fleet_s_hit_rates_agree(tmp_path: Path) -> None:

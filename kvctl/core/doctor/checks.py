@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvctl.core.doctor.engine_events import check_engine_events
 from kvctl.core.doctor.events import check_event_plane, check_silent, check_streams
 from kvctl.core.doctor.findings import (
     SHOWN,
@@ -454,6 +455,7 @@ def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
     if worst(registration) is Severity.CRITICAL:
         return worst_first([*registration, *plane, *check_health(status, limits)])  # the plane may say why
     findings = [*registration, *check_silent(status, workers, limits), *check_streams(status), *plane,
+                *check_engine_events(status),
                 *check_block_size(status, workers), *check_hashing(workers), *check_partial(workers),
                 *check_recovery(status),
                 *check_busy(workers, thresholds, limits), *check_divergence(peers, limits),

@@ -7,6 +7,7 @@ import ipaddress
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvctl.core.doctor.engine_events import undeclared_ranks
 from kvctl.core.doctor.findings import (
     SHOWN,
     Finding,
@@ -45,6 +46,11 @@ def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]
         return [finding, *(check_silent(status, rest, limits, scope=f"the other {counted(len(rest), 'worker')}")
                          if rest else [])]
     quiet = [w for w in workers if is_silent(w.get("last_event_age_s"), limits.silent_after_s)]
+    misranked = undeclared_ranks(status)
+    if any(worker_name(w) in misranked for w in quiet):
+        rest = [w for w in workers if worker_name(w) not in misranked]
+        others = f"the other {counted(len(rest), 'worker')}"
+        return [_misranked(misranked), *(check_silent(status, rest, limits, scope=others) if rest else [])]
     orphans = _orphans(status, quiet)
     if orphans:
         gone = {id(w) for w in orphans}
@@ -77,6 +83,19 @@ def check_silent(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]
     return [Finding("silent", severity, cause, evidence,
                     f"{_tap(silent[0], status)}  (is worker {first_id(names)} publishing at all? check the "
                     "engine's kv-events config and the endpoint registered)")]
+
+
+def _misranked(misranked: Mapping[str, list[int]]) -> Finding:
+    """Engines registered under one DP rank that publish under others: their events are indexed under the ranks
+    they name (as Dynamo does), and the registered rank is quiet; not silent."""
+    names = list(misranked)
+    return Finding(
+        "silent", Severity.WARNING,
+        f"{counted(len(names), 'worker')} publish under DP ranks they were not registered with, so the registered "
+        "rank stays empty while the events are indexed under the ranks they name",
+        {**named(names), "ranks_published": {n: misranked[n] for n in names[:SHOWN]}},
+        f"register each rank with its own endpoint (serve --worker {first_id(names)}:RANK=…), as the engine "
+        "publishes them")
 
 
 def _orphans(status: Mapping[str, Any], quiet: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

@@ -39,6 +39,7 @@ class SchemaSeen:
     - `event_shapes`: "map" (vLLM >= 0.24, SGLang) or "array" (vLLM <= 0.23 positional).
     - `hash_kinds`: "u64", "i64" (negative: SGLang), "bytes" (vLLM with int hashes off).
     - `block_sizes`, `media`: as sent by the engine (e.g. 16, "GPU", "CPU_PINNED").
+    - `token_shapes`: "ids" (plain token ids) or "pairs" (SGLang's EAGLE `[t_i, t_i+1]` pairs).
     - `tiers`, `dp_ranks`: from every decoded batch (not sampled).
     """
 
@@ -49,6 +50,7 @@ class SchemaSeen:
     media: frozenset[str] = frozenset()
     tiers: frozenset[str] = frozenset()
     dp_ranks: frozenset[int] = frozenset()
+    token_shapes: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -62,6 +64,7 @@ class Schema:
     media: set[str] = field(default_factory=set)
     tiers: set[str] = field(default_factory=set)
     dp_ranks: set[int] = field(default_factory=set)
+    token_shapes: set[str] = field(default_factory=set)
 
     def snapshot(self) -> SchemaSeen:
         return SchemaSeen(
@@ -72,6 +75,7 @@ class Schema:
             frozenset(self.media),
             frozenset(self.tiers),
             frozenset(self.dp_ranks),
+            frozenset(self.token_shapes),
         )
 
     def observe_payload(self, payload: bytes) -> None:
@@ -96,10 +100,11 @@ class Schema:
     def sampled_facts(self) -> list[list[Any]]:
         """What sampling recorded, in plain lists (msgpack-able): `merge_facts` adds them to another schema."""
         return [sorted(self.batch_shapes), sorted(self.event_shapes), sorted(self.hash_kinds),
-                sorted(self.block_sizes), sorted(self.media)]
+                sorted(self.block_sizes), sorted(self.media), sorted(self.token_shapes)]
 
     def merge_facts(self, facts: list[list[Any]]) -> None:
-        batch_shapes, event_shapes, hash_kinds, block_sizes, media = facts
+        batch_shapes, event_shapes, hash_kinds, block_sizes, media, token_shapes = facts
+        self.token_shapes.update(token_shapes)
         self.batch_shapes.update(batch_shapes)
         self.event_shapes.update(event_shapes)
         self.hash_kinds.update(hash_kinds)
@@ -129,6 +134,9 @@ class Schema:
                 self.hash_kinds.add("i64" if first < 0 else "u64")
         if tag == "BlockStored" and type(block_size) is int:
             self.block_sizes.add(block_size)
+        tokens = event.get("token_ids") if tag == "BlockStored" and isinstance(event, dict) else None
+        if isinstance(tokens, list) and tokens:
+            self.token_shapes.add("pairs" if isinstance(tokens[0], list) else "ids")
         if isinstance(medium, str):
             self.media.add(medium)
 
