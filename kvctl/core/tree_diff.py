@@ -2,11 +2,13 @@
 
 Two dumps of the same index can look nothing alike: one Stored of four blocks or four chained
 Storeds, other event ids, other engine block hashes (each engine has its own), edges split at other
-places. What a query can match is the same, though: for each worker key, the set of block *paths*,
-a path being the local (tokens) hashes from the root down to the block. So each side is replayed
-into a `KvIndex` (which also applies removals and clears, so a raw event stream works as well as a
-dump) and its dump is walked into paths interned in a `PathTrie` that both sides share: equal
-content gives equal path ids, and a diff is set arithmetic.
+places, and the slower tiers' blocks in any order (Dynamo's `/dump` lists them one block an event, in
+hash-map order, not parents first). What a query can match is the same, though: for each worker key and
+tier, the set of block *paths*, a path being the local (tokens) hashes from the root down to the block.
+So each side is replayed into a `KvIndex` (which also applies removals and clears, so a raw event stream
+works as well as a dump), its dump is taken apart into edges, `(worker, tier, parent hash, block hash) ->
+local hash`, and the edges are followed from the root, whatever order they came in, into paths interned
+in a `PathTrie` that both sides share: equal content gives equal path ids, and a diff is set arithmetic.
 
 Pure: no I/O; the commands turn these objects into tables, trees and JSON.
 """
@@ -14,13 +16,14 @@ Pure: no I/O; the commands turn these objects into tables, trees and JSON.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvctl.core.events import RouterEvent, Stored, Tier
+from kvctl.core.events import RouterEvent, Tier
 from kvctl.core.hashing import sequence_hashes
 from kvctl.core.index import KvIndex
+from kvctl.core.index.kv_index import LOWER_TIERS
 from kvctl.core.names import WorkerKey, format_worker
 
 ROOT = 0
@@ -85,24 +88,105 @@ class IndexContent:
 
 
 def index_content(events: Iterable[RouterEvent], trie: PathTrie | None = None) -> IndexContent:
-    """Replay `events` into a fresh index, then walk its dump into paths (of `trie`, shared to compare)."""
+    """Replay `events` into a fresh index, then follow its edges into paths (of `trie`, shared to compare)."""
     index = KvIndex()
     index.load(events)
     content = IndexContent(index, trie if trie is not None else PathTrie())
-    ends: dict[tuple[WorkerKey, Tier], dict[int, int]] = defaultdict(dict)  # engine hash -> path id, per holder
-    for event in index.dump():  # parents before children, one Stored per (edge, worker)
-        data = event.data
-        assert type(data) is Stored
-        chain = ends[(event.worker, data.tier)]
-        pid = ROOT if data.parent_hash is None else chain.get(data.parent_hash)
-        if pid is None:  # a worker that stored one hash at two places: its later path cannot be followed
-            continue
-        blocks = content.held.setdefault(event.worker, set())
-        for block_hash, local_hash in zip(data.block_hashes, data.tokens_hashes, strict=True):
-            pid = content.trie.child(pid, local_hash)
-            chain[block_hash] = pid
-            blocks.add((data.tier, pid))
+    content.held = walk_edges(dump_edges(index), content.trie)
     return content
+
+
+Edge = tuple[WorkerKey, Tier, int | None, int, int]
+"""One block a worker holds, as a dump gives it: (worker, tier, parent engine hash or None, engine hash, local
+hash). A dump's Stored of n blocks is n edges, each block the parent of the next."""
+
+_TIERS = (Tier.device, *LOWER_TIERS)
+_RANK = {tier: n for n, tier in enumerate(_TIERS)}
+"""The order a query walks the tiers in (its device match, then each slower tier's continuation of it): a block
+continues a path of its own tier or of a faster one. Kept in two bits beside a path id (`_walk_worker`)."""
+assert len(_RANK) <= 4
+
+
+def dump_edges(index: KvIndex) -> Iterator[Edge]:
+    """The edges of every block `index`'s dump holds (`KvIndex.capture`), in no order that matters."""
+    for edge in index.capture():
+        worker, tier, parent = edge.worker, edge.tier, edge.parent_hash
+        for block, local in zip(edge.block_hashes[:edge.length], edge.tokens_hashes[:edge.length], strict=True):
+            yield worker, tier, parent, block, local
+            parent = block
+
+
+def walk_edges(edges: Iterable[Edge], trie: PathTrie) -> dict[WorkerKey, set[Block]]:
+    """The blocks each worker holds, as (tier, path id), from its edges in any order: a set in, a set out.
+
+    A block's path is its parent's plus its local hash; its parent is the block of the same worker with its
+    parent hash, on its own tier or a faster one (a host block may continue a device path, as a query's
+    match does, never the other way). The edges are followed from the root a level at a time, so a block is
+    placed at the first level its parent hash is placed on a tier it may continue: where that hash has two
+    paths there (a worker that stored one hash at two places), or none ever (its parent is gone), no query
+    can follow it to one path, and it is left out, the same whatever order the edges came in.
+    """
+    by_worker: dict[WorkerKey, dict[int | None, _Children]] = defaultdict(dict)
+    for worker, tier, parent, block, local in edges:
+        waiting = by_worker[worker]
+        child = (_RANK[tier], block, local)
+        siblings = waiting.get(parent)
+        if siblings is None:
+            waiting[parent] = child  # one child a parent, mostly: no list for it
+        elif isinstance(siblings, list):
+            siblings.append(child)
+        else:
+            waiting[parent] = [siblings, child]
+    held = {}
+    for worker, waiting in by_worker.items():
+        blocks = _walk_worker(waiting, trie)
+        if blocks:
+            held[worker] = blocks
+    return held
+
+
+_Child = tuple[int, int, int]
+"""A block waiting for its parent: (its tier's rank, engine hash, local hash)."""
+_Children = _Child | list[_Child]
+
+
+def _walk_worker(waiting: dict[int | None, _Children], trie: PathTrie) -> set[Block]:
+    """`walk_edges` of one worker: `waiting` is its blocks by parent hash (and is used up)."""
+    held: set[Block] = set()
+    placed: dict[int, int] = {}  # engine hash -> path id << 2 | the fastest tier's rank it is placed on there
+    more: dict[int, list[int]] = {}  # the same for the other paths of a hash placed at two (rare)
+    level: Iterable[int | None] = [None]
+    while level:
+        found: list[tuple[int, int, int]] = []  # (engine hash, tier rank, path id)
+        for parent in level:  # decided on the levels before this one only: the order of `level` is moot
+            children = waiting.pop(parent, None)
+            if children is None:
+                continue
+            if parent is None:
+                found.extend((block, rank, trie.child(ROOT, local))
+                             for rank, block, local in (children if isinstance(children, list) else (children,)))
+                continue
+            codes = (placed[parent], *more[parent]) if parent in more else (placed[parent],)
+            later = []
+            for rank, block, local in (children if isinstance(children, list) else (children,)):
+                under = {code >> 2 for code in codes if code & 3 <= rank}
+                if len(under) == 1:
+                    found.append((block, rank, trie.child(under.pop(), local)))
+                elif not under:
+                    later.append((rank, block, local))  # its parent hash may yet come on a faster tier
+            if later:
+                waiting[parent] = later
+        after: dict[int, None] = {}  # each hash once
+        for block, rank, pid in found:
+            held.add((_TIERS[rank], pid))
+            first = placed.get(block)
+            if first is None or first >> 2 == pid and rank < first & 3:
+                placed[block] = pid << 2 | rank
+            elif first >> 2 != pid:
+                more.setdefault(block, []).append(pid << 2 | rank)
+            after[block] = None
+        level = after
+    return held
 
 
 # ----- diff ------------------------------------------------------------------------------------------------
