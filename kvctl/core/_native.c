@@ -229,6 +229,51 @@ static uint64_t be_uint(const unsigned char *s, int size) {
     return v;
 }
 
+/* The element count of the msgpack array at s[*i], moving *i past its header; -1 when there is none. */
+static Py_ssize_t array_header(const unsigned char *s, const Py_ssize_t n, Py_ssize_t *i) {
+    Py_ssize_t count;
+    if (n - *i >= 1 && (s[*i] & 0xf0) == 0x90) {
+        count = s[*i] & 0x0f;
+        *i += 1;
+    } else if (n - *i >= 3 && s[*i] == 0xdc) {
+        count = (Py_ssize_t)be_uint(s + *i + 1, 2);
+        *i += 3;
+    } else if (n - *i >= 5 && s[*i] == 0xdd) {
+        count = (Py_ssize_t)be_uint(s + *i + 1, 4);
+        *i += 5;
+    } else {
+        return -1;
+    }
+    return count > n - *i ? -1 : count; /* every element takes at least a byte */
+}
+
+/* The msgpack unsigned int (any int encoding, not negative) at s[*i], moving *i past it; 0 when there is none. */
+static int read_uint(const unsigned char *s, const Py_ssize_t n, Py_ssize_t *i, uint64_t *v) {
+    if (*i >= n) return 0;
+    const unsigned char c = s[*i];
+    int size;
+    if (c <= 0x7f) { /* positive fixint */
+        *v = c;
+        size = 0;
+    } else if (c >= 0xcc && c <= 0xcf) { /* uint 8, 16, 32, 64 */
+        size = 1 << (c - 0xcc);
+        if (n - *i - 1 < size) return 0;
+        *v = be_uint(s + *i + 1, size);
+    } else if (c >= 0xd0 && c <= 0xd3) { /* int 8, 16, 32, 64: fine when the value is not negative */
+        size = 1 << (c - 0xd0);
+        if (n - *i - 1 < size || s[*i + 1] & 0x80) return 0;
+        *v = be_uint(s + *i + 1, size);
+    } else {
+        return 0;
+    }
+    *i += 1 + size;
+    return 1;
+}
+
+static void put_u32le(unsigned char *dst, uint64_t v) {
+    for (int b = 0; b < 4; b++) dst[b] = (unsigned char)(v >> (8 * b));
+}
+
 /* A msgpack array of ints straight into packed unsigned ints: `width` 4 (little-endian u32s, in [0, 2^32): a
  * stored event's token ids, which the block hashes are taken over) or 8 (native u64s: a removal's block
  * hashes). The typed decoding pass hands these over raw, where msgspec would build an int per element, and
@@ -242,49 +287,20 @@ static PyObject *uints_from_msgpack(PyObject *arg, const int width) {
     const Py_ssize_t n = view.len;
     const uint64_t max = width == 4 ? U32_MAX_VALUE : UINT64_MAX;
     PyObject *out = NULL;
-    Py_ssize_t i, count;
-    if (n >= 1 && (s[0] & 0xf0) == 0x90) {
-        count = s[0] & 0x0f;
-        i = 1;
-    } else if (n >= 3 && s[0] == 0xdc) {
-        count = (Py_ssize_t)be_uint(s + 1, 2);
-        i = 3;
-    } else if (n >= 5 && s[0] == 0xdd) {
-        count = (Py_ssize_t)be_uint(s + 1, 4);
-        i = 5;
-    } else {
-        goto bad;
-    }
-    if (count > n - i) goto bad; /* every element takes at least a byte */
+    Py_ssize_t i = 0;
+    const Py_ssize_t count = array_header(s, n, &i);
+    if (count < 0) goto bad;
     out = PyBytes_FromStringAndSize(NULL, count * width);
     if (out == NULL) goto done;
     unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
     for (Py_ssize_t k = 0; k < count; k++) {
-        if (i >= n) goto bad; /* elements wider than a byte used up what the count check allowed */
-        const unsigned char c = s[i];
         uint64_t v;
-        int size;
-        if (c <= 0x7f) { /* positive fixint */
-            v = c;
-            size = 0;
-        } else if (c >= 0xcc && c <= 0xcf) { /* uint 8, 16, 32, 64 */
-            size = 1 << (c - 0xcc);
-            if (n - i - 1 < size) goto bad;
-            v = be_uint(s + i + 1, size);
-        } else if (c >= 0xd0 && c <= 0xd3) { /* int 8, 16, 32, 64: fine when the value is not negative */
-            size = 1 << (c - 0xd0);
-            if (n - i - 1 < size || s[i + 1] & 0x80) goto bad;
-            v = be_uint(s + i + 1, size);
-        } else {
-            goto bad;
-        }
-        if (v > max) goto bad;
+        if (!read_uint(s, n, &i, &v) || v > max) goto bad;
         if (width == 8) {
             memcpy(dst + 8 * k, &v, 8);
         } else {
-            for (int b = 0; b < 4; b++) dst[4 * k + b] = (unsigned char)(v >> (8 * b));
+            put_u32le(dst + 4 * k, v);
         }
-        i += 1 + size;
     }
     if (i != n) goto bad;
     goto done;
@@ -296,16 +312,50 @@ done:
     return out;
 }
 
+/* SGLang's EAGLE token ids, a msgpack array of [t_i, t_i+1] pairs (ints in [0, 2^32)), as the tokens Dynamo
+ * hashes: each pair's first, then the last pair's second, little-endian u32s. ValueError without detail for
+ * anything else (an empty array included: it is no pair store). */
+static PyObject *u32le_pairs_from_msgpack(PyObject *module, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *s = view.buf;
+    const Py_ssize_t n = view.len;
+    PyObject *out = NULL;
+    Py_ssize_t i = 0;
+    const Py_ssize_t count = array_header(s, n, &i);
+    if (count <= 0) goto bad;
+    out = PyBytes_FromStringAndSize(NULL, (count + 1) * 4);
+    if (out == NULL) goto done;
+    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+    uint64_t first, second = 0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (i >= n || s[i] != 0x92) goto bad; /* a fixarray of two */
+        i += 1;
+        if (!read_uint(s, n, &i, &first) || first > U32_MAX_VALUE) goto bad;
+        if (!read_uint(s, n, &i, &second) || second > U32_MAX_VALUE) goto bad;
+        put_u32le(dst + 4 * k, first);
+    }
+    put_u32le(dst + 4 * count, second);
+    if (i != n) goto bad;
+    goto done;
+bad:
+    Py_CLEAR(out);
+    PyErr_SetString(PyExc_ValueError, "not a msgpack array of pairs of unsigned ints in range");
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyObject *u32le_from_msgpack(PyObject *module, PyObject *arg) { return uints_from_msgpack(arg, 4); }
 
 static PyObject *u64_from_msgpack(PyObject *module, PyObject *arg) { return uints_from_msgpack(arg, 8); }
 
 static PyObject *xxh3_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer view;
-    Py_ssize_t stride;
+    Py_ssize_t stride, window;
     unsigned long long seed;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "xxh3_blocks(data, stride, seed) takes 3 arguments");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "xxh3_blocks(data, stride, seed, window=stride) takes 3 or 4 arguments");
         return NULL;
     }
     stride = PyLong_AsSsize_t(args[1]);
@@ -316,13 +366,22 @@ static PyObject *xxh3_blocks(PyObject *module, PyObject *const *args, Py_ssize_t
     }
     seed = PyLong_AsUnsignedLongLong(args[2]);
     if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    window = stride;
+    if (nargs == 4) {
+        window = PyLong_AsSsize_t(args[3]);
+        if (window == -1 && PyErr_Occurred()) return NULL;
+        if (window < stride) {
+            PyErr_SetString(PyExc_ValueError, "window must be at least stride");
+            return NULL;
+        }
+    }
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
-    const Py_ssize_t blocks = view.len / stride;
+    const Py_ssize_t blocks = view.len < window ? 0 : (view.len - window) / stride + 1;
     PyObject *out = PyBytes_FromStringAndSize(NULL, blocks * (Py_ssize_t)sizeof(uint64_t));
     if (out != NULL) {
         uint64_t *hashes = (uint64_t *)PyBytes_AS_STRING(out);
         for (Py_ssize_t b = 0; b < blocks; b++)
-            hashes[b] = XXH3_64bits_withSeed((const char *)view.buf + b * stride, (size_t)stride, seed);
+            hashes[b] = XXH3_64bits_withSeed((const char *)view.buf + b * stride, (size_t)window, seed);
     }
     PyBuffer_Release(&view);
     return out;
@@ -430,8 +489,12 @@ static PyMethodDef methods[] = {
      "xxh3_chain(local_hashes: Sequence[int], seed: int) -> list[int]\n\nDynamo's sequence hashes: the first "
      "is the first local hash, then XXH3-64(le64(previous) || le64(local), seed)."},
     {"xxh3_blocks", (PyCFunction)(void (*)(void))xxh3_blocks, METH_FASTCALL,
-     "xxh3_blocks(data: bytes-like, stride: int, seed: int) -> bytes\n\nXXH3-64 (seeded) of each whole "
-     "`stride`-byte block of `data`, as native-endian u64s; a trailing partial block is not hashed."},
+     "xxh3_blocks(data: bytes-like, stride: int, seed: int, window: int = stride) -> bytes\n\nXXH3-64 (seeded) "
+     "of the `window` bytes at each multiple of `stride` that has them whole, as native-endian u64s (a window "
+     "wider than the stride overlaps the next block: EAGLE's)."},
+    {"u32le_pairs_from_msgpack", u32le_pairs_from_msgpack, METH_O,
+     "u32le_pairs_from_msgpack(msgpack: bytes-like) -> bytes\n\nA msgpack array of [a, b] pairs of ints in "
+     "[0, 2^32) as little-endian u32 bytes: each a, then the last b; ValueError for anything else."},
     {"u32le_from_msgpack", u32le_from_msgpack, METH_O,
      "u32le_from_msgpack(msgpack: bytes-like) -> bytes\n\nA msgpack array of ints in [0, 2^32) as little-endian u32 "
      "bytes; ValueError for anything else."},

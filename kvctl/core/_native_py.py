@@ -25,6 +25,8 @@ _U64_MAX = 2**64 - 1
 _INT_LIST = msgspec.json.Decoder(list[int])
 _INT_LIST_MSGPACK = msgspec.msgpack.Decoder(list[int])
 _MSGPACK_REFUSAL = "not a msgpack array of unsigned ints in range"
+_PAIRS_MSGPACK = msgspec.msgpack.Decoder(list[tuple[int, int]])
+_PAIRS_REFUSAL = "not a msgpack array of pairs of unsigned ints in range"
 
 # JSON whitespace (exactly the C reader's is_ws: not \v or \f, which `\s` would take).
 _WS = re.compile(rb"[ \t\n\r]*")
@@ -178,6 +180,22 @@ def u32le_from_msgpack(raw: Buffer) -> bytes:
     return _uints_from_msgpack(raw, "I")
 
 
+def u32le_pairs_from_msgpack(raw: Buffer) -> bytes:
+    """A msgpack array of [a, b] pairs of ints in [0, 2^32) as little-endian u32 bytes: each a, then the last b;
+    ValueError for anything else (an empty array included)."""
+    try:
+        pairs = _PAIRS_MSGPACK.decode(_bytes_of(raw))
+        if not pairs:
+            raise ValueError(_PAIRS_REFUSAL)
+        packed = array("I", [first for first, _ in pairs])
+        packed.append(pairs[-1][1])
+    except (msgspec.DecodeError, OverflowError):
+        raise ValueError(_PAIRS_REFUSAL) from None
+    if sys.byteorder == "big":  # pragma: no cover - exercised only on big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
 def u64_from_msgpack(raw: Buffer) -> bytes:
     """A msgpack array of ints in [0, 2^64) as native-endian u64 bytes; ValueError for anything else."""
     return _uints_from_msgpack(raw, "Q")
@@ -194,20 +212,31 @@ def _u64(value: Any) -> int:
     return value
 
 
-def xxh3_blocks(data: Buffer, stride: int, seed: int) -> bytes:
-    """XXH3-64 (seeded) of each whole `stride`-byte block of `data`, as native-endian u64s; a trailing partial
-    block is not hashed."""
-    if not isinstance(stride, int):
+def _ssize(value: Any) -> int:
+    """`value` as PyLong_AsSsize_t takes it, with CPython's own errors."""
+    if not isinstance(value, int):
         raise TypeError("an integer is required")
-    if stride > sys.maxsize or stride < -sys.maxsize - 1:
+    if value > sys.maxsize or value < -sys.maxsize - 1:
         raise OverflowError("Python int too large to convert to C ssize_t")
+    return value
+
+
+def xxh3_blocks(data: Buffer, stride: int, seed: int, *window: int) -> bytes:
+    """XXH3-64 (seeded) of the `window` bytes (default: `stride`) at each multiple of `stride` that has them whole,
+    as native-endian u64s; a window wider than the stride overlaps the next block (EAGLE's)."""
+    if len(window) > 1:
+        raise TypeError("xxh3_blocks(data, stride, seed, window=stride) takes 3 or 4 arguments")
+    stride = _ssize(stride)
     if stride <= 0:
         raise ValueError("stride must be positive")
     seed = _u64(seed)
+    width = _ssize(window[0]) if window else stride
+    if width < stride:
+        raise ValueError("window must be at least stride")
     with _bytes_of(data) as view:
         whole = view.tobytes()  # slices of bytes hash faster than slices of a memoryview
-    end = len(whole) - len(whole) % stride
-    return array("Q", [xxh3_64_intdigest(whole[at : at + stride], seed) for at in range(0, end, stride)]).tobytes()
+    starts = range(0, len(whole) - width + 1, stride)
+    return array("Q", [xxh3_64_intdigest(whole[at : at + width], seed) for at in starts]).tobytes()
 
 
 _PAIR = struct.Struct("<QQ")

@@ -119,11 +119,10 @@ def block_hashes_of_packed(packed: Buffer, block_size: int, seed: int = XXH3_SEE
 def eagle_block_hashes(packed: Buffer, block_size: int, seed: int = XXH3_SEED) -> array[int]:
     """Local hashes of an EAGLE worker's blocks: block i hashes tokens [iB, iB + B + 1), so n blocks need nB + 1
     tokens. SGLang's EAGLE pages key each token with the next one, and Dynamo hashes them so (`is_eagle`)."""
-    with memoryview(packed).cast("B") as view:
-        stride = 4 * block_size
-        blocks = (len(view) - 4) // stride if block_size > 0 and len(view) >= 4 else 0
-        return array("Q", [xxh3_64_intdigest(view[i * stride:(i + 1) * stride + 4], seed=seed)
-                           for i in range(blocks)])
+    hashes = array("Q")
+    if block_size > 0:
+        hashes.frombytes(native.xxh3_blocks(packed, 4 * block_size, seed, 4 * block_size + 4))
+    return hashes
 
 
 def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:

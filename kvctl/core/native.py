@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvctl.core import _native_py
 
@@ -30,20 +30,25 @@ def _pick() -> tuple[ModuleType, bool]:
     return _native, True
 
 
+class _Blocks(Protocol):
+    def __call__(self, data: Buffer, stride: int, seed: int, window: int = ..., /) -> bytes: ...
+
+
 _implementation, NATIVE = _pick()
 """NATIVE: whether the C extension is in use."""
 IMPLEMENTATION = "C" if NATIVE else "none, pure Python"
 """In `kvctl --version`'s words: which speedups run."""
 
 # Typed here because a module picked at run time is typed as any module: the twin's signatures, which both share.
-xxh3_blocks: Callable[[Buffer, int, int], bytes] = _implementation.xxh3_blocks
+xxh3_blocks: _Blocks = _implementation.xxh3_blocks
 xxh3_chain: Callable[[Iterable[int], int], list[int]] = _implementation.xxh3_chain
 u32_from_json: Callable[[Buffer], bytes] = _implementation.u32_from_json
 u32_head_of_object: Callable[[Buffer], tuple[bytes, int] | None] = _implementation.u32_head_of_object
 u32le_from_msgpack: Callable[[Buffer], bytes] = _implementation.u32le_from_msgpack
+u32le_pairs_from_msgpack: Callable[[Buffer], bytes] = _implementation.u32le_pairs_from_msgpack
 u64_from_msgpack: Callable[[Buffer], bytes] = _implementation.u64_from_msgpack
 bind_run: Callable[[dict[Any, Any], Iterable[Any], Any, Any], int] = _implementation.bind_run
 u64s_distinct: Callable[[Buffer], bool] = _implementation.u64s_distinct
 FUNCTIONS = ("bind_run", "u64s_distinct", "xxh3_blocks", "xxh3_chain", "u32_from_json", "u32_head_of_object",
-             "u32le_from_msgpack", "u64_from_msgpack")
+             "u32le_from_msgpack", "u32le_pairs_from_msgpack", "u64_from_msgpack")
 """The names every implementation provides."""

@@ -47,6 +47,39 @@ def test_xxh3_blocks(data: bytes, stride: Any, seed: Any) -> None:
     _same("xxh3_blocks", data, stride, seed)
 
 
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=200), st.integers(1, 40) | _INTISH, st.integers(0, 2**64 - 1) | _INTISH,
+       st.integers(-2, 60) | _INTISH)
+@example(b"abcdefgh", 4, 1, 8)  # window = the whole buffer: one block
+@example(b"abcdefgh", 4, 1, 9)  # a window longer than the buffer: none
+@example(b"abcdefgh", 4, 1, 3)  # narrower than the stride: refused
+def test_xxh3_blocks_with_a_window(data: bytes, stride: Any, seed: Any, window: Any) -> None:
+    """A window wider than the stride (EAGLE's B + 1 tokens at every B)."""
+    _same("xxh3_blocks", data, stride, seed, window)
+
+
+@st.composite
+def _pair_arrays(draw: st.DrawFn) -> bytes:
+    """Arrays of pairs (and of things that are not pairs), ints in every encoding, maybe cut or trailed."""
+    values = draw(st.lists(st.lists(st.integers(-3, 2**33) | st.booleans() | st.none(), min_size=1, max_size=3)
+                           | st.integers(0, 9), max_size=12))
+    items = [_array([_int(v, draw(st.sampled_from(["fix", *_INTS]))) if type(v) is int else msgspec.msgpack.encode(v)
+                     for v in value], "fix") if isinstance(value, list) else msgspec.msgpack.encode(value)
+             for value in values]
+    raw = _array(items, draw(st.sampled_from(["fix", "a16", "a32"])))
+    return raw[: draw(st.integers(0, len(raw)))] if draw(st.booleans()) else raw + draw(st.binary(max_size=1))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(_pair_arrays() | st.binary(max_size=40))
+@example(msgspec.msgpack.encode([[1, 2], [2, 3]]))
+@example(msgspec.msgpack.encode([]))
+@example(msgspec.msgpack.encode([[1, 2, 3]]))
+@example(msgspec.msgpack.encode([[True, 2]]))
+def test_u32le_pairs_from_msgpack(raw: bytes) -> None:
+    _same("u32le_pairs_from_msgpack", raw)
+
+
 def test_xxh3_blocks_takes_what_a_buffer_is() -> None:
     from array import array
 
@@ -154,7 +187,8 @@ def test_uints_from_msgpack(raw: bytes) -> None:
 
 
 def test_the_readers_refuse_what_is_not_a_buffer() -> None:
-    for name in ("u32_from_json", "u32_head_of_object", "u32le_from_msgpack", "u64_from_msgpack"):
+    for name in ("u32_from_json", "u32_head_of_object", "u32le_from_msgpack", "u32le_pairs_from_msgpack",
+                 "u64_from_msgpack"):
         for value in ("[1]", 7, None, memoryview(b"[1, 2]")[::2]):
             _same(name, value)
 

@@ -23,6 +23,7 @@ import msgspec
 
 from kvctl.core import native
 from kvctl.core.events.engine_fields import (
+    MEDIUM_TIERS,
     Dropped,
     cache_salt_of,
     eagle_tokens,
@@ -32,7 +33,7 @@ from kvctl.core.events.engine_fields import (
 )
 from kvctl.core.events.errors import DecodeError, ErrorKind, describe, parse_msgpack, require
 from kvctl.core.events.types import Cleared, EventData, Group, Removed, Stored
-from kvctl.core.hashing import U64_MASK, block_hashes_of_packed, block_seed, eagle_block_hashes, pack_tokens
+from kvctl.core.hashing import U64_MASK, XXH3_SEED, block_hashes_of_packed, block_seed, eagle_block_hashes, pack_tokens
 
 END_SEQ = U64_MASK
 """The seq of the replay end marker (vLLM's END_SEQ = -1 as 8 unsigned big-endian bytes)."""
@@ -180,7 +181,6 @@ class _CommonBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 _COMMON = msgspec.msgpack.Decoder(_CommonBatch)
-_PAIRS = msgspec.msgpack.Decoder(list[tuple[int, int]])
 _INTS = msgspec.msgpack.Decoder(list[int])
 
 
@@ -201,6 +201,7 @@ def _decode_common(payload: bytes, default_block_size: int | None, packed: bool 
                 decoded = _stored(event.locality, event.ownership, event.medium, event.parent_block_hash,
                                  event.block_hashes, _tokens_of_raw(event.token_ids), event.block_size,
                                  default_block_size, event.lora_name, event.cache_salt, event.extra_keys,
+                                 None if event.group_idx is None and event.kv_cache_spec_kind is None else
                                  group_of(event.group_idx, event.kv_cache_spec_kind,
                                           event.kv_cache_spec_sliding_window, event.block_size), packed)
             elif type(event) is _RemovedMap:
@@ -385,8 +386,9 @@ def _stored(locality: Any, ownership: Any, medium: Any, parent: int | None, hash
     they came as EAGLE pairs. Block i is hashed from token window i from the start; the blocks that have no
     full window, all of them when the store's block size is not the model's, and all of them when a hash
     repeats, are cut and counted (`Stored.cut`), as Dynamo drops them."""
-    drop = residency_drop(locality, ownership)
-    tier = tier_of_medium(medium)
+    # The common case first, inline (this runs for every store): nothing on locality, ownership, salt or group.
+    drop = None if locality is None and ownership is None else residency_drop(locality, ownership)
+    tier = MEDIUM_TIERS.get(medium) if type(medium) is str else tier_of_medium(medium)
     if drop is not None or tier is None:
         return Dropped.unknown_medium if drop is None else drop
     if lora_name is not None and not isinstance(lora_name, str):
@@ -395,20 +397,21 @@ def _stored(locality: Any, ownership: Any, medium: Any, parent: int | None, hash
         hashes = [h & U64_MASK for h in hashes]
     if parent is not None:
         parent &= U64_MASK
-    salt = cache_salt_of(cache_salt, extra_keys, lora_name)
-    size = _block_size(block_size, default_block_size)
+    salt = None if cache_salt is None and extra_keys is None else cache_salt_of(cache_salt, extra_keys, lora_name)
+    size = block_size if type(block_size) is int and block_size == default_block_size else \
+        _block_size(block_size, default_block_size)
     n = len(hashes)
-    if default_block_size is not None and size != default_block_size:
-        return Stored(parent, [], array("Q") if packed else [], tier, group, salt, Dropped.block_size_mismatch.value, n)
-    if not native.u64s_distinct(array("Q", hashes if parent is None else [parent, *hashes])):
-        return Stored(parent, [], array("Q") if packed else [], tier, group, salt, Dropped.self_reference.value, n)
+    distinct = set(hashes)
+    cut = Dropped.block_size_mismatch if default_block_size is not None and size != default_block_size else \
+        Dropped.self_reference if len(distinct) != n or parent in distinct else None
+    if cut is not None:
+        return Stored(parent, [], array("Q") if packed else [], tier, group, salt, cut.value, n)
     packed_tokens, eagle = tokens
     extra = 4 if eagle else 0
     kept = min(n, max(0, len(packed_tokens) - extra) // (4 * size))
-    seed = block_seed(lora_name, salt)
-    with memoryview(packed_tokens) as view:
-        window = view[:4 * kept * size + extra]
-        local = eagle_block_hashes(window, size, seed) if eagle else block_hashes_of_packed(window, size, seed)
+    seed = XXH3_SEED if lora_name is None and salt is None else block_seed(lora_name, salt)
+    window = packed_tokens[:4 * kept * size + extra]
+    local = eagle_block_hashes(window, size, seed) if eagle else block_hashes_of_packed(window, size, seed)
     if kept < n:
         return Stored(parent, hashes[:kept], local if packed else local.tolist(), tier, group, salt,
                       Dropped.short_tokens.value, n - kept)
@@ -417,8 +420,8 @@ def _stored(locality: Any, ownership: Any, medium: Any, parent: int | None, hash
 
 def _removed(locality: Any, ownership: Any, medium: Any, hashes: Sequence[int], group: Group | None
              ) -> Removed | Dropped:
-    drop = residency_drop(locality, ownership)
-    tier = tier_of_medium(medium)
+    drop = None if locality is None and ownership is None else residency_drop(locality, ownership)
+    tier = MEDIUM_TIERS.get(medium) if type(medium) is str else tier_of_medium(medium)
     if drop is not None or tier is None:
         return Dropped.unknown_medium if drop is None else drop
     return Removed(hashes, tier, group)
@@ -444,12 +447,8 @@ def _tokens_of_raw(raw: msgspec.Raw) -> tuple[bytes, bool]:
     except ValueError:
         pass
     try:
-        pairs = _PAIRS.decode(raw)
-        tokens = [first for first, _ in pairs]
-        if pairs:
-            tokens.append(pairs[-1][1])
-        return pack_tokens(tokens).tobytes(), True
-    except (msgspec.DecodeError, ValueError, TypeError, OverflowError):
+        return native.u32le_pairs_from_msgpack(raw), True
+    except ValueError:
         raise DecodeError(ErrorKind.bad_tokens, "token_ids", "") from None
 
 
