@@ -14,7 +14,7 @@ import typer
 from kvctl.commands._hashes import HashFormat, HashFormatOpt, shown_hashes
 from kvctl.commands._input import read_numbers
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for
-from kvctl.core.hashing import local_block_hashes, sequence_hashes
+from kvctl.core.hashing import packed_block_hashes, sequence_hashes
 from kvctl.core.words import counted
 from kvctl.errors import UsageError
 from kvctl.output import Column, View
@@ -67,6 +67,10 @@ def hash_command(
     block_size: Annotated[int, typer.Option("--block-size", "-b", help="Tokens per KV block.")] = 16,
     lora_name: Annotated[str | None, typer.Option("--lora-name", help="LoRA adapter name (changes the seed).")]
     = None,
+    cache_salt: Annotated[str | None, typer.Option("--cache-salt", help="Cache salt (SGLang's cache_salt; changes "
+                                                   "the seed).", show_default=False)] = None,
+    eagle: Annotated[bool, typer.Option("--eagle", help="Hash as an EAGLE worker stores blocks: B + 1 tokens each, "
+                                        "overlapping by one.")] = False,
     hash_format: HashFormatOpt = HashFormat.dec,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
@@ -75,11 +79,10 @@ def hash_command(
     if block_size <= 0:
         raise UsageError(f"--block-size must be positive, got {block_size}", hint="e.g. --block-size 16")
     ids = read_numbers(tokens, file, parse_token_text, "token ids")
-    local = local_block_hashes(ids, block_size, lora_name=lora_name)
+    local = packed_block_hashes(ids, block_size, lora_name=lora_name, cache_salt=cache_salt, eagle=eagle).tolist()
     data: dict[str, Any] = {"block_size": block_size, "local_hashes": local, "sequence_hashes": sequence_hashes(local)}
-    if lora_name:
-        data["lora_name"] = lora_name
-    tail = len(ids) % block_size
+    data.update({k: v for k, v in (("lora_name", lora_name), ("cache_salt", cache_salt), ("eagle", eagle)) if v})
+    tail = (len(ids) - 1) % block_size if eagle and ids else len(ids) % block_size
     if tail:
         out.warn(f"the last {counted(tail, 'token')} fill no block of {block_size}: not hashed")
     out.emit(shown_hashes(data, hash_format), _VIEW)

@@ -37,6 +37,21 @@ def test_stdin_file_and_lora(tmp_path) -> None:
     assert json.loads(from_file.stdout)["local_hashes"] == [15633847640104431966]
 
 
+SALTED_OR_EAGLE = [v for v in VECTORS["variants"] if {"cache_namespace", "is_eagle"} & set(v["kwargs"])]
+
+
+@pytest.mark.parametrize("variant", SALTED_OR_EAGLE, ids=lambda v: v["case"])
+def test_salted_and_eagle_hashes_equal_dynamo_vectors(variant: dict) -> None:
+    """`--cache-salt` and `--eagle` show the hashes an SGLang worker's salted or EAGLE stores carry."""
+    kwargs = variant["kwargs"]
+    option = ["--cache-salt", kwargs["cache_namespace"]] if "cache_namespace" in kwargs else ["--eagle"]
+    result = runner.invoke(app, ["hash", "--json", "-b", str(variant["block_size"]), *option,
+                                 *map(str, variant["tokens"])])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["local_hashes"] == variant["local_block_hashes_u64"]
+    assert result.stderr == ""  # an EAGLE worker's n blocks take nB + 1 tokens: none left over
+
+
 def test_global_output_flag_and_name_mode() -> None:
     result = runner.invoke(app, ["-o", "name", "hash", "-b", "4", "1", "2", "3", "4", "5", "6", "7", "8"])
     assert result.exit_code == 0

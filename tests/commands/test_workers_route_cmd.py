@@ -92,6 +92,15 @@ def test_tokens_from_arguments_file_stdin_or_local_hashes_agree(router: httpx.Cl
     assert {(a["overlap_blocks"], a["required_blocks"]) for a in answers} == {(4, 4)}
 
 
+def test_a_salt_or_an_adapter_changes_the_blocks_a_route_looks_for(router: httpx.Client) -> None:
+    """The dump's blocks were stored unsalted, with no LoRA: a route under a salt or an adapter matches none."""
+    plain = json_of(kvctl(router, "route", "--explain", "-o", "json", *TOKENS))["candidates"]
+    assert max(c["overlap_blocks"] for c in plain) == 4
+    for option in (["--cache-salt", "tenant-42"], ["--lora-name", "sql-lora"]):
+        answer = json_of(kvctl(router, "route", "--explain", "-o", "json", *option, *TOKENS))
+        assert [c["overlap_blocks"] for c in answer["candidates"]] == [0] * len(plain), option
+
+
 @on_both_route_paths
 def test_reserve_asks_first_and_with_yes_shows_as_active_load(router: httpx.Client) -> None:
     reserve = ("route", "--reserve", "--request-id", "r1", "-o", "json", *TOKENS)
@@ -124,6 +133,7 @@ def _active_requests(router: httpx.Client) -> dict[str, int]:
     (["route", "--file", "/nonexistent/prompt"], "/nonexistent/prompt"),
     (["route", "1", "--file", "/dev/null"], "not both"),
     (["route"], "the request is empty"),
+    (["route", "--local-hashes", "--cache-salt", "s", "1"], "--cache-salt and --lora-name go with token ids"),
 ])
 def test_bad_route_arguments_exit_2_with_one_line(router: httpx.Client, args: list[str], needle: str) -> None:
     one_line_error(kvctl(router, *args, input=""), 2, needle)

@@ -57,6 +57,12 @@ def test_a_disaggregated_decode_card_says_it_publishes_no_events() -> None:
     assert card.role == "decode" and not card.publishes_kv_events and list(card.ranks) == [2, 3]
 
 
+def test_an_eagle_worker_says_so_in_its_card() -> None:
+    """dynamo.sglang sets runtime_config.enable_eagle for EAGLE speculative decoding; the captures say false."""
+    assert not parse_model_card(FILE_CARDS[0].read_bytes()).eagle
+    assert parse_model_card(_card(card_json__runtime_config__enable_eagle=True)).eagle
+
+
 def test_fields_not_advertised_are_none_not_guessed() -> None:
     card = parse_model_card(_card(card_json__kv_cache_block_size=None, card_json__runtime_config=DROP))
     assert card.block_size is None and card.total_kv_blocks is None and card.publishes_kv_events
@@ -74,6 +80,7 @@ def test_fields_not_advertised_are_none_not_guessed() -> None:
      "card_json.runtime_config.total_kv_blocks"),
     ({"card_json__runtime_config__kv_event_publishing_enabled": 1}, ErrorKind.bad_type,
      "card_json.runtime_config.kv_event_publishing_enabled"),
+    ({"card_json__runtime_config__enable_eagle": "yes"}, ErrorKind.bad_type, "card_json.runtime_config.enable_eagle"),
 ])
 def test_a_card_that_is_not_one_is_named(changes: dict[str, Any], kind: ErrorKind, field: str) -> None:
     with pytest.raises(DecodeError) as caught:

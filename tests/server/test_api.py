@@ -89,6 +89,23 @@ async def test_events_single_list_jsonl_and_rejections(client: httpx.AsyncClient
     assert (await _rejected_by_worker(client))[3] == {}  # a reset worker starts over
 
 
+async def test_a_salted_cache_matches_only_a_route_with_its_salt(client: httpx.AsyncClient) -> None:
+    """SGLang's cache_salt: a worker's salted blocks hash under the salt (Dynamo's query cache_salt)."""
+    salted = local_block_hashes(TOKENS, 16, cache_salt="tenant-42")
+    await client.post("/v1/events", json=[_store_event(1, TOKENS), json.loads(encode_router_event_json(
+        RouterEvent(2, Stored(None, sequence_hashes(salted), salted), 0, 1)))])
+
+    async def overlaps(**body: object) -> dict[int, int]:
+        answer = (await client.post("/v1/route", json={"token_ids": TOKENS, "explain": True, **body})).json()
+        return {c["worker_id"]: c["overlap_blocks"] for c in answer["candidates"]}
+
+    assert await overlaps() == {1: 4, 2: 0}
+    assert await overlaps(cache_salt="tenant-42") == {1: 0, 2: 4}
+    assert await overlaps(cache_salt="") == {1: 4, 2: 0}  # an empty salt is none, as in Dynamo
+    refused = await client.post("/v1/route", json={"local_hashes": salted, "cache_salt": "tenant-42"})
+    assert refused.status_code == 400 and "hashed already" in refused.json()["error"]
+
+
 async def _rejected_by_worker(client: httpx.AsyncClient) -> dict[int, dict[str, int]]:
     """Whose events the index refused, not only how many: what `kvctl doctor` needs to name a worker."""
     return {w["worker_id"]: w["rejected_events"] for w in (await client.get("/v1/workers")).json()["workers"]}

@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from kvctl.core.doctor import Limits, Severity, check_silent
-from kvctl.core.events import Stored, Tier
+from kvctl.core.events import RouterEvent, Stored, Tier
 from kvctl.core.events.discovery import decode_file_name, encode_file_name
+from kvctl.core.hashing import packed_block_hashes
 from kvctl.core.names import WorkerKey
 from kvctl.server.http.api import create_app
 from kvctl.server.persistence import replay
@@ -76,6 +77,36 @@ def test_a_card_gives_its_worker_a_role_and_a_capacity_unless_one_was_set() -> N
     assert (one.role, one.publishes_kv_events, one.total_blocks, one.max_num_batched_tokens) == ("decode", False, 96,
                                                                                                 8192)
     assert (two.role, two.publishes_kv_events, two.total_blocks) == ("aggregated", True, 40)
+
+
+def test_a_model_whose_cards_say_eagle_routes_prompts_as_its_eagle_workers_store_them() -> None:
+    """SGLang EAGLE workers store blocks of B + 1 tokens (its bigram pages); Dynamo's router hashes a prompt so for
+    a model whose cards say enable_eagle, and so does kvctl: the overlap is there, where plain hashes find none."""
+    records = captured()
+    for key, value in records.items():
+        runtime = json.loads(value)["card_json"]["runtime_config"]
+        records[key] = json.dumps(rewritten(value, runtime_config={**runtime, "enable_eagle": True})).encode()
+    worker = json.loads(next(iter(records.values())))["instance_id"]
+    fleet = Fleet()
+    fleet.register(WorkerInfo(worker, 0, "tiny"))
+    book = CardBook(None, None)
+    book.read(records)
+    tokens = list(range(1, 16 * 4 + 2))  # 4 blocks and the token after: what an EAGLE store of 4 pages holds
+    eagle_local = packed_block_hashes(tokens, 16, eagle=True)
+    fleet.apply("tiny", [RouterEvent(worker, Stored(None, [11, 12, 13, 14], eagle_local))], 0.0)
+
+    def overlap() -> int:
+        return fleet.route("tiny", now=0.0, token_ids=tokens).overlap_blocks
+
+    assert overlap() == 0  # hashed plainly, the prompt's blocks are not the ones the worker stored
+    book.apply(fleet, 0.0, lambda _: True)
+    assert fleet.model("tiny").router.eagle and overlap() == 4
+    records = {k: json.dumps(rewritten(v, runtime_config={**json.loads(v)["card_json"]["runtime_config"],
+                                                            "enable_eagle": False})).encode()
+               for k, v in records.items()}
+    book.read(records)
+    book.apply(fleet, 0.0, lambda _: True)
+    assert not fleet.model("tiny").router.eagle and overlap() == 0
 
 
 async def test_a_route_on_a_disaggregated_fleet_picks_from_each_pool_apart() -> None:

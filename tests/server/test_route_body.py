@@ -20,7 +20,8 @@ _TOKEN = st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 40), st.sampled_fro
     ["-1", "-0", "4294967296", "1.5", "1e3", "01", '"7"', "null", "true", "[]", ""]))
 _MEMBER = st.one_of(
     st.sampled_from(['"model":"m"', '"model":7', '"request_id":"r"', '"reserve":true', '"explain":false',
-                     '"lora_name":null', '"temperature":0.5', '"overlap_score_weight":-1', '"unknown":1',
+                     '"lora_name":null', '"cache_salt":"s"', '"temperature":0.5', '"overlap_score_weight":-1',
+                     '"unknown":1',
                      '"token_ids":null', '"token_ids":[9,8]', '"local_hashes":[1,2]', '"model":"\\u00e9"']),
     st.builds(lambda k: json.dumps(k) + ":1", st.text(max_size=6)))
 

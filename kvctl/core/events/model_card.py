@@ -50,6 +50,7 @@ class ModelCard:
     publishes_kv_events: bool  # decode workers of a disaggregated fleet publish none, by design
     dp_start: int
     dp_size: int
+    eagle: bool = False  # runtime_config.enable_eagle: the engine's blocks hash EAGLE-style (`eagle_block_hashes`)
 
     @property
     def ranks(self) -> range:
@@ -79,10 +80,7 @@ def parse_model_card(data: bytes | str) -> ModelCard:
     if role not in ROLES:
         raise DecodeError(ErrorKind.bad_type, "card_json.worker_type", f"expected one of {', '.join(ROLES)}, got "
                                                                          f"{describe(role)}")
-    publishes = runtime.get("kv_event_publishing_enabled", True)
-    if type(publishes) is not bool:
-        raise DecodeError(ErrorKind.bad_type, "card_json.runtime_config.kv_event_publishing_enabled",
-                          f"expected a bool, got {describe(publishes)}")
+    publishes = _flag(runtime, "kv_event_publishing_enabled", True)
     return ModelCard(
         instance_id=instance_id,
         namespace=as_text(require(obj, "namespace"), "namespace"),
@@ -98,7 +96,16 @@ def parse_model_card(data: bytes | str) -> ModelCard:
         publishes_kv_events=publishes,
         dp_start=_count(runtime.get("data_parallel_start_rank"), "data_parallel_start_rank") or 0,
         dp_size=_count(runtime.get("data_parallel_size"), "data_parallel_size", positive=True) or 1,
+        eagle=_flag(runtime, "enable_eagle", False),
     )
+
+
+def _flag(runtime: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = runtime.get(key, default)
+    if type(value) is not bool:
+        raise DecodeError(ErrorKind.bad_type, f"card_json.runtime_config.{key}",
+                          f"expected a bool, got {describe(value)}")
+    return value
 
 
 def _count(value: Any, field: str, *, positive: bool = False) -> int | None:

@@ -39,6 +39,9 @@ class Router:
         self._fresh = random.Random()  # the decode pool's booked blocks: apart from `rng`, which draws ties
         self.tracking = tracking
         self.tracking_model = tracking_model
+        self.eagle = False
+        """Hash prompts as EAGLE workers store blocks (B + 1 tokens each), as Dynamo's router does for a model whose
+        cards say `enable_eagle`."""
 
     def route(
         self,
@@ -64,7 +67,8 @@ class Router:
         """
         b = self.block_size
         if token_ids is not None:
-            local: Sequence[int] = packed_block_hashes(token_ids, b, lora_name=lora_name, cache_salt=cache_salt)
+            local: Sequence[int] = packed_block_hashes(token_ids, b, lora_name=lora_name, cache_salt=cache_salt,
+                                                       eagle=self.eagle)
             isl = len(token_ids)
         elif local_hashes is not None:
             local = list(local_hashes)

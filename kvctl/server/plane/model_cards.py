@@ -76,9 +76,15 @@ class CardBook:
         sizes: dict[str, set[int]] = {}
         for card in self.cards.values():
             sizes.setdefault(card.model, set()).update([] if card.block_size is None else [card.block_size])
+        eagle = {card.model for card in self.cards.values() if card.eagle} - {
+            card.model for card in self.cards.values() if not card.eagle}
         for model, found in sizes.items():
             size = next(iter(found)) if len(found) == 1 and adopt_block_size(model) else None
             router = fleet.add_model(model, block_size=size).router
+            if router.eagle != (model in eagle):
+                log.info("event plane: model %r %s", model, "hashes prompts EAGLE-style (B + 1 tokens a block), as its "
+                         "model cards say enable_eagle" if model in eagle else "no longer hashes EAGLE-style")
+                router.eagle = model in eagle
             if size is not None and router.block_size != size:
                 log.info("event plane: model %r hashes %d-token blocks, its model cards' (kv_cache_block_size)",
                          model, size)
