@@ -131,7 +131,7 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
                 stats.decode_errors[error.kind.value] += 1
             for n, data in enumerate(message.batch.events):
                 stats.events += 1
-                yield Tapped(_now_ms(), message.seq, RouterEvent(worker_id, data, message.batch.dp_rank, n))
+                yield Tapped(_now_ms(), message.seq, RouterEvent(worker_id, data, message.batch.dp_rank or 0, n))
     finally:
         sub.disable_monitor()
         monitor.close(0)

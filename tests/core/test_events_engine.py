@@ -335,16 +335,16 @@ def test_unusable_batches_raise(payload: bytes, kind: ErrorKind) -> None:
 @pytest.mark.parametrize(
     ("batch", "dp_rank"),
     [
-        ([2.0, []], 0),
-        ([2.0, [], None], 0),
+        ([2.0, []], None),  # no rank named: the stream's registered one, as Dynamo takes it
+        ([2.0, [], None], None),
         ([2, [], 3, "future"], 3),
         ({"ts": 2.0, "events": [], "data_parallel_rank": 4}, 4),
         ({"ts": 2.0, "events": [], "dp_rank": 5}, 5),
         ({"ts": 2.0, "events": [], "attn_dp_rank": 6}, 6),
-        ({"ts": 2.0, "events": []}, 0),
+        ({"ts": 2.0, "events": []}, None),
     ],
 )
-def test_batch_shapes(batch: Any, dp_rank: int) -> None:
+def test_batch_shapes(batch: Any, dp_rank: int | None) -> None:
     decoded = decode_engine_batch(_pack(batch))
     assert (decoded.ts, decoded.dp_rank, decoded.events, decoded.errors) == (2.0, dp_rank, [], [])
 

@@ -152,7 +152,7 @@ async def make(ctx: zmq.asyncio.Context, decoder: Decoder) -> AsyncIterator[Call
     harnesses: list[Harness] = []
 
     async def factory(*, replay: bool = True, timeout: float = 2.0, resume_seq: int | None = None,
-                      **engine_kw: Any) -> Harness:
+                      dp_rank: int = 0, **engine_kw: Any) -> Harness:
         engine = Engine(ctx, **engine_kw)
         delivered: list[tuple[tuple[int, int], list[EventData]]] = []
         restarts: list[tuple[int, int]] = []
@@ -163,7 +163,7 @@ async def make(ctx: zmq.asyncio.Context, decoder: Decoder) -> AsyncIterator[Call
             marks.append(mark)
 
         stream = EngineStream(
-            (WORKER_ID, 0),
+            (WORKER_ID, dp_rank),
             engine.endpoint,
             engine.replay_endpoint if replay else None,
             block_size=16,
@@ -452,6 +452,19 @@ async def test_a_burst_is_applied_in_order_without_gaps(make: Any) -> None:
     stats = h.stream.stats
     assert (stats.batches_applied, stats.gaps, stats.lost_batches) == (n + 1, 0, 0)
     assert stats.events == sum(len(captures[s % len(captures)].expected) for s in range(n + 1))
+
+
+async def test_a_batch_naming_no_rank_is_its_streams_and_one_naming_a_rank_that_ranks(make: Any) -> None:
+    """As Dynamo's listener takes them: a nil rank is the registered one (here 2); a named rank wins."""
+    a = load("vllm-0.33")[0]
+    f = next(c for c in load("vllm-0.33") if c.file.startswith("f_"))  # data_parallel_rank 1
+    ts, events, _ = msgspec.msgpack.decode(a.payload)
+    h = await make(dp_rank=2)
+    await h.start(0, msgspec.msgpack.encode([ts, events, None]))
+    await h.engine.publish(1, f.payload)
+    await h.wait(lambda: len(h.delivered) == 2)
+    assert [key for key, _ in h.delivered] == [(WORKER_ID, 2), (WORKER_ID, 1)]
+    assert h.stream.stats.schema.dp_ranks == {1, 2}
 
 
 async def test_restart_clears_every_dp_rank_the_stream_fed(make: Any) -> None:

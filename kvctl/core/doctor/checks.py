@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvctl.core.doctor.engine_events import check_engine_events
+from kvctl.core.doctor.engine_events import check_engine_events, hashing_by_design
 from kvctl.core.doctor.events import check_event_plane, check_silent, check_streams
 from kvctl.core.doctor.findings import (
     SHOWN,
@@ -153,7 +153,11 @@ def check_hit_rates(engines: Mapping[str, float], predicted: float | None, *, ze
 
 # ----- 5. engine hashing ---------------------------------------------------------------------------------------
 
-def check_hashing(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
+def check_hashing(workers: Sequence[Mapping[str, Any]], status: Mapping[str, Any] | None = None) -> list[Finding]:
+    designed = hashing_by_design(status or {})
+    explained = [(worker_name(w), w["hash_mismatches"]) for w in workers
+                 if w.get("hash_mismatches") and worker_name(w) in designed]
+    workers = [w for w in workers if worker_name(w) not in designed]
     mismatched = [(worker_name(w), w["hash_mismatches"]) for w in workers if w.get("hash_mismatches")]
     missing = [(worker_name(w), w.get("rejected_events", {}).get("block_not_found", 0)) for w in workers
                if w.get("rejected_events", {}).get("block_not_found")]
@@ -179,6 +183,17 @@ def check_hashing(workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
             f"non-deterministic engine hashing: {counted(len(names), 'worker')} stored known token paths under other "
             "block hashes (Dynamo's \"block_hash mismatch\"), so their removals miss and prefixes are not shared",
             evidence, fix)]
+    if explained:
+        names = [n for n, _ in explained]
+        return [Finding(
+            "hashing", Severity.WARNING,
+            f"{counted(len(names), 'worker')} stored known token paths under other block hashes by their engines' "
+            "configuration, not by chance: their hashes and token blocks do not pair one to one. kvctl indexes "
+            "them as Dynamo does, so prefixes they share with other engines count apart",
+            {**named(names), "mismatched_blocks": dict(explained[:SHOWN]),
+             "why": {n: designed[n] for n in names[:SHOWN]}},
+            f"expected with speculative decoding's lookahead hashing; give worker {first_id(names)} the same "
+            "configuration as the rest of its model to share their prefixes")]
     if missing:
         return [Finding(
             "hashing", Severity.WARNING,
@@ -456,7 +471,7 @@ def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
         return worst_first([*registration, *plane, *check_health(status, limits)])  # the plane may say why
     findings = [*registration, *check_silent(status, workers, limits), *check_streams(status), *plane,
                 *check_engine_events(status),
-                *check_block_size(status, workers), *check_hashing(workers), *check_partial(workers),
+                *check_block_size(status, workers), *check_hashing(workers, status), *check_partial(workers),
                 *check_recovery(status),
                 *check_busy(workers, thresholds, limits), *check_divergence(peers, limits),
                 *check_index(status, limits), *check_loop(status, limits, held=loop_held),

@@ -26,6 +26,20 @@ def check_engine_events(status: Mapping[str, Any]) -> list[Finding]:
     return [*_dropped(streams), *_hybrid(streams), *_salted(streams), *_eagle(streams)]
 
 
+def hashing_by_design(status: Mapping[str, Any]) -> dict[str, str]:
+    """Per stream whose engine hashes blocks unlike other engines by its configuration: why. Its hashes and token
+    blocks do not pair one to one (vLLM's lookahead tokens, token ids beyond its hashes), so the same tokens come
+    under other block hashes than another engine's, as Dynamo sees them too: not a hash seed gone wrong."""
+    out = {}
+    for stream in status.get("streams") or []:
+        shapes = set((stream.get("schema") or {}).get("token_shapes") or ())
+        reasons = [why for shape, why in (("lookahead", "lookahead tokens (vLLM num_hash_lookahead_tokens)"),
+                                          ("surplus", "token ids beyond its block hashes")) if shape in shapes]
+        if reasons:
+            out[stream_name(stream)] = ", ".join(reasons)
+    return out
+
+
 def undeclared_ranks(status: Mapping[str, Any]) -> dict[str, list[int]]:
     """Per registered stream (`stream_name`) whose engine published under DP ranks other than its own: those ranks.
     Dynamo indexes them there, so the registered rank is quiet by mistake of registration, not silent."""
@@ -41,19 +55,21 @@ def _dropped(streams: Sequence[Mapping[str, Any]]) -> list[Finding]:
     rows = [(stream_name(s), s) for s in streams if s.get("events_dropped")]
     if not rows:
         return []
-    emptied = [name for name, s in rows if not s.get("events") and s.get("messages")]
+    emptied_rows = [s for _, s in rows if not s.get("events") and s.get("messages")]
+    emptied = [stream_name(s) for s in emptied_rows]
     causes: dict[str, int] = {}
     for _, s in rows:
         for cause, n in s["events_dropped"].items():
             causes[cause] = causes.get(cause, 0) + n
     evidence = {**named([n for n, _ in rows]), "events_dropped": {n: s["events_dropped"] for n, s in rows[:SHOWN]}}
     if emptied:
+        endpoint = emptied_rows[0].get("endpoint") or f"<worker {first_id(emptied)}'s endpoint>"
         return [Finding(
             "dropped", Severity.CRITICAL,
-            f"{counted(len(emptied), 'engine stream')} publish, but every event was dropped as Dynamo drops it "
-            f"({_causes(causes)}): nothing of theirs is indexed, and every overlap with them is 0",
+            f"every event of {counted(len(emptied), 'engine stream')} was dropped as Dynamo drops it "
+            f"({_causes(causes)}): nothing of theirs is indexed while they publish, so every overlap with them is 0",
             {**evidence, "emptied": emptied[:SHOWN]},
-            f"kvctl events tail --zmq <{first_id(emptied)}'s endpoint>  (see what it sends); kvctl router status")]
+            f"{_fix(causes)}; kvctl events tail --zmq {endpoint}  (what it sends)")]
     faults = {c: n for c, n in causes.items() if c not in _BY_DESIGN}
     if faults:
         return [Finding(

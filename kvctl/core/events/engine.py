@@ -7,9 +7,11 @@ msgpack value, so a new engine field never breaks decoding and a bad event costs
 it is reported in `EngineBatch.errors` and the rest of its batch still applies. The shape nearly
 every batch has is first tried with a typed pass that gives the same answer faster, or gives up.
 
-Each `Stored` gets its `tokens_hashes` from the event's own token ids (Dynamo's local hash, with
-the LoRA name folded into the seed as Dynamo does); the engine's block hash stays an opaque id.
-Multimodal/cache-salt `extra_keys` are ignored for the local hash, as Dynamo 1.6.1's indexer does.
+Each `Stored` gets its `tokens_hashes` from the event's own token ids (Dynamo's local hash, with the LoRA
+name and the cache salt folded into the seed as Dynamo does); the engine's block hash stays an opaque id.
+What else an event says (locality, ownership, medium, KV cache group, salt, EAGLE pairs) is read as Dynamo
+1.6.1 reads it (`engine_fields`); an event it would not index is counted in `EngineBatch.filtered`, not
+refused. Multimodal `extra_keys` are ignored for the local hash, as Dynamo 1.6.1's indexer does.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class EngineBatch(msgspec.Struct, frozen=True, gc=False):
     costs several times as much to construct."""
 
     ts: float
-    dp_rank: int
+    dp_rank: int | None  # None when the batch names none: its stream's registered rank, as Dynamo takes it
     events: list[EventData]
     errors: list[DecodeError]
     filtered: list[str] = msgspec.field(default_factory=list)
@@ -217,7 +219,7 @@ def _decode_common(payload: bytes, default_block_size: int | None, packed: bool 
                 events.append(decoded)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError, DecodeError):
         return None  # not the common shape, or not sound: the general walk says why
-    return EngineBatch(float(raw.ts), 0 if raw.dp_rank is None else raw.dp_rank, events, [], filtered)
+    return EngineBatch(float(raw.ts), raw.dp_rank, events, [], filtered)
 
 
 def _decode_any(payload: bytes, default_block_size: int | None) -> EngineBatch:
@@ -295,7 +297,7 @@ def _decode_seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big")
 
 
-def _batch_parts(raw: Any) -> tuple[float, list[Any], int]:
+def _batch_parts(raw: Any) -> tuple[float, list[Any], int | None]:
     """(ts, raw events, dp_rank) of a batch shaped [ts, events(, dp_rank)] or as a map."""
     if isinstance(raw, list):
         if len(raw) < 2:
@@ -321,10 +323,10 @@ def _batch_field(raw: Mapping[Any, Any], key: str) -> Any:
     return raw[key]
 
 
-def _decode_dp_rank(value: Any) -> int:
-    """vLLM's data_parallel_rank / SGLang's attn_dp_rank; None (no data parallelism) is rank 0."""
+def _decode_dp_rank(value: Any) -> int | None:
+    """vLLM's data_parallel_rank / SGLang's attn_dp_rank; None stays None (the stream's own rank)."""
     if value is None:
-        return 0
+        return None
     if type(value) is int and 0 <= value < _U32_LIMIT:
         return value
     raise DecodeError(ErrorKind.bad_batch, "dp_rank", f"expected a u32 or null, got {describe(value)}")

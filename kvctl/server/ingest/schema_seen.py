@@ -39,7 +39,9 @@ class SchemaSeen:
     - `event_shapes`: "map" (vLLM >= 0.24, SGLang) or "array" (vLLM <= 0.23 positional).
     - `hash_kinds`: "u64", "i64" (negative: SGLang), "bytes" (vLLM with int hashes off).
     - `block_sizes`, `media`: as sent by the engine (e.g. 16, "GPU", "CPU_PINNED").
-    - `token_shapes`: "ids" (plain token ids) or "pairs" (SGLang's EAGLE `[t_i, t_i+1]` pairs).
+    - `token_shapes`: "ids" (plain token ids) or "pairs" (SGLang's EAGLE `[t_i, t_i+1]` pairs); "lookahead" (vLLM's
+      `lookahead_token_ids`) and "surplus" (more full blocks of token ids than hashes) say that the engine's
+      hashes and token blocks do not pair one to one, so its hashes differ from other engines' by design.
     - `tiers`, `dp_ranks`: from every decoded batch (not sampled).
     """
 
@@ -136,7 +138,13 @@ class Schema:
             self.block_sizes.add(block_size)
         tokens = event.get("token_ids") if tag == "BlockStored" and isinstance(event, dict) else None
         if isinstance(tokens, list) and tokens:
-            self.token_shapes.add("pairs" if isinstance(tokens[0], list) else "ids")
+            pairs = isinstance(tokens[0], list)
+            self.token_shapes.add("pairs" if pairs else "ids")
+            if event.get("lookahead_token_ids"):
+                self.token_shapes.add("lookahead")
+            if not pairs and isinstance(hashes, list) and type(block_size) is int and block_size > 0 and \
+                    len(tokens) // block_size > len(hashes):
+                self.token_shapes.add("surplus")
         if isinstance(medium, str):
             self.media.add(medium)
 

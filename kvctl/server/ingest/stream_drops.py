@@ -38,9 +38,10 @@ class StreamDrops:
         self.normalizer = StreamNormalizer()
         self._logged: set[Dropped] = set()
 
-    def admit(self, batch: EngineBatch) -> list[EventData]:
-        """The batch's events Dynamo would index; the others counted (`normalizer.dropped`)."""
-        events, drops = self.normalizer.admit(batch.dp_rank, batch.events, batch.filtered)
+    def admit(self, dp_rank: int, batch: EngineBatch) -> list[EventData]:
+        """The batch's events Dynamo would index (of `dp_rank`, the batch's own or its stream's); the others
+        counted (`normalizer.dropped`)."""
+        events, drops = self.normalizer.admit(dp_rank, batch.events, batch.filtered)
         for cause in drops:
             if cause not in self._logged:
                 self._logged.add(cause)

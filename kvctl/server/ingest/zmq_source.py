@@ -96,7 +96,7 @@ class EngineStream:
     """Subscribe to one engine endpoint and feed its events, in seq order, to `sink`.
 
     `worker` is the registered `(worker_id, dp_rank)`; each batch's own dp rank overrides the
-    registered one (as Dynamo does), so the sink gets `(worker_id, batch.dp_rank)`. `on_restart` is
+    registered one where it names one (as Dynamo does), so the sink gets `(worker_id, batch.dp_rank)`. `on_restart` is
     called with every worker key this stream delivered events for since the previous restart (the
     registered key if none), once each, when the engine's seq goes backwards. The sink also gets each
     batch's `SeqMark` (`stream_id`, seq): the router keeps the last one applied, and a stream started
@@ -562,15 +562,16 @@ class EngineStream:
         for error in batch.errors:
             self._count_error(error.kind)
         schema = self._schema
-        schema.dp_ranks.add(batch.dp_rank)
-        events = self.drops.admit(batch)
+        dp_rank = self.worker[1] if batch.dp_rank is None else batch.dp_rank
+        schema.dp_ranks.add(dp_rank)
+        events = self.drops.admit(dp_rank, batch)
         if not events:
             return
         for event in events:
             tier = getattr(event, "tier", None)
             if tier is not None:
                 schema.tiers.add(TIER_VALUES[tier])
-        key = (self.worker[0], batch.dp_rank)
+        key = (self.worker[0], dp_rank)
         self._keys_seen.add(key)
         self._events += len(events)
         self._last_event_at = self._clock()
