@@ -96,7 +96,7 @@ def test_every_message_of_todays_engines_takes_the_typed_pass() -> None:
     """vLLM 0.34's groups, locality, ownership and lookahead; SGLang 0.5.23's signed hashes, salts and EAGLE pairs:
     none of them falls back to the walk (3x slower), and the typed pass agrees with it on each."""
     refused = [payload[:40] for payload in STREAM_PAYLOADS if not _assert_agrees(payload)]
-    assert refused == [] and len(STREAM_PAYLOADS) == 88
+    assert refused == [] and len(STREAM_PAYLOADS) == 96
 
 
 @SETTINGS

@@ -20,6 +20,7 @@ from kvctl.core.events import (
     DecodeError,
     ErrorKind,
     Group,
+    Rehash,
     Removed,
     Stored,
     Tier,
@@ -30,7 +31,7 @@ from kvctl.core.events import (
     normalize_hash,
     tier_of_medium,
 )
-from kvctl.core.hashing import local_block_hashes
+from kvctl.core.hashing import local_block_hashes, pack_tokens
 from tests.fixtures_path import FIXTURES
 
 pytestmark = pytest.mark.usefixtures("native_impl")  # on the C extension and on its pure-Python twin
@@ -430,6 +431,17 @@ def test_stored_rules() -> None:
         None, [], [], cut="block_size_mismatch", cut_blocks=1)
     no_size = {k: v for k, v in _stored_map().items() if k != "block_size"}
     assert _decode_one(no_size, default_block_size=2).tokens_hashes == local_block_hashes(list(range(4)), 2)
+
+
+def test_token_ids_are_kept_only_for_an_unsalted_store_with_a_parent_when_asked() -> None:
+    """What the stream needs to hash a store under a salted parent's salt (`Rehash`), and nothing else."""
+    tokens = list(range(8))
+    child = {**_stored_map(), "parent_block_hash": 9, "lora_name": "ad"}
+    kept = decode_engine_batch(_pack([1.5, [child], 0]), keep_tokens=True).events[0]
+    assert isinstance(kept, Stored) and kept.rehash == Rehash(pack_tokens(tokens).tobytes(), 4, "ad", False)
+    for event, keep in ((child, False), (_stored_map(), True), ({**child, "cache_salt": "s"}, True)):
+        decoded = decode_engine_batch(_pack([1.5, [event], 0]), keep_tokens=keep).events[0]
+        assert isinstance(decoded, Stored) and decoded.rehash is None, event
 
 
 @pytest.mark.parametrize(

@@ -36,8 +36,9 @@ STREAM_PAYLOADS = sorted(bytes.fromhex(json.loads(line)["payload_hex"])
 """Every message of the vLLM 0.34 and SGLang 0.5.23 streams (groups, locality, ownership, salts, EAGLE pairs)."""
 ENGINE_PAYLOADS = sorted(p.read_bytes() for p in FIXTURES.glob("**/*.msgpack")) + STREAM_PAYLOADS
 # Captures whose events all decode and that hold more than one: the survivors of a corruption.
-MULTI_EVENT_BATCHES = [
-    p for p in ENGINE_PAYLOADS if len(msgspec.msgpack.decode(p)[1]) > 1 and not decode_engine_batch(p).errors
+MULTI_EVENT_BATCHES = [  # each event at its index: none refused, none dropped as Dynamo drops them
+    p for p in ENGINE_PAYLOADS if len(msgspec.msgpack.decode(p)[1]) > 1
+    and not (decoded := decode_engine_batch(p, default_block_size=16)).errors and not decoded.filtered
 ]
 DUMP_JSON = [line.encode() for line in (FIXTURES / "dynamo-1.6.1" / "dump.jsonl").read_text().splitlines()]
 ENVELOPES = [
@@ -109,7 +110,7 @@ def _decode_batch(data: bytes) -> EngineBatch | None:
         batch = decode_engine_batch(data, default_block_size=16)
     except DecodeError:
         return None
-    assert 0 <= batch.dp_rank < 2**32 and isinstance(batch.ts, float)
+    assert (batch.dp_rank is None or 0 <= batch.dp_rank < 2**32) and isinstance(batch.ts, float)
     for ev in batch.events:
         _check_event(ev)
     assert all(isinstance(e, DecodeError) and e.index is not None for e in batch.errors)
@@ -136,9 +137,9 @@ def test_one_corrupted_event_costs_only_itself(payload: bytes, data: st.DataObje
     batch = _decode_batch(msgspec.msgpack.encode(raw))
     assert batch is not None
     assert [e.index for e in batch.errors] in ([], [victim])
-    assert len(batch.errors) + len(batch.filtered) <= 1 + len(original.filtered)
+    assert len(batch.errors) + len(batch.filtered) <= 1
     survivors = [ev for i, ev in enumerate(original.events) if i != victim]
-    if batch.errors or len(batch.filtered) > len(original.filtered):  # refused, or dropped as Dynamo drops it
+    if batch.errors or batch.filtered:  # refused, or dropped as Dynamo drops it
         assert batch.events == survivors
     else:
         assert batch.events[:victim] + batch.events[victim + 1 :] == survivors

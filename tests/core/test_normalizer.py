@@ -5,9 +5,10 @@ tests/interop/test_engine_streams_dynamo.py."""
 
 from __future__ import annotations
 
-from kvctl.core.events import Cleared, EventData, Group, Removed, Stored, Tier
+from kvctl.core.events import Cleared, EventData, Group, Rehash, Removed, Stored, Tier
 from kvctl.core.events.engine_fields import Dropped
 from kvctl.core.events.normalizer import StreamNormalizer
+from kvctl.core.hashing import local_block_hashes, pack_tokens
 
 HASHES = [11, 12, 13, 14, 15]
 LOCAL = [21, 22, 23, 24, 25]
@@ -106,8 +107,20 @@ def test_a_salted_store_is_kept_and_its_salt_counted_not_kept() -> None:
     assert len(kept) == 2 and drops == [] and normalizer.salts_seen == 2
 
 
-def test_an_unsalted_child_of_a_salted_block_is_dropped_not_indexed_unsalted() -> None:
-    """Dynamo hashes it with the inherited salt; kvctl cannot (the token ids are gone), so it says so."""
+def test_an_unsalted_child_of_a_salted_block_inherits_the_salt_as_in_dynamo() -> None:
+    """vLLM names a salted request's salt in its first block only; the next chunk is hashed under the parent's salt
+    from the token ids the decoder kept, which go no further than the normalizer."""
+    tokens = list(range(1, 33))
+    packed = pack_tokens(tokens).tobytes()
+    child = Stored(2, [3, 4], local_block_hashes(tokens, 16), rehash=Rehash(packed, 16, "ad", False))
+    _, kept, drops = run((0, [store(salt="s1", hashes=[1, 2]), child, store(parent=4, hashes=[5])]))
+    inherited = Stored(2, [3, 4], local_block_hashes(tokens, 16, lora_name="ad", cache_salt="s1"), salt="s1")
+    assert kept[:2] == [store(salt="s1", hashes=[1, 2]), inherited] and drops == [Dropped.uninherited_cache_namespace]
+
+
+def test_an_unsalted_child_of_a_salted_block_without_its_tokens_is_dropped_not_indexed_unsalted() -> None:
+    """Without its token ids (the decode process sends them once its stream stored salted blocks), a store cannot
+    be hashed under the inherited salt: dropped and counted, never indexed under the wrong hashes."""
     _, kept, drops = run((0, [store(salt="s1", hashes=[1, 2]), store(parent=2, hashes=[3])]))
     assert kept == [store(salt="s1", hashes=[1, 2])]
     assert drops == [Dropped.uninherited_cache_namespace]
@@ -156,6 +169,11 @@ def test_decoder_drops_are_counted_with_the_rest() -> None:
     assert normalizer.admit(0, [store()], ["non_local_locality", "unsupported_ownership"]) == (
         [store()], [Dropped.non_local_locality, Dropped.unsupported_ownership])
     assert normalizer.dropped == {"non_local_locality": 1, "unsupported_ownership": 1}
+
+
+def test_token_ids_kept_for_a_salt_go_no_further() -> None:
+    kept, _ = StreamNormalizer().admit(0, [Stored(None, [1], [21], rehash=Rehash(b"\0" * 64, 16, None, False))])
+    assert kept == [Stored(None, [1], [21])]
 
 
 def test_a_plain_stream_passes_through_untouched() -> None:

@@ -141,9 +141,15 @@ class Stream:
                 full = len(tokens) // BLOCK_SIZE * BLOCK_SIZE
                 base.append(Prompt(f"w{message.worker} seq {message.seq}", tokens[:full]))
         loras = sorted({e["lora_name"] for _, e in self.stores() if e.get("lora_name")})
-        salts = sorted({e["cache_salt"] for _, e in self.stores() if e.get("cache_salt")})
+        salts = sorted({e["cache_salt"] for _, e in self.stores() if e.get("cache_salt")} | {
+            key.removeprefix(DYNAMO_SALT) for _, e in self.stores() for key in (e.get("extra_keys") or [None])[0] or ()
+            if isinstance(key, str) and key.startswith(DYNAMO_SALT)})
         return [Prompt(p.name, p.token_ids, lora, salt)
                 for p in base for lora in [None, *loras] for salt in [None, *salts]]
+
+
+DYNAMO_SALT = "dynamo-cache-salt:"
+"""How Dynamo's vLLM worker tags the salt it hands vLLM, which keys a request's first block with it (v7)."""
 
 
 def flat_tokens(token_ids: Sequence[Any]) -> tuple[int, ...]:

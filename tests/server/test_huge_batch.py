@@ -92,7 +92,7 @@ def test_the_decode_process_sends_a_large_batch_in_parts_read_as_they_come() -> 
 
     events = 20 * PART_EVENTS
     payload = encode_batch(VLLM, 0.0, [BlockStored([i + 1], i or None, list(range(16)), 16) for i in range(events)])
-    wire = live_answer(1, [b"", (5).to_bytes(8, "big"), payload], 16, False)
+    wire, _ = live_answer(1, [b"", (5).to_bytes(8, "big"), payload], 16, False, False)
     buf, held, answers, most = bytearray(), [], [], 0
     for at in range(0, len(wire), 64 * 1024):
         before = len(held)

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from kvctl.core.events import Cleared, ErrorKind, EventData, Removed, Stored, Tier
+from kvctl.core.hashing import local_block_hashes
 from kvctl.core.names import SeqMark
 from kvctl.server.ingest.decode_process.parent import Decoder, InlineDecoder, ProcessDecoder
 from kvctl.server.ingest.zmq_source import EngineStream
@@ -465,6 +466,28 @@ async def test_a_batch_naming_no_rank_is_its_streams_and_one_naming_a_rank_that_
     await h.wait(lambda: len(h.delivered) == 2)
     assert [key for key, _ in h.delivered] == [(WORKER_ID, 2), (WORKER_ID, 1)]
     assert h.stream.stats.schema.dp_ranks == {1, 2}
+
+
+async def test_a_salted_requests_later_chunk_inherits_its_salt_whichever_decoder(make: Any) -> None:
+    """vLLM behind Dynamo names a request's salt in its first block only: the chunk stored next comes unsalted, and
+    is hashed under its parent's salt, as Dynamo's indexer does (v7 of the 0.34 streams, worker 1)."""
+    lines = [json.loads(line) for line in (FIXTURES / "engine-streams" / "vllm-0.34" /
+                                           "v7_dynamo_cache_salt_chunked.jsonl").read_text().splitlines()]
+    first, second = (bytes.fromhex(m["payload_hex"]) for m in lines if m["worker"] == 1 and m["seq"] in (0, 1))
+    tokens = [t for m in lines if m["worker"] == 1 for e in m["wire_untyped"][1] for t in e["token_ids"]][:320]
+    ts, events, rank = msgspec.msgpack.decode(first)
+    both = msgspec.msgpack.encode([ts, [*events, *msgspec.msgpack.decode(second)[1]], rank])  # one scheduler step
+    salted = local_block_hashes(tokens, 16, cache_salt="tenant-42")
+    for payloads in ([first, second], [both]):
+        h = await make()
+        await h.start(0, payloads[0])
+        for seq, payload in enumerate(payloads[1:], 1):
+            await h.engine.publish(seq, payload)
+        await h.wait(lambda h=h: sum(map(len, (events for _, events in h.delivered))) == 2)
+        stored = [event for _, events in h.delivered for event in events]
+        assert [list(e.tokens_hashes) for e in stored if isinstance(e, Stored)] == [salted[:12], salted[12:]]
+        assert [(e.salt, e.rehash) for e in stored if isinstance(e, Stored)] == [("tenant-42", None)] * 2
+        assert h.stream.drops.normalizer.dropped == {}
 
 
 async def test_restart_clears_every_dp_rank_the_stream_fed(make: Any) -> None:

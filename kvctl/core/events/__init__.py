@@ -23,7 +23,17 @@ from kvctl.core.events.engine import (
 )
 from kvctl.core.events.engine_fields import Dropped, tier_of_medium
 from kvctl.core.events.errors import DecodeError, ErrorKind
-from kvctl.core.events.types import TIER_VALUES, Cleared, EventData, Group, Removed, RouterEvent, Stored, Tier
+from kvctl.core.events.types import (
+    TIER_VALUES,
+    Cleared,
+    EventData,
+    Group,
+    Rehash,
+    Removed,
+    RouterEvent,
+    Stored,
+    Tier,
+)
 
 __all__ = [
     "END_SEQ",
@@ -37,6 +47,7 @@ __all__ = [
     "EventData",
     "EventEnvelope",
     "Group",
+    "Rehash",
     "Removed",
     "ReplayFrame",
     "RouterEvent",

@@ -34,7 +34,7 @@ from kvctl.core.events.engine_fields import (
     tier_of_medium,
 )
 from kvctl.core.events.errors import DecodeError, ErrorKind, describe, parse_msgpack, require
-from kvctl.core.events.types import Cleared, EventData, Group, Removed, Stored
+from kvctl.core.events.types import Cleared, EventData, Group, Rehash, Removed, Stored
 from kvctl.core.hashing import U64_MASK, XXH3_SEED, block_hashes_of_packed, block_seed, eagle_block_hashes, pack_tokens
 
 END_SEQ = U64_MASK
@@ -128,15 +128,17 @@ def decode_engine_message(frames: Sequence[bytes], *, default_block_size: int | 
 
 
 def decode_engine_batch(payload: bytes, *, default_block_size: int | None = None,
-                        packed: bool = False) -> EngineBatch:
+                        packed: bool = False, keep_tokens: bool = False) -> EngineBatch:
     """Decode a batch payload; raises DecodeError only when the batch itself is unusable.
 
-    `default_block_size` is used only for events that carry no block size of their own. With `packed`, a
-    removal's hashes and a store's local hashes may come as an array('Q') (the router's decode process sends
-    them packed, and reads them so from the common shape without an int per block).
+    `default_block_size` is the model's: a store that names another indexes no block, as in Dynamo, and one
+    that names none is read with it. With `packed`, a removal's hashes and a store's local hashes may come as
+    an array('Q') (the router's decode process sends them packed, and reads them so from the common shape
+    without an int per block). With `keep_tokens`, unsalted stores with a parent keep their token ids
+    (`Stored.rehash`), so that the stream can hash them under a salted parent's salt.
     """
-    batch = _decode_common(payload, default_block_size, packed)
-    return _decode_any(payload, default_block_size) if batch is None else batch
+    batch = _decode_common(payload, default_block_size, packed, keep_tokens)
+    return _decode_any(payload, default_block_size, keep_tokens) if batch is None else batch
 
 
 # The typed pass declares every field vLLM 0.34 and SGLang 0.5.23 send and forbids the others: a field it
@@ -186,7 +188,8 @@ _COMMON = msgspec.msgpack.Decoder(_CommonBatch)
 _INTS = msgspec.msgpack.Decoder(list[int])
 
 
-def _decode_common(payload: bytes, default_block_size: int | None, packed: bool = False) -> EngineBatch | None:
+def _decode_common(payload: bytes, default_block_size: int | None, packed: bool = False,
+                   keep_tokens: bool = False) -> EngineBatch | None:
     """The shape nearly every batch has (vLLM >= 0.24 and SGLang: `[ts, events, dp_rank]` of map events, every
     event sound), decoded by one typed msgspec pass instead of a walk over untyped values, token ids and
     removed hashes read by C straight from their msgpack (a 1024-token store: 17 us here, 42 us when msgspec
@@ -205,7 +208,8 @@ def _decode_common(payload: bytes, default_block_size: int | None, packed: bool 
                                  default_block_size, event.lora_name, event.cache_salt, event.extra_keys,
                                  None if event.group_idx is None and event.kv_cache_spec_kind is None else
                                  group_of(event.group_idx, event.kv_cache_spec_kind,
-                                          event.kv_cache_spec_sliding_window, event.block_size), packed)
+                                          event.kv_cache_spec_sliding_window, event.block_size), packed,
+                                 keep_tokens)
             elif type(event) is _RemovedMap:
                 decoded = _removed(event.locality, event.ownership, event.medium,
                                   _removed_hashes(event.block_hashes, packed),
@@ -222,7 +226,7 @@ def _decode_common(payload: bytes, default_block_size: int | None, packed: bool 
     return EngineBatch(float(raw.ts), raw.dp_rank, events, [], filtered)
 
 
-def _decode_any(payload: bytes, default_block_size: int | None) -> EngineBatch:
+def _decode_any(payload: bytes, default_block_size: int | None, keep_tokens: bool = False) -> EngineBatch:
     """Every shape a batch may have, each event decoded (or reported) on its own."""
     ts, raw_events, dp_rank = _batch_parts(parse_msgpack(payload))
     events: list[EventData] = []
@@ -230,7 +234,7 @@ def _decode_any(payload: bytes, default_block_size: int | None) -> EngineBatch:
     filtered: list[str] = []
     for index, raw in enumerate(raw_events):
         try:
-            event = _decode_event(raw, default_block_size)
+            event = _decode_event(raw, default_block_size, keep_tokens)
         except DecodeError as exc:
             errors.append(DecodeError(exc.kind, exc.field, exc.detail, index))
             continue
@@ -332,7 +336,7 @@ def _decode_dp_rank(value: Any) -> int | None:
     raise DecodeError(ErrorKind.bad_batch, "dp_rank", f"expected a u32 or null, got {describe(value)}")
 
 
-def _decode_event(raw: Any, default_block_size: int | None) -> EventData | Dropped:
+def _decode_event(raw: Any, default_block_size: int | None, keep_tokens: bool) -> EventData | Dropped:
     tag, fields = _tagged_fields(raw)
     get = fields.get
     if tag == "BlockStored":
@@ -343,7 +347,7 @@ def _decode_event(raw: Any, default_block_size: int | None) -> EventData | Dropp
                        _tokens_of_list(require(fields, "token_ids")), get("block_size"), default_block_size,
                        get("lora_name"), get("cache_salt"), get("extra_keys"),
                        group_of(get("group_idx"), get("kv_cache_spec_kind"), get("kv_cache_spec_sliding_window"),
-                                get("block_size")), False)
+                                get("block_size")), False, keep_tokens)
     if tag == "BlockRemoved":
         return _removed(get("locality"), get("ownership"), get("medium"), _hash_list(require(fields, "block_hashes")),
                         group_of(get("group_idx"), get("kv_cache_spec_kind")))
@@ -383,11 +387,13 @@ def _hash_list(value: Any) -> list[int]:
 
 def _stored(locality: Any, ownership: Any, medium: Any, parent: int | None, hashes: list[int],
             tokens: tuple[bytes, bool], block_size: Any, default_block_size: int | None, lora_name: Any,
-            cache_salt: Any, extra_keys: Any, group: Group | None, packed: bool) -> Stored | Dropped:
+            cache_salt: Any, extra_keys: Any, group: Group | None, packed: bool, keep_tokens: bool = False
+            ) -> Stored | Dropped:
     """A store as Dynamo 1.6.1 converts it, or why it drops it. `tokens`: the token ids as u32 LE, and whether
     they came as EAGLE pairs. Block i is hashed from token window i from the start; the blocks that have no
     full window, all of them when the store's block size is not the model's, and all of them when a hash
-    repeats, are cut and counted (`Stored.cut`), as Dynamo drops them."""
+    repeats, are cut and counted (`Stored.cut`), as Dynamo drops them. With `keep_tokens`, an unsalted store
+    with a parent keeps what it was hashed from (`Stored.rehash`), to inherit its parent's salt."""
     # The common case first, inline (this runs for every store): nothing on locality, ownership, salt or group.
     drop = None if locality is None and ownership is None else residency_drop(locality, ownership)
     tier = MEDIUM_TIERS.get(medium) if type(medium) is str else tier_of_medium(medium)
@@ -414,10 +420,12 @@ def _stored(locality: Any, ownership: Any, medium: Any, parent: int | None, hash
     seed = XXH3_SEED if lora_name is None and salt is None else block_seed(lora_name, salt)
     window = packed_tokens[:4 * kept * size + extra]
     local = eagle_block_hashes(window, size, seed) if eagle else block_hashes_of_packed(window, size, seed)
+    rehash = Rehash(window, size, lora_name or None, eagle) if keep_tokens and salt is None and parent is not None \
+        else None
     if kept < n:
         return Stored(parent, hashes[:kept], local if packed else local.tolist(), tier, group, salt,
-                      Dropped.short_tokens.value, n - kept)
-    return Stored(parent, hashes, local if packed else local.tolist(), tier, group, salt)
+                      Dropped.short_tokens.value, n - kept, rehash)
+    return Stored(parent, hashes, local if packed else local.tolist(), tier, group, salt, rehash=rehash)
 
 
 def _removed(locality: Any, ownership: Any, medium: Any, hashes: Sequence[int], group: Group | None

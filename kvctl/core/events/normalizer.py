@@ -6,9 +6,11 @@
   `group_idx` and its kind teaches the stream that group's kind (per DP rank); an event's own kind decides it,
   else its group's learned kind, else only group 0 is kept. Without that, a sliding window's removes would
   empty the index while the full-attention group still holds every block.
-- **Salts.** An unsalted store under a salted parent inherits the salt in Dynamo; under a block stored both
-  salted and unsalted it is dropped. kvctl cannot hash it with an inherited salt (its token ids are gone once
-  decoded), so it drops that store too, under its own cause: counted, never indexed wrongly.
+- **Salts.** An unsalted store under a salted parent inherits the salt, as in Dynamo: vLLM names a request's salt
+  in its first block only, so a salted request's later stores come unsalted. Its blocks are hashed again under
+  the salt, from the token ids the decoder kept (`Stored.rehash`); one that came without them (the decode
+  process sends them once its stream has stored salted blocks) is dropped under its own cause, counted, never
+  indexed wrongly. Under a block stored both salted and unsalted, a store is dropped, as in Dynamo.
 - **Cuts.** What the decoder cut from a store (`Stored.cut`) is counted here, after the group filter, where
   Dynamo's conversion comes in its order.
 
@@ -18,14 +20,17 @@ Disk and external tiers skip the groups and salts, as in Dynamo. Every drop is c
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import msgspec
 from xxhash import xxh3_64_intdigest
 
 from kvctl.core.events.engine_fields import Dropped
-from kvctl.core.events.types import Cleared, EventData, Group, Removed, Stored, Tier
+from kvctl.core.events.types import Cleared, EventData, Group, Rehash, Removed, Stored, Tier
+from kvctl.core.hashing import block_hashes_of_packed, block_seed, eagle_block_hashes
 
 __all__ = ["GroupSeen", "StreamNormalizer"]
 
@@ -86,14 +91,17 @@ class StreamNormalizer:
         if not drops and not self._salted and all(map(_plain, events)):
             return events, drops  # the shape of a plain single-group stream: nothing to judge
         for event in events:
-            cause = self._judge(dp_rank, event)
+            cause, event = self._judge(dp_rank, event)
             if cause is not None:
                 drops.append(cause)
-            if type(event) is Stored and event.cut is not None and cause is None:
+                continue
+            if type(event) is Stored and event.rehash is not None:  # its token ids go no further than here
+                event = msgspec.structs.replace(event, rehash=None)
+            if type(event) is Stored and event.cut is not None:
                 drops.append(Dropped(event.cut))
                 if event.block_hashes:
                     kept.append(event)
-            elif cause is None:
+            else:
                 kept.append(event)
         for cause in drops:
             self.dropped[cause.value] = self.dropped.get(cause.value, 0) + 1
@@ -103,13 +111,14 @@ class StreamNormalizer:
         """The engine restarted, or cleared: the salts of the blocks it held are gone with them."""
         self._salted.clear()
 
-    def _judge(self, dp_rank: int, event: EventData) -> Dropped | None:
+    def _judge(self, dp_rank: int, event: EventData) -> tuple[Dropped | None, EventData]:
+        """Why `event` is dropped (None: kept), and the event kept: a store that inherits a salt, hashed under it."""
         if type(event) is Cleared:
             self._salted = {k: v for k, v in self._salted.items() if k[0] != dp_rank} if self._salted else {}
-            return None
+            return None, event
         assert isinstance(event, Stored | Removed)
         if event.tier in _LOWER:
-            return None
+            return None, event
         group = event.group
         if group is not None:
             if type(event) is Stored and group.idx is not None and group.kind is not None:
@@ -117,7 +126,7 @@ class StreamNormalizer:
             cause = self._group_drop(dp_rank, group)
             self._count_group(dp_rank, group, cause)
             if cause is not None:
-                return cause
+                return cause, event
         if type(event) is Stored:
             return self._salt_store(dp_rank, event)
         if self._salted:
@@ -125,7 +134,7 @@ class StreamNormalizer:
                 key = (dp_rank, block)
                 if key in self._salted and self._salted[key] is not _AMBIGUOUS:
                     del self._salted[key]
-        return None
+        return None, event
 
     def _learn(self, dp_rank: int, group: Group) -> None:
         assert group.idx is not None and group.kind is not None
@@ -164,9 +173,22 @@ class StreamNormalizer:
         else:
             seen.dropped += 1
 
-    def _salt_store(self, dp_rank: int, event: Stored) -> Dropped | None:
-        salt = event.salt
+    def _salt_store(self, dp_rank: int, event: Stored) -> tuple[Dropped | None, Stored]:
         salted = self._salted
+        if event.salt is None and salted:
+            parent = None if event.parent_hash is None else salted.get((dp_rank, event.parent_hash))
+            if parent is _AMBIGUOUS:
+                return Dropped.ambiguous_cache_namespace, event
+            if isinstance(parent, str):
+                if event.rehash is None:
+                    return Dropped.uninherited_cache_namespace, event
+                event = _inherit(event, event.rehash, parent)
+            else:
+                for block in event.block_hashes:
+                    key = (dp_rank, block)
+                    if key in salted:
+                        salted[key] = _AMBIGUOUS
+        salt = event.salt
         if salt is not None:
             if len(self._salts) < MAX_SALTS:
                 self._salts.add(xxh3_64_intdigest(salt.encode("utf-8")))
@@ -178,23 +200,20 @@ class StreamNormalizer:
                         salted[key] = salt
                 elif state != salt:
                     salted[key] = _AMBIGUOUS
-            return None
-        if not salted:
-            return None
-        parent = None if event.parent_hash is None else salted.get((dp_rank, event.parent_hash))
-        if parent is _AMBIGUOUS:
-            return Dropped.ambiguous_cache_namespace
-        if parent is not None:
-            return Dropped.uninherited_cache_namespace
-        for block in event.block_hashes:
-            key = (dp_rank, block)
-            if key in salted:
-                salted[key] = _AMBIGUOUS
-        return None
+        return None, event
+
+
+def _inherit(event: Stored, rehash: Rehash, salt: str) -> Stored:
+    """`event` hashed under its parent's `salt`, as Dynamo's store inherits it; its local hashes as it had them
+    (packed or a list)."""
+    seed = block_seed(rehash.lora_name, salt)
+    local = (eagle_block_hashes if rehash.eagle else block_hashes_of_packed)(rehash.tokens, rehash.block_size, seed)
+    return msgspec.structs.replace(event, tokens_hashes=local if type(event.tokens_hashes) is array else
+                                   local.tolist(), salt=salt, rehash=None)
 
 
 def _plain(event: EventData) -> bool:
-    """Whether Dynamo keeps `event` whatever came before it (given no salted block so far)."""
+    """Whether Dynamo keeps `event` whatever came before it (given no salted block so far), as it is."""
     if type(event) is Stored:
-        return event.group is None and event.salt is None and event.cut is None
+        return event.group is None and event.salt is None and event.cut is None and event.rehash is None
     return not (isinstance(event, Removed) and event.group is not None)

@@ -40,9 +40,20 @@ class Group(msgspec.Struct, frozen=True, gc=False, array_like=True):
     block_size: int | None = None
 
 
+class Rehash(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    """What an unsalted store's blocks were hashed from: its stream's normalizer hashes them again under the salt
+    of a salted parent, which Dynamo's store inherits (`tokens`: little-endian u32s, the store's blocks only)."""
+
+    tokens: bytes
+    block_size: int
+    lora_name: str | None
+    eagle: bool
+
+
 class Stored(msgspec.Struct, frozen=True, gc=False):
     """A store. `group` and `salt` (the cache salt its local hashes were made with) are for the stream's
-    normalizer; `cut` names why the engine's last `cut_blocks` blocks could not be hashed (Dynamo drops them)."""
+    normalizer; `cut` names why the engine's last `cut_blocks` blocks could not be hashed (Dynamo drops them);
+    `rehash`, kept for an unsalted store with a parent when the decoder was asked to, lets it inherit a salt."""
 
     parent_hash: int | None
     block_hashes: list[int]
@@ -52,6 +63,7 @@ class Stored(msgspec.Struct, frozen=True, gc=False):
     salt: str | None = None
     cut: str | None = None
     cut_blocks: int = 0
+    rehash: Rehash | None = None
 
 
 class Removed(msgspec.Struct, frozen=True, gc=False):

@@ -546,7 +546,8 @@ class EngineStream:
     def _apply_payload(self, seq: int, payload: bytes, *, marked: bool = True) -> None:
         """The same for a replayed batch, whose frames the replay reply already checked."""
         self._last = seq
-        self._decoder.submit(payload, self.block_size, partial(self._decoded, seq, marked))
+        self._decoder.submit(payload, self.block_size, partial(self._decoded, seq, marked),
+                             self.drops.normalizer.salts_seen > 0)
 
     def _decoded(self, seq: int, marked: bool, result: EngineBatch | ErrorKind) -> None:
         """A `marked` batch's events reach the index with its `SeqMark`, where a restart resumes the stream; a

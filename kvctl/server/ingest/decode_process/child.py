@@ -51,6 +51,7 @@ class _Sub:
     block_size: int
     monitor: zmq.Socket[bytes]
     messages: int = 0
+    salted: bool = False  # the stream stored salted blocks: its unsalted stores go with their token ids
 
 
 class _Receiver:
@@ -138,7 +139,9 @@ class _Receiver:
             except zmq.Again:
                 return
             stream.messages += 1
-            out.append(live_answer(stream.key, frames, stream.block_size, sampled(stream.messages)))
+            body, salted = live_answer(stream.key, frames, stream.block_size, sampled(stream.messages), stream.salted)
+            stream.salted = stream.salted or salted
+            out.append(body)
 
     def close(self) -> None:
         for sub in list(self.subs):

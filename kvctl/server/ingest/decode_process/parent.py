@@ -124,7 +124,7 @@ class Decoder(Backpressure, Protocol):
     def receive(self, subscription: Subscription) -> int | None: ...
     def stop_receiving(self, key: int) -> None: ...
     def idle(self) -> bool: ...
-    def submit(self, payload: bytes, block_size: int, done: Decoded) -> None: ...
+    def submit(self, payload: bytes, block_size: int, done: Decoded, keep_tokens: bool = False) -> None: ...
     def then(self, callback: Callable[[], None]) -> None: ...
     async def drained(self) -> None: ...
     async def close(self) -> None: ...
@@ -145,8 +145,8 @@ class InlineDecoder(NeverFull):
     def idle(self) -> bool:
         return True
 
-    def submit(self, payload: bytes, block_size: int, done: Decoded) -> None:
-        done(decode_now(payload, block_size))
+    def submit(self, payload: bytes, block_size: int, done: Decoded, keep_tokens: bool = False) -> None:
+        done(decode_now(payload, block_size, keep_tokens))
 
     def then(self, callback: Callable[[], None]) -> None:
         callback()
@@ -268,9 +268,10 @@ class ProcessDecoder:
         """Nothing submitted is unanswered, and nothing came from the child for `QUIET_S`."""
         return not self.in_flight and not self._answers and time.monotonic() - self._read_at >= QUIET_S
 
-    def submit(self, payload: bytes, block_size: int, done: Decoded) -> None:
+    def submit(self, payload: bytes, block_size: int, done: Decoded, keep_tokens: bool = False) -> None:
+        """The child keeps a replayed store's token ids whatever `keep_tokens` says (`wire.answer`)."""
         if self._failure is not None:
-            done(decode_now(payload, block_size))
+            done(decode_now(payload, block_size, keep_tokens))
             return
         self._pending.append((payload, block_size, done))
         self.in_flight += 1
@@ -432,7 +433,7 @@ class ProcessDecoder:
         for entry in pending:
             if isinstance(entry, tuple):
                 payload, block_size, done = entry
-                done(decode_now(payload, block_size))
+                done(decode_now(payload, block_size, keep_tokens=True))
             else:
                 entry()
         self._settle()

@@ -15,7 +15,8 @@ Answers (child -> router): u32 LE body length, u8 origin, body.
   - origin 0 (`REQUEST`): the answer to the oldest unanswered decode request: msgpack
     `[ts, dp_rank, events, error kinds]` for a batch, or `[kind]` when the whole payload failed;
     events are `[0, parent, hashes, locals, tier]` (stored), `[1, hashes, tier]` (removed) or `[2]`
-    (cleared); a store that names a group, a salt or a cut adds `[group, salt, cut, cut_blocks]`, a removal that
+    (cleared); a store that names a group, a salt, a cut or its token ids adds `[group, salt, cut, cut_blocks,
+    rehash]`, a removal that
     names a group adds `[group]` (`Group` as its array), and a batch with filtered events adds their causes.
     Requests are answered one each, in request order.
   - origin 1 (`LIVE`): a message received on stream `key`: msgpack `[key, seq, seen, answer]`,
@@ -51,6 +52,7 @@ from kvctl.core.events import (
     ErrorKind,
     EventData,
     Group,
+    Rehash,
     Removed,
     Stored,
     Tier,
@@ -122,16 +124,20 @@ def split_requests(buf: bytearray) -> list[tuple[bytes, int]]:
 
 
 def answer(payload: bytes, block_size: int) -> bytes:
-    """Decode one requested payload and encode what the router needs of it."""
-    inner = _decoded(payload, block_size)
+    """Decode one requested payload (a replayed batch: rare, so with every token id an inherited salt needs) and
+    encode what the router needs of it."""
+    inner, _ = _decoded(payload, block_size, keep_tokens=True)
     parts = _parts(inner)
     body = _ENCODE(inner)
     return parts + ANSWER.pack(len(body), REQUEST) + body
 
 
-def live_answer(key: int, frames: list[bytes], block_size: int, sample: bool) -> bytes:
-    """Decode one live `[topic, seq, payload]` message of stream `key` the way the router would."""
+def live_answer(key: int, frames: list[bytes], block_size: int, sample: bool, keep_tokens: bool
+                ) -> tuple[bytes, bool]:
+    """Decode one live `[topic, seq, payload]` message of stream `key` the way the router would; and whether it
+    stored salted blocks (from then on the stream's unsalted stores are sent with their token ids: `Rehash`)."""
     seq = live_seq(frames)
+    salted = False
     if seq is None:
         inner: list[Any] = [ErrorKind.bad_batch.value]
     else:
@@ -140,10 +146,10 @@ def live_answer(key: int, frames: list[bytes], block_size: int, sample: bool) ->
         except DecodeError as exc:
             inner = [exc.kind.value]
         else:
-            inner = _decoded(frames[2], block_size)
+            inner, salted = _decoded(frames[2], block_size, keep_tokens)
     parts = _parts(inner)
     body = _ENCODE([key, seq, facts_of(frames[2]) if sample and seq is not None else None, inner])
-    return parts + ANSWER.pack(len(body), LIVE) + body
+    return parts + ANSWER.pack(len(body), LIVE) + body, salted
 
 
 def _parts(inner: list[Any]) -> bytes:
@@ -169,31 +175,38 @@ def dropped(key: int) -> bytes:
     return ANSWER.pack(len(body), DROPPED) + body
 
 
-def decode_now(payload: bytes, block_size: int) -> EngineBatch | ErrorKind:
+def decode_now(payload: bytes, block_size: int, keep_tokens: bool = False) -> EngineBatch | ErrorKind:
     """A payload decoded as the router takes it, here or in the decode process: removed hashes and
-    stored local hashes packed."""
+    stored local hashes packed; with `keep_tokens` (a stream that stores salted blocks, or a replay), or in a
+    batch that stores salted blocks, unsalted stores with a parent keep their token ids (`Rehash`), to inherit
+    a salt."""
     try:
-        return decode_engine_batch(payload, default_block_size=block_size, packed=True)
+        batch = decode_engine_batch(payload, default_block_size=block_size, packed=True, keep_tokens=keep_tokens)
     except DecodeError as exc:
         return exc.kind
+    if not keep_tokens and any(type(e) is Stored and e.salt is not None for e in batch.events):
+        # A stream's first salted batch: its own unsalted stores may continue the salted ones.
+        return decode_engine_batch(payload, default_block_size=block_size, packed=True, keep_tokens=True)
+    return batch
 
 
-def _decoded(payload: bytes, block_size: int) -> list[Any]:
-    batch = decode_now(payload, block_size)
+def _decoded(payload: bytes, block_size: int, keep_tokens: bool) -> tuple[list[Any], bool]:
+    """A batch's answer body, and whether it stored salted blocks."""
+    batch = decode_now(payload, block_size, keep_tokens)
     if isinstance(batch, ErrorKind):
-        return [batch.value]
+        return [batch.value], False
     body = [batch.ts, batch.dp_rank, [_event(e) for e in batch.events], [e.kind.value for e in batch.errors]]
     if batch.filtered:
         body.append(batch.filtered)
-    return body
+    return body, any(type(e) is Stored and e.salt is not None for e in batch.events)
 
 
 def _event(event: EventData) -> list[Any]:
     if type(event) is Stored:
         body: list[Any] = [0, event.parent_hash, event.block_hashes, _packed(event.tokens_hashes),
                            TIER_VALUES[event.tier]]
-        if event.group is not None or event.salt is not None or event.cut is not None:
-            body += [event.group, event.salt, event.cut, event.cut_blocks]
+        if event.group is not None or event.salt is not None or event.cut is not None or event.rehash is not None:
+            body += [event.group, event.salt, event.cut, event.cut_blocks, event.rehash]
         return body
     if type(event) is Removed:
         return [1, _packed(event.block_hashes), TIER_VALUES[event.tier]] if event.group is None else \
@@ -261,7 +274,9 @@ def _events(raw_events: list[Any]) -> list[EventData]:
                 events.append(Stored(raw[1], raw[2], array("Q", raw[3]), _TIERS[raw[4]]))
             else:
                 group = None if raw[5] is None else Group(*raw[5])
-                events.append(Stored(raw[1], raw[2], array("Q", raw[3]), _TIERS[raw[4]], group, *raw[6:]))
+                rehash = None if raw[9] is None else Rehash(*raw[9])
+                events.append(Stored(raw[1], raw[2], array("Q", raw[3]), _TIERS[raw[4]], group, raw[6], raw[7],
+                                     raw[8], rehash))
         elif tag == 1:
             group = None if len(raw) == 3 else Group(*raw[3])
             events.append(Removed(array("Q", raw[1]), _TIERS[raw[2]], group))
