@@ -223,12 +223,29 @@ class ForwardPass(Struct):
     age_s: float
 
 
+class KvCacheGroup(Struct):
+    """One KV cache group of a worker's model (a hybrid model has several), as its engine stream showed it, per
+    DP rank: its index, its kind (`full_attention`, `sliding_window`, `mamba`, ...; null while no store has named
+    it), its sliding window and block size in tokens (null where no event said), and its events kept (indexed)
+    and dropped (as Dynamo 1.6.1, only full-attention groups are indexed)."""
+
+    dp_rank: int
+    group_idx: int
+    kind: str | None
+    sliding_window: int | None
+    block_size: int | None
+    events_kept: int
+    events_dropped: int
+
+
 class Worker(Struct):
     """One (worker, dp_rank) the router knows. `reported` and `forward_pass`: what it said of itself on an event
     plane (null otherwise); `event_plane`, with an event plane, where its events come from. `restored`: known
     only from the state dir, nothing heard since the router started (`last_event_age_s` is then null). `role`
     (aggregated, prefill, decode), `publishes_kv_events` and `max_num_batched_tokens`: from its model card, null
-    without one."""
+    without one. `groups`, `salts_seen` and `events_dropped`: what the engine stream that follows it showed (its
+    KV cache groups, how many distinct cache salts its stores carried, never the salts, and the events it did
+    not index, by cause), as `/v1/status` shows them under `streams`; absent where no engine stream follows it."""
 
     worker_id: int
     dp_rank: int
@@ -254,6 +271,9 @@ class Worker(Struct):
     role: str | None = None
     publishes_kv_events: bool | None = None
     max_num_batched_tokens: int | None = None  # from its model card: the prefill busy and queue limits' unit
+    groups: list[KvCacheGroup] | UnsetType = UNSET
+    salts_seen: int | UnsetType = UNSET  # counted up to 4096
+    events_dropped: dict[str, int] | UnsetType = UNSET
 
 
 class Workers(Struct):

@@ -19,7 +19,7 @@ from kvctl.client._base import Request, check, headers, pool_limits, translate, 
 from kvctl.client.deadline import deadline_transport, within
 from kvctl.core.events import DecodeError, RouterEvent
 from kvctl.core.events.dump_file import DumpFileError, iter_indexer_dump, read_router_events, router_event_of
-from kvctl.core.names import DEFAULT_MODEL
+from kvctl.core.names import DEFAULT_MODEL, format_worker
 from kvctl.errors import KvctlError, NotFound, UsageError
 
 
@@ -44,6 +44,21 @@ def router_tree_stats(url: str, *, model: str | None, top: int, token: str | Non
     except (msgspec.DecodeError, KeyError):  # msgspec.ValidationError is a DecodeError
         raise KvctlError(f"{url}/v1/tree/stats answered no stats of model {model or DEFAULT_MODEL!r}") from None
     return msgspec.to_builtins(stats) if stats.paths is not msgspec.UNSET else None
+
+
+def router_worker_streams(url: str, *, model: str | None, token: str | None,
+                          timeout: float) -> dict[str, dict[str, Any]]:
+    """What the engine stream of each of a model's workers showed (`GET /v1/workers`: its `groups`,
+    `salts_seen` and `events_dropped`), by `ID:DP`; a worker no engine stream follows is left out."""
+    text = _get(url, Request("GET", "/v1/workers"), token, timeout)
+    try:
+        workers = msgspec.json.decode(text, type=api.Workers).workers
+    except msgspec.DecodeError:
+        raise KvctlError(f"{url}/v1/workers answered no worker list") from None
+    wanted = model or DEFAULT_MODEL
+    return {format_worker((w.worker_id, w.dp_rank)): {
+        "groups": msgspec.to_builtins(w.groups), "salts_seen": w.salts_seen, "events_dropped": w.events_dropped}
+        for w in workers if w.model == wanted and w.events_dropped is not msgspec.UNSET}
 
 
 def dynamo_indexer_events(url: str, *, model: str | None, timeout: float) -> list[RouterEvent]:

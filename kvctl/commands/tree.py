@@ -27,8 +27,9 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._options import JsonOpt, OutputOpt, WorkerOpt, output_for, settings_for, worker_selector
+from kvctl.commands._views import STREAM_COLUMNS, STREAM_WIDE_COLUMNS, stream_cells
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
-from kvctl.core.names import format_worker, selects
+from kvctl.core.names import format_worker, parse_worker, selects
 from kvctl.core.words import counted
 from kvctl.errors import UsageError, not_found
 from kvctl.output import Column, Output, OutputFormat, View
@@ -51,7 +52,9 @@ ModelOpt = Annotated[str | None, typer.Option(
 
 
 STATS_KEYS = ("blocks", "nodes", "workers", "tiers", "paths", "depths", "shared_prefixes")
-"""`tree stats`' object, whatever computed it (a router's answer also has its block size and mode)."""
+"""`tree stats`' object, whatever computed it (a router's answer also has its block size and mode). A router's
+also has `streams`: what the engine stream of each of its workers showed (`GET /v1/workers`' `groups`,
+`salts_seen` and `events_dropped`, by `ID:DP`), which no dump holds."""
 READ_CHUNK = 1 << 16
 """Characters of a dump file read at a time when its stats are streamed."""
 ROUTER_STATS_TIMEOUT_S = 120.0
@@ -109,19 +112,22 @@ class Reader:
         source = source or settings.server
         streamed = None
         if source.startswith(("http://", "https://")):
+            url, model = source.rstrip("/"), self._router_model(source)
             timeout = ROUTER_STATS_TIMEOUT_S if settings.sources["timeout"] == "default" else settings.timeout
-            stats = sources.router_tree_stats(source.rstrip("/"), model=self._router_model(source), top=top,
-                                              token=settings.token, timeout=timeout)
-            if stats is not None:
-                return {key: stats[key] for key in STATS_KEYS}
+            stats = sources.router_tree_stats(url, model=model, top=top, token=settings.token, timeout=timeout)
+            counted = ({key: stats[key] for key in STATS_KEYS} if stats is not None
+                       else self._replayed(source, top))
+            return {**counted, "streams": sources.router_worker_streams(url, model=model, token=settings.token,
+                                                                        timeout=settings.timeout)}
         elif source.startswith(("dynamo+http://", "dynamo+https://")):
             with sources.dynamo_indexer_stream(source.removeprefix("dynamo+").rstrip("/"), model=self.model,
                                                timeout=settings.timeout) as events:
                 streamed = _streamed_stats(events, top)
         elif "://" not in source and source != "-":
             streamed = self._file_stats(source, top)
-        if streamed is not None:
-            return streamed
+        return streamed if streamed is not None else self._replayed(source, top)
+
+    def _replayed(self, source: str, top: int) -> dict[str, Any]:
         from kvctl.core.tree_diff import tree_stats  # the index and its replay: only where nobody computed them
 
         return tree_stats(self.events(source), top=top)
@@ -363,9 +369,19 @@ STATS_EXAMPLES = (
     "context), which is the deadline then, as for every command."
 )
 
+_HOLDERS_STATS_VIEW = View(rows=lambda d: [{"worker": w, "blocks": n} for w, n in d["workers"].items()],
+                           name_key="worker",
+                           columns=[Column("worker", "worker"), Column("blocks", "blocks", justify="right")])
+# A router's holders, with what each one's engine stream showed (where one follows it): its KV cache groups and the
+# events it did not index, in full with -o wide. The rows are the holders still: `-o name` names the same workers.
+_STREAMS_STATS_VIEW = View(
+    rows=lambda d: [{"worker": w, "blocks": n, **stream_cells(d["streams"].get(w), parse_worker(w)[1] or 0)}
+                    for w, n in d["workers"].items()],
+    name_key="worker",
+    columns=[Column("worker", "worker"), Column("blocks", "blocks", justify="right"), *STREAM_COLUMNS,
+             *STREAM_WIDE_COLUMNS])
 _STATS_VIEWS = (
-    View(rows=lambda d: [{"worker": w, "blocks": n} for w, n in d["workers"].items()], name_key="worker",
-         columns=[Column("worker", "worker"), Column("blocks", "blocks", justify="right")]),
+    _HOLDERS_STATS_VIEW,
     View(rows=lambda d: [{**r, "depths": f"{r['min']}-{r['max']}"} for r in d["depths"]], name_key="depths",
          title="depths",
          columns=[Column("depths", "depths", justify="right"), Column("blocks", "blocks", justify="right"),
@@ -402,4 +418,11 @@ def stats_command(
                          hint="give a router URL or a file")
     reader = Reader(ctx, out, model, namespace, component, nats_auth)
     show(out, lambda: reader.stats(source, top),
-         lambda stats: _emit_sections(out, stats, _STATS_VIEWS), watch=watch, interval=interval)
+         lambda stats: _emit_sections(out, stats, _stats_views(stats)), watch=watch, interval=interval)
+
+
+def _stats_views(stats: dict[str, Any]) -> Sequence[View]:
+    """`_STATS_VIEWS`; a router's holders with their engine streams' columns (`-` where none follows one)."""
+    if "streams" not in stats:
+        return _STATS_VIEWS
+    return (_STREAMS_STATS_VIEW, *_STATS_VIEWS[1:])

@@ -2,7 +2,9 @@
 
 The last event age tells a silent engine from an idle one; wide mode adds what the worker itself last
 reported on the event plane (its load, and its last forward pass: requests queued and running), to compare
-with the router's own view of its load.
+with the router's own view of its load. A worker an engine stream follows shows what the stream showed: its
+KV cache groups (a hybrid model's: `0:full_attention 1:sliding_window(128)`) and the events it did not index,
+as Dynamo 1.6.1 would not (a total; wide mode: per group and by cause, and how many cache salts it saw).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, router_client
-from kvctl.commands._views import NAME_KEY, WORKER_COLUMNS
+from kvctl.commands._views import NAME_KEY, STREAM_COLUMNS, STREAM_WIDE_COLUMNS, WORKER_COLUMNS, stream_cells
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
 from kvctl.core.names import format_worker
 from kvctl.errors import not_found
@@ -22,7 +24,8 @@ from kvctl.output.words import age
 if TYPE_CHECKING:
     from kvctl.http_api import Workers
 
-HELP = "List a router's workers: blocks held, active load, busy flag, last event age. (read-only)"
+HELP = ("List a router's workers: blocks held, active load, busy flag, last event age, KV cache groups, events "
+        "dropped. (read-only)")
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl workers\n\n"
@@ -39,7 +42,8 @@ def _row(worker: dict[str, Any]) -> dict[str, Any]:
             **{f"reported_{key}": value for key, value in reported.items()},
             "reported_age": age(reported.get("age_s")),
             "queued": _requests(passed, "queued"), "scheduled": _requests(passed, "scheduled"),
-            "forward_pass_age": age(passed.get("age_s")), **_source(worker.get("event_plane"))}
+            "forward_pass_age": age(passed.get("age_s")), **_source(worker.get("event_plane")),
+            **stream_cells(worker if "events_dropped" in worker else None, worker["dp_rank"])}
 
 
 def _source(source: dict[str, Any] | None) -> dict[str, Any]:
@@ -72,6 +76,7 @@ _VIEW = View(
         Column("prefill tokens", "active_prefill_tokens", justify="right"),
         Column("busy", "busy"),
         Column("last event", "last_event_age", justify="right"),
+        *STREAM_COLUMNS,
         Column("requests", "active_requests", wide_only=True, justify="right"),
         Column("total blocks", "total_blocks", wide_only=True, justify="right"),
         Column("reported decode blocks", "reported_active_decode_blocks", wide_only=True, justify="right"),
@@ -84,6 +89,7 @@ _VIEW = View(
         Column("replay endpoint", "replay_endpoint", wide_only=True),
         Column("publisher", "publisher", wide_only=True),
         Column("recovery", "recovery", wide_only=True),
+        *STREAM_WIDE_COLUMNS,
     ],
     name_key=NAME_KEY,
 )

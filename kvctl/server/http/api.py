@@ -52,6 +52,7 @@ from kvctl.server.http.openapi import OPERATIONS, document, pages
 from kvctl.server.http.route_protocol import Connections, missing_internals, route_protocol
 from kvctl.server.http.runbook_page import runbook_route
 from kvctl.server.http.tree_stats import index_shape
+from kvctl.server.http.worker_rows import worker_rows
 from kvctl.server.ingest.endpoint import check_endpoint
 from kvctl.server.ingest.streams import Streams
 from kvctl.server.readiness import RETRY_AFTER_S, SAFE_METHODS, Readiness, ReadinessCollector
@@ -407,14 +408,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
                         headers=headers)
 
     async def list_workers(_: Request) -> Response:
-        rows = fleet.worker_rows(clock())
-        if plane is not None:  # where each worker's events come from on the event plane
-            sources = {(r["worker_id"], r["dp_rank"]): r for r in plane.worker_sources()}
-            for row in rows:
-                source = sources.get((row.worker_id, row.dp_rank))
-                row.event_plane = None if source is None else {
-                    k: v for k, v in source.items() if k not in ("worker_id", "dp_rank")}
-        return _json(api.Workers(rows))
+        return _json(api.Workers(worker_rows(fleet, clock(), streams, plane)))
 
     async def register_worker(request: Request) -> Response:
         body = decode_body(await request.body(), api.WorkerBody)
@@ -434,7 +428,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         info = fleet.register(info)
         if streams is not None:
             streams.start(info)
-        row = next(r for r in fleet.worker_rows(clock()) if (r.worker_id, r.dp_rank) == info.key)
+        row = next(r for r in worker_rows(fleet, clock(), streams, plane) if (r.worker_id, r.dp_rank) == info.key)
         return _json(row, 201)
 
     async def remove_worker(request: Request) -> Response:

@@ -368,6 +368,11 @@ class Streams:
         for source in self._running.values():
             source.stream.gap_log.flush()
 
+    def drops(self) -> dict[WorkerKey, dict[str, Any]]:
+        """Each stream's KV cache groups, salts seen and events dropped (what `status` shows of them), by the
+        (worker, dp rank) it follows: `GET /v1/workers` joins them to the worker rows."""
+        return {key: source.stream.drops.status() for key, source in self._running.items()}
+
     def status(self) -> list[dict[str, Any]]:
         out = []
         for (worker_id, dp_rank), source in sorted(self._running.items()):
