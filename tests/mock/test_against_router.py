@@ -234,7 +234,8 @@ async def test_a_foreign_block_size_is_visible_in_the_schema_and_never_matches(r
     assert rows[1]["schema"]["block_sizes"] == [ROUTER_BLOCK_SIZE]
     assert rows[2]["schema"]["block_sizes"] == [2 * ROUTER_BLOCK_SIZE]
     assert rows[1]["decode_errors"] == rows[2]["decode_errors"] == {}
-    assert blocks == {1: 4, 2: 2}  # the router indexed the 32-token blocks as sent
+    assert blocks == {1: 4, 2: 0}  # as Dynamo's indexer: a store of another block size indexes nothing
+    assert rows[2]["events_dropped"] == {"block_size_mismatch": 1} and rows[1]["events_dropped"] == {}
     assert overlaps == {1: 4, 2: 0}
 
 
