@@ -26,6 +26,7 @@ import msgspec
 from kvctl.core import native
 from kvctl.core.events.engine_fields import (
     MEDIUM_TIERS,
+    SALT_PREFIX,
     Dropped,
     cache_salt_of,
     eagle_tokens,
@@ -141,6 +142,10 @@ def decode_engine_batch(payload: bytes, *, default_block_size: int | None = None
     return _decode_any(payload, default_block_size, keep_tokens) if batch is None else batch
 
 
+_NIL = msgspec.Raw(b"\xc0")
+_SALT_TAG = SALT_PREFIX.encode()
+
+
 # The typed pass declares every field vLLM 0.34 and SGLang 0.5.23 send and forbids the others: a field it
 # does not know would be skipped unread, where the walk reads it (and refuses the payload if it is not
 # even valid msgpack), so an event with an unknown field goes to the walk. Fields kvctl ignores are Any.
@@ -152,7 +157,7 @@ class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unk
     lora_name: Any = None
     medium: Any = None
     lora_id: Any = None
-    extra_keys: Any = None
+    extra_keys: msgspec.Raw = _NIL  # read by `_salt_keys`: one list per block, needed only where a salt is tagged
     group_idx: Any = None
     kv_cache_spec_kind: Any = None
     kv_cache_spec_sliding_window: Any = None
@@ -205,7 +210,8 @@ def _decode_common(payload: bytes, default_block_size: int | None, packed: bool 
             if type(event) is _StoredMap:
                 decoded = _stored(event.locality, event.ownership, event.medium, event.parent_block_hash,
                                  event.block_hashes, _tokens_of_raw(event.token_ids), event.block_size,
-                                 default_block_size, event.lora_name, event.cache_salt, event.extra_keys,
+                                 default_block_size, event.lora_name, event.cache_salt,
+                                 _salt_keys(event.extra_keys),
                                  None if event.group_idx is None and event.kv_cache_spec_kind is None else
                                  group_of(event.group_idx, event.kv_cache_spec_kind,
                                           event.kv_cache_spec_sliding_window, event.block_size), packed,
@@ -460,6 +466,12 @@ def _tokens_of_raw(raw: msgspec.Raw) -> tuple[bytes, bool]:
         return native.u32le_pairs_from_msgpack(raw), True
     except ValueError:
         raise DecodeError(ErrorKind.bad_tokens, "token_ids", "") from None
+
+
+def _salt_keys(raw: msgspec.Raw) -> Any:
+    """A store's `extra_keys` where they may tag a cache salt, else None: vLLM sends one list per block (a LoRA
+    store names its adapter in each), and building them all costs more than the rest of a store."""
+    return msgspec.msgpack.decode(raw) if _SALT_TAG in memoryview(raw).tobytes() else None
 
 
 def _removed_hashes(raw: msgspec.Raw, packed: bool) -> Sequence[int]:

@@ -16,10 +16,11 @@ from typing import Any
 from kvctl.core.events.errors import DecodeError, ErrorKind, describe
 from kvctl.core.events.types import Group, Tier
 
-__all__ = ["MEDIUM_TIERS", "Dropped", "cache_salt_of", "eagle_tokens", "group_of", "residency_drop", "tier_of_medium"]
+__all__ = ["MEDIUM_TIERS", "SALT_PREFIX", "Dropped", "cache_salt_of", "eagle_tokens", "group_of", "residency_drop",
+           "tier_of_medium"]
 
 _U32_LIMIT = 1 << 32
-_SALT_PREFIX = "dynamo-cache-salt:"
+SALT_PREFIX = "dynamo-cache-salt:"
 """How Dynamo's vLLM worker tags a cache salt it hands vLLM, which publishes it in the first block's `extra_keys`."""
 
 
@@ -114,8 +115,8 @@ def cache_salt_of(cache_salt: object, extra_keys: object, lora_name: str | None)
             continue
         if key == lora:
             lora = None
-        elif key.startswith(_SALT_PREFIX) and len(key) > len(_SALT_PREFIX):
-            return key[len(_SALT_PREFIX):]
+        elif key.startswith(SALT_PREFIX) and len(key) > len(SALT_PREFIX):
+            return key[len(SALT_PREFIX):]
     return None
 
 
