@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from xxhash import xxh3_64_intdigest
 
 from kvctl.core.events import Cleared, Removed, RouterEvent, Stored, Tier
+from kvctl.core.hashing import sequence_hashes
 from kvctl.core.index import KvIndex, Status, removal
 from kvctl.core.index.kv_index import DumpEdge, events_of
 from kvctl.core.names import WorkerKey
@@ -273,6 +274,17 @@ class IndexModel(RuleBasedStateMachine):
             want = self.expected(q)
             assert got.scores == want, q
             assert got.tree_sizes == {w: sizes[w] for w in want}, q
+
+    @invariant()
+    def a_query_is_found_by_its_sequence_hashes(self) -> None:
+        """A Dynamo frontend publishes a request's blocks by sequence hash: the tree finds every worker's overlap
+        from them alone (`path_of_sequence`), the path being a prefix of the query at least as deep as any."""
+        for q in self.queries():
+            want = self.expected(q)
+            path = self.index.path_of_sequence(sequence_hashes(q))
+            found = path.local_hashes
+            assert not path.exhausted and found == q[:len(found)] and len(found) >= max(want.values(), default=0), q
+            assert self.index.find_matches(found).scores == want, q
 
     @invariant()
     def sizes_and_nodes(self) -> None:

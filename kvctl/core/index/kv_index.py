@@ -15,6 +15,7 @@ from typing import NamedTuple
 from kvctl.core.events import Cleared, EventData, Removed, RouterEvent, Stored, Tier
 from kvctl.core.index.lower_tier import Continuation, LowerTier
 from kvctl.core.index.radix import OK_EMPTY, ApplyResult, Matches, Node, RadixTree, iter_bits
+from kvctl.core.index.sequence_path import Path, path_of_sequence
 from kvctl.core.names import WorkerKey
 
 
@@ -121,6 +122,10 @@ class KvIndex:
                 result.by_tier[tier] = {w: c.pos - at[w].pos for w, c in after.items() if c.pos > at[w].pos}
                 at = after
         return result
+
+    def path_of_sequence(self, sequence_hashes: Sequence[int]) -> Path:
+        """The local hashes of the longest prefix of a request's sequence hashes the device tree holds."""
+        return path_of_sequence(self.device.root, sequence_hashes)
 
     def workers(self) -> list[WorkerKey]:
         seen = dict.fromkeys(self.device.workers())

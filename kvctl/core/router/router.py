@@ -13,7 +13,7 @@ from kvctl.core.hashing import packed_block_hashes, sequence_hashes
 from kvctl.core.index import KvIndex
 from kvctl.core.names import Role, WorkerKey
 from kvctl.core.router.approx import ApproxIndexer
-from kvctl.core.router.scoring import Decision, RouterConfig, booked_prefill_tokens, decide, score
+from kvctl.core.router.scoring import Decision, RouterConfig, Scores, booked_prefill_tokens, decide, score
 from kvctl.core.router.sequences import ActiveSequences
 from kvctl.core.tracking_hash import TrackingKey
 
@@ -76,12 +76,39 @@ class Router:
         else:
             raise ValueError("give token_ids or local_hashes")
         config = (self.config.override(**overrides) if overrides else self.config).for_pool(role)
+        scores, seq, booked = self._score(candidates, local, len(local), isl,
+                                          lambda: self._tracked(token_ids, local, lora_name), config, busy, reserve)
+        decision = decide(scores, isl_tokens=isl, block_size=b, temperature=config.router_temperature, rng=self.rng,
+                          role=role)
+        if reserve:
+            if request_id is None:
+                raise ValueError("reserve needs a request_id")
+            prefill = booked_prefill_tokens(isl, decision.effective_overlap, b, config)
+            self.sequences.add(request_id, decision.worker, booked, prefill, now, decision.overlap_blocks)
+            if self.approx is not None:  # the index's own hashes: public, whatever in-flight requests are tracked by
+                self.approx.record(decision.worker, local, seq if self.tracking is None else sequence_hashes(local),
+                                   now, request_id=request_id, private=int(isl > len(local) * b))
+        return decision
+
+    def assess(self, candidates: Sequence[WorkerKey], local_hashes: Sequence[int], sequence_hashes: Sequence[int],
+               *, isl_tokens: int, busy: Mapping[WorkerKey, bool] | None = None, role: Role = Role.aggregated
+               ) -> Scores:
+        """Every candidate's cost for a prompt another router routed, as this one would price it now, deciding
+        nothing: `sequence_hashes` are the prompt's in-flight hashes as that router published them (its replica
+        sync's), `local_hashes` those of the prefix the index holds (`KvIndex.path_of_sequence`)."""
+        return self._score(candidates, local_hashes, len(sequence_hashes), isl_tokens, lambda: sequence_hashes,
+                           self.config.for_pool(role), busy, False)[0]
+
+    def _score(self, candidates: Sequence[WorkerKey], local: Sequence[int], n_blocks: int, isl: int,
+               tracked: Callable[[], Sequence[int]], config: RouterConfig, busy: Mapping[WorkerKey, bool] | None,
+               reserve: bool) -> tuple[Scores, Sequence[int], Sequence[int]]:
+        """The candidates' scores, the prompt's tracked hashes and the hashes a reservation would book; `local`:
+        the prompt's local hashes, or the prefix of them the index holds, of a prompt of `n_blocks` full blocks."""
         matches = self.index.find_matches(local)  # the approx indexer's own index in approximate mode
         sequences = self.sequences
         loads = sequences.loads()
         # Sequence hashes matter only against in-flight blocks, or to reserve: skip them otherwise.
-        seq = self._tracked(token_ids, local, lora_name) if loads or reserve else local
-        n_blocks = len(local)
+        seq = tracked() if loads or reserve else local
         new_blocks: Callable[[WorkerKey], int] | int
         booked: Sequence[int]  # the block hashes a reservation books
         if not config.track_active_blocks:
@@ -90,19 +117,9 @@ class Router:
             new_blocks, booked = n_blocks, [self._fresh.getrandbits(64) for _ in range(n_blocks)] if reserve else ()
         else:
             new_blocks, booked = (lambda w: sequences.new_prompt_blocks(w, seq)) if loads else n_blocks, seq
-        scores = score(candidates, matches, loads, new_blocks, isl_tokens=isl, block_size=b, config=config,
-                       busy=busy)
-        decision = decide(scores, isl_tokens=isl, block_size=b, temperature=config.router_temperature, rng=self.rng,
-                          role=role)
-        if reserve:
-            if request_id is None:
-                raise ValueError("reserve needs a request_id")
-            prefill = booked_prefill_tokens(isl, decision.effective_overlap, b, config)
-            sequences.add(request_id, decision.worker, booked, prefill, now, decision.overlap_blocks)
-            if self.approx is not None:  # the index's own hashes: public, whatever in-flight requests are tracked by
-                self.approx.record(decision.worker, local, seq if self.tracking is None else sequence_hashes(local),
-                                   now, request_id=request_id, private=int(isl > n_blocks * b))
-        return decision
+        scores = score(candidates, matches, loads, new_blocks, isl_tokens=isl, block_size=self.block_size,
+                       config=config, busy=busy)
+        return scores, seq, booked
 
     def _tracked(self, token_ids: Sequence[int] | None, local: Sequence[int], lora_name: str | None) -> Sequence[int]:
         """The hashes a request's blocks are tracked by in flight: its sequence hashes, keyed where Dynamo's are."""
