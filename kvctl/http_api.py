@@ -491,3 +491,81 @@ class LoopHeld(Struct):
     window_blocked_share: float
     window_stalls: int
     window_longest_s: float
+
+
+class AuditWorker(Struct):
+    """One picked worker's decisions in an audit window."""
+
+    worker_id: int
+    dp_rank: int
+    decisions: int
+    optimal: int
+    suboptimal: int
+    unknown: int
+    avoidable_tokens: int
+
+
+class Audit(Struct):
+    """`GET /v1/audit`: the decisions heard in the last `window_s` (of `model`, or all), judged against the index
+    (docs/audit.md). `heard` counts every decision since start; `kept` of at most `capacity` are remembered.
+    Shares are null where nothing was judged; `looked_at` says what an empty window looked at."""
+
+    window_s: float
+    model: str | None
+    heard: int
+    kept: int
+    capacity: int
+    decisions: int
+    outcomes: dict[str, int]
+    optimal_share: float | None
+    avoidable_prefill_tokens: int
+    cacheable_prefill_tokens: int
+    avoidable_share: float | None
+    agreement: dict[str, int]
+    agreement_share: float | None
+    reasons: dict[str, int]
+    routers: dict[str, int]
+    workers: list[AuditWorker]
+    looked_at: str
+    recent: list[AuditedDecision] = []
+
+
+class AuditRow(Struct):
+    """A candidate as the audit saw it: its overlap on the device tier, the prompt's blocks it holds on any tier
+    (`cached_blocks`, what the outcome is judged on), the same weighted by tier, and its cost."""
+
+    worker_id: int
+    dp_rank: int
+    overlap_blocks: int
+    cached_blocks: int
+    weighted_blocks: float
+    logit: float
+    busy: bool
+
+
+class AuditedDecision(Struct):
+    """`GET /v1/audit/{request_id}`: one recent decision as it was judged (`age_s` ago). `router`: "kvctl" or the
+    Dynamo router id that published it; `router_overlap`: the overlap that router credited its pick with (from its
+    prefill estimate; a lower bound within one block); `optimal` and `kvctl_picks` name workers as ID:DP."""
+
+    request_id: str
+    model: str
+    router: str
+    age_s: float
+    worker_id: int
+    dp_rank: int
+    role: str
+    blocks: int
+    resolved_blocks: int
+    outcome: str
+    reason: str
+    agreement: str
+    best_overlap: int
+    chosen_overlap: int
+    avoidable_tokens: int
+    optimal: list[str]
+    kvctl_picks: list[str]
+    router_overlap: float | None
+    unresolved: str | None
+    stale: dict[str, str]
+    candidates: list[AuditRow]

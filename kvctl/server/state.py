@@ -50,6 +50,7 @@ from kvctl.core.router.sessions import SessionBook
 from kvctl.core.tracking_hash import TrackingKey
 from kvctl.core.words import counted
 from kvctl.errors import NoWorkers, Refused, UnknownModel
+from kvctl.server.audit import Auditor
 from kvctl.server.health import Health
 from kvctl.server.route_limits import OverLimit, RouteLimits
 from kvctl.server.worker_info import WorkerInfo
@@ -125,6 +126,7 @@ class Fleet:
         self.sessions = sessions
         self.tracking = tracking
         self.health = Health()  # what every entry point refused or lost, and the parts that are down
+        self.audit = Auditor(self)  # every decision heard, judged against the index
         self.over_limit: Counter[str] = Counter()  # routes refused, by `RouteLimits` field
         self.all_busy: Counter[str] = Counter()  # routes refused (503) with every worker busy, by model
         self.joined: dict[tuple[str, WorkerKey], JoinedHits] = {}  # (model, worker) -> predicted vs engine-reported
@@ -316,6 +318,10 @@ class Fleet:
             ranks[w] = self.busy.update(w, self._load(w, sequences), thresholds)
         return ranks
 
+    def busy_ranks(self, model: str) -> dict[WorkerKey, RankBusy] | None:
+        """`rank_busy`, or None for a model with no threshold: nothing can be busy without one."""
+        return None if self.thresholds.get(model) == _NO_THRESHOLDS else self.rank_busy(model)
+
     def _load(self, worker: WorkerKey, sequences: ActiveSequences) -> WorkerLoad:
         """The router's own view of a rank, plus the KV usage the worker last reported (if it did)."""
         load = sequences.load(worker)
@@ -347,8 +353,7 @@ class Fleet:
             raise Refused(f"model {model!r} is disaggregated ({disaggregated_roles(self.disaggregated[model])}): "
                           "kvctl does not book a request on two pools yet; route it without reserving", status=409)
         busy = None
-        if self.thresholds.get(model) != _NO_THRESHOLDS:  # nothing can be busy without a threshold
-            ranks = self.rank_busy(model)
+        if (ranks := self.busy_ranks(model)) is not None:
             try:
                 for pool in pools.values():
                     check_admission(model, {w: ranks[w] for w in pool}, self.thresholds.get(model))
@@ -364,6 +369,7 @@ class Fleet:
             chosen.routes += 1
         if request.get("reserve") and self.sequence_listener is not None:
             self.sequence_listener(model, ADD, state.router.sequences.get(request["request_id"]), request)
+        self.audit.own(model, decision, request.get("request_id"), now)
         return decision
 
     def _pick(self, state: ModelState, role: Role, pool: list[WorkerKey], busy: Mapping[WorkerKey, bool] | None,

@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from kvctl.core.audit.ledger import RATIO_BUCKETS
 from kvctl.server.health import Health
 from kvctl.server.http.loop_lag import LoopLag
 from kvctl.server.http.route_protocol import Connections
@@ -36,7 +37,7 @@ class FleetCollector(Collector):
         self.streams = streams
         self.plane = plane
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         fleet = self.fleet
         applied = CounterMetricFamily("kvctl_kv_events_applied", "KV events applied to the index, by outcome",
                                       labels=["model", "event_type", "status"])
@@ -74,6 +75,7 @@ class FleetCollector(Collector):
             all_busy.add_metric([name], fleet.all_busy[name])
         yield from (applied, blocks, nodes, worker_blocks, decode, prefill, routes, over_limit, all_busy)
         yield from _joined(fleet)
+        yield from _audit(fleet)
         if fleet.approx is not None:
             cap = GaugeMetricFamily("kvctl_index_cap_blocks", "approximate mode: --max-tree-size, the (worker, "
                                     "block) pairs the index is pruned at", labels=["model"])
@@ -231,3 +233,30 @@ class HealthCollector:
             down.add_metric([fault.part, "true" if fault.blocks else "false"], 1)
         yield lost
         yield down
+
+
+def _audit(fleet: Fleet) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+    """The decision audit's totals (docs/audit.md), labelled by model and router: "kvctl", or a Dynamo router id
+    (at most `MAX_ROUTERS` of them, the rest summed as "other")."""
+    labels = ["model", "router"]
+    decisions = CounterMetricFamily("kvctl_audit_decisions", "routing decisions judged against the index, by "
+                                    "outcome and reason", labels=[*labels, "outcome", "reason"])
+    agreement = CounterMetricFamily("kvctl_audit_agreement", "routing decisions by whether kvctl's cost function "
+                                    "picks the same worker", labels=[*labels, "agreement"])
+    avoidable = CounterMetricFamily("kvctl_audit_avoidable_prefill_tokens", "prompt tokens cached on a candidate "
+                                    "but prefilled by the pick: (best - chosen cached blocks) x block size",
+                                    labels=labels)
+    cacheable = CounterMetricFamily("kvctl_audit_cacheable_prefill_tokens", "prompt tokens cached on the best "
+                                    "candidate of each judged decision", labels=labels)
+    ratio = HistogramMetricFamily("kvctl_audit_chosen_best_ratio", "the pick's cached blocks over the best "
+                                  "candidate's, where one held any", labels=labels)
+    for (model, router), totals in sorted(fleet.audit.ledger.totals.items()):
+        for (outcome, reason), n in sorted(totals.decisions.items()):
+            decisions.add_metric([model, router, outcome, reason], n)
+        for kind, n in sorted(totals.agreement.items()):
+            agreement.add_metric([model, router, kind], n)
+        avoidable.add_metric([model, router], totals.avoidable_tokens)
+        cacheable.add_metric([model, router], totals.cacheable_tokens)
+        buckets = [(f"{bound:g}", n) for bound, n in zip(RATIO_BUCKETS, totals.ratio_buckets, strict=True)]
+        ratio.add_metric([model, router], [*buckets, ("+Inf", totals.ratio_count)], totals.ratio_sum)
+    yield from (decisions, agreement, avoidable, cacheable, ratio)

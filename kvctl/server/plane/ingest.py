@@ -79,6 +79,11 @@ class LossWatch(Protocol):
 
     def cleared(self, worker: WorkerKey) -> None: ...
 
+    @property
+    def gapped(self) -> Mapping[WorkerKey, int]:
+        """KV events each worker lost since it was last cleared."""
+        ...
+
 
 class _Cursor:
     """Event ids of one (worker, dp_rank), judged by the one set of sequence rules, and the publisher that sent
@@ -337,14 +342,26 @@ class PlaneIngest:
         return report
 
     async def _on_sequence(self, payload: bytes, _order: Order, _publisher: Publisher, now: float) -> None:
-        if self.peers is None:
-            return
+        """Another router's decision is audited as heard, then, with replica sync, booked: judged under the loads
+        it was routed under."""
         for event in self._batch(decode_sequence_events, payload, SURFACE):
             if event.router_id == self.router_id:
                 self.counts["own_sequence_events"] += 1
                 continue
             self.counts["peer_sequence_events"] += 1
-            self.counts[self.peers.take(event, now)] += 1
+            if isinstance(event.action, AddRequest) and event.router_id != event.worker_id:
+                self.fleet.audit.peer(event, event.action, self.model, self.stale(), now)
+            if self.peers is not None:
+                self.counts[self.peers.take(event, now)] += 1
+
+    def stale(self) -> dict[WorkerKey, str]:
+        """Workers whose blocks the index may not all hold yet, and why: being recovered, or events lost."""
+        out = {}
+        if self.recovery is not None:
+            out.update({w: f"recovery {r.state}" for w, r in self.recovery.workers.items() if r.state != "recovered"})
+        if self.watch is not None:
+            out.update(dict.fromkeys(self.watch.gapped, "KV events lost"))
+        return out
 
     def sequence_event(self, model: str, action: str, request: ActiveRequest | None,
                        route: Mapping[str, Any]) -> tuple[tuple[str, str] | None, ActiveSequenceEvent] | None:

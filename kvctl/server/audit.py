@@ -1,0 +1,84 @@
+"""The decision audit's server side: each decision heard is judged against the index at that moment
+(`core.audit.judge`) and kept (`core.audit.AuditLedger`) for `/v1/audit`, `/metrics` and `doctor`.
+
+Two kinds are heard: a Dynamo frontend's, from the `AddRequest` its replica sync publishes for every request it
+routes (its blocks as sequence hashes, its pick, its own prefill estimate), and kvctl's own `/v1/route` picks.
+A frontend's is judged before any replica-sync booking of it, so the loads are those it was routed under.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from kvctl.core.audit.ledger import AuditLedger
+from kvctl.core.audit.verdict import Seen, Verdict, judge
+from kvctl.core.events.plane import ActiveSequenceEvent, AddRequest
+from kvctl.core.names import Role, WorkerKey
+from kvctl.core.router.scoring import Decision
+
+if TYPE_CHECKING:
+    from kvctl.server.state import Fleet
+
+KVCTL = "kvctl"
+"""The router label of kvctl's own decisions."""
+
+
+class Auditor:
+    def __init__(self, fleet: Fleet, ledger: AuditLedger | None = None) -> None:
+        self.fleet = fleet
+        self.ledger = ledger or AuditLedger()
+        self._unnamed = itertools.count(1)
+
+    def own(self, model: str, decision: Decision, request_id: str | None, now: float) -> Verdict:
+        """One of kvctl's own picks, judged with the scores it was made with."""
+        state = self.fleet.model(model)
+        config = state.router.config.for_pool(decision.role)
+        seen = Seen(request_id or f"{KVCTL}-{next(self._unnamed)}", model, KVCTL, now, decision.worker,
+                    decision.required_blocks, state.block_size, decision.role, decision.required_blocks,
+                    credit=config.overlap_score_credit, temperature=config.router_temperature,
+                    approximate=state.router.approx is not None)
+        verdict = judge(seen, decision.scores)
+        self.ledger.add(verdict)
+        return verdict
+
+    def peer(self, event: ActiveSequenceEvent, add: AddRequest, model: str, stale: Mapping[WorkerKey, str],
+             now: float) -> Verdict:
+        """A Dynamo frontend's pick, from its replica sync; `model`: the plane's, for a worker not registered."""
+        fleet = self.fleet
+        chosen = (event.worker_id, event.dp_rank)
+        info = fleet.workers.get(chosen)
+        if info is not None:
+            model = info.model
+        state = fleet.model(model) if model in fleet.models else None
+        blocks = add.token_sequence or []
+        role = next((r for r, pool in fleet.pools(model).items() if chosen in pool), None) if state else None
+        block_size = state.block_size if state else fleet.default_block_size
+        config = (state.router.config if state else fleet.default_config).for_pool(role or Role.aggregated)
+        seen = Seen(event.request_id, model, str(event.router_id), now, chosen, len(blocks), block_size,
+                    role or Role.aggregated, prefill_hint=add.prefill_tokens_hint if add.track_prefill_tokens else None,
+                    stale=dict(stale), credit=config.overlap_score_credit, temperature=config.router_temperature,
+                    approximate=state is not None and state.router.approx is not None)
+        if state is None or role is None:
+            verdict = judge(seen, None)
+        elif fleet.tracking is not None:
+            verdict = judge(replace(seen, unresolved="the fleet tracks requests by keyed hashes"), None)
+        else:
+            router = state.router
+            path = router.index.path_of_sequence(blocks)
+            resolved = len(path.local_hashes)
+            if path.exhausted:
+                verdict = judge(replace(seen, resolved=resolved, unresolved="a branch point with more children "
+                                                                            "than the walk may try"), None)
+            else:
+                ranks = fleet.busy_ranks(model)
+                busy = None if ranks is None else {w: r.busy for w, r in ranks.items()}
+                pool = fleet.pools(model)[role]
+                scores = router.assess(pool, path.local_hashes, blocks, isl_tokens=len(blocks) * block_size,
+                                       busy=busy, role=role)
+                verdict = judge(replace(seen, resolved=resolved), scores)
+        self.ledger.add(verdict)
+        return verdict
+

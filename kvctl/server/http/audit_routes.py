@@ -1,0 +1,83 @@
+"""`GET /v1/audit` and `GET /v1/audit/{request_id}`: the decision audit's window summary and one decision explained
+(docs/audit.md, docs/http-api.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvctl import http_api as api
+from kvctl.core.audit import Verdict, summarise
+from kvctl.core.names import format_worker
+from kvctl.errors import ApiError
+from kvctl.server.http.bodies import invalid
+from kvctl.server.state import Fleet
+
+MAX_WINDOW_S = 24 * 3600.0
+MAX_RECENT = 1000
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def audit_handlers(fleet: Fleet, clock: Callable[[], float]) -> dict[tuple[str, str], Handler]:
+    async def audit(request: Request) -> Response:
+        query = request.query_params
+        window = _number(query.get("window", "300"), "window", MAX_WINDOW_S)
+        recent = int(_number(query.get("recent", "0"), "recent", MAX_RECENT))
+        model = query.get("model")
+        if model is not None and model not in fleet.models:
+            raise ApiError(f"unknown model {model!r}; the router serves {sorted(fleet.models) or 'none yet'}",
+                           status=404)
+        now = clock()
+        ledger = fleet.audit.ledger
+        verdicts = ledger.window(now - window, model)
+        figures = summarise(verdicts)
+        workers = [api.AuditWorker(**row) for row in figures.pop("workers")]
+        body = api.Audit(window, model, ledger.seen, len(ledger), ledger.capacity, workers=workers,
+                         looked_at=_looked_at(fleet, verdicts, window),
+                         recent=[decision(v, now) for v in verdicts[-recent:]] if recent else [], **figures)
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    async def one(request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        verdict = fleet.audit.ledger.find(request_id)
+        if verdict is None:
+            raise ApiError(f"no decision for request {request_id!r} among the {len(fleet.audit.ledger)} the audit "
+                           "remembers (the most recent ones: see GET /v1/audit?recent=N)", status=404)
+        return Response(msgspec.json.encode(decision(verdict, clock())), media_type="application/json")
+
+    return {("GET", "/v1/audit"): audit, ("GET", "/v1/audit/{request_id}"): one}
+
+
+def decision(verdict: Verdict, now: float) -> api.AuditedDecision:
+    seen = verdict.seen
+    return api.AuditedDecision(
+        seen.request_id, seen.model, seen.router, max(0.0, now - seen.at), seen.chosen[0], seen.chosen[1],
+        seen.role.value, seen.blocks, seen.resolved, verdict.outcome.value, verdict.why.value,
+        verdict.agreement.value, verdict.best, verdict.chosen_overlap, verdict.avoidable_tokens,
+        [format_worker(w) for w in verdict.optimal], [format_worker(w) for w in verdict.kvctl_picks],
+        verdict.router_overlap, seen.unresolved, {format_worker(w): why for w, why in (seen.stale or {}).items()},
+        [api.AuditRow(r.worker[0], r.worker[1], r.device, r.cached, r.weighted, r.logit, r.busy) for r in verdict.rows])
+
+
+def _looked_at(fleet: Fleet, verdicts: list[Verdict], window: float) -> str:
+    """What the window was drawn from: said most where it is empty, so an empty answer is never a silent one."""
+    if verdicts:
+        return f"{len(verdicts)} decisions heard in the last {window:g} s"
+    heard = fleet.audit.ledger.seen
+    return (f"no decision heard in the last {window:g} s ({heard} since start): the audit hears kvctl's own "
+            "/v1/route picks and a Dynamo frontend's from its replica sync (start the frontend with "
+            "--router-replica-sync and this router on the same event plane)")
+
+
+def _number(text: str, name: str, most: float) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise invalid("query", name, f"{name} must be a number, got {text!r}") from None
+    if not 0 <= value <= most:
+        raise invalid("query", name, f"{name} must be in [0, {most:g}], got {text}")
+    return value
