@@ -508,7 +508,8 @@ class AuditWorker(Struct):
 class Audit(Struct):
     """`GET /v1/audit`: the decisions heard in the last `window_s` (of `model`, or all), judged against the index
     (docs/audit.md). `heard` counts every decision since start; `kept` of at most `capacity` are remembered.
-    Shares are null where nothing was judged; `looked_at` says what an empty window looked at."""
+    `optimal_share` is over the `cached_decisions`, those where some candidate held cache (with none, any pick is
+    as good). Shares are null where nothing was judged; `looked_at` says what an empty window looked at."""
 
     window_s: float
     model: str | None
@@ -517,6 +518,7 @@ class Audit(Struct):
     capacity: int
     decisions: int
     outcomes: dict[str, int]
+    cached_decisions: int
     optimal_share: float | None
     avoidable_prefill_tokens: int
     cacheable_prefill_tokens: int

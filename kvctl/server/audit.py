@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 KVCTL = "kvctl"
 """The router label of kvctl's own decisions."""
+BLIND_EVIDENCE = 3
+"""Picks holding cache that a router credited with none, with no pick ever credited, before it is judged blind to the
+cache: a router with overlap credit 0 takes no KV events (Dynamo 1.6.1), so its estimates never credit any."""
+MAX_ROUTERS_TRACKED = 64
 
 
 class Auditor:
@@ -31,6 +35,7 @@ class Auditor:
         self.fleet = fleet
         self.ledger = ledger or AuditLedger()
         self._unnamed = itertools.count(1)
+        self._credit_seen: dict[int, list[int]] = {}  # router id -> [picks credited with cache, cached picks not]
 
     def own(self, model: str, decision: Decision, request_id: str | None, now: float) -> Verdict:
         """One of kvctl's own picks, judged with the scores it was made with."""
@@ -57,9 +62,12 @@ class Auditor:
         role = next((r for r, pool in fleet.pools(model).items() if chosen in pool), None) if state else None
         block_size = state.block_size if state else fleet.default_block_size
         config = (state.router.config if state else fleet.default_config).for_pool(role or Role.aggregated)
+        credited = self._credit_seen.get(event.router_id)
         seen = Seen(event.request_id, model, str(event.router_id), now, chosen, len(blocks), block_size,
                     role or Role.aggregated, prefill_hint=add.prefill_tokens_hint if add.track_prefill_tokens else None,
-                    stale=dict(stale), credit=config.overlap_score_credit, temperature=config.router_temperature,
+                    stale=dict(stale), credit=config.overlap_score_credit,
+                    router_blind=credited is not None and not credited[0] and credited[1] >= BLIND_EVIDENCE,
+                    temperature=config.router_temperature,
                     approximate=state is not None and state.router.approx is not None)
         if state is None or role is None:
             verdict = judge(seen, None)
@@ -79,6 +87,19 @@ class Auditor:
                 scores = router.assess(pool, path.local_hashes, blocks, isl_tokens=len(blocks) * block_size,
                                        busy=busy, role=role)
                 verdict = judge(replace(seen, resolved=resolved), scores)
+        self._learn_credit(event.router_id, verdict)
         self.ledger.add(verdict)
         return verdict
+
+    def _learn_credit(self, router_id: int, verdict: Verdict) -> None:
+        """Whether a router credits cache at all, from its estimates of its picks that held some."""
+        pick = verdict.picked
+        if verdict.router_overlap is None or pick is None or pick.weighted < 1:
+            return
+        credited = self._credit_seen.get(router_id)
+        if credited is None:
+            if len(self._credit_seen) >= MAX_ROUTERS_TRACKED:
+                del self._credit_seen[next(iter(self._credit_seen))]  # the longest known: routers restart
+            credited = self._credit_seen[router_id] = [0, 0]
+        credited[0 if verdict.router_overlap >= 1 else 1] += 1
 

@@ -170,3 +170,15 @@ async def test_the_window_summary_and_one_decision_over_http(audited: tuple[Flee
     assert f'kvctl_audit_decisions_total{{model="default",outcome="suboptimal",reason="unexplained",' \
            f'router="{FRONTEND}"}} 1.0' in metrics
     assert f'kvctl_audit_avoidable_prefill_tokens_total{{model="default",router="{FRONTEND}"}} 64.0' in metrics
+
+
+def test_a_router_that_never_credits_cache_on_cached_picks_is_judged_blind_to_it() -> None:
+    # Its estimates credit none of the prompt's cache on worker 1 (three times): from then on, any pick it makes
+    # short of the most cache is put down to the cache being ignored, even one that held none itself.
+    fleet = fleet_with_cache()
+    assert frontend_pick(fleet, 2, "before").why is Why.unexplained
+    for n in range(3):
+        assert frontend_pick(fleet, 1, f"blind-{n}", hint=len(PROMPT)).outcome is Outcome.optimal
+    assert frontend_pick(fleet, 2, "after").why is Why.cache_ignored
+    assert frontend_pick(fleet, 1, "credited", hint=0).outcome is Outcome.optimal  # it credited cache after all
+    assert frontend_pick(fleet, 2, "after-credit").why is Why.unexplained

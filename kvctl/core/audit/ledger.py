@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvctl.core.audit.verdict import Agreement, Outcome, Verdict
+from kvctl.core.audit.verdict import Agreement, Outcome, Verdict, Why
 from kvctl.core.names import WorkerKey
 
 RING = 10_000
@@ -101,15 +101,17 @@ class AuditLedger:
 
 
 def summarise(verdicts: Iterable[Verdict]) -> dict[str, Any]:
-    """A window's figures: shares, avoidable prefill against what the best picks would have found cached,
-    agreement with kvctl's cost function, the reasons ranked, and per worker."""
+    """A window's figures: the share of decisions that went to a worker holding the most cache, of those where
+    some candidate held any (`cached_decisions`: with none, any pick is as good); avoidable prefill against what
+    the best picks would have found cached; agreement with kvctl's cost function; the reasons ranked; per worker."""
     outcomes: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
     agreement: Counter[str] = Counter()
     routers: Counter[str] = Counter()
     workers: dict[WorkerKey, Counter[str]] = {}
-    avoidable = cacheable = 0
+    avoidable = cacheable = no_overlap = 0
     for v in verdicts:
+        no_overlap += v.why is Why.no_overlap
         outcomes[v.outcome.value] += 1
         agreement[v.agreement.value] += 1
         routers[v.seen.router] += 1
@@ -122,12 +124,13 @@ def summarise(verdicts: Iterable[Verdict]) -> dict[str, Any]:
         avoidable += v.avoidable_tokens
         if v.outcome is not Outcome.unknown:
             cacheable += v.cacheable_tokens
-    judged = outcomes[Outcome.optimal.value] + outcomes[Outcome.suboptimal.value]
+    cached = outcomes[Outcome.suboptimal.value] + outcomes[Outcome.optimal.value] - no_overlap
     compared = agreement[Agreement.agree.value] + agreement[Agreement.tie.value] + agreement[Agreement.disagree.value]
     return {
         "decisions": sum(outcomes.values()),
         "outcomes": {o.value: outcomes[o.value] for o in Outcome},
-        "optimal_share": outcomes[Outcome.optimal.value] / judged if judged else None,
+        "cached_decisions": cached,
+        "optimal_share": (outcomes[Outcome.optimal.value] - no_overlap) / cached if cached else None,
         "avoidable_prefill_tokens": avoidable,
         "cacheable_prefill_tokens": cacheable,
         "avoidable_share": avoidable / cacheable if cacheable else None,

@@ -65,6 +65,7 @@ class Seen:
     prefill_hint: int | None = None  # the router's own prefill tokens for the pick (replica sync), when it tracks them
     stale: Mapping[WorkerKey, str] | None = None  # candidates whose stream is not caught up, and why
     credit: float = 1.0  # the pool's overlap_score_credit under the fleet's knobs
+    router_blind: bool = False  # the router has never credited cache on its picks, though they held some
     temperature: float = 0.0
     approximate: bool = False
 
@@ -85,6 +86,8 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
+    """`router_overlap`: the weighted cached blocks the router saw on its pick, from its prefill hint."""
+
     seen: Seen
     outcome: Outcome
     why: Why
@@ -94,7 +97,11 @@ class Verdict:
     chosen_overlap: int
     avoidable_tokens: int  # (best - chosen overlap) x block size
     kvctl_picks: tuple[WorkerKey, ...]  # the workers kvctl prices lowest
-    router_overlap: float | None  # the weighted cached blocks the router saw on its pick, from its prefill hint
+    router_overlap: float | None
+
+    @property
+    def picked(self) -> Row | None:
+        return next((r for r in self.rows if r.worker == self.seen.chosen), None)
 
     @property
     def optimal(self) -> tuple[WorkerKey, ...]:
@@ -151,7 +158,7 @@ def _why_not_best(seen: Seen, pick: Row, best_rows: Sequence[Row], kvctl_picks: 
         return Why.index_behind  # the router saw more cache on its pick than kvctl's index holds
     if seen.approximate:
         return Why.approximate
-    if seen.credit == 0 or router_overlap is not None and pick.weighted >= 1 and router_overlap == 0:
+    if seen.credit == 0 or seen.router_blind or router_overlap == 0 and pick.weighted >= 1:
         return Why.cache_ignored  # credit 0, or (its index empty: a router with credit 0 takes no KV events) none seen
     if all(r.busy for r in best_rows) and not pick.busy:
         return Why.busy

@@ -1,0 +1,102 @@
+"""The decision audit against a running Dynamo 1.6.1 fleet: every decision its frontend routes is heard from its
+replica sync and judged against kvctl's index, beside the frontend's own decision counters.
+
+The fleet's kvctl router follows its NATS event plane (KV events and the frontend's `AddRequest`s alike), so it
+holds the frontend's index and hears its decisions in the order they were made.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.interop.conftest import NATS_ROUTER, NATS_ROUTER_ID
+from tests.interop.fleet import BLOCK_SIZE, Fleet, settled, shared_prefix_load, start_fleet, wait_until
+from tests.nats_server import NatsServer
+
+DYNAMO_BEST = "dynamo_component_router_kv_best_eligible_cached_prefix_tokens"
+DYNAMO_SELECTED = "dynamo_component_router_kv_selected_cached_prefix_tokens"
+
+
+def recent(url: str) -> dict[str, dict[str, Any]]:
+    """The router's remembered decisions of Dynamo's routers (its own and its replica-sync peer's left out)."""
+    body = httpx.get(f"{url}/v1/audit", params={"window": 86400, "recent": 1000}, timeout=10).json()
+    return {d["request_id"]: d for d in body["recent"] if d["router"] not in ("kvctl", str(NATS_ROUTER_ID))}
+
+
+def dynamo_counters(url: str) -> Counter[str]:
+    """The frontend's decision counters, summed over their labels."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (f"{DYNAMO_BEST}_total", f"{DYNAMO_SELECTED}_total"):
+                out[sample.name.removesuffix("_total")] += int(sample.value)
+    return out
+
+
+def test_every_frontend_decision_is_audited_and_its_avoidable_prefill_is_dynamos(fleet: Fleet) -> None:
+    router = fleet.routers[NATS_ROUTER]
+    before, decisions_before = set(recent(router.url)), len(fleet.frontend.decisions())
+    counted_before = dynamo_counters(fleet.frontend_url)
+    load = shared_prefix_load(fleet.frontend_url, requests=48, seed=44)
+    assert not load.failed, load.failed
+    made = len(fleet.frontend.decisions()) - decisions_before
+    assert made == load.requests
+    heard = wait_until(lambda: new if len(new := {k: v for k, v in recent(router.url).items() if k not in before})
+                       >= made else None, f"kvctl auditing the frontend's {made} decisions", timeout=30,
+                       procs=[router.proc])
+    counted = settled(lambda: dynamo_counters(fleet.frontend_url), "the frontend's counters")
+    verdicts = list(heard.values())
+    outcomes = Counter(v["outcome"] for v in verdicts)
+    reasons = Counter(v["reason"] for v in verdicts if v["outcome"] != "optimal")
+    agreement = Counter(v["agreement"] for v in verdicts)
+    report = f"outcomes {dict(outcomes)}, reasons {dict(reasons)}, agreement {dict(agreement)}"
+    assert len(verdicts) == made, report
+    summary = httpx.get(f"{router.url}/v1/audit", params={"window": 86400}, timeout=10).json()
+    assert outcomes["unknown"] == 0 and summary["optimal_share"] >= 0.8, report
+    disagreeing = [v for v in verdicts if v["agreement"] == "disagree"]
+    assert all(v["reason"] == "index_behind" for v in disagreeing), report  # never a silent disagreement
+    avoidable = sum(v["avoidable_tokens"] for v in verdicts)
+    dynamo_avoidable = (counted[DYNAMO_BEST] - counted_before[DYNAMO_BEST]) - \
+        (counted[DYNAMO_SELECTED] - counted_before[DYNAMO_SELECTED])
+    assert avoidable == dynamo_avoidable, report
+    assert sum(v["best_overlap"] for v in verdicts) > 0, report  # the load shares prefixes: there was cache to find
+    assert all(v["blocks"] > 0 and v["resolved_blocks"] <= v["blocks"] for v in verdicts)
+    assert {v["role"] for v in verdicts} == {"aggregated"} and BLOCK_SIZE == 16
+
+
+def test_a_frontend_that_ignores_the_cache_is_audited_as_poor_while_its_own_counters_read_zero(
+        dynamo: Path, nats: NatsServer, tmp_path: Path) -> None:
+    blind = start_fleet(tmp_path, dynamo, mockers=3, nats_url=nats.url, namespace="blind", kvctl=False,
+                        indexer=False, frontend_args=["--router-kv-overlap-score-credit", "0"],
+                        routers={NATS_ROUTER: ["--nats", nats.url, "--namespace", "blind", "--replica-sync",
+                                               "--router-id", str(NATS_ROUTER_ID)]})
+    try:
+        router = blind.routers[NATS_ROUTER]
+        wait_until(lambda: httpx.get(f"{router.url}/v1/status", timeout=5).json()["event_plane"]["ready"] or None,
+                   "kvctl subscribed to the NATS event plane", timeout=30, procs=[router.proc])
+        # Sixteen prefixes, three uses each: a router blind to the cache finds a prefix's holder by chance only.
+        load = shared_prefix_load(blind.frontend_url, requests=48, prefixes=16, prefix_blocks=6, suffix_blocks=2,
+                                  seed=45)
+        assert not load.failed, load.failed
+        made = len(blind.frontend.decisions())
+        heard = wait_until(lambda: d if len(d := recent(router.url)) >= made else None,
+                           f"kvctl auditing the frontend's {made} decisions", timeout=30, procs=[router.proc])
+        counted = settled(lambda: dynamo_counters(blind.frontend_url), "the frontend's counters")
+        summary = httpx.get(f"{router.url}/v1/audit", params={"window": 86400}, timeout=10).json()
+    finally:
+        blind.stop()
+    verdicts = list(heard.values())
+    outcomes = Counter(v["outcome"] for v in verdicts)
+    reasons = Counter(v["reason"] for v in verdicts if v["outcome"] != "optimal")
+    report = f"outcomes {dict(outcomes)}, reasons {dict(reasons)}; dynamo {dict(counted)}"
+    assert counted[DYNAMO_BEST] == counted[DYNAMO_SELECTED] == 0, report  # the router's self-report is blind
+    assert summary["optimal_share"] <= 0.75 and summary["avoidable_prefill_tokens"] > 0, report
+    # Named, not "unexplained": each pick holding cache the router credited with none, then, once three have shown
+    # it never credits any, every pick short of the most cache.
+    assert reasons["cache_ignored"] >= 0.5 * sum(reasons.values()), report
