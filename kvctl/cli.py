@@ -38,7 +38,8 @@ def _debug_requested(args: list[str]) -> bool:
 # defines either `app` (a group) or `<name>_command` with HELP and EXAMPLES (a single command).
 COMMANDS: dict[str, str] = {
     "hash": "kvctl.commands.hash", "serve": "kvctl.commands.serve", "demo": "kvctl.commands.demo",
-    "route": "kvctl.commands.route", "workers": "kvctl.commands.workers", "tiers": "kvctl.commands.tiers",
+    "route": "kvctl.commands.route", "workers": "kvctl.commands.workers", "audit": "kvctl.commands.audit",
+    "tiers": "kvctl.commands.tiers",
     "top": "kvctl.commands.top",
     "mock": "kvctl.commands.mock", "events": "kvctl.commands.events", "tree": "kvctl.commands.tree",
     "router": "kvctl.commands.router", "busy": "kvctl.commands.busy", "doctor": "kvctl.commands.doctor",

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -227,3 +228,15 @@ def unset_busy_thresholds(model: str, fields: list[str]) -> Call[api.Thresholds]
 def post_events(events: list[dict[str, Any]], model: str = DEFAULT_MODEL) -> Call[api.EventsApplied]:
     """RouterEvent objects (Python ints: exact beyond 2^53) into the router's index."""
     return Call("POST", "/v1/events", params={"model": model}, json=events, answer=api.EventsApplied)
+
+
+def audit(window_s: float, model: str | None = None, recent: int = 0) -> Call[api.Audit]:
+    """`GET /v1/audit`: the decisions heard in the last `window_s`, judged against the router's index."""
+    params: dict[str, Any] = {"window": window_s, "recent": recent}
+    if model:
+        params["model"] = model
+    return Call("GET", "/v1/audit", params=params, answer=api.Audit)
+
+
+def audited_decision(request_id: str) -> Call[api.AuditedDecision]:
+    return Call("GET", f"/v1/audit/{quote(request_id, safe='')}", answer=api.AuditedDecision)

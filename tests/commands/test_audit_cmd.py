@@ -1,0 +1,41 @@
+"""`kvctl audit` against a real `kvctl serve` holding Dynamo 1.6.1's dump: its own routes, judged and shown."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.commands.live_router import PROMPT, json_of, kvctl, loaded_router
+
+
+def test_an_empty_window_says_what_it_looked_at(tmp_path: Path) -> None:
+    with loaded_router(tmp_path) as client:
+        result = kvctl(client, "audit")
+    assert result.exit_code == 0, result.output
+    assert "no decision heard in the last 300 s (0 since start)" in result.stdout
+    assert "--router-replica-sync" in result.stdout  # how to make a frontend's decisions heard
+
+
+def test_routes_are_summarised_listed_explained_and_bad_input_refused(tmp_path: Path) -> None:
+    with loaded_router(tmp_path) as client:
+        for n in range(3):
+            body = {"token_ids": PROMPT, "request_id": f"req-{n}"}
+            assert client.post("/v1/route", json=body).status_code == 200
+        summary = json_of(kvctl(client, "audit", "-o", "json"))
+        table = kvctl(client, "audit")
+        recent = kvctl(client, "audit", "--recent", "2")
+        one = kvctl(client, "audit", "--request", "req-1")
+        one_json = json_of(kvctl(client, "audit", "--request", "req-1", "-o", "json"))
+        unknown = kvctl(client, "audit", "--request", "nope")
+        bad_window = kvctl(client, "audit", "--window", "soon")
+    assert (summary["decisions"], summary["cached_decisions"], summary["optimal_share"]) == (3, 3, 1.0)
+    assert summary["routers"] == {"kvctl": 3} and summary["avoidable_prefill_tokens"] == 0
+    assert "3 decisions, 3 with cache to find; 100% of those went to a worker holding the most" in \
+        " ".join(table.stdout.split())  # the title wraps at the terminal's width
+    assert table.stdout.count("\n") >= 3 and "AVOIDABLE TOKENS" in table.stdout
+    assert [line.split()[0] for line in recent.stdout.splitlines() if line.startswith("req-")] == ["req-1", "req-2"]
+    assert one.exit_code == 0 and "request req-1 (default, router kvctl" in " ".join(one.stdout.split())
+    assert one_json["outcome"] == "optimal" and one_json["best_overlap"] == 4 and len(one_json["candidates"]) == 4
+    assert unknown.exit_code == 1 and "no decision for request 'nope'" in unknown.output
+    assert bad_window.exit_code == 2 and "--window" in bad_window.output
+    assert json.loads(json.dumps(summary))  # plain JSON, stable for scripts
