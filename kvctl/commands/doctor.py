@@ -37,6 +37,7 @@ from kvctl.core.doctor import (
     differing_workers,
     worst,
 )
+from kvctl.core.doctor.routing_audit import check_routing
 from kvctl.core.silence import SILENT_AFTER_S
 from kvctl.errors import UsageError
 from kvctl.output import Column, Output, OutputFormat, View
@@ -130,8 +131,9 @@ def doctor_command(
                 from kvctl.client.tier_sources import Auth
 
                 engines = _Engines(metrics or [], prometheus, window_s, Auth(auth_user, auth_password, bearer_token))
-                hit_rates = _hit_rates(ctx, engines) if metrics or prometheus else None
-                findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates, previous),
+                hit_rates, reported = _hit_rates(ctx, engines) if metrics or prometheus else (None, None)
+                routing = check_routing(_audit(ctx, model), reported)
+                findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates, previous, routing),
                             *not_compared]
         previous[:] = findings
         return findings
@@ -254,15 +256,30 @@ def _compare(own: RouterClient, peer: RouterClient, mine: dict[str, Any],
     return rows
 
 
-def _hit_rates(ctx: typer.Context, engines: _Engines) -> list[Finding]:
+def _audit(ctx: typer.Context, model: str | None) -> dict[str, Any] | None:
+    """The router's decision audit of the last 5 minutes; None from a router without one (before issue 44)."""
+    import msgspec
+
+    from kvctl.client import calls
+    from kvctl.errors import NotFound
+
+    try:
+        with router_client(ctx) as client:
+            return msgspec.to_builtins(client.send(calls.audit(300.0, model)))
+    except NotFound:
+        return None
+
+
+def _hit_rates(ctx: typer.Context, engines: _Engines) -> tuple[list[Finding], dict[str, float] | None]:
     """Engines' device prefix-cache hit rates and the router's mean predicted hit rate since it started; and a
-    Dynamo frontend's router queue, when one is among the metrics.
+    Dynamo frontend's router queue and its own decision counters, when one is among the metrics.
 
     An engine without a prefix-cache family of its own (Dynamo's mocker) counts by what a Dynamo frontend among
     the metrics says its engines reported cached (`cached_share`). The prediction is kvctl's own when it has
     routed; else a Dynamo router's among the metrics (its kv_hit_rate histogram: Σ sum / Σ count)."""
     from kvctl.client.tier_sources import Auth, Scraper, prometheus_windows
     from kvctl.core.doctor.frontend_queue import check_frontend_queue
+    from kvctl.core.doctor.routing_audit import self_report
     from kvctl.core.tiers import hit_rates, ratio, report
     from kvctl.errors import KvctlError
 
@@ -280,7 +297,7 @@ def _hit_rates(ctx: typer.Context, engines: _Engines) -> list[Finding]:
     except KvctlError as exc:
         flag = "--prometheus URL" if engines.prometheus is not None else "--metrics URL"
         return [Finding("hit_rate", Severity.UNKNOWN, f"metrics not read: {exc.message}", {},
-                        f"kvctl tiers {flag}  (is it reachable? are the engines' families there?)")]
+                        f"kvctl tiers {flag}  (is it reachable? are the engines' families there?)")], None
     theirs = report(windows)
     rates = {r.instance: r.value for r in hit_rates(theirs, "device") if r.value is not None}
     for r in theirs.readings:
@@ -293,4 +310,4 @@ def _hit_rates(ctx: typer.Context, engines: _Engines) -> list[Finding]:
         if predicted is not None:
             by = ", ".join(sorted({r.family for r in found}))
             break
-    return [*check_hit_rates(rates, predicted, predicted_by=by), *check_frontend_queue(windows)]
+    return [*check_hit_rates(rates, predicted, predicted_by=by), *check_frontend_queue(windows)], self_report(windows)

@@ -119,11 +119,17 @@ DYNAMO_QUEUE_PENDING = _family("dynamo_frontend_router_queue_pending_requests",
 DYNAMO_QUEUE_REFUSED = _family("dynamo_frontend_router_queue_backpressure_total",
                                r"dynamo_frontend_router_queue_backpressure", counter=True)
 
+# A Dynamo router's own account of its decisions (prompt tokens cached on the best eligible worker and on the one it
+# picked): doctor's routing check sets them beside the decision audit's.
+DYNAMO_DECISIONS = _family("dynamo_{component_router,frontend}_kv_{best_eligible,selected}_cached_prefix_tokens",
+                           r"dynamo_(?:component_router|frontend)_kv_(best_eligible|selected)_cached_prefix_tokens",
+                           counter=True)
+
 FAMILIES = (KVBM_HIT, KVBM_OFFLOAD, KVBM_ONBOARD, KVBM_MATCHED, KVBM_FAILURES, VLLM_BY_SOURCE, VLLM_QUERIES,
             VLLM_HITS, VLLM_USAGE, SGLANG_CACHED, SGLANG_HIT, SGLANG_USAGE, LMCACHE_HIT, LMCACHE_REQUESTED,
             LMCACHE_RATES, KVCTL_PREDICTED, DYNAMO_PREDICTED, DYNAMO_CACHED, DYNAMO_INPUT, DYNAMO_USAGE,
             DYNAMO_WORKER_HIT)
-READ = (*FAMILIES, DYNAMO_QUEUE_PENDING, DYNAMO_QUEUE_REFUSED)
+READ = (*FAMILIES, DYNAMO_QUEUE_PENDING, DYNAMO_QUEUE_REFUSED, DYNAMO_DECISIONS)
 """Every family a scrape keeps: the tier report's, and what doctor reads beside them."""
 
 LOWER_TIERS = ("host", "disk", "object", "p2p", "external")

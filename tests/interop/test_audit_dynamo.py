@@ -7,6 +7,7 @@ holds the frontend's index and hears its decisions in the order they were made.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.commands.live_router import kvctl
 from tests.interop.conftest import NATS_ROUTER, NATS_ROUTER_ID
 from tests.interop.fleet import BLOCK_SIZE, Fleet, settled, shared_prefix_load, start_fleet, wait_until
 from tests.nats_server import NatsServer
@@ -89,8 +91,10 @@ def test_a_frontend_that_ignores_the_cache_is_audited_as_poor_while_its_own_coun
                            f"kvctl auditing the frontend's {made} decisions", timeout=30, procs=[router.proc])
         counted = settled(lambda: dynamo_counters(blind.frontend_url), "the frontend's counters")
         summary = httpx.get(f"{router.url}/v1/audit", params={"window": 86400}, timeout=10).json()
+        doctor = kvctl(router.url, "doctor", "--metrics", f"{blind.frontend_url}/metrics", "-o", "json")
     finally:
         blind.stop()
+    routing = next(f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "routing")
     verdicts = list(heard.values())
     outcomes = Counter(v["outcome"] for v in verdicts)
     reasons = Counter(v["reason"] for v in verdicts if v["outcome"] != "optimal")
@@ -100,3 +104,4 @@ def test_a_frontend_that_ignores_the_cache_is_audited_as_poor_while_its_own_coun
     # Named, not "unexplained": each pick holding cache the router credited with none, then, once three have shown
     # it never credits any, every pick short of the most cache.
     assert reasons["cache_ignored"] >= 0.5 * sum(reasons.values()), report
+    assert routing["severity"] == "CRITICAL" and "own decision counters read 0" in routing["cause"], routing

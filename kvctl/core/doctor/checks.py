@@ -456,10 +456,10 @@ def check_restoring(status: Mapping[str, Any]) -> list[Finding]:
 def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
              thresholds: Sequence[Mapping[str, Any]], peers: Sequence[PeerDiff] = (),
              limits: Limits | None = None, hit_rates: list[Finding] | None = None,
-             previous: Sequence[Finding] = ()) -> list[Finding]:
+             previous: Sequence[Finding] = (), routing: Sequence[Finding] = ()) -> list[Finding]:
     """Every check, worst first; registration problems make the rest moot, so they come alone.
     `hit_rates`: `check_hit_rates`' finding, when engines' metrics were read. `previous`: the last round's
-    findings, for the checks with hysteresis (`doctor --watch`)."""
+    findings, for the checks with hysteresis (`doctor --watch`). `routing`: the decision audit's."""
     limits = limits or Limits()
     loop_held = any(f.check == "loop" and f.severity is Severity.WARNING for f in previous)
     restoring = check_restoring(status)
@@ -475,5 +475,5 @@ def diagnose(status: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
                 *check_recovery(status),
                 *check_busy(workers, thresholds, limits), *check_divergence(peers, limits),
                 *check_index(status, limits), *check_loop(status, limits, held=loop_held),
-                *check_health(status, limits), *(hit_rates or [])]
+                *check_health(status, limits), *(hit_rates or []), *routing]
     return worst_first(findings)

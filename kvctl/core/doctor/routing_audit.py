@@ -1,0 +1,87 @@
+"""Is KV-aware routing working? The decision audit's window (`GET /v1/audit`, docs/audit.md) read as a finding, beside
+the router's own decision counters where a Dynamo frontend's metrics were given (`doctor --metrics`).
+
+The router's self-report goes blind exactly when it matters: a Dynamo 1.6.1 frontend with overlap credit 0 takes no
+KV events, so its best-eligible and selected cached-token counters read 0 while it routes past the cache. The audit
+judges each decision from kvctl's own index, so it says which to believe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvctl.core.doctor.findings import Finding, Severity
+from kvctl.core.tiers import DYNAMO_DECISIONS, Window
+from kvctl.core.words import counted
+
+MIN_DECISIONS = 20
+"""Decisions with cache to find, at least, before the share is judged: a handful says nothing."""
+OPTIMAL_FLOOR = 0.7
+"""Under this share of decisions to a worker holding the most cache, routing is poor (WARNING)."""
+DISAGREE_CEILING = 0.1
+"""Over this share of decisions where kvctl's cost function picks another worker (not for its index being behind),
+the router's knobs are not kvctl's."""
+
+_NEXT = {
+    "cache_ignored": "the router gives cached blocks no credit: set overlap_score_credit above 0 (the policy file's "
+                     "default-cost-fn parameters, or --router-kv-overlap-score-credit)",
+    "load_balance": "load outweighs the cache under the router's knobs: compare prefill_load_scale and "
+                    "overlap_score_credit with the fleet's needs; add capacity if workers are saturated",
+    "busy": "the workers holding the cache were busy: kvctl busy get; add capacity or raise the thresholds",
+    "index_behind": "kvctl's index lags the router's: kvctl doctor's streams and event_plane findings",
+    "sampled": "the router samples its picks (router_temperature > 0): lower it for more cache hits",
+    "tie": "ties between workers of equal cost: nothing to fix",
+    "unexplained": "kvctl's knobs may not be the frontend's: start kvctl serve with the frontend's "
+                   "--router-policy-config, then kvctl audit --recent 20",
+}
+
+
+def self_report(windows: Sequence[Window]) -> dict[str, float] | None:
+    """A Dynamo router's own decision counters among the metrics (best eligible and selected cached prefix tokens,
+    summed over its series since it started); None when no metrics given export them."""
+    found: dict[str, float] = {}
+    for window in windows:
+        for sample in window.samples:
+            if (m := DYNAMO_DECISIONS.pattern.fullmatch(sample.name)) is not None:
+                found[m[1]] = found.get(m[1], 0.0) + sample.value
+    return found or None
+
+
+def check_routing(audit: Mapping[str, Any] | None, reported: Mapping[str, float] | None = None) -> list[Finding]:
+    """`audit`: the router's `/v1/audit` answer (None from a router without the audit); `reported`: `self_report`."""
+    if audit is None:
+        return []
+    window = f"{audit['window_s'] / 60:g} min"
+    cached, share = audit["cached_decisions"], audit["optimal_share"]
+    evidence = {k: audit[k] for k in ("decisions", "cached_decisions", "optimal_share", "avoidable_prefill_tokens",
+                                      "cacheable_prefill_tokens", "avoidable_share", "agreement", "reasons",
+                                      "routers")}
+    if reported is not None:
+        evidence["router_self_report"] = reported
+    if cached < MIN_DECISIONS:
+        said = audit["looked_at"] if not audit["decisions"] else \
+            f"{counted(cached, 'decision')} with cache to find in the last {window}: too few to judge"
+        return [Finding("routing", Severity.OK, said, evidence)]
+    reasons: dict[str, int] = audit["reasons"]
+    top = next(iter(reasons), None)
+    avoidable = audit["avoidable_share"] or 0.0
+    blind = reported is not None and not any(reported.values()) and audit["avoidable_prefill_tokens"] > 0
+    said = (f"{share:.0%} of {cached:,} decisions with cache to find in the last {window} went to a worker holding "
+            f"the most; {avoidable:.0%} of cacheable prefill was avoidable"
+            + (f"; top reason: {top.replace('_', ' ')}" if top else ""))
+    if blind:
+        said += ("; the router's own decision counters read 0 (a Dynamo router with overlap credit 0 takes no KV "
+                 "events, so it sees no cache to lose): believe the audit, which reads kvctl's index")
+    if share < OPTIMAL_FLOOR or blind:
+        severity = Severity.CRITICAL if top == "cache_ignored" or blind else Severity.WARNING
+        return [Finding("routing", severity, said, evidence,
+                        f"kvctl audit --recent 20; {_NEXT.get(top or '', 'kvctl audit --request ID')}")]
+    agreement = audit["agreement"]
+    compared = agreement["agree"] + agreement["tie"] + agreement["disagree"]
+    if compared and agreement["disagree"] / compared > DISAGREE_CEILING and top != "index_behind":
+        return [Finding("routing", Severity.WARNING,
+                        f"kvctl's cost function picks another worker than the router on "
+                        f"{agreement['disagree'] / compared:.0%} of {compared:,} decisions: " + said, evidence,
+                        "kvctl audit --recent 20 -o wide; " + _NEXT["unexplained"])]
+    return [Finding("routing", Severity.OK, said, evidence)]
