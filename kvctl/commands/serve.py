@@ -19,7 +19,14 @@ from kvctl.commands._nats import (
     with_nats_credentials,
 )
 from kvctl.commands._serve_planes import card_block_sizes, cards_store, peer_limits, router_id_of, zmq_options
-from kvctl.commands._serve_routing import TrackingHash, router_config, tracking_key
+from kvctl.commands._serve_routing import (
+    FleetOptions,
+    TrackingHash,
+    fleet_options,
+    read_policy,
+    router_config,
+    tracking_key,
+)
 from kvctl.core.names import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, parse_worker
 from kvctl.core.router.approx_lru import CachePolicy
 from kvctl.core.router.queue import QueuePolicy, RouterQueue
@@ -219,7 +226,9 @@ def serve_command(
     policy_config: Annotated[Path | None, typer.Option(
         "--router-policy-config", envvar=["KVCTL_ROUTER_POLICY_CONFIG", "DYN_ROUTER_POLICY_CONFIG"],
         show_default=False, rich_help_panel=COST_PANEL,
-        help="Dynamo's policy YAML: its aggregated dynamo-default-cost-fn parameters win over these flags.")] = None,
+        help="Dynamo's policy YAML: its router: section's settings (tier weights, prefill tracking, KV events, TTL, "
+             "cache policy, tracking hash, replica sync) and its aggregated dynamo-default-cost-fn parameters win "
+             "over these flags; what kvctl cannot apply is refused or warned of by name.")] = None,
     overlap_score_weight: Annotated[float | None, typer.Option(
         "--overlap-score-weight", "--router-kv-overlap-score-weight",
         envvar=["KVCTL_OVERLAP_SCORE_WEIGHT", "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT"], show_default=False,
@@ -462,6 +471,9 @@ def serve_command(
 
     configure(log_level, log_format)
     _warn_of_secrets_in_argv()
+    policy = read_policy(policy_config)
+    fleet = fleet_options(FleetOptions(approximate, router_ttl, cache_policy, tracking_hash, tracking_key_file,
+                                       tracking_key_id, replica_sync), track_prefill_tokens, policy, policy_config)
     try:
         queue = RouterQueue(queue_threshold, queue_policy) if queue_threshold is not None else None
         router, queues = router_config({
@@ -469,28 +481,28 @@ def serve_command(
             "prefill_load_scale": prefill_load_scale, "decode_active_request_weight": decode_active_request_weight,
             "host_cache_hit_weight": host_cache_hit_weight, "disk_cache_hit_weight": disk_cache_hit_weight,
             "router_temperature": temperature, "track_prefill_tokens": track_prefill_tokens},
-            overlap_score_weight, tier_credits, policy_config, queue)
+            overlap_score_weight, tier_credits, policy, queue)
         thresholds = Thresholds(decode_threshold, prefill_threshold, prefill_frac)
         sessions = SessionBook(session_ttl) if session_ttl is not None else None
-        tracking = tracking_key(tracking_hash, tracking_key_file, tracking_key_id)
+        tracking = tracking_key(fleet.tracking_hash, fleet.tracking_key_file, fleet.tracking_key_id)
         approx = None
-        if cache_policy is CachePolicy.lru and not approximate:
+        if fleet.cache_policy is CachePolicy.lru and not fleet.approximate:
             raise ValueError("--router-approximate-cache-policy lru needs --approximate: it retains the blocks the "
                              "router books, where no KV events come (Dynamo: use_kv_events=false)")
-        if approximate:  # the index's code loads after the port opens, unless this mode needs it to check flags
+        if fleet.approximate:  # the index's code loads after the port opens, unless this mode needs it to check flags
             from kvctl.core.router.approx import ApproxConfig
 
-            approx = ApproxConfig(router_ttl, max_tree_size, prune_target_ratio, cache_policy)
+            approx = ApproxConfig(fleet.router_ttl, max_tree_size, prune_target_ratio, fleet.cache_policy)
         if not request_expiry > 0:
             raise ValueError(f"--request-expiry must be > 0 seconds, got {request_expiry}")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if router_id is not None and not 0 <= router_id < 2**64:
         raise UsageError(f"--router-id must be a u64, got {router_id}")
-    peers = peer_limits(replica_peers, max_peer_reservations, max_peer_reserved_tokens, replica_sync)
+    peers = peer_limits(replica_peers, max_peer_reservations, max_peer_reserved_tokens, fleet.replica_sync)
     nats = zmq_plane = None
     sizes = card_block_sizes(block_size, models)
-    if approximate and jetstream:
+    if fleet.approximate and jetstream:
         raise UsageError("--approximate indexes the router's own routes: --jetstream (a stream of KV events) does "
                          "not go with it", hint="drop one of them")
     if nats_url is not None:
@@ -506,14 +518,14 @@ def serve_command(
         nats = NatsOptions(connection=conn, namespace=namespace, component=component, endpoint=endpoint,
                            model=nats_model, router_id=router_id_of(router_id, state_dir), shadow=shadow,
                            jetstream=jetstream, snapshot_threshold=snapshot_threshold, reset_states=reset_states,
-                           replica_sync=replica_sync, peer_limits=peers, pending_msgs=nats_pending_msgs,
+                           replica_sync=fleet.replica_sync, peer_limits=peers, pending_msgs=nats_pending_msgs,
                            pending_bytes=nats_pending_bytes,
                            cards=cards_store(dynamo_discovery, jetstream), block_sizes=sizes)
     elif dynamo_discovery is not None:
         zmq_plane = zmq_options(dynamo_discovery, namespace, component, endpoint, nats_model, router_id, state_dir,
-                                 replica_sync, shadow, jetstream, advertise_host, recovery_timeout,
+                                 fleet.replica_sync, shadow, jetstream, advertise_host, recovery_timeout,
                                  recovery_max_bytes, host, peers, max_channels, sizes)
-    elif shadow or jetstream or replica_sync or component or endpoint or advertise_host:
+    elif shadow or jetstream or fleet.replica_sync or component or endpoint or advertise_host:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
                          "an event plane: --nats URL or --dynamo-discovery STORE")
     from kvctl.server.state_dir import claim

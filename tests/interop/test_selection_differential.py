@@ -141,6 +141,8 @@ POLICY = """worker_selection:
                    disk_cache_hit_weight: 0.1, decode_active_request_weight: 0.5, overlap_score_credit_decay: 1.5,
                    shared_cache_multiplier: 0.3}
 """
+ROUTER_TIERS = "router:\n  host_cache_hit_weight: 0.5\n  disk_cache_hit_weight: 0.9\n"
+"""A `router:` section's tier weights: over the flags' (DYN_ROUTER_*), under an instance's parameters."""
 
 SCENARIOS = [
     Scenario("empty_index_tie", {1: 1, 2: 1, 3: 1}, [], P, draws=24),
@@ -206,6 +208,12 @@ SCENARIOS = [
              draws=12),
     Scenario("temperature_high", {1: 1, 2: 1, 3: 1}, TIERS, P, knobs={"router_temperature": 2.0}, draws=12),
     Scenario("policy_yaml", {1: 1, 2: 1, 3: 1}, TIERS, P, policy=POLICY, reserve=LOADED),
+    Scenario("policy_router_tier_weights", {1: 1, 2: 1, 3: 1}, TIERS, P, policy=ROUTER_TIERS,
+             knobs={"host_cache_hit_weight": 0.1, "disk_cache_hit_weight": 0.2}),
+    Scenario("policy_router_no_prefill_tracking", {1: 1, 2: 1, 3: 1}, TIERS, P, reserve=LOADED,
+             policy="router:\n  router_track_prefill_tokens: false\n", knobs={"track_prefill_tokens": True}),
+    Scenario("policy_router_under_the_instance", {1: 1, 2: 1, 3: 1}, TIERS, P, policy=ROUTER_TIERS + POLICY,
+             reserve=[("t1", P, (1, 0)), ("t3", P, (3, 0))]),
     Scenario("decode_pool", {1: 1, 2: 1, 3: 1}, TIERS, P, pool=Role.decode, draws=24),
     Scenario("decode_pool_loaded", {1: 1, 2: 1, 3: 1}, TIERS, P, pool=Role.decode,
              reserve=[*LOADED, ("r4", P, (2, 0))], free=["r3"], draws=24),
