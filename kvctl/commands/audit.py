@@ -16,6 +16,7 @@ import typer
 
 from kvctl.commands._options import JsonOpt, OutputOpt, output_for, router_client
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
+from kvctl.core.words import counted
 from kvctl.output import Column, Output, View
 
 HELP = "Judge a router's routing decisions against its index: optimal share, avoidable prefill, why. (read-only)"
@@ -100,14 +101,18 @@ def _candidate_rows(d: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+_AGREEMENT = {"agree": "picks the same", "tie": "prices it among equals", "disagree": "picks another",
+              "unknown": "cannot price it"}
+
+
 def decision_title(d: dict[str, Any]) -> str:
     seen = f" ({d['unresolved']})" if d["unresolved"] else ""
     credited = "" if d["router_overlap"] is None else f"; the router saw {d['router_overlap']:g} cached blocks on it"
     stale = "" if not d["stale"] else "; not caught up: " + ", ".join(f"{w} {why}" for w, why in d["stale"].items())
     return (f"request {d['request_id']} ({d['model']}, router {d['router']}, {d['age_s']:.0f} s ago): picked "
             f"{d['worker_id']}:{d['dp_rank']} holding {d['chosen_overlap']} of {d['blocks']} blocks, the most any "
-            f"held {d['best_overlap']}: {d['outcome']}, {d['reason']}{seen}; kvctl {d['agreement']}s; avoidable "
-            f"{d['avoidable_tokens']} tokens{credited}{stale}")
+            f"held {d['best_overlap']}: {d['outcome']}, {d['reason']}{seen}; kvctl {_AGREEMENT[d['agreement']]}; avoidable "
+            f"{counted(d['avoidable_tokens'], 'token')}{credited}{stale}")
 
 
 def audit_command(
