@@ -111,8 +111,8 @@ def decision_title(d: dict[str, Any]) -> str:
     stale = "" if not d["stale"] else "; not caught up: " + ", ".join(f"{w} {why}" for w, why in d["stale"].items())
     return (f"request {d['request_id']} ({d['model']}, router {d['router']}, {d['age_s']:.0f} s ago): picked "
             f"{d['worker_id']}:{d['dp_rank']} holding {d['chosen_overlap']} of {d['blocks']} blocks, the most any "
-            f"held {d['best_overlap']}: {d['outcome']}, {d['reason']}{seen}; kvctl {_AGREEMENT[d['agreement']]}; avoidable "
-            f"{counted(d['avoidable_tokens'], 'token')}{credited}{stale}")
+            f"held {d['best_overlap']}: {d['outcome']}, {d['reason']}{seen}; kvctl {_AGREEMENT[d['agreement']]}; "
+            f"avoidable {counted(d['avoidable_tokens'], 'token')}{credited}{stale}")
 
 
 def audit_command(
