@@ -530,6 +530,22 @@ class Audit(Struct):
     workers: list[AuditWorker]
     looked_at: str
     recent: list[AuditedDecision] = []
+    what_if: AuditWhatIf | None = None
+
+
+class AuditWhatIf(Struct):
+    """The window's priced decisions (the last 2,000 kept with their cost inputs) priced again under `knobs` over
+    each one's own: how many picks would change, and the optimal share and avoidable prefill then (a draw among
+    equals at its expected value), beside the actual ones. Each decision stands as it was: what another pick would
+    have changed later is not followed."""
+
+    knobs: dict[str, Any]
+    decisions: int
+    changed: int
+    optimal_share: float | None
+    optimal_share_then: float | None
+    avoidable_prefill_tokens: int
+    avoidable_prefill_tokens_then: int
 
 
 class AuditRow(Struct):

@@ -230,9 +230,13 @@ def post_events(events: list[dict[str, Any]], model: str = DEFAULT_MODEL) -> Cal
     return Call("POST", "/v1/events", params={"model": model}, json=events, answer=api.EventsApplied)
 
 
-def audit(window_s: float, model: str | None = None, recent: int = 0) -> Call[api.Audit]:
-    """`GET /v1/audit`: the decisions heard in the last `window_s`, judged against the router's index."""
+def audit(window_s: float, model: str | None = None, recent: int = 0, what_if: list[str] | None = None
+          ) -> Call[api.Audit]:
+    """`GET /v1/audit`: the decisions heard in the last `window_s`, judged against the router's index; with
+    `what_if` (KNOB=VALUE items), priced again under those knobs."""
     params: dict[str, Any] = {"window": window_s, "recent": recent}
+    if what_if:
+        params["what_if"] = what_if
     if model:
         params["model"] = model
     return Call("GET", "/v1/audit", params=params, answer=api.Audit)

@@ -25,7 +25,8 @@ EXAMPLES = (
     "  kvctl audit\n\n"
     "  kvctl audit --window 1h --model llama -o json | jq .optimal_share\n\n"
     "  kvctl audit --request 9f1c2e4a-5b6d-4e7f-8a9b-0c1d2e3f4a5b\n\n"
-    "  kvctl audit --recent 20 -o wide --watch"
+    "  kvctl audit --recent 20 -o wide --watch\n\n"
+    "  kvctl audit --window 1h --what-if overlap_score_credit=2 --what-if prefill_load_scale=0.5"
 )
 
 _WORKER_COLUMNS = [
@@ -75,7 +76,17 @@ def summary_title(answer: dict[str, Any]) -> str:
             f"{answer['avoidable_prefill_tokens']:,} of {answer['cacheable_prefill_tokens']:,} cached tokens "
             f"({_share(answer['avoidable_share'])}); kvctl's cost function agrees on "
             f"{_share(answer['agreement_share'])} ({agreement['tie']} ties, {agreement['disagree']} not); "
-            f"reasons: {reasons}")
+            f"reasons: {reasons}" + _what_if(answer.get("what_if")))
+
+
+def _what_if(figures: dict[str, Any] | None) -> str:
+    if not figures:
+        return ""
+    knobs = " ".join(f"{k}={v}" for k, v in figures["knobs"].items())
+    return (f". What if {knobs}: {figures['changed']} of {figures['decisions']} picks would change; optimal "
+            f"{_share(figures['optimal_share'])} -> {_share(figures['optimal_share_then'])}; avoidable prefill "
+            f"{figures['avoidable_prefill_tokens']:,} -> {figures['avoidable_prefill_tokens_then']:,} tokens "
+            "(each decision as it was; later loads and caches not followed)")
 
 
 def _summary_rows(answer: dict[str, Any]) -> list[dict[str, Any]]:
@@ -124,6 +135,10 @@ def audit_command(
                                                 "request id.", show_default=False)] = None,
     recent: Annotated[int, typer.Option("--recent", min=0, max=1000, help="List the window's last N decisions "
                                         "instead of the per-worker rows.")] = 0,
+    what_if: Annotated[list[str] | None, typer.Option(
+        "--what-if", show_default=False, metavar="KNOB=VALUE",
+        help="Price the window's decisions again under this knob (repeatable; Dynamo names: overlap_score_credit, "
+             "prefill_load_scale, ...): how many picks would change, and the avoidable prefill then.")] = None,
     watch: WatchOpt = False,
     interval: IntervalOpt = 2.0,
     output: OutputOpt = None,
@@ -134,10 +149,16 @@ def audit_command(
     from kvctl.errors import UsageError
 
     out = output_for(ctx, output, as_json)
+    from kvctl.core.audit.what_if import parse_knobs
+
     try:
         seconds = parse_duration(window)
     except ValueError as exc:
         raise UsageError(f"--window: {exc}") from None
+    try:
+        parse_knobs(what_if or ())
+    except ValueError as exc:
+        raise UsageError(f"--what-if: {exc}", hint="e.g. --what-if overlap_score_credit=0.5") from None
     with router_client(ctx) as client:
         if request is not None:
             one = View(rows=_candidate_rows, columns=_CANDIDATE_COLUMNS, name_key="worker", wrap=True)
@@ -146,7 +167,7 @@ def audit_command(
             return
         view = View(rows=_summary_rows, columns=_DECISION_COLUMNS if recent else _WORKER_COLUMNS,
                     name_key="request_id" if recent else "worker", wrap=True)
-        show(out, lambda: client.send(calls.audit(seconds, model, recent)),
+        show(out, lambda: client.send(calls.audit(seconds, model, recent, what_if)),
              lambda answer: _emit(out, answer, view, summary_title), watch=watch, interval=interval)
 
 

@@ -37,7 +37,7 @@ class Auditor:
         self._unnamed = itertools.count(1)
         self._credit_seen: dict[int, list[int]] = {}  # router id -> [picks credited with cache, cached picks not]
 
-    def own(self, model: str, decision: Decision, request_id: str | None, now: float) -> Verdict:
+    def own(self, model: str, decision: Decision, request_id: str | None, isl_tokens: int, now: float) -> Verdict:
         """One of kvctl's own picks, judged with the scores it was made with."""
         state = self.fleet.model(model)
         config = state.router.config.for_pool(decision.role)
@@ -46,7 +46,7 @@ class Auditor:
                     credit=config.overlap_score_credit, temperature=config.router_temperature,
                     approximate=state.router.approx is not None)
         verdict = judge(seen, decision.scores)
-        self.ledger.add(verdict)
+        self.ledger.add(verdict, decision.scores, isl_tokens)
         return verdict
 
     def peer(self, event: ActiveSequenceEvent, add: AddRequest, model: str, stale: Mapping[WorkerKey, str],
@@ -69,6 +69,7 @@ class Auditor:
                     router_blind=credited is not None and not credited[0] and credited[1] >= BLIND_EVIDENCE,
                     temperature=config.router_temperature,
                     approximate=state is not None and state.router.approx is not None)
+        scores = None
         if state is None or role is None:
             verdict = judge(seen, None)
         elif fleet.tracking is not None:
@@ -88,7 +89,7 @@ class Auditor:
                                        busy=busy, role=role)
                 verdict = judge(replace(seen, resolved=resolved), scores)
         self._learn_credit(event.router_id, verdict)
-        self.ledger.add(verdict)
+        self.ledger.add(verdict, scores, len(blocks) * block_size)
         return verdict
 
     def _learn_credit(self, router_id: int, verdict: Verdict) -> None:

@@ -52,6 +52,7 @@ from kvctl.core.words import counted
 from kvctl.errors import NoWorkers, Refused, UnknownModel
 from kvctl.server.audit import Auditor
 from kvctl.server.health import Health
+from kvctl.server.joined_hits import JoinedHits
 from kvctl.server.route_limits import OverLimit, RouteLimits
 from kvctl.server.worker_info import WorkerInfo
 
@@ -80,25 +81,6 @@ class Journal(Protocol):
 
 _EVENT_TYPES: dict[type, str] = {Stored: "stored", Removed: "removed", Cleared: "cleared"}
 _STATUS_VALUES = {s: s.value for s in Status}  # an enum's .value is a Python-level property: slow per event
-
-
-@dataclass
-class JoinedHits:
-    """A worker's requests whose engine reported its cached tokens (`prefill_complete`'s `cached_tokens`), with
-    what the router predicted for the same requests: both in prompt blocks, so predicted and observed hit rates
-    are Σ cached / Σ prompt blocks over the same requests, and their difference is the disagreement itself."""
-
-    requests: int = 0
-    prompt_blocks: int = 0
-    predicted_blocks: int = 0
-    observed_blocks: int = 0
-
-    def add(self, request: ActiveRequest, cached_tokens: int, block_size: int) -> None:
-        prompt = len(request.block_hashes)
-        self.requests += 1
-        self.prompt_blocks += prompt
-        self.predicted_blocks += min(request.overlap_blocks, prompt)
-        self.observed_blocks += min(cached_tokens // block_size, prompt)
 
 
 @dataclass
@@ -369,7 +351,7 @@ class Fleet:
             chosen.routes += 1
         if request.get("reserve") and self.sequence_listener is not None:
             self.sequence_listener(model, ADD, state.router.sequences.get(request["request_id"]), request)
-        self.audit.own(model, decision, request.get("request_id"), now)
+        self.audit.own(model, decision, request.get("request_id"), _isl(request, state.block_size), now)
         return decision
 
     def _pick(self, state: ModelState, role: Role, pool: list[WorkerKey], busy: Mapping[WorkerKey, bool] | None,
@@ -392,8 +374,7 @@ class Fleet:
         if self.queues is not None:
             sequences = state.router.sequences
             best = max(pick.scores.effective, default=0.0) * state.block_size  # the column: no rows built
-            tokens = request.get("token_ids")
-            isl = len(tokens) if tokens is not None else len(request.get("local_hashes") or ()) * state.block_size
+            isl = _isl(request, state.block_size)
             policy_class = self.queues.profile(state.name).classify(isl - min(isl, math.floor(best + 0.5)))
             verdict = would_queue(policy_class, {w: self._load(w, sequences) for w in pool})
             if verdict is not None:
@@ -402,8 +383,7 @@ class Fleet:
 
     def _check_limits(self, state: ModelState, request: Mapping[str, Any]) -> None:
         limits, block_size = self.limits, state.block_size
-        token_ids = request.get("token_ids")
-        tokens = len(token_ids) if token_ids is not None else len(request.get("local_hashes") or ()) * block_size
+        tokens = _isl(request, block_size)
         over = None
         if tokens > limits.max_request_tokens:
             over = "max_request_tokens", f"{tokens} prompt tokens, over {limits.max_request_tokens}"
@@ -597,3 +577,9 @@ def _forward_pass_row(report: ForwardPass, at: float, now: float) -> api.Forward
         scheduled_decode_requests=scheduled.decode_requests, queued_prefill_requests=queued.prefill_requests,
         queued_prefill_tokens=queued.prefill_tokens, queued_decode_requests=queued.decode_requests,
         wall_time_s=report.wall_time, counter_id=report.counter_id, age_s=round(now - at, 3))
+
+
+def _isl(request: Mapping[str, Any], block_size: int) -> int:
+    """A route's prompt tokens: its token ids, or its local hashes' full blocks."""
+    tokens = request.get("token_ids")
+    return len(tokens) if tokens is not None else len(request.get("local_hashes") or ()) * block_size

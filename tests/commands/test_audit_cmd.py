@@ -39,3 +39,18 @@ def test_routes_are_summarised_listed_explained_and_bad_input_refused(tmp_path: 
     assert unknown.exit_code == 1 and "no decision for request 'nope'" in unknown.output
     assert bad_window.exit_code == 2 and "--window" in bad_window.output
     assert json.loads(json.dumps(summary))  # plain JSON, stable for scripts
+
+
+def test_what_if_reprices_the_window_and_refuses_a_bad_knob(tmp_path: Path) -> None:
+    with loaded_router(tmp_path) as client:
+        for n in range(3):
+            assert client.post("/v1/route", json={"token_ids": PROMPT, "request_id": f"req-{n}"}).status_code == 200
+        same = json_of(kvctl(client, "audit", "--what-if", "overlap_score_credit=1", "-o", "json"))["what_if"]
+        table = kvctl(client, "audit", "--what-if", "overlap_score_credit=0")
+        bad = kvctl(client, "audit", "--what-if", "overlap_score_credit=-1")
+        unknown = kvctl(client, "audit", "--what-if", "temperature=1")
+    assert same == {"knobs": {"overlap_score_credit": 1.0}, "decisions": 3, "changed": 0, "optimal_share": 1.0,
+                    "optimal_share_then": 1.0, "avoidable_prefill_tokens": 0, "avoidable_prefill_tokens_then": 0}
+    assert "What if overlap_score_credit=0.0:" in " ".join(table.stdout.split())
+    assert bad.exit_code == 2 and "--what-if: overlap_score_credit must be a finite number >= 0" in bad.output
+    assert unknown.exit_code == 2 and "expected KNOB=VALUE" in unknown.output

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvctl.core.audit.verdict import Agreement, Outcome, Verdict, Why
+from kvctl.core.audit.what_if import Priced
 from kvctl.core.names import WorkerKey
+from kvctl.core.router.scoring import Scores
 
 RING = 10_000
 """Recent verdicts kept: minutes of a busy frontend's decisions, each a few hundred bytes plus its rows."""
@@ -20,6 +22,8 @@ MAX_ROUTERS = 16
 """Router labels kept apart in the totals; a frontend's router id is new at every start, so past this many
 the others are summed under "other" (the ring keeps each verdict's own id)."""
 OTHER = "other"
+PRICED = 2_000
+"""Recent verdicts kept with their candidates' cost inputs, for `--what-if`: ~2 KB each with 16 candidates."""
 RATIO_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 """Upper bounds of the chosen/best overlap histogram (a decision where some candidate held cache)."""
 
@@ -38,15 +42,19 @@ class Totals:
 
 
 class AuditLedger:
-    def __init__(self, ring: int = RING, max_routers: int = MAX_ROUTERS) -> None:
+    def __init__(self, ring: int = RING, max_routers: int = MAX_ROUTERS, priced: int = PRICED) -> None:
         self._ring: deque[Verdict] = deque(maxlen=ring)
+        self._priced: deque[Priced] = deque(maxlen=priced)
         self._by_request: dict[str, Verdict] = {}
         self._max_routers = max_routers
         self._routers: set[str] = set()
         self.totals: dict[tuple[str, str], Totals] = {}
         self.seen = 0
 
-    def add(self, verdict: Verdict) -> None:
+    def add(self, verdict: Verdict, scores: Scores | None = None, isl_tokens: int = 0) -> None:
+        """`scores` and `isl_tokens`: what the verdict's pricing read, kept for `--what-if`."""
+        if scores is not None:
+            self._priced.append(Priced(verdict, scores, isl_tokens))
         ring = self._ring
         if len(ring) == ring.maxlen:
             oldest = ring[0]
@@ -77,6 +85,11 @@ class AuditLedger:
             routers.add(router)
             return router
         return OTHER
+
+    def priced(self, since: float, model: str | None = None) -> list[Priced]:
+        """The priced decisions heard at or after `since` (of `model` only, if given), oldest first."""
+        return [p for p in self._priced if p.verdict.seen.at >= since
+                and (model is None or p.verdict.seen.model == model)]
 
     def find(self, request_id: str) -> Verdict | None:
         return self._by_request.get(request_id)

@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from kvctl import http_api as api
 from kvctl.core.audit import Verdict, summarise
+from kvctl.core.audit.what_if import parse_knobs, what_if
 from kvctl.core.names import format_worker
 from kvctl.errors import ApiError
 from kvctl.server.http.bodies import invalid
@@ -36,9 +37,12 @@ def audit_handlers(fleet: Fleet, clock: Callable[[], float]) -> dict[tuple[str, 
         verdicts = ledger.window(now - window, model)
         figures = summarise(verdicts)
         workers = [api.AuditWorker(**row) for row in figures.pop("workers")]
+        knobs = _knobs(query.getlist("what_if"))
         body = api.Audit(window, model, ledger.seen, len(ledger), ledger.capacity, workers=workers,
                          looked_at=_looked_at(fleet, verdicts, window),
-                         recent=[decision(v, now) for v in verdicts[-recent:]] if recent else [], **figures)
+                         recent=[decision(v, now) for v in verdicts[-recent:]] if recent else [],
+                         what_if=api.AuditWhatIf(**what_if(ledger.priced(now - window, model), knobs))
+                         if knobs else None, **figures)
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     async def one(request: Request) -> Response:
@@ -71,6 +75,14 @@ def _looked_at(fleet: Fleet, verdicts: list[Verdict], window: float) -> str:
     return (f"no decision heard in the last {window:g} s ({heard} since start): the audit hears kvctl's own "
             "/v1/route picks and a Dynamo frontend's from its replica sync (start the frontend with "
             "--router-replica-sync and this router on the same event plane)")
+
+
+def _knobs(items: list[str]) -> dict[str, float | bool]:
+    """`what_if=KNOB=VALUE` items as knobs, each checked as a route's would be (422 naming a bad one)."""
+    try:
+        return parse_knobs(items)
+    except ValueError as exc:
+        raise invalid("query", "what_if", str(exc)) from None
 
 
 def _number(text: str, name: str, most: float) -> float:

@@ -135,7 +135,10 @@ OPERATIONS = (
                            Param("window", {"type": "number", "minimum": 0, "maximum": 86400, "default": 300},
                                  description="seconds back from now"),
                            Param("recent", {"type": "integer", "minimum": 0, "maximum": 1000, "default": 0},
-                                 description="also the last N decisions of the window, explained"))),
+                                 description="also the last N decisions of the window, explained"),
+                           Param("what_if", {"type": "array", "items": {"type": "string"}},
+                                 description="KNOB=VALUE (repeatable): the window's decisions priced again under "
+                                             "these knobs"))),
     Operation("GET", "/v1/audit/{request_id}", "One recent decision, explained", api.AuditedDecision, (404,),
               (Param("request_id", {"type": "string"}, "path", True),)),
     Operation("GET", "/busy_threshold", "Every model's busy thresholds", api.ThresholdsList),
