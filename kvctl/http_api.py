@@ -531,6 +531,7 @@ class Audit(Struct):
     looked_at: str
     recent: list[AuditedDecision] = []
     what_if: AuditWhatIf | None = None
+    waiting: int = 0  # decisions for a worker kvctl has not heard of yet, judged when it registers (30 s at most)
 
 
 class AuditWhatIf(Struct):

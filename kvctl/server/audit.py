@@ -9,6 +9,7 @@ A frontend's is judged before any replica-sync booking of it, so the loads are t
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -28,6 +29,11 @@ BLIND_EVIDENCE = 3
 """Picks holding cache that a router credited with none, with no pick ever credited, before it is judged blind to the
 cache: a router with overlap credit 0 takes no KV events (Dynamo 1.6.1), so its estimates never credit any."""
 MAX_ROUTERS_TRACKED = 64
+JOIN_GRACE_S = 30.0
+"""How long a decision for a worker kvctl has not heard of waits for it to register: a restarted engine is routed
+to as soon as the frontend sees it, which may be before kvctl does. Registered in time, its decisions are
+`index_behind` (kvctl's view was behind); not, they are `unknown_worker`."""
+MAX_PENDING = 1_000
 
 
 class Auditor:
@@ -36,6 +42,7 @@ class Auditor:
         self.ledger = ledger or AuditLedger()
         self._unnamed = itertools.count(1)
         self._credit_seen: dict[int, list[int]] = {}  # router id -> [picks credited with cache, cached picks not]
+        self._pending: deque[Seen] = deque()  # decisions for a worker not registered yet, oldest first
 
     def own(self, model: str, decision: Decision, request_id: str | None, isl_tokens: int, now: float) -> Verdict:
         """One of kvctl's own picks, judged with the scores it was made with."""
@@ -50,8 +57,9 @@ class Auditor:
         return verdict
 
     def peer(self, event: ActiveSequenceEvent, add: AddRequest, model: str, stale: Mapping[WorkerKey, str],
-             now: float) -> Verdict:
-        """A Dynamo frontend's pick, from its replica sync; `model`: the plane's, for a worker not registered."""
+             now: float) -> Verdict | None:
+        """A Dynamo frontend's pick, from its replica sync; `model`: the plane's, for a worker not registered. None
+        when the pick is a worker kvctl has not heard of yet: judged once it registers, or the grace is over."""
         fleet = self.fleet
         chosen = (event.worker_id, event.dp_rank)
         info = fleet.workers.get(chosen)
@@ -69,10 +77,12 @@ class Auditor:
                     router_blind=credited is not None and not credited[0] and credited[1] >= BLIND_EVIDENCE,
                     temperature=config.router_temperature,
                     approximate=state is not None and state.router.approx is not None)
-        scores = None
+        self.settle(now)
         if state is None or role is None:
-            verdict = judge(seen, None)
-        elif fleet.tracking is not None:
+            self._wait_for(seen)
+            return None
+        scores = None
+        if fleet.tracking is not None:
             verdict = judge(replace(seen, unresolved="the fleet tracks requests by keyed hashes"), None)
         else:
             router = state.router
@@ -91,6 +101,30 @@ class Auditor:
         self._learn_credit(event.router_id, verdict)
         self.ledger.add(verdict, scores, len(blocks) * block_size)
         return verdict
+
+    def joined(self, worker: WorkerKey) -> None:
+        """A worker registered: the decisions for it that waited are judged, with kvctl's view named as behind."""
+        waiting = [seen for seen in self._pending if seen.chosen == worker]
+        if not waiting:
+            return
+        self._pending = deque(seen for seen in self._pending if seen.chosen != worker)
+        for seen in waiting:
+            behind = {**(seen.stale or {}), worker: "not registered with kvctl yet when it was routed to"}
+            self.ledger.add(judge(replace(seen, stale=behind), None))
+
+    def settle(self, now: float) -> None:
+        """Judge the waiting decisions whose grace is over: their worker is unknown to kvctl."""
+        pending = self._pending
+        while pending and (now - pending[0].at >= JOIN_GRACE_S or len(pending) > MAX_PENDING):
+            self.ledger.add(judge(pending.popleft(), None))
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    def _wait_for(self, seen: Seen) -> None:
+        self._pending.append(seen)
+        self.settle(seen.at)
 
     def _learn_credit(self, router_id: int, verdict: Verdict) -> None:
         """Whether a router credits cache at all, from its estimates of its picks that held some."""

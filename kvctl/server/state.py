@@ -175,6 +175,7 @@ class Fleet:
         self._candidates.pop(info.model, None)
         if previous is not None:
             self._candidates.pop(previous.model, None)
+        self.audit.joined(info.key)
         return info
 
     def candidates(self, model: str) -> list[WorkerKey]:

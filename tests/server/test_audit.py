@@ -15,6 +15,7 @@ from kvctl.core.events import RouterEvent, Stored
 from kvctl.core.events.plane import ActiveSequenceEvent, AddRequest
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.core.router.scoring import RouterConfig
+from kvctl.server.audit import JOIN_GRACE_S
 from kvctl.server.http.api import create_app
 from kvctl.server.state import Fleet
 from tests.support.served import served
@@ -43,7 +44,7 @@ def fleet_with_cache(config: RouterConfig | None = None, *, cached: int = 4) -> 
 
 
 def frontend_pick(fleet: Fleet, worker: int, request_id: str = "r1", hint: int | None = None,
-                  tokens: list[int] | None = None, at: float = 1000.0) -> Verdict:
+                  tokens: list[int] | None = None, at: float = 1000.0) -> Verdict | None:
     add = AddRequest(tokens if tokens is not None else SEQ, True, None, hint)
     return fleet.audit.peer(ActiveSequenceEvent(request_id, worker, 0, add, FRONTEND), add, "default", {}, at)
 
@@ -104,12 +105,26 @@ def test_load_that_outweighs_the_cache_is_load_balance() -> None:
     assert verdict.avoidable_tokens == B
 
 
-def test_a_pick_kvctl_does_not_know_or_cannot_look_up_is_unknown_and_says_why() -> None:
+def test_a_pick_kvctl_cannot_look_up_is_unknown_and_says_why() -> None:
     fleet = fleet_with_cache()
-    assert frontend_pick(fleet, 9).why is Why.unknown_worker
     fleet.tracking = object()  # type: ignore[assignment]  # keyed tracking hashes: the sequence is opaque
     verdict = frontend_pick(fleet, 1)
     assert (verdict.outcome, verdict.why) == (Outcome.unknown, Why.unresolved) and "keyed" in verdict.seen.unresolved
+
+
+def test_a_pick_of_a_worker_kvctl_has_not_heard_of_waits_for_it_to_register() -> None:
+    # A restarted engine is routed to as soon as the frontend sees it: kvctl's view is behind, not the routing.
+    fleet = fleet_with_cache()
+    assert frontend_pick(fleet, 9, "early", at=1000.0) is None and fleet.audit.waiting == 1
+    assert frontend_pick(fleet, 8, "never", at=1001.0) is None and fleet.audit.waiting == 2
+    fleet.apply("default", [RouterEvent(9, Stored(None, [5], [6]))], 0.0)  # worker 9 registers
+    early = fleet.audit.ledger.find("early")
+    assert early is not None and (early.outcome, early.why) == (Outcome.unknown, Why.index_behind)
+    assert "not registered" in early.seen.stale[(9, 0)] and fleet.audit.ledger.find("never") is None
+    fleet.audit.settle(1001.0 + JOIN_GRACE_S)  # worker 8 never came
+    never = fleet.audit.ledger.find("never")
+    assert never is not None and (never.outcome, never.why) == (Outcome.unknown, Why.unknown_worker)
+    assert fleet.audit.waiting == 0
 
 
 def test_kvctl_own_routes_are_audited_as_optimal_and_agreed() -> None:

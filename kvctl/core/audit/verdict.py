@@ -123,7 +123,8 @@ def judge(seen: Seen, scores: Scores | None) -> Verdict:
     router_overlap = _router_overlap(seen)
     if pick is None or seen.unresolved is not None or seen.role is Role.decode:
         why = Why.decode_pool if seen.role is Role.decode else \
-            Why.unresolved if seen.unresolved is not None else Why.unknown_worker
+            Why.unresolved if seen.unresolved is not None else \
+            Why.index_behind if seen.stale and seen.chosen in seen.stale else Why.unknown_worker
         return Verdict(seen, Outcome.unknown, why, Agreement.unknown, rows, best, 0, 0, kvctl_picks, router_overlap)
     agreement = Agreement.disagree if seen.chosen not in kvctl_picks else \
         Agreement.tie if len(kvctl_picks) > 1 else Agreement.agree

@@ -33,6 +33,7 @@ def audit_handlers(fleet: Fleet, clock: Callable[[], float]) -> dict[tuple[str, 
             raise ApiError(f"unknown model {model!r}; the router serves {sorted(fleet.models) or 'none yet'}",
                            status=404)
         now = clock()
+        fleet.audit.settle(now)  # decisions whose worker never registered: judged now, not at the next one
         ledger = fleet.audit.ledger
         verdicts = ledger.window(now - window, model)
         figures = summarise(verdicts)
@@ -42,7 +43,7 @@ def audit_handlers(fleet: Fleet, clock: Callable[[], float]) -> dict[tuple[str, 
                          looked_at=_looked_at(fleet, verdicts, window),
                          recent=[decision(v, now) for v in verdicts[-recent:]] if recent else [],
                          what_if=api.AuditWhatIf(**what_if(ledger.priced(now - window, model), knobs))
-                         if knobs else None, **figures)
+                         if knobs else None, waiting=fleet.audit.waiting, **figures)
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     async def one(request: Request) -> Response:
