@@ -19,6 +19,7 @@ from kvctl.core.audit.verdict import Seen, Verdict, judge
 from kvctl.core.events.plane import ActiveSequenceEvent, AddRequest
 from kvctl.core.names import Role, WorkerKey
 from kvctl.core.router.scoring import Decision
+from kvctl.server.budget import Slices
 
 if TYPE_CHECKING:
     from kvctl.server.state import Fleet
@@ -34,27 +35,59 @@ JOIN_GRACE_S = 30.0
 to as soon as the frontend sees it, which may be before kvctl does. Registered in time, its decisions are
 `index_behind` (kvctl's view was behind); not, they are `unknown_worker`."""
 MAX_PENDING = 1_000
+DRAIN_STEP = 32
+OWN_WAITING = 4_096
+"""kvctl's own decisions waiting to be judged, at most: a route does not wait for its own audit; the daemon's
+housekeeping judges them a slice of the loop at a time (`drain`), a read of the audit at once."""
 
 
 class Auditor:
     def __init__(self, fleet: Fleet, ledger: AuditLedger | None = None) -> None:
         self.fleet = fleet
-        self.ledger = ledger or AuditLedger()
+        self._ledger = ledger or AuditLedger()
+        self._own: deque[tuple[str, Decision, str | None, int, float]] = deque()
         self._unnamed = itertools.count(1)
         self._credit_seen: dict[int, list[int]] = {}  # router id -> [picks credited with cache, cached picks not]
         self._pending: deque[Seen] = deque()  # decisions for a worker not registered yet, oldest first
 
-    def own(self, model: str, decision: Decision, request_id: str | None, isl_tokens: int, now: float) -> Verdict:
-        """One of kvctl's own picks, judged with the scores it was made with."""
-        state = self.fleet.model(model)
-        config = state.router.config.for_pool(decision.role)
-        seen = Seen(request_id or f"{KVCTL}-{next(self._unnamed)}", model, KVCTL, now, decision.worker,
-                    decision.required_blocks, state.block_size, decision.role, decision.required_blocks,
-                    credit=config.overlap_score_credit, temperature=config.router_temperature,
-                    approximate=state.router.approx is not None)
-        verdict = judge(seen, decision.scores)
-        self.ledger.add(verdict, decision.scores, isl_tokens)
-        return verdict
+    @property
+    def ledger(self) -> AuditLedger:
+        """The verdicts, kvctl's own decisions waiting to be judged included."""
+        self.flush()
+        return self._ledger
+
+    @ledger.setter
+    def ledger(self, ledger: AuditLedger) -> None:
+        self._ledger = ledger
+
+    def own(self, model: str, decision: Decision, request_id: str | None, isl_tokens: int, now: float) -> None:
+        """One of kvctl's own picks, judged with the scores it was made with, later (`flush`)."""
+        own = self._own
+        own.append((model, decision, request_id, isl_tokens, now))
+        if len(own) >= OWN_WAITING:
+            self.flush()
+
+    async def drain(self) -> None:
+        """Judge kvctl's own waiting decisions, letting the loop run between slices (the daemon's housekeeping)."""
+        slices = Slices()
+        while self._own:
+            await slices.tick()
+            self.flush(DRAIN_STEP)
+
+    def flush(self, most: int | None = None) -> None:
+        """Judge kvctl's own decisions that wait (the `most` oldest), in the order they were made."""
+        own, models = self._own, self.fleet.models
+        for _ in range(len(own) if most is None else min(most, len(own))):
+            model, decision, request_id, isl_tokens, at = own.popleft()
+            if (state := models.get(model)) is None:
+                continue  # the model went (a test's fleet): nothing to judge against
+            router = state.router
+            config = router.config.for_pool(decision.role)
+            seen = Seen(request_id or f"{KVCTL}-{next(self._unnamed)}", model, KVCTL, at, decision.worker,
+                        decision.required_blocks, router.block_size, decision.role, decision.required_blocks,
+                        credit=config.overlap_score_credit, temperature=config.router_temperature,
+                        approximate=router.approx is not None)
+            self._ledger.add(judge(seen, decision.scores), decision.scores, isl_tokens)
 
     def peer(self, event: ActiveSequenceEvent, add: AddRequest, model: str, stale: Mapping[WorkerKey, str],
              now: float) -> Verdict | None:
@@ -77,7 +110,7 @@ class Auditor:
                     router_blind=credited is not None and not credited[0] and credited[1] >= BLIND_EVIDENCE,
                     temperature=config.router_temperature,
                     approximate=state is not None and state.router.approx is not None)
-        self.settle(now)
+        self.settle(now)  # judges kvctl's own waiting decisions too: the ring stays in the order heard
         if state is None or role is None:
             self._wait_for(seen)
             return None
@@ -99,7 +132,7 @@ class Auditor:
                                        busy=busy, role=role)
                 verdict = judge(replace(seen, resolved=resolved), scores)
         self._learn_credit(event.router_id, verdict)
-        self.ledger.add(verdict, scores, len(blocks) * block_size)
+        self._ledger.add(verdict, scores, len(blocks) * block_size)
         return verdict
 
     def joined(self, worker: WorkerKey) -> None:
@@ -110,13 +143,14 @@ class Auditor:
         self._pending = deque(seen for seen in self._pending if seen.chosen != worker)
         for seen in waiting:
             behind = {**(seen.stale or {}), worker: "not registered with kvctl yet when it was routed to"}
-            self.ledger.add(judge(replace(seen, stale=behind), None))
+            self._ledger.add(judge(replace(seen, stale=behind), None))
 
     def settle(self, now: float) -> None:
-        """Judge the waiting decisions whose grace is over: their worker is unknown to kvctl."""
+        """Judge kvctl's own waiting decisions, and those for an unregistered worker whose grace is over."""
+        self.flush()
         pending = self._pending
         while pending and (now - pending[0].at >= JOIN_GRACE_S or len(pending) > MAX_PENDING):
-            self.ledger.add(judge(pending.popleft(), None))
+            self._ledger.add(judge(pending.popleft(), None))
 
     @property
     def waiting(self) -> int:

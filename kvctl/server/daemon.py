@@ -424,6 +424,7 @@ async def _tick_every(fleet: Fleet, streams: Streams, interval_s: float) -> None
         fleet.tick(now)
         streams.sample(now)
         streams.log_gaps()
+        await fleet.audit.drain()
 
 
 async def watch_loop(observe: Callable[[float], None], interval_s: float) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 from kvctl.core.names import Role, WorkerKey
 from kvctl.core.router.scoring import Scores
@@ -70,11 +71,11 @@ class Seen:
     approximate: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Row:
+class Row(NamedTuple):
     """A candidate as it was when the decision was judged. `cached`: the prompt's blocks it holds on any tier, as
     Dynamo's decision counters count them (device, then the slower tiers continuing it, unweighted); `weighted`:
-    the same with the tier weights, as Dynamo estimates a pick's cached tokens for its prefill hint."""
+    the same with the tier weights, as Dynamo estimates a pick's cached tokens for its prefill hint. A tuple: a
+    decision has a row per candidate, and kvctl's own are judged by the thousand."""
 
     worker: WorkerKey
     device: int
@@ -113,14 +114,16 @@ class Verdict:
 
 
 def judge(seen: Seen, scores: Scores | None) -> Verdict:
-    """`scores`: the pool's candidates priced by kvctl now (`Router.assess`), None when the pick is no candidate."""
-    rows = () if scores is None else _rows(scores)
-    by_worker = {r.worker: r for r in rows}
-    pick = by_worker.get(seen.chosen)
-    best = max((r.cached for r in rows), default=0)
-    lowest = min((r.logit for r in rows), default=0.0)
-    kvctl_picks = tuple(r.worker for r in rows if r.logit == lowest)
+    """`scores`: the pool's candidates priced by kvctl now (`Router.assess`), None when the pick is no candidate.
+    Read column by column (`Scores`), the rows built once: kvctl's own decisions are judged by the thousand."""
+    rows, cached = ((), []) if scores is None else _rows(scores)
+    workers: list[WorkerKey] = [] if scores is None else list(scores.workers)
+    logits: list[float] = [] if scores is None else scores.logit
+    best = max(cached, default=0)
+    lowest = min(logits, default=0.0)
+    kvctl_picks = tuple(w for w, logit in zip(workers, logits, strict=True) if logit == lowest)
     router_overlap = _router_overlap(seen)
+    pick = rows[workers.index(seen.chosen)] if seen.chosen in workers else None
     if pick is None or seen.unresolved is not None or seen.role is Role.decode:
         why = Why.decode_pool if seen.role is Role.decode else \
             Why.unresolved if seen.unresolved is not None else \
@@ -136,11 +139,17 @@ def judge(seen: Seen, scores: Scores | None) -> Verdict:
                    (best - pick.cached) * seen.block_size, kvctl_picks, router_overlap)
 
 
-def _rows(scores: Scores) -> tuple[Row, ...]:
+def _rows(scores: Scores) -> tuple[tuple[Row, ...], list[int]]:
+    """The candidates' rows, and their cached blocks as a column."""
+    overlap = scores.overlap
+    if not scores.by_tier:  # no slower tier: what it holds is its device overlap (the common case, cheaper)
+        return tuple(map(Row, scores.workers, overlap, overlap, map(float, overlap), scores.logit,
+                         scores.busy)), overlap
     host_weight, disk_weight = scores.config.host_cache_hit_weight, scores.config.disk_cache_hit_weight
-    return tuple(Row(w, scores.overlap[i], scores.overlap[i] + scores.host[i] + scores.disk[i],
-                     scores.overlap[i] + host_weight * scores.host[i] + disk_weight * scores.disk[i],
-                     scores.logit[i], scores.busy[i]) for i, w in enumerate(scores.workers))
+    rows = tuple(Row(w, dev, dev + h + d, dev + host_weight * h + disk_weight * d, logit, busy)
+                 for w, dev, h, d, logit, busy in zip(scores.workers, overlap, scores.host, scores.disk, scores.logit,
+                                                      scores.busy, strict=True))
+    return rows, [r.cached for r in rows]
 
 
 def _router_overlap(seen: Seen) -> float | None:
