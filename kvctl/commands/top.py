@@ -28,14 +28,15 @@ if TYPE_CHECKING:
     from kvctl.output import Output
     from kvctl.tui.sources import Source
 
-HELP = ("Live dashboard of a router: workers, rates, stream health, tiers, shared prefixes; with --admin `r` "
-        "resets a worker, after a confirmation. (read-only; read-write with --admin)")
+HELP = ("Live dashboard of a router: workers, rates, stream health, tiers, its routing audit, shared prefixes; "
+        "with --admin `r` resets a worker, after a confirmation. (read-only; read-write with --admin)")
 EXAMPLES = (
     "Examples:\n\n"
     "  kvctl top\n\n"
     "  kvctl top --server http://router:7433 --metrics http://engine-0:8000 --metrics http://engine-1:8000\n\n"
     "  kvctl top --record incident.jsonl      # later: kvctl top --replay incident.jsonl\n\n"
     "  kvctl top --once -o json | jq '.workers[] | select(.marks != [])'\n\n"
+    "  kvctl top --once -o json | jq .audit.optimal_share      # the routing audit's last 5 minutes\n\n"
     "Keys: q (or Ctrl-C) quit, p pause, s sort, / filter, t shared prefixes, enter worker detail, ? help, "
     "r reset (--admin)."
 )

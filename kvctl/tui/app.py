@@ -19,7 +19,7 @@ from kvctl.errors import KvctlError
 from kvctl.tui.frame import SORTS, Frame, FrameBuilder, WorkerRow, arrange, next_sort
 from kvctl.tui.screens import ConfirmReset, PrefixTree, WorkerDetail
 from kvctl.tui.sources import EndOfRecording, Source
-from kvctl.tui.widgets import HeaderBar, HealthPanel, RatesPanel, TiersPanel, WorkersTable
+from kvctl.tui.widgets import AuditLine, HeaderBar, HealthPanel, RatesPanel, TiersPanel, WorkersTable
 
 LIVE, PAUSED, STALE, ENDED, WAITING = "● live", "‖ paused", "✕ stale", "■ end of recording", "… waiting"
 _STATE_STYLES = {LIVE: "bold green", PAUSED: "bold yellow", STALE: "bold red", ENDED: "bold blue", WAITING: "dim"}
@@ -69,12 +69,14 @@ class TopApp(App[None]):
             yield RatesPanel(id="rates")
             yield HealthPanel(id="health")
             yield TiersPanel(id="tiers")
+        yield AuditLine(id="audit")
         yield WorkersTable(id="workers")
         yield Input(placeholder="filter: worker, model or mark (enter keeps it, esc clears)", id="filter")
         yield Footer()
 
     def on_mount(self) -> None:
         self.query_one(TiersPanel).display = False
+        self.query_one(AuditLine).display = False
         self._show_state()
         self.query_one(WorkersTable).focus()
         self.poll_loop()
@@ -122,6 +124,7 @@ class TopApp(App[None]):
         self.query_one(RatesPanel).show(frame)
         self.query_one(HealthPanel).show(frame.health)
         self.query_one(TiersPanel).show(frame.tiers, frame.tiers_error, frame.tiers_note)
+        self.query_one(AuditLine).show(frame.audit, frame.audit_note)
         self._show_rows()
 
     def _show_state(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
@@ -92,6 +92,33 @@ class StreamHealth:
 
 
 @dataclass(frozen=True, slots=True)
+class RoutingAudit:
+    """The router's decision audit over its last `window_s` (`GET /v1/audit`, docs/audit.md): the figures the
+    audit line shows. `optimal_share` is over the `cached_decisions` (those with cache to find); shares are None
+    where nothing was judged; `looked_at` says what an empty window looked at."""
+
+    window_s: float
+    decisions: int
+    cached_decisions: int
+    optimal_share: float | None
+    avoidable_prefill_tokens: int
+    cacheable_prefill_tokens: int
+    avoidable_share: float | None
+    agreement: dict[str, int]
+    agreement_share: float | None
+    reasons: dict[str, int]  # the non-optimal decisions by reason, most common first
+    looked_at: str
+
+    @classmethod
+    def of(cls, answer: dict[str, Any]) -> RoutingAudit:
+        """From the router's answer (its other keys: `kvctl audit`'s)."""
+        return cls(**{f.name: answer[f.name] for f in fields(cls)})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
 class Frame:
     router: str
     header: Header
@@ -101,6 +128,8 @@ class Frame:
     tiers_error: str | None
     history: dict[str, tuple[float, ...]]  # events_per_s / routes_per_s / predicted_hit_rate, oldest first
     tiers_note: str | None = None  # instances without tier counters (docs/contract.md), said once
+    audit: RoutingAudit | None = None
+    audit_note: str | None = None  # why there is no audit (a router without one); neither: not polled
 
     def to_dict(self) -> dict[str, Any]:
         """The frame as `-o json` prints it: rates and rows, not the raw answers (record those with --record)."""
@@ -119,6 +148,8 @@ class Frame:
                 for t in self.tiers],
             "tiers_error": self.tiers_error,
             "tiers_note": self.tiers_note,
+            "audit": None if self.audit is None else self.audit.to_dict(),
+            "audit_note": self.audit_note,
         }
 
 
@@ -232,6 +263,7 @@ class FrameBuilder:
         self._previous = poll
         return Frame(router=self.router, header=header, workers=_workers(before, poll), health=_health(poll.status),
                      tiers=poll.tiers, tiers_error=poll.tiers_error, tiers_note=poll.tiers_note,
+                     audit=None if poll.audit is None else RoutingAudit.of(poll.audit), audit_note=poll.audit_note,
                      history={name: tuple(values) for name, values in self._history.items()})
 
 

@@ -51,9 +51,12 @@ class TierRate:
 
 @dataclass(frozen=True, slots=True)
 class Poll:
-    """One poll: `GET /v1/status`, `GET /v1/workers`, the router's counters, and the tiers when asked for.
+    """One poll: `GET /v1/status`, `GET /v1/workers`, the router's counters, its decision audit (`GET /v1/audit`)
+    and the tiers when asked for.
 
     `at` is the source's clock in seconds (monotonic live; synthetic in fakes), used only for differences.
+    `audit` is the audit's answer as the router sent it; None with `audit_note` saying why (a router without the
+    audit), or with neither where it was not asked (a recording made before top showed it).
     """
 
     at: float
@@ -63,6 +66,8 @@ class Poll:
     tiers: tuple[TierRate, ...] | None = None  # None: no tiers source was given
     tiers_error: str | None = None
     tiers_note: str | None = None  # the instances that export no tier counters, said once
+    audit: dict[str, Any] | None = None
+    audit_note: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -73,4 +78,5 @@ class Poll:
         tiers = raw.get("tiers")
         return cls(at=raw["at"], status=raw["status"], workers=raw["workers"], counters=raw.get("counters") or {},
                    tiers=None if tiers is None else tuple(TierRate(**t) for t in tiers),
-                   tiers_error=raw.get("tiers_error"), tiers_note=raw.get("tiers_note"))
+                   tiers_error=raw.get("tiers_error"), tiers_note=raw.get("tiers_note"), audit=raw.get("audit"),
+                   audit_note=raw.get("audit_note"))

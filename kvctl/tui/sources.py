@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 import msgspec
 
@@ -20,13 +20,19 @@ from kvctl.client import AsyncRouterClient, calls
 from kvctl.client.tier_sources import Auth, Scraper, metrics_url, prometheus_windows
 from kvctl.core.doctor.frontend_queue import queue_note
 from kvctl.core.tiers import CHECK_TIERS, Sample, Window, hit_rates, increases, report
-from kvctl.errors import KvctlError, UsageError
+from kvctl.errors import KvctlError, NotFound, UsageError
 from kvctl.http_api import Cleared
 from kvctl.tui.poll import Poll, TierRate, router_counters
 from kvctl.tui.prefixes import Prefix, shared_prefixes
 
 RECORDING = "kvctl top recording"
 """The first line of a recording says what it is and which router it watched; one poll a line follows."""
+
+
+AUDIT_WINDOW_S = 300.0
+"""The decision audit's window on the audit line: doctor's routing finding judges the same 5 minutes."""
+NO_AUDIT = "not on this router (its kvctl serve is from before the decision audit)"
+"""What the audit line says for a router that answers `GET /v1/audit` with 404."""
 
 
 class EndOfRecording(Exception):
@@ -110,7 +116,8 @@ _PANEL_METRICS = {"predicted_hit_rate": "router", "cached_share": "cached"}
 
 
 class LiveSource:
-    """A router polled over HTTP: `/v1/status` and `/v1/workers` concurrently, `/metrics` for the counters."""
+    """A router polled over HTTP: `/v1/status`, `/v1/workers` and `/v1/audit` concurrently, `/metrics` for the
+    counters."""
 
     def __init__(self, client: AsyncRouterClient, *, token: str | None = None, timeout: float = 5.0,
                  tiers: TierFeed | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -126,21 +133,31 @@ class LiveSource:
         started = self._clock()
         answers = await asyncio.gather(
             self.client.send(calls.status()), self.client.send(calls.workers()),
-            asyncio.to_thread(self._metrics.scrape, self._metrics.urls[0]), return_exceptions=True)
+            asyncio.to_thread(self._metrics.scrape, self._metrics.urls[0]),
+            self.client.send(calls.audit(AUDIT_WINDOW_S)), return_exceptions=True)
         at = (started + self._clock()) / 2  # the middle of the requests: what the counters' rates divide by
-        status, workers, samples = answers  # all awaited, the first failure in call order reported: the router's own
+        status, workers, samples, audit = answers  # all awaited, the first failure in call order reported
         if isinstance(status, BaseException):
             raise status
         if isinstance(workers, BaseException):
             raise workers
         if isinstance(samples, BaseException):
             raise samples
+        audited: dict[str, Any] | None
+        audit_note: str | None
+        if isinstance(audit, NotFound):  # a router from before the audit: the rest of the frame stays live
+            audited, audit_note = None, NO_AUDIT
+        elif isinstance(audit, BaseException):
+            raise audit
+        else:
+            audited, audit_note = msgspec.to_builtins(audit), None
         tiers, tiers_error = await self._tier_rates()
         # Decoded into their Structs (a router of another version is an error saying so), kept as their JSON: a
         # poll is what a recording holds, and replays into the same frames whichever kvctl reads it.
         return Poll(at=at, status=msgspec.to_builtins(status), workers=msgspec.to_builtins(workers.workers),
                     counters=router_counters(samples),
-                    tiers=tiers, tiers_error=tiers_error, tiers_note=self.tiers.note if self.tiers else None)
+                    tiers=tiers, tiers_error=tiers_error, tiers_note=self.tiers.note if self.tiers else None,
+                    audit=audited, audit_note=audit_note)
 
     async def _tier_rates(self) -> tuple[tuple[TierRate, ...] | None, str | None]:
         """The tiers panel's rates; a tiers source that fails leaves the rest of the frame live."""

@@ -1,14 +1,15 @@
-"""How a frame reads as text: the cells both the dashboard's table and `kvctl top --once` show, and the
-output sink's views for `--once` (json/yaml print `Frame.to_dict()` instead)."""
+"""How a frame reads as text: the cells (and the audit line's fields) both the dashboard and `kvctl top --once`
+show, and the output sink's views for `--once` (json/yaml print `Frame.to_dict()` instead)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvctl.core.doctor.routing_audit import MIN_DECISIONS, OPTIMAL_FLOOR
 from kvctl.core.words import counted
 from kvctl.output import Column, Output, OutputFormat, View
 from kvctl.output.words import age
-from kvctl.tui.frame import Frame, Header, StreamHealth, WorkerRow
+from kvctl.tui.frame import Frame, Header, RoutingAudit, StreamHealth, WorkerRow
 
 WORKER_COLUMNS = (
     Column("worker", "name"),
@@ -103,6 +104,53 @@ def plane_summary(plane: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
+def audit_fields(audit: RoutingAudit) -> dict[str, str]:
+    """The decision audit's window as the audit line's fields, the window's first: the share of decisions with
+    cache to find that went to a worker holding the most, the avoidable prefill, kvctl's agreement and the top
+    reasons for the rest; for an empty window, what it looked at (its first clause: `kvctl audit` says the rest)."""
+    label = f"routing ({audit.window_s / 60:g} min)"
+    if not audit.decisions:
+        looked, _, _ = audit.looked_at.partition(": ")
+        return {label: f"{looked}; kvctl audit says where it listens"}
+    if audit.cached_decisions:
+        share = "-" if audit.optimal_share is None else f"{audit.optimal_share:.0%}"
+        said = (f"{share} of {_decisions(audit.cached_decisions)} with cache to find went to a worker holding "
+                "the most")
+    else:
+        said = f"{_decisions(audit.decisions)}, none with cache to find"
+    tokens = f"{audit.avoidable_prefill_tokens:,} tokens"
+    fields = {label: said, "avoidable prefill": tokens if audit.avoidable_share is None
+              else f"{audit.avoidable_share:.0%} ({tokens})"}
+    if audit.agreement_share is not None:
+        ties, others = audit.agreement.get("tie", 0), audit.agreement.get("disagree", 0)
+        fields["kvctl agrees"] = (f"{audit.agreement_share:.0%} ({counted(ties, 'tie')}"
+                                  + (f", {others:,} not" if others else "") + ")")
+    if audit.reasons:
+        fields["top reasons"] = ", ".join(f"{why} {n:,}" for why, n in list(audit.reasons.items())[:3])
+    return fields
+
+
+def _decisions(n: int) -> str:
+    return f"{n:,} decision" + ("" if n == 1 else "s")
+
+
+def audit_parts(audit: RoutingAudit) -> list[tuple[str, str]]:
+    """The audit line's parts as (label, value), each label ending as the line reads it."""
+    return [(f"{key}{': ' if not i or key == 'top reasons' else ' '}", value)
+            for i, (key, value) in enumerate(audit_fields(audit).items())]
+
+
+def audit_line(audit: RoutingAudit) -> str:
+    """The audit line as one string: "routing (5 min): 83% of 46 decisions … · avoidable prefill 7% (…) · …"."""
+    return " · ".join(label + value for label, value in audit_parts(audit))
+
+
+def audit_is_poor(audit: RoutingAudit) -> bool:
+    """Poor routing by doctor's rule: enough decisions with cache to find, too few of them to the most cache."""
+    share = audit.optimal_share
+    return audit.cached_decisions >= MIN_DECISIONS and share is not None and share < OPTIMAL_FLOOR
+
+
 def _field_rows(fields: dict[str, str]) -> list[dict[str, Any]]:
     return [{"field": k, "value": v} for k, v in fields.items()]
 
@@ -120,6 +168,8 @@ _TIERS_VIEW = View(
     columns=[Column("instance", "instance"), Column("tier", "tier"), Column("hit rate", "hit_rate", justify="right"),
              Column("family", "family")],
     name_key="instance", title="tiers")
+_AUDIT_VIEW = View(rows=lambda frame: _field_rows(audit_fields(frame.audit)), columns=_FIELD_COLUMNS,
+                   name_key="field", title="routing audit")
 
 
 def emit_frame(out: Output, frame: Frame) -> None:
@@ -132,6 +182,10 @@ def emit_frame(out: Output, frame: Frame) -> None:
         return
     for view in (_HEADER_VIEW, _WORKERS_VIEW, _HEALTH_VIEW):
         out.emit(frame, view)
+    if frame.audit is not None:
+        out.emit(frame, _AUDIT_VIEW)
+    elif frame.audit_note:
+        out.note(f"routing audit: {frame.audit_note}")
     if frame.tiers_error:
         out.warn(f"tiers: {frame.tiers_error}")
     if frame.tiers is not None:

@@ -18,11 +18,21 @@ from textual.geometry import Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+from textual.widget import Widget
 from textual.widgets import Label, Sparkline, Static
 
-from kvctl.tui.frame import Frame, Header, Mark, StreamHealth, WorkerRow
+from kvctl.tui.frame import Frame, Header, Mark, RoutingAudit, StreamHealth, WorkerRow
 from kvctl.tui.poll import TierRate
-from kvctl.tui.views import WORKER_COLUMNS, header_fields, health_fields, per_second, percent, worker_cells
+from kvctl.tui.views import (
+    WORKER_COLUMNS,
+    audit_is_poor,
+    audit_parts,
+    header_fields,
+    health_fields,
+    per_second,
+    percent,
+    worker_cells,
+)
 
 MARK_STYLES = {Mark.gapped: "bold red", Mark.silent: "magenta", Mark.busy: "yellow"}
 """A row takes the style of its first mark in this order: a gapped index is worse than a silent engine,
@@ -121,6 +131,45 @@ class TiersPanel(Static):
             lines = [Text.assemble((f"{t.tier:<7}", "bold"), f"{percent(t.hit_rate):>7}  ", (t.instance, "dim"))
                      for t in tiers or ()]
             self.update(Text("\n").join([*lines, *([Text(note, "dim italic")] if note else [])]))
+
+
+class AuditLine(Widget):
+    """Is KV-aware routing finding the cache? The router's decision audit of the last minutes in a line (`kvctl
+    audit` for the rest), or two where the terminal is too narrow for one: the window's share, then the rest. Its
+    share in red where doctor calls the routing poor; hidden where the poll had no audit to tell (a recording from
+    before the audit line)."""
+
+    DEFAULT_CSS = """
+    AuditLine { height: auto; padding: 0 1; }
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._audit: RoutingAudit | None = None
+        self._note: str | None = None
+
+    def show(self, audit: RoutingAudit | None, note: str | None) -> None:
+        self._audit, self._note = audit, note
+        self.display = audit is not None or note is not None
+        self.refresh(layout=True)
+
+    def render(self) -> Text:
+        return self._text(self.content_size.width)
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return len(self._text(width).wrap(self.app.console, max(1, width)))
+
+    def _text(self, width: int) -> Text:
+        audit = self._audit
+        if audit is None:
+            return Text.assemble(("routing audit: ", "bold"), (self._note or "", "dim"))
+        (label, said), *rest = audit_parts(audit)
+        first = Text.assemble((label, "bold"), (said, "bold red" if audit_is_poor(audit) else ""))
+        if not rest:
+            return first
+        others = Text(" · ", "dim").join(Text.assemble((k, "dim"), v) for k, v in rest)
+        one_line = first.cell_len + 3 + others.cell_len <= width
+        return Text.assemble(first, Text(" · ", "dim") if one_line else "\n", others)
 
 
 class WorkersTable(ScrollView, can_focus=True):

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
+
+import msgspec
 
 from kvctl.errors import Unreachable
-from kvctl.http_api import Cleared, ClearedModel
+from kvctl.http_api import Audit, AuditWorker, Cleared, ClearedModel
 from kvctl.tui.poll import EVENTS, PREDICTED_COUNT, PREDICTED_SUM, ROUTES, Poll, TierRate
 from kvctl.tui.prefixes import Prefix
+from kvctl.tui.sources import AUDIT_WINDOW_S, NO_AUDIT
 
 MODELS = ("llama", "qwen")
 
@@ -49,12 +52,46 @@ class FakeSource:
         return None
 
 
-def fleet(workers: int = 8, *, seed: int = 0, interval: float = 1.0,
-          tiers: bool = False) -> Callable[[int], Poll]:
+AuditState = Literal["figures", "empty", "missing", "unpolled"]
+
+LOOKED_AT = ("no decision heard in the last 300 s (12 since start): the audit hears kvctl's own /v1/route picks and a "
+             "Dynamo frontend's from its replica sync (start the frontend with --router-replica-sync and this router "
+             "on the same event plane)")
+"""What kvctl serve says an empty window looked at (kvctl/server/http/audit_routes.py)."""
+
+
+def audit_answer(state: AuditState) -> tuple[dict[str, Any] | None, str | None]:
+    """A poll's (audit, audit_note): `GET /v1/audit` over 5 minutes as a router answers it: 50 decisions, 46 with
+    cache to find, 38 of them to a worker holding the most (83 %), 8 for load balance; or an empty window; or a
+    router without the audit (404); or none asked for (a recording from before the audit line)."""
+    if state == "missing":
+        return None, NO_AUDIT
+    if state == "unpolled":
+        return None, None
+    empty = state == "empty"
+    answer = Audit(
+        window_s=AUDIT_WINDOW_S, model=None, heard=12 if empty else 62, kept=12 if empty else 62, capacity=10_000,
+        decisions=0 if empty else 50,
+        outcomes={"optimal": 0 if empty else 42, "suboptimal": 0 if empty else 8, "unknown": 0},
+        cached_decisions=0 if empty else 46, optimal_share=None if empty else 38 / 46,
+        avoidable_prefill_tokens=0 if empty else 1536, cacheable_prefill_tokens=0 if empty else 21_504,
+        avoidable_share=None if empty else 1536 / 21_504,
+        agreement={"agree": 0 if empty else 34, "tie": 0 if empty else 16, "disagree": 0, "unknown": 0},
+        agreement_share=None if empty else 1.0, reasons={} if empty else {"load_balance": 8},
+        routers={} if empty else {"kvctl": 50},
+        workers=[] if empty else [AuditWorker(100, 0, 50, 42, 8, 0, 1536)],
+        looked_at=LOOKED_AT if empty else "50 decisions heard in the last 300 s")
+    return msgspec.to_builtins(answer), None
+
+
+def fleet(workers: int = 8, *, seed: int = 0, interval: float = 1.0, tiers: bool = False,
+          audit: AuditState = "figures") -> Callable[[int], Poll]:
     """A fleet of `workers` ranks (two models, two dp ranks a worker) whose load moves from poll to poll.
 
-    Every 7th rank is busy, every 11th has a gapped stream, every 13th has been silent for a minute.
+    Every 7th rank is busy, every 11th has a gapped stream, every 13th has been silent for a minute; the router's
+    decision audit is `audit_answer(audit)`.
     """
+    audited, audit_note = audit_answer(audit)
 
     def poll(n: int) -> Poll:
         rng = random.Random(seed * 1_000_003 + n)
@@ -83,7 +120,8 @@ def fleet(workers: int = 8, *, seed: int = 0, interval: float = 1.0,
         rates = (TierRate("engine-0:8000", "host", 0.42, "vllm:prompt_tokens_cached_by_source"),
                  TierRate("engine-1:8000", "host", 0.38, "vllm:prompt_tokens_cached_by_source"),
                  TierRate("engine-0:8000", "disk", 0.07, "kvbm_disk_cache_hit_rate")) if tiers else None
-        return Poll(at=n * interval, status=status, workers=rows, counters=counters, tiers=rates)
+        return Poll(at=n * interval, status=status, workers=rows, counters=counters, tiers=rates, audit=audited,
+                    audit_note=audit_note)
 
     return poll
 

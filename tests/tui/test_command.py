@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.commands.live_router import WORKERS, free_port_url, json_of, kvctl, loaded_router, one_line_error
+from tests.commands.live_router import (
+    PROMPT,
+    WORKERS,
+    free_port_url,
+    json_of,
+    kvctl,
+    loaded_router,
+    one_line_error,
+)
 from tests.tiers.exporter import BY_SOURCE, QUERIES, TierExporter
 
 
@@ -61,3 +69,20 @@ def test_a_replay_cannot_reset_or_record(tmp_path: Path) -> None:
 
 def test_once_against_no_router_exits_3() -> None:
     one_line_error(kvctl(free_port_url(), "top", "--once", "--interval", "0.01"), 3, "cannot reach")
+
+
+def test_once_shows_the_routing_audit_empty_then_with_the_routers_own_routes(tmp_path: Path) -> None:
+    with loaded_router(tmp_path) as client:
+        empty = json_of(kvctl(client, "top", "--once", "--interval", "0.01", "-o", "json"))
+        for n in range(3):
+            assert client.post("/v1/route", json={"token_ids": PROMPT, "request_id": f"req-{n}"}).status_code == 200
+        routed = json_of(kvctl(client, "top", "--once", "--interval", "0.01", "-o", "json"))
+        table = kvctl(client, "top", "--once", "--interval", "0.01")
+    assert (empty["audit"]["decisions"], empty["audit_note"]) == (0, None)
+    assert empty["audit"]["looked_at"].startswith("no decision heard in the last 300 s (0 since start)")
+    assert (routed["audit"]["decisions"], routed["audit"]["cached_decisions"], routed["audit"]["optimal_share"]) == \
+        (3, 3, 1.0)
+    assert table.exit_code == 0, table.output
+    assert "routing audit" in table.stdout.splitlines()  # a table's title, then its fields
+    assert "100% of 3 decisions with cache to find went to a worker holding the most" in table.stdout
+    assert table.stderr == ""

@@ -1,18 +1,25 @@
-"""The frame model with no Textual: rates from counter increases, marks, shares, sorting and filtering."""
+"""The frame model with no Textual: rates from counter increases, marks, shares, sorting and filtering, and the
+routing audit's line."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import json
 from typing import Any
 
 import pytest
 
 from kvctl.client.tier_sources import parse_metrics
 from kvctl.core.doctor import Limits, check_silent
+from kvctl.core.doctor.routing_audit import MIN_DECISIONS
 from kvctl.core.silence import SILENT_AFTER_S
-from kvctl.tui.frame import SORTS, FrameBuilder, Mark, arrange, next_sort
+from kvctl.output import Output, OutputFormat
+from kvctl.tui.frame import SORTS, Frame, FrameBuilder, Mark, RoutingAudit, arrange, next_sort
 from kvctl.tui.poll import EVENTS, PREDICTED_COUNT, PREDICTED_SUM, ROUTES, Poll, router_counters
-from kvctl.tui.views import worker_cells
-from tests.tui.fake import fleet
+from kvctl.tui.sources import NO_AUDIT
+from kvctl.tui.views import audit_is_poor, audit_line, emit_frame, worker_cells
+from tests.tui.fake import LOOKED_AT, AuditState, fleet
 
 
 def _worker(worker_id: int, **fields: Any) -> dict[str, Any]:
@@ -120,3 +127,78 @@ def test_filter_finds_worker_names_models_and_marks() -> None:
 def test_a_poll_survives_its_json_line() -> None:
     poll = fleet(4, tiers=True)(3)
     assert Poll.from_json(poll.to_json()) == poll
+
+
+# ----- the routing audit line (GET /v1/audit): figures, an empty window, a router without the audit -----------
+
+def _audit_frame(state: AuditState) -> Frame:
+    return FrameBuilder("r").update(fleet(4, audit=state)(0))
+
+
+def test_the_audit_line_reads_the_windows_figures() -> None:
+    frame = _audit_frame("figures")
+    assert frame.audit is not None and frame.audit_note is None
+    assert audit_line(frame.audit) == (
+        "routing (5 min): 83% of 46 decisions with cache to find went to a worker holding the most · avoidable "
+        "prefill 7% (1,536 tokens) · kvctl agrees 100% (16 ties) · top reasons: load_balance 8")
+    assert not audit_is_poor(frame.audit)
+    shown = frame.to_dict()
+    assert shown["audit"]["optimal_share"] == pytest.approx(38 / 46) and shown["audit_note"] is None
+    assert set(shown["audit"]) == {"window_s", "decisions", "cached_decisions", "optimal_share",
+                                   "avoidable_prefill_tokens", "cacheable_prefill_tokens", "avoidable_share",
+                                   "agreement", "agreement_share", "reasons", "looked_at"}
+
+
+def test_an_empty_window_says_what_it_looked_at_in_short() -> None:
+    frame = _audit_frame("empty")
+    assert frame.audit is not None and frame.audit.decisions == 0
+    assert audit_line(frame.audit) == ("routing (5 min): no decision heard in the last 300 s (12 since start); "
+                                       "kvctl audit says where it listens")
+    assert frame.to_dict()["audit"]["looked_at"] == LOOKED_AT  # -o json keeps it whole
+
+
+def test_a_router_without_the_audit_is_a_note_and_a_recording_without_it_says_nothing() -> None:
+    missing = _audit_frame("missing")
+    assert missing.audit is None and missing.audit_note == NO_AUDIT
+    assert (missing.to_dict()["audit"], missing.to_dict()["audit_note"]) == (None, NO_AUDIT)
+    old = json.loads(fleet(4)(0).to_json())  # a recording made before top polled the audit
+    del old["audit"], old["audit_note"]
+    unpolled = FrameBuilder("r").update(Poll.from_json(json.dumps(old)))
+    assert (unpolled.audit, unpolled.audit_note) == (None, None)
+
+
+def test_the_audit_line_without_cache_to_find_with_disagreements_and_poor_routing() -> None:
+    base = RoutingAudit.of(fleet(4)(0).audit or {})
+    none_cached = dataclasses.replace(base, cached_decisions=0, optimal_share=None, avoidable_share=None,
+                                      avoidable_prefill_tokens=0, agreement_share=None, reasons={})
+    assert audit_line(none_cached) == ("routing (5 min): 50 decisions, none with cache to find · avoidable prefill "
+                                       "0 tokens")
+    poor = dataclasses.replace(base, window_s=60.0, cached_decisions=4210, optimal_share=0.31,
+                               agreement={"agree": 3000, "tie": 1, "disagree": 1209, "unknown": 0},
+                               agreement_share=0.71, reasons={"load_balance": 2000, "busy": 900, "tie": 5,
+                                                              "index_behind": 1})
+    assert audit_line(poor) == (
+        "routing (1 min): 31% of 4,210 decisions with cache to find went to a worker holding the most · avoidable "
+        "prefill 7% (1,536 tokens) · kvctl agrees 71% (1 tie, 1,209 not) · top reasons: load_balance 2,000, "
+        "busy 900, tie 5")
+    assert audit_is_poor(poor)
+    assert not audit_is_poor(dataclasses.replace(poor, cached_decisions=MIN_DECISIONS - 1))  # too few to judge
+
+
+@pytest.mark.parametrize("state", ["figures", "empty", "missing", "unpolled"])
+def test_once_prints_the_audit_as_a_table_a_note_or_nothing(state: AuditState) -> None:
+    stdout, stderr = io.StringIO(), io.StringIO()
+    emit_frame(Output(stdout=stdout, stderr=stderr, color=False), _audit_frame(state))
+    printed, said = stdout.getvalue(), stderr.getvalue()
+    assert ("routing audit" in printed) == (state in ("figures", "empty"))
+    if state == "figures":
+        assert "routing (5 min)" in printed and "83% of 46 decisions" in printed
+        assert "load_balance 8" in printed and "1,536 tokens" in printed
+    if state == "empty":
+        assert "no decision heard in the last 300 s (12 since start)" in printed
+    assert said == (f"routing audit: {NO_AUDIT}\n" if state == "missing" else "")
+    stdout = io.StringIO()
+    emit_frame(Output(format=OutputFormat.json, stdout=stdout, stderr=io.StringIO()), _audit_frame(state))
+    answer = json.loads(stdout.getvalue())
+    assert (answer["audit"] is not None) == (state in ("figures", "empty"))
+    assert answer["audit_note"] == (NO_AUDIT if state == "missing" else None)

@@ -7,17 +7,20 @@ import asyncio
 import json
 from pathlib import Path
 
+import httpx
+import pytest
 from click.testing import Result
 
 from kvctl.client import AsyncRouterClient
 from kvctl.client.engine import EngineClient
+from kvctl.errors import ApiError
 from kvctl.mock.engine import EngineConfig
 from kvctl.mock.fleet import Fleet as EngineFleet
 from kvctl.mock.load import LoadGenerator, Policy, register_engines, shared_prefix
 from kvctl.tui.app import TopApp
 from kvctl.tui.frame import Frame, FrameBuilder
-from kvctl.tui.sources import LiveSource
-from tests.commands.live_router import DUMP, WORKERS, free_port_url, kvctl
+from kvctl.tui.sources import NO_AUDIT, LiveSource
+from tests.commands.live_router import DUMP, WORKERS, free_port_url, kvctl, loaded_router, url_of
 from tests.server.test_serve_process import serving
 from tests.support import eventually_async, joined
 from tests.tui.test_pilot import SIZE, header_text
@@ -26,8 +29,45 @@ ENGINES = 4
 SETTLE_S = 10.0
 
 
-def live(url: str) -> LiveSource:
-    return LiveSource(AsyncRouterClient(url, timeout=2.0), timeout=2.0)
+def live(url: str, transport: httpx.AsyncBaseTransport | None = None) -> LiveSource:
+    return LiveSource(AsyncRouterClient(url, timeout=2.0, transport=transport), timeout=2.0)
+
+
+class _AuditAnswers(httpx.AsyncBaseTransport):
+    """The real router, but `GET /v1/audit` answered with `status`: 404 as a router from before the audit does
+    (Starlette's plain "Not Found" for a path it has no route for), or a failure."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self._real = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/audit":
+            return httpx.Response(self.status, text="Not Found" if self.status == 404 else "boom")
+        return await self._real.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._real.aclose()
+
+
+async def test_a_router_without_the_audit_leaves_the_frame_live_and_says_so_and_a_failing_audit_fails_the_poll(
+        tmp_path: Path) -> None:
+    with loaded_router(tmp_path) as client:
+        url = url_of(client)
+        own = live(url)
+        audited = await own.poll()
+        await own.aclose()
+        older = live(url, _AuditAnswers(404))
+        poll = await older.poll()
+        await older.aclose()
+        broken = live(url, _AuditAnswers(500))
+        with pytest.raises(ApiError, match="HTTP 500"):  # as a failing /v1/status or /v1/workers would
+            await broken.poll()
+        await broken.aclose()
+    assert audited.audit is not None and audited.audit["decisions"] == 0 and audited.audit_note is None
+    assert (poll.audit, poll.audit_note) == (None, NO_AUDIT)
+    frame = FrameBuilder(url).update(poll)
+    assert {w.key for w in frame.workers} == WORKERS and frame.audit_note == NO_AUDIT
 
 
 async def test_a_router_that_goes_away_leaves_its_last_frame_marked_stale_until_it_returns(tmp_path: Path) -> None:

@@ -17,24 +17,32 @@ from kvctl.tui.app import TopApp
 from kvctl.tui.frame import SORTS, arrange
 from kvctl.tui.prefixes import describe
 from kvctl.tui.screens import ConfirmReset, PrefixTree, WorkerDetail
-from kvctl.tui.widgets import HeaderBar, WorkersTable
-from tests.tui.fake import PREFIXES, FakeSource, fleet
+from kvctl.tui.sources import NO_AUDIT
+from kvctl.tui.widgets import AuditLine, HeaderBar, WorkersTable
+from tests.tui.fake import PREFIXES, AuditState, FakeSource, fleet
 
 SIZE = (120, 36)
 
 
 @asynccontextmanager
-async def top(*, admin: bool = False, interval: float = 3600.0, workers: int = 16
-              ) -> AsyncIterator[tuple[TopApp, Pilot[None], FakeSource]]:
-    source = FakeSource(fleet(workers), prefixes=PREFIXES)
+async def top(*, admin: bool = False, interval: float = 3600.0, workers: int = 16, audit: AuditState = "figures",
+              size: tuple[int, int] = SIZE) -> AsyncIterator[tuple[TopApp, Pilot[None], FakeSource]]:
+    source = FakeSource(fleet(workers, audit=audit), prefixes=PREFIXES)
     app = TopApp(source, interval=interval, admin=admin)
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=size) as pilot:
         await pilot.pause()
         yield app, pilot, source
 
 
 def header_text(app: TopApp) -> str:
     return str(app.query_one(HeaderBar).content)
+
+
+def audit_text(app: TopApp) -> str:
+    """The audit line as drawn: its lines' text, or "" while it is hidden."""
+    line = app.query_one(AuditLine)
+    return "\n".join(strip.text.strip() for strip in line.render_lines(line.region.reset_offset)) \
+        if line.display else ""
 
 
 async def test_first_poll_fills_the_table_and_the_header() -> None:
@@ -151,3 +159,35 @@ async def test_ctrl_c_quits_even_in_the_filter_box(keys: list[str]) -> None:
             await pilot.press(key)
         await pilot.pause()
         assert not app.is_running
+
+
+async def test_the_audit_line_shows_the_windows_figures_on_two_lines_or_one_where_they_fit() -> None:
+    async with top() as (app, _, _):
+        assert audit_text(app) == (
+            "routing (5 min): 83% of 46 decisions with cache to find went to a worker holding the most\n"
+            "avoidable prefill 7% (1,536 tokens) · kvctl agrees 100% (16 ties) · top reasons: load_balance 8")
+    async with top(size=(200, 36)) as (app, _, _):
+        assert audit_text(app) == ("routing (5 min): 83% of 46 decisions with cache to find went to a worker holding "
+                                   "the most · avoidable prefill 7% (1,536 tokens) · kvctl agrees 100% (16 ties) · "
+                                   "top reasons: load_balance 8")
+        assert app.query_one(AuditLine).size.height == 1
+
+
+async def test_the_audit_line_for_an_empty_window_a_router_without_it_and_a_recording_without_it() -> None:
+    async with top(audit="empty") as (app, _, _):
+        assert audit_text(app) == ("routing (5 min): no decision heard in the last 300 s (12 since start); kvctl "
+                                   "audit says where it listens")
+    async with top(audit="missing") as (app, _, _):
+        assert audit_text(app) == f"routing audit: {NO_AUDIT}"
+        assert NO_AUDIT == "not on this router (its kvctl serve is from before the decision audit)"
+        assert "● live" in header_text(app) and len(app.shown_keys) == 16  # the rest of the frame is live
+    async with top(audit="unpolled") as (app, _, _):
+        assert audit_text(app) == "" and len(app.shown_keys) == 16
+
+
+async def test_the_audit_line_stays_while_the_router_is_unreachable() -> None:
+    async with top() as (app, _, source):
+        shown = audit_text(app)
+        source.down = True
+        await app.refresh_frame()
+        assert app.stale is not None and audit_text(app) == shown

@@ -20,7 +20,7 @@ import pytest
 from textual.pilot import Pilot
 
 from kvctl.tui.app import TopApp
-from tests.tui.fake import PREFIXES, FakeSource, fleet
+from tests.tui.fake import PREFIXES, AuditState, FakeSource, fleet
 
 if os.environ.get("KVCTL_REQUIRE_SNAPSHOTS"):
     import pytest_textual_snapshot  # noqa: F401
@@ -31,8 +31,8 @@ SIZE = (120, 36)
 POLLS = 6  # enough history for the sparklines to show a shape
 
 
-def dashboard(*, admin: bool = False) -> TopApp:
-    return TopApp(FakeSource(fleet(24, tiers=True), prefixes=PREFIXES), interval=3600.0, admin=admin)
+def dashboard(*, admin: bool = False, audit: AuditState = "figures") -> TopApp:
+    return TopApp(FakeSource(fleet(24, tiers=True, audit=audit), prefixes=PREFIXES), interval=3600.0, admin=admin)
 
 
 def after_polls(*keys: str) -> Callable[[Pilot[None]], Awaitable[None]]:
@@ -50,6 +50,12 @@ def after_polls(*keys: str) -> Callable[[Pilot[None]], Awaitable[None]]:
 
 def test_dashboard(snap_compare: Any) -> None:
     assert snap_compare(dashboard(), terminal_size=SIZE, run_before=after_polls())
+
+
+@pytest.mark.parametrize("audit", ["empty", "missing"])
+def test_audit_line_of_an_empty_window_and_of_a_router_without_the_audit(snap_compare: Any, audit: AuditState) -> None:
+    """The dashboard's audit line (test_dashboard shows its figures) for an empty window and for a 404."""
+    assert snap_compare(dashboard(audit=audit), terminal_size=SIZE, run_before=after_polls())
 
 
 def test_sorted_by_blocks_and_filtered(snap_compare: Any) -> None:
