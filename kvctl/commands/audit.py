@@ -145,12 +145,11 @@ def audit_command(
     as_json: JsonOpt = False,
 ) -> None:
     from kvctl.client import calls
+    from kvctl.core.audit.what_if import parse_knobs
     from kvctl.core.tiers import parse_duration
     from kvctl.errors import UsageError
 
     out = output_for(ctx, output, as_json)
-    from kvctl.core.audit.what_if import parse_knobs
-
     try:
         seconds = parse_duration(window)
     except ValueError as exc:
