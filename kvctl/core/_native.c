@@ -422,6 +422,37 @@ static PyObject *xxh3_chain(PyObject *module, PyObject *const *args, Py_ssize_t 
     return out;
 }
 
+/* The key of `keys` (a dict of u64 local hashes) whose block chains from sequence hash `previous` to `target`:
+ * XXH3-64(le64(previous) || le64(key), seed) == target; None when none does. A branch point of the tree: a prompt
+ * shared by thousands of requests has thousands of children, each tried without a Python object per try. */
+static PyObject *chained_child(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "chained_child(keys, previous, target, seed) takes 4 arguments");
+        return NULL;
+    }
+    if (!PyDict_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "chained_child needs a dict keyed by u64 local hashes");
+        return NULL;
+    }
+    const unsigned long long previous = PyLong_AsUnsignedLongLong(args[1]);
+    if (previous == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    const unsigned long long target = PyLong_AsUnsignedLongLong(args[2]);
+    if (target == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    const unsigned long long seed = PyLong_AsUnsignedLongLong(args[3]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    unsigned char bytes[16];
+    for (int k = 0; k < 8; k++) bytes[k] = (unsigned char)(previous >> (8 * k));
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(args[0], &pos, &key, &value)) {
+        const unsigned long long local = PyLong_AsUnsignedLongLong(key);
+        if (local == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+        for (int k = 0; k < 8; k++) bytes[8 + k] = (unsigned char)(local >> (8 * k));
+        if (XXH3_64bits_withSeed(bytes, sizeof bytes, seed) == target) return Py_NewRef(key);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *bind_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "bind_run(lookup, keys, value, replaceable) takes 4 arguments");
@@ -478,6 +509,9 @@ static PyObject *u64s_distinct(PyObject *module, PyObject *arg) {
 }
 
 static PyMethodDef methods[] = {
+    {"chained_child", (PyCFunction)(void (*)(void))chained_child, METH_FASTCALL,
+     "chained_child(keys: dict, previous: int, target: int, seed: int) -> int | None\n\nThe key (a u64 local "
+     "hash) whose block chains from sequence hash `previous` to `target`, or None."},
     {"u64s_distinct", u64s_distinct, METH_O,
      "u64s_distinct(packed: bytes-like) -> bool\n\nWhether no native-endian u64 of `packed` repeats; ValueError "
      "for a length that is not a multiple of 8."},

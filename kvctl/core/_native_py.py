@@ -292,3 +292,15 @@ def u64s_distinct(packed: Buffer) -> bool:
         raise ValueError("not a whole number of u64s")
     hashes = view.cast("Q")
     return len(set(hashes)) == len(hashes)
+
+
+def chained_child(keys: dict[int, object], previous: int, target: int, seed: int) -> int | None:
+    """The key of `keys` (u64 local hashes) whose block chains from sequence hash `previous` to `target`:
+    XXH3-64(le64(previous) || le64(key), seed) == target; None when none does."""
+    if not isinstance(keys, dict):
+        raise TypeError("chained_child needs a dict keyed by u64 local hashes")
+    previous, target, seed = _u64(previous), _u64(target), _u64(seed)
+    for key in keys:
+        if xxh3_64_intdigest(_PAIR.pack(previous, _u64(key)), seed) == target:
+            return key
+    return None

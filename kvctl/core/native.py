@@ -49,6 +49,7 @@ u32le_pairs_from_msgpack: Callable[[Buffer], bytes] = _implementation.u32le_pair
 u64_from_msgpack: Callable[[Buffer], bytes] = _implementation.u64_from_msgpack
 bind_run: Callable[[dict[Any, Any], Iterable[Any], Any, Any], int] = _implementation.bind_run
 u64s_distinct: Callable[[Buffer], bool] = _implementation.u64s_distinct
-FUNCTIONS = ("bind_run", "u64s_distinct", "xxh3_blocks", "xxh3_chain", "u32_from_json", "u32_head_of_object",
-             "u32le_from_msgpack", "u32le_pairs_from_msgpack", "u64_from_msgpack")
+chained_child: Callable[[dict[int, Any], int, int, int], int | None] = _implementation.chained_child
+FUNCTIONS = ("bind_run", "chained_child", "u64s_distinct", "xxh3_blocks", "xxh3_chain", "u32_from_json",
+             "u32_head_of_object", "u32le_from_msgpack", "u32le_pairs_from_msgpack", "u64_from_msgpack")
 """The names every implementation provides."""

@@ -229,3 +229,14 @@ def test_u64s_distinct(hashes: list[int], tail: bytes) -> None:
     _same("u64s_distinct", packed.tobytes() + tail)
     for value in ("text", 7, memoryview(packed.tobytes())[::2]):
         _same("u64s_distinct", value)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.dictionaries(st.integers(0, 2**64 - 1) | _INTISH, st.none(), max_size=20) | _INTISH,
+       st.integers(0, 2**64 - 1) | _INTISH, st.integers(0, 2**64 - 1) | _INTISH, st.integers(0, 2**64 - 1) | _INTISH,
+       st.booleans())
+def test_chained_child(keys: Any, previous: Any, target: Any, seed: Any, present: bool) -> None:
+    if present and isinstance(keys, dict) and keys and all(type(v) is int and 0 <= v < 2**64
+                                                           for v in (previous, seed, *keys)):
+        target = C.xxh3_chain([previous, list(keys)[-1]], seed)[1]  # one key chains to it
+    _same("chained_child", keys, previous, target, seed)
