@@ -9,7 +9,7 @@ from pathlib import Path
 DOC = Path(__file__).resolve().parents[1] / "docs" / "runbook.md"
 ANCHORS = ("overlap-always-0", "predicted-hits-not-real", "all-busy", "replicas-disagree", "events-stopped",
            "engine-restarted", "decode-errors", "loop-lag", "index-near-cap", "restoring",
-           "kvctl-blind")
+           "kvctl-blind", "routing-misses-cache")
 
 
 def test_every_published_anchor_opens_a_section() -> None:

@@ -3,7 +3,9 @@ scrapes a `kvctl serve` fed by mock engines, a second one in approximate mode, t
 tier family and a Dynamo frontend's captured metrics. Then the faults are switched on, one per alert: the mock
 engines' (silent, drop-every without replay, another block size, a restart), every worker of a model busy,
 blocks claimed for a worker that never stored them, an endpoint publishing junk, the approximate index filled
-past its cap, and that router's process held (SIGSTOP) a fifth of the time. Each alert must go pending (or
+past its cap, that router's process held (SIGSTOP) a fifth of the time, and multi-turn chats routed by a third
+router that gives cached blocks no credit (`--overlap-score-credit 0`: its decision audit finds the cache missed
+and ignored). Each alert must go pending (or
 firing) on the worker or model its fault hit; then every recording rule and every dashboard query must return
 data, and every dashboard variable must resolve. Replica divergence is left to promtool's unit tests: two
 replicas scraped a second apart differ by the events of that second, which at a test's few hundred blocks is
@@ -44,6 +46,7 @@ SILENT, DROPPING, RESTARTING, MISMATCHED, CROWDED, HAUNTED, JUNK = 3, 4, 1, 5, 6
 ENGINES = {1: Faults(), 2: Faults(), SILENT: Faults(silent=True), DROPPING: Faults(drop_every=2),
            MISMATCHED: Faults(block_size=32), CROWDED: Faults(), HAUNTED: Faults()}
 APPROX_CAP = 64
+BLIND_WORKERS = (1, 2, 3)
 PENDING_TIMEOUT_S = 40.0
 PREFIXES = [list(range(1000 * p, 1000 * p + 64)) for p in range(3)]
 
@@ -52,6 +55,7 @@ PREFIXES = [list(range(1000 * p, 1000 * p + 64)) for p in range(3)]
 class Rig:
     router: httpx.AsyncClient
     approx: httpx.AsyncClient
+    blind: httpx.AsyncClient  # credit 0: its own picks ignore the cache
     fleet: Fleet
     junk: zmq.asyncio.Socket  # bound; silent until `publish_junk`
     junk_endpoint: str
@@ -103,6 +107,23 @@ class Rig:
             await self.approx.delete(f"/v1/requests/a{n}")
             await asyncio.sleep(0.05)
 
+    async def chat(self) -> None:
+        """Multi-turn chats through the cache-blind router: each turn's history is cached on the worker that
+        served it (its stored event posted as the engine would publish it), and the next turn is drawn among
+        workers that all cost the same."""
+        chats = [[random.randrange(1, 2**31) for _ in range(64)] for _ in range(12)]
+        n = 0
+        while self.running:
+            n += 1
+            history = random.choice(chats)
+            history += [random.randrange(1, 2**31) for _ in range(32)]
+            routed = await self.blind.post("/v1/route", json={"model": "blind", "token_ids": history,
+                                                              "request_id": f"chat-{n}"})
+            assert routed.status_code == 200, routed.text
+            stored = _store_event(routed.json()["worker_id"], history, event_id=n)
+            await self.blind.post("/v1/events", params={"model": "blind"}, json=[stored])
+            await asyncio.sleep(0.02)
+
     async def publish_junk(self) -> None:
         """Messages no engine would send: the router skips and counts each one."""
         n = 0
@@ -139,16 +160,18 @@ async def stall(process: subprocess.Popen[str], rig: Rig) -> None:
 
 
 @contextmanager
-def routers(tmp_path: Path) -> Iterator[tuple[str, str, subprocess.Popen[str]]]:
-    """The router under test, and one in approximate mode (its process too, to stall it)."""
+def routers(tmp_path: Path) -> Iterator[tuple[str, str, str, subprocess.Popen[str]]]:
+    """The router under test, one in approximate mode (its process too, to stall it), and one blind to the cache."""
     quiet = ("--no-restore", "--log-level", "error")  # stderr is a pipe nobody reads while the test runs
+    approximate = ("--approximate", "--max-tree-size", str(APPROX_CAP))
     with serving(tmp_path / "router", *quiet) as (_, main), \
-            serving(tmp_path / "approx", *quiet, "--approximate", "--max-tree-size", str(APPROX_CAP)) as (proc, approx):
-        yield str(main.base_url).rstrip("/"), str(approx.base_url).rstrip("/"), proc
+            serving(tmp_path / "approx", *quiet, *approximate) as (proc, approx), \
+            serving(tmp_path / "blind", *quiet, "--overlap-score-credit", "0") as (_, blind):
+        yield str(main.base_url).rstrip("/"), str(approx.base_url).rstrip("/"), str(blind.base_url).rstrip("/"), proc
 
 
 @asynccontextmanager
-async def rig(router_url: str, approx_url: str) -> AsyncIterator[Rig]:
+async def rig(router_url: str, approx_url: str, blind_url: str) -> AsyncIterator[Rig]:
     configs = [dataclasses.replace(BASE, worker_id=w, faults=f) for w, f in ENGINES.items()]
     ctx = zmq.asyncio.Context()
     junk = ctx.socket(zmq.PUB)
@@ -158,7 +181,8 @@ async def rig(router_url: str, approx_url: str) -> AsyncIterator[Rig]:
             fleet = await stack.enter_async_context(Fleet(configs))
             router = await stack.enter_async_context(httpx.AsyncClient(base_url=router_url, timeout=10))
             approx = await stack.enter_async_context(httpx.AsyncClient(base_url=approx_url, timeout=10))
-            yield Rig(router, approx, fleet, junk, f"tcp://127.0.0.1:{port}")
+            blind = await stack.enter_async_context(httpx.AsyncClient(base_url=blind_url, timeout=10))
+            yield Rig(router, approx, blind, fleet, junk, f"tcp://127.0.0.1:{port}")
     finally:
         junk.close(linger=0)
         ctx.term()
@@ -176,10 +200,11 @@ def find(alerts: list[dict[str, Any]], name: str, labels: dict[str, str]) -> dic
 async def test_faults_make_their_alerts_pending_and_every_query_has_data(tmp_path: Path) -> None:
     exporter, dynamo = TierExporter(), DynamoFrontend()
     try:
-        with routers(tmp_path) as (router_url, approx_url, approx_process):
-            async with rig(router_url, approx_url) as r:
+        with routers(tmp_path) as (router_url, approx_url, blind_url, approx_process):
+            async with rig(router_url, approx_url, blind_url) as r:
                 targets = {"kvctl": [router_url.removeprefix("http://")],
                            "kvctl-approx": [approx_url.removeprefix("http://")],
+                           "kvctl-blind": [blind_url.removeprefix("http://")],
                            "engines": [e.url.removeprefix("http://") for e in r.fleet.engines] + [exporter.instance],
                            "dynamo": [dynamo.instance]}
                 with prometheus(targets, tmp_path, rule_files=scaled_rules(tmp_path)) as url:
@@ -198,6 +223,9 @@ async def _run(r: Rig, prom: Prom, url: str, targets: int, approx_process: subpr
         await r.register(worker, model, replay=True)
     for worker in (1, 2):
         assert (await r.approx.post("/v1/workers", json={"worker_id": worker})).status_code == 201
+    for worker in BLIND_WORKERS:
+        answer = await r.blind.post("/v1/workers", json={"worker_id": worker, "model": "blind"})
+        assert answer.status_code == 201, answer.text
     await joined(r.engine(worker) for worker in (1, 2, CROWDED, HAUNTED))  # the router's SUBs, before any load
     tasks = [asyncio.create_task(r.drive("default", shared_or_new, lane)) for lane in "ab"]  # two in flight
     tasks += [asyncio.create_task(r.drive(model, prompt))
@@ -233,6 +261,8 @@ async def _run(r: Rig, prom: Prom, url: str, targets: int, approx_process: subpr
         tasks.append(asyncio.create_task(r.fill_approx()))
         faults["loop held"] = time.monotonic()
         tasks.append(asyncio.create_task(stall(approx_process, r)))
+        faults["cache ignored"] = time.monotonic()
+        tasks.append(asyncio.create_task(r.chat()))
 
         expected = [("silent", "KvctlEngineEventsStopped", {"worker_id": str(SILENT)}),
                     ("drop-every", "KvctlLostBatches", {"worker_id": str(DROPPING)}),
@@ -242,7 +272,9 @@ async def _run(r: Rig, prom: Prom, url: str, targets: int, approx_process: subpr
                     ("phantom blocks", "KvctlPredictedHitsNotReal", {"worker_id": str(HAUNTED), "model": "haunted"}),
                     ("decode errors", "KvctlDecodeErrors", {"worker_id": str(JUNK)}),
                     ("index fills", "KvctlIndexNearCap", {"job": "kvctl-approx"}),
-                    ("loop held", "KvctlLoopLagging", {"job": "kvctl-approx"})]
+                    ("loop held", "KvctlLoopLagging", {"job": "kvctl-approx"}),
+                    ("cache ignored", "KvctlRoutingMissesCache", {"job": "kvctl-blind", "model": "blind"}),
+                    ("cache ignored", "KvctlRouterIgnoresCache", {"job": "kvctl-blind", "model": "blind"})]
         seen: dict[str, float] = {}
         deadline = time.monotonic() + PENDING_TIMEOUT_S
         while len(seen) < len(expected) and time.monotonic() < deadline:

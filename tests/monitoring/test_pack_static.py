@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from kvctl.core.doctor import Limits, check_hit_rates
+from kvctl.core.doctor.routing_audit import MIN_DECISIONS, OPTIMAL_FLOOR
 from tests.commands.test_examples_parse import parse
 from tests.monitoring.pack import PACK, RULES, UNIT_TESTS, alerts, dashboard, panels, variable_lookups
 
@@ -94,6 +95,12 @@ def test_alert_thresholds_are_kvctl_doctors() -> None:
     assert _threshold("KvctlPredictedHitsNotReal") == [hit_rates["gap"].default]
     assert _threshold("KvctlReplicasDiverge") == [Limits().divergence_share]
     assert _threshold("KvctlIndexNearCap") == [Limits().near_cap]
+    # the audit's `routing`: under 70 % optimal, judged over at least 20 decisions with cache to find in 5 minutes
+    # (a rate floor: 20 per 300 s)
+    assert _threshold("KvctlRoutingMissesCache") == [OPTIMAL_FLOOR, MIN_DECISIONS]
+    assert _threshold("KvctlRouterIgnoresCache") == [OPTIMAL_FLOOR, MIN_DECISIONS, 0]
+    assert all(f">= {MIN_DECISIONS} / 300" in ALERTS[name]["expr"]
+               for name in ("KvctlRoutingMissesCache", "KvctlRouterIgnoresCache"))
 
 
 def test_the_dashboard_has_unique_panel_ids_and_its_variables() -> None:
