@@ -532,6 +532,20 @@ class Audit(Struct):
     recent: list[AuditedDecision] = []
     what_if: AuditWhatIf | None = None
     waiting: int = 0  # decisions for a worker kvctl has not heard of yet, judged when it registers (30 s at most)
+    totals: list[AuditTotals] = []  # since this router started, per model and router: beside a router's own counters
+
+
+class AuditTotals(Struct):
+    """One (model, router) pair's decisions since this router started: the prompt tokens cached on the best
+    candidates (Dynamo's "best eligible"), on the picks (its "selected") and their difference, the avoidable
+    prefill, as kvctl's index had them."""
+
+    model: str
+    router: str
+    decisions: int
+    cacheable_prefill_tokens: int
+    chosen_prefill_tokens: int
+    avoidable_prefill_tokens: int
 
 
 class AuditWhatIf(Struct):

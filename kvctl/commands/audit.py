@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvctl.commands._options import JsonOpt, OutputOpt, output_for, router_client
+from kvctl.commands._options import (
+    JsonOpt,
+    MetricsPasswordOpt,
+    MetricsTokenOpt,
+    MetricsUserOpt,
+    OutputOpt,
+    output_for,
+    router_client,
+    settings_for,
+)
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
 from kvctl.core.words import counted
 from kvctl.output import Column, Output, View
+
+if TYPE_CHECKING:
+    from kvctl.client.tier_sources import Auth
 
 HELP = "Judge a router's routing decisions against its index: optimal share, avoidable prefill, why. (read-only)"
 EXAMPLES = (
@@ -26,7 +38,8 @@ EXAMPLES = (
     "  kvctl audit --window 1h --model llama -o json | jq .optimal_share\n\n"
     "  kvctl audit --request 9f1c2e4a-5b6d-4e7f-8a9b-0c1d2e3f4a5b\n\n"
     "  kvctl audit --recent 20 -o wide --watch\n\n"
-    "  kvctl audit --window 1h --what-if overlap_score_credit=2 --what-if prefill_load_scale=0.5"
+    "  kvctl audit --window 1h --what-if overlap_score_credit=2 --what-if prefill_load_scale=0.5\n\n"
+    "  kvctl audit --metrics http://frontend:8000/metrics"
 )
 
 _WORKER_COLUMNS = [
@@ -67,7 +80,7 @@ def _share(value: float | None) -> str:
 def summary_title(answer: dict[str, Any]) -> str:
     """The window in one paragraph: what a person at 3 a.m. reads first."""
     if not answer["decisions"]:
-        return answer["looked_at"]
+        return answer["looked_at"] + _self_report(answer.get("self_report"))
     outcomes, agreement = answer["outcomes"], answer["agreement"]
     reasons = ", ".join(f"{why} {n}" for why, n in list(answer["reasons"].items())[:3]) or "none"
     return (f"last {answer['window_s']:g} s: {answer['decisions']} decisions, {answer['cached_decisions']} with "
@@ -76,7 +89,7 @@ def summary_title(answer: dict[str, Any]) -> str:
             f"{answer['avoidable_prefill_tokens']:,} of {answer['cacheable_prefill_tokens']:,} cached tokens "
             f"({_share(answer['avoidable_share'])}); kvctl's cost function agrees on "
             f"{_share(answer['agreement_share'])} ({agreement['tie']} ties, {agreement['disagree']} not); "
-            f"reasons: {reasons}" + _what_if(answer.get("what_if")))
+            f"reasons: {reasons}" + _what_if(answer.get("what_if")) + _self_report(answer.get("self_report")))
 
 
 def _what_if(figures: dict[str, Any] | None) -> str:
@@ -135,16 +148,24 @@ def audit_command(
                                                 "request id.", show_default=False)] = None,
     recent: Annotated[int, typer.Option("--recent", min=0, max=1000, help="List the window's last N decisions "
                                         "instead of the per-worker rows.")] = 0,
+    metrics: Annotated[list[str] | None, typer.Option(
+        "--metrics", show_default=False, metavar="URL",
+        help="A Dynamo frontend's /metrics (repeatable): its own decision counters beside kvctl's audit of the "
+             "same router, both since each started.")] = None,
     what_if: Annotated[list[str] | None, typer.Option(
         "--what-if", show_default=False, metavar="KNOB=VALUE",
         help="Price the window's decisions again under this knob (repeatable; Dynamo names: overlap_score_credit, "
              "prefill_load_scale, ...): how many picks would change, and the avoidable prefill then.")] = None,
+    auth_user: MetricsUserOpt = None,
+    auth_password: MetricsPasswordOpt = None,
+    bearer_token: MetricsTokenOpt = None,
     watch: WatchOpt = False,
     interval: IntervalOpt = 2.0,
     output: OutputOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     from kvctl.client import calls
+    from kvctl.client.tier_sources import Auth
     from kvctl.core.audit.what_if import parse_knobs
     from kvctl.core.tiers import parse_duration
     from kvctl.errors import UsageError
@@ -166,9 +187,50 @@ def audit_command(
             return
         view = View(rows=_summary_rows, columns=_DECISION_COLUMNS if recent else _WORKER_COLUMNS,
                     name_key="request_id" if recent else "worker", wrap=True)
-        show(out, lambda: client.send(calls.audit(seconds, model, recent, what_if)),
-             lambda answer: _emit(out, answer, view, summary_title), watch=watch, interval=interval)
 
+        def fetch() -> dict[str, Any]:
+            import msgspec
+
+            answer = msgspec.to_builtins(client.send(calls.audit(seconds, model, recent, what_if)))
+            if metrics:
+                answer["self_report"] = _beside(answer["totals"], metrics, Auth(auth_user, auth_password, bearer_token),
+                                                settings_for(ctx).timeout)
+            return answer
+
+        show(out, fetch, lambda answer: _emit(out, answer, view, summary_title), watch=watch, interval=interval)
+
+
+
+def _beside(totals: list[dict[str, Any]], urls: list[str], auth: Auth, timeout: float) -> list[dict[str, Any]]:
+    """Each Dynamo router's own decision counters among the metrics, beside kvctl's audit of the same router."""
+    from kvctl.client.tier_sources import Scraper
+    from kvctl.core.doctor.routing_audit import self_reports
+
+    with Scraper(urls, auth=auth, timeout=timeout) as scraper:
+        reports = self_reports(scraper.since_start())
+    audited = {(t["model"], t["router"]): t for t in totals}
+    return [{"model": model, "router": router, "dynamo": figures, "kvctl": audited.get((model, router))}
+            for (model, router), figures in sorted(reports.items())]
+
+
+def _self_report(rows: list[dict[str, Any]] | None) -> str:
+    """The routers' own words beside the audit's, since each started (their starts may differ: compare rates with
+    --watch, or over a window in Prometheus)."""
+    if rows is None:
+        return ""
+    if not rows:
+        return ". The metrics given export no Dynamo router decision counters"
+    parts = []
+    for row in rows:
+        dyn, mine = row["dynamo"], row["kvctl"]
+        best, selected = int(dyn.get("best_eligible", 0)), int(dyn.get("selected", 0))
+        said = (f"router {row['router']} ({row['model']}) counts best eligible {best:,}, selected {selected:,} "
+                f"cached tokens (lost {best - selected:,}), non-max selections {int(dyn.get('non_max', 0)):,}")
+        heard = "; kvctl heard none of its decisions" if mine is None else (
+            f"; kvctl audited {mine['decisions']:,} of its decisions: best {mine['cacheable_prefill_tokens']:,}, "
+            f"chosen {mine['chosen_prefill_tokens']:,} (avoidable {mine['avoidable_prefill_tokens']:,})")
+        parts.append(said + heard)
+    return ". Beside the routers' own counters (each since it started): " + "; ".join(parts)
 
 
 def _emit(out: Output, answer: Any, view: View, title: Callable[[dict[str, Any]], str]) -> None:

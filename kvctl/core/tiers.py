@@ -121,9 +121,10 @@ DYNAMO_QUEUE_REFUSED = _family("dynamo_frontend_router_queue_backpressure_total"
 
 # A Dynamo router's own account of its decisions (prompt tokens cached on the best eligible worker and on the one it
 # picked): doctor's routing check sets them beside the decision audit's.
-DYNAMO_DECISIONS = _family("dynamo_{component_router,frontend}_kv_{best_eligible,selected}_cached_prefix_tokens",
-                           r"dynamo_(?:component_router|frontend)_kv_(best_eligible|selected)_cached_prefix_tokens",
-                           counter=True)
+DYNAMO_DECISIONS = _family("dynamo_{component_router,frontend}_{kv_best_eligible_cached_prefix_tokens,"
+                           "kv_selected_cached_prefix_tokens,non_max_overlap_selections}",
+                           r"dynamo_(?:component_router|frontend)_(kv_best_eligible_cached_prefix_tokens|"
+                           r"kv_selected_cached_prefix_tokens|non_max_overlap_selections)", counter=True)
 
 FAMILIES = (KVBM_HIT, KVBM_OFFLOAD, KVBM_ONBOARD, KVBM_MATCHED, KVBM_FAILURES, VLLM_BY_SOURCE, VLLM_QUERIES,
             VLLM_HITS, VLLM_USAGE, SGLANG_CACHED, SGLANG_HIT, SGLANG_USAGE, LMCACHE_HIT, LMCACHE_REQUESTED,

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import json
+import threading
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from tests.commands.live_router import PROMPT, json_of, kvctl, loaded_router
+from tests.fixtures_path import FIXTURES
+from tests.tiers.exporter import metrics_handler
+
+FRONTEND_METRICS = (FIXTURES / "dynamo-1.6.1-fleet" / "metrics" / "frontend.prom").read_bytes()
+FRONTEND_ROUTER = "4238352712680185056"  # the router id its decision counters are labelled with
 
 
 def test_an_empty_window_says_what_it_looked_at(tmp_path: Path) -> None:
@@ -54,3 +61,24 @@ def test_what_if_reprices_the_window_and_refuses_a_bad_knob(tmp_path: Path) -> N
     assert "What if overlap_score_credit=0.0:" in " ".join(table.stdout.split())
     assert bad.exit_code == 2 and "--what-if: overlap_score_credit must be a finite number >= 0" in bad.output
     assert unknown.exit_code == 2 and "expected KNOB=VALUE" in unknown.output
+
+
+def test_a_frontends_own_counters_are_shown_beside_the_audit(tmp_path: Path) -> None:
+    # A real Dynamo 1.6.1 frontend's /metrics, served as captured: its counters for its router, and that kvctl
+    # heard none of that router's decisions (it was not on this router's event plane).
+    server = ThreadingHTTPServer(("127.0.0.1", 0), metrics_handler(lambda: FRONTEND_METRICS, path="/metrics"))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    try:
+        with loaded_router(tmp_path) as client:
+            answer = json_of(kvctl(client, "audit", "--metrics", url, "-o", "json"))
+            table = kvctl(client, "audit", "--metrics", url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    (row,) = answer["self_report"]
+    assert (row["model"], row["router"], row["kvctl"]) == ("tiny", FRONTEND_ROUTER, None)
+    assert row["dynamo"] == {"best_eligible": 3840.0, "selected": 3456.0, "non_max": 0.0}
+    said = " ".join(table.stdout.split())
+    assert f"router {FRONTEND_ROUTER} (tiny) counts best eligible 3,840, selected 3,456 cached tokens (lost 384)" \
+        in said and "kvctl heard none of its decisions" in said

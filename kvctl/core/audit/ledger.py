@@ -36,6 +36,7 @@ class Totals:
     agreement: Counter[str] = field(default_factory=Counter)
     avoidable_tokens: int = 0
     cacheable_tokens: int = 0
+    chosen_tokens: int = 0  # prompt tokens cached on the picks: Dynamo's "selected", as kvctl's index has them
     ratio_buckets: list[int] = field(default_factory=lambda: [0] * len(RATIO_BUCKETS))
     ratio_sum: float = 0.0
     ratio_count: int = 0
@@ -69,6 +70,7 @@ class AuditLedger:
         totals.avoidable_tokens += verdict.avoidable_tokens
         if verdict.outcome is not Outcome.unknown:
             totals.cacheable_tokens += verdict.cacheable_tokens
+            totals.chosen_tokens += verdict.chosen_overlap * verdict.seen.block_size
         if verdict.outcome is not Outcome.unknown and verdict.best:
             ratio = verdict.chosen_overlap / verdict.best
             totals.ratio_sum += ratio

@@ -37,15 +37,40 @@ _NEXT = {
 }
 
 
+_SHORT = {"kv_best_eligible_cached_prefix_tokens": "best_eligible", "kv_selected_cached_prefix_tokens": "selected",
+          "non_max_overlap_selections": "non_max"}
+
+
 def self_report(windows: Sequence[Window]) -> dict[str, float] | None:
     """A Dynamo router's own decision counters among the metrics (best eligible and selected cached prefix tokens,
-    summed over its series since it started); None when no metrics given export them."""
-    found: dict[str, float] = {}
+    non-max selections), summed over every router and series since each started; None when none exports them."""
+    by_router = self_reports(windows)
+    if not by_router:
+        return None
+    totals: dict[str, float] = {}
+    for figures in by_router.values():
+        for name, value in figures.items():
+            totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+def self_reports(windows: Sequence[Window]) -> dict[tuple[str, str], dict[str, float]]:
+    """The same counters per (model, router id), as their labels name them: non-max selections carry no model label
+    in 1.6.1, and go with their router's one model ("?" where it has none, or several)."""
+    found: dict[tuple[str, str], dict[str, float]] = {}
     for window in windows:
         for sample in window.samples:
             if (m := DYNAMO_DECISIONS.pattern.fullmatch(sample.name)) is not None:
-                found[m[1]] = found.get(m[1], 0.0) + sample.value
-    return found or None
+                key = (sample.labels.get("model", "?"), sample.labels.get("router_id", "?"))
+                figures = found.setdefault(key, {})
+                name = _SHORT[m[1]]
+                figures[name] = figures.get(name, 0.0) + sample.value
+    for router in [r for m, r in found if m == "?"]:  # a router's unlabelled series: its one model's
+        models = [m for m, r in found if r == router and m != "?"]
+        if len(models) == 1:
+            for name, value in found.pop(("?", router)).items():
+                found[models[0], router][name] = found[models[0], router].get(name, 0.0) + value
+    return found
 
 
 def check_routing(audit: Mapping[str, Any] | None, reported: Mapping[str, float] | None = None) -> list[Finding]:
@@ -66,7 +91,8 @@ def check_routing(audit: Mapping[str, Any] | None, reported: Mapping[str, float]
     reasons: dict[str, int] = audit["reasons"]
     top = next(iter(reasons), None)
     avoidable = audit["avoidable_share"] or 0.0
-    blind = reported is not None and not any(reported.values()) and audit["avoidable_prefill_tokens"] > 0
+    blind = reported is not None and not reported.get("best_eligible") and not reported.get("selected") \
+        and audit["avoidable_prefill_tokens"] > 0
     said = (f"{share:.0%} of {cached:,} decisions with cache to find in the last {window} went to a worker holding "
             f"the most; {avoidable:.0%} of cacheable prefill was avoidable"
             + (f"; top reason: {top.replace('_', ' ')}" if top else ""))

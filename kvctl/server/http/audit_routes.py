@@ -43,7 +43,11 @@ def audit_handlers(fleet: Fleet, clock: Callable[[], float]) -> dict[tuple[str, 
                          looked_at=_looked_at(fleet, verdicts, window),
                          recent=[decision(v, now) for v in verdicts[-recent:]] if recent else [],
                          what_if=api.AuditWhatIf(**what_if(ledger.priced(now - window, model), knobs))
-                         if knobs else None, waiting=fleet.audit.waiting, **figures)
+                         if knobs else None, waiting=fleet.audit.waiting,
+                         totals=[api.AuditTotals(m, r, sum(t.decisions.values()), t.cacheable_tokens, t.chosen_tokens,
+                                                 t.avoidable_tokens)
+                                 for (m, r), t in sorted(ledger.totals.items()) if model is None or m == model],
+                         **figures)
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     async def one(request: Request) -> Response:
