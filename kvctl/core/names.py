@@ -55,6 +55,8 @@ def implied_model(workers_by_model: Mapping[str, int]) -> tuple[str, str | None]
 
 MAX_WORKER_ID = 2**64 - 1  # Dynamo's worker ids are u64
 MAX_DP_RANK = 2**32 - 1  # and its data-parallel ranks u32
+MAX_REQUEST_ID_CHARS = 256
+"""Longest request id taken from another router (held as long as its booking): Dynamo's are UUIDs, 36 characters."""
 
 # ASCII digits only: int() alone would also take "+3", "1_0", "3: 1" and other scripts' digits. A sign, and up
 # to 20 digits (2^64 has 20), are let through to the range checks, which say what the id or rank should be.

@@ -33,7 +33,9 @@ MAX_ROUTERS_TRACKED = 64
 JOIN_GRACE_S = 30.0
 """How long a decision for a worker kvctl has not heard of waits for it to register: a restarted engine is routed
 to as soon as the frontend sees it, which may be before kvctl does. Registered in time, its decisions are
-`index_behind` (kvctl's view was behind); not, they are `unknown_worker`."""
+`index_behind` (kvctl's view was behind); not, they are `unknown_worker`. For as long again after a worker joins
+mid-load, its cache and loads may not be whole in kvctl's view: decisions to it short of the most cache are
+`index_behind` too."""
 MAX_PENDING = 1_000
 DRAIN_STEP = 32
 OWN_WAITING = 4_096
@@ -49,6 +51,8 @@ class Auditor:
         self._unnamed = itertools.count(1)
         self._credit_seen: dict[int, list[int]] = {}  # router id -> [picks credited with cache, cached picks not]
         self._pending: deque[Seen] = deque()  # decisions for a worker not registered yet, oldest first
+        self._joined: dict[WorkerKey, float] = {}  # workers that registered after decisions were heard: when
+        self._heard_at: float | None = None  # the last decision heard from another router
 
     @property
     def ledger(self) -> AuditLedger:
@@ -104,9 +108,13 @@ class Auditor:
         block_size = state.block_size if state else fleet.default_block_size
         config = (state.router.config if state else fleet.default_config).for_pool(role or Role.aggregated)
         credited = self._credit_seen.get(event.router_id)
+        self._heard_at = now
+        if (joined := self._joined.get(chosen)) is not None and now - joined < JOIN_GRACE_S:
+            stale = {**stale, chosen: f"joined {now - joined:.0f} s before, mid-load: its cache and loads may not "
+                                      "be whole in kvctl's view yet"}
         seen = Seen(event.request_id, model, str(event.router_id), now, chosen, len(blocks), block_size,
                     role or Role.aggregated, prefill_hint=add.prefill_tokens_hint if add.track_prefill_tokens else None,
-                    stale=dict(stale), credit=config.overlap_score_credit,
+                    stale=dict(stale) if stale else None, credit=config.overlap_score_credit,
                     router_blind=credited is not None and not credited[0] and credited[1] >= BLIND_EVIDENCE,
                     temperature=config.router_temperature,
                     approximate=state is not None and state.router.approx is not None)
@@ -136,7 +144,14 @@ class Auditor:
         return verdict
 
     def joined(self, worker: WorkerKey) -> None:
-        """A worker registered: the decisions for it that waited are judged, with kvctl's view named as behind."""
+        """A worker registered: the decisions for it that waited are judged, with kvctl's view named as behind; and,
+        mid-load, its next decisions too, for a while (`JOIN_GRACE_S`)."""
+        if self._heard_at is not None:
+            joined = self._joined
+            for old in [w for w, at in joined.items() if self._heard_at - at >= JOIN_GRACE_S]:
+                del joined[old]
+            if len(joined) < MAX_PENDING:
+                joined[worker] = self._heard_at
         waiting = [seen for seen in self._pending if seen.chosen == worker]
         if not waiting:
             return

@@ -82,8 +82,8 @@ def test_a_frontend_that_ignores_the_cache_is_audited_as_poor_while_its_own_coun
         router = blind.routers[NATS_ROUTER]
         wait_until(lambda: httpx.get(f"{router.url}/v1/status", timeout=5).json()["event_plane"]["ready"] or None,
                    "kvctl subscribed to the NATS event plane", timeout=30, procs=[router.proc])
-        # Sixteen prefixes, three uses each: a router blind to the cache finds a prefix's holder by chance only.
-        load = shared_prefix_load(blind.frontend_url, requests=48, prefixes=16, prefix_blocks=6, suffix_blocks=2,
+        # Sixteen prefixes, four uses each: a router blind to the cache finds a prefix's holder by chance only.
+        load = shared_prefix_load(blind.frontend_url, requests=64, prefixes=16, prefix_blocks=6, suffix_blocks=2,
                                   seed=45)
         assert not load.failed, load.failed
         made = len(blind.frontend.decisions())
@@ -110,8 +110,9 @@ def test_a_frontend_that_ignores_the_cache_is_audited_as_poor_while_its_own_coun
 def test_decisions_to_a_restarted_mocker_are_never_put_down_to_bad_routing(
         dynamo: Path, nats: NatsServer, tmp_path: Path) -> None:
     # Restarted, a mocker is a new worker to Dynamo (a new instance id) with an empty cache; the frontend may route
-    # to it before kvctl has heard it register. Those decisions are kvctl's view being behind; later ones to the
-    # idle, empty worker are load balance. None is unexplained or put down to an unknown worker.
+    # to it before kvctl has heard it register, and for a while after, kvctl's view of it is not whole. Every
+    # decision to it short of the most cache is kvctl's view being behind, never bad routing: the load after the
+    # restart lasts well under the 30 s kvctl gives a worker that joined mid-load.
     fleet = start_fleet(tmp_path, dynamo, mockers=3, nats_url=nats.url, namespace="restarted", kvctl=False,
                         indexer=False, routers={NATS_ROUTER: ["--nats", nats.url, "--namespace", "restarted",
                                                               "--replica-sync", "--router-id", str(NATS_ROUTER_ID)]})
@@ -134,8 +135,8 @@ def test_decisions_to_a_restarted_mocker_are_never_put_down_to_bad_routing(
     to_it = [v for v in heard.values() if v["worker_id"] == victim.dynamo_id]
     reasons = Counter((v["outcome"], v["reason"]) for v in to_it)
     assert to_it, "the frontend never routed to the restarted mocker"
-    assert set(reasons) <= {("optimal", "max_overlap"), ("optimal", "no_overlap"), ("suboptimal", "load_balance"),
-                            ("suboptimal", "tie"), ("unknown", "index_behind"), ("suboptimal", "index_behind")}, reasons
+    assert set(reasons) <= {("optimal", "max_overlap"), ("optimal", "no_overlap"), ("unknown", "index_behind"),
+                            ("suboptimal", "index_behind")}, reasons
     behind = [v for v in to_it if v["reason"] == "index_behind"]
     assert all("not registered" in v["stale"].get(f"{victim.dynamo_id}:0", "") for v in behind
                if v["outcome"] == "unknown"), behind

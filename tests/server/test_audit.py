@@ -197,3 +197,13 @@ def test_a_router_that_never_credits_cache_on_cached_picks_is_judged_blind_to_it
     assert frontend_pick(fleet, 2, "after").why is Why.cache_ignored
     assert frontend_pick(fleet, 1, "credited", hint=0).outcome is Outcome.optimal  # it credited cache after all
     assert frontend_pick(fleet, 2, "after-credit").why is Why.unexplained
+
+
+def test_a_worker_that_joins_mid_load_is_not_judged_until_kvctl_has_caught_up_with_it() -> None:
+    fleet = fleet_with_cache()
+    assert frontend_pick(fleet, 2, "before", at=1000.0).why is Why.unexplained  # decisions are being heard
+    fleet.apply("default", [RouterEvent(3, Stored(None, [77], [78]))], 0.0)  # worker 3 joins
+    soon = frontend_pick(fleet, 3, "soon", at=1010.0)
+    later = frontend_pick(fleet, 3, "later", at=1000.0 + JOIN_GRACE_S + 1)
+    assert (soon.outcome, soon.why) == (Outcome.suboptimal, Why.index_behind) and "mid-load" in soon.seen.stale[(3, 0)]
+    assert later.why is Why.unexplained and not later.seen.stale

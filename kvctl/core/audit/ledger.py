@@ -16,14 +16,14 @@ from kvctl.core.audit.what_if import Priced
 from kvctl.core.names import WorkerKey
 from kvctl.core.router.scoring import Scores
 
-RING = 10_000
-"""Recent verdicts kept: minutes of a busy frontend's decisions, each a few hundred bytes plus its rows."""
+RING = 4_096
+"""Recent verdicts kept: minutes of a busy frontend's decisions, ~1 KB each with a few candidates, ~3 KB with 16."""
 MAX_ROUTERS = 16
 """Router labels kept apart in the totals; a frontend's router id is new at every start, so past this many
 the others are summed under "other" (the ring keeps each verdict's own id)."""
 OTHER = "other"
-PRICED = 2_000
-"""Recent verdicts kept with their candidates' cost inputs, for `--what-if`: ~2 KB each with 16 candidates."""
+PRICED = 1_024
+"""Recent verdicts kept with their candidates' cost inputs, for `--what-if`: ~2 KB more each with 16 candidates."""
 RATIO_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 """Upper bounds of the chosen/best overlap histogram (a decision where some candidate held cache)."""
 

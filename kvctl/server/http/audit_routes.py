@@ -12,7 +12,7 @@ from starlette.responses import Response
 from kvctl import http_api as api
 from kvctl.core.audit import Verdict, summarise
 from kvctl.core.audit.what_if import parse_knobs, what_if
-from kvctl.core.names import format_worker
+from kvctl.core.names import MAX_REQUEST_ID_CHARS, format_worker
 from kvctl.errors import ApiError
 from kvctl.server.http.bodies import invalid
 from kvctl.server.state import Fleet
@@ -52,6 +52,9 @@ def audit_handlers(fleet: Fleet, clock: Callable[[], float]) -> dict[tuple[str, 
 
     async def one(request: Request) -> Response:
         request_id = request.path_params["request_id"]
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise invalid("path", "request_id", f"a request id is at most {MAX_REQUEST_ID_CHARS} characters, got "
+                                                f"{len(request_id)}")
         verdict = fleet.audit.ledger.find(request_id)
         if verdict is None:
             raise ApiError(f"no decision for request {request_id!r} among the {len(fleet.audit.ledger)} the audit "

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from kvctl import __version__
 from kvctl import http_api as api
 from kvctl.core.events import Tier
-from kvctl.core.names import DEFAULT_MODEL
+from kvctl.core.names import DEFAULT_MODEL, MAX_REQUEST_ID_CHARS
 
 _REF = "#/components/schemas/{name}"
 _U64 = {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}
@@ -139,8 +139,9 @@ OPERATIONS = (
                            Param("what_if", {"type": "array", "items": {"type": "string"}},
                                  description="KNOB=VALUE (repeatable): the window's decisions priced again under "
                                              "these knobs"))),
-    Operation("GET", "/v1/audit/{request_id}", "One recent decision, explained", api.AuditedDecision, (404,),
-              (Param("request_id", {"type": "string"}, "path", True),)),
+    Operation("GET", "/v1/audit/{request_id}", "One recent decision, explained", api.AuditedDecision, (404, 422),
+              (Param("request_id", {"type": "string", "minLength": 1, "maxLength": MAX_REQUEST_ID_CHARS}, "path",
+                     True),)),
     Operation("GET", "/busy_threshold", "Every model's busy thresholds", api.ThresholdsList),
     Operation("POST", "/busy_threshold", "Set a model's busy thresholds", api.Thresholds, (400, 404, 415, 422),
               body=api.BusyBody),

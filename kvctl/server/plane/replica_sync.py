@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvctl.core.events.plane import FREE, PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest
-from kvctl.core.names import format_worker
+from kvctl.core.names import MAX_REQUEST_ID_CHARS, format_worker
 from kvctl.core.router.router import Router
 from kvctl.core.router.sequences import ActiveRequest, ActiveSequences
 from kvctl.core.words import counted
@@ -31,8 +31,6 @@ from kvctl.server.state import Fleet
 log = logging.getLogger("kvctl.serve")
 
 SURFACE = "replica_sync"
-MAX_REQUEST_ID_CHARS = 256
-"""Longest request id taken from a peer (held as long as its booking): Dynamo's are UUIDs, 36 characters."""
 SHOWN_ID_CHARS = 64
 """Of a refused request's id, what the ledger's detail and the log show."""
 
