@@ -101,9 +101,9 @@ def test_a_frontend_that_ignores_the_cache_is_audited_as_poor_while_its_own_coun
     report = f"outcomes {dict(outcomes)}, reasons {dict(reasons)}; dynamo {dict(counted)}"
     assert counted[DYNAMO_BEST] == counted[DYNAMO_SELECTED] == 0, report  # the router's self-report is blind
     assert summary["optimal_share"] <= 0.75 and summary["avoidable_prefill_tokens"] > 0, report
-    # Named, not "unexplained": each pick holding cache the router credited with none, then, once three have shown
-    # it never credits any, every pick short of the most cache.
-    assert reasons["cache_ignored"] >= 0.5 * sum(reasons.values()), report
+    # Named: each pick holding cache the router credited with none, then, once three have shown it never credits
+    # any, every pick short of the most cache (those before are load balance or, rarely, unexplained).
+    assert reasons["cache_ignored"] >= 3 and reasons["unexplained"] <= 0.1 * sum(reasons.values()), report
     assert routing["severity"] == "CRITICAL" and "own decision counters read 0" in routing["cause"], routing
 
 
