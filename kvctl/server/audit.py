@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvctl.core.audit.ledger import AuditLedger
 from kvctl.core.audit.verdict import Seen, Verdict, judge
 from kvctl.core.events.plane import ActiveSequenceEvent, AddRequest
-from kvctl.core.names import Role, WorkerKey
+from kvctl.core.names import MAX_REQUEST_ID_CHARS, Role, WorkerKey
 from kvctl.core.router.scoring import Decision
 from kvctl.server.budget import Slices
 
@@ -102,9 +102,10 @@ class Auditor:
         info = fleet.workers.get(chosen)
         if info is not None:
             model = info.model
-        state = fleet.model(model) if model in fleet.models else None
+        state = fleet.models.get(model)
         blocks = add.token_sequence or []
-        role = next((r for r, pool in fleet.pools(model).items() if chosen in pool), None) if state else None
+        pools = fleet.pools(model) if state else {}
+        role = next((r for r, pool in pools.items() if chosen in pool), None)
         block_size = state.block_size if state else fleet.default_block_size
         config = (state.router.config if state else fleet.default_config).for_pool(role or Role.aggregated)
         credited = self._credit_seen.get(event.router_id)
@@ -112,19 +113,22 @@ class Auditor:
         if (joined := self._joined.get(chosen)) is not None and now - joined < JOIN_GRACE_S:
             stale = {**stale, chosen: f"joined {now - joined:.0f} s before, mid-load: its cache and loads may not "
                                       "be whole in kvctl's view yet"}
-        seen = Seen(event.request_id, model, str(event.router_id), now, chosen, len(blocks), block_size,
+        request_id, over = event.request_id, self._over_bounds(event.request_id, len(blocks) * block_size)
+        if over is not None:  # kept short, and judged without a walk of its blocks
+            request_id = request_id[:MAX_REQUEST_ID_CHARS]
+        seen = Seen(request_id, model, str(event.router_id), now, chosen, len(blocks), block_size,
                     role or Role.aggregated, prefill_hint=add.prefill_tokens_hint if add.track_prefill_tokens else None,
                     stale=dict(stale) if stale else None, credit=config.overlap_score_credit,
                     router_blind=credited is not None and not credited[0] and credited[1] >= BLIND_EVIDENCE,
                     temperature=config.router_temperature,
                     approximate=state is not None and state.router.approx is not None)
         self.settle(now)  # judges kvctl's own waiting decisions too: the ring stays in the order heard
-        if state is None or role is None:
+        if over is None and (state is None or role is None):
             self._wait_for(seen)
             return None
         scores = None
-        if fleet.tracking is not None:
-            verdict = judge(replace(seen, unresolved="the fleet tracks requests by keyed hashes"), None)
+        if over is not None or fleet.tracking is not None or state is None or role is None:  # (no role: over bounds)
+            verdict = judge(replace(seen, unresolved=over or "the fleet tracks requests by keyed hashes"), None)
         else:
             router = state.router
             path = router.index.path_of_sequence(blocks)
@@ -135,13 +139,22 @@ class Auditor:
             else:
                 ranks = fleet.busy_ranks(model)
                 busy = None if ranks is None else {w: r.busy for w, r in ranks.items()}
-                pool = fleet.pools(model)[role]
+                pool = pools[role]
                 scores = router.assess(pool, path.local_hashes, blocks, isl_tokens=len(blocks) * block_size,
                                        busy=busy, role=role)
                 verdict = judge(replace(seen, resolved=resolved), scores)
         self._learn_credit(event.router_id, verdict)
         self._ledger.add(verdict, scores, len(blocks) * block_size)
         return verdict
+
+    def _over_bounds(self, request_id: str, prompt_tokens: int) -> str | None:
+        """Why a decision is too large to look into (what replica sync would refuse to book), or None."""
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            return f"a request id of {len(request_id)} characters, over {MAX_REQUEST_ID_CHARS}"
+        limit = self.fleet.limits.max_request_tokens
+        if prompt_tokens > limit:
+            return f"a prompt of {prompt_tokens} tokens, over --max-request-tokens {limit}"
+        return None
 
     def joined(self, worker: WorkerKey) -> None:
         """A worker registered: the decisions for it that waited are judged, with kvctl's view named as behind; and,

@@ -207,3 +207,14 @@ def test_a_worker_that_joins_mid_load_is_not_judged_until_kvctl_has_caught_up_wi
     later = frontend_pick(fleet, 3, "later", at=1000.0 + JOIN_GRACE_S + 1)
     assert (soon.outcome, soon.why) == (Outcome.suboptimal, Why.index_behind) and "mid-load" in soon.seen.stale[(3, 0)]
     assert later.why is Why.unexplained and not later.seen.stale
+
+
+def test_a_decision_past_the_routers_bounds_is_kept_short_and_not_looked_into() -> None:
+    fleet = fleet_with_cache()
+    long_id = frontend_pick(fleet, 1, "r" * 5000)
+    assert (long_id.outcome, long_id.why) == (Outcome.unknown, Why.unresolved) and len(long_id.seen.request_id) == 256
+    assert "5000 characters" in long_id.seen.unresolved
+    huge = frontend_pick(fleet, 9, "huge", tokens=list(range(fleet.limits.max_request_tokens // B + 1)))
+    assert (huge.outcome, huge.why) == (Outcome.unknown, Why.unresolved)
+    assert "--max-request-tokens" in huge.seen.unresolved
+    assert fleet.audit.waiting == 0  # judged at once, even for a worker kvctl has not heard of
