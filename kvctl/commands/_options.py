@@ -114,11 +114,18 @@ MetricsTokenOpt = Annotated[str | None, typer.Option("--bearer-token", envvar="K
 def metrics_window(metrics: list[str] | None, prometheus: str | None, window: str) -> float:
     """The rule every command reading engines' metrics shares: `--metrics` or `--prometheus`, never both,
     and `--window` in seconds; either mistake is a usage error before anything is asked."""
-    from kvctl.core.tiers import parse_duration
     from kvctl.errors import UsageError
 
     if metrics and prometheus:
         raise UsageError("--prometheus and --metrics are two sources of engine metrics", hint="give one of them")
+    return window_seconds(window)
+
+
+def window_seconds(window: str) -> float:
+    """`--window` (30s, 5m, 1h) in seconds; a usage error (exit 2) naming the option otherwise."""
+    from kvctl.core.tiers import parse_duration
+    from kvctl.errors import UsageError
+
     try:
         return parse_duration(window)
     except ValueError as exc:

@@ -23,6 +23,7 @@ from kvctl.commands._options import (
     output_for,
     router_client,
     settings_for,
+    window_seconds,
 )
 from kvctl.commands._watch import IntervalOpt, WatchOpt, show
 from kvctl.core.words import counted
@@ -167,14 +168,10 @@ def audit_command(
     from kvctl.client import calls
     from kvctl.client.tier_sources import Auth
     from kvctl.core.audit.what_if import parse_knobs
-    from kvctl.core.tiers import parse_duration
     from kvctl.errors import UsageError
 
     out = output_for(ctx, output, as_json)
-    try:
-        seconds = parse_duration(window)
-    except ValueError as exc:
-        raise UsageError(f"--window: {exc}") from None
+    seconds = window_seconds(window)
     try:
         parse_knobs(what_if or ())
     except ValueError as exc:

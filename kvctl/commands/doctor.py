@@ -126,13 +126,13 @@ def doctor_command(
             if isinstance(gathered, Finding):
                 findings = [gathered]
             else:
-                status, workers, thresholds = gathered
+                status, workers, thresholds, audit = gathered
                 diffs, not_compared = _peers(ctx, peer or [], status.get("models", {}), model)
                 from kvctl.client.tier_sources import Auth
 
                 engines = _Engines(metrics or [], prometheus, window_s, Auth(auth_user, auth_password, bearer_token))
                 hit_rates, reported = _hit_rates(ctx, engines) if metrics or prometheus else (None, None)
-                routing = check_routing(_audit(ctx, model), reported)
+                routing = check_routing(audit, reported)
                 findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates, previous, routing),
                             *not_compared]
         previous[:] = findings
@@ -172,12 +172,13 @@ class _Engines:
     auth: Auth
 
 
-Gathered = tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]
+Gathered = tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], dict[str, Any] | None]
 
 
 def _gather(ctx: typer.Context, model: str | None) -> Gathered | Finding:
-    """The router's own view: status, workers, busy thresholds (restricted to `model` when given); or, when the
-    router cannot be asked, the finding that says so: CRITICAL when nothing answers (or not in time), UNKNOWN
+    """The router's own view: status, workers, busy thresholds and its decision audit of the last 5 minutes (None
+    from a router without one), restricted to `model` when given; or, when the router cannot be asked, the finding
+    that says so: CRITICAL when nothing answers (or not in time), UNKNOWN
     when something answers with an error (not a kvctl router, or one that refuses doctor's questions). The core's
     checks read them as the JSON they are (`kvctl.core` knows nothing of `kvctl.http_api`)."""
     import msgspec
@@ -191,6 +192,7 @@ def _gather(ctx: typer.Context, model: str | None) -> Gathered | Finding:
             status = client.send(calls.status())
             workers = client.send(calls.workers()).workers
             thresholds = client.send(calls.busy_thresholds()).thresholds
+            audit = _audit(client, model)
     except ApiError as exc:
         return Finding("router", Severity.UNKNOWN, f"the router at {url} answered with an error: cannot diagnose it",
                        {"error": exc.message, "http_status": exc.status},
@@ -206,7 +208,7 @@ def _gather(ctx: typer.Context, model: str | None) -> Gathered | Finding:
         workers = [w for w in workers if w.model == model]
         status = msgspec.structs.replace(status, models={m: s for m, s in status.models.items() if m == model})
         thresholds = [t for t in thresholds if t.model == model]
-    return msgspec.to_builtins(status), msgspec.to_builtins(workers), msgspec.to_builtins(thresholds)
+    return msgspec.to_builtins(status), msgspec.to_builtins(workers), msgspec.to_builtins(thresholds), audit
 
 
 def _peers(ctx: typer.Context, urls: list[str], mine: dict[str, Any],
@@ -256,16 +258,16 @@ def _compare(own: RouterClient, peer: RouterClient, mine: dict[str, Any],
     return rows
 
 
-def _audit(ctx: typer.Context, model: str | None) -> dict[str, Any] | None:
-    """The router's decision audit of the last 5 minutes; None from a router without one (before issue 44)."""
+def _audit(client: RouterClient, model: str | None) -> dict[str, Any] | None:
+    """The router's decision audit of the last 5 minutes; None from a router without one (before issue 44), or
+    that has no such model (the model check says so)."""
     import msgspec
 
     from kvctl.client import calls
     from kvctl.errors import NotFound
 
     try:
-        with router_client(ctx) as client:
-            return msgspec.to_builtins(client.send(calls.audit(300.0, model)))
+        return msgspec.to_builtins(client.send(calls.audit(300.0, model)))
     except NotFound:
         return None
 
