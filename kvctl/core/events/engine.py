@@ -468,10 +468,24 @@ def _tokens_of_raw(raw: msgspec.Raw) -> tuple[bytes, bool]:
         raise DecodeError(ErrorKind.bad_tokens, "token_ids", "") from None
 
 
+_SOUND_KEYS: dict[bytes, None] = {}
+"""`extra_keys` payloads known to decode: a LoRA fleet's stores repeat a few (one per adapter and length)."""
+_SOUND_KEYS_MAX = 1024
+
+
 def _salt_keys(raw: msgspec.Raw) -> Any:
     """A store's `extra_keys` where they may tag a cache salt, else None: vLLM sends one list per block (a LoRA
-    store names its adapter in each), and building them all costs more than the rest of a store."""
-    return msgspec.msgpack.decode(raw) if _SALT_TAG in memoryview(raw).tobytes() else None
+    store names its adapter in each), and building them all costs more than the rest of a store. They are still
+    decoded once per distinct payload: an invalid string in them refuses the batch, as the walk does."""
+    data = memoryview(raw).tobytes()
+    if _SALT_TAG in data:
+        return msgspec.msgpack.decode(raw)
+    if data not in _SOUND_KEYS:
+        msgspec.msgpack.decode(raw)
+        if len(_SOUND_KEYS) >= _SOUND_KEYS_MAX:
+            _SOUND_KEYS.clear()
+        _SOUND_KEYS[data] = None
+    return None
 
 
 def _removed_hashes(raw: msgspec.Raw, packed: bool) -> Sequence[int]:
