@@ -1,8 +1,8 @@
-"""What `RadixTree.remove` leaves for later: freed nodes' lookup entries, given back by `reclaim`.
+"""What `RadixTree.remove` leaves for later: freed nodes' entries in the shared hash map, given back by `reclaim`.
 
 The sizes a router reports must be exact at every moment, whatever is still waiting; the waiting work
 must be found and done by `reclaim` in slices of the size asked; and a router that never goes idle
-must still keep its lookups within a quarter more than their size.
+must still keep its map within a quarter more than its live entries.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ def request(tree: RadixTree, worker: tuple[int, int], n: int, blocks: int = 64) 
     return hashes[::-1]
 
 
-def test_removed_requests_leave_entries_that_reclaim_gives_back_in_slices() -> None:
+def test_removed_requests_leave_entries_that_reclaim_gives_back_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(removal, "_DEAD_SLACK", 1 << 20)  # `remove` pops none itself
     tree = RadixTree()
     evictions = [request(tree, W, n) for n in range(50)]
     for hashes in evictions[:40]:
         assert tree.remove(W, hashes).status is Status.ok
     assert (tree.size(W), tree.blocks, tree.nodes) == (10 * 64, 10 * 64, 10)
-    assert tree.debt == 40 * 63  # each request's first hash is popped by the removal itself
+    assert tree.debt == 40 * 64  # nothing is popped by the removal itself
     assert_lookups_consistent(tree)
     slices = 0
     while tree.reclaim(128):
@@ -38,23 +39,31 @@ def test_removed_requests_leave_entries_that_reclaim_gives_back_in_slices() -> N
         assert tree.size(W) == 10 * 64
     assert slices == 40 * 64 // 128 - 1
     assert tree.debt == 0
-    assert len(tree._lookup[tree._slots[W]]) == 10 * 64
+    assert len(tree._map.nodes) == 10 * 64
     assert tree.remove(W, evictions[0]).missing == 64  # what was given back stays gone
 
 
-def test_a_worker_that_lets_go_of_everything_hands_its_whole_lookup_over() -> None:
+def test_a_map_nobody_holds_anything_of_goes_to_reclaim_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(removal, "_DROP_AT_ONCE", 0)
+    monkeypatch.setattr(removal, "_DEAD_SLACK", 1 << 20)
     tree = RadixTree()
     evictions = [request(tree, W, n) for n in range(20)]
-    request(tree, OTHER, 99)
+    other = request(tree, OTHER, 99)
     for hashes in evictions:
         tree.remove(W, hashes)
-    slot = tree._slots[W]
-    assert tree._lookup[slot] == {} and tree.size(W) == 0
-    assert tree.debt == 20 * 63
-    assert tree.reclaim(20 * 63 - 1) is True
+    assert tree.size(W) == 0 and tree.debt == 20 * 64  # OTHER still holds a block: entries wait node by node
+    tree.remove(OTHER, other)
+    assert tree._map.nodes == {} and tree._map.freed == [] and tree.size(OTHER) == 0
+    assert tree.debt == 21 * 64
+    assert tree.reclaim(21 * 64 - 1) is True
     assert tree.reclaim(1) is False
     assert tree.debt == 0
-    assert tree.size(OTHER) == 64
+
+
+def test_a_small_dead_map_is_let_go_at_once() -> None:
+    tree = RadixTree()
+    tree.remove(W, request(tree, W, 1))
+    assert (tree._map.nodes, tree._garbage, tree.debt) == ({}, [], 0)
 
 
 @pytest.mark.parametrize("slack", [0, 1024])
@@ -65,12 +74,12 @@ def test_a_lookup_that_is_never_reclaimed_grows_by_a_quarter_at_most(monkeypatch
     monkeypatch.setattr(removal, "_DEAD_SLACK", slack)
     tree = RadixTree()
     live = [request(tree, W, n) for n in range(30)]
-    base = len(tree._lookup[tree._slots[W]])
+    base = len(tree._map.nodes)
     largest = 0
     for n in range(30, 1000):
         live.append(request(tree, W, n))
         assert tree.remove(W, live.pop(0)).status is Status.ok
-        largest = max(largest, len(tree._lookup[tree._slots[W]]))
+        largest = max(largest, len(tree._map.nodes))
         assert tree.size(W) == 30 * 64
     assert_lookups_consistent(tree)
     assert largest <= base + base // 4 + slack + 2 * 64

@@ -148,7 +148,7 @@ class Builder:
         for w in runs.workers[:runs.device_workers]:
             tree._slot(w)  # a fresh tree numbers them 0, 1, ...: the runs' masks are its masks
         self._nodes: list[Node] = []
-        self._pairs = 0  # lookup entries the device tree must end with
+        self._hashes = 0  # map entries the device tree must end with: every hash of every edge its own
         self._first: dict[int, int] = {}  # slot -> blocks of the nodes where it was the first holder
 
     def reset(self) -> None:
@@ -162,9 +162,10 @@ class Builder:
                 self.index._tier(run.tier).store(self.workers[s], parent_hash, (block,), (local,))
             return True
         tree = self.index.device
-        root, nodes, lookups, first = tree.root, self._nodes, tree._lookup, self._first
+        root, nodes, shared, first = tree.root, self._nodes, tree._map.nodes, self._first
+        held_nodes, count = tree._held_nodes, tree._count
         hashes, packed, locs = run.hashes.tolist(), run.hashes, run.locals
-        at = pairs = 0
+        at = 0
         for p, length, full in zip(run.parents, run.lengths, run.full, strict=True):
             parent = root if p < 0 else nodes[p]
             end = at + length
@@ -181,11 +182,12 @@ class Builder:
             parent.internal = True
             if not full:  # a node nobody holds whole: not what a capture gives
                 return False
+            shared.update(zip(own, repeat(node)))
             held = iter_bits(full) if full & (full - 1) else [full.bit_length() - 1]  # most nodes: one holder
             for s in held:
-                lookups[s].update(zip(own, repeat(node)))  # type: ignore[union-attr]
+                held_nodes[s].add(node)  # type: ignore[union-attr]
+                count[s] += length
             first[held[0]] = first.get(held[0], 0) + length
-            pairs += length * len(held)
             nodes.append(node)
             at = end
         for n, s, k in zip(run.cut_nodes, run.cut_slots, run.cut_lengths, strict=True):
@@ -193,17 +195,17 @@ class Builder:
             if node.cutoffs is None:
                 node.cutoffs = {}
             node.cutoffs[s] = k
-            lookups[s].update(zip(node.hashes[:k], repeat(node)))  # type: ignore[union-attr]
-            pairs += k
+            held_nodes[s].add(node)  # type: ignore[union-attr]
+            count[s] += k
         tree.nodes += len(run.lengths)
-        self._pairs += pairs
+        self._hashes += at
         return True
 
     def finish(self) -> bool:
-        """True when every lookup entry is its own (no engine hash at two places of a worker's, or twice in an
-        edge): then the tree is what a replay builds, and the workers' agreements are counted as a replay does."""
+        """True when every engine hash is at one place of the tree (none twice in an edge, none in two edges): then
+        the tree is what a replay builds, and the workers' agreements are counted as a replay does."""
         tree = self.index.device
-        if tree.blocks != self._pairs:
+        if len(tree._map.nodes) != self._hashes:
             return False
         for worker, held in tree.sizes().items():
             agreed = held - self._first.get(tree._slots[worker], 0)

@@ -8,15 +8,19 @@ of the edge (the rest of the edge becomes stale for it) but not in child nodes. 
 same edges, splits and leaf extensions rather than one node per block.
 
 Where kvctl differs on purpose: a node no worker holds any more is detached from its parent and
-freed (Dynamo keeps it in its parent's children forever: the leak fixed upstream by PR #11678).
+freed (Dynamo keeps it in its parent's children forever: the leak fixed upstream by PR #11678). And Dynamo's
+per-worker lookups (engine hash -> node) are one map for all workers (`block_map.py`, issue 40): a worker holds
+a hash where the map's node covers its place for the worker. A worker the map cannot describe (a hash it holds
+at two places, one another worker holds elsewhere, its own hashes for another's blocks) keeps a lookup of its
+own, Dynamo's, with the same answers (`tests/core/test_index_map_twin.py` runs both).
 
 Python-specific choices, all for speed and memory (see benchmarks/index_bench.py):
 - worker keys `(worker_id, dp_rank)` map to small slot numbers; a node's full holders are one int
   bitmask, so find_matches intersects holders with one `&` per edge;
 - an edge keeps its local hashes in an `array('Q')`: matching a query against an edge is one
   C-level slice comparison, and storing N blocks touches each block only inside C loops;
-- an edge keeps its engine hashes as the int objects the event brought, and every worker's lookup
-  reuses those same objects as keys where its hashes are equal: one int per block, not one per holder;
+- an edge keeps its engine hashes as the int objects the event brought, and the map (and a worker's own
+  lookup) reuses those same objects as keys where its hashes are equal: one int per block, not one per holder;
 - it keeps them packed too (`array('Q')`, 8 B a block): a removal, which may come packed from the
   router's decode process, checks a run of an edge with one C comparison and never touches the run's
   int objects, which are cold by then (one cache miss each, the larger part of a removal's cost).
@@ -26,24 +30,17 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 
 from kvctl.core import native
-from kvctl.core.index import removal
+from kvctl.core.index import matching, removal
+from kvctl.core.index.block_map import BlockMap
+from kvctl.core.index.matching import Matches, common_prefix
 from kvctl.core.index.node import OK_EMPTY, ApplyResult, Deferred, Node, Status, iter_bits
 from kvctl.core.names import WorkerKey, selects
 
 __all__ = ["OK_EMPTY", "ApplyResult", "Matches", "Node", "RadixTree", "Status", "iter_bits"]
-
-
-@dataclass(slots=True)
-class Matches:
-    """find_matches' answer: contiguous matched depth per worker, and its tree size."""
-
-    scores: dict[WorkerKey, int] = field(default_factory=dict)
-    tree_sizes: dict[WorkerKey, int] = field(default_factory=dict)
 
 
 class RadixTree:
@@ -60,8 +57,13 @@ class RadixTree:
         # worker, even after remove_worker and back, so those slots keep their worker's identity.
         self._shadows: set[int] = set()
         self._ghosts: dict[WorkerKey, int] = {}  # removed workers whose bits may linger -> their slot
-        self._lookup: list[dict[int, Node] | None] = []  # slot -> engine block hash -> node
-        self._deferred: list[Deferred] = []  # slot -> what its lookup still holds of freed nodes: see `remove`
+        # One engine hash -> node map for every worker (issue 40): a worker in it holds a hash where the node
+        # covers its place for the worker. A worker the map cannot describe (see `_privatize`) keeps its own lookup.
+        self._map = BlockMap()
+        self._held_nodes: list[set[Node] | None] = []  # slot -> nodes it holds (in the map); None: private or gone
+        self._count: list[int] = []  # slot -> blocks it holds (in the map)
+        self._lookup: list[dict[int, Node] | None] = []  # slot -> its own engine hash -> node; None: in the map
+        self._deferred: list[Deferred] = []  # slot -> what its own lookup still holds of freed nodes: see `remove`
         self._garbage: list[dict[int, Node]] = []  # lookups of workers that let go of everything: see `reclaim`
         self.nodes = 0
         # Blocks a worker stored on a token path already indexed under other engine hashes: engines
@@ -82,9 +84,11 @@ class RadixTree:
             if slot is None:
                 slot = len(self._workers)
                 self._workers.append(worker)
-                self._lookup.append({})
+                self._lookup.append(None)
+                self._held_nodes.append(set())
+                self._count.append(0)
                 self._deferred.append(Deferred())
-            else:
+            else:  # a shadow's: its own lookup again
                 self._lookup[slot] = {}
                 self._deferred[slot] = Deferred()
             self._slots[worker] = slot
@@ -98,8 +102,9 @@ class RadixTree:
         return 0 if slot is None else self._held(slot)
 
     def _held(self, slot: int) -> int:
-        """Blocks the slot holds: Dynamo's per-worker lookup size, less the entries kvctl lets go lazily."""
-        return len(self._lookup[slot] or ()) - self._deferred[slot].dead
+        """Blocks the slot holds: Dynamo's per-worker lookup size (of its own, less the entries let go lazily)."""
+        lookup = self._lookup[slot]
+        return self._count[slot] if lookup is None else len(lookup) - self._deferred[slot].dead
 
     def sizes(self) -> dict[WorkerKey, int]:
         return {w: self._held(s) for w, s in self._slots.items()}
@@ -107,84 +112,18 @@ class RadixTree:
     @property
     def blocks(self) -> int:
         """(worker, block) pairs held: Dynamo's `current_size`."""
-        return sum(len(lk) for lk in self._lookup if lk) - sum(d.dead for d in self._deferred)
+        return sum(map(self._held, self._slots.values()))
 
     # ----- matching ------------------------------------------------------------------------------------
 
     def find_matches(self, local_hashes: Sequence[int], *, early_exit: bool = False) -> Matches:
         """Contiguous matched depth, in blocks, of every worker holding a prefix of `local_hashes`."""
-        result = Matches()
-        n = len(local_hashes)
-        if not n:
-            return result
-        children = self.root.children
-        node = children.get(local_hashes[0]) if children else None
-        if node is None:
-            return result
-        q = local_hashes if isinstance(local_hashes, array) else array("Q", local_hashes)
-        slot_scores: dict[int, int] = {}
-        depth = 0
-        active = 0
-        first = True
-        while True:
-            edge = node.locals
-            walk = min(len(edge), n - depth)
-            if edge[:walk] == q[depth : depth + walk] if walk < len(edge) else edge == q[depth : depth + walk]:
-                m = walk
-            else:
-                m = _common_prefix(edge, q, depth, walk)
-            if first:
-                active = node.full
-                if node.cutoffs:
-                    for slot, cut in node.cutoffs.items():
-                        slot_scores[slot] = cut if cut < m else m
-                first = False
-            else:
-                dropped = active & ~node.full
-                if dropped:
-                    cutoffs = node.cutoffs
-                    slot_scores.update(dict.fromkeys(iter_bits(dropped), depth))
-                    if cutoffs:
-                        for slot, cut in cutoffs.items():
-                            if dropped >> slot & 1:
-                                slot_scores[slot] = depth + (cut if cut < m else m)
-                    active &= node.full
-            depth += m
-            if not active or m < len(edge) or depth == n or (early_exit and active & (active - 1) == 0):
-                break
-            children = node.children
-            node = children.get(q[depth]) if children else None
-            if node is None:
-                break
-        if active:
-            slot_scores.update(dict.fromkeys(iter_bits(active), depth))
-        workers, lookup, deferred = self._workers, self._lookup, self._deferred
-        result.scores = {workers[s]: score for s, score in slot_scores.items()}  # type: ignore[misc]
-        # `_held`, inlined: a route asks it of every matched worker
-        result.tree_sizes = {workers[s]: len(lookup[s] or ()) - deferred[s].dead  # type: ignore[misc]
-                             for s in slot_scores}
-        return result
+        return matching.find_matches(self, local_hashes, early_exit)
 
     def path_hashes(self, local_hashes: Sequence[int], depths: set[int]) -> dict[int, int]:
-        """For each depth d, the engine hash the tree keeps for block d-1 of the path `local_hashes` walks.
-
-        Where a slower tier's walk starts from (Dynamo's `last_matched_hashes`); only depths the path reaches
-        (matched ones) are answered. The node's hash is the first storer's: engines that hash the same tokens
-        alike (all do, but see `hash_mismatches`) share it."""
-        wanted = sorted(d for d in depths if d > 0)
-        out: dict[int, int] = {}
-        node, depth, i = self.root, 0, 0
-        while i < len(wanted) and depth < len(local_hashes):
-            children = node.children
-            node = children.get(local_hashes[depth]) if children else None  # type: ignore[assignment]
-            if node is None:
-                break
-            end = depth + len(node.locals)
-            while i < len(wanted) and wanted[i] <= end:
-                out[wanted[i]] = node.hashes[wanted[i] - depth - 1]
-                i += 1
-            depth = end
-        return out
+        """For each depth d, the engine hash the tree keeps for block d-1 of the path `local_hashes` walks
+        (`matching.path_hashes`)."""
+        return matching.path_hashes(self, local_hashes, depths)
 
     # ----- mutation ------------------------------------------------------------------------------------
 
@@ -192,8 +131,6 @@ class RadixTree:
               tokens_hashes: Sequence[int]) -> ApplyResult:
         slot = self._slot(worker)
         bit = 1 << slot
-        lookup = self._lookup[slot]
-        assert lookup is not None
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         locs = tokens_hashes if isinstance(tokens_hashes, array) else array("Q", tokens_hashes)
         nblocks = len(hashes)
@@ -206,18 +143,21 @@ class RadixTree:
         else:
             if parent_hash in hashes:
                 return ApplyResult(Status.invalid_block)
-            node = lookup.get(parent_hash)
+            lookup = self._lookup[slot]
+            node = (self._map.nodes if lookup is None else lookup).get(parent_hash)
             pos = node.position(parent_hash) if node is not None else None
             if node is None or pos is None:
                 return ApplyResult(Status.parent_block_not_found)
             if not node.covers(slot, pos):
+                if lookup is None:  # in the map, a hash the worker does not hold: no entry of its own
+                    return ApplyResult(Status.parent_block_not_found)
                 del lookup[parent_hash]
                 if node.freed and slot not in self._shadows:
                     self._deferred[slot].dead -= 1
                 if node.cutoff(slot):  # a duplicate hash resolved past what the worker holds of the edge
                     self._shadow(slot)
                 return ApplyResult(Status.parent_block_not_found)
-            if self._reuse_parent_edge(node, pos, hashes, locs, bit, slot, lookup):
+            if self._reuse_parent_edge(node, pos, hashes, locs, bit, slot):
                 return ApplyResult(Status.ok, nblocks)
             if pos + 1 != len(node.hashes):
                 self._split(node, pos + 1)
@@ -228,8 +168,10 @@ class RadixTree:
             child = children.get(locs[start]) if children else None
             if child is None:
                 if not parent.internal and parent.locals and parent.full & bit:
+                    before = len(parent.locals)
                     self._append_to_leaf(parent, hashes[start:], locs[start:], bit, slot)
-                    self._bind(slot, lookup, hashes[start:], parent)
+                    self._covered(slot, parent, before)
+                    self._bind(slot, hashes[start:], parent)
                     break
                 child = Node(locs[start:], hashes[start:], parent, bit, packed[start:], distinct=distinct)
                 self.nodes += 1
@@ -238,21 +180,25 @@ class RadixTree:
                 else:
                     children[locs[start]] = child
                 parent.internal = True
-                self._bind(slot, lookup, hashes[start:], child)
+                self._covered(slot, child, 0)
+                self._bind(slot, hashes[start:], child)
                 break
             edge = child.locals
             elen = len(edge)
             rest = nblocks - start
             walk = elen if elen < rest else rest
-            m = walk if edge[:walk] == locs[start : start + walk] else _common_prefix(edge, locs, start, walk)
+            m = walk if edge[:walk] == locs[start : start + walk] else common_prefix(edge, locs, start, walk)
+            before = child.cutoff(slot)
             if m < elen:
                 if m == rest:
                     child.cover_prefix(bit, slot, m)
-                    self._bind_shared(slot, lookup, hashes[start:], child)
+                    self._covered(slot, child, before)
+                    self._bind_shared(slot, hashes[start:], child, before)
                     break
                 self._split(child, m)
                 child.promote(bit, slot)
-                self._bind_shared(slot, lookup, hashes[start : start + m], child)
+                self._covered(slot, child, min(before, m))
+                self._bind_shared(slot, hashes[start : start + m], child, before)
                 start += m
                 tail = Node(locs[start:], hashes[start:], child, bit, packed[start:], distinct=distinct)
                 self.nodes += 1
@@ -261,20 +207,35 @@ class RadixTree:
                 else:
                     child.children[locs[start]] = tail
                 child.internal = True
-                self._bind(slot, lookup, hashes[start:], tail)
+                self._covered(slot, tail, 0)
+                self._bind(slot, hashes[start:], tail)
                 break
             child.promote(bit, slot)
-            self._bind_shared(slot, lookup, hashes[start : start + elen], child)
+            self._covered(slot, child, before)
+            self._bind_shared(slot, hashes[start : start + elen], child, before)
             start += elen
             parent = child
         return ApplyResult(Status.ok, nblocks)
 
-    def _bind(self, slot: int, lookup: dict[int, Node], keys: list[int], node: Node,
-              moving_from: Node | None = None) -> None:
+    def _covered(self, slot: int, node: Node, before: int) -> None:
+        """Note, for a worker in the map, that a store made it hold `node`, of which it held `before` blocks."""
+        held = self._held_nodes[slot]
+        if held is not None:
+            held.add(node)
+            self._count[slot] += node.cutoff(slot) - before
+
+    def _bind(self, slot: int, keys: list[int], node: Node, moving_from: Node | None = None) -> None:
         """Point `keys` of a worker's lookup at `node`, noting when that takes one away from another node.
 
-        Usually no key is bound elsewhere: `native.bind_run` binds the run while it checks that, one probe of
-        the lookup a key, and leaves the keys from the first one bound elsewhere to the loop here."""
+        A worker in the map binds them there, unless a key is held elsewhere or the edge repeats a hash: it then
+        gets a lookup of its own (`_privatize`). In its own lookup, usually no key is bound elsewhere:
+        `native.bind_run` binds the run while it checks that, one probe of the lookup a key, and leaves the keys
+        from the first one bound elsewhere to the loop here."""
+        lookup = self._lookup[slot]
+        if lookup is None:
+            if node.distinct and self._share(keys, node):
+                return
+            lookup = self._privatize(slot)
         done = native.bind_run(lookup, keys, node, moving_from)
         if done < len(keys):
             keys = keys[done:]
@@ -291,6 +252,25 @@ class RadixTree:
                 self._shadow(slot)
             lookup.update(zip(keys, repeat(node)))
 
+    def _share(self, keys: list[int], node: Node) -> bool:
+        """Bind a worker's `keys` to `node` in the map; False: the map cannot describe the worker."""
+        return self._map.bind(keys, node)
+
+    def _privatize(self, slot: int) -> dict[int, Node]:
+        """Give a worker of the map a lookup of its own, with what the map says it holds, before the map stops
+        describing it: a hash it holds at two places, a hash another worker holds elsewhere, an edge repeating
+        a hash, its own hashes for another worker's blocks. Rare; from then on it is Dynamo's per-worker lookup."""
+        held = self._held_nodes[slot]
+        assert held is not None
+        get = self._map.nodes.get
+        lookup: dict[int, Node] = {}
+        for node in held:
+            lookup.update((h, node) for h in node.hashes[: node.cutoff(slot)] if get(h) is node)
+        self._lookup[slot] = lookup
+        self._held_nodes[slot] = None
+        self._count[slot] = 0
+        return lookup
+
     def _shadow(self, slot: int) -> None:
         """Note a slot whose lookup lost track of a node; its entries are let go one by one from now on.
 
@@ -299,38 +279,47 @@ class RadixTree:
         """
         if slot in self._shadows:
             return
+        lookup = self._lookup[slot]
+        if lookup is None:
+            lookup = self._privatize(slot)
         self._shadows.add(slot)
         deferred = self._deferred[slot]
         if deferred.nodes:
-            lookup = self._lookup[slot]
-            assert lookup is not None
             for h in [h for h, node in lookup.items() if node.freed]:
                 del lookup[h]
             self._deferred[slot] = Deferred()
 
-    def _bind_shared(self, slot: int, lookup: dict[int, Node], keys: list[int], node: Node) -> None:
-        """Bind keys to `node`'s first edge positions, reusing the node's own int objects where equal."""
+    def _bind_shared(self, slot: int, keys: list[int], node: Node, before: int) -> None:
+        """Bind keys to `node`'s first edge positions, of which the worker held `before`, reusing the node's own
+        int objects where equal."""
         own = node.hashes[: len(keys)]
         if own == keys:
-            self._bind(slot, lookup, own, node)
+            self._bind(slot, own, node)
             worker = self.worker_of(slot)
             self.hash_agreements[worker] = self.hash_agreements.get(worker, 0) + len(keys)
             return
         worker = self.worker_of(slot)
         differing = sum(a != b for a, b in zip(own, keys, strict=True))
         self.hash_mismatches[worker] = self.hash_mismatches.get(worker, 0) + differing
-        self._bind(slot, lookup, keys, node)
+        if self._lookup[slot] is None:  # its keys are not the edge's: the map cannot say it holds them
+            lookup = self._privatize(slot)
+            for h in own[before:]:  # what the map says the store covered: under the worker's keys, bound next
+                if lookup.get(h) is node:
+                    del lookup[h]
+        self._bind(slot, keys, node)
 
-    def _reuse_parent_edge(self, node: Node, pos: int, hashes: list[int], locs: array[int], bit: int, slot: int,
-                           lookup: dict[int, Node]) -> bool:
+    def _reuse_parent_edge(self, node: Node, pos: int, hashes: list[int], locs: array[int], bit: int,
+                           slot: int) -> bool:
         """A store under a block in the middle or at the end of an edge that the edge already continues."""
         suffix_len = len(node.hashes) - pos - 1
         n = len(hashes)
+        before = node.cutoff(slot)
         if n <= suffix_len:
             lo, hi = pos + 1, pos + 1 + n
             if node.hashes[lo:hi] == hashes and node.locals[lo:hi] == locs:
                 node.cover_prefix(bit, slot, hi)
-                self._bind(slot, lookup, node.hashes[lo:hi], node)
+                self._covered(slot, node, before)
+                self._bind(slot, node.hashes[lo:hi], node)
                 return True
             return False
         if node.internal:
@@ -339,11 +328,19 @@ class RadixTree:
         if node.hashes[lo:] != hashes[:suffix_len] or node.locals[lo:] != locs[:suffix_len]:
             return False
         self._append_to_leaf(node, hashes[suffix_len:], locs[suffix_len:], bit, slot)
-        self._bind(slot, lookup, node.hashes[lo : lo + n], node)
+        self._covered(slot, node, before)
+        self._bind(slot, node.hashes[lo : lo + n], node)
         return True
 
     def _append_to_leaf(self, node: Node, hashes: list[int], locs: array[int], bit: int, slot: int) -> None:
         old = len(node.locals)
+        added = array("Q", hashes)
+        if node.distinct and not native.u64s_distinct(node.packed + added):
+            # A hash repeated in the edge: the map follows one place of it, its holders' lookups follow Dynamo's
+            for s in (*iter_bits(node.full), *(node.cutoffs or ())):
+                if self._lookup[s] is None and self._held_nodes[s] is not None:
+                    self._privatize(s)
+            node.distinct = False
         others = node.full & ~bit
         if others:
             if node.cutoffs is None:
@@ -352,10 +349,9 @@ class RadixTree:
                 node.cutoffs[s] = old
             node.full &= bit
         node.promote(bit, slot)
-        node.distinct = False  # the new hashes may repeat old ones: asked of the index from now on
         node.locals.extend(locs)
         node.hashes.extend(hashes)
-        node.packed.extend(hashes)
+        node.packed.extend(added)
         if node.index is not None:  # else built from the whole edge when first read
             node.index.update(zip(hashes, range(old, old + len(hashes)), strict=True))
 
@@ -397,34 +393,38 @@ class RadixTree:
             node.cutoffs = keep or None
             suffix.cutoffs = tail or None
         node.internal = True
-        lookups = self._lookup
+        lookups, held_nodes = self._lookup, self._held_nodes
         if suffix.has_workers():
             node.children = {suffix_locs[0]: suffix}
             self.nodes += 1
+            self._map.move(suffix_hashes, node, suffix)
             moved = [(s, len(suffix_hashes)) for s in iter_bits(suffix.full)]
             if suffix.cutoffs:
                 moved.extend(suffix.cutoffs.items())
             for s, cut in moved:
                 lookup = lookups[s]
-                if lookup is not None:  # None: a removed worker's lingering bit (Dynamo panics here)
-                    self._bind(s, lookup, suffix_hashes[:cut], suffix, node)
+                if lookup is not None:
+                    self._bind(s, suffix_hashes[:cut], suffix, node)
+                elif (held := held_nodes[s]) is not None:
+                    held.add(suffix)
+                # else a removed worker's lingering bit (Dynamo panics here)
         else:
             node.children = None  # nobody holds the suffix: it is not kept (Dynamo keeps it, dead)
+            self._map.move(suffix_hashes, node, None)
         return suffix
 
     def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> ApplyResult:
         """Let the worker go of blocks, Dynamo's way; a node nobody holds any more is freed (`removal.remove`)."""
         return removal.remove(self, worker, block_hashes)
 
-
     @property
     def debt(self) -> int:
         """Lookup entries of freed nodes not given back yet (see `remove` and `reclaim`)."""
-        return sum(map(len, self._garbage)) + sum(d.dead for d in self._deferred)
+        return sum(map(len, self._garbage)) + sum(d.dead for d in self._deferred) + self._map.freed_entries
+
     def reclaim(self, budget: int) -> bool:
         """Give back about `budget` entries of freed nodes' memory; True while there is more (`removal.reclaim`)."""
         return removal.reclaim(self, budget)
-
 
     def _after_loss(self, node: Node) -> None:
         """Dynamo clears the children of an edge nobody holds whole; kvctl also frees a node nobody holds."""
@@ -435,6 +435,7 @@ class RadixTree:
         if not node.has_workers():
             self.nodes -= 1
             node.freed = True
+            self._map.note_freed(node)  # its entries: popped by `reclaim`, or by `remove` past a bound
             parent = node.parent
             if parent is not None:
                 children = parent.children
@@ -452,8 +453,7 @@ class RadixTree:
             self._slot(worker)
             return OK_EMPTY
         self._drop_slot(slot)
-        self._lookup[slot] = {}
-        self._deferred[slot] = Deferred()
+        self._forget(slot, gone=False)
         self.hash_mismatches.pop(worker, None)
         self.hash_agreements.pop(worker, None)
         return OK_EMPTY
@@ -468,8 +468,7 @@ class RadixTree:
             slot = self._slots.pop(w)
             total += self._held(slot)
             self._drop_slot(slot)
-            self._lookup[slot] = None
-            self._deferred[slot] = Deferred()
+            self._forget(slot, gone=True)
             if slot in self._shadows:
                 self._ghosts[w] = slot
             else:
@@ -489,7 +488,7 @@ class RadixTree:
         live = [s for s, w in enumerate(self._workers) if w is not None]
         remap = {old: new for new, old in enumerate(live)}
         seen: set[int] = set()
-        stack = [self.root] + [n for s in live for n in (self._lookup[s] or {}).values() if not n.freed]
+        stack = [self.root, *(n for s in live for n in self._nodes_of(s) if not n.freed)]
         while stack:
             node = stack.pop()
             if id(node) in seen:
@@ -502,16 +501,31 @@ class RadixTree:
                 stack.extend(node.children.values())
         self._workers = [self._workers[s] for s in live]
         self._lookup = [self._lookup[s] for s in live]
+        self._held_nodes = [self._held_nodes[s] for s in live]
+        self._count = [self._count[s] for s in live]
         self._deferred = [self._deferred[s] for s in live]
         self._slots = {w: remap[s] for w, s in self._slots.items()}
         self._ghosts = {w: remap[s] for w, s in self._ghosts.items()}
         self._shadows = {remap[s] for s in self._shadows}
         self._retired = 0
 
+    def _nodes_of(self, slot: int) -> Iterable[Node]:
+        """The nodes a worker's lookup points at (some more than once, some freed, for a lookup of its own)."""
+        lookup = self._lookup[slot]
+        return (self._held_nodes[slot] or ()) if lookup is None else lookup.values()
+
+    def _forget(self, slot: int, *, gone: bool) -> None:
+        """An emptied worker's lookup: none once removed; in the map again unless it turned shadow."""
+        private = slot in self._shadows
+        self._lookup[slot] = {} if private and not gone else None
+        self._held_nodes[slot] = None if private or gone else set()
+        self._count[slot] = 0
+        self._deferred[slot] = Deferred()
+
     def _drop_slot(self, slot: int) -> None:
         bit = 1 << slot
         seen: set[int] = set()
-        for node in (self._lookup[slot] or {}).values():
+        for node in self._nodes_of(slot):
             if id(node) in seen:
                 continue
             seen.add(id(node))
@@ -539,14 +553,3 @@ class RadixTree:
         assert worker is not None
         return worker
 
-
-def _common_prefix(edge: array[int], q: Sequence[int], start: int, walk: int) -> int:
-    """Length of the longest common prefix of edge[:walk] and q[start:start+walk] (binary search on slices)."""
-    lo, hi = 0, walk
-    while lo < hi:
-        mid = (lo + hi + 1) >> 1
-        if edge[:mid] == q[start : start + mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -13,6 +13,7 @@ from itertools import repeat
 from operator import is_
 from typing import TYPE_CHECKING
 
+from kvctl.core.index.block_map import BlockMap
 from kvctl.core.index.node import ApplyResult, Deferred, Node, Status
 from kvctl.core.names import WorkerKey
 
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 _DEAD_SLACK = 1024
 """Entries a worker's lookup may grow by, beyond a quarter more than its size when it started keeping
 dead ones, before `remove` pops dead ones itself instead of leaving them to `reclaim`."""
+
+_DROP_AT_ONCE = 16_384
+"""Entries of a dead map let go at once (about a millisecond); a larger one is left to `reclaim`."""
 
 # What a freed node keeps of its local and packed engine hashes once they are let go (never written to).
 _RELEASED = array("Q")
@@ -49,7 +53,8 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
         return ApplyResult(Status.block_not_found, 0, len(block_hashes))
     bit = 1 << slot
     lookup = tree._lookup[slot]
-    assert lookup is not None
+    if lookup is None:
+        return _remove_mapped(tree, slot, block_hashes)
     shadows = tree._shadows
     removed = missing = 0
     # (edge hashes, start, end) of what went stale: only searched when a hash is missing, which is rare
@@ -139,6 +144,70 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
         return ApplyResult(Status.block_not_found, removed, missing)
     return ApplyResult(Status.ok, removed)
 
+def _remove_mapped(tree: RadixTree, slot: int, hashes: Sequence[int]) -> ApplyResult:
+    """`remove` for a worker in the map (`RadixTree._map`): it holds a hash where the map's node covers its place
+    for the worker, so nothing is popped: a node freed here leaves its entries to `reclaim`.
+
+    The same steps as for a lookup of its own, which the map holds only while they are simple: every edge it holds
+    names each hash once and every hash it holds is bound there, so each step trusts the map."""
+    bit = 1 << slot
+    shared = tree._map.nodes
+    held = tree._held_nodes[slot]
+    assert held is not None
+    removed = missing = lost = 0
+    made_stale: list[tuple[list[int], int, int]] = []  # see `remove`
+    n = len(hashes)
+    i = 0
+    while i < n:
+        h = hashes[i]
+        i += 1
+        node = shared.get(h)
+        pos = None if node is None or node.freed else node.position(h)
+        cut = 0 if pos is None else node.cutoff(slot)  # type: ignore[union-attr]
+        if pos is None or pos >= cut:
+            if not any(h in run[lo:hi] for run, lo, hi in made_stale):
+                missing += 1
+            continue
+        assert node is not None
+        removed += 1
+        k = min(pos, n - i)
+        if k and _bound_run(shared, node, hashes, i, pos - k, pos, True, backwards=True):
+            removed += k
+            i += k
+            pos -= k
+        elif (k := min(cut - pos - 1, n - i)) > 0 and _bound_run(shared, node, hashes, i, pos + 1, pos + 1 + k,
+                                                                True, backwards=False):
+            removed += k
+            i += k
+        while i < n and hashes[i] != h and shared.get(hashes[i]) is node:  # (h: popped, for a lookup of its own)
+            nxt = node.positions().get(hashes[i])
+            if nxt is None or nxt >= cut:
+                break
+            if nxt < pos:
+                pos = nxt
+            removed += 1
+            i += 1
+        made_stale.append((node.hashes, pos, cut))
+        lost += cut - pos
+        if pos == 0:
+            node.drop(bit, slot)
+            held.discard(node)
+        else:
+            node.full &= ~bit
+            if node.cutoffs is None:
+                node.cutoffs = {slot: pos}
+            else:
+                node.cutoffs[slot] = pos
+        tree._after_loss(node)
+        if node.freed and not tree._shadows:
+            node.locals = node.packed = _RELEASED
+    tree._count[slot] -= lost
+    _tidy_map(tree, slot)
+    if missing:
+        return ApplyResult(Status.block_not_found, removed, missing)
+    return ApplyResult(Status.ok, removed)
+
+
 def _bound_run(lookup: dict[int, Node], node: Node, hashes: Sequence[int], i: int, lo: int, hi: int, trusted: bool,
                *, backwards: bool) -> bool:
     """The event's hashes from `i` on are the edge's [lo, hi), backwards or forwards, and the worker's lookup binds
@@ -166,6 +235,20 @@ def _tidy(tree: RadixTree, slot: int) -> None:
     nodes = deferred.nodes
     while nodes and len(lookup) > deferred.base + (deferred.base >> 2) + _DEAD_SLACK:
         _release(tree, slot, nodes.pop())
+
+def _tidy_map(tree: RadixTree, slot: int) -> None:
+    """Hand the map to `reclaim` once no worker in it holds anything (every entry is dead); else keep it within a
+    quarter more than its live entries (amortised)."""
+    block_map = tree._map
+    if not tree._count[slot] and not any(tree._count):
+        if len(block_map.nodes) > _DROP_AT_ONCE:
+            tree._garbage.append(block_map.nodes)
+        tree._map = BlockMap()
+        return
+    freed = block_map.freed
+    while freed and block_map.freed_entries > (block_map.live() >> 2) + _DEAD_SLACK:
+        block_map.release(freed.pop())
+
 
 def _release(tree: RadixTree, slot: int, node: Node) -> int:
     """Pop what the slot's lookup still holds of a node it freed; returns the hashes looked up."""
@@ -197,8 +280,12 @@ def reclaim(tree: RadixTree, budget: int) -> bool:
         budget -= n
         if not lookup:
             garbage.pop()
+    block_map = tree._map
+    freed = block_map.freed
+    while budget > 0 and freed:
+        budget -= block_map.release(freed.pop())
     for slot, deferred in enumerate(tree._deferred):
         nodes = deferred.nodes
         while budget > 0 and nodes:
             budget -= _release(tree, slot, nodes.pop())
-    return bool(garbage) or any(d.nodes for d in tree._deferred)
+    return bool(garbage) or bool(freed) or any(d.nodes for d in tree._deferred)
