@@ -29,6 +29,7 @@ def _reachable(tree: RadixTree) -> list[Node]:
 
 def assert_lookups_consistent(tree: RadixTree) -> None:
     reachable = _reachable(tree)
+    assert tree._mapped == sum(1 << s for s, held in enumerate(tree._held_nodes) if held is not None)
     for slot, lookup in enumerate(tree._lookup):
         deferred = tree._deferred[slot]
         held = tree._held_nodes[slot]

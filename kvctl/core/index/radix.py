@@ -62,6 +62,7 @@ class RadixTree:
         self._map = BlockMap()
         self._held_nodes: list[set[Node] | None] = []  # slot -> nodes it holds (in the map); None: private or gone
         self._count: list[int] = []  # slot -> blocks it holds (in the map)
+        self._mapped = 0  # bits of the slots in the map
         self._lookup: list[dict[int, Node] | None] = []  # slot -> its own engine hash -> node; None: in the map
         self._deferred: list[Deferred] = []  # slot -> what its own lookup still holds of freed nodes: see `remove`
         self._garbage: list[dict[int, Node]] = []  # lookups of workers that let go of everything: see `reclaim`
@@ -87,6 +88,7 @@ class RadixTree:
                 self._lookup.append(None)
                 self._held_nodes.append(set())
                 self._count.append(0)
+                self._mapped |= 1 << slot
                 self._deferred.append(Deferred())
             else:  # a shadow's: its own lookup again
                 self._lookup[slot] = {}
@@ -269,6 +271,7 @@ class RadixTree:
         self._lookup[slot] = lookup
         self._held_nodes[slot] = None
         self._count[slot] = 0
+        self._mapped &= ~(1 << slot)
         return lookup
 
     def _shadow(self, slot: int) -> None:
@@ -294,7 +297,10 @@ class RadixTree:
         int objects where equal."""
         own = node.hashes[: len(keys)]
         if own == keys:
-            self._bind(slot, own, node)
+            if self._lookup[slot] is not None:
+                self._bind(slot, own, node)
+            elif not node.full & self._mapped & ~(1 << slot):  # else the map binds the edge for another already
+                self._bind(slot, own[before:], node)  # what the worker held before is bound already
             worker = self.worker_of(slot)
             self.hash_agreements[worker] = self.hash_agreements.get(worker, 0) + len(keys)
             return
@@ -503,6 +509,7 @@ class RadixTree:
         self._lookup = [self._lookup[s] for s in live]
         self._held_nodes = [self._held_nodes[s] for s in live]
         self._count = [self._count[s] for s in live]
+        self._mapped = sum(1 << s for s, held in enumerate(self._held_nodes) if held is not None)
         self._deferred = [self._deferred[s] for s in live]
         self._slots = {w: remap[s] for w, s in self._slots.items()}
         self._ghosts = {w: remap[s] for w, s in self._ghosts.items()}
@@ -520,6 +527,7 @@ class RadixTree:
         self._lookup[slot] = {} if private and not gone else None
         self._held_nodes[slot] = None if private or gone else set()
         self._count[slot] = 0
+        self._mapped = self._mapped & ~(1 << slot) if private or gone else self._mapped | 1 << slot
         self._deferred[slot] = Deferred()
 
     def _drop_slot(self, slot: int) -> None:
