@@ -102,8 +102,12 @@ def test_a_frontend_that_ignores_the_cache_is_audited_as_poor_while_its_own_coun
     assert counted[DYNAMO_BEST] == counted[DYNAMO_SELECTED] == 0, report  # the router's self-report is blind
     assert summary["optimal_share"] <= 0.75 and summary["avoidable_prefill_tokens"] > 0, report
     # Named: each pick holding cache the router credited with none, then, once three have shown it never credits
-    # any, every pick short of the most cache (those before are load balance or, rarely, unexplained).
-    assert reasons["cache_ignored"] >= 3 and reasons["unexplained"] <= 0.1 * sum(reasons.values()), report
+    # any, every pick short of the most cache (those before may be load balance, or unexplained: a pick kvctl
+    # prices higher holding no cache, which a router crediting cache might make too).
+    assert reasons["cache_ignored"] >= 3, report
+    third = [n for n, v in enumerate(verdicts) if v["reason"] == "cache_ignored"][2]  # verdicts: in the order judged
+    after = Counter(v["reason"] for v in verdicts[third:] if v["outcome"] == "suboptimal")
+    assert set(after) == {"cache_ignored"}, f"{report}; after the third cache_ignored: {dict(after)}"
     assert routing["severity"] == "CRITICAL" and "own decision counters read 0" in routing["cause"], routing
 
 
