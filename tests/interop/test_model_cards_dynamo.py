@@ -247,17 +247,20 @@ def test_an_sglang_fleet_at_page_32_is_scored_as_dynamo_with_no_block_size_given
     wait_until(lambda: _cards(url)["cards"] == 2 or None, "the cards read", timeout=30, procs=sglang_fleet.procs)
     prompt = list(range(160))  # five pages of 32 tokens
     body = {"model": sglang_fleet.model, "messages": [{"role": "user", "content": words(prompt)}], "max_tokens": 1}
-    with httpx.Client(base_url=sglang_fleet.frontend_url, timeout=60) as client:
-        for _ in range(2):  # one after the other: each decision is made on an idle fleet
-            client.post("/v1/chat/completions", json=body).raise_for_status()
-    (_, _, _, cold), (worker, rank, _, warm) = sglang_fleet.frontend.decisions()[-2:]
-    assert (cold, warm) == (10.0, 5.0)  # 5 prefill + 5 decode blocks; then the 5 prefill blocks cached
 
     def explained() -> dict[str, Any] | None:
         body = {"model": "tiny", "token_ids": [t + 3 for t in prompt], "explain": True}
         answer = httpx.post(f"{url}/v1/route", json=body, timeout=10).json()
         return answer if max(c["overlap_blocks"] for c in answer["candidates"]) == 5 else None
 
+    with httpx.Client(base_url=sglang_fleet.frontend_url, timeout=60) as client:
+        client.post("/v1/chat/completions", json=body).raise_for_status()
+        # The second decision waits for the first's pages to be on the event plane: kvctl, following the same plane
+        # as the frontend, has them (without this barrier the frontend once decided before they reached it).
+        wait_until(explained, "kvctl seeing the prompt's five pages", timeout=30, procs=sglang_fleet.procs)
+        client.post("/v1/chat/completions", json=body).raise_for_status()
+    (_, _, _, cold), (worker, rank, _, warm) = sglang_fleet.frontend.decisions()[-2:]
+    assert (cold, warm) == (10.0, 5.0)  # 5 prefill + 5 decode blocks; then the 5 prefill blocks cached
     answer = wait_until(explained, "kvctl seeing the prompt's five pages", timeout=30, procs=sglang_fleet.procs)
     assert (answer["worker_id"], answer["dp_rank"]) == (worker, rank)
     logits = {c["worker_id"]: c["logit"] for c in answer["candidates"]}

@@ -27,7 +27,7 @@ def churned_fleet() -> Fleet:
 async def test_freed_memory_is_given_back_when_nothing_waits() -> None:
     fleet = churned_fleet()
     streams = Streams(fleet)
-    assert fleet.reclaim_debt() == 30 * 63
+    assert fleet.reclaim_debt() > 0
     await daemon.reclaim_when_idle(fleet, streams)
     assert fleet.reclaim_debt() == 0
     assert fleet.stats("default").models["default"].blocks == 10 * 64
@@ -39,16 +39,18 @@ async def test_nothing_is_reclaimed_while_events_wait() -> None:
     writer = streams.writer("default")
     writer.task.cancel()  # a writer that has not got to its queue yet
     writer.put((1, 0), [Stored(None, [7], [7])])
+    debt = fleet.reclaim_debt()
     await daemon.reclaim_when_idle(fleet, streams)
-    assert fleet.reclaim_debt() == 30 * 63
+    assert fleet.reclaim_debt() == debt > 0
     await asyncio.gather(writer.task, return_exceptions=True)
 
 
 async def test_nothing_is_reclaimed_while_routes_come_in() -> None:
     fleet = churned_fleet()
     fleet.route("default", now=time.monotonic(), token_ids=list(range(64)))
+    debt = fleet.reclaim_debt()
     await daemon.reclaim_when_idle(fleet, Streams(fleet))
-    assert fleet.reclaim_debt() == 30 * 63
+    assert fleet.reclaim_debt() == debt > 0
     fleet.last_route_at -= daemon.ROUTE_QUIET_S
     await daemon.reclaim_when_idle(fleet, Streams(fleet))
     assert fleet.reclaim_debt() == 0
