@@ -304,3 +304,33 @@ def chained_child(keys: dict[int, object], previous: int, target: int, seed: int
         if xxh3_64_intdigest(_PAIR.pack(previous, _u64(key)), seed) == target:
             return key
     return None
+
+
+def solo_split(children: Iterable[Any], allowed: int, above: int) -> tuple[bytes, list[Any], int]:
+    """Of radix tree nodes `above` blocks deep, those one worker of `allowed` holds whole and no other in part, and
+    all below them that worker holds, as runs ((blocks above) << 32 | blocks held, native-endian u64s); the other
+    nodes, in order; and the nodes counted."""
+    above = _u64(above)
+    runs = array("Q")
+    rest = []
+    visited = 0
+    for node in list(children):
+        mask = node.full & allowed
+        if not mask or mask & (mask - 1) or node.cutoffs:
+            rest.append(node)
+            continue
+        slot = mask.bit_length() - 1
+        stack = [(above, [node])]
+        while stack:
+            depth, batch = stack.pop()
+            for below in batch:
+                visited += 1
+                length = len(below.hashes)
+                whole = bool(below.full & mask)
+                held = length if whole else (below.cutoffs or {}).get(slot, 0)
+                if held <= 0:
+                    continue
+                runs.append(depth << 32 | held)
+                if whole and below.children:
+                    stack.append((depth + length, list(below.children.values())))
+    return runs.tobytes(), rest, visited

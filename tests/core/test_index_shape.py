@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,8 @@ from kvctl.core.index.shape import TreeShape
 from kvctl.core.names import WorkerKey
 from kvctl.core.tree_stats import DumpStats, IndexStats
 from tests.core.test_index_model import ALPHABET, WORKER_IDS, WORKERS, Path, chain, engine_hash, stored
+
+pytestmark = pytest.mark.usefixtures("native_impl")  # the walk's runs counted in C (`solo_split`), and by its twin
 
 FEW = WORKERS[:3]  # three workers of two ids: they share most paths, and forgetting an id takes two of them
 store = st.tuples(st.just("store"), st.sampled_from(FEW), st.integers(0, 40),

@@ -240,3 +240,44 @@ def test_chained_child(keys: Any, previous: Any, target: Any, seed: Any, present
                                                            for v in (previous, seed, *keys)):
         target = C.xxh3_chain([previous, list(keys)[-1]], seed)[1]  # one key chains to it
     _same("chained_child", keys, previous, target, seed)
+
+
+def _tree_of(stores: list[tuple[int, int, list[int]]], removals: list[tuple[int, list[int]]]) -> Any:
+    """A radix tree of the given stores (worker, parent depth, local hashes) and removals, hashes by path."""
+    from kvctl.core.index import RadixTree
+
+    tree = RadixTree()
+    paths: list[tuple[int, ...]] = []
+    for worker, parent_at, symbols in stores:
+        parent = paths[parent_at % len(paths)] if paths and parent_at >= 0 else ()
+        new = [(*parent, *symbols[: i + 1]) for i in range(len(symbols))]
+        tree.store((worker, 0), hash(parent) & (2**64 - 1) if parent else None,
+                   [hash(p) & (2**64 - 1) for p in new], [p[-1] for p in new])
+        paths.extend(new)
+    for worker, picks in removals:
+        if paths:
+            tree.remove((worker, 0), [hash(paths[i % len(paths)]) & (2**64 - 1) for i in picks])
+    return tree
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0, 1, 2, 70]), st.integers(-1, 30), st.lists(st.integers(1, 3), min_size=1,
+                                                                                       max_size=4)), max_size=25),
+       st.lists(st.tuples(st.sampled_from([0, 1, 2, 70]), st.lists(st.integers(0, 60), max_size=3)), max_size=6),
+       st.sampled_from([-1, 1, 2, 3, 1 << 70, (1 << 70) | 1]), st.integers(0, 2**20))
+def test_solo_split(stores: list[tuple[int, int, list[int]]], removals: list[tuple[int, list[int]]], allowed: int,
+                    above: int) -> None:
+    """The same runs (as a multiset: both walk depth first, in their own order), the same other nodes in order, the
+    same count, over trees of up to 71 worker slots (masks past 64 bits)."""
+    tree = _tree_of(stores, removals)
+    children = list((tree.root.children or {}).values())
+    results = []
+    for impl in (_native_py, C):
+        runs, rest, counted = impl.solo_split(children, allowed, above)
+        results.append((sorted(memoryview(runs).cast("Q")), [id(n) for n in rest], counted))
+    assert results[0] == results[1]
+
+
+def test_solo_split_refuses_what_the_other_refuses() -> None:
+    for args in ((7, -1, 0), ([object()], -1, 0), ([], -1, -1), ([], "x", 0)):
+        _same("solo_split", *args)

@@ -21,6 +21,7 @@ from array import array
 from collections import Counter, deque
 from collections.abc import Iterator
 
+from kvctl.core import native
 from kvctl.core.index.node import Node, iter_bits
 from kvctl.core.index.radix import RadixTree
 from kvctl.core.names import WorkerKey
@@ -66,35 +67,36 @@ class TreeShape:
         budget = every
         while queue:
             allowed, above, parent, children = queue.popleft()
-            run = above << 32
-            for node in children:  # a copy: the loop may change the tree at every pause
+            for start in range(0, len(children), every):  # `children`: a copy, as the tree may change at a pause
+                # Those one worker holds whole (and no other in part), with all below them: runs, counted in C
+                runs, rest, counted = native.solo_split(children[start : start + every], allowed, above)
+                solo.frombytes(runs)
+                budget -= counted
                 if budget <= 0:
                     yield
                     budget = every
-                budget -= 1
-                full = node.full & allowed
-                if full and not full & (full - 1) and not node.cutoffs:  # one worker holds it whole
-                    solo.append(run | len(node.hashes))
-                    if node.children:
+                for node in rest:
+                    if budget <= 0:
+                        yield
+                        budget = every
+                    budget -= 1
+                    full = node.full & allowed
+                    lengths = [(s, len(node.hashes)) for s in iter_bits(full)]
+                    if node.cutoffs:
+                        lengths += [(s, k) for s, k in node.cutoffs.items() if allowed >> s & 1]
+                    if not lengths:
+                        continue
+                    budget -= len(lengths)
+                    longest = max(k for _, k in lengths)
+                    blocks[(above, longest)] += 1
+                    held.update((above, k) for _, k in lengths)
+                    if parent is not None and parent.best_child < len(lengths):
+                        parent.best_child = len(lengths)
+                    edge = None
+                    if len(lengths) > 1:
+                        edge = SharedEdge(len(shared) + 1, above, tuple((tree.worker_of(s), k) for s, k in lengths),
+                                          node.locals, longest, parent)
+                        shared.append(edge)
+                    if full and node.children:
                         budget -= len(node.children)
-                        queue.append((full, above + len(node.hashes), None, list(node.children.values())))
-                    continue
-                lengths = [(s, len(node.hashes)) for s in iter_bits(full)]
-                if node.cutoffs:
-                    lengths += [(s, k) for s, k in node.cutoffs.items() if allowed >> s & 1]
-                if not lengths:
-                    continue
-                budget -= len(lengths)
-                longest = max(k for _, k in lengths)
-                blocks[(above, longest)] += 1
-                held.update((above, k) for _, k in lengths)
-                if parent is not None and parent.best_child < len(lengths):
-                    parent.best_child = len(lengths)
-                edge = None
-                if len(lengths) > 1:
-                    edge = SharedEdge(len(shared) + 1, above, tuple((tree.worker_of(s), k) for s, k in lengths),
-                                      node.locals, longest, parent)
-                    shared.append(edge)
-                if full and node.children:
-                    budget -= len(node.children)
-                    queue.append((full, above + len(node.hashes), edge, list(node.children.values())))
+                        queue.append((full, above + len(node.hashes), edge, list(node.children.values())))
