@@ -84,43 +84,15 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
                 tree._shadow(slot)
             made_stale.append(([h], 0, 1))
             continue
-        # Engines evict runs of one edge together: take the following hashes of this edge the
-        # worker still holds in one step (the same end state as one by one, as Dynamo does).
-        # Leaf-first eviction walks the edge backwards to its start, and a request evicted whole from its first
-        # block walks it forwards: when the rest of the event is exactly that, one compare of packed slices
-        # takes the run instead of two lookups per block (and the edge's index is never built).
-        # It needs each hash at one place (no repeat in the edge) and, for a slot whose lookup ever lost
-        # track of a node (`_shadows`), a check that the run is still bound here.
+        # The following hashes of this edge the worker still holds, in one step; a slot whose lookup ever lost
+        # track of a node (`_shadows`) has the run checked against it
         unique = node.indexed_once()
-        if unique:
-            k = min(pos, n - i)
-            if k and _bound_run(lookup, node, hashes, i, pos - k, pos, slot not in shadows, backwards=True):
-                removed += k
-                i += k
-                pos -= k
-            elif (k := min(cut - pos - 1, n - i)) > 0 and _bound_run(lookup, node, hashes, i, pos + 1, pos + 1 + k,
-                                                                    slot not in shadows, backwards=False):
-                removed += k
-                i += k
-        while i < n and lookup.get(hashes[i]) is node:
-            nxt = node.positions().get(hashes[i])
-            if nxt is None or nxt >= cut:
-                break
-            if nxt < pos:
-                pos = nxt
-            removed += 1
-            i += 1
+        i, pos, taken = _take_run(lookup, node, hashes, h, i, pos, cut, unique, slot not in shadows)
+        removed += taken
         # The worker keeps only edge[:pos]: the rest of what it held of this edge goes stale (not
         # its blocks in child edges). A later hash of the same event made stale here is no error.
         made_stale.append((node.hashes, pos, cut))
-        if pos == 0:
-            node.drop(bit, slot)
-        else:
-            node.full &= ~bit
-            if node.cutoffs is None:
-                node.cutoffs = {slot: pos}
-            else:
-                node.cutoffs[slot] = pos
+        _cut(node, bit, slot, pos)
         if (pos == 0 and unique and not node.has_workers() and slot not in shadows
                 and worker not in tree.hash_mismatches):
             deferred = tree._deferred[slot]
@@ -169,35 +141,13 @@ def _remove_mapped(tree: RadixTree, slot: int, hashes: Sequence[int]) -> ApplyRe
                 missing += 1
             continue
         assert node is not None
-        removed += 1
-        k = min(pos, n - i)
-        if k and _bound_run(shared, node, hashes, i, pos - k, pos, True, backwards=True):
-            removed += k
-            i += k
-            pos -= k
-        elif (k := min(cut - pos - 1, n - i)) > 0 and _bound_run(shared, node, hashes, i, pos + 1, pos + 1 + k,
-                                                                True, backwards=False):
-            removed += k
-            i += k
-        while i < n and hashes[i] != h and shared.get(hashes[i]) is node:  # (h: popped, for a lookup of its own)
-            nxt = node.positions().get(hashes[i])
-            if nxt is None or nxt >= cut:
-                break
-            if nxt < pos:
-                pos = nxt
-            removed += 1
-            i += 1
+        i, pos, taken = _take_run(shared, node, hashes, h, i, pos, cut, True, True)
+        removed += 1 + taken
         made_stale.append((node.hashes, pos, cut))
         lost += cut - pos
+        _cut(node, bit, slot, pos)
         if pos == 0:
-            node.drop(bit, slot)
             held.discard(node)
-        else:
-            node.full &= ~bit
-            if node.cutoffs is None:
-                node.cutoffs = {slot: pos}
-            else:
-                node.cutoffs[slot] = pos
         tree._after_loss(node)
         if node.freed and not tree._shadows:
             node.locals = node.packed = _RELEASED
@@ -206,6 +156,46 @@ def _remove_mapped(tree: RadixTree, slot: int, hashes: Sequence[int]) -> ApplyRe
     if missing:
         return ApplyResult(Status.block_not_found, removed, missing)
     return ApplyResult(Status.ok, removed)
+
+
+def _take_run(index: dict[int, Node], node: Node, hashes: Sequence[int], h: int, i: int, pos: int, cut: int,
+              unique: bool, trusted: bool) -> tuple[int, int, int]:
+    """After `h`, at `pos` of `node`: the event's next hashes that are more of the edge the worker holds, taken at
+    once (the same end state as one by one, as Dynamo does). Engines evict runs of one edge together: leaf-first
+    eviction walks the edge backwards to its start, and a request evicted whole from its first block walks it
+    forwards; when the rest of the event is exactly that, one compare of packed slices takes the run instead of two
+    lookups per block (and the edge's index is never built). That needs each hash at one place (`unique`: no
+    repeat in the edge) and, unless the worker's `index` is `trusted`, a check that the run is still bound there.
+    Returns the event's next place, the lowest place taken, and the hashes taken."""
+    n = len(hashes)
+    taken = 0
+    if unique:
+        k = min(pos, n - i)
+        if k and _bound_run(index, node, hashes, i, pos - k, pos, trusted, backwards=True):
+            taken, i, pos = k, i + k, pos - k
+        elif (k := min(cut - pos - 1, n - i)) > 0 and _bound_run(index, node, hashes, i, pos + 1, pos + 1 + k,
+                                                                trusted, backwards=False):
+            taken, i = k, i + k
+    while i < n and hashes[i] != h and index.get(hashes[i]) is node:  # (h is popped from a lookup of its own)
+        nxt = node.positions().get(hashes[i])
+        if nxt is None or nxt >= cut:
+            break
+        pos = min(pos, nxt)
+        taken += 1
+        i += 1
+    return i, pos, taken
+
+
+def _cut(node: Node, bit: int, slot: int, pos: int) -> None:
+    """The worker keeps only edge[:pos] of `node`."""
+    if pos == 0:
+        node.drop(bit, slot)
+    else:
+        node.full &= ~bit
+        if node.cutoffs is None:
+            node.cutoffs = {slot: pos}
+        else:
+            node.cutoffs[slot] = pos
 
 
 def _bound_run(lookup: dict[int, Node], node: Node, hashes: Sequence[int], i: int, lo: int, hi: int, trusted: bool,
