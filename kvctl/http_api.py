@@ -17,6 +17,14 @@ from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
 from kvctl.core.names import DEFAULT_MODEL, MAX_DP_RANK, MAX_WORKER_ID
 
+# The decision audit's bodies (docs/audit.md) are the API's, named here; they live in a module of their own for size.
+from kvctl.http_audit import Audit as Audit
+from kvctl.http_audit import AuditedDecision as AuditedDecision
+from kvctl.http_audit import AuditRow as AuditRow
+from kvctl.http_audit import AuditTotals as AuditTotals
+from kvctl.http_audit import AuditWhatIf as AuditWhatIf
+from kvctl.http_audit import AuditWorker as AuditWorker
+
 _U32_MAX = 2**32 - 1
 
 U32 = Annotated[int, Meta(ge=0, le=MAX_DP_RANK)]
@@ -491,13 +499,3 @@ class LoopHeld(Struct):
     window_blocked_share: float
     window_stalls: int
     window_longest_s: float
-
-
-
-# The decision audit's bodies (docs/audit.md), kept in a module of their own: they are the API's, named here.
-from kvctl.http_audit import Audit as Audit  # noqa: E402
-from kvctl.http_audit import AuditedDecision as AuditedDecision  # noqa: E402
-from kvctl.http_audit import AuditRow as AuditRow  # noqa: E402
-from kvctl.http_audit import AuditTotals as AuditTotals  # noqa: E402
-from kvctl.http_audit import AuditWhatIf as AuditWhatIf  # noqa: E402
-from kvctl.http_audit import AuditWorker as AuditWorker  # noqa: E402

@@ -197,7 +197,6 @@ def audit_command(
         show(out, fetch, lambda answer: _emit(out, answer, view, summary_title), watch=watch, interval=interval)
 
 
-
 def _beside(totals: list[dict[str, Any]], urls: list[str], auth: Auth, timeout: float) -> list[dict[str, Any]]:
     """Each Dynamo router's own decision counters among the metrics, beside kvctl's audit of the same router."""
     from kvctl.client.tier_sources import Scraper

@@ -195,7 +195,6 @@ def test_an_approximate_router_on_the_plane_indexes_its_routes_not_the_fleets_ev
     assert findings(report, "silent")[0]["cause"].startswith("approximate mode: the router indexes its own routes")
 
 
-
 @pytest.fixture(scope="module")
 def nats_disaggregated(dynamo: Path, nats: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """The same fleet's shape on the NATS event plane (its own namespace on the package's nats-server), and a kvctl
