@@ -62,15 +62,23 @@ class BlockMap:
 
     def release(self, node: Node) -> int:
         """Pop a freed node's entries; returns the hashes looked up."""
-        nodes, keys = self.nodes, node.hashes
-        popped = list(map(nodes.pop, keys, repeat(None)))
-        if popped.count(node) + popped.count(None) != len(keys):  # a hash bound elsewhere since: it stays there
-            for h, other in zip(keys, popped, strict=True):
-                if other is not None and other is not node:
-                    nodes[h] = other
-        self.freed_entries -= len(keys)
-        return len(keys)
+        unbind(self.nodes, node)
+        self.freed_entries -= len(node.hashes)
+        return len(node.hashes)
 
     def live(self) -> int:
         """Entries at most of nodes not freed."""
         return len(self.nodes) - self.freed_entries
+
+
+def unbind(lookup: dict[int, Node], node: Node) -> int:
+    """Pop the entries of `lookup` (the map, or a worker's own) that bind `node`'s hashes to it, in C loops; a hash
+    bound elsewhere since stays there. Returns the entries popped."""
+    keys = node.hashes
+    popped = list(map(lookup.pop, keys, repeat(None)))
+    mine = popped.count(node)
+    if mine + popped.count(None) != len(keys):
+        for h, other in zip(keys, popped, strict=True):
+            if other is not None and other is not node:
+                lookup[h] = other
+    return mine

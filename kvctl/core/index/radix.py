@@ -425,7 +425,8 @@ class RadixTree:
 
     @property
     def debt(self) -> int:
-        """Lookup entries of freed nodes not given back yet (see `remove` and `reclaim`)."""
+        """Lookup and map entries of freed nodes not given back yet (see `remove` and `reclaim`): exact for the lookups,
+        at most for the map (a freed node's hashes, some of which it may never have bound)."""
         return sum(map(len, self._garbage)) + sum(d.dead for d in self._deferred) + self._map.freed_entries
 
     def reclaim(self, budget: int) -> bool:

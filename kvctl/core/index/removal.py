@@ -13,7 +13,7 @@ from itertools import repeat
 from operator import is_
 from typing import TYPE_CHECKING
 
-from kvctl.core.index.block_map import BlockMap
+from kvctl.core.index.block_map import BlockMap, unbind
 from kvctl.core.index.node import ApplyResult, Deferred, Node, Status
 from kvctl.core.names import WorkerKey
 
@@ -244,15 +244,8 @@ def _release(tree: RadixTree, slot: int, node: Node) -> int:
     """Pop what the slot's lookup still holds of a node it freed; returns the hashes looked up."""
     lookup = tree._lookup[slot]
     assert lookup is not None
-    keys = node.hashes
-    popped = list(map(lookup.pop, keys, repeat(None)))
-    mine = popped.count(node)
-    if mine + popped.count(None) != len(keys):  # a hash bound elsewhere since: it stays there
-        for h, other in zip(keys, popped, strict=True):
-            if other is not None and other is not node:
-                lookup[h] = other
-    tree._deferred[slot].dead -= mine
-    return len(keys)
+    tree._deferred[slot].dead -= unbind(lookup, node)
+    return len(node.hashes)
 
 
 def reclaim(tree: RadixTree, budget: int) -> bool:
