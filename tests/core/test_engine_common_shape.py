@@ -13,6 +13,7 @@ from array import array
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,3 +117,18 @@ def test_hostile_payloads_decode_as_the_walk_does(payload: bytes) -> None:
         _assert_agrees(payload)
     except DecodeError:
         raise AssertionError(f"the typed pass accepted a payload the walk rejects: {payload!r}") from None
+
+
+def test_the_sound_extra_keys_cache_is_bounded_in_count_and_bytes() -> None:
+    """Each distinct unsalted `extra_keys` payload is decoded once and remembered, but never more than
+    `_SOUND_KEYS_MAX` of them, and none larger than `_SOUND_KEY_BYTES`: an engine cannot grow it without bound."""
+    engine._SOUND_KEYS.clear()
+    large = msgspec.Raw(msgspec.msgpack.encode([["x" * engine._SOUND_KEY_BYTES]]))
+    assert engine._salt_keys(large) is None and not engine._SOUND_KEYS
+    for n in range(engine._SOUND_KEYS_MAX + 5):
+        assert engine._salt_keys(msgspec.Raw(msgspec.msgpack.encode([[f"lora-{n}"]]))) is None
+        assert len(engine._SOUND_KEYS) <= engine._SOUND_KEYS_MAX
+    invalid = b"\x91\x91\xa2\x80x"  # a string that is not UTF-8: refused, and not remembered
+    with pytest.raises(UnicodeDecodeError):
+        engine._salt_keys(msgspec.Raw(invalid))
+    assert invalid not in engine._SOUND_KEYS

@@ -471,6 +471,8 @@ def _tokens_of_raw(raw: msgspec.Raw) -> tuple[bytes, bool]:
 _SOUND_KEYS: dict[bytes, None] = {}
 """`extra_keys` payloads known to decode: a LoRA fleet's stores repeat a few (one per adapter and length)."""
 _SOUND_KEYS_MAX = 1024
+_SOUND_KEY_BYTES = 4096
+"""Larger payloads are decoded each time, not kept: the cache holds 4 MiB at most, whatever an engine sends."""
 
 
 def _salt_keys(raw: msgspec.Raw) -> Any:
@@ -482,9 +484,10 @@ def _salt_keys(raw: msgspec.Raw) -> Any:
         return msgspec.msgpack.decode(raw)
     if data not in _SOUND_KEYS:
         msgspec.msgpack.decode(raw)
-        if len(_SOUND_KEYS) >= _SOUND_KEYS_MAX:
-            _SOUND_KEYS.clear()
-        _SOUND_KEYS[data] = None
+        if len(data) <= _SOUND_KEY_BYTES:
+            if len(_SOUND_KEYS) >= _SOUND_KEYS_MAX:
+                _SOUND_KEYS.clear()
+            _SOUND_KEYS[data] = None
     return None
 
 
