@@ -16,6 +16,8 @@
  * run against the lookup first and inserting it after cost two probes of a large dict per block, each a cache
  * miss; this inserts as it checks, one probe, and stops where a key is bound elsewhere (rare: Python decides).
  *
+ * U64Map (u64_map.h): the index's engine hash -> node map, a u64 in a slot instead of an int object in a dict.
+ *
  * u64s_distinct: whether a stored run repeats a hash, asked of every store. A set of the run's int objects cost
  * a tenth of a store; the run is packed anyway (the edge keeps it so), and sorting a copy of it takes no object.
  */
@@ -28,6 +30,8 @@
 #include "vendor/xxhash.h"
 
 #define U32_MAX_VALUE 4294967295ULL
+
+#include "u64_map.h"
 
 static int is_ws(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
@@ -734,4 +738,13 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, 0, methods};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    if (map_seed_init() < 0 || PyType_Ready(&U64MapType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "U64Map", (PyObject *)&U64MapType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -12,6 +12,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -283,6 +284,77 @@ def bind_run(lookup: dict[Any, Any], keys: Iterable[Any], value: Any, replaceabl
                 return n
             lookup[key] = value
     return len(run)
+
+
+_MAP_KEYS = "U64Map keys: a buffer of u64s (format 'Q'), or a sequence of ints"
+_ABSENT = object()
+
+
+def _map_key(key: Any) -> int:
+    """A key about to be stored, checked as the C map checks it."""
+    if not isinstance(key, int):
+        raise TypeError(f"U64Map keys are ints in [0, 2^64), not {type(key).__name__}")
+    return _u64(key)
+
+
+def _map_keys(keys: Any) -> list[int]:
+    try:
+        view = memoryview(keys)
+    except TypeError:
+        try:
+            run = list(keys)
+        except TypeError:
+            raise TypeError(_MAP_KEYS) from None
+        return [_map_key(k) for k in run]
+    if view.itemsize != 8 or view.format not in ("Q", "L") or not view.c_contiguous:
+        raise TypeError(_MAP_KEYS)
+    return view.tolist()  # type: ignore[return-value]
+
+
+class U64Map(dict[int, Any]):
+    """`_native.U64Map`'s twin: a dict whose stored keys are checked as the C map's are, with its bulk methods."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key: int, value: Any) -> None:
+        dict.__setitem__(self, _map_key(key), value)
+
+    def popitem(self) -> tuple[int, Any]:
+        if not self:
+            raise KeyError("popitem(): the map is empty")
+        return dict.popitem(self)
+
+    def items(self) -> list[tuple[int, Any]]:  # type: ignore[override]
+        return list(dict.items(self))
+
+    def bind_run(self, keys: Any, value: Any, replaceable: Any) -> int:
+        """Binds keys to `value` in order, where a key is unbound, bound to `value` or to `replaceable` (not None);
+        stops at the first bound to anything else. Returns how many keys it went past (len(keys) when all)."""
+        run = _map_keys(keys)
+        for n, key in enumerate(run):
+            held = self.setdefault(key, value)
+            if held is not value:
+                if replaceable is None or held is not replaceable:
+                    return n
+                dict.__setitem__(self, key, value)
+        return len(run)
+
+    def repoint(self, keys: Any, old: Any, new: Any) -> int:
+        """The keys bound to `old` (by identity) bound to `new` instead, or taken out where `new` is None; returns
+        how many were."""
+        changed = 0
+        for key in _map_keys(keys):
+            if dict.get(self, key, _ABSENT) is old:
+                changed += 1
+                if new is None:
+                    del self[key]
+                else:
+                    dict.__setitem__(self, key, new)
+        return changed
+
+    def fill(self, keys: Any, value: Any) -> None:
+        """Every key bound to `value`, as dict.update with the pairs would."""
+        dict.update(self, zip(_map_keys(keys), repeat(value)))
 
 
 def u64s_distinct(packed: Buffer) -> bool:
