@@ -308,7 +308,7 @@ def _map_keys(keys: Any) -> list[int]:
         return [_map_key(k) for k in run]
     if view.itemsize != 8 or view.format not in ("Q", "L") or not view.c_contiguous:
         raise TypeError(_MAP_KEYS)
-    return view.tolist()  # type: ignore[return-value]
+    return view.tolist()
 
 
 class U64Map(dict[int, Any]):
