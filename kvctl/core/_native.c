@@ -519,7 +519,7 @@ static PyObject *u64s_distinct(PyObject *module, PyObject *arg) {
 typedef struct { PyObject *items; Py_ssize_t next, size; unsigned long long above; } Frame;
 typedef struct { uint64_t *runs; Py_ssize_t size, cap; } Runs;
 
-static PyObject *s_full, *s_cutoffs, *s_children, *s_hashes;
+static PyObject *s_full, *s_cutoffs, *s_children, *s_packed;
 
 static int add_run(Runs *out, unsigned long long above, Py_ssize_t held) {
     if (out->size == out->cap) {
@@ -534,10 +534,10 @@ static int add_run(Runs *out, unsigned long long above, Py_ssize_t held) {
 }
 
 static Py_ssize_t edge_length(PyObject *node) {
-    PyObject *hashes = PyObject_GetAttr(node, s_hashes);
-    if (hashes == NULL) return -1;
-    Py_ssize_t len = PyObject_Size(hashes);
-    Py_DECREF(hashes);
+    PyObject *packed = PyObject_GetAttr(node, s_packed);
+    if (packed == NULL) return -1;
+    Py_ssize_t len = PyObject_Size(packed);
+    Py_DECREF(packed);
     return len;
 }
 
@@ -639,7 +639,7 @@ static PyObject *solo_split(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (s_full == NULL && ((s_full = PyUnicode_InternFromString("full")) == NULL ||
                            (s_cutoffs = PyUnicode_InternFromString("cutoffs")) == NULL ||
                            (s_children = PyUnicode_InternFromString("children")) == NULL ||
-                           (s_hashes = PyUnicode_InternFromString("hashes")) == NULL)) return NULL;
+                           (s_packed = PyUnicode_InternFromString("packed")) == NULL)) return NULL;
     PyObject *allowed = args[1];
     const unsigned long long above = PyLong_AsUnsignedLongLong(args[2]);
     if (above == (unsigned long long)-1 && PyErr_Occurred()) return NULL;

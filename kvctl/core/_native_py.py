@@ -397,7 +397,7 @@ def solo_split(children: Iterable[Any], allowed: int, above: int) -> tuple[bytes
             depth, batch = stack.pop()
             for below in batch:
                 visited += 1
-                length = len(below.hashes)
+                length = len(below.packed)
                 whole = bool(below.full & mask)
                 held = length if whole else (below.cutoffs or {}).get(slot, 0)
                 if held <= 0:

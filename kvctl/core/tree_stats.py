@@ -216,7 +216,8 @@ class DumpStats:
             return
         n = len(data.block_hashes)
         worker = self._keys.setdefault(event.worker, event.worker)
-        edge = DumpEdge(data.tier, worker, data.parent_hash, data.block_hashes, array("Q", data.tokens_hashes), n)
+        edge = DumpEdge(data.tier, worker, data.parent_hash, array("Q", data.block_hashes),
+                        array("Q", data.tokens_hashes), n)
         longest = self._longest
         if longest is not None and not _same_node(longest, edge):
             self._flush()

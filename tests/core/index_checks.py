@@ -40,7 +40,7 @@ def assert_lookups_consistent(tree: RadixTree) -> None:
             assert {id(n) for n in reachable if n.cutoff(slot)} <= {id(n) for n in held}, slot
             assert tree._count[slot] == sum(n.cutoff(slot) for n in held), slot
             for node in held:
-                for h in node.hashes[: node.cutoff(slot)]:
+                for h in node.packed[: node.cutoff(slot)]:
                     assert tree._map.nodes.get(h) is node, (slot, h)
             continue
         if lookup is None or slot in tree._shadows:
@@ -55,8 +55,8 @@ def assert_lookups_consistent(tree: RadixTree) -> None:
         assert {id(node) for node in freed} <= {id(node) for node in deferred.nodes}, slot  # reclaim finds them
         for h, node in lookup.items():
             # an edge's index as read, without building it (which would hide a lazily built one's mistakes)
-            index = node.index if node.index is not None else positions_of(node.hashes)
-            if not node.freed and len(index) == len(node.hashes):
+            index = node.index if node.index is not None else positions_of(node.packed)
+            if not node.freed and len(index) == len(node.packed):
                 pos = index.get(h)
                 assert pos is not None and node.covers(slot, pos), (slot, h)
-    assert tree._map.freed_entries == sum(len(n.hashes) for n in tree._map.freed)
+    assert tree._map.freed_entries == sum(len(n.packed) for n in tree._map.freed)

@@ -10,6 +10,7 @@ letting go of freed nodes' entries lazily.
 
 from __future__ import annotations
 
+from array import array
 from itertools import repeat
 
 from kvctl.core import native
@@ -22,15 +23,15 @@ class BlockMap:
     __slots__ = ("freed", "freed_entries", "nodes")
 
     def __init__(self) -> None:
-        self.nodes: dict[int, Node] = {}
+        self.nodes = native.U64Map()  # the hash itself in the slot: no int object per block
         self.freed: list[Node] = []  # freed nodes whose entries are not popped yet
         self.freed_entries = 0  # their hashes: at least the map's dead entries
 
-    def bind(self, keys: list[int], node: Node) -> bool:
+    def bind(self, keys: array[int], node: Node) -> bool:
         """Bind `keys` to `node`; False at a key some worker holds at another node (the caller's worker cannot
         be described by the map then). A key bound to a node where nobody holds it any more is taken over."""
         nodes = self.nodes
-        done = native.bind_run(nodes, keys, node, None)
+        done = nodes.bind_run(keys, node, None)
         while done < len(keys):
             h = keys[done]
             other = nodes[h]
@@ -40,31 +41,26 @@ class BlockMap:
                     return False
             nodes[h] = node
             done += 1
-            done += native.bind_run(nodes, keys[done:], node, None)
+            done += nodes.bind_run(keys[done:], node, None)
         return True
 
-    def move(self, keys: list[int], old: Node, new: Node | None) -> None:
+    def move(self, keys: array[int], old: Node, new: Node | None) -> None:
         """A cut edge's suffix: its keys bound to `old` now name `new`, or nothing when the suffix is not kept."""
         nodes = self.nodes
         if new is not None:
-            done = native.bind_run(nodes, keys, new, old)
+            done = nodes.bind_run(keys, new, old)
             keys = keys[done:]  # from a hash bound elsewhere, which stays there
-        for h in keys:
-            if nodes.get(h) is old:
-                if new is None:
-                    del nodes[h]
-                else:
-                    nodes[h] = new
+        nodes.repoint(keys, old, new)
 
     def note_freed(self, node: Node) -> None:
         self.freed.append(node)
-        self.freed_entries += len(node.hashes)
+        self.freed_entries += len(node.packed)
 
     def release(self, node: Node) -> int:
         """Pop a freed node's entries; returns the hashes looked up."""
-        unbind(self.nodes, node)
-        self.freed_entries -= len(node.hashes)
-        return len(node.hashes)
+        self.nodes.repoint(node.packed, node, None)
+        self.freed_entries -= len(node.packed)
+        return len(node.packed)
 
     def live(self) -> int:
         """Entries at most of nodes not freed."""
@@ -72,9 +68,9 @@ class BlockMap:
 
 
 def unbind(lookup: dict[int, Node], node: Node) -> int:
-    """Pop the entries of `lookup` (the map, or a worker's own) that bind `node`'s hashes to it, in C loops; a hash
-    bound elsewhere since stays there. Returns the entries popped."""
-    keys = node.hashes
+    """Pop the entries of a worker's own lookup that bind `node`'s hashes to it, in C loops; a hash bound elsewhere
+    since stays there. Returns the entries popped."""
+    keys = node.packed
     popped = list(map(lookup.pop, keys, repeat(None)))
     mine = popped.count(node)
     if mine + popped.count(None) != len(keys):

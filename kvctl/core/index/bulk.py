@@ -17,7 +17,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 
 from kvctl.core.events import Stored, Tier
 from kvctl.core.index.kv_index import DumpEdge, KvIndex
@@ -164,13 +163,12 @@ class Builder:
         tree = self.index.device
         root, nodes, shared, first = tree.root, self._nodes, tree._map.nodes, self._first
         held_nodes, count = tree._held_nodes, tree._count
-        hashes, packed, locs = run.hashes.tolist(), run.hashes, run.locals
+        packed, locs = run.hashes, run.locals
         at = 0
         for p, length, full in zip(run.parents, run.lengths, run.full, strict=True):
             parent = root if p < 0 else nodes[p]
             end = at + length
-            own = hashes[at:end]
-            node = Node(locs[at:end], own, parent, full, packed[at:end], distinct=True)  # else `finish` fails
+            node = Node(locs[at:end], packed[at:end], parent, full, distinct=True)  # else `finish` fails
             key = locs[at]
             children = parent.children
             if children is None:
@@ -182,7 +180,7 @@ class Builder:
             parent.internal = True
             if not full:  # a node nobody holds whole: not what a capture gives
                 return False
-            shared.update(zip(own, repeat(node)))
+            shared.fill(node.packed, node)
             held = iter_bits(full) if full & (full - 1) else [full.bit_length() - 1]  # most nodes: one holder
             for s in held:
                 held_nodes[s].add(node)  # type: ignore[union-attr]

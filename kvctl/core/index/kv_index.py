@@ -38,17 +38,17 @@ class DumpEdge(NamedTuple):
     tier: Tier
     worker: WorkerKey
     parent_hash: int | None
-    block_hashes: list[int]
+    block_hashes: array[int]
     tokens_hashes: array[int]
     length: int
-    parent_edge: list[int] | None = None  # the parent node's `hashes` (by identity; None: the root): see `bulk`
+    parent_edge: array[int] | None = None  # the parent node's `packed` (by identity; None: the root): see `bulk`
 
 
 def events_of(edges: Iterable[DumpEdge], first_id: int = 0) -> Iterator[RouterEvent]:
     """The dump's events, one Stored per edge, with the synthetic event ids `first_id`, +1, +2, ..."""
     for n, e in enumerate(edges, first_id):
         k = e.length
-        yield RouterEvent(e.worker[0], Stored(e.parent_hash, e.block_hashes[:k], e.tokens_hashes[:k].tolist(),
+        yield RouterEvent(e.worker[0], Stored(e.parent_hash, e.block_hashes[:k].tolist(), e.tokens_hashes[:k].tolist(),
                                               e.tier), e.worker[1], n)
 
 
@@ -191,12 +191,12 @@ class KvIndex:
             allowed = -1 if parent is root or parent is None else _path_holders(parent, root, inherited)
             if node.children:
                 inherited[id(node)] = (node, allowed & node.full)
-            holders = [(s, len(node.hashes)) for s in iter_bits(node.full & allowed)] if allowed else []
-            parent_edge = None if parent is root or parent is None else parent.hashes
+            holders = [(s, len(node.packed)) for s in iter_bits(node.full & allowed)] if allowed else []
+            parent_edge = None if parent is root or parent is None else parent.packed
             if node.cutoffs:
                 holders.extend((s, c) for s, c in node.cutoffs.items() if allowed >> s & 1)
             for slot, k in holders:
-                edges.append(DumpEdge(Tier.device, tree.worker_of(slot), parent_hash, node.hashes, node.locals, k,
+                edges.append(DumpEdge(Tier.device, tree.worker_of(slot), parent_hash, node.packed, node.locals, k,
                                       parent_edge))
             work += 1 + len(holders)
             if size is not None and work >= size:
@@ -204,7 +204,7 @@ class KvIndex:
                 edges, work = [], 0
         for tier, index in self.lower.items():
             for worker, parent_block, block, local in index.held_edges():
-                edges.append(DumpEdge(tier, worker, parent_block, [block], array("Q", [local]), 1))
+                edges.append(DumpEdge(tier, worker, parent_block, array("Q", (block,)), array("Q", (local,)), 1))
                 if size is not None and len(edges) >= size:
                     yield edges
                     edges = []

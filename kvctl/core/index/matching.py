@@ -94,7 +94,7 @@ def path_hashes(tree: RadixTree, local_hashes: Sequence[int], depths: set[int]) 
             break
         end = depth + len(node.locals)
         while i < len(wanted) and wanted[i] <= end:
-            out[wanted[i]] = node.hashes[wanted[i] - depth - 1]
+            out[wanted[i]] = node.packed[wanted[i] - depth - 1]
             i += 1
         depth = end
     return out

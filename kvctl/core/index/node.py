@@ -4,6 +4,7 @@ did. Kept apart so that the tree and its removal logic (`removal.py`) share them
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
@@ -19,7 +20,7 @@ def iter_bits(mask: int) -> list[int]:
     return [(i << 3) + b for i, byte in enumerate(raw) if byte for b in table[byte]]
 
 
-def positions_of(hashes: list[int]) -> dict[int, int]:
+def positions_of(hashes: Sequence[int]) -> dict[int, int]:
     """Engine hash -> its last place in `hashes`."""
     return dict(zip(hashes, range(len(hashes)), strict=True))
 
@@ -47,9 +48,9 @@ OK_EMPTY = ApplyResult(Status.ok)
 class Node:
     """A compressed edge of blocks and who holds it; the root has an empty edge.
 
-    An edge's `hashes`, `packed` and `locals` only ever grow in place (a leaf extended); cutting an edge
-    gives it new ones. So whoever holds those objects and a length keeps a prefix that cannot change under it:
-    what lets a dump be captured without copying a block.
+    An edge's engine hashes (`packed`, 8 B a block: no int object, issue 40) and `locals` only ever grow in place
+    (a leaf extended); cutting an edge gives it new ones. So whoever holds those objects and a length keeps a
+    prefix that cannot change under it: what lets a dump be captured without copying a block.
 
     `index` (engine hash -> its last place in the edge) is built only when first read (`positions`): a dict
     entry per block costs ~25 B a held pair, a sixth of the index, and most edges are never read by hash
@@ -57,14 +58,12 @@ class Node:
     where that is known without it, that no hash is repeated in the edge, which removals and cuts ask.
     """
 
-    __slots__ = ("locals", "hashes", "packed", "index", "distinct", "full", "cutoffs", "children", "internal", "parent",
-                 "freed")
+    __slots__ = ("locals", "packed", "index", "distinct", "full", "cutoffs", "children", "internal", "parent", "freed")
 
-    def __init__(self, locals_: array[int], hashes: list[int], parent: Node | None, full: int,
-                 packed: array[int] | None = None, *, distinct: bool = False) -> None:
+    def __init__(self, locals_: array[int], packed: array[int], parent: Node | None, full: int, *,
+                 distinct: bool = False) -> None:
         self.locals = locals_
-        self.hashes = hashes
-        self.packed = array("Q", hashes) if packed is None else packed
+        self.packed = packed
         self.index: dict[int, int] | None = None  # see `positions`
         self.distinct = distinct  # True: no hash twice in the edge (False: not known)
         self.full = full  # bitmask of slots holding the whole edge
@@ -78,7 +77,7 @@ class Node:
         """Engine hash -> its last place in the edge, built on first use and kept up to date from then on."""
         index = self.index
         if index is None:
-            index = self.index = positions_of(self.hashes)
+            index = self.index = positions_of(self.packed)
         return index
 
     def position(self, h: int) -> int | None:
@@ -86,7 +85,7 @@ class Node:
         a leaf-first eviction's first) or a distinct edge's first."""
         index = self.index
         if index is None:
-            hashes = self.hashes
+            hashes = self.packed
             if hashes and hashes[-1] == h:
                 return len(hashes) - 1
             if self.distinct and hashes and hashes[0] == h:  # a request evicted from its first block
@@ -96,7 +95,7 @@ class Node:
 
     def indexed_once(self) -> bool:
         """Every place of the edge has its own entry in `positions()`: no hash repeated, none cut away."""
-        return self.distinct or len(self.positions()) == len(self.hashes)
+        return self.distinct or len(self.positions()) == len(self.packed)
 
     def cutoff(self, slot: int) -> int:
         if self.full >> slot & 1:

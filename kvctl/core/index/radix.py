@@ -19,11 +19,10 @@ Python-specific choices, all for speed and memory (see benchmarks/index_bench.py
   bitmask, so find_matches intersects holders with one `&` per edge;
 - an edge keeps its local hashes in an `array('Q')`: matching a query against an edge is one
   C-level slice comparison, and storing N blocks touches each block only inside C loops;
-- an edge keeps its engine hashes as the int objects the event brought, and the map (and a worker's own
-  lookup) reuses those same objects as keys where its hashes are equal: one int per block, not one per holder;
-- it keeps them packed too (`array('Q')`, 8 B a block): a removal, which may come packed from the
-  router's decode process, checks a run of an edge with one C comparison and never touches the run's
-  int objects, which are cold by then (one cache miss each, the larger part of a removal's cost).
+- an edge keeps its engine hashes packed only (`array('Q')`, 8 B a block), and the map keys them by the u64
+  itself (`native.U64Map`): no int object per block, which was 48 B of a unique block's ~115 (issue 40). A store
+  compares a run of an edge with one C comparison, and a removal, which may come packed from the router's
+  decode process, too; ints are made only for the rare worker with a lookup of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 from kvctl.core import native
 from kvctl.core.index import matching, removal
@@ -40,6 +40,9 @@ from kvctl.core.index.matching import Matches, common_prefix
 from kvctl.core.index.node import OK_EMPTY, ApplyResult, Deferred, Node, Status, iter_bits
 from kvctl.core.names import WorkerKey, selects
 
+if TYPE_CHECKING:
+    from kvctl.core._native_py import U64Map
+
 __all__ = ["OK_EMPTY", "ApplyResult", "Matches", "Node", "RadixTree", "Status", "iter_bits"]
 
 
@@ -47,7 +50,7 @@ class RadixTree:
     """The index of one tier of one model. Single writer; `find_matches` is read-only."""
 
     def __init__(self) -> None:
-        self.root = Node(array("Q"), [], None, 0)
+        self.root = Node(array("Q"), array("Q"), None, 0)
         self.root.internal = True
         self._slots: dict[WorkerKey, int] = {}
         self._workers: list[WorkerKey | None] = []  # slot -> worker key; None once removed
@@ -65,7 +68,8 @@ class RadixTree:
         self._mapped = 0  # bits of the slots in the map
         self._lookup: list[dict[int, Node] | None] = []  # slot -> its own engine hash -> node; None: in the map
         self._deferred: list[Deferred] = []  # slot -> what its own lookup still holds of freed nodes: see `remove`
-        self._garbage: list[dict[int, Node]] = []  # lookups of workers that let go of everything: see `reclaim`
+        # lookups of workers that let go of everything, and dead maps: see `reclaim`
+        self._garbage: list[dict[int, Node] | U64Map] = []
         self.nodes = 0
         # Blocks a worker stored on a token path already indexed under other engine hashes: engines
         # that hash the same tokens differently (Dynamo's "block_hash mismatch"), whose removals then
@@ -133,17 +137,17 @@ class RadixTree:
               tokens_hashes: Sequence[int]) -> ApplyResult:
         slot = self._slot(worker)
         bit = 1 << slot
-        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        packed = (block_hashes if type(block_hashes) is array and block_hashes.typecode == "Q"
+                  else array("Q", block_hashes))  # what the run's edges keep, sliced (copied) to their nodes
         locs = tokens_hashes if isinstance(tokens_hashes, array) else array("Q", tokens_hashes)
-        nblocks = len(hashes)
-        packed = array("Q", hashes)  # what the run's new edge keeps (`Node.packed`), and told distinct in C
+        nblocks = len(packed)
         distinct = native.u64s_distinct(packed)
         if not distinct:  # one hash at two places: a lookup key can name only one of them
             self._shadow(slot)
         if parent_hash is None:
             parent = self.root
         else:
-            if parent_hash in hashes:
+            if parent_hash in packed:
                 return ApplyResult(Status.invalid_block)
             lookup = self._lookup[slot]
             node = (self._map.nodes if lookup is None else lookup).get(parent_hash)
@@ -159,9 +163,9 @@ class RadixTree:
                 if node.cutoff(slot):  # a duplicate hash resolved past what the worker holds of the edge
                     self._shadow(slot)
                 return ApplyResult(Status.parent_block_not_found)
-            if self._reuse_parent_edge(node, pos, hashes, locs, bit, slot):
+            if self._reuse_parent_edge(node, pos, packed, locs, bit, slot):
                 return ApplyResult(Status.ok, nblocks)
-            if pos + 1 != len(node.hashes):
+            if pos + 1 != len(node.packed):
                 self._split(node, pos + 1)
             parent = node
         start = 0
@@ -171,11 +175,12 @@ class RadixTree:
             if child is None:
                 if not parent.internal and parent.locals and parent.full & bit:
                     before = len(parent.locals)
-                    self._append_to_leaf(parent, hashes[start:], locs[start:], bit, slot)
+                    added = packed[start:]
+                    self._append_to_leaf(parent, added, locs[start:], bit, slot)
                     self._covered(slot, parent, before)
-                    self._bind(slot, hashes[start:], parent)
+                    self._bind(slot, added, parent)
                     break
-                child = Node(locs[start:], hashes[start:], parent, bit, packed[start:], distinct=distinct)
+                child = Node(locs[start:], packed[start:], parent, bit, distinct=distinct)
                 self.nodes += 1
                 if children is None:
                     parent.children = {locs[start]: child}
@@ -183,7 +188,7 @@ class RadixTree:
                     children[locs[start]] = child
                 parent.internal = True
                 self._covered(slot, child, 0)
-                self._bind(slot, hashes[start:], child)
+                self._bind(slot, child.packed, child)
                 break
             edge = child.locals
             elen = len(edge)
@@ -195,14 +200,14 @@ class RadixTree:
                 if m == rest:
                     child.cover_prefix(bit, slot, m)
                     self._covered(slot, child, before)
-                    self._bind_shared(slot, hashes[start:], child, before)
+                    self._bind_shared(slot, packed[start:], child, before)
                     break
                 self._split(child, m)
                 child.promote(bit, slot)
                 self._covered(slot, child, min(before, m))
-                self._bind_shared(slot, hashes[start : start + m], child, before)
+                self._bind_shared(slot, packed[start : start + m], child, before)
                 start += m
-                tail = Node(locs[start:], hashes[start:], child, bit, packed[start:], distinct=distinct)
+                tail = Node(locs[start:], packed[start:], child, bit, distinct=distinct)
                 self.nodes += 1
                 if child.children is None:
                     child.children = {locs[start]: tail}
@@ -210,11 +215,11 @@ class RadixTree:
                     child.children[locs[start]] = tail
                 child.internal = True
                 self._covered(slot, tail, 0)
-                self._bind(slot, hashes[start:], tail)
+                self._bind(slot, tail.packed, tail)
                 break
             child.promote(bit, slot)
             self._covered(slot, child, before)
-            self._bind_shared(slot, hashes[start : start + elen], child, before)
+            self._bind_shared(slot, packed[start : start + elen], child, before)
             start += elen
             parent = child
         return ApplyResult(Status.ok, nblocks)
@@ -226,13 +231,13 @@ class RadixTree:
             held.add(node)
             self._count[slot] += node.cutoff(slot) - before
 
-    def _bind(self, slot: int, keys: list[int], node: Node, moving_from: Node | None = None) -> None:
+    def _bind(self, slot: int, keys: array[int], node: Node, moving_from: Node | None = None) -> None:
         """Point `keys` of a worker's lookup at `node`, noting when that takes one away from another node.
 
         A worker in the map binds them there, unless a key is held elsewhere or the edge repeats a hash: it then
-        gets a lookup of its own (`_privatize`). In its own lookup, usually no key is bound elsewhere:
-        `native.bind_run` binds the run while it checks that, one probe of the lookup a key, and leaves the keys
-        from the first one bound elsewhere to the loop here."""
+        gets a lookup of its own (`_privatize`), keyed by ints. In its own lookup, usually no key is bound
+        elsewhere: `native.bind_run` binds the run while it checks that, one probe of the lookup a key, and leaves
+        the keys from the first one bound elsewhere to the loop here."""
         lookup = self._lookup[slot]
         if lookup is None:
             if node.distinct and self._share(keys, node):
@@ -254,7 +259,7 @@ class RadixTree:
                 self._shadow(slot)
             lookup.update(zip(keys, repeat(node)))
 
-    def _share(self, keys: list[int], node: Node) -> bool:
+    def _share(self, keys: array[int], node: Node) -> bool:
         """Bind a worker's `keys` to `node` in the map; False: the map cannot describe the worker."""
         return self._map.bind(keys, node)
 
@@ -267,7 +272,7 @@ class RadixTree:
         get = self._map.nodes.get
         lookup: dict[int, Node] = {}
         for node in held:
-            lookup.update((h, node) for h in node.hashes[: node.cutoff(slot)] if get(h) is node)
+            lookup.update((h, node) for h in node.packed[: node.cutoff(slot)] if get(h) is node)
         self._lookup[slot] = lookup
         self._held_nodes[slot] = None
         self._count[slot] = 0
@@ -292,10 +297,10 @@ class RadixTree:
                 del lookup[h]
             self._deferred[slot] = Deferred()
 
-    def _bind_shared(self, slot: int, keys: list[int], node: Node, before: int) -> None:
-        """Bind keys to `node`'s first edge positions, of which the worker held `before`, reusing the node's own
-        int objects where equal."""
-        own = node.hashes[: len(keys)]
+    def _bind_shared(self, slot: int, keys: array[int], node: Node, before: int) -> None:
+        """Bind keys to `node`'s first edge positions, of which the worker held `before`; count them as agreeing
+        with the edge's own hashes, or not."""
+        own = node.packed[: len(keys)]
         if own == keys:
             if self._lookup[slot] is not None:
                 self._bind(slot, own, node)
@@ -314,33 +319,32 @@ class RadixTree:
                     del lookup[h]
         self._bind(slot, keys, node)
 
-    def _reuse_parent_edge(self, node: Node, pos: int, hashes: list[int], locs: array[int], bit: int,
+    def _reuse_parent_edge(self, node: Node, pos: int, packed: array[int], locs: array[int], bit: int,
                            slot: int) -> bool:
         """A store under a block in the middle or at the end of an edge that the edge already continues."""
-        suffix_len = len(node.hashes) - pos - 1
-        n = len(hashes)
+        suffix_len = len(node.packed) - pos - 1
+        n = len(packed)
         before = node.cutoff(slot)
         if n <= suffix_len:
             lo, hi = pos + 1, pos + 1 + n
-            if node.hashes[lo:hi] == hashes and node.locals[lo:hi] == locs:
+            if node.packed[lo:hi] == packed and node.locals[lo:hi] == locs:
                 node.cover_prefix(bit, slot, hi)
                 self._covered(slot, node, before)
-                self._bind(slot, node.hashes[lo:hi], node)
+                self._bind(slot, node.packed[lo:hi], node)
                 return True
             return False
         if node.internal:
             return False
         lo = pos + 1
-        if node.hashes[lo:] != hashes[:suffix_len] or node.locals[lo:] != locs[:suffix_len]:
+        if node.packed[lo:] != packed[:suffix_len] or node.locals[lo:] != locs[:suffix_len]:
             return False
-        self._append_to_leaf(node, hashes[suffix_len:], locs[suffix_len:], bit, slot)
+        self._append_to_leaf(node, packed[suffix_len:], locs[suffix_len:], bit, slot)
         self._covered(slot, node, before)
-        self._bind(slot, node.hashes[lo : lo + n], node)
+        self._bind(slot, node.packed[lo : lo + n], node)
         return True
 
-    def _append_to_leaf(self, node: Node, hashes: list[int], locs: array[int], bit: int, slot: int) -> None:
+    def _append_to_leaf(self, node: Node, added: array[int], locs: array[int], bit: int, slot: int) -> None:
         old = len(node.locals)
-        added = array("Q", hashes)
         if node.distinct and not native.u64s_distinct(node.packed + added):
             # A hash repeated in the edge: the map follows one place of it, its holders' lookups follow Dynamo's
             for s in (*iter_bits(node.full), *(node.cutoffs or ())):
@@ -356,31 +360,28 @@ class RadixTree:
             node.full &= bit
         node.promote(bit, slot)
         node.locals.extend(locs)
-        node.hashes.extend(hashes)
         node.packed.extend(added)
         if node.index is not None:  # else built from the whole edge when first read
-            node.index.update(zip(hashes, range(old, old + len(hashes)), strict=True))
+            node.index.update(zip(added, range(old, old + len(added)), strict=True))
 
     def _split(self, node: Node, pos: int) -> Node:
         """Cut `node`'s edge at `pos`; the suffix becomes its only child and takes its children."""
         # An edge not known distinct has its index built first: it tells a repeated hash, and the prefix
         # keeps what the suffix does not repeat. A distinct one's parts are distinct, their indexes lazy as its.
         distinct = node.distinct
-        if not distinct and len(node.positions()) != len(node.hashes):
+        if not distinct and len(node.positions()) != len(node.packed):
             # A hash repeated in this edge: its holders' lookups can follow only one of its places.
             for s in (*iter_bits(node.full), *(node.cutoffs or ())):
                 self._shadow(s)
-        suffix_hashes = node.hashes[pos:]
         suffix_locs = node.locals[pos:]
         suffix_packed = node.packed[pos:]
-        node.hashes = node.hashes[:pos]  # replaced, never cut in place: see Node
-        node.locals = node.locals[:pos]
+        node.locals = node.locals[:pos]  # replaced, never cut in place: see Node
         node.packed = node.packed[:pos]
         index = node.index
         if index is not None:
-            for h in suffix_hashes:
+            for h in suffix_packed:
                 index.pop(h, None)
-        suffix = Node(suffix_locs, suffix_hashes, node, node.full, suffix_packed, distinct=distinct)
+        suffix = Node(suffix_locs, suffix_packed, node, node.full, distinct=distinct)
         suffix.children, suffix.internal = node.children, node.internal
         if suffix.children:
             for child in suffix.children.values():
@@ -403,20 +404,20 @@ class RadixTree:
         if suffix.has_workers():
             node.children = {suffix_locs[0]: suffix}
             self.nodes += 1
-            self._map.move(suffix_hashes, node, suffix)
-            moved = [(s, len(suffix_hashes)) for s in iter_bits(suffix.full)]
+            self._map.move(suffix_packed, node, suffix)
+            moved = [(s, len(suffix_packed)) for s in iter_bits(suffix.full)]
             if suffix.cutoffs:
                 moved.extend(suffix.cutoffs.items())
             for s, cut in moved:
                 lookup = lookups[s]
                 if lookup is not None:
-                    self._bind(s, suffix_hashes[:cut], suffix, node)
+                    self._bind(s, suffix_packed[:cut], suffix, node)
                 elif (held := held_nodes[s]) is not None:
                     held.add(suffix)
                 # else a removed worker's lingering bit (Dynamo panics here)
         else:
             node.children = None  # nobody holds the suffix: it is not kept (Dynamo keeps it, dead)
-            self._map.move(suffix_hashes, node, None)
+            self._map.move(suffix_packed, node, None)
         return suffix
 
     def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> ApplyResult:
@@ -555,7 +556,7 @@ class RadixTree:
             for node in children:
                 yield node, parent_hash
                 if node.children:
-                    queue.append((node.hashes[-1], list(node.children.values())))
+                    queue.append((node.packed[-1], list(node.children.values())))
 
     def worker_of(self, slot: int) -> WorkerKey:
         worker = self._workers[slot]

@@ -18,6 +18,7 @@ from kvctl.core.index.node import ApplyResult, Deferred, Node, Status
 from kvctl.core.names import WorkerKey
 
 if TYPE_CHECKING:
+    from kvctl.core._native_py import U64Map
     from kvctl.core.index.radix import RadixTree
 
 _DEAD_SLACK = 1024
@@ -27,7 +28,8 @@ dead ones, before `remove` pops dead ones itself instead of leaving them to `rec
 _DROP_AT_ONCE = 16_384
 """Entries of a dead map let go at once (about a millisecond); a larger one is left to `reclaim`."""
 
-# What a freed node keeps of its local and packed engine hashes once they are let go (never written to).
+# What a freed node keeps of its local hashes once they are let go (never written to). Its engine hashes stay
+# until the node goes: the map's and lookups' entries for it are popped by them.
 _RELEASED = array("Q")
 
 
@@ -43,9 +45,8 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
     lookup names each block of the edge exactly once (no shadow, no hash mismatch, no hash twice in
     the edge), so elsewhere entries are popped one by one as before.
 
-    `block_hashes` may be a list or an `array('Q')` (as the decode process sends them); nothing on
-    the common path reads an int object of the edge, nor frees one: a freed node's edge index goes
-    with its lookup entries, when they are popped.
+    `block_hashes` may be a list or an `array('Q')` (as the decode process sends them); a freed node's edge
+    index goes with its lookup entries, when they are popped.
     """
     slot = tree._slots.get(worker)
     if slot is None:
@@ -58,7 +59,7 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
     shadows = tree._shadows
     removed = missing = 0
     # (edge hashes, start, end) of what went stale: only searched when a hash is missing, which is rare
-    made_stale: list[tuple[list[int], int, int]] = []
+    made_stale: list[tuple[array[int], int, int]] = []
     hashes = block_hashes
     n = len(hashes)
     i = 0
@@ -82,7 +83,7 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
         if pos >= cut:
             if cut:  # a duplicate hash resolved to a later position: the worker still holds this edge
                 tree._shadow(slot)
-            made_stale.append(([h], 0, 1))
+            made_stale.append((array("Q", (h,)), 0, 1))
             continue
         # The following hashes of this edge the worker still holds, in one step; a slot whose lookup ever lost
         # track of a node (`_shadows`) has the run checked against it
@@ -91,7 +92,7 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
         removed += taken
         # The worker keeps only edge[:pos]: the rest of what it held of this edge goes stale (not
         # its blocks in child edges). A later hash of the same event made stale here is no error.
-        made_stale.append((node.hashes, pos, cut))
+        made_stale.append((node.packed, pos, cut))
         _cut(node, bit, slot, pos)
         if (pos == 0 and unique and not node.has_workers() and slot not in shadows
                 and worker not in tree.hash_mismatches):
@@ -102,9 +103,9 @@ def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> A
             deferred.dead += cut - 1  # edge[:cut] but h, which is popped
             tree._after_loss(node)
             if not shadows:  # nothing reads them again (a shadow slot's stale entry might)
-                node.locals = node.packed = _RELEASED
+                node.locals = _RELEASED
             continue
-        popped = set(map(lookup.pop, node.hashes[pos:cut], repeat(None)))
+        popped = set(map(lookup.pop, node.packed[pos:cut], repeat(None)))
         popped.difference_update((None, node))
         # A stale hash that the worker also stored elsewhere (another node, or earlier in this
         # edge: the edge index then has fewer entries than the edge) loses that binding too.
@@ -127,7 +128,7 @@ def _remove_mapped(tree: RadixTree, slot: int, hashes: Sequence[int]) -> ApplyRe
     held = tree._held_nodes[slot]
     assert held is not None
     removed = missing = lost = 0
-    made_stale: list[tuple[list[int], int, int]] = []  # see `remove`
+    made_stale: list[tuple[array[int], int, int]] = []  # see `remove`
     n = len(hashes)
     i = 0
     while i < n:
@@ -143,14 +144,14 @@ def _remove_mapped(tree: RadixTree, slot: int, hashes: Sequence[int]) -> ApplyRe
         assert node is not None
         i, pos, taken = _take_run(shared, node, hashes, h, i, pos, cut, True, True)
         removed += 1 + taken
-        made_stale.append((node.hashes, pos, cut))
+        made_stale.append((node.packed, pos, cut))
         lost += cut - pos
         _cut(node, bit, slot, pos)
         if pos == 0:
             held.discard(node)
         tree._after_loss(node)
         if node.freed and not tree._shadows:
-            node.locals = node.packed = _RELEASED
+            node.locals = _RELEASED
     tree._count[slot] -= lost
     _tidy_map(tree, slot)
     if missing:
@@ -158,7 +159,7 @@ def _remove_mapped(tree: RadixTree, slot: int, hashes: Sequence[int]) -> ApplyRe
     return ApplyResult(Status.ok, removed)
 
 
-def _take_run(index: dict[int, Node], node: Node, hashes: Sequence[int], h: int, i: int, pos: int, cut: int,
+def _take_run(index: dict[int, Node] | U64Map, node: Node, hashes: Sequence[int], h: int, i: int, pos: int, cut: int,
               unique: bool, trusted: bool) -> tuple[int, int, int]:
     """After `h`, at `pos` of `node`: the event's next hashes that are more of the edge the worker holds, taken at
     once (the same end state as one by one, as Dynamo does). Engines evict runs of one edge together: leaf-first
@@ -198,8 +199,8 @@ def _cut(node: Node, bit: int, slot: int, pos: int) -> None:
             node.cutoffs[slot] = pos
 
 
-def _bound_run(lookup: dict[int, Node], node: Node, hashes: Sequence[int], i: int, lo: int, hi: int, trusted: bool,
-               *, backwards: bool) -> bool:
+def _bound_run(lookup: dict[int, Node] | U64Map, node: Node, hashes: Sequence[int], i: int, lo: int, hi: int,
+               trusted: bool, *, backwards: bool) -> bool:
     """The event's hashes from `i` on are the edge's [lo, hi), backwards or forwards, and the worker's lookup binds
     them to `node` (known without looking for a `trusted` slot, one whose lookup never lost track of a node)."""
     run = node.packed[lo:hi]
@@ -208,7 +209,7 @@ def _bound_run(lookup: dict[int, Node], node: Node, hashes: Sequence[int], i: in
     ahead = hashes[i : i + hi - lo]
     if (ahead if type(ahead) is array else array("Q", ahead)) != run:
         return False
-    return trusted or all(map(is_, map(lookup.get, node.hashes[lo:hi]), repeat(node)))
+    return trusted or all(map(is_, map(lookup.get, node.packed[lo:hi]), repeat(node)))
 
 
 def _tidy(tree: RadixTree, slot: int) -> None:
@@ -245,7 +246,7 @@ def _release(tree: RadixTree, slot: int, node: Node) -> int:
     lookup = tree._lookup[slot]
     assert lookup is not None
     tree._deferred[slot].dead -= unbind(lookup, node)
-    return len(node.hashes)
+    return len(node.packed)
 
 
 def reclaim(tree: RadixTree, budget: int) -> bool:

@@ -81,7 +81,7 @@ class TreeShape:
                         budget = every
                     budget -= 1
                     full = node.full & allowed
-                    lengths = [(s, len(node.hashes)) for s in iter_bits(full)]
+                    lengths = [(s, len(node.packed)) for s in iter_bits(full)]
                     if node.cutoffs:
                         lengths += [(s, k) for s, k in node.cutoffs.items() if allowed >> s & 1]
                     if not lengths:
@@ -99,4 +99,4 @@ class TreeShape:
                         shared.append(edge)
                     if full and node.children:
                         budget -= len(node.children)
-                        queue.append((full, above + len(node.hashes), edge, list(node.children.values())))
+                        queue.append((full, above + len(node.packed), edge, list(node.children.values())))
