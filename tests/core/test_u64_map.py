@@ -1,6 +1,7 @@
 """`U64Map`, the index's engine hash -> node map, in C (`u64_map.h`) and its pure-Python twin, against a dict: the
-same answers after any sequence of operations, through growth, shrinking and the deletions that shift a probe run
-back; and the same refusals, with the same messages."""
+same answers after any sequence of operations (`bind_run` against the dict one, which test_native_twins holds to
+C), through growth, shrinking and the deletions that shift a probe run back; and the same refusals, with the same
+messages."""
 
 from __future__ import annotations
 
@@ -33,16 +34,6 @@ _OPS = st.lists(st.one_of(
 ), max_size=60)
 
 
-def _bind_run(oracle: dict[int, Any], keys: list[int], value: Any, replaceable: Any) -> int:
-    for n, key in enumerate(keys):
-        held = oracle.setdefault(key, value)
-        if held is not value:
-            if replaceable is None or held is not replaceable:
-                return n
-            oracle[key] = value
-    return len(keys)
-
-
 def _apply(m: Any, oracle: dict[int, Any], op: tuple[Any, ...]) -> None:  # noqa: C901 - one branch per operation
     name = op[0]
     if name == "set":
@@ -66,7 +57,7 @@ def _apply(m: Any, oracle: dict[int, Any], op: tuple[Any, ...]) -> None:  # noqa
         keys, value = op[1], VALUES[op[2]]
         replaceable = None if op[3] is None else VALUES[op[3]]
         given_keys = array("Q", keys) if op[4] else keys
-        assert m.bind_run(given_keys, value, replaceable) == _bind_run(oracle, keys, value, replaceable)
+        assert m.bind_run(given_keys, value, replaceable) == _native_py.bind_run(oracle, keys, value, replaceable)
     elif name == "repoint":
         old, new = VALUES[op[2]], None if op[3] is None else VALUES[op[3]]
         changed = 0
