@@ -229,7 +229,9 @@ def _tidy(tree: RadixTree, slot: int) -> None:
 
 def _tidy_map(tree: RadixTree, slot: int) -> None:
     """Hand the map to `reclaim` once no worker in it holds anything (every entry is dead); else keep it within a
-    quarter more than its live entries (amortised)."""
+    quarter more than its live entries (amortised). A worker that holds nothing gets a new set of held nodes."""
+    if not tree._count[slot]:  # a set never shrinks its table either: an emptied worker gives it back
+        tree._held_nodes[slot] = set()
     block_map = tree._map
     if not tree._count[slot] and not any(tree._count):
         if len(block_map.nodes) > _DROP_AT_ONCE:
