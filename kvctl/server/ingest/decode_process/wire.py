@@ -30,8 +30,9 @@ Answers (child -> router): u32 LE body length, u8 origin, body.
   - origin 4 (`PART`): the first events of the batch the next request or live answer carries, `PART_EVENTS`
     of them: msgpack `[events]`. A batch of more events is sent in parts, each read as it comes in.
 A stored event's local hashes and a removed event's hashes are packed: a bin of native-endian u64s (both
-ends are one machine), which the router reads as an `array('Q')` without building an int per block. The
-index needs ints only for stored engine hashes, which become its lookup keys.
+ends are one machine), which the router reads as an `array('Q')` without building an int per block. Stored
+engine hashes still travel as ints, as `Stored.block_hashes` is a list, though the index keeps them packed
+(issue 40).
 """
 
 from __future__ import annotations
