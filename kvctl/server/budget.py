@@ -15,7 +15,7 @@ SLICE_S = 0.002
 BULK_SLICE_S = 0.0005
 """The slice of a bulk load (`POST /v1/events`), which holds the loop for as long as its client keeps sending: a
 route takes a loop turn or two (its head and body may arrive apart), each behind a slice, so at 2 ms slices its
-p99 was 6-10 ms during one (issue 40's target: 5 ms). At 0.5 ms: 1.8 ms, for ~10 % more time per batch
+p99 was 6-10 ms during one (issue 40's target: 5 ms). At 0.5 ms: 1.8-3.6 ms, for ~10 % more time per batch
 (benchmarks/scale_bench.py's bulk row)."""
 
 RECLAIM_ENTRIES = 2048
