@@ -38,6 +38,22 @@ static inline Py_ssize_t map_home(const U64Map *m, uint64_t k) {
     return (Py_ssize_t)(k & (uint64_t)m->mask);
 }
 
+/* Keys a run operation asks the memory for ahead of the one it probes: at 10M pairs nearly every probe misses
+ * the cache, and a run's keys are known up front, so their misses overlap instead of following one another. */
+#define MAP_AHEAD 8
+
+/* Before probing key n of a run: the slots of keys n+1 .. n+MAP_AHEAD requested (all of them at n = 0, then one
+ * more a key). A resize since only makes a request useless, never wrong: a prefetch is a hint. */
+static inline void map_ahead(const U64Map *m, const uint64_t *keys, Py_ssize_t count, Py_ssize_t n) {
+#if defined(__GNUC__)
+    if (m->slots == NULL) return;
+    for (Py_ssize_t j = n == 0 ? 1 : n + MAP_AHEAD; j <= n + MAP_AHEAD && j < count; j++)
+        __builtin_prefetch(&m->slots[map_home(m, keys[j])]);
+#else
+    (void)m, (void)keys, (void)count, (void)n;
+#endif
+}
+
 /* 1 with *k set for an int in [0, 2^64); 0 for anything else, which no key equals; -1 with an error set. */
 static int map_key(PyObject *o, uint64_t *k) {
     if (!PyLong_Check(o)) return 0;
@@ -348,6 +364,7 @@ static PyObject *map_bind_run(U64Map *m, PyObject *const *args, Py_ssize_t nargs
     if (map_keys_open(args[0], &keys) < 0) return NULL;
     Py_ssize_t n = 0;
     for (; n < keys.n; n++) { /* one probe a key: where it is, or where it goes */
+        map_ahead(m, keys.keys, keys.n, n);
         if (map_room_for_one(m) < 0) {
             map_keys_close(&keys);
             return NULL;
@@ -375,6 +392,7 @@ static PyObject *map_repoint(U64Map *m, PyObject *const *args, Py_ssize_t nargs)
     if (map_keys_open(args[0], &keys) < 0) return NULL;
     Py_ssize_t changed = 0;
     for (Py_ssize_t n = 0; n < keys.n; n++) {
+        map_ahead(m, keys.keys, keys.n, n);
         const Py_ssize_t i = map_find(m, keys.keys[n]);
         if (i < 0 || m->slots[i].value != old) continue;
         changed++;
@@ -397,6 +415,7 @@ static PyObject *map_fill(U64Map *m, PyObject *const *args, Py_ssize_t nargs) {
     MapKeys keys;
     if (map_keys_open(args[0], &keys) < 0) return NULL;
     for (Py_ssize_t n = 0; n < keys.n; n++) {
+        map_ahead(m, keys.keys, keys.n, n);
         if (map_put(m, keys.keys[n], Py_NewRef(args[1])) < 0) {
             map_keys_close(&keys);
             return NULL;
