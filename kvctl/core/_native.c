@@ -427,35 +427,41 @@ static PyObject *xxh3_chain(PyObject *module, PyObject *const *args, Py_ssize_t 
     return out;
 }
 
-/* The key of `keys` (a dict of u64 local hashes) whose block chains from sequence hash `previous` to `target`:
- * XXH3-64(le64(previous) || le64(key), seed) == target; None when none does. A branch point of the tree: a prompt
- * shared by thousands of requests has thousands of children, each tried without a Python object per try. */
-static PyObject *chained_child(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "chained_child(keys, previous, target, seed) takes 4 arguments");
+/* The values of `children` (a dict keyed by u64 local hashes) keyed by the sequence hash each key's block chains to
+ * from sequence hash `previous`: XXH3-64(le64(previous) || le64(key), seed). A branch point of the tree: a prompt
+ * shared by thousands of requests has thousands of children, each hashed once, without a Python object per key. */
+static PyObject *by_sequence(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "by_sequence(children, previous, seed) takes 3 arguments");
         return NULL;
     }
     if (!PyDict_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "chained_child needs a dict keyed by u64 local hashes");
+        PyErr_SetString(PyExc_TypeError, "by_sequence needs a dict keyed by u64 local hashes");
         return NULL;
     }
     const unsigned long long previous = PyLong_AsUnsignedLongLong(args[1]);
     if (previous == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    const unsigned long long target = PyLong_AsUnsignedLongLong(args[2]);
-    if (target == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    const unsigned long long seed = PyLong_AsUnsignedLongLong(args[3]);
+    const unsigned long long seed = PyLong_AsUnsignedLongLong(args[2]);
     if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    U64Map *out = (U64Map *)U64MapType.tp_alloc(&U64MapType, 0);
+    if (out == NULL) return NULL;
     unsigned char bytes[16];
     for (int k = 0; k < 8; k++) bytes[k] = (unsigned char)(previous >> (8 * k));
     Py_ssize_t pos = 0;
     PyObject *key, *value;
     while (PyDict_Next(args[0], &pos, &key, &value)) {
         const unsigned long long local = PyLong_AsUnsignedLongLong(key);
-        if (local == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+        if (local == (unsigned long long)-1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
         for (int k = 0; k < 8; k++) bytes[8 + k] = (unsigned char)(local >> (8 * k));
-        if (XXH3_64bits_withSeed(bytes, sizeof bytes, seed) == target) return Py_NewRef(key);
+        if (map_put(out, XXH3_64bits_withSeed(bytes, sizeof bytes, seed), Py_NewRef(value)) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
     }
-    Py_RETURN_NONE;
+    return (PyObject *)out;
 }
 
 static PyObject *bind_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -752,9 +758,9 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"chained_child", (PyCFunction)(void (*)(void))chained_child, METH_FASTCALL,
-     "chained_child(keys: dict, previous: int, target: int, seed: int) -> int | None\n\nThe key (a u64 local "
-     "hash) whose block chains from sequence hash `previous` to `target`, or None."},
+    {"by_sequence", (PyCFunction)(void (*)(void))by_sequence, METH_FASTCALL,
+     "by_sequence(children: dict, previous: int, seed: int) -> U64Map\n\nThe values of `children` (keyed by u64 "
+     "local hashes) keyed by the sequence hash each key's block chains to from sequence hash `previous`."},
     {"solo_split", (PyCFunction)(void (*)(void))solo_split, METH_FASTCALL,
      "solo_split(children: Iterable[Node], allowed: int, above: int) -> tuple[bytes, list[Node], int]\n\nOf radix "
      "tree nodes `above` blocks deep, those one worker of `allowed` holds whole and no other in part, and all "

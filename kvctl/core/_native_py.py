@@ -366,16 +366,16 @@ def u64s_distinct(packed: Buffer) -> bool:
     return len(set(hashes)) == len(hashes)
 
 
-def chained_child(keys: dict[int, object], previous: int, target: int, seed: int) -> int | None:
-    """The key of `keys` (u64 local hashes) whose block chains from sequence hash `previous` to `target`:
-    XXH3-64(le64(previous) || le64(key), seed) == target; None when none does."""
-    if not isinstance(keys, dict):
-        raise TypeError("chained_child needs a dict keyed by u64 local hashes")
-    previous, target, seed = _u64(previous), _u64(target), _u64(seed)
-    for key in keys:
-        if xxh3_64_intdigest(_PAIR.pack(previous, _u64(key)), seed) == target:
-            return key
-    return None
+def by_sequence(children: dict[int, Any], previous: int, seed: int) -> U64Map:
+    """The values of `children` (keyed by u64 local hashes) keyed by the sequence hash each key's block chains to
+    from sequence hash `previous`: XXH3-64(le64(previous) || le64(key), seed)."""
+    if not isinstance(children, dict):
+        raise TypeError("by_sequence needs a dict keyed by u64 local hashes")
+    previous, seed = _u64(previous), _u64(seed)
+    out = U64Map()
+    for key, value in children.items():
+        out[xxh3_64_intdigest(_PAIR.pack(previous, _u64(key)), seed)] = value
+    return out
 
 
 def solo_split(children: Iterable[Any], allowed: int, above: int) -> tuple[bytes, list[Any], int]:

@@ -21,7 +21,9 @@ from xxhash import xxh3_64_intdigest
 from kvctl.core.events import Cleared, Removed, RouterEvent, Stored, Tier
 from kvctl.core.hashing import sequence_hashes
 from kvctl.core.index import KvIndex, Status, removal
+from kvctl.core.index.branch_seqs import BranchSeqs
 from kvctl.core.index.kv_index import DumpEdge, events_of
+from kvctl.core.index.sequence_path import path_of_sequence
 from kvctl.core.names import WorkerKey
 from tests.core.index_checks import assert_lookups_consistent
 
@@ -88,6 +90,8 @@ class IndexModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.index = KvIndex()
+        # Every branch point's map kept, so that the tree's every change to one is checked against the model
+        self.index.device.branches.wide = 1
         self.model: dict[WorkerKey, set[Path]] = {w: set() for w in WORKERS}
         self.extra_queries: list[list[int]] = []
         self.captures: list[tuple[list[DumpEdge], list[RouterEvent]]] = []
@@ -284,6 +288,7 @@ class IndexModel(RuleBasedStateMachine):
             path = self.index.path_of_sequence(sequence_hashes(q))
             found = path.local_hashes
             assert not path.exhausted and found == q[:len(found)] and len(found) >= max(want.values(), default=0), q
+            assert path == path_of_sequence(self.index.device, sequence_hashes(q), branches=BranchSeqs()), q
             assert self.index.find_matches(found).scores == want, q
 
     @invariant()

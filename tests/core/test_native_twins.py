@@ -232,14 +232,18 @@ def test_u64s_distinct(hashes: list[int], tail: bytes) -> None:
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.dictionaries(st.integers(0, 2**64 - 1) | _INTISH, st.none(), max_size=20) | _INTISH,
-       st.integers(0, 2**64 - 1) | _INTISH, st.integers(0, 2**64 - 1) | _INTISH, st.integers(0, 2**64 - 1) | _INTISH,
-       st.booleans())
-def test_chained_child(keys: Any, previous: Any, target: Any, seed: Any, present: bool) -> None:
-    if present and isinstance(keys, dict) and keys and all(type(v) is int and 0 <= v < 2**64
-                                                           for v in (previous, seed, *keys)):
-        target = C.xxh3_chain([previous, list(keys)[-1]], seed)[1]  # one key chains to it
-    _same("chained_child", keys, previous, target, seed)
+@given(st.dictionaries(st.integers(0, 2**64 - 1) | _INTISH, st.integers(), max_size=20) | _INTISH,
+       st.integers(0, 2**64 - 1) | _INTISH, st.integers(0, 2**64 - 1) | _INTISH)
+def test_by_sequence(children: Any, previous: Any, seed: Any) -> None:
+    def entries(function: Callable[..., Any]) -> tuple[str, Any]:
+        kind, got = _outcome(function, children, previous, seed)
+        return (kind, sorted(got.items())) if kind == "returned" else (kind, got)
+
+    assert entries(_native_py.by_sequence) == entries(C.by_sequence)
+    if isinstance(children, dict) and children and all(type(v) is int and 0 <= v < 2**64
+                                                       for v in (previous, seed, *children)):
+        key, value = next(iter(children.items()))  # the map says where each child's block chains to
+        assert C.by_sequence(children, previous, seed)[C.xxh3_chain([previous, key], seed)[1]] == value
 
 
 def _tree_of(stores: list[tuple[int, int, list[int]]], removals: list[tuple[int, list[int]]]) -> Any:

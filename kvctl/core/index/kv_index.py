@@ -125,7 +125,7 @@ class KvIndex:
 
     def path_of_sequence(self, sequence_hashes: Sequence[int]) -> Path:
         """The local hashes of the longest prefix of a request's sequence hashes the device tree holds."""
-        return path_of_sequence(self.device.root, sequence_hashes)
+        return path_of_sequence(self.device, sequence_hashes)
 
     def workers(self) -> list[WorkerKey]:
         seen = dict.fromkeys(self.device.workers())

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from kvctl.core import native
 from kvctl.core.index import matching, removal
 from kvctl.core.index.block_map import BlockMap
+from kvctl.core.index.branch_seqs import BranchSeqs
 from kvctl.core.index.matching import Matches, common_prefix
 from kvctl.core.index.node import OK_EMPTY, ApplyResult, Deferred, Node, Status, iter_bits
 from kvctl.core.names import WorkerKey, selects
@@ -71,6 +72,8 @@ class RadixTree:
         # lookups of workers that let go of everything, and dead maps: see `reclaim`
         self._garbage: list[dict[int, Node] | U64Map] = []
         self.nodes = 0
+        # Sequence hash -> child at branch points a frontend's request was looked up at: told of their every change
+        self.branches = BranchSeqs()
         # Blocks a worker stored on a token path already indexed under other engine hashes: engines
         # that hash the same tokens differently (Dynamo's "block_hash mismatch"), whose removals then
         # miss and whose blocks other workers' lookups cannot find. Counted since the worker's last clear.
@@ -186,6 +189,8 @@ class RadixTree:
                     parent.children = {locs[start]: child}
                 else:
                     children[locs[start]] = child
+                if self.branches.kept:
+                    self.branches.adopted(parent, locs[start], child)
                 parent.internal = True
                 self._covered(slot, child, 0)
                 self._bind(slot, child.packed, child)
@@ -213,6 +218,8 @@ class RadixTree:
                     child.children = {locs[start]: tail}
                 else:
                     child.children[locs[start]] = tail
+                if self.branches.kept:
+                    self.branches.adopted(child, locs[start], tail)
                 child.internal = True
                 self._covered(slot, tail, 0)
                 self._bind(slot, tail.packed, tail)
@@ -403,6 +410,8 @@ class RadixTree:
         lookups, held_nodes = self._lookup, self._held_nodes
         if suffix.has_workers():
             node.children = {suffix_locs[0]: suffix}
+            if self.branches.kept:
+                self.branches.moved(node, suffix)
             self.nodes += 1
             self._map.move(suffix_packed, node, suffix)
             moved = [(s, len(suffix_packed)) for s in iter_bits(suffix.full)]
@@ -417,6 +426,8 @@ class RadixTree:
                 # else a removed worker's lingering bit (Dynamo panics here)
         else:
             node.children = None  # nobody holds the suffix: it is not kept (Dynamo keeps it, dead)
+            if self.branches.kept:
+                self.branches.dropped(node)
             self._map.move(suffix_packed, node, None)
         return suffix
 
@@ -440,6 +451,8 @@ class RadixTree:
             for child in node.children.values():
                 child.parent = None
             node.children = None
+            if self.branches.kept:
+                self.branches.dropped(node)
         if not node.has_workers():
             self.nodes -= 1
             node.freed = True
@@ -450,6 +463,8 @@ class RadixTree:
                 key = node.locals[0]
                 if children and children.get(key) is node:
                     del children[key]
+                    if self.branches.kept:
+                        self.branches.released(parent, key)
                     if not children:
                         parent.children = None
                 node.parent = None

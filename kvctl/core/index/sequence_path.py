@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 from kvctl.core import native
 from kvctl.core.hashing import XXH3_SEED
-from kvctl.core.index.node import Node
+from kvctl.core.index.branch_seqs import BranchSeqs
+from kvctl.core.index.radix import RadixTree
 
 BRANCH_BUDGET = 262_144
-"""Children tried at branch points, per request, at most (~20 ns each, in C): a prefix shared by very many prompts
-must not make one lookup cost milliseconds. Past it the walk stops and says so (`Path.exhausted`)."""
+"""Children hashed at branch points not mapped yet, per request, at most (~20 ns each, in C; `branch_seqs.py`): a
+prefix shared by very many prompts must not make one lookup cost milliseconds. Past it the walk stops and says so
+(`Path.exhausted`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,10 +32,13 @@ class Path:
     """The walk gave up at a branch point with more children than its budget: the prefix may be longer."""
 
 
-def path_of_sequence(root: Node, sequence_hashes: Sequence[int], budget: int = BRANCH_BUDGET) -> Path:
-    """The local hashes of the longest prefix of `sequence_hashes` that is a path from `root` (a device tree's)."""
+def path_of_sequence(tree: RadixTree, sequence_hashes: Sequence[int], budget: int = BRANCH_BUDGET,
+                     branches: BranchSeqs | None = None) -> Path:
+    """The local hashes of the longest prefix of `sequence_hashes` that is a path from `tree`'s root. `branches`:
+    the maps of its branch points to use (the tree's own, which it keeps whole; fresh ones hash every child)."""
+    branches = tree.branches if branches is None else branches
     n = len(sequence_hashes)
-    children = root.children
+    children = tree.root.children
     node = children.get(sequence_hashes[0]) if n and children else None
     found: list[int] = []
     previous: int | None = None
@@ -48,19 +53,12 @@ def path_of_sequence(root: Node, sequence_hashes: Sequence[int], budget: int = B
                 break
             k += 1
         found.extend(edge[:k])
-        children = node.children
-        if k < len(node.locals) or len(found) == n or not children:
+        if k < len(node.locals) or len(found) == n or not node.children:
             break
-        if len(children) > budget:
-            return Path(found, exhausted=True)
-        budget -= len(children)
         previous = chain[-1]
-        node = _child_of(children, previous, sequence_hashes[len(found)])
+        cost = branches.cost(node, previous)
+        if cost > budget:
+            return Path(found, exhausted=True)
+        budget -= cost
+        node = branches.child(node, previous, sequence_hashes[len(found)])
     return Path(found)
-
-
-def _child_of(children: dict[int, Node], previous: int, target: int) -> Node | None:
-    """The child whose first block chains from `previous` to `target`, every child tried in C (a prompt shared by
-    thousands of requests branches thousands of ways)."""
-    local = native.chained_child(children, previous, target, XXH3_SEED)
-    return None if local is None else children[local]
