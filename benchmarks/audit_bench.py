@@ -7,8 +7,10 @@ suffixes); each request is a system prompt and a fresh suffix, with 64 requests 
 freed 64 later), so every decision walks a real partial hit and prices the active-block term. "Off" replaces the
 fleet's hook with a no-op in the same process (kvctl has no switch for it: the audit is always on), so both sides
 share the index, the loads and the machine. A frontend decision is fed as its replica sync's AddRequest is
-(`Auditor.peer`), judged before booking. kvctl's own decisions are judged after the route, in batches, as the
-daemon's housekeeping judges them between routes: `own_judged_us` is that cost per decision. Medians and p99 of
+(`Auditor.peer`), judged before booking. kvctl's own decisions are judged after the route, untimed, as the daemon
+judges each on its loop's next turn (`Auditor.soon`): `own_judged_us` is that cost per decision. As in the daemon,
+the collector runs with `runtime.survivors_frozen`, and the audit's ring is full before anything is timed (a
+growing ring is a warm-up: every verdict it keeps is a survivor for the young collections). Medians and p99 of
 `--requests` decisions per figure, in-process.
 
     python benchmarks/audit_bench.py [--pairs 1000000 10000000] [--requests 2000] [--json PATH]
@@ -29,17 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from route_bench import BLOCK, SUFFIX_TOKENS, _tokens, populated_router  # noqa: E402
 
+from kvctl.core.audit.ledger import RING  # noqa: E402
 from kvctl.core.events.plane import ActiveSequenceEvent, AddRequest  # noqa: E402
 from kvctl.core.hashing import local_block_hashes, sequence_hashes  # noqa: E402
+from kvctl.runtime import survivors_frozen  # noqa: E402
 from kvctl.server.state import Fleet  # noqa: E402
 from kvctl.server.worker_info import WorkerInfo  # noqa: E402
 
 WORKERS = 16
 IN_FLIGHT = 64
-DRAIN_EVERY = 1_000
-"""Routes between two drains of the audit: the daemon drains each second, so this is 1,000 routes a second. The route
-after a drain finds the CPU's caches cold (its time is in these figures: at 100 routes between drains, p99 rose
-1.3-1.7x)."""
 
 
 def fleet_of(pairs: int) -> tuple[Fleet, list[list[int]]]:
@@ -58,8 +58,8 @@ def quantiles(samples: list[float]) -> dict[str, float]:
 
 def route_times(fleet: Fleet, prompts: list[list[int]], requests: int, seed: int,
                 judging: list[float] | None = None) -> list[float]:
-    """Each route's time; every `DRAIN_EVERY` routes the audit judges what waits, untimed, as the daemon's
-    housekeeping does between routes (`Auditor.drain`, each second): `judging` gets the time per decision judged."""
+    """Each route's time; after each, the audit judges its decision, untimed, as the daemon's loop does on its next
+    turn: `judging` gets the time per decision judged."""
     rng = random.Random(seed)
     times, booked = [], []
     for n in range(requests + IN_FLIGHT):
@@ -72,10 +72,10 @@ def route_times(fleet: Fleet, prompts: list[list[int]], requests: int, seed: int
             fleet.free("default", booked.pop(0))
         if n >= IN_FLIGHT:
             times.append(elapsed)
-        if n % DRAIN_EVERY == DRAIN_EVERY - 1 and judging is not None:
+        if judging is not None:
             started = time.perf_counter()
             fleet.audit.flush()
-            judging.append((time.perf_counter() - started) / DRAIN_EVERY)
+            judging.append(time.perf_counter() - started)
     for request_id in booked:
         fleet.free("default", request_id)
     return times
@@ -104,11 +104,13 @@ def measure(pairs: int, requests: int) -> dict[str, Any]:
                            "build_s": round(time.perf_counter() - built, 1)}
     own = fleet.audit.own
     on, off, judging = [], [], []
-    for rnd in range(3):  # alternated, so drift falls on both
-        on += route_times(fleet, prompts, requests // 3, seed=2 * rnd, judging=judging)
-        fleet.audit.own = lambda *args, **kwargs: None  # type: ignore[method-assign, assignment, return-value]
-        off += route_times(fleet, prompts, requests // 3, seed=2 * rnd + 1)
-        fleet.audit.own = own  # type: ignore[method-assign]
+    with survivors_frozen():
+        route_times(fleet, prompts, RING, seed=99, judging=[])  # the ring full, as in a router that has routed
+        for rnd in range(3):  # alternated, so drift falls on both
+            on += route_times(fleet, prompts, requests // 3, seed=2 * rnd, judging=judging)
+            fleet.audit.own = lambda *args, **kwargs: None  # type: ignore[method-assign, assignment, return-value]
+            off += route_times(fleet, prompts, requests // 3, seed=2 * rnd + 1)
+            fleet.audit.own = own  # type: ignore[method-assign]
     row["route_audit_on"], row["route_audit_off"] = quantiles(on), quantiles(off)
     row["route_p50_ratio"] = round(row["route_audit_on"]["p50_us"] / row["route_audit_off"]["p50_us"], 3)
     row["route_p99_ratio"] = round(row["route_audit_on"]["p99_us"] / row["route_audit_off"]["p99_us"], 3)

@@ -303,6 +303,7 @@ async def _become_ready(fleet: Fleet, options: ServeOptions, readiness: Readines
         streams.start(info)
     if plane is not None:
         plane.start()
+    fleet.audit.soon = asyncio.get_running_loop().call_soon
     running.background += [asyncio.create_task(_tick_every(fleet, streams, TICK_S)),
                            asyncio.create_task(_reclaim_every(fleet, streams, ROUTE_QUIET_S))]
     if options.state_dir is not None and fleet.approx is not None:  # its index changes with every route
