@@ -200,12 +200,12 @@ def audit_command(
 def _beside(totals: list[dict[str, Any]], urls: list[str], auth: Auth, timeout: float) -> list[dict[str, Any]]:
     """Each Dynamo router's own decision counters among the metrics, beside kvctl's audit of the same router."""
     from kvctl.client.tier_sources import Scraper
-    from kvctl.core.doctor.routing_audit import self_reports
+    from kvctl.core.doctor.routing_audit import audited_by_router, self_reports
 
     with Scraper(urls, auth=auth, timeout=timeout) as scraper:
         reports = self_reports(scraper.since_start())
-    audited = {(t["model"], t["router"]): t for t in totals}
-    return [{"model": model, "router": router, "dynamo": figures, "kvctl": audited.get((model, router))}
+    audited = audited_by_router(totals)
+    return [{"model": model, "router": router, "dynamo": figures, "kvctl": audited.get(router)}
             for (model, router), figures in sorted(reports.items())]
 
 
@@ -220,8 +220,9 @@ def _self_report(rows: list[dict[str, Any]] | None) -> str:
     for row in rows:
         dyn, mine = row["dynamo"], row["kvctl"]
         best, selected = int(dyn.get("best_eligible", 0)), int(dyn.get("selected", 0))
-        said = (f"router {row['router']} ({row['model']}) counts best eligible {best:,}, selected {selected:,} "
-                f"cached tokens (lost {best - selected:,}), non-max selections {int(dyn.get('non_max', 0)):,}")
+        said = (f"router {row['router']} ({row['model']}) counts {int(dyn.get('decisions', 0)):,} decisions, best "
+                f"eligible {best:,}, selected {selected:,} cached tokens (lost {best - selected:,}), non-max "
+                f"selections {int(dyn.get('non_max', 0)):,}")
         heard = "; kvctl heard none of its decisions" if mine is None else (
             f"; kvctl audited {mine['decisions']:,} of its decisions: best {mine['cacheable_prefill_tokens']:,}, "
             f"chosen {mine['chosen_prefill_tokens']:,} (avoidable {mine['avoidable_prefill_tokens']:,})")

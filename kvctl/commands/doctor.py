@@ -37,7 +37,7 @@ from kvctl.core.doctor import (
     differing_workers,
     worst,
 )
-from kvctl.core.doctor.routing_audit import check_routing
+from kvctl.core.doctor.routing_audit import check_routing, check_self_reports, self_report
 from kvctl.core.silence import SILENT_AFTER_S
 from kvctl.errors import UsageError
 from kvctl.output import Column, Output, OutputFormat, View
@@ -132,7 +132,8 @@ def doctor_command(
 
                 engines = _Engines(metrics or [], prometheus, window_s, Auth(auth_user, auth_password, bearer_token))
                 hit_rates, reported = _hit_rates(ctx, engines) if metrics or prometheus else (None, None)
-                routing = check_routing(audit, reported)
+                routing = [*check_routing(audit, None if reported is None else self_report(reported)),
+                           *check_self_reports(audit, reported)]
                 findings = [*diagnose(status, workers, thresholds, diffs, limits, hit_rates, previous, routing),
                             *not_compared]
         previous[:] = findings
@@ -272,16 +273,17 @@ def _audit(client: RouterClient, model: str | None) -> dict[str, Any] | None:
         return None
 
 
-def _hit_rates(ctx: typer.Context, engines: _Engines) -> tuple[list[Finding], dict[str, float] | None]:
+def _hit_rates(ctx: typer.Context, engines: _Engines
+               ) -> tuple[list[Finding], dict[tuple[str, str], dict[str, float]] | None]:
     """Engines' device prefix-cache hit rates and the router's mean predicted hit rate since it started; and a
-    Dynamo frontend's router queue and its own decision counters, when one is among the metrics.
+    Dynamo frontend's router queue and its own decision counters per router (None where the metrics were not read).
 
     An engine without a prefix-cache family of its own (Dynamo's mocker) counts by what a Dynamo frontend among
     the metrics says its engines reported cached (`cached_share`). The prediction is kvctl's own when it has
     routed; else a Dynamo router's among the metrics (its kv_hit_rate histogram: Σ sum / Σ count)."""
     from kvctl.client.tier_sources import Auth, Scraper, prometheus_windows
     from kvctl.core.doctor.frontend_queue import check_frontend_queue
-    from kvctl.core.doctor.routing_audit import self_report
+    from kvctl.core.doctor.routing_audit import self_reports
     from kvctl.core.tiers import hit_rates, ratio, report
     from kvctl.errors import KvctlError
 
@@ -312,4 +314,4 @@ def _hit_rates(ctx: typer.Context, engines: _Engines) -> tuple[list[Finding], di
         if predicted is not None:
             by = ", ".join(sorted({r.family for r in found}))
             break
-    return [*check_hit_rates(rates, predicted, predicted_by=by), *check_frontend_queue(windows)], self_report(windows)
+    return [*check_hit_rates(rates, predicted, predicted_by=by), *check_frontend_queue(windows)], self_reports(windows)

@@ -78,7 +78,7 @@ def test_a_frontends_own_counters_are_shown_beside_the_audit(tmp_path: Path) -> 
         server.server_close()
     (row,) = answer["self_report"]
     assert (row["model"], row["router"], row["kvctl"]) == ("tiny", FRONTEND_ROUTER, None)
-    assert row["dynamo"] == {"best_eligible": 3840.0, "selected": 3456.0, "non_max": 0.0}
+    assert row["dynamo"] == {"best_eligible": 3840.0, "selected": 3456.0, "non_max": 0.0, "decisions": 24.0}
     said = " ".join(table.stdout.split())
-    assert f"router {FRONTEND_ROUTER} (tiny) counts best eligible 3,840, selected 3,456 cached tokens (lost 384)" \
-        in said and "kvctl heard none of its decisions" in said
+    assert f"router {FRONTEND_ROUTER} (tiny) counts 24 decisions, best eligible 3,840, selected 3,456 cached tokens " \
+        "(lost 384)" in said and "kvctl heard none of its decisions" in said

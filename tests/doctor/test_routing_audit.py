@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvctl.client.tier_sources import parse_metrics
 from kvctl.core.doctor import Severity
-from kvctl.core.doctor.routing_audit import check_routing, self_report
+from kvctl.core.doctor.routing_audit import check_routing, check_self_reports, self_report, self_reports
 from kvctl.core.tiers import Sample, Window
+from tests.fixtures_path import FIXTURES
 
 
 def audit(cached: int = 100, optimal: float | None = 0.95, reasons: dict[str, int] | None = None,
@@ -59,5 +61,50 @@ def test_the_self_report_is_summed_over_series_and_absent_without_the_family() -
                Sample("dynamo_component_router_kv_best_eligible_cached_prefix_tokens_total", {"phase": "b"}, 16.0),
                Sample("dynamo_component_router_kv_selected_cached_prefix_tokens_total", {}, 48.0),
                Sample("vllm:prefix_cache_hits_total", {}, 5.0))
-    assert self_report([Window("f:8000", 60.0, samples)]) == {"best_eligible": 80.0, "selected": 48.0}
-    assert self_report([Window("e:9000", 60.0, samples[3:])]) is None
+    assert self_report(self_reports([Window("f:8000", 60.0, samples)])) == {"best_eligible": 80.0, "selected": 48.0}
+    assert self_report(self_reports([Window("e:9000", 60.0, samples[3:])])) is None
+
+
+# A Dynamo 1.6.1 frontend's own counters after 24 shared-prefix requests: 3,840 cached tokens on the best eligible
+# workers, 3,456 on its picks (10 % lost), its decisions counted by its hit-rate histogram.
+CAPTURED = self_reports([Window("frontend:8000", 0.0, parse_metrics(
+    (FIXTURES / "dynamo-1.6.1-fleet" / "metrics" / "frontend.prom").read_text()))])
+ROUTER = "4238352712680185056"
+
+
+def audited(decisions: int, avoidable: int, cacheable: int = 3_840) -> dict[str, Any]:
+    totals = {"model": "tiny", "router": ROUTER, "decisions": decisions, "cacheable_prefill_tokens": cacheable,
+              "chosen_prefill_tokens": cacheable - avoidable, "avoidable_prefill_tokens": avoidable}
+    return {**audit(), "totals": [totals]}
+
+
+def test_a_routers_counters_read_per_router_with_its_decisions() -> None:
+    assert CAPTURED == {("tiny", ROUTER): {"best_eligible": 3840.0, "selected": 3456.0, "non_max": 0.0,
+                                           "decisions": 24.0}}
+
+
+def test_a_router_and_the_audit_that_count_the_same_loss_over_the_same_decisions_agree() -> None:
+    (finding,) = check_self_reports(audited(24, 384), CAPTURED)
+    assert finding.severity is Severity.OK
+    assert finding.cause == (f"router {ROUTER} (tiny) counts 10% of cacheable prefill lost, the audit 10%, "
+                             "over 24 decisions")
+
+
+def test_a_router_that_counts_far_less_lost_than_the_audit_finds_is_a_warning_saying_which_to_believe() -> None:
+    (finding,) = check_self_reports(audited(24, 1_536), CAPTURED)
+    assert finding.severity is Severity.WARNING and finding.check == "router_counters"
+    assert "counts 10% of cacheable prefill lost, the audit 40%" in finding.cause
+    assert "believe the audit if kvctl's streams are whole" in finding.cause and "streams" in finding.next_step
+    (less,) = check_self_reports(audited(24, 0, cacheable=960), CAPTURED)  # kvctl's index holds less cache
+    assert less.severity is Severity.WARNING and "believe the router's counters" in less.cause
+
+
+def test_counters_over_other_decisions_than_the_audits_are_not_compared_and_say_why() -> None:
+    (finding,) = check_self_reports(audited(10, 1_536), CAPTURED)  # kvctl started after the frontend
+    assert finding.severity is Severity.OK
+    assert finding.cause == (f"not compared: router {ROUTER} (tiny): 10 of its 24 decisions audited (each counts "
+                             "since it started)")
+    blind = {key: {**figures, "best_eligible": 0.0, "selected": 0.0} for key, figures in CAPTURED.items()}
+    (unpriced,) = check_self_reports(audited(24, 1_536), blind)  # the routing finding names a blind router
+    assert unpriced.severity is Severity.OK and "counts no cacheable prefill in its 24 decisions" in unpriced.cause
+    assert check_self_reports(audited(24, 0), {}) == [] and check_self_reports(None, CAPTURED) == []

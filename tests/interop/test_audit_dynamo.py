@@ -68,6 +68,10 @@ def test_every_frontend_decision_is_audited_and_its_avoidable_prefill_is_dynamos
         (counted[DYNAMO_SELECTED] - counted_before[DYNAMO_SELECTED])
     assert avoidable == dynamo_avoidable, report
     assert sum(v["best_overlap"] for v in verdicts) > 0, report  # the load shares prefixes: there was cache to find
+    # doctor sets the frontend's own counters beside the audit of the same decisions, all of them since it started
+    doctor = kvctl(router.url, "doctor", "--metrics", f"{fleet.frontend_url}/metrics", "-o", "json")
+    beside = next(f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "router_counters")
+    assert beside["severity"] == "OK" and len(beside["evidence"]["compared"]) == 1, (beside, summary["totals"])
     assert all(v["blocks"] > 0 and v["resolved_blocks"] <= v["blocks"] for v in verdicts)
     assert {v["role"] for v in verdicts} == {"aggregated"} and BLOCK_SIZE == 16
 

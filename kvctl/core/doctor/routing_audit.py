@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvctl.core.doctor.findings import Finding, Severity
-from kvctl.core.tiers import DYNAMO_DECISIONS, Window
+from kvctl.core.tiers import DYNAMO_DECISIONS, DYNAMO_PREDICTED, Window
 from kvctl.core.words import counted
 
 MIN_DECISIONS = 20
@@ -22,6 +22,13 @@ OPTIMAL_FLOOR = 0.7
 DISAGREE_CEILING = 0.1
 """Over this share of decisions where kvctl's cost function picks another worker (not for its index being behind),
 the router's knobs are not kvctl's."""
+SAME_DECISIONS = 0.05
+"""A router's own counters and kvctl's audit of it are compared only where they count the same decisions, within this
+share: each is since its own start, and a kvctl started later has heard fewer."""
+LOSS_GAP = 0.08
+"""Over this gap between the share of cacheable prefill a router counts as lost and the share the audit finds, over
+the same decisions, their indexes disagree (WARNING). Over a live 1.6.1 fleet's 48 decisions the two were equal; a
+decision priced on an index a few events apart moves the share by a few points."""
 
 _NEXT = {
     "cache_ignored": "the router gives cached blocks no credit: set overlap_score_credit above 0 (the policy file's "
@@ -41,10 +48,12 @@ _SHORT = {"kv_best_eligible_cached_prefix_tokens": "best_eligible", "kv_selected
           "non_max_overlap_selections": "non_max"}
 
 
-def self_report(windows: Sequence[Window]) -> dict[str, float] | None:
-    """A Dynamo router's own decision counters among the metrics (best eligible and selected cached prefix tokens,
-    non-max selections), summed over every router and series since each started; None when none exports them."""
-    by_router = self_reports(windows)
+SelfReports = Mapping[tuple[str, str], Mapping[str, float]]
+"""A Dynamo router's own decision counters per (model, router id) (`self_reports`)."""
+
+
+def self_report(by_router: SelfReports) -> dict[str, float] | None:
+    """The routers' own decision counters summed over every router; None when none exports them."""
     if not by_router:
         return None
     totals: dict[str, float] = {}
@@ -55,22 +64,87 @@ def self_report(windows: Sequence[Window]) -> dict[str, float] | None:
 
 
 def self_reports(windows: Sequence[Window]) -> dict[tuple[str, str], dict[str, float]]:
-    """The same counters per (model, router id), as their labels name them: non-max selections carry no model label
-    in 1.6.1, and go with their router's one model ("?" where it has none, or several)."""
+    """A Dynamo router's own decision counters among the metrics (best eligible and selected cached prefix tokens,
+    non-max selections, and its decisions: its hit-rate histogram's count) per (model, router id), as their labels
+    name them, since each started: those without a model label in 1.6.1 go with their router's one model ("?" where
+    it has none, or several). Only routers that export the decision counters are kept."""
     found: dict[tuple[str, str], dict[str, float]] = {}
     for window in windows:
         for sample in window.samples:
             if (m := DYNAMO_DECISIONS.pattern.fullmatch(sample.name)) is not None:
-                key = (sample.labels.get("model", "?"), sample.labels.get("router_id", "?"))
-                figures = found.setdefault(key, {})
                 name = _SHORT[m[1]]
-                figures[name] = figures.get(name, 0.0) + sample.value
+            elif (m := DYNAMO_PREDICTED.pattern.fullmatch(sample.name)) is not None and m[1] == "count":
+                name = "decisions"
+            else:
+                continue
+            key = (sample.labels.get("model", "?"), sample.labels.get("router_id", "?"))
+            figures = found.setdefault(key, {})
+            figures[name] = figures.get(name, 0.0) + sample.value
     for router in [r for m, r in found if m == "?"]:  # a router's unlabelled series: its one model's
         models = [m for m, r in found if r == router and m != "?"]
         if len(models) == 1:
             for name, value in found.pop(("?", router)).items():
                 found[models[0], router][name] = found[models[0], router].get(name, 0.0) + value
-    return found
+    return {key: figures for key, figures in found.items() if figures.keys() - {"decisions"}}
+
+
+def audited_by_router(totals: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """The audit's totals (`GET /v1/audit`'s) per router id, their models summed: a router id is its own (random at
+    each start), and kvctl may name a model its own way (the implicit `default`), so routers are matched by id."""
+    audited: dict[str, dict[str, int]] = {}
+    for row in totals:
+        summed = audited.setdefault(row["router"], {})
+        for key in ("decisions", "cacheable_prefill_tokens", "chosen_prefill_tokens", "avoidable_prefill_tokens"):
+            summed[key] = summed.get(key, 0) + row[key]
+    return audited
+
+
+def check_self_reports(audit: Mapping[str, Any] | None, reports: SelfReports | None) -> list[Finding]:
+    """Each router's own count of cacheable prefill lost beside the audit's, where both count the same decisions
+    (`audit["totals"]` and `reports` are each since their own start): the router prices its picks with its index,
+    the audit with kvctl's, so a gap says one of the two indexes is not the engines'. Routers are matched by id
+    (`audited_by_router`)."""
+    if audit is None or not reports:
+        return []
+    audited = audited_by_router(audit.get("totals", []))
+    by_router: dict[str, tuple[list[str], dict[str, float]]] = {}
+    for (model, router), figures in sorted(reports.items()):
+        models, summed = by_router.setdefault(router, ([], {}))
+        models.append(model)
+        for key, value in figures.items():
+            summed[key] = summed.get(key, 0.0) + value
+    compared: list[tuple[str, float, float]] = []
+    gaps: list[tuple[str, float, float]] = []
+    apart: list[str] = []
+    for router, (models, figures) in by_router.items():
+        mine = audited.get(router)
+        theirs = int(figures.get("decisions", 0))
+        name = f"router {router} ({', '.join(models)})"
+        if mine is None or not theirs or abs(mine["decisions"] - theirs) > SAME_DECISIONS * theirs:
+            heard = 0 if mine is None else mine["decisions"]
+            apart.append(f"{name}: {heard:,} of its {theirs:,} decisions audited (each counts since it started)")
+            continue
+        best, selected = figures.get("best_eligible", 0.0), figures.get("selected", 0.0)
+        if not best:  # a router blind to the cache: the routing finding says so
+            apart.append(f"{name} counts no cacheable prefill in its {theirs:,} decisions")
+            continue
+        lost = (best - selected) / best
+        cacheable = mine["cacheable_prefill_tokens"]
+        found = mine["avoidable_prefill_tokens"] / cacheable if cacheable else 0.0
+        said = f"{name} counts {lost:.0%} of cacheable prefill lost, the audit {found:.0%}, over {theirs:,} decisions"
+        (gaps if abs(lost - found) > LOSS_GAP and theirs >= MIN_DECISIONS else compared).append((said, lost, found))
+    evidence: dict[str, Any] = {"compared": [s for s, _, _ in compared + gaps], "not_compared": apart}
+    if gaps:
+        said, lost, found = gaps[0]
+        why = ("the router sees less of the cache it passed by than kvctl's index holds: believe the audit if "
+               "kvctl's streams are whole (the streams and event_plane findings OK), else the router" if found > lost
+               else "kvctl's index holds less cache than the router's: believe the router's counters until kvctl's "
+                    "streams are whole (the streams and event_plane findings)")
+        return [Finding("router_counters", Severity.WARNING, f"{said}: their indexes disagree; {why}", evidence,
+                        "kvctl doctor -o wide (streams, event_plane); kvctl audit --recent 20 -o wide")]
+    if compared:
+        return [Finding("router_counters", Severity.OK, "; ".join(s for s, _, _ in compared), evidence)]
+    return [Finding("router_counters", Severity.OK, "not compared: " + "; ".join(apart), evidence)]
 
 
 def check_routing(audit: Mapping[str, Any] | None, reported: Mapping[str, float] | None = None) -> list[Finding]:
