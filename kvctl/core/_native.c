@@ -519,6 +519,66 @@ static PyObject *u64s_distinct(PyObject *module, PyObject *arg) {
     return PyBool_FromLong(distinct);
 }
 
+/* How many times each u64 of `data` occurs: (value, count) native-endian u64 pairs, in the order each value first
+ * occurs (a Counter's). `tree stats` counts its runs so, hundreds of thousands of them at 10M pairs and a few thousand
+ * distinct (prompt and tail lengths): a table of the distinct values, probed from a seeded mix (see u64_map.h). */
+static PyObject *u64_counts(PyObject *module, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (view.len % (Py_ssize_t)sizeof(uint64_t)) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "not a whole number of u64s");
+        return NULL;
+    }
+    const Py_ssize_t n = view.len / (Py_ssize_t)sizeof(uint64_t);
+    const uint64_t *values = view.buf;
+    Py_ssize_t cap = 64, used = 0; /* table slots (a power of two), distinct values */
+    Py_ssize_t *table = PyMem_Malloc((size_t)cap * sizeof(Py_ssize_t));
+    uint64_t *pairs = PyMem_Malloc((size_t)cap * 2 * sizeof(uint64_t)); /* room for cap / 2 pairs at least */
+    PyObject *result = NULL;
+    if (table == NULL || pairs == NULL) goto done;
+    for (Py_ssize_t j = 0; j < cap; j++) table[j] = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t v;
+        memcpy(&v, values + i, sizeof v);
+        Py_ssize_t at = (Py_ssize_t)(seeded_mix(v) & (uint64_t)(cap - 1));
+        while (table[at] >= 0 && pairs[2 * table[at]] != v) at = (at + 1) & (cap - 1);
+        if (table[at] >= 0) {
+            pairs[2 * table[at] + 1]++;
+            continue;
+        }
+        if ((used + 1) * 2 > cap) { /* at most half full: grow, and find v's place again */
+            const Py_ssize_t grown_cap = 2 * cap;
+            Py_ssize_t *grown = PyMem_Realloc(table, (size_t)grown_cap * sizeof(Py_ssize_t));
+            if (grown == NULL) goto done;
+            table = grown;
+            uint64_t *more = PyMem_Realloc(pairs, (size_t)grown_cap * 2 * sizeof(uint64_t));
+            if (more == NULL) goto done;
+            pairs = more;
+            cap = grown_cap;
+            for (Py_ssize_t j = 0; j < cap; j++) table[j] = -1;
+            for (Py_ssize_t e = 0; e < used; e++) {
+                Py_ssize_t to = (Py_ssize_t)(seeded_mix(pairs[2 * e]) & (uint64_t)(cap - 1));
+                while (table[to] >= 0) to = (to + 1) & (cap - 1);
+                table[to] = e;
+            }
+            at = (Py_ssize_t)(seeded_mix(v) & (uint64_t)(cap - 1));
+            while (table[at] >= 0) at = (at + 1) & (cap - 1);
+        }
+        table[at] = used;
+        pairs[2 * used] = v;
+        pairs[2 * used + 1] = 1;
+        used++;
+    }
+    result = PyBytes_FromStringAndSize((const char *)pairs, used * 2 * (Py_ssize_t)sizeof(uint64_t));
+done:
+    if (result == NULL && !PyErr_Occurred()) PyErr_NoMemory();
+    PyBuffer_Release(&view);
+    PyMem_Free(table);
+    PyMem_Free(pairs);
+    return result;
+}
+
 /* `tree stats` over the radix tree (`core/index/node.py`'s Node: `full`, `cutoffs`, `children`, `packed`): of a
  * node's children, those one worker holds whole and no other in part, with all they lead to, counted in C as runs of
  * blocks, (blocks above) << 32 | (blocks held); the others handed back to Python in order. Those runs are nine in
@@ -766,6 +826,9 @@ static PyMethodDef methods[] = {
      "tree nodes `above` blocks deep, those one worker of `allowed` holds whole and no other in part, and all "
      "below them that worker holds, as runs (above << 32 | held, native-endian u64s); the other nodes in order; "
      "the nodes counted."},
+    {"u64_counts", u64_counts, METH_O,
+     "u64_counts(data: bytes-like) -> bytes\n\nHow many times each native-endian u64 of `data` occurs: (value, count) "
+     "u64 pairs in the order each value first occurs; ValueError for a length that is not a multiple of 8."},
     {"u64s_distinct", u64s_distinct, METH_O,
      "u64s_distinct(packed: bytes-like) -> bool\n\nWhether no native-endian u64 of `packed` repeats; ValueError "
      "for a length that is not a multiple of 8."},

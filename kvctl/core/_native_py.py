@@ -11,6 +11,7 @@ import re
 import struct
 import sys
 from array import array
+from collections import Counter
 from collections.abc import Iterable
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
@@ -355,6 +356,18 @@ class U64Map(dict[int, Any]):
     def fill(self, keys: Any, value: Any) -> None:
         """Every key bound to `value`, as dict.update with the pairs would."""
         dict.update(self, zip(_map_keys(keys), repeat(value)))
+
+
+def u64_counts(data: Buffer) -> bytes:
+    """How many times each native-endian u64 of `data` occurs: (value, count) u64 pairs, in the order each value
+    first occurs; ValueError for a length that is not a multiple of 8."""
+    view = _bytes_of(data)
+    if len(view) % 8:
+        raise ValueError("not a whole number of u64s")
+    pairs = array("Q")
+    for value, count in Counter(view.cast("Q")).items():
+        pairs.extend((value, count))
+    return pairs.tobytes()
 
 
 def u64s_distinct(packed: Buffer) -> bool:

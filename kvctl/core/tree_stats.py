@@ -27,6 +27,7 @@ from functools import partial
 from itertools import count
 from typing import Any
 
+from kvctl.core import native
 from kvctl.core.events import RouterEvent, Stored, Tier
 from kvctl.core.hashing import sequence_hashes
 from kvctl.core.index.kv_index import DumpEdge
@@ -429,11 +430,10 @@ class IndexStats:
         there."""
         yield from self._tree.steps(every)
         tally, tree = self._tally, self._tree
-        solo: Counter[int] = Counter()
-        for start in range(0, len(tree.solo), every * 16):  # in C: ~16 of them the time of one run below
-            solo.update(tree.solo[start:start + every * 16])
-            yield
-        for n, (run, edges) in enumerate(solo.items(), 1):  # one holder: as many held as blocks
+        counted = array("Q", native.u64_counts(tree.solo))  # in C, at once: ~3 ms at 10M pairs
+        yield
+        for n in range(1, len(counted) // 2 + 1):  # one holder: as many held as blocks
+            run, edges = counted[2 * n - 2], counted[2 * n - 1]
             above, blocks = run >> 32, run & 0xFFFF_FFFF
             tally.distinct += blocks * edges
             _count_run(tally.blocks, above, blocks, edges)

@@ -27,15 +27,19 @@ typedef struct {
 
 static uint64_t map_seed;
 
-/* murmur3's finaliser of the seeded key: every bit of the key moves every bit of the slot. */
-static inline Py_ssize_t map_home(const U64Map *m, uint64_t k) {
+/* murmur3's finaliser of the seeded key: every bit of the key moves every bit of the result. */
+static inline uint64_t seeded_mix(uint64_t k) {
     k ^= map_seed;
     k ^= k >> 33;
     k *= 0xff51afd7ed558ccdULL;
     k ^= k >> 33;
     k *= 0xc4ceb9fe1a85ec53ULL;
     k ^= k >> 33;
-    return (Py_ssize_t)(k & (uint64_t)m->mask);
+    return k;
+}
+
+static inline Py_ssize_t map_home(const U64Map *m, uint64_t k) {
+    return (Py_ssize_t)(seeded_mix(k) & (uint64_t)m->mask);
 }
 
 /* Keys a run operation asks the memory for ahead of the one it probes: at 10M pairs nearly every probe misses

@@ -6,6 +6,8 @@ kind, arguments of the wrong type."""
 from __future__ import annotations
 
 import json
+from array import array
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -229,6 +231,19 @@ def test_u64s_distinct(hashes: list[int], tail: bytes) -> None:
     _same("u64s_distinct", packed.tobytes() + tail)
     for value in ("text", 7, memoryview(packed.tobytes())[::2]):
         _same("u64s_distinct", value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 7, 2**63, 2**64 - 1]) | st.integers(0, 2**64 - 1), max_size=300),
+       st.binary(max_size=7))
+def test_u64_counts(values: list[int], tail: bytes) -> None:
+    """Every value once, with its count, in the order values first occur (past the table's growth too)."""
+    data = array("Q", values)
+    counted = array("Q", C.u64_counts(data))
+    assert list(zip(counted[::2], counted[1::2], strict=True)) == list(Counter(values).items())
+    _same("u64_counts", data)
+    _same("u64_counts", data.tobytes() + tail)
+    _same("u64_counts", "text")
 
 
 @settings(max_examples=500, deadline=None)
