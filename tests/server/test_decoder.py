@@ -56,9 +56,9 @@ def test_the_pipe_codec_round_trips_every_fixture_and_junk() -> None:
         assert not wire
         assert _same(got, decode_now(payload, 16)), payload
         for event in got.events if isinstance(got, EngineBatch) else ():
-            # what the index reads per block comes packed; stored engine hashes stay ints (its lookup keys)
+            # what the index reads per block comes packed, as it keeps them: no int per block
             if isinstance(event, Stored):
-                assert type(event.tokens_hashes) is array and type(event.block_hashes) is list
+                assert type(event.tokens_hashes) is array and type(event.block_hashes) is array
             elif isinstance(event, Removed):
                 assert type(event.block_hashes) is array
             kinds.add(type(event))

@@ -72,9 +72,9 @@ def _expected(ev: dict[str, Any]) -> tuple[Any, ...]:
 def _shape(event: EventData) -> tuple[Any, ...]:
     """What the tests compare of a delivered event: its kind, block hashes, parent and tier."""
     if isinstance(event, Stored):
-        return ("Stored", event.parent_hash, event.block_hashes, event.tier)
+        return ("Stored", event.parent_hash, list(event.block_hashes), event.tier)  # the decode process packs them
     if isinstance(event, Removed):
-        return ("Removed", list(event.block_hashes), event.tier)  # the decode process packs them
+        return ("Removed", list(event.block_hashes), event.tier)
     assert isinstance(event, Cleared)
     return ("Cleared",)
 

@@ -133,10 +133,10 @@ def decode_engine_batch(payload: bytes, *, default_block_size: int | None = None
     """Decode a batch payload; raises DecodeError only when the batch itself is unusable.
 
     `default_block_size` is the model's: a store that names another indexes no block, as in Dynamo, and one
-    that names none is read with it. With `packed`, a removal's hashes and a store's local hashes may come as
-    an array('Q') (the router's decode process sends them packed, and reads them so from the common shape
-    without an int per block). With `keep_tokens`, unsalted stores with a parent keep their token ids
-    (`Stored.rehash`), so that the stream can hash them under a salted parent's salt.
+    that names none is read with it. With `packed`, every event's hashes come as an array('Q') (the router's
+    decode process sends them packed, and reads them so from the common shape without an int per block). With
+    `keep_tokens`, unsalted stores with a parent keep their token ids (`Stored.rehash`), so that the stream can
+    hash them under a salted parent's salt.
     """
     batch = _decode_common(payload, default_block_size, packed, keep_tokens)
     return _decode_any(payload, default_block_size, keep_tokens) if batch is None else batch
@@ -150,7 +150,7 @@ _SALT_TAG = SALT_PREFIX.encode()
 # does not know would be skipped unread, where the walk reads it (and refuses the payload if it is not
 # even valid msgpack), so an event with an unknown field goes to the walk. Fields kvctl ignores are Any.
 class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unknown_fields=True):
-    block_hashes: list[int]  # msgspec bounds ints to [-2^63, 2^64): SGLang's signed hashes are taken mod 2^64
+    block_hashes: msgspec.Raw  # read by `_hashes_of_raw`, without an int per block where it may stay packed
     token_ids: msgspec.Raw  # read by `_tokens_of_raw`, without an int per token
     parent_block_hash: int | None = None
     block_size: Any = None
@@ -209,7 +209,8 @@ def _decode_common(payload: bytes, default_block_size: int | None, packed: bool 
             decoded: EventData | Dropped
             if type(event) is _StoredMap:
                 decoded = _stored(event.locality, event.ownership, event.medium, event.parent_block_hash,
-                                 event.block_hashes, _tokens_of_raw(event.token_ids), event.block_size,
+                                 _hashes_of_raw(event.block_hashes, packed), _tokens_of_raw(event.token_ids),
+                                 event.block_size,
                                  default_block_size, event.lora_name, event.cache_salt,
                                  _salt_keys(event.extra_keys),
                                  None if event.group_idx is None and event.kv_cache_spec_kind is None else
@@ -218,7 +219,7 @@ def _decode_common(payload: bytes, default_block_size: int | None, packed: bool 
                                  keep_tokens)
             elif type(event) is _RemovedMap:
                 decoded = _removed(event.locality, event.ownership, event.medium,
-                                  _removed_hashes(event.block_hashes, packed),
+                                  _hashes_of_raw(event.block_hashes, packed),
                                   group_of(event.group_idx, event.kv_cache_spec_kind))
             else:
                 drop = residency_drop(event.locality, event.ownership)
@@ -391,7 +392,7 @@ def _hash_list(value: Any) -> list[int]:
     return value
 
 
-def _stored(locality: Any, ownership: Any, medium: Any, parent: int | None, hashes: list[int],
+def _stored(locality: Any, ownership: Any, medium: Any, parent: int | None, hashes: Sequence[int],
             tokens: tuple[bytes, bool], block_size: Any, default_block_size: int | None, lora_name: Any,
             cache_salt: Any, extra_keys: Any, group: Group | None, packed: bool, keep_tokens: bool = False
             ) -> Stored | Dropped:
@@ -407,19 +408,22 @@ def _stored(locality: Any, ownership: Any, medium: Any, parent: int | None, hash
         return Dropped.unknown_medium if drop is None else drop
     if lora_name is not None and not isinstance(lora_name, str):
         raise DecodeError(ErrorKind.bad_type, "lora_name", f"expected a string, got {describe(lora_name)}")
-    if hashes and min(hashes) < 0:
+    if type(hashes) is not array and hashes and min(hashes) < 0:
         hashes = [h & U64_MASK for h in hashes]
+    packed_hashes = hashes if type(hashes) is array else array("Q", hashes)
+    if packed:
+        hashes = packed_hashes
     if parent is not None:
         parent &= U64_MASK
     salt = None if cache_salt is None and extra_keys is None else cache_salt_of(cache_salt, extra_keys, lora_name)
     size = block_size if type(block_size) is int and block_size == default_block_size else \
         _block_size(block_size, default_block_size)
     n = len(hashes)
-    distinct = set(hashes)
     cut = Dropped.block_size_mismatch if default_block_size is not None and size != default_block_size else \
-        Dropped.self_reference if len(distinct) != n or parent in distinct else None
+        Dropped.self_reference if not native.u64s_distinct(packed_hashes) or parent in packed_hashes else None
     if cut is not None:
-        return Stored(parent, [], array("Q") if packed else [], tier, group, salt, cut.value, n)
+        return Stored(parent, array("Q") if packed else [], array("Q") if packed else [], tier, group, salt, cut.value,
+                      n)
     packed_tokens, eagle = tokens
     extra = 4 if eagle else 0
     kept = min(n, max(0, len(packed_tokens) - extra) // (4 * size))
@@ -491,8 +495,8 @@ def _salt_keys(raw: msgspec.Raw) -> Any:
     return None
 
 
-def _removed_hashes(raw: msgspec.Raw, packed: bool) -> Sequence[int]:
-    """A removal's block hashes from their msgpack as it is, read by C where they are u64s; signed ones (SGLang)
+def _hashes_of_raw(raw: msgspec.Raw, packed: bool) -> Sequence[int]:
+    """An event's block hashes from their msgpack as it is, read by C where they are u64s; signed ones (SGLang)
     are taken mod 2^64. Anything else (the walk also takes bytes digests) gives the batch up to the walk."""
     hashes = array("Q")
     try:

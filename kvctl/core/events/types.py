@@ -53,10 +53,11 @@ class Rehash(msgspec.Struct, frozen=True, gc=False, array_like=True):
 class Stored(msgspec.Struct, frozen=True, gc=False):
     """A store. `group` and `salt` (the cache salt its local hashes were made with) are for the stream's
     normalizer; `cut` names why the engine's last `cut_blocks` blocks could not be hashed (Dynamo drops them);
-    `rehash`, kept for an unsalted store with a parent when the decoder was asked to, lets it inherit a salt."""
+    `rehash`, kept for an unsalted store with a parent when the decoder was asked to, lets it inherit a salt. Its
+    hashes may be an `array('Q')` (the router's decode process hands them over packed, as the index keeps them)."""
 
     parent_hash: int | None
-    block_hashes: list[int]
+    block_hashes: Sequence[int]
     tokens_hashes: Sequence[int]
     tier: Tier = Tier.device
     group: Group | None = None

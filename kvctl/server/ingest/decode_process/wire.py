@@ -29,10 +29,8 @@ Answers (child -> router): u32 LE body length, u8 origin, body.
     connected again (`kvctl.zmq_limits`): msgpack `[key]`.
   - origin 4 (`PART`): the first events of the batch the next request or live answer carries, `PART_EVENTS`
     of them: msgpack `[events]`. A batch of more events is sent in parts, each read as it comes in.
-A stored event's local hashes and a removed event's hashes are packed: a bin of native-endian u64s (both
-ends are one machine), which the router reads as an `array('Q')` without building an int per block. Stored
-engine hashes still travel as ints, as `Stored.block_hashes` is a list, though the index keeps them packed
-(issue 40).
+Every event's hashes are packed: a bin of native-endian u64s (both ends are one machine), which the router reads
+as an `array('Q')`, as its index keeps them, without an int per block at either end.
 """
 
 from __future__ import annotations
@@ -204,7 +202,7 @@ def _decoded(payload: bytes, block_size: int, keep_tokens: bool) -> tuple[list[A
 
 def _event(event: EventData) -> list[Any]:
     if type(event) is Stored:
-        body: list[Any] = [0, event.parent_hash, event.block_hashes, _packed(event.tokens_hashes),
+        body: list[Any] = [0, event.parent_hash, _packed(event.block_hashes), _packed(event.tokens_hashes),
                            TIER_VALUES[event.tier]]
         if event.group is not None or event.salt is not None or event.cut is not None or event.rehash is not None:
             body += [event.group, event.salt, event.cut, event.cut_blocks, event.rehash]
@@ -272,12 +270,12 @@ def _events(raw_events: list[Any]) -> list[EventData]:
         tag = raw[0]
         if tag == 0:
             if len(raw) == 5:
-                events.append(Stored(raw[1], raw[2], array("Q", raw[3]), _TIERS[raw[4]]))
+                events.append(Stored(raw[1], array("Q", raw[2]), array("Q", raw[3]), _TIERS[raw[4]]))
             else:
                 group = None if raw[5] is None else Group(*raw[5])
                 rehash = None if raw[9] is None else Rehash(*raw[9])
-                events.append(Stored(raw[1], raw[2], array("Q", raw[3]), _TIERS[raw[4]], group, raw[6], raw[7],
-                                     raw[8], rehash))
+                events.append(Stored(raw[1], array("Q", raw[2]), array("Q", raw[3]), _TIERS[raw[4]], group, raw[6],
+                                     raw[7], raw[8], rehash))
         elif tag == 1:
             group = None if len(raw) == 3 else Group(*raw[3])
             events.append(Removed(array("Q", raw[1]), _TIERS[raw[2]], group))
