@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import threading
 from pathlib import Path
@@ -37,8 +38,11 @@ class Proc:
     """A server subprocess whose output is drained by threads (its first stdout line kept aside)."""
 
     def __init__(self, argv: list[str]) -> None:
+        # As installed: pip compiles bytecode at install, and a process started with PYTHONDONTWRITEBYTECODE set
+        # (as some sandboxes and CI images set it) compiles every module at each start (~0.2 s of a restart).
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
         self.p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  stdin=subprocess.DEVNULL)
+                                  stdin=subprocess.DEVNULL, env=env)
         self.lines: list[str] = []
         self.first_line = ""
         self.first = threading.Event()
