@@ -495,15 +495,22 @@ static int cmp_u64(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* `arg`'s buffer as native-endian u64s (their count in *n), released by the caller; -1 with an error set. */
+static int open_u64s(PyObject *arg, Py_buffer *view, Py_ssize_t *n) {
+    if (PyObject_GetBuffer(arg, view, PyBUF_SIMPLE) < 0) return -1;
+    if (view->len % (Py_ssize_t)sizeof(uint64_t)) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "not a whole number of u64s");
+        return -1;
+    }
+    *n = view->len / (Py_ssize_t)sizeof(uint64_t);
+    return 0;
+}
+
 static PyObject *u64s_distinct(PyObject *module, PyObject *arg) {
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
-    if (view.len % (Py_ssize_t)sizeof(uint64_t)) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "not a whole number of u64s");
-        return NULL;
-    }
-    const Py_ssize_t n = view.len / (Py_ssize_t)sizeof(uint64_t);
+    Py_ssize_t n;
+    if (open_u64s(arg, &view, &n) < 0) return NULL;
     uint64_t local[256];
     uint64_t *sorted = n <= 256 ? local : PyMem_Malloc((size_t)view.len);
     if (sorted == NULL) {
@@ -524,13 +531,8 @@ static PyObject *u64s_distinct(PyObject *module, PyObject *arg) {
  * distinct (prompt and tail lengths): a table of the distinct values, probed from a seeded mix (see u64_map.h). */
 static PyObject *u64_counts(PyObject *module, PyObject *arg) {
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
-    if (view.len % (Py_ssize_t)sizeof(uint64_t)) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "not a whole number of u64s");
-        return NULL;
-    }
-    const Py_ssize_t n = view.len / (Py_ssize_t)sizeof(uint64_t);
+    Py_ssize_t n;
+    if (open_u64s(arg, &view, &n) < 0) return NULL;
     const uint64_t *values = view.buf;
     Py_ssize_t cap = 64, used = 0; /* table slots (a power of two), distinct values */
     Py_ssize_t *table = PyMem_Malloc((size_t)cap * sizeof(Py_ssize_t));
