@@ -432,8 +432,7 @@ class IndexStats:
         tally, tree = self._tally, self._tree
         counted = array("Q", native.u64_counts(tree.solo))  # in C, at once: ~3 ms at 10M pairs
         yield
-        for n in range(1, len(counted) // 2 + 1):  # one holder: as many held as blocks
-            run, edges = counted[2 * n - 2], counted[2 * n - 1]
+        for n, (run, edges) in enumerate(zip(counted[::2], counted[1::2], strict=True), 1):  # one holder: all held
             above, blocks = run >> 32, run & 0xFFFF_FFFF
             tally.distinct += blocks * edges
             _count_run(tally.blocks, above, blocks, edges)

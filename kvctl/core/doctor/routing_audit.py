@@ -8,6 +8,7 @@ judges each decision from kvctl's own index, so it says which to believe.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,11 +57,10 @@ def self_report(by_router: SelfReports) -> dict[str, float] | None:
     """The routers' own decision counters summed over every router; None when none exports them."""
     if not by_router:
         return None
-    totals: dict[str, float] = {}
+    totals: Counter[str] = Counter()
     for figures in by_router.values():
-        for name, value in figures.items():
-            totals[name] = totals.get(name, 0.0) + value
-    return totals
+        totals.update(figures)
+    return dict(totals)
 
 
 def self_reports(windows: Sequence[Window]) -> dict[tuple[str, str], dict[str, float]]:
@@ -88,15 +88,16 @@ def self_reports(windows: Sequence[Window]) -> dict[tuple[str, str], dict[str, f
     return {key: figures for key, figures in found.items() if figures.keys() - {"decisions"}}
 
 
+_AUDITED = ("decisions", "cacheable_prefill_tokens", "chosen_prefill_tokens", "avoidable_prefill_tokens")
+
+
 def audited_by_router(totals: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
     """The audit's totals (`GET /v1/audit`'s) per router id, their models summed: a router id is its own (random at
     each start), and kvctl may name a model its own way (the implicit `default`), so routers are matched by id."""
-    audited: dict[str, dict[str, int]] = {}
+    audited: dict[str, Counter[str]] = {}
     for row in totals:
-        summed = audited.setdefault(row["router"], {})
-        for key in ("decisions", "cacheable_prefill_tokens", "chosen_prefill_tokens", "avoidable_prefill_tokens"):
-            summed[key] = summed.get(key, 0) + row[key]
-    return audited
+        audited.setdefault(row["router"], Counter()).update({key: row[key] for key in _AUDITED})
+    return {router: dict(summed) for router, summed in audited.items()}
 
 
 def check_self_reports(audit: Mapping[str, Any] | None, reports: SelfReports | None) -> list[Finding]:
@@ -107,12 +108,11 @@ def check_self_reports(audit: Mapping[str, Any] | None, reports: SelfReports | N
     if audit is None or not reports:
         return []
     audited = audited_by_router(audit.get("totals", []))
-    by_router: dict[str, tuple[list[str], dict[str, float]]] = {}
+    by_router: dict[str, tuple[list[str], Counter[str]]] = {}
     for (model, router), figures in sorted(reports.items()):
-        models, summed = by_router.setdefault(router, ([], {}))
+        models, summed = by_router.setdefault(router, ([], Counter()))
         models.append(model)
-        for key, value in figures.items():
-            summed[key] = summed.get(key, 0.0) + value
+        summed.update(figures)
     compared: list[tuple[str, float, float]] = []
     gaps: list[tuple[str, float, float]] = []
     apart: list[str] = []

@@ -57,14 +57,14 @@ class BranchSeqs:
             branch = None
         if branch is None:
             branch = _Branch(previous, native.by_sequence(node.children or {}, previous, XXH3_SEED))
-            if len(branch.children) < self.wide:
-                found: Node | None = branch.children.get(target)
-                return found
             self.entries += len(branch.children)
-        self.kept[node] = branch
-        while self.entries > MAX_ENTRIES and len(self.kept) > 1:
-            self.dropped(next(iter(self.kept)))
-        found = branch.children.get(target)
+        if len(branch.children) >= self.wide:
+            self.kept[node] = branch  # the most recently used, last
+            while self.entries > MAX_ENTRIES and len(self.kept) > 1:
+                self.dropped(next(iter(self.kept)))
+        else:
+            self.entries -= len(branch.children)  # narrow: hashed whole at each look
+        found: Node | None = branch.children.get(target)
         return found
 
     def adopted(self, node: Node, key: int, child: Node) -> None:
