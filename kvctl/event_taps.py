@@ -4,7 +4,9 @@ plane found through its discovery store here; NATS in `kvctl.nats.tap`).
 What `kvctl events tail` and `events record` read. Each message is decoded as the router would, and its
 seq (ZMQ) or event id (NATS, per worker) judged by the router's own rules (`Sequence`): what arrives is
 yielded as `Tapped` (a decoded event, or a gap in the sequence), and `TapStats` keeps the counts the
-command prints on exit: the answer to "are events arriving at all, and whole?". A ZMQ tap refuses a frame over
+command prints on exit: the answer to "are events arriving at all, and whole?". On a Dynamo plane, with
+`decisions`, the routers' `active_sequences_events` (what replica sync publishes for each request routed) are
+yielded too, in the order heard. A ZMQ tap refuses a frame over
 `MAX_MESSAGE_BYTES`, as the router does (`kvctl.zmq_limits`): the connection libzmq drops for it is made again, and
 counted in `decode_errors` as `too_large`.
 """
@@ -25,7 +27,7 @@ from kvctl.core.events import RouterEvent
 from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch
 from kvctl.core.events.engine import decode_engine_message
 from kvctl.core.events.errors import DecodeError
-from kvctl.core.events.plane import KV_EVENTS, PlaneScope
+from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, ActiveSequenceEvent, PlaneScope, decode_sequence_events
 from kvctl.core.events.publishers import Order, Sequence
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.core.names import WorkerKey
@@ -41,8 +43,9 @@ T = TypeVar("T")
 class Tapped:
     received_ms: int
     seq: int | None  # the engine's batch seq (ZMQ) or the event id (NATS)
-    event: RouterEvent | None  # None: a gap
+    event: RouterEvent | None  # None: a gap, or a decision
     missing: tuple[int, int] | None = None  # first and last seq (or id) that never came
+    decision: ActiveSequenceEvent | None = None  # a router's, heard on a Dynamo plane
 
 
 @dataclass
@@ -56,12 +59,14 @@ class TapStats:
     jumps: int = 0  # a seq implausibly far ahead: shown, not counted as missing
     decode_errors: Counter[str] = field(default_factory=Counter)
     publishers: int | None = None  # through a discovery store: how many it named (None: a tap of one address)
+    decisions: int | None = None  # routers' decisions heard (None: not listened for)
 
     def as_dict(self) -> dict[str, object]:
         found = {} if self.publishers is None else {"publishers": self.publishers}
+        heard = {} if self.decisions is None else {"decisions": self.decisions}
         return {"messages": self.messages, "events": self.events, "gaps": self.gaps, "missing": self.missing,
                 "restarts": self.restarts, "repeats": self.repeats, "jumps": self.jumps,
-                "decode_errors": dict(self.decode_errors), **found}
+                "decode_errors": dict(self.decode_errors), **found, **heard}
 
     def judge(self, sequence: Sequence, seq: int) -> tuple[Order, Tapped | None]:
         """Count where `seq` stands in `sequence`; with the marker of the gap before it when messages were lost."""
@@ -146,11 +151,6 @@ def enveloped(data: bytes) -> Decoded:
     return decode_router_event_batch(decode_envelope(data).payload)
 
 
-def _framed(frames: list[bytes]) -> Decoded:
-    """A message of Dynamo's ZMQ plane: four frames around the envelope."""
-    return enveloped(decode_zmq_message(frames).envelope)
-
-
 def tapped_events(decode: Callable[[T], Decoded], message: T, sequences: dict[WorkerKey, Sequence],
             stats: TapStats) -> Iterator[Tapped]:
     """One message of a plane: counted, decoded (what is bad counted by kind), and its events, each preceded by
@@ -172,15 +172,47 @@ def tapped_events(decode: Callable[[T], Decoded], message: T, sequences: dict[Wo
         yield Tapped(_now_ms(), event.event_id, event)
 
 
+def tapped_decisions(payload: bytes, stats: TapStats) -> Iterator[Tapped]:
+    """An `active_sequences_events` message's decisions (the payload inside its envelope), counted; what is bad
+    counted by kind. Their publishers' order is not judged: a decision lost shows as a request never freed."""
+    stats.messages += 1
+    try:
+        decisions, errors = decode_sequence_events(payload)
+    except DecodeError as exc:
+        stats.decode_errors[exc.kind.value] += 1
+        return
+    for error in errors:
+        stats.decode_errors[error.kind.value] += 1
+    for decision in decisions:
+        stats.decisions = (stats.decisions or 0) + 1
+        yield Tapped(_now_ms(), None, None, decision=decision)
+
+
+def plane_message(body: bytes, topic: str, sequences: dict[WorkerKey, Sequence], stats: TapStats
+                  ) -> Iterator[Tapped]:
+    """One enveloped message of a Dynamo plane, by its topic: KV events, or decisions."""
+    if topic == KV_EVENTS:
+        yield from tapped_events(enveloped, body, sequences, stats)
+        return
+    try:
+        payload = decode_envelope(body).payload
+    except DecodeError as exc:
+        stats.messages += 1
+        stats.decode_errors[exc.kind.value] += 1
+        return
+    yield from tapped_decisions(payload, stats)
+
+
 RELIST_S = 1.0
 """How often the ZMQ tap lists discovery again, to follow publishers that came since."""
 
 
 async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callable[[], bool], stats: TapStats,
+                         decisions: bool = False,
                          listening: Callable[[str], None] = unheard) -> AsyncGenerator[Tapped, None]:
-    """A default Dynamo fleet's `kv-events`: every publisher in the scope's records in the discovery store,
-    through one SUB socket connected to each (and to those that register later). Raises Unreachable when the
-    store cannot be read at the start."""
+    """A default Dynamo fleet's `kv-events` (and with `decisions`, its routers' `active_sequences_events`): every
+    publisher in the scope's records in the discovery store, through one SUB socket connected to each (and to
+    those that register later). Raises Unreachable when the store cannot be read at the start."""
     import zmq.asyncio
 
     from kvctl.core.events.discovery import namespace_prefix, parse_channel_key, parse_event_channel
@@ -190,7 +222,11 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
     ctx = zmq.asyncio.Context()
     sock = limited(ctx.socket(zmq.SUB), MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SUBSCRIBE, KV_EVENTS.encode())
+    topics = (KV_EVENTS, ACTIVE_SEQUENCES) if decisions else (KV_EVENTS,)
+    for topic in topics:
+        sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    if decisions:
+        stats.decisions = 0
     monitor = sock.get_monitor_socket(WATCHED)
     watching = asyncio.get_running_loop().create_task(watch(sock, monitor, lambda _: too_large()))
     followed: set[str] = set()
@@ -206,7 +242,7 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
                     continue
             except DecodeError:
                 continue
-            if channel.topic == KV_EVENTS and scope.component in (None, channel.component) \
+            if channel.topic in topics and scope.component in (None, channel.component) \
                     and scope.endpoint in (None, channel.endpoint) and channel.address not in followed:
                 sock.connect(channel.address)
                 followed.add(channel.address)
@@ -218,7 +254,7 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
             await follow()
         except DiscoveryError as exc:
             raise Unreachable(f"cannot read discovery {discovery_url}: {exc}") from None
-        listening(f"listening on {scope.pattern(KV_EVENTS)} through {discovery_url} "
+        listening(f"listening on {' and '.join(map(scope.pattern, topics))} through {discovery_url} "
                   f"({counted(len(followed), 'publisher')})")
         relisted = time.monotonic()
         while not stop():
@@ -228,7 +264,13 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
                 relisted = time.monotonic()
             if not await sock.poll(POLL_MS):
                 continue
-            for tapped in tapped_events(_framed, await sock.recv_multipart(), sequences, stats):
+            try:
+                message = decode_zmq_message(await sock.recv_multipart())
+            except DecodeError as exc:
+                stats.messages += 1
+                stats.decode_errors[exc.kind.value] += 1
+                continue
+            for tapped in plane_message(message.envelope, message.topic, sequences, stats):
                 yield tapped
     finally:
         watching.cancel()

@@ -24,6 +24,7 @@ from kvctl.http_audit import AuditRow as AuditRow
 from kvctl.http_audit import AuditTotals as AuditTotals
 from kvctl.http_audit import AuditWhatIf as AuditWhatIf
 from kvctl.http_audit import AuditWorker as AuditWorker
+from kvctl.http_audit import DecisionsHeard as DecisionsHeard
 
 _U32_MAX = 2**32 - 1
 

@@ -117,3 +117,14 @@ class AuditedDecision(Struct):
     unresolved: str | None
     stale: dict[str, str]
     candidates: list[AuditRow]
+
+
+class DecisionsHeard(Struct):
+    """`POST /v1/decisions`: of the `heard` decisions, the adds `audited` (routed requests), what became of each as
+    replica sync would book it (its counters: `peer_booked`, `peer_freed`, `peer_refused`, ...), and those
+    `rejected` as malformed, by kind."""
+
+    heard: int
+    audited: int
+    booked: dict[str, int]
+    rejected: dict[str, int]

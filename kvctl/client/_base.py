@@ -230,6 +230,11 @@ def post_events(events: list[dict[str, Any]], model: str = DEFAULT_MODEL) -> Cal
     return Call("POST", "/v1/events", params={"model": model}, json=events, answer=api.EventsApplied)
 
 
+def post_decisions(decisions: list[dict[str, Any]], model: str = DEFAULT_MODEL) -> Call[api.DecisionsHeard]:
+    """Other routers' decisions (`active_sequences_events` as serde JSON), heard as replica sync hears them."""
+    return Call("POST", "/v1/decisions", params={"model": model}, json=decisions, answer=api.DecisionsHeard)
+
+
 def audit(window_s: float, model: str | None = None, recent: int = 0, what_if: list[str] | None = None
           ) -> Call[api.Audit]:
     """`GET /v1/audit`: the decisions heard in the last `window_s`, judged against the router's index; with

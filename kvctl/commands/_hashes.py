@@ -10,8 +10,8 @@ from typing import Annotated, Any
 import typer
 
 HASH_KEYS = frozenset({"local_hashes", "sequence_hashes", "block_hashes", "parent_hash", "local_hash",
-                       "sequence_hash", "block_hash", "tokens_hash"})
-"""The fields that hold block hashes in any answer kvctl prints (hash, RouterEvents, dump rows)."""
+                       "sequence_hash", "block_hash", "tokens_hash", "token_sequence"})
+"""The fields that hold block hashes in any answer kvctl prints (hash, RouterEvents, dump rows, decisions)."""
 
 
 class HashFormat(StrEnum):

@@ -34,6 +34,7 @@ from kvctl.output import Column, Output, OutputFormat, View
 
 if TYPE_CHECKING:
     from kvctl.core.events import RouterEvent
+    from kvctl.core.events.dump_file import Recorded
     from kvctl.event_taps import Tapped, TapStats
 
 _VIEW = View(rows=lambda data: [data], name_key="subject",
@@ -98,10 +99,16 @@ def _event_obj(event: RouterEvent) -> dict[str, Any]:
 
 
 def _describe(tapped: Tapped, hash_format: HashFormat) -> str:
-    """One human line per event or gap."""
+    """One human line per event, decision or gap."""
     from kvctl.core.events import Removed, Stored
+    from kvctl.core.events.plane import AddRequest
 
     when = time.strftime("%H:%M:%S", time.localtime(tapped.received_ms / 1000))
+    if (decision := tapped.decision) is not None:
+        worker, action = format_worker((decision.worker_id, decision.dp_rank)), decision.action
+        what = f"routed to {worker} ({counted(len(action.token_sequence or []), 'block')})" \
+            if isinstance(action, AddRequest) else f"{action} on {worker}"
+        return f"{when} router {decision.router_id} {what}: request {decision.request_id}"
     if tapped.event is None:
         first, last = tapped.missing or (0, 0)
         return f"{when} GAP   {first}..{last} never arrived ({last - first + 1})"
@@ -141,8 +148,9 @@ class _Until:
 
 def _taps(zmq_endpoint: str | None, nats_url: str | None, discovery: str | None, nats_auth: NatsAuth | None,
           scope: Any, jetstream: bool, worker_id: int, topic: str, block_size: int | None, until: _Until,
-          stats: TapStats, listening: Callable[[str], None]) -> Iterator[Tapped]:
-    """The events of whichever source was named (exactly one); `listening` hears when the tap is live."""
+          stats: TapStats, listening: Callable[[str], None], decisions: bool = False) -> Iterator[Tapped]:
+    """The events (and with `decisions`, the routers' decisions) of whichever source was named (exactly one);
+    `listening` hears when the tap is live."""
     from kvctl.errors import DiscoveryError
     from kvctl.event_taps import tap_dynamo_zmq, tap_zmq
     from kvctl.server.plane.dynamo_discovery import open_discovery
@@ -150,6 +158,10 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, discovery: str | None,
     if [zmq_endpoint, nats_url, discovery].count(None) != 2:
         raise UsageError("give exactly one source: --zmq tcp://HOST:PORT, --nats nats://HOST:PORT or "
                          "--dynamo-discovery file:DIR|etcd:URL|kubernetes[:NAMESPACE]")
+    if decisions and (zmq_endpoint is not None or jetstream):
+        raise UsageError("--decisions hears a Dynamo event plane's routers: give --nats URL (without --jetstream, "
+                         "whose stream holds KV events only) or --dynamo-discovery; an engine's socket carries "
+                         "no decisions")
     if zmq_endpoint is not None:
         if not zmq_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise UsageError(f"--zmq wants an endpoint like tcp://HOST:5557, got {zmq_endpoint!r}")
@@ -163,14 +175,15 @@ def _taps(zmq_endpoint: str | None, nats_url: str | None, discovery: str | None,
             open_discovery(discovery)
         except (ValueError, DiscoveryError) as exc:
             raise UsageError(str(exc)) from None
-        yield from _run_async(tap_dynamo_zmq(discovery, scope, stop=until, stats=stats, listening=listening))
+        yield from _run_async(tap_dynamo_zmq(discovery, scope, stop=until, stats=stats, decisions=decisions,
+                                             listening=listening))
         return
     from kvctl.nats.tap import tap_nats
 
     assert nats_url is not None
     assert nats_auth is not None
     yield from _run_async(tap_nats(nats_auth(nats_url), scope, stop=until, stats=stats, jetstream=jetstream,
-                                   listening=listening))
+                                   decisions=decisions, listening=listening))
 
 
 def _run_async(agen: AsyncGenerator[Tapped, None]) -> Iterator[Tapped]:
@@ -200,7 +213,11 @@ WorkerIdOpt = Annotated[int, typer.Option("--worker-id", help="ZMQ: the worker i
 TopicOpt = Annotated[str, typer.Option("--topic", help="ZMQ topic filter.")]
 BlockSizeOpt = Annotated[int | None, typer.Option("--block-size", "-b", show_default=False,
                                                   help="ZMQ: for events that carry none.")]
-CountOpt = Annotated[int | None, typer.Option("--count", "-n", show_default=False, help="Stop after N events.")]
+CountOpt = Annotated[int | None, typer.Option("--count", "-n", show_default=False,
+                                              help="Stop after N events (decisions included).")]
+DecisionsOpt = Annotated[bool, typer.Option(
+    "--decisions", help="Dynamo plane: the routers' decisions too (the active_sequences_events a frontend "
+                        "publishes with --router-replica-sync): what `events replay` audits.")]
 DurationOpt = Annotated[float | None, typer.Option("--duration", "-d", show_default=False,
                                                   help="Stop after S seconds.")]
 
@@ -215,8 +232,8 @@ def tail_command(
     namespace: NamespaceOpt = "dynamo", component: ComponentScopeOpt = None, endpoint: EndpointScopeOpt = None,
     jetstream: JetStreamOpt = False,
     worker_id: WorkerIdOpt = 0, topic: TopicOpt = "", block_size: BlockSizeOpt = None, count: CountOpt = None,
-    duration: DurationOpt = None, nats_auth: NatsAuth | None = None, hash_format: HashFormatOpt = HashFormat.dec,
-    output: OutputOpt = None, as_json: JsonOpt = False,
+    duration: DurationOpt = None, decisions: DecisionsOpt = False, nats_auth: NatsAuth | None = None,
+    hash_format: HashFormatOpt = HashFormat.dec, output: OutputOpt = None, as_json: JsonOpt = False,
 ) -> None:
     from kvctl.core.events.plane import PlaneScope
     from kvctl.event_taps import TapStats
@@ -225,24 +242,27 @@ def tail_command(
     until, stats = _Until(count, duration), TapStats()
     scope = PlaneScope(namespace, component, endpoint)
     for tapped in _taps(zmq_endpoint, nats_url, discovery, nats_auth, scope, jetstream, worker_id, topic, block_size,
-                        until, stats, out.note):
+                        until, stats, out.note, decisions):
         if out.format is OutputFormat.json:
-            out.line(json.dumps({"timestamp": tapped.received_ms, "seq": tapped.seq, "missing": tapped.missing,
-                                 "event": None if tapped.event is None
-                                 else shown_hashes(_event_obj(tapped.event), hash_format)}))
+            out.line(json.dumps(_decision_line(tapped, hash_format) if tapped.decision is not None else {
+                "timestamp": tapped.received_ms, "seq": tapped.seq, "missing": tapped.missing,
+                "event": None if tapped.event is None else shown_hashes(_event_obj(tapped.event), hash_format)}))
         else:
             out.line(_describe(tapped, hash_format))
-        until.seen += tapped.event is not None
+        until.seen += tapped.event is not None or tapped.decision is not None
         if until.counted_out():  # closes the tap at this event: it counts no event it did not hand over
             break
-    out.note(f"{counted(stats.messages, 'message')}, {counted(stats.events, 'event')}, "
+    heard = "" if stats.decisions is None else f", {counted(stats.decisions, 'decision')}"
+    out.note(f"{counted(stats.messages, 'message')}, {counted(stats.events, 'event')}{heard}, "
              f"{counted(stats.gaps, 'gap')} ({stats.missing} missing), "
              f"decode errors {dict(stats.decode_errors) or 'none'}")
     _nothing_received(out, stats, zmq_endpoint, nats_url, topic, jetstream)
 
 
 @app.command("record", help="Record KV events from an engine or an event plane to JSONL in Dynamo's recorder "
-                            "shape ({\"timestamp\": ms, \"event\": RouterEvent}). (read-only)")
+                            "shape ({\"timestamp\": ms, \"event\": RouterEvent}); with --decisions, the routers' "
+                            "decisions between them ({\"timestamp\": ms, \"decision\": ActiveSequenceEvent}), in "
+                            "the order heard. (read-only)")
 @with_nats_credentials
 def record_command(
     ctx: typer.Context,
@@ -252,8 +272,8 @@ def record_command(
     namespace: NamespaceOpt = "dynamo", component: ComponentScopeOpt = None, endpoint: EndpointScopeOpt = None,
     jetstream: JetStreamOpt = False,
     worker_id: WorkerIdOpt = 0, topic: TopicOpt = "", block_size: BlockSizeOpt = None, count: CountOpt = None,
-    duration: DurationOpt = None, nats_auth: NatsAuth | None = None, hash_format: HashFormatOpt = HashFormat.dec,
-    output: OutputOpt = None, as_json: JsonOpt = False,
+    duration: DurationOpt = None, decisions: DecisionsOpt = False, nats_auth: NatsAuth | None = None,
+    hash_format: HashFormatOpt = HashFormat.dec, output: OutputOpt = None, as_json: JsonOpt = False,
 ) -> None:
     from kvctl.core.events.plane import PlaneScope
     from kvctl.event_taps import TapStats
@@ -266,15 +286,29 @@ def record_command(
         raise UsageError(f"cannot write {file}: {exc.strerror}") from None
     with sink:
         for tapped in _taps(zmq_endpoint, nats_url, discovery, nats_auth, PlaneScope(namespace, component, endpoint),
-                            jetstream, worker_id, topic, block_size, until, stats, out.note):
-            if tapped.event is not None:
-                sink.write(json.dumps({"timestamp": tapped.received_ms, "event": _event_obj(tapped.event)}) + "\n")
-                sink.flush()
-                until.seen += 1
-                if until.counted_out():
-                    break
+                            jetstream, worker_id, topic, block_size, until, stats, out.note, decisions):
+            if tapped.decision is not None:
+                line = _decision_line(tapped, HashFormat.dec)
+            elif tapped.event is not None:
+                line = {"timestamp": tapped.received_ms, "event": _event_obj(tapped.event)}
+            else:
+                continue  # a gap: counted in the summary
+            sink.write(json.dumps(line) + "\n")
+            sink.flush()
+            until.seen += 1
+            if until.counted_out():
+                break
     out.emit({"file": str(file), **stats.as_dict()}, _RECORD_VIEW)
     _nothing_received(out, stats, zmq_endpoint, nats_url, topic, jetstream)
+
+
+def _decision_line(tapped: Tapped, hash_format: HashFormat) -> dict[str, Any]:
+    """A decision as a recording keeps it: serde's JSON of the event replica sync publishes."""
+    from kvctl.core.events.plane import sequence_event_obj
+
+    assert tapped.decision is not None
+    return {"timestamp": tapped.received_ms, "decision": shown_hashes(sequence_event_obj(tapped.decision),
+                                                                      hash_format)}
 
 
 def _nothing_received(out: Output, stats: TapStats, zmq_endpoint: str | None, nats_url: str | None, topic: str,
@@ -318,7 +352,9 @@ _MID_STREAM = frozenset({"parent_block_not_found", "block_not_found"})
 
 
 @app.command("replay", help="Send recorded (or dumped) events into a router's index, at their recorded pace "
-                            "times --speed (0: all at once). (read-write)")
+                            "times --speed (0: all at once). A recording made with --decisions sends its decisions "
+                            "between them, in the file's order: the router audits and books each as replica sync "
+                            "would (then `kvctl audit`, and --what-if, read them). (read-write)")
 def replay_command(
     ctx: typer.Context,
     source: Annotated[str, typer.Argument(help="A recorder, JSONL or dump file; - for stdin.")],
@@ -336,6 +372,7 @@ def replay_command(
 ) -> None:
     from kvctl.client import calls
     from kvctl.core.events.dump_file import DumpFileError, read_timed_events
+    from kvctl.core.events.plane import ActiveSequenceEvent, sequence_event_obj
     from kvctl.output.progress import ProgressLine
 
     out = output_for(ctx, output, as_json)
@@ -347,49 +384,76 @@ def replay_command(
         raise UsageError(f"cannot read {source}: {exc.strerror}") from None
     except DumpFileError as exc:
         raise UsageError(f"{source}: {exc}") from None
-    summary: dict[str, Any] = {"source": source, "sent": 0, "applied": 0, "rejected": {}, "dry_run": dry_run}
+    decisions = sum(isinstance(item, ActiveSequenceEvent) for _, item in timed)
+    summary: dict[str, Any] = {"source": source, "sent": 0, "applied": 0, "rejected": {}, "dry_run": dry_run,
+                               "decisions": {"sent": 0, "audited": 0, "booked": {}, "rejected": {}}}
     if dry_run:
         summary["would_send"] = _foretold(timed, speed)
         would = summary["would_send"]
         out.note(f"dry run, nothing sent: would send {counted(would['events'], 'event')} of "
-                 f"{counted(len(would['workers']), 'worker')} ({', '.join(would['workers'][:8]) or 'none'}) over "
-                 f"{would['seconds']:g} s at --speed {speed:g}")
+                 f"{counted(len(would['workers']), 'worker')} ({', '.join(would['workers'][:8]) or 'none'})"
+                 + (f" and {counted(decisions, 'decision')}" if decisions else "")
+                 + f" over {would['seconds']:g} s at --speed {speed:g}")
     if not dry_run and timed:
-        confirm(f"replay {counted(len(timed), 'event')} into {f'model {model!r} of ' if model else ''}the router's "
-                "index", yes)
+        what = counted(len(timed) - decisions, "event") + (f" and {counted(decisions, 'decision')}" if decisions
+                                                           else "")
+        confirm(f"replay {what} into {f'model {model!r} of ' if model else ''}the router's index", yes)
         model = model_for(ctx, out, model)
+        heard = summary["decisions"]
         with router_client(ctx) as client, ProgressLine(out, "applied {task.fields[applied]}  rejected "
                                                              "{task.fields[rejected]}") as line:
             row = line.task(f"replay {Path(source).name}", len(timed), applied=0, rejected=0)
             for batch in _paced(timed, speed):
-                answer = client.send(calls.post_events([_event_obj(e) for e in batch], model))
-                summary["sent"] += len(batch)
-                summary["applied"] += answer.applied
-                for kind, n in answer.rejected.items():
-                    summary["rejected"][kind] = summary["rejected"].get(kind, 0) + n
-                line.update(row, summary["sent"], applied=summary["applied"],
-                            rejected=sum(summary["rejected"].values()))
+                objs = [sequence_event_obj(i) if isinstance(i, ActiveSequenceEvent) else _event_obj(i) for i in batch]
+                if isinstance(batch[0], ActiveSequenceEvent):
+                    answer = client.send(calls.post_decisions(objs, model))
+                    heard["sent"] += len(batch)
+                    heard["audited"] += answer.audited
+                    _add_counts(heard["booked"], answer.booked)
+                    _add_counts(heard["rejected"], answer.rejected)
+                else:
+                    applied = client.send(calls.post_events(objs, model))
+                    summary["sent"] += len(batch)
+                    summary["applied"] += applied.applied
+                    _add_counts(summary["rejected"], applied.rejected)
+                line.update(row, summary["sent"] + heard["sent"], applied=summary["applied"],
+                            rejected=sum(summary["rejected"].values()) + sum(heard["rejected"].values()))
     out.emit(summary, _REPLAY_VIEW)
     if summary["rejected"] and out.format in (OutputFormat.table, OutputFormat.wide):
         out.emit(summary, _REJECTED_VIEW)
+    if summary["decisions"]["sent"]:
+        heard = summary["decisions"]
+        booked = ", ".join(f"{kind} {n}" for kind, n in sorted(heard["booked"].items()))
+        out.note(f"{counted(heard['sent'], 'decision')} heard: {heard['audited']} audited (see `kvctl audit`); "
+                 f"as bookings: {booked or 'none'}")
     _judge_replay(out, summary, allow_partial)
 
 
-def _foretold(timed: list[tuple[int | None, RouterEvent]], speed: float) -> dict[str, Any]:
-    """What a replay would send: its events, their workers, and how long the pacing would take."""
+def _add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
+    for kind, n in counts.items():
+        into[kind] = into.get(kind, 0) + n
+
+
+def _foretold(timed: list[tuple[int | None, Recorded]], speed: float) -> dict[str, Any]:
+    """What a replay would send: its events, their workers, its decisions, and how long the pacing would take."""
+    from kvctl.core.events import RouterEvent
+
     stamps = [ms for ms, _ in timed if ms is not None]
     span_s = (max(stamps) - min(stamps)) / 1000 if stamps and speed else 0.0
-    return {"events": len(timed), "workers": [format_worker(w) for w in sorted({e.worker for _, e in timed})],
-            "seconds": round(span_s / speed, 3) if speed else 0.0}
+    events = [e for _, e in timed if isinstance(e, RouterEvent)]
+    return {"events": len(events), "workers": [format_worker(w) for w in sorted({e.worker for e in events})],
+            "decisions": len(timed) - len(events), "seconds": round(span_s / speed, 3) if speed else 0.0}
 
 
 def _judge_replay(out: Output, summary: dict[str, Any], allow_partial: bool) -> None:
     """Rejected events are an error (exit 1): a replay that silently lost part of its recording leaves an index
     unlike the engine's. The hint names the usual cause, a recording that starts mid-stream."""
     rejected = sum(summary["rejected"].values())
-    if not rejected:
+    bad_decisions = sum(summary["decisions"]["rejected"].values())
+    if not rejected and not bad_decisions:
         return
-    message = f"{summary['applied']} of {summary['sent']} events applied, {rejected} rejected"
+    message = f"{summary['applied']} of {summary['sent']} events applied, {rejected} rejected" + (
+        f"; {bad_decisions} of {summary['decisions']['sent']} decisions malformed" if bad_decisions else "")
     if allow_partial and summary["applied"]:
         out.warn(message)
         return
@@ -403,21 +467,22 @@ def _judge_replay(out: Output, summary: dict[str, Any], allow_partial: bool) -> 
     raise KvctlError(message, hint=hint)
 
 
-def _paced(timed: list[tuple[int | None, RouterEvent]], speed: float, batch: int = 1000) -> Iterator[
-        list[RouterEvent]]:
-    """Batches of events, each sent when its first event's recorded time (scaled by `speed`) comes."""
+def _paced(timed: list[tuple[int | None, Recorded]], speed: float, batch: int = 1000) -> Iterator[list[Recorded]]:
+    """Batches of events, or of decisions (a batch holds one kind: the file's order is kept across kinds), each
+    sent when its first item's recorded time (scaled by `speed`) comes."""
     start, first_ts = time.monotonic(), next((ts for ts, _ in timed if ts is not None), None)
-    pending: list[RouterEvent] = []
+    pending: list[Recorded] = []
     due: float | None = None
-    for ts, event in timed:
+    for ts, item in timed:
         at = None if speed == 0 or ts is None or first_ts is None else (ts - first_ts) / 1000 / speed
-        if pending and (len(pending) >= batch or (at is not None and due is not None and at > due)):
+        if pending and (len(pending) >= batch or type(item) is not type(pending[0])
+                        or (at is not None and due is not None and at > due)):
             yield pending
             pending = []
         if not pending:
             due = at
             if at is not None:
                 time.sleep(max(0.0, start + at - time.monotonic()))
-        pending.append(event)
+        pending.append(item)
     if pending:
         yield pending

@@ -9,10 +9,10 @@ from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING
 
 from kvctl.core.events.dynamo import decode_router_event_json
-from kvctl.core.events.plane import KV_EVENTS, PlaneScope
+from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, PlaneScope
 from kvctl.core.events.publishers import Sequence
 from kvctl.core.names import WorkerKey
-from kvctl.event_taps import POLL_MS, Decoded, Tapped, TapStats, enveloped, tapped_events, unheard
+from kvctl.event_taps import POLL_MS, Decoded, Tapped, TapStats, plane_message, tapped_events, unheard
 from kvctl.nats.barrier import barrier
 from kvctl.nats.connection import NatsConnection, Reconnect, connect, unreachable
 
@@ -25,21 +25,27 @@ FOLLOW = Reconnect(first_s=2.0, max_s=2.0)
 
 
 async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[], bool], stats: TapStats,
-                   jetstream: bool = False,
+                   jetstream: bool = False, decisions: bool = False,
                    listening: Callable[[str], None] = unheard) -> AsyncGenerator[Tapped, None]:
-    """A Dynamo event plane: `kv-events` envelopes on NATS Core in the scope's components and endpoints, or
-    kvctl's JetStream stream's JSON (new messages only, through an ephemeral consumer: tailing never moves
-    a router's place).
+    """A Dynamo event plane: `kv-events` envelopes on NATS Core in the scope's components and endpoints (and with
+    `decisions`, the routers' `active_sequences_events`, in the order the server delivers them), or kvctl's
+    JetStream stream's JSON (new messages only, through an ephemeral consumer: tailing never moves a router's
+    place).
 
     `listening` is told once the server has the subscription: nothing published after that is missed."""
 
     nc = await _connect_unless_stopped(conn, stop)
-    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+    topics = (KV_EVENTS, ACTIVE_SEQUENCES) if decisions else (KV_EVENTS,)
+    if decisions:
+        stats.decisions = 0
 
     async def on(msg: Msg) -> None:
         where = scope.match(msg.subject)
-        if jetstream or (where is not None and where[2] == KV_EVENTS):
-            queue.put_nowait(msg.data)
+        if jetstream:
+            queue.put_nowait((KV_EVENTS, msg.data))
+        elif where is not None and where[2] in topics:
+            queue.put_nowait((where[2], msg.data))
 
     sequences: dict[WorkerKey, Sequence] = {}
     try:
@@ -53,13 +59,14 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
         else:
             await nc.subscribe(scope.subscription, cb=on)
             await barrier(nc)
-            listening(f"listening on {scope.pattern(KV_EVENTS)} at {conn.shown_url}")
+            listening(f"listening on {' and '.join(map(scope.pattern, topics))} at {conn.shown_url}")
         while not stop():
             try:
-                data = await asyncio.wait_for(queue.get(), POLL_MS / 1000)
+                topic, data = await asyncio.wait_for(queue.get(), POLL_MS / 1000)
             except TimeoutError:
                 continue
-            for tapped in tapped_events(_durable if jetstream else enveloped, data, sequences, stats):
+            for tapped in (tapped_events(_durable, data, sequences, stats) if jetstream
+                           else plane_message(data, topic, sequences, stats)):
                 yield tapped
     finally:
         await nc.close()

@@ -180,14 +180,15 @@ def test_record_then_replay_into_a_router(tmp_path: Path) -> None:
     dry = kvctl("events", "replay", str(recording), "--dry-run", "-o", "json")  # says what it would send (issue 37)
     out, err = dry.communicate(timeout=30)
     assert dry.returncode == 0 and json.loads(out)["would_send"] == {"events": sent, "workers": ["3:0"],
-                                                                   "seconds": 0.0}, err
+                                                                   "decisions": 0, "seconds": 0.0}, err
     assert f"dry run, nothing sent: would send {sent} events of 1 worker (3:0)" in err
     with serve(tmp_path) as url:
         replay = kvctl("--server", url, "events", "replay", str(recording), "--yes", "-o", "json")
         out, err = replay.communicate(timeout=30)
         assert replay.returncode == 0, err
         assert json.loads(out) == {"source": str(recording), "sent": sent, "applied": sent, "rejected": {},
-                                   "dry_run": False}
+                                   "dry_run": False, "decisions": {"sent": 0, "audited": 0, "booked": {},
+                                                                   "rejected": {}}}
         assert httpx.get(f"{url}/v1/tree/stats").json()["models"]["default"]["workers"]["3:0"] > 0
 
 
@@ -297,8 +298,10 @@ def test_tail_from_a_nats_event_plane(nats_server: NatsServer) -> None:
 
 
 @contextmanager
-def serve(tmp_path: Path) -> Iterator[str]:
-    with kvctl("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"), "--no-restore") as proc:
+def serve(tmp_path: Path, *extra: str, state: str = "state") -> Iterator[str]:
+    """A `kvctl serve` (with `extra` options) on a fresh state dir `state` under `tmp_path`: its URL."""
+    with kvctl("serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / state), "--no-restore",
+               *extra) as proc:
         try:
             assert proc.stdout is not None
             yield proc.stdout.readline().strip()

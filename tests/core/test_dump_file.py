@@ -8,8 +8,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvctl.core.events.dump_file import DumpFileError, iter_indexer_dump, read_router_events
+from kvctl.core.events.dump_file import (
+    DumpFileError,
+    iter_dump_events,
+    iter_indexer_dump,
+    read_router_events,
+    read_timed_events,
+)
 from kvctl.core.events.dynamo import decode_router_event_json
+from kvctl.core.events.plane import ActiveSequenceEvent, AddRequest, sequence_event_obj
 from tests.fixtures_path import FIXTURES
 
 LINES = (FIXTURES / "dynamo-1.6.1" / "dump.jsonl").read_text().splitlines()
@@ -38,6 +45,24 @@ def test_every_shape_reads_the_same_events(shape: str) -> None:
 def test_bad_files_say_where(text: str, needle: str) -> None:
     with pytest.raises(DumpFileError, match=needle):
         read_router_events(text)
+
+
+def test_a_recording_with_decisions_keeps_them_in_order_and_only_replay_reads_them() -> None:
+    add = ActiveSequenceEvent("req-1", 2**63 + 7, 0, AddRequest([2**64 - 1, 5], True, None, 16), 12345)
+    free = ActiveSequenceEvent("req-1", 2**63 + 7, 0, "Free", 12345)
+    objs = [json.loads(line) for line in LINES[:3]]
+    text = "\n".join([json.dumps({"timestamp": 1, "event": objs[0]}),
+                      json.dumps({"timestamp": 2, "decision": sequence_event_obj(add)}),
+                      json.dumps({"timestamp": 3, "event": objs[1]}),
+                      json.dumps({"decision": sequence_event_obj(free)}), json.dumps(objs[2])])
+    assert read_timed_events(text) == [(1, EXPECTED[0]), (2, add), (3, EXPECTED[1]), (None, free),
+                                       (None, EXPECTED[2])]
+    for read in (read_router_events, lambda t: list(iter_dump_events([t]))):
+        with pytest.raises(DumpFileError, match=r"^line 2 is a routing decision .*only `kvctl events replay`"):
+            read(text)
+    bad = json.dumps({"timestamp": 4, "decision": {**sequence_event_obj(free), "router_id": -1}})
+    with pytest.raises(DumpFileError, match=r"^line 1: decision.router_id: "):
+        read_timed_events(bad)
 
 
 def _indexer_body(models: dict[str, list[str]]) -> tuple[str, list[int]]:

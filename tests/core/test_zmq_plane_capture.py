@@ -33,11 +33,14 @@ from kvctl.core.events.plane import (
     KV_METRICS,
     TOPICS,
     ActiveSequenceEvent,
+    AddRequest,
     decode_active_load,
     decode_forward_pass,
     decode_sequence_events,
     encode_sequence_event,
     encode_sequence_events,
+    sequence_event_obj,
+    sequence_event_of,
 )
 from kvctl.core.events.zmq_wire import ZmqMessage, decode_zmq_message, encode_zmq_message
 from tests.fixtures_path import FIXTURES
@@ -121,6 +124,38 @@ def test_a_bare_sequence_event_is_a_batch_of_one_and_bad_events_cost_themselves(
     with pytest.raises(DecodeError) as exc:
         decode_sequence_events(msgspec.msgpack.encode({"events": {"a": 1}}))
     assert exc.value.kind is ErrorKind.bad_batch
+
+
+def test_every_captured_decision_keeps_itself_as_a_recordings_json() -> None:
+    """`events record --decisions` writes each decision as serde's JSON of the map replica sync sends as msgpack:
+    the captured maps, key for key, through JSON and back (u64 hashes and ids past 2^53 exact)."""
+    heard = 0
+    for row in ALL:
+        message = decode_zmq_message(frames(row))
+        if message.topic != ACTIVE_SEQUENCES:
+            continue
+        payload = decode_envelope(message.envelope).payload
+        for wire, event in zip(msgspec.msgpack.decode(payload)["events"], decode_sequence_events(payload)[0],
+                               strict=True):
+            line = json.dumps({"timestamp": 1, "decision": sequence_event_obj(event)})
+            assert json.loads(line)["decision"] == wire  # what Dynamo sent, field for field
+            assert sequence_event_of(json.loads(line)["decision"]) == event
+            heard += isinstance(event.action, AddRequest)
+    assert heard >= 10
+
+
+_U64S = st.integers(0, 2**64 - 1)
+_ACTIONS = st.one_of(st.sampled_from(["Free", "MarkPrefillCompleted"]), st.builds(
+    AddRequest, st.none() | st.lists(_U64S, max_size=8), st.booleans(), st.none() | st.integers(0, 2**32 - 1),
+    st.none() | _U64S))
+
+
+@given(st.builds(ActiveSequenceEvent, st.text(max_size=20), _U64S, st.integers(0, 2**32 - 1), _ACTIONS, _U64S,
+                 st.none() | st.text(max_size=8)))
+def test_a_decision_round_trips_through_json_and_msgpack_alike(event: ActiveSequenceEvent) -> None:
+    obj = sequence_event_obj(event)
+    assert sequence_event_of(json.loads(json.dumps(obj))) == event
+    assert decode_sequence_events(encode_sequence_event(event)) == ([event], [])
 
 
 GOOD = frames(ALL[0])

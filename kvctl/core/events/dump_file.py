@@ -1,6 +1,10 @@
 """RouterEvents from a file in any of the shapes they are kept in: a JSON list (a dump), JSON
 lines (`/v1/tree?format=jsonl`, a kvctl snapshot's event lines), or Dynamo's recorder lines
 (`{"timestamp": ms, "event": RouterEvent}`). The shape is told from the text, never from a file name.
+
+A recording made with `events record --decisions` also holds the routers' decisions, one per line as
+`{"timestamp": ms, "decision": ActiveSequenceEvent}` (serde's JSON of what replica sync publishes): only
+`read_timed_events` (what `events replay` reads) returns them; the readers of events alone refuse them by line.
 """
 
 from __future__ import annotations
@@ -8,14 +12,18 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Iterable, Iterator
-from typing import Annotated, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
 from kvctl.core.events.dynamo import decode_router_event_json
 from kvctl.core.events.errors import DecodeError
+from kvctl.core.events.plane import ActiveSequenceEvent, sequence_event_of
 from kvctl.core.events.types import RouterEvent, Stored, Tier
+
+Recorded = RouterEvent | ActiveSequenceEvent
+T = TypeVar("T")
 
 
 class DumpFileError(ValueError):
@@ -23,19 +31,24 @@ class DumpFileError(ValueError):
 
 
 def read_router_events(text: str) -> list[RouterEvent]:
-    return [event for _, event in read_timed_events(text)]
+    return [event for _, event in _read(text, _event)]
 
 
-def read_timed_events(text: str) -> list[tuple[int | None, RouterEvent]]:
-    """Each event with its recorder timestamp (ms), None where the shape has none."""
+def read_timed_events(text: str) -> list[tuple[int | None, Recorded]]:
+    """Each event, and each decision of a recording made with `--decisions`, in the file's order, with its
+    recorder timestamp (ms), None where the shape has none."""
+    return _read(text, _recorded)
+
+
+def _read(text: str, item_of: Callable[[Any, str], tuple[int | None, T]]) -> list[tuple[int | None, T]]:
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
             items = json.loads(stripped)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise DumpFileError(f"not a JSON list of RouterEvents: {exc}") from None
-        return [_event(item, f"item {n}") for n, item in enumerate(items)]
-    events = []
+        return [item_of(item, f"item {n}") for n, item in enumerate(items)]
+    out = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -43,8 +56,24 @@ def read_timed_events(text: str) -> list[tuple[int | None, RouterEvent]]:
             item = json.loads(line)
         except (ValueError, RecursionError) as exc:
             raise DumpFileError(f"line {n} is not JSON: {exc}") from None
-        events.append(_event(item, f"line {n}"))
-    return events
+        out.append(item_of(item, f"line {n}"))
+    return out
+
+
+def _recorded(item: Any, where: str) -> tuple[int | None, Recorded]:
+    return _decision(item, where) if _is_decision(item) else _event(item, where)
+
+
+def _is_decision(item: Any) -> bool:
+    return isinstance(item, dict) and "decision" in item and "event" not in item
+
+
+def _decision(item: dict[str, Any], where: str) -> tuple[int | None, ActiveSequenceEvent]:
+    timestamp = item.get("timestamp")
+    try:
+        return timestamp if isinstance(timestamp, int) else None, sequence_event_of(item["decision"])
+    except DecodeError as exc:
+        raise DumpFileError(f"{where}: decision.{exc.field}: {exc.detail}") from None
 
 
 _U64_MAX = (1 << 64) - 1
@@ -119,6 +148,9 @@ def router_event_of(item: dict[str, Any]) -> RouterEvent:
 
 
 def _event(item: Any, where: str) -> tuple[int | None, RouterEvent]:
+    if _is_decision(item):
+        raise DumpFileError(f"{where} is a routing decision (a recording made with `events record --decisions`): "
+                            "only `kvctl events replay` sends decisions")
     timestamp = None
     if isinstance(item, dict) and "event" in item and "worker_id" not in item:
         timestamp = item.get("timestamp") if isinstance(item.get("timestamp"), int) else None

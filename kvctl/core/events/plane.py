@@ -182,7 +182,7 @@ class ActiveSequenceEvent:
 
 def decode_sequence_event(data: bytes) -> ActiveSequenceEvent:
     """One bare event: what Dynamo 1.6.1 publishes on its NATS plane."""
-    return _sequence_event(parse_msgpack(data))
+    return sequence_event_of(parse_msgpack(data))
 
 
 def decode_sequence_events(data: bytes) -> tuple[list[ActiveSequenceEvent], list[DecodeError]]:
@@ -191,11 +191,11 @@ def decode_sequence_events(data: bytes) -> tuple[list[ActiveSequenceEvent], list
     DecodeError with its index; a batch that is not an array is bad_batch."""
     obj = parse_msgpack(data)
     if not (isinstance(obj, dict) and "events" in obj and "request_id" not in obj):
-        return [_sequence_event(obj)], []
+        return [sequence_event_of(obj)], []
     items = obj["events"]
     if not isinstance(items, list):
         raise DecodeError(ErrorKind.bad_batch, "events", f"expected an array of events, got {describe(items)}")
-    return decode_each(items, _sequence_event)
+    return decode_each(items, sequence_event_of)
 
 
 def encode_sequence_events(events: list[ActiveSequenceEvent]) -> bytes:
@@ -203,7 +203,9 @@ def encode_sequence_events(events: list[ActiveSequenceEvent]) -> bytes:
     return msgspec.msgpack.encode({"events": [msgspec.Raw(encode_sequence_event(e)) for e in events]})
 
 
-def _sequence_event(value: Any) -> ActiveSequenceEvent:
+def sequence_event_of(value: Any) -> ActiveSequenceEvent:
+    """One event from its decoded object, msgpack's or serde JSON's (a recording's): the same shape. DecodeError
+    naming the field that does not fit."""
     obj = as_map(value, "ActiveSequenceEvent")
     request_id = require(obj, "request_id")
     if not isinstance(request_id, str):
@@ -223,6 +225,12 @@ def _sequence_event(value: Any) -> ActiveSequenceEvent:
 
 
 def encode_sequence_event(ev: ActiveSequenceEvent) -> bytes:
+    return msgspec.msgpack.encode(sequence_event_obj(ev))
+
+
+def sequence_event_obj(ev: ActiveSequenceEvent) -> dict[str, Any]:
+    """The event as Dynamo 1.6.1's serde writes it, field order included: msgpack on the plane, JSON in a
+    recording (`events record --decisions`)."""
     if isinstance(ev.action, AddRequest):
         add = ev.action
         hint = None if add.prefill_tokens_hint is None else {
@@ -232,10 +240,8 @@ def encode_sequence_event(ev: ActiveSequenceEvent) -> bytes:
             "expected_output_tokens": add.expected_output_tokens, "prefill_load_hint": hint}}
     else:
         data = ev.action
-    return msgspec.msgpack.encode({
-        "request_id": ev.request_id, "worker": {"worker_id": ev.worker_id, "dp_rank": ev.dp_rank},
-        "data": data, "router_id": ev.router_id, "lora_name": ev.lora_name,
-    })
+    return {"request_id": ev.request_id, "worker": {"worker_id": ev.worker_id, "dp_rank": ev.dp_rank},
+            "data": data, "router_id": ev.router_id, "lora_name": ev.lora_name}
 
 
 def _action(data: Any) -> SequenceAction:

@@ -552,7 +552,7 @@ def create_app(fleet: Fleet, *, clock: Callable[[], float] = time.monotonic, adm
         ("DELETE", "/v1/requests/{request_id}"): free_request, ("GET", "/v1/tree"): tree,
         ("GET", "/v1/tree/stats"): tree_stats, ("POST", "/v1/reset"): reset,
         ("GET", "/busy_threshold"): get_thresholds, ("POST", "/busy_threshold"): post_thresholds,
-        ("DELETE", "/busy_threshold"): unset_thresholds, **audit_handlers(fleet, clock),
+        ("DELETE", "/busy_threshold"): unset_thresholds, **audit_handlers(fleet, clock, plane),
     }
     # POST /v1/route is answered by `_Front`, ahead of the app, on either path (`http_protocol`).
     assert {*handlers, ("POST", "/v1/route")} == {(op.method, op.path) for op in OPERATIONS}, "the routes and the " \

@@ -1,9 +1,12 @@
-"""`GET /v1/audit` and `GET /v1/audit/{request_id}`: the decision audit's window summary and one decision explained
-(docs/audit.md, docs/http-api.md)."""
+"""`GET /v1/audit` and `GET /v1/audit/{request_id}`: the decision audit's window summary and one decision explained;
+`POST /v1/decisions`: a recording's decisions heard as replica sync hears them (docs/audit.md, docs/http-api.md)."""
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 from starlette.requests import Request
@@ -12,18 +15,32 @@ from starlette.responses import Response
 from kvctl import http_api as api
 from kvctl.core.audit import Verdict, summarise
 from kvctl.core.audit.what_if import parse_knobs, what_if
-from kvctl.core.names import MAX_REQUEST_ID_CHARS, format_worker
+from kvctl.core.events.errors import DecodeError
+from kvctl.core.events.plane import sequence_event_of
+from kvctl.core.names import DEFAULT_MODEL, MAX_REQUEST_ID_CHARS, format_worker
 from kvctl.errors import ApiError
-from kvctl.server.http.bodies import invalid
+from kvctl.server.budget import Slices
+from kvctl.server.http.bodies import invalid, parse_events
+from kvctl.server.plane.replica_sync import PeerBookings, PeerLimits, audit_heard
 from kvctl.server.state import Fleet
+
+if TYPE_CHECKING:
+    from kvctl.server.http.metrics import Plane
 
 MAX_WINDOW_S = 24 * 3600.0
 MAX_RECENT = 1000
+MAX_DECISIONS = 10_000
+"""Decisions in one `POST /v1/decisions` body, at most: each add is audited (a walk of its blocks, ~0.1 ms at 10M
+pairs), a slice of the loop at a time."""
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def audit_handlers(fleet: Fleet, clock: Callable[[], float]) -> dict[tuple[str, str], Handler]:
+def audit_handlers(fleet: Fleet, clock: Callable[[], float], plane: Plane | None = None
+                   ) -> dict[tuple[str, str], Handler]:
+    """`plane`: the router's event plane, if any: a replayed decision is judged as one it brings would be (its own
+    router id skipped, its workers' staleness named, booked beside its replica sync's bookings)."""
+    bookings: dict[str, PeerBookings] = {}  # per model, where no plane books peers' requests
     async def audit(request: Request) -> Response:
         query = request.query_params
         window = _number(query.get("window", "300"), "window", MAX_WINDOW_S)
@@ -61,7 +78,42 @@ def audit_handlers(fleet: Fleet, clock: Callable[[], float]) -> dict[tuple[str, 
                            "remembers (the most recent ones: see GET /v1/audit?recent=N)", status=404)
         return Response(msgspec.json.encode(decision(verdict, clock())), media_type="application/json")
 
-    return {("GET", "/v1/audit"): audit, ("GET", "/v1/audit/{request_id}"): one}
+    async def decisions(request: Request) -> Response:
+        """Other routers' decisions (serde JSON of `active_sequences_events`), in order: each add audited against
+        the index as it is, then each booked, as replica sync takes them from a plane (`events replay` of a
+        recording made with `--decisions`). `model`: that of a worker the router has not heard of."""
+        model = request.query_params.get("model", DEFAULT_MODEL)
+        fleet.model(model)  # a model the router serves (404 naming those it does)
+        raw = await request.body()
+        try:
+            items = list(itertools.islice(parse_events(raw, request.headers.get("content-type", "")),
+                                          MAX_DECISIONS + 1))
+        except ValueError as exc:
+            raise ApiError(str(exc), status=400) from None
+        if len(items) > MAX_DECISIONS:
+            raise invalid("body", None, f"at most {MAX_DECISIONS:,} decisions in one body: send them in batches")
+        ingest = None if plane is None else plane.ingest
+        peers = ingest.peers if ingest is not None and ingest.peers is not None else \
+            bookings.setdefault(model, PeerBookings(fleet, model, PeerLimits()))
+        audited, booked, rejected, slices = 0, Counter[str](), Counter[str](), Slices()
+        for item in items:
+            await slices.tick()
+            try:
+                event = sequence_event_of(item)
+            except DecodeError as exc:
+                rejected[exc.kind.value] += 1
+                continue
+            if ingest is not None and event.router_id == ingest.router_id:
+                booked["own_sequence_events"] += 1
+                continue
+            now = clock()
+            audited += audit_heard(fleet, event, model, ingest.stale if ingest is not None else dict, now)
+            booked[peers.take(event, now)] += 1
+        return Response(msgspec.json.encode(api.DecisionsHeard(len(items), audited, dict(booked), dict(rejected))),
+                        media_type="application/json")
+
+    return {("GET", "/v1/audit"): audit, ("GET", "/v1/audit/{request_id}"): one,
+            ("POST", "/v1/decisions"): decisions}
 
 
 def decision(verdict: Verdict, now: float) -> api.AuditedDecision:

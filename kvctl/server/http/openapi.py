@@ -60,6 +60,30 @@ _ROUTER_EVENT: dict[str, Any] = {
         }},
     },
 }
+_SEQUENCE_EVENT: dict[str, Any] = {
+    "title": "ActiveSequenceEvent",
+    "description": "A router's decision as Dynamo 1.6.1's replica sync publishes it (`active_sequences_events`), "
+                   "in serde's JSON: an AddRequest for a request routed, then MarkPrefillCompleted and Free.",
+    "type": "object",
+    "required": ["request_id", "worker", "data", "router_id"],
+    "properties": {
+        "request_id": {"type": "string"},
+        "worker": {"type": "object", "required": ["worker_id"], "properties": {"worker_id": _U64, "dp_rank": _U32}},
+        "data": {"anyOf": [
+            {"enum": ["Free", "MarkPrefillCompleted"]},
+            {"type": "object", "required": ["AddRequest"], "properties": {"AddRequest": {
+                "type": "object", "properties": {
+                    "token_sequence": {"anyOf": [{"type": "array", "items": _U64}, {"type": "null"}],
+                                       "description": "the prompt's blocks, as sequence hashes"},
+                    "track_prefill_tokens": {"type": "boolean", "default": True},
+                    "expected_output_tokens": {"anyOf": [_U32, {"type": "null"}]},
+                    "prefill_load_hint": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
+                        "initial_effective_prefill_tokens": {"anyOf": [_U64, {"type": "null"}]}}}]}}}}},
+        ]},
+        "router_id": _U64,
+        "lora_name": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+    },
+}
 _PROBLEM: dict[str, Any] = {
     "title": "Problem",
     "description": "What is wrong: an `Error`, or, for a body or query that does not fit its schema, an `Invalid`.",
@@ -69,6 +93,9 @@ _LINES = {"type": "string", "description": "one RouterEvent per line"}
 _EVENT_LIST = {"type": "array", "items": ref("RouterEvent")}
 _EVENTS = {"application/json": {"schema": {"anyOf": [ref("RouterEvent"), _EVENT_LIST]}},
            "application/x-ndjson": {"schema": _LINES}}
+_DECISIONS = {"application/json": {"schema": {"anyOf": [ref("ActiveSequenceEvent"), {
+    "type": "array", "maxItems": 10_000, "items": ref("ActiveSequenceEvent")}]}},
+    "application/x-ndjson": {"schema": {"type": "string", "description": "one ActiveSequenceEvent per line"}}}
 _TREE = {"application/json": {"schema": _EVENT_LIST}, "application/x-ndjson": {"schema": _LINES}}
 _METRICS = {"text/plain": {"schema": {"type": "string"}}}
 
@@ -142,6 +169,8 @@ OPERATIONS = (
     Operation("GET", "/v1/audit/{request_id}", "One recent decision, explained", api.AuditedDecision, (404, 422),
               (Param("request_id", {"type": "string", "minLength": 1, "maxLength": MAX_REQUEST_ID_CHARS}, "path",
                      True),)),
+    Operation("POST", "/v1/decisions", "Hear other routers' decisions: each routed request audited, then booked",
+              api.DecisionsHeard, (400, 404, 422), (_MODEL,), body=_DECISIONS),
     Operation("GET", "/busy_threshold", "Every model's busy thresholds", api.ThresholdsList),
     Operation("POST", "/busy_threshold", "Set a model's busy thresholds", api.Thresholds, (400, 404, 415, 422),
               body=api.BusyBody),
@@ -190,7 +219,8 @@ def document(needs_admin: Callable[[str, str], bool]) -> dict[str, Any]:
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method.lower()] = _operation(op, needs_admin)
     return {"openapi": "3.1.0", "info": {"title": "kvctl router", "version": __version__}, "paths": paths,
-            "components": {"schemas": {**schemas, "RouterEvent": _ROUTER_EVENT, "Problem": _PROBLEM}}}
+            "components": {"schemas": {**schemas, "RouterEvent": _ROUTER_EVENT,
+                                                "ActiveSequenceEvent": _SEQUENCE_EVENT, "Problem": _PROBLEM}}}
 
 
 _OFFLINE = """<p id="offline" hidden>This page loads its viewer's scripts from cdn.jsdelivr.net, which this browser

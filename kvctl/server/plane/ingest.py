@@ -47,7 +47,7 @@ from kvctl.core.router.sequences import ActiveRequest
 from kvctl.server.budget import Slices
 from kvctl.server.ingest.streams import SLICE_EVENTS, ModelWriter
 from kvctl.server.plane.recovery import Recovery
-from kvctl.server.plane.replica_sync import SURFACE, PeerBookings, PeerLimits
+from kvctl.server.plane.replica_sync import SURFACE, PeerBookings, PeerLimits, audit_heard
 from kvctl.server.state import ADD, Fleet
 
 log = logging.getLogger("kvctl.serve")
@@ -349,8 +349,7 @@ class PlaneIngest:
                 self.counts["own_sequence_events"] += 1
                 continue
             self.counts["peer_sequence_events"] += 1
-            if isinstance(event.action, AddRequest) and event.router_id != event.worker_id:
-                self.fleet.audit.peer(event, event.action, self.model, self.stale(), now)
+            audit_heard(self.fleet, event, self.model, self.stale, now)
             if self.peers is not None:
                 self.counts[self.peers.take(event, now)] += 1
 

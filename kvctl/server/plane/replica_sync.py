@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvctl.core.events.plane import FREE, PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest
-from kvctl.core.names import MAX_REQUEST_ID_CHARS, format_worker
+from kvctl.core.names import MAX_REQUEST_ID_CHARS, WorkerKey, format_worker
 from kvctl.core.router.router import Router
 from kvctl.core.router.sequences import ActiveRequest, ActiveSequences
 from kvctl.core.words import counted
@@ -159,6 +160,17 @@ class PeerBookings:
         if router.tracking is None and done.prefill_tokens and done.block_hashes:
             self.tracking["checked"] += 1
             self.tracking["matched"] += bool(router.index.find_matches(done.block_hashes[:1]).scores)
+
+
+def audit_heard(fleet: Fleet, event: ActiveSequenceEvent, model: str, stale: Callable[[], Mapping[WorkerKey, str]],
+                now: float) -> bool:
+    """Another router's event, as a plane or a replay (`POST /v1/decisions`) brings it, before any booking of it
+    (the loads are then those it was routed under): a routed request (an add that is not a worker's own report) is
+    audited. Whether it was."""
+    if isinstance(add := event.action, AddRequest) and event.router_id != event.worker_id:
+        fleet.audit.peer(event, add, model, stale(), now)
+        return True
+    return False
 
 
 def _request(event: ActiveSequenceEvent) -> str:
