@@ -8,6 +8,7 @@ holds the frontend's index and hears its decisions in the order they were made.
 from __future__ import annotations
 
 import json
+import signal
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,12 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvctl.core.events.dump_file import read_timed_events
+from kvctl.core.events.plane import ActiveSequenceEvent, AddRequest
 from tests.commands.live_router import kvctl
+from tests.commands.test_events_tail_record_replay import kvctl as kvctl_process
+from tests.commands.test_events_tail_record_replay import serve
+from tests.commands.test_record_decisions import POLICY, WHAT_IF, audit, foretold
 from tests.interop.conftest import NATS_ROUTER, NATS_ROUTER_ID
 from tests.interop.fleet import BLOCK_SIZE, Fleet, settled, shared_prefix_load, start_fleet, wait_until
 from tests.nats_server import NatsServer
@@ -148,3 +154,63 @@ def test_decisions_to_a_restarted_mocker_are_never_put_down_to_bad_routing(
     behind = [v for v in to_it if v["reason"] == "index_behind"]
     assert all("not registered" in v["stale"].get(f"{victim.dynamo_id}:0", "") for v in behind
                if v["outcome"] == "unknown"), behind
+
+
+
+def test_what_if_on_a_recording_answers_as_a_router_started_with_those_knobs(
+        dynamo: Path, nats: NatsServer, tmp_path: Path) -> None:
+    # The fleet's KV events and its frontend's decisions recorded from its start, then replayed into two routers:
+    # one with the defaults, asked --what-if, and one started with those knobs (a policy file), whose audit of
+    # the same decisions is what the what-if foretells: the same picks changed, the same avoidable prefill.
+    fleet = start_fleet(tmp_path / "fleet", dynamo, mockers=3, nats_url=nats.url, namespace="recorded",
+                        kvctl=False, indexer=False)
+    recording = tmp_path / "rec.jsonl"
+    try:
+        recorder = kvctl_process("events", "record", str(recording), "--nats", nats.url, "--namespace", "recorded",
+                                 "--decisions", "--duration", "300", "-o", "json")
+        assert recorder.stderr is not None and recorder.stderr.readline().startswith("listening on ")
+        load = shared_prefix_load(fleet.frontend_url, requests=48, seed=46)
+        assert not load.failed, load.failed
+        made = len(fleet.frontend.decisions())
+        wait_until(lambda: routed(recording) >= made or None, f"the recording holding the frontend's {made} "
+                   "decisions", timeout=30)
+        settled(lambda: recording.stat().st_size, "the recording")
+        recorder.send_signal(signal.SIGINT)
+        out, err = recorder.communicate(timeout=30)
+    finally:
+        fleet.stop()
+    assert recorder.returncode == 0 and json.loads(out)["gaps"] == 0, err
+    assert routed(recording) == made
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    with serve(tmp_path, state="plain") as plain, \
+            serve(tmp_path, "--router-policy-config", str(tmp_path / "policy.yaml"), state="other") as other:
+        for url in (plain, other):
+            replay = kvctl_process("--server", url, "events", "replay", str(recording), "--yes", "-o", "json")
+            out, err = replay.communicate(timeout=60)
+            assert replay.returncode == 0, err  # recorded from the start: every event applies
+            assert json.loads(out)["decisions"]["audited"] == made
+        here = audit(plain, *(f"--what-if={k}" for k in WHAT_IF))
+        there = audit(other, "--recent", "1000")
+    judged = foretold(here["what_if"], there, BLOCK_SIZE)
+    assert len(judged) == made - before_first_event(recording)
+    # credit 0 forgoes the cache the frontend's picks found
+    assert here["optimal_share"] >= 0.8 > here["what_if"]["optimal_share_then"], here
+    assert here["what_if"]["avoidable_prefill_tokens_then"] > here["avoidable_prefill_tokens"], here
+
+
+def before_first_event(recording: Path) -> int:
+    """The recording's decisions for a worker none of its KV events has named yet: a replay's router has not heard
+    of that worker then, so they are judged `unknown` (the live router knew it from discovery)."""
+    heard: set[tuple[int, int]] = set()
+    early = 0
+    for _, item in read_timed_events(recording.read_text()):
+        if isinstance(item, ActiveSequenceEvent):
+            early += isinstance(item.action, AddRequest) and (item.worker_id, item.dp_rank) not in heard
+        else:
+            heard.add(item.worker)
+    return early
+
+
+def routed(recording: Path) -> int:
+    """The frontend's AddRequests in the recording so far."""
+    return sum('"AddRequest"' in line for line in recording.read_text().splitlines())
