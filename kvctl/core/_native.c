@@ -6,8 +6,8 @@
  * the digits once and writes the u32s straight into the result. Errors say what msgspec would have said for
  * `list[int]` with bounds [0, 2^32 - 1], so a bad token id reads the same as any other invalid field.
  *
- * u32le_from_msgpack and u64_from_msgpack: a stored event's token ids and a removal's block hashes, packed
- * without an int object per element (see uints_from_msgpack).
+ * engine_batch_msgpack: an engine's KV event batch read in one pass, its token ids and hashes packed as they are
+ * read, without an int object per element (see its comment).
  *
  * xxh3_blocks and xxh3_chain: a prompt's local and sequence hashes, with the same xxHash release the
  * `xxhash` package wraps (vendor/xxhash.h), without a Python call and a bytes object per block.
@@ -252,108 +252,477 @@ static Py_ssize_t array_header(const unsigned char *s, const Py_ssize_t n, Py_ss
     return count > n - *i ? -1 : count; /* every element takes at least a byte */
 }
 
-/* The msgpack unsigned int (any int encoding, not negative) at s[*i], moving *i past it; 0 when there is none. */
-static int read_uint(const unsigned char *s, const Py_ssize_t n, Py_ssize_t *i, uint64_t *v) {
-    if (*i >= n) return 0;
-    const unsigned char c = s[*i];
-    int size;
+/* The msgpack unsigned int (any int encoding, not negative) at s[*i], moving *i past it; 0 when there is none.
+ * Each encoding's width is a constant here: every token id and hash of an event passes through it. */
+static inline int read_uint(const unsigned char *s, const Py_ssize_t n, Py_ssize_t *i, uint64_t *v) {
+    const Py_ssize_t at = *i;
+    if (at >= n) return 0;
+    const unsigned char c = s[at];
+    const Py_ssize_t left = n - at - 1;
     if (c <= 0x7f) { /* positive fixint */
         *v = c;
-        size = 0;
-    } else if (c >= 0xcc && c <= 0xcf) { /* uint 8, 16, 32, 64 */
-        size = 1 << (c - 0xcc);
-        if (n - *i - 1 < size) return 0;
-        *v = be_uint(s + *i + 1, size);
-    } else if (c >= 0xd0 && c <= 0xd3) { /* int 8, 16, 32, 64: fine when the value is not negative */
-        size = 1 << (c - 0xd0);
-        if (n - *i - 1 < size || s[*i + 1] & 0x80) return 0;
-        *v = be_uint(s + *i + 1, size);
-    } else {
+        *i = at + 1;
+        return 1;
+    }
+    switch (c) {
+    case 0xcc: case 0xd0: /* uint 8, int 8 */
+        if (left < 1 || (c == 0xd0 && s[at + 1] & 0x80)) return 0;
+        *v = s[at + 1];
+        *i = at + 2;
+        return 1;
+    case 0xcd: case 0xd1: /* 16 */
+        if (left < 2 || (c == 0xd1 && s[at + 1] & 0x80)) return 0;
+        *v = (uint64_t)s[at + 1] << 8 | s[at + 2];
+        *i = at + 3;
+        return 1;
+    case 0xce: case 0xd2: /* 32 */
+        if (left < 4 || (c == 0xd2 && s[at + 1] & 0x80)) return 0;
+        *v = be_uint(s + at + 1, 4);
+        *i = at + 5;
+        return 1;
+    case 0xcf: case 0xd3: /* 64: an int 64 only when the value is not negative */
+        if (left < 8 || (c == 0xd3 && s[at + 1] & 0x80)) return 0;
+        *v = be_uint(s + at + 1, 8);
+        *i = at + 9;
+        return 1;
+    default:
         return 0;
     }
-    *i += 1 + size;
+}
+
+/* read_uint with the encodings of token ids first (a fixint, a uint 16): a store's ids are read by the hundred. */
+static inline int read_token(const unsigned char *s, const Py_ssize_t n, Py_ssize_t *i, uint64_t *v) {
+    const Py_ssize_t at = *i;
+    if (at < n - 2 && s[at] == 0xcd) {
+        *v = (uint64_t)s[at + 1] << 8 | s[at + 2];
+        *i = at + 3;
+        return 1;
+    }
+    return read_uint(s, n, i, v);
+}
+
+static inline void put_u32le(unsigned char *dst, uint64_t v) {
+#if PY_LITTLE_ENDIAN
+    const uint32_t word = (uint32_t)v;
+    memcpy(dst, &word, 4); /* one store */
+#else
+    for (int b = 0; b < 4; b++) dst[b] = (unsigned char)(v >> (8 * b));
+#endif
+}
+
+/* ----- engine_batch_msgpack: an engine's KV event batch read in one pass ---------------------------------------
+ *
+ * The typed decoding pass took the batch through msgspec with the token ids and hashes left raw, then read those
+ * again in C: every id was walked twice, and an EAGLE store's [t, t+1] pairs cost msgspec a skip of 3 elements per
+ * token (1.4x the plain store). This reads the batch once, as the twin (`_native_py.engine_batch_msgpack`, the
+ * same msgspec types) reads it: `[ts, events, dp_rank?]`, each event a map tagged by `type` (BlockStored,
+ * BlockRemoved, AllBlocksCleared) with only the fields vLLM 0.34 and SGLang 0.5.23 send. Anything else (an unknown
+ * field or tag, a value of the wrong type, an ext, nesting deeper than MAX_DEPTH, bad UTF-8, trailing bytes) is a
+ * ValueError without detail: the caller then walks the batch the general way, which says what is wrong. */
+
+#define MAX_DEPTH 32
+
+enum { F_BLOCK_HASHES, F_TOKEN_IDS, F_PARENT, F_BLOCK_SIZE, F_LORA_NAME, F_MEDIUM, F_LORA_ID, F_EXTRA_KEYS,
+       F_GROUP_IDX, F_SPEC_KIND, F_SPEC_WINDOW, F_LOCALITY, F_OWNERSHIP, F_SESSION_ID, F_CACHE_SALT, F_LOOKAHEAD,
+       N_FIELDS };
+static const char *const FIELD_NAMES[N_FIELDS] = {
+    "block_hashes", "token_ids", "parent_block_hash", "block_size", "lora_name", "medium", "lora_id", "extra_keys",
+    "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
+    "cache_salt", "lookahead_token_ids"};
+/* The fields each kind may have (bit i: FIELD_NAMES[i]), and those it must. */
+#define BIT(f) (1u << (f))
+static const unsigned ALLOWED[3] = {
+    (1u << N_FIELDS) - 1,
+    BIT(F_BLOCK_HASHES) | BIT(F_MEDIUM) | BIT(F_GROUP_IDX) | BIT(F_SPEC_KIND) | BIT(F_LOCALITY) | BIT(F_OWNERSHIP),
+    BIT(F_GROUP_IDX) | BIT(F_LOCALITY) | BIT(F_OWNERSHIP)};
+static const unsigned REQUIRED[3] = {BIT(F_BLOCK_HASHES) | BIT(F_TOKEN_IDS), BIT(F_BLOCK_HASHES), 0};
+static const char *const KINDS[3] = {"BlockStored", "BlockRemoved", "AllBlocksCleared"};
+
+typedef struct {
+    const unsigned char *s;
+    Py_ssize_t n, i;
+} Reader;
+
+/* The length of the str at the reader (moving past its header), -1 when the value is no str or is cut short. */
+static Py_ssize_t str_header(Reader *r) {
+    const unsigned char *s = r->s;
+    const Py_ssize_t n = r->n, i = r->i;
+    Py_ssize_t len, head;
+    if (i >= n) return -1;
+    if ((s[i] & 0xe0) == 0xa0) {
+        len = s[i] & 0x1f;
+        head = 1;
+    } else if (s[i] >= 0xd9 && s[i] <= 0xdb) {
+        head = 1 + (1 << (s[i] - 0xd9));
+        if (n - i < head) return -1;
+        len = (Py_ssize_t)be_uint(s + i + 1, (int)head - 1);
+    } else {
+        return -1;
+    }
+    if (len > n - i - head) return -1;
+    r->i += head;
+    return len;
+}
+
+/* The count of the map at the reader (moving past its header), -1 when the value is no map. */
+static Py_ssize_t map_header(Reader *r) {
+    const unsigned char *s = r->s;
+    const Py_ssize_t n = r->n, i = r->i;
+    Py_ssize_t count;
+    if (i < n && (s[i] & 0xf0) == 0x80) {
+        count = s[i] & 0x0f;
+        r->i += 1;
+    } else if (n - i >= 3 && s[i] == 0xde) {
+        count = (Py_ssize_t)be_uint(s + i + 1, 2);
+        r->i += 3;
+    } else if (n - i >= 5 && s[i] == 0xdf) {
+        count = (Py_ssize_t)be_uint(s + i + 1, 4);
+        r->i += 5;
+    } else {
+        return -1;
+    }
+    return count > (n - r->i) / 2 ? -1 : count; /* a key and a value take a byte each at least */
+}
+
+/* The int at the reader as a Python int (any int encoding, signed or not); NULL, without an error set, when the
+ * value is no int. */
+static PyObject *read_int(Reader *r) {
+    uint64_t v;
+    const Py_ssize_t at = r->i;
+    if (read_uint(r->s, r->n, &r->i, &v)) return PyLong_FromUnsignedLongLong(v);
+    if (at >= r->n) return NULL;
+    const unsigned char c = r->s[at];
+    if (c >= 0xe0) { /* negative fixint */
+        r->i += 1;
+        return PyLong_FromLong((long)(int8_t)c);
+    }
+    if (c >= 0xd0 && c <= 0xd3) { /* a negative int 8, 16, 32 or 64 (read_uint took the others) */
+        const int size = 1 << (c - 0xd0);
+        if (r->n - at - 1 < size) return NULL;
+        uint64_t bits = be_uint(r->s + at + 1, size);
+        if (size < 8) bits |= ~0ULL << (8 * size); /* sign-extended */
+        r->i += 1 + size;
+        return PyLong_FromLongLong((long long)bits);
+    }
+    return NULL;
+}
+
+/* The msgpack value at the reader as Python objects (what msgspec makes of a field typed Any); NULL with an
+ * error set when it cannot be read. */
+static PyObject *read_any(Reader *r, int depth) {
+    if (depth > MAX_DEPTH || r->i >= r->n) goto bad;
+    const unsigned char *s = r->s;
+    const unsigned char c = s[r->i];
+    if (c <= 0x7f || c >= 0xe0 || (c >= 0xcc && c <= 0xd3)) {
+        PyObject *v = read_int(r);
+        if (v == NULL && !PyErr_Occurred()) goto bad;
+        return v;
+    }
+    if (c == 0xc0 || c == 0xc2 || c == 0xc3) {
+        r->i += 1;
+        return Py_NewRef(c == 0xc0 ? Py_None : c == 0xc3 ? Py_True : Py_False);
+    }
+    if (c == 0xca || c == 0xcb) {
+        const int size = c == 0xca ? 4 : 8;
+        if (r->n - r->i - 1 < size) goto bad;
+        const uint64_t bits = be_uint(s + r->i + 1, size);
+        double d;
+        if (size == 4) {
+            uint32_t b32 = (uint32_t)bits;
+            float f;
+            memcpy(&f, &b32, 4);
+            d = f;
+        } else {
+            memcpy(&d, &bits, 8);
+        }
+        r->i += 1 + size;
+        return PyFloat_FromDouble(d);
+    }
+    if ((c & 0xe0) == 0xa0 || (c >= 0xd9 && c <= 0xdb)) {
+        const Py_ssize_t len = str_header(r);
+        if (len < 0) goto bad;
+        PyObject *v = PyUnicode_DecodeUTF8((const char *)s + r->i, len, NULL);
+        r->i += len;
+        return v;
+    }
+    if (c >= 0xc4 && c <= 0xc6) { /* bin 8, 16, 32 */
+        const int head = 1 + (1 << (c - 0xc4));
+        if (r->n - r->i < head) goto bad;
+        const Py_ssize_t len = (Py_ssize_t)be_uint(s + r->i + 1, head - 1);
+        if (len > r->n - r->i - head) goto bad;
+        r->i += head + len;
+        return PyBytes_FromStringAndSize((const char *)s + r->i - len, len);
+    }
+    if ((c & 0xf0) == 0x90 || c == 0xdc || c == 0xdd) {
+        const Py_ssize_t count = array_header(s, r->n, &r->i);
+        if (count < 0) goto bad;
+        PyObject *list = PyList_New(count);
+        if (list == NULL) return NULL;
+        for (Py_ssize_t k = 0; k < count; k++) {
+            PyObject *item = read_any(r, depth + 1);
+            if (item == NULL) {
+                Py_DECREF(list);
+                return NULL;
+            }
+            PyList_SET_ITEM(list, k, item);
+        }
+        return list;
+    }
+    if ((c & 0xf0) == 0x80 || c == 0xde || c == 0xdf) {
+        const Py_ssize_t count = map_header(r);
+        if (count < 0) goto bad;
+        PyObject *dict = PyDict_New();
+        if (dict == NULL) return NULL;
+        for (Py_ssize_t k = 0; k < count; k++) {
+            PyObject *key = read_any(r, depth + 1);
+            PyObject *value = key == NULL ? NULL : read_any(r, depth + 1);
+            if (value == NULL || PyDict_SetItem(dict, key, value) < 0) { /* an unhashable key: a TypeError */
+                Py_XDECREF(key);
+                Py_XDECREF(value);
+                Py_DECREF(dict);
+                return NULL;
+            }
+            Py_DECREF(key);
+            Py_DECREF(value);
+        }
+        return dict;
+    }
+bad: /* an ext, the unused 0xc1, nesting too deep, or a value cut short */
+    PyErr_SetString(PyExc_ValueError, "not msgpack the typed pass reads");
+    return NULL;
+}
+
+/* Moves the reader past one value, checking that it is whole: what msgspec checks of a field it keeps raw, at any
+ * depth. With `strict`, for a field it only checks (lookahead_token_ids: arrays of ids), also what the general
+ * walk's decode checks (strings are UTF-8) and more (no map, no ext, MAX_DEPTH levels at most, as read_any). A count
+ * of the values still to pass (at each level, strict) stands in for recursion. 0 when the value fails. */
+static int skip_value(Reader *r, int strict) {
+    const unsigned char *s = r->s;
+    const Py_ssize_t n = r->n;
+    Py_ssize_t left[MAX_DEPTH + 1] = {1}, pending = 1; /* strict: per level; else: in all */
+    int depth = 0;
+    while (strict ? depth >= 0 : pending > 0) {
+        if (strict && left[depth] == 0) {
+            depth -= 1;
+            continue;
+        }
+        if (r->i >= n) return 0;
+        const unsigned char c = s[r->i];
+        Py_ssize_t size = -1, count = -1;
+        if (strict) left[depth] -= 1;
+        else pending -= 1;
+        if (c <= 0x7f || c >= 0xe0 || c == 0xc0 || c == 0xc2 || c == 0xc3) size = 1;
+        else if (c >= 0xcc && c <= 0xd3) size = 1 + (1 << ((c - 0xcc) & 3));
+        else if (c == 0xca) size = 5;
+        else if (c == 0xcb) size = 9;
+        else if (c >= 0xd4 && c <= 0xd8 && !strict) size = 2 + (1 << (c - 0xd4)); /* fixext 1-16: type, data */
+        else if ((c & 0xe0) == 0xa0 || (c >= 0xd9 && c <= 0xdb)) {
+            const Py_ssize_t len = str_header(r);
+            if (len < 0) return 0;
+            if (strict) {
+                PyObject *text = PyUnicode_DecodeUTF8((const char *)s + r->i, len, NULL);
+                if (text == NULL) return 0; /* the caller turns the UnicodeDecodeError into its ValueError */
+                Py_DECREF(text);
+            }
+            size = len;
+        } else if ((c >= 0xc4 && c <= 0xc6) || (c >= 0xc7 && c <= 0xc9 && !strict)) { /* bin, ext (a type byte) */
+            const int ext = c >= 0xc7, head = 1 + (1 << (c - (ext ? 0xc7 : 0xc4)));
+            if (n - r->i < head) return 0;
+            size = head + ext + (Py_ssize_t)be_uint(s + r->i + 1, head - 1);
+        } else if ((c & 0xf0) == 0x90 || c == 0xdc || c == 0xdd) {
+            count = array_header(s, n, &r->i);
+        } else if (((c & 0xf0) == 0x80 || c == 0xde || c == 0xdf) && !strict) {
+            count = map_header(r);
+            count = count < 0 ? -1 : 2 * count;
+        } else {
+            return 0; /* 0xc1 (never used), or what strict refuses */
+        }
+        if (size >= 0) {
+            if (size > n - r->i) return 0;
+            r->i += size;
+        } else if (count < 0) {
+            return 0;
+        } else if (!strict) {
+            pending += count;
+        } else if (count > 0) {
+            if (depth + 1 >= MAX_DEPTH) return 0; /* its items would be deeper than read_any reads */
+            left[++depth] = count;
+        }
+    }
     return 1;
 }
 
-static void put_u32le(unsigned char *dst, uint64_t v) {
-    for (int b = 0; b < 4; b++) dst[b] = (unsigned char)(v >> (8 * b));
-}
-
-/* A msgpack array of ints straight into packed unsigned ints: `width` 4 (little-endian u32s, in [0, 2^32): a
- * stored event's token ids, which the block hashes are taken over) or 8 (native u64s: a removal's block
- * hashes). The typed decoding pass hands these over raw, where msgspec would build an int per element, and
- * packing them took as long again. Anything else (a negative, a bool, a float, too large, not an array)
- * raises ValueError without detail: the caller then decodes the batch the general way, which words the
- * error. */
-static PyObject *uints_from_msgpack(PyObject *arg, const int width) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
-    const unsigned char *s = view.buf;
-    const Py_ssize_t n = view.len;
-    const uint64_t max = width == 4 ? U32_MAX_VALUE : UINT64_MAX;
-    PyObject *out = NULL;
-    Py_ssize_t i = 0;
+/* Block hashes: an array of ints, signed ones (SGLang's) taken mod 2^64, as native-endian u64 bytes. */
+static PyObject *read_hashes(Reader *r) {
+    const unsigned char *s = r->s;
+    const Py_ssize_t n = r->n;
+    Py_ssize_t i = r->i;
     const Py_ssize_t count = array_header(s, n, &i);
-    if (count < 0) goto bad;
-    out = PyBytes_FromStringAndSize(NULL, count * width);
-    if (out == NULL) goto done;
+    if (count < 0) return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, count * 8);
+    if (out == NULL) return NULL;
     unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
     for (Py_ssize_t k = 0; k < count; k++) {
         uint64_t v;
-        if (!read_uint(s, n, &i, &v) || v > max) goto bad;
-        if (width == 8) {
-            memcpy(dst + 8 * k, &v, 8);
-        } else {
-            put_u32le(dst + 4 * k, v);
+        if (!read_uint(s, n, &i, &v)) {
+            const unsigned char c = i < n ? s[i] : 0;
+            if (c >= 0xe0) { /* negative fixint */
+                v = (uint64_t)(int64_t)(int8_t)c;
+                i += 1;
+            } else if (c >= 0xd0 && c <= 0xd3 && n - i - 1 >= (1 << (c - 0xd0))) { /* negative int 8-64 */
+                const int size = 1 << (c - 0xd0);
+                v = be_uint(s + i + 1, size);
+                if (size < 8) v |= ~0ULL << (8 * size); /* sign-extended */
+                i += 1 + size;
+            } else {
+                Py_DECREF(out);
+                return NULL;
+            }
         }
+        memcpy(dst + 8 * k, &v, 8);
     }
-    if (i != n) goto bad;
-    goto done;
-bad:
-    Py_CLEAR(out);
-    PyErr_SetString(PyExc_ValueError, "not a msgpack array of unsigned ints in range");
-done:
-    PyBuffer_Release(&view);
+    r->i = i;
     return out;
 }
 
-/* SGLang's EAGLE token ids, a msgpack array of [t_i, t_i+1] pairs (ints in [0, 2^32)), as the tokens Dynamo
- * hashes: each pair's first, then the last pair's second, little-endian u32s. ValueError without detail for
- * anything else (an empty array included: it is no pair store). */
-static PyObject *u32le_pairs_from_msgpack(PyObject *module, PyObject *arg) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
-    const unsigned char *s = view.buf;
-    const Py_ssize_t n = view.len;
-    PyObject *out = NULL;
-    Py_ssize_t i = 0;
+/* Token ids: an array of ints in [0, 2^32), or SGLang's EAGLE [t, t+1] pairs (each pair's first, then the last
+ * pair's second), as little-endian u32 bytes; with whether they were pairs. The reader's place is kept in a local:
+ * the stores into the output (char pointers) would otherwise make the compiler load it again at every token. */
+static PyObject *read_tokens(Reader *r) {
+    const unsigned char *s = r->s;
+    const Py_ssize_t n = r->n;
+    Py_ssize_t i = r->i;
     const Py_ssize_t count = array_header(s, n, &i);
-    if (count <= 0) goto bad;
-    out = PyBytes_FromStringAndSize(NULL, (count + 1) * 4);
-    if (out == NULL) goto done;
+    if (count < 0) return NULL;
+    Py_ssize_t probe = i;
+    const int pairs = count > 0 && array_header(s, n, &probe) >= 0;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (count + pairs) * 4);
+    if (out == NULL) return NULL;
     unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
     uint64_t first, second = 0;
     for (Py_ssize_t k = 0; k < count; k++) {
-        if (i >= n || s[i] != 0x92) goto bad; /* a fixarray of two */
-        i += 1;
-        if (!read_uint(s, n, &i, &first) || first > U32_MAX_VALUE) goto bad;
-        if (!read_uint(s, n, &i, &second) || second > U32_MAX_VALUE) goto bad;
+        if (pairs) {
+            if (i < n && s[i] == 0x92) {
+                i += 1;
+            } else if (array_header(s, n, &i) != 2) {
+                goto bad;
+            }
+        }
+        if (!read_token(s, n, &i, &first) || first > U32_MAX_VALUE) goto bad;
+        if (pairs && (!read_token(s, n, &i, &second) || second > U32_MAX_VALUE)) goto bad;
         put_u32le(dst + 4 * k, first);
     }
-    put_u32le(dst + 4 * count, second);
-    if (i != n) goto bad;
-    goto done;
+    if (pairs) put_u32le(dst + 4 * count, second);
+    r->i = i;
+    return Py_BuildValue("(NO)", out, pairs ? Py_True : Py_False);
 bad:
-    Py_CLEAR(out);
-    PyErr_SetString(PyExc_ValueError, "not a msgpack array of pairs of unsigned ints in range");
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* One event: (kind, fields), the fields a tuple in FIELD_NAMES' order, None where absent; NULL (no error set when
+ * the event is not one the typed pass reads). */
+static PyObject *read_event(Reader *r) {
+    PyObject *fields[N_FIELDS] = {NULL};
+    PyObject *out = NULL;
+    unsigned seen = 0;
+    int kind = -1;
+    const Py_ssize_t count = map_header(r);
+    if (count < 0) return NULL;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        const Py_ssize_t len = str_header(r);
+        if (len < 0) goto done;
+        const char *key = (const char *)r->s + r->i;
+        r->i += len;
+        if (len == 4 && memcmp(key, "type", 4) == 0) {
+            const Py_ssize_t tag = str_header(r);
+            if (tag < 0) goto done;
+            int named = -1;
+            for (int t = 0; t < 3; t++)
+                if ((Py_ssize_t)strlen(KINDS[t]) == tag && memcmp(r->s + r->i, KINDS[t], tag) == 0) named = t;
+            r->i += tag;
+            if (named < 0 || (kind >= 0 && named != kind)) goto done; /* a second tag must agree, as msgspec's */
+            kind = named;
+            continue;
+        }
+        int f = 0;
+        while (f < N_FIELDS && !((Py_ssize_t)strlen(FIELD_NAMES[f]) == len && memcmp(key, FIELD_NAMES[f], len) == 0))
+            f++;
+        if (f == N_FIELDS) goto done;
+        PyObject *value;
+        if (f == F_BLOCK_HASHES) {
+            value = read_hashes(r);
+        } else if (f == F_TOKEN_IDS) {
+            value = read_tokens(r);
+        } else if (f == F_EXTRA_KEYS) {
+            const Py_ssize_t at = r->i;
+            value = skip_value(r, 0) ? PyBytes_FromStringAndSize((const char *)r->s + at, r->i - at) : NULL;
+        } else if (f == F_LOOKAHEAD) { /* Dynamo 1.6.1 hashes a block's own tokens only: checked, not built */
+            value = skip_value(r, 1) ? Py_NewRef(Py_None) : NULL;
+        } else if (f == F_PARENT) {
+            value = r->i < r->n && r->s[r->i] == 0xc0 ? (r->i += 1, Py_NewRef(Py_None)) : read_int(r);
+        } else {
+            value = read_any(r, 1);
+        }
+        if (value == NULL) goto done;
+        Py_XSETREF(fields[f], value); /* a key given twice: the last one counts, as in a map */
+        seen |= BIT(f);
+    }
+    if (kind < 0 || (seen & ~ALLOWED[kind]) || (seen & REQUIRED[kind]) != REQUIRED[kind]) goto done;
+    PyObject *tuple = PyTuple_New(N_FIELDS);
+    if (tuple == NULL) goto done;
+    for (int f = 0; f < N_FIELDS; f++) {
+        PyTuple_SET_ITEM(tuple, f, fields[f] != NULL ? fields[f] : Py_NewRef(Py_None));
+        fields[f] = NULL;
+    }
+    out = Py_BuildValue("(iN)", kind, tuple);
 done:
-    PyBuffer_Release(&view);
+    for (int f = 0; f < N_FIELDS; f++) Py_XDECREF(fields[f]);
     return out;
 }
 
-static PyObject *u32le_from_msgpack(PyObject *module, PyObject *arg) { return uints_from_msgpack(arg, 4); }
-
-static PyObject *u64_from_msgpack(PyObject *module, PyObject *arg) { return uints_from_msgpack(arg, 8); }
+static PyObject *engine_batch_msgpack(PyObject *module, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Reader r = {view.buf, view.len, 0};
+    PyObject *ts = NULL, *events = NULL, *dp_rank = NULL, *out = NULL;
+    const Py_ssize_t parts = array_header(r.s, r.n, &r.i);
+    if (parts != 2 && parts != 3) goto bad;
+    if (r.i < r.n && (r.s[r.i] == 0xca || r.s[r.i] == 0xcb)) {
+        ts = read_any(&r, 1);
+    } else {
+        ts = read_int(&r);
+    }
+    if (ts == NULL) goto bad;
+    const Py_ssize_t count = array_header(r.s, r.n, &r.i);
+    if (count < 0 || (events = PyList_New(count)) == NULL) goto bad;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *event = read_event(&r);
+        if (event == NULL) goto bad;
+        PyList_SET_ITEM(events, k, event);
+    }
+    if (parts == 3 && r.i < r.n && r.s[r.i] != 0xc0) {
+        uint64_t rank;
+        if (!read_uint(r.s, r.n, &r.i, &rank) || rank > U32_MAX_VALUE) goto bad;
+        dp_rank = PyLong_FromUnsignedLongLong(rank);
+        if (dp_rank == NULL) goto bad;
+    } else {
+        r.i += parts == 3;
+        dp_rank = Py_NewRef(Py_None);
+    }
+    if (r.i != r.n) goto bad;
+    out = PyTuple_Pack(3, ts, dp_rank, events);
+    goto done;
+bad:
+    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_MemoryError)) PyErr_Clear();
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "not an engine batch the typed pass reads");
+done:
+    Py_XDECREF(ts);
+    Py_XDECREF(events);
+    Py_XDECREF(dp_rank);
+    PyBuffer_Release(&view);
+    return out;
+}
 
 static PyObject *xxh3_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer view;
@@ -845,15 +1214,12 @@ static PyMethodDef methods[] = {
      "xxh3_blocks(data: bytes-like, stride: int, seed: int, window: int = stride) -> bytes\n\nXXH3-64 (seeded) "
      "of the `window` bytes at each multiple of `stride` that has them whole, as native-endian u64s (a window "
      "wider than the stride overlaps the next block: EAGLE's)."},
-    {"u32le_pairs_from_msgpack", u32le_pairs_from_msgpack, METH_O,
-     "u32le_pairs_from_msgpack(msgpack: bytes-like) -> bytes\n\nA msgpack array of [a, b] pairs of ints in "
-     "[0, 2^32) as little-endian u32 bytes: each a, then the last b; ValueError for anything else."},
-    {"u32le_from_msgpack", u32le_from_msgpack, METH_O,
-     "u32le_from_msgpack(msgpack: bytes-like) -> bytes\n\nA msgpack array of ints in [0, 2^32) as little-endian u32 "
-     "bytes; ValueError for anything else."},
-    {"u64_from_msgpack", u64_from_msgpack, METH_O,
-     "u64_from_msgpack(msgpack: bytes-like) -> bytes\n\nA msgpack array of ints in [0, 2^64) as native-endian u64 "
-     "bytes; ValueError for anything else."},
+    {"engine_batch_msgpack", engine_batch_msgpack, METH_O,
+     "engine_batch_msgpack(payload: bytes-like) -> tuple[int | float, int | None, list[tuple[int, tuple]]]\n\nAn "
+     "engine's KV event batch as the typed decoding pass reads it: (ts, dp_rank, [(kind, fields)]), kind 0 stored, "
+     "1 removed, 2 cleared, the fields in ENGINE_FIELDS' order (None where absent): block hashes as native u64 bytes "
+     "(signed ones mod 2^64), token ids as (little-endian u32 bytes, were they EAGLE pairs), extra_keys as its "
+     "msgpack, the rest as msgspec decodes Any. ValueError for anything else."},
     {"u32_from_json", u32_from_json, METH_O,
      "u32_from_json(json: bytes-like) -> bytes\n\nA JSON array of integers in [0, 2^32) as native-endian u32 bytes; "
      "ValueError, worded like msgspec's, for anything else."},

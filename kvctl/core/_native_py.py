@@ -13,6 +13,7 @@ import sys
 from array import array
 from collections import Counter
 from collections.abc import Iterable
+from datetime import datetime
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
@@ -26,9 +27,7 @@ _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
 _INT_LIST = msgspec.json.Decoder(list[int])
 _INT_LIST_MSGPACK = msgspec.msgpack.Decoder(list[int])
-_MSGPACK_REFUSAL = "not a msgpack array of unsigned ints in range"
 _PAIRS_MSGPACK = msgspec.msgpack.Decoder(list[tuple[int, int]])
-_PAIRS_REFUSAL = "not a msgpack array of pairs of unsigned ints in range"
 
 # JSON whitespace (exactly the C reader's is_ws: not \v or \f, which `\s` would take).
 _WS = re.compile(rb"[ \t\n\r]*")
@@ -161,46 +160,6 @@ def u32_head_of_object(raw: Buffer) -> tuple[bytes, int] | None:
     if packed is None or after is None:
         return None
     return packed, after.end()
-
-
-def _uints_from_msgpack(raw: Buffer, typecode: str) -> bytes:
-    """A msgpack array of ints straight into packed unsigned ints ('I': little-endian u32s; 'Q': native u64s).
-    msgspec takes exactly the encodings the C reader takes (any int encoding, no bool, float or trailing byte),
-    and `array` refuses a negative or too large value."""
-    view = _bytes_of(raw)
-    try:
-        packed = array(typecode, _INT_LIST_MSGPACK.decode(view))
-    except (msgspec.DecodeError, OverflowError):
-        raise ValueError(_MSGPACK_REFUSAL) from None
-    if typecode == "I" and sys.byteorder == "big":  # pragma: no cover - exercised only on big-endian hosts
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def u32le_from_msgpack(raw: Buffer) -> bytes:
-    """A msgpack array of ints in [0, 2^32) as little-endian u32 bytes; ValueError for anything else."""
-    return _uints_from_msgpack(raw, "I")
-
-
-def u32le_pairs_from_msgpack(raw: Buffer) -> bytes:
-    """A msgpack array of [a, b] pairs of ints in [0, 2^32) as little-endian u32 bytes: each a, then the last b;
-    ValueError for anything else (an empty array included)."""
-    try:
-        pairs = _PAIRS_MSGPACK.decode(_bytes_of(raw))
-        if not pairs:
-            raise ValueError(_PAIRS_REFUSAL)
-        packed = array("I", [first for first, _ in pairs])
-        packed.append(pairs[-1][1])
-    except (msgspec.DecodeError, OverflowError):
-        raise ValueError(_PAIRS_REFUSAL) from None
-    if sys.byteorder == "big":  # pragma: no cover - exercised only on big-endian hosts
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def u64_from_msgpack(raw: Buffer) -> bytes:
-    """A msgpack array of ints in [0, 2^64) as native-endian u64 bytes; ValueError for anything else."""
-    return _uints_from_msgpack(raw, "Q")
 
 
 def _u64(value: Any) -> int:
@@ -419,3 +378,154 @@ def solo_split(children: Iterable[Any], allowed: int, above: int) -> tuple[bytes
                 if whole and below.children:
                     stack.append((depth + length, list(below.children.values())))
     return runs.tobytes(), rest, visited
+
+
+# ----- engine_batch_msgpack -------------------------------------------------------------------------------------
+
+ENGINE_FIELDS = ("block_hashes", "token_ids", "parent_block_hash", "block_size", "lora_name", "medium", "lora_id",
+                 "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
+                 "ownership", "session_id", "cache_salt", "lookahead_token_ids")
+"""The fields of an event of `engine_batch_msgpack`, in the order of its tuple."""
+_ENGINE_REFUSAL = "not an engine batch the typed pass reads"
+_MAX_DEPTH = 32
+
+
+class _Stored(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unknown_fields=True):
+    block_hashes: msgspec.Raw
+    token_ids: msgspec.Raw
+    parent_block_hash: int | None = None
+    block_size: Any = None
+    lora_name: Any = None
+    medium: Any = None
+    lora_id: Any = None
+    extra_keys: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    group_idx: Any = None
+    kv_cache_spec_kind: Any = None
+    kv_cache_spec_sliding_window: Any = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+    cache_salt: Any = None
+    lookahead_token_ids: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+class _Removed(msgspec.Struct, tag_field="type", tag="BlockRemoved", forbid_unknown_fields=True):
+    block_hashes: msgspec.Raw
+    medium: Any = None
+    group_idx: Any = None
+    kv_cache_spec_kind: Any = None
+    locality: Any = None
+    ownership: Any = None
+
+
+class _Cleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", forbid_unknown_fields=True):
+    group_idx: Any = None
+    locality: Any = None
+    ownership: Any = None
+
+
+class _Batch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    ts: int | float
+    events: list[_Stored | _Removed | _Cleared]
+    dp_rank: int | None = None
+
+
+_BATCH = msgspec.msgpack.Decoder(_Batch)
+
+
+def engine_batch_msgpack(payload: Buffer) -> tuple[int | float, int | None, list[tuple[int, tuple[Any, ...]]]]:
+    """An engine's KV event batch `[ts, events, dp_rank?]` as the typed decoding pass reads it: each event as
+    (kind: 0 stored, 1 removed, 2 cleared, its `ENGINE_FIELDS` in order, None where absent), block hashes as
+    native-endian u64 bytes (signed ones mod 2^64), token ids as (little-endian u32 bytes, whether they came as
+    EAGLE pairs), `extra_keys` as its msgpack, the rest as msgspec decodes a field typed Any. ValueError for
+    anything else: an unknown field or tag, a value of the wrong type, an ext or a map keyed by an array in a
+    field decoded, nesting deeper than 32, bad UTF-8, trailing bytes."""
+    try:
+        batch = _BATCH.decode(_bytes_of(payload))
+        if batch.dp_rank is not None and not 0 <= batch.dp_rank <= _U32_MAX:
+            raise ValueError(_ENGINE_REFUSAL)
+        events = [_engine_event(event) for event in batch.events]
+    except (msgspec.DecodeError, RecursionError, ValueError):
+        raise ValueError(_ENGINE_REFUSAL) from None
+    return batch.ts, batch.dp_rank, events
+
+
+def _engine_event(event: _Stored | _Removed | _Cleared) -> tuple[int, tuple[Any, ...]]:
+    fields = dict.fromkeys(ENGINE_FIELDS)
+    for name in event.__struct_fields__:
+        value = getattr(event, name)
+        if name == "block_hashes":
+            value = _hashes(value)
+        elif name == "token_ids":
+            value = _tokens(value)
+        elif name == "extra_keys":
+            value = None if value is msgspec.UNSET else bytes(value)
+        elif name == "lookahead_token_ids":  # checked as the general walk's decode checks it, and not kept
+            if value is not msgspec.UNSET and not _ids_only(msgspec.msgpack.decode(value), 1):
+                raise ValueError(_ENGINE_REFUSAL)
+            value = None
+        elif not _sound(value, 1):
+            raise ValueError(_ENGINE_REFUSAL)
+        fields[name] = value
+    kind = 0 if type(event) is _Stored else 1 if type(event) is _Removed else 2
+    return kind, tuple(fields.values())
+
+
+def _hashes(raw: msgspec.Raw) -> bytes:
+    return array("Q", [h & _U64_MAX for h in _INT_LIST_MSGPACK.decode(raw)]).tobytes()
+
+
+def _tokens(raw: msgspec.Raw) -> tuple[bytes, bool]:
+    try:
+        return _uints_from_msgpack(raw, "I"), False
+    except ValueError:
+        return _pairs_from_msgpack(raw), True
+
+
+def _uints_from_msgpack(raw: Buffer, typecode: str) -> bytes:
+    """A msgpack array of ints straight into packed unsigned ints ('I': little-endian u32s; 'Q': native u64s).
+    msgspec takes exactly the encodings the C reader takes (any int encoding, no bool, float or trailing byte),
+    and `array` refuses a negative or too large value."""
+    try:
+        packed = array(typecode, _INT_LIST_MSGPACK.decode(raw))
+    except (msgspec.DecodeError, OverflowError):
+        raise ValueError(_ENGINE_REFUSAL) from None
+    if typecode == "I" and sys.byteorder == "big":  # pragma: no cover - exercised only on big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _pairs_from_msgpack(raw: Buffer) -> bytes:
+    """A msgpack array of [a, b] pairs of ints in [0, 2^32) as little-endian u32 bytes: each a, then the last b;
+    ValueError for anything else (an empty array included)."""
+    try:
+        pairs = _PAIRS_MSGPACK.decode(raw)
+        if not pairs:
+            raise ValueError(_ENGINE_REFUSAL)
+        packed = array("I", [first for first, _ in pairs])
+        packed.append(pairs[-1][1])
+    except (msgspec.DecodeError, OverflowError):
+        raise ValueError(_ENGINE_REFUSAL) from None
+    if sys.byteorder == "big":  # pragma: no cover - exercised only on big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _sound(value: Any, depth: int) -> bool:
+    """Whether a field's value is one the C reader builds: no ext, no map keyed by an array, 32 levels at most."""
+    if depth > _MAX_DEPTH or isinstance(value, (msgspec.msgpack.Ext, datetime)):
+        return False
+    if isinstance(value, list):
+        return all(_sound(item, depth + 1) for item in value)
+    if isinstance(value, dict):
+        return all(not isinstance(k, tuple) and _sound(k, depth + 1) and _sound(v, depth + 1)
+                   for k, v in value.items())
+    return True
+
+
+def _ids_only(value: Any, depth: int) -> bool:
+    """Whether a value the C reader only checks (lookahead_token_ids) is one it takes: arrays and scalars, 32 levels
+    at most."""
+    if depth > _MAX_DEPTH or isinstance(value, (msgspec.msgpack.Ext, datetime, dict)):
+        return False
+    return not isinstance(value, list) or all(_ids_only(item, depth + 1) for item in value)

@@ -44,9 +44,8 @@ xxh3_blocks: _Blocks = _implementation.xxh3_blocks
 xxh3_chain: Callable[[Iterable[int], int], list[int]] = _implementation.xxh3_chain
 u32_from_json: Callable[[Buffer], bytes] = _implementation.u32_from_json
 u32_head_of_object: Callable[[Buffer], tuple[bytes, int] | None] = _implementation.u32_head_of_object
-u32le_from_msgpack: Callable[[Buffer], bytes] = _implementation.u32le_from_msgpack
-u32le_pairs_from_msgpack: Callable[[Buffer], bytes] = _implementation.u32le_pairs_from_msgpack
-u64_from_msgpack: Callable[[Buffer], bytes] = _implementation.u64_from_msgpack
+engine_batch_msgpack: Callable[[Buffer], tuple[int | float, int | None, list[tuple[int, tuple[Any, ...]]]]] = \
+    _implementation.engine_batch_msgpack
 bind_run: Callable[[dict[Any, Any], Iterable[Any], Any, Any], int] = _implementation.bind_run
 u64s_distinct: Callable[[Buffer], bool] = _implementation.u64s_distinct
 u64_counts: Callable[[Buffer], bytes] = _implementation.u64_counts
@@ -54,7 +53,6 @@ by_sequence: Callable[[dict[int, Any], int, int], _native_py.U64Map] = _implemen
 solo_split: Callable[[Iterable[Any], int, int], tuple[bytes, list[Any], int]] = _implementation.solo_split
 U64Map: type[_native_py.U64Map] = _implementation.U64Map
 """A dict of u64 keys to objects, the key in a 16 B slot: the index's engine hash -> node map (`block_map.py`)."""
-FUNCTIONS = ("U64Map", "bind_run", "by_sequence", "solo_split", "u64_counts", "u64s_distinct", "xxh3_blocks",
-             "xxh3_chain", "u32_from_json", "u32_head_of_object", "u32le_from_msgpack", "u32le_pairs_from_msgpack",
-             "u64_from_msgpack")
+FUNCTIONS = ("U64Map", "bind_run", "by_sequence", "engine_batch_msgpack", "solo_split", "u64_counts",
+             "u64s_distinct", "xxh3_blocks", "xxh3_chain", "u32_from_json", "u32_head_of_object")
 """The names every implementation provides."""

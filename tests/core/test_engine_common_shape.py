@@ -119,16 +119,23 @@ def test_hostile_payloads_decode_as_the_walk_does(payload: bytes) -> None:
         raise AssertionError(f"the typed pass accepted a payload the walk rejects: {payload!r}") from None
 
 
-def test_the_sound_extra_keys_cache_is_bounded_in_count_and_bytes() -> None:
-    """Each distinct unsalted `extra_keys` payload is decoded once and remembered, but never more than
-    `_SOUND_KEYS_MAX` of them, and none larger than `_SOUND_KEY_BYTES`: an engine cannot grow it without bound."""
-    engine._SOUND_KEYS.clear()
-    large = msgspec.Raw(msgspec.msgpack.encode([["x" * engine._SOUND_KEY_BYTES]]))
-    assert engine._salt_keys(large) is None and not engine._SOUND_KEYS
-    for n in range(engine._SOUND_KEYS_MAX + 5):
-        assert engine._salt_keys(msgspec.Raw(msgspec.msgpack.encode([[f"lora-{n}"]]))) is None
-        assert len(engine._SOUND_KEYS) <= engine._SOUND_KEYS_MAX
+def test_the_known_extra_keys_cache_is_bounded_in_count_and_bytes() -> None:
+    """Each distinct `extra_keys` payload is decoded once and remembered with what a salt is read from (None
+    untagged, the first block's keys tagged), but never more than `_KNOWN_KEYS_MAX` of them, none larger than
+    `_KNOWN_KEY_BYTES` and none whose first block has more than `_KNOWN_FIRST_KEYS` keys: an engine cannot grow it
+    without bound."""
+    engine._KNOWN_KEYS.clear()
+    large = msgspec.msgpack.encode([["x" * engine._KNOWN_KEY_BYTES]])
+    assert engine._salt_keys(large) is None and not engine._KNOWN_KEYS
+    wide = msgspec.msgpack.encode([["dynamo-cache-salt:s", *"abcdefgh"], None])
+    assert engine._salt_keys(wide) == [["dynamo-cache-salt:s", *"abcdefgh"]] and not engine._KNOWN_KEYS
+    salted = msgspec.msgpack.encode([["lora", "dynamo-cache-salt:s"], None, None])
+    assert engine._salt_keys(salted) == engine._salt_keys(salted) == [["lora", "dynamo-cache-salt:s"]]
+    assert dict(engine._KNOWN_KEYS) == {salted: [["lora", "dynamo-cache-salt:s"]]}
+    for n in range(engine._KNOWN_KEYS_MAX + 5):
+        assert engine._salt_keys(msgspec.msgpack.encode([[f"lora-{n}"]])) is None
+        assert len(engine._KNOWN_KEYS) <= engine._KNOWN_KEYS_MAX
     invalid = b"\x91\x91\xa2\x80x"  # a string that is not UTF-8: refused, and not remembered
     with pytest.raises(UnicodeDecodeError):
-        engine._salt_keys(msgspec.Raw(invalid))
-    assert invalid not in engine._SOUND_KEYS
+        engine._salt_keys(invalid)
+    assert invalid not in engine._KNOWN_KEYS

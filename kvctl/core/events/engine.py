@@ -19,7 +19,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 
@@ -142,95 +142,47 @@ def decode_engine_batch(payload: bytes, *, default_block_size: int | None = None
     return _decode_any(payload, default_block_size, keep_tokens) if batch is None else batch
 
 
-_NIL = msgspec.Raw(b"\xc0")
 _SALT_TAG = SALT_PREFIX.encode()
-
-
-# The typed pass declares every field vLLM 0.34 and SGLang 0.5.23 send and forbids the others: a field it
-# does not know would be skipped unread, where the walk reads it (and refuses the payload if it is not
-# even valid msgpack), so an event with an unknown field goes to the walk. Fields kvctl ignores are Any.
-class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unknown_fields=True):
-    block_hashes: msgspec.Raw  # read by `_hashes_of_raw`, without an int per block where it may stay packed
-    token_ids: msgspec.Raw  # read by `_tokens_of_raw`, without an int per token
-    parent_block_hash: int | None = None
-    block_size: Any = None
-    lora_name: Any = None
-    medium: Any = None
-    lora_id: Any = None
-    extra_keys: msgspec.Raw = _NIL  # read by `_salt_keys`: one list per block, needed only where a salt is tagged
-    group_idx: Any = None
-    kv_cache_spec_kind: Any = None
-    kv_cache_spec_sliding_window: Any = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: Any = None
-    cache_salt: Any = None
-    lookahead_token_ids: Any = None  # Dynamo 1.6.1 hashes a block's own tokens only: read and ignored
-
-
-class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved", forbid_unknown_fields=True):
-    block_hashes: msgspec.Raw  # read by `_removed_hashes`, without an int per block where it may stay packed
-    medium: Any = None
-    group_idx: Any = None
-    kv_cache_spec_kind: Any = None
-    locality: Any = None
-    ownership: Any = None
-
-
-class _ClearedMap(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", forbid_unknown_fields=True):
-    group_idx: Any = None
-    locality: Any = None
-    ownership: Any = None
-
-
-class _CommonBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    ts: int | float
-    events: list[_StoredMap | _RemovedMap | _ClearedMap]
-    dp_rank: Annotated[int, msgspec.Meta(ge=0, lt=_U32_LIMIT)] | None = None
-
-
-_COMMON = msgspec.msgpack.Decoder(_CommonBatch)
-_INTS = msgspec.msgpack.Decoder(list[int])
+_STORED, _REMOVED = 0, 1  # the kinds of `native.engine_batch_msgpack`'s events (2: cleared)
 
 
 def _decode_common(payload: bytes, default_block_size: int | None, packed: bool = False,
                    keep_tokens: bool = False) -> EngineBatch | None:
-    """The shape nearly every batch has (vLLM >= 0.24 and SGLang: `[ts, events, dp_rank]` of map events, every
-    event sound), decoded by one typed msgspec pass instead of a walk over untyped values, token ids and
-    removed hashes read by C straight from their msgpack (a 1024-token store: 17 us here, 42 us when msgspec
-    made an int of each id). None for anything else, which `_decode_any` then decodes and reports; both
-    passes build their events with the same helpers, so they agree on every payload this one accepts (a
-    property test holds them to it)."""
+    """The shape nearly every batch has (vLLM >= 0.24 and SGLang: `[ts, events, dp_rank]` of map events with the
+    fields vLLM 0.34 and SGLang 0.5.23 send, every event sound), read in one C pass (`native.engine_batch_msgpack`:
+    token ids and hashes packed as they are read, never an int per element) instead of a walk over untyped values
+    (a 20-block store: 7-8 us here, where msgspec with the ids left raw and read again took 9-11 us, and an EAGLE
+    store's pairs 1.4x that). None for anything else, which `_decode_any` then decodes and reports; both passes
+    build their events with the same helpers, so they agree on every payload this one accepts (a property test
+    holds them to it)."""
     try:
-        raw = _COMMON.decode(payload)
-        events: list[EventData] = []
-        filtered: list[str] = []
-        for event in raw.events:
+        ts, dp_rank, raw_events = native.engine_batch_msgpack(payload)
+    except ValueError:
+        return None  # not the common shape: the general walk says why
+    events: list[EventData] = []
+    filtered: list[str] = []
+    try:
+        for kind, (hashes, tokens, parent, block_size, lora_name, medium, _lora_id, extra_keys, group_idx, spec_kind,
+                   window, locality, ownership, _session_id, cache_salt, _lookahead) in raw_events:
             decoded: EventData | Dropped
-            if type(event) is _StoredMap:
-                decoded = _stored(event.locality, event.ownership, event.medium, event.parent_block_hash,
-                                 _hashes_of_raw(event.block_hashes, packed), _tokens_of_raw(event.token_ids),
-                                 event.block_size,
-                                 default_block_size, event.lora_name, event.cache_salt,
-                                 _salt_keys(event.extra_keys),
-                                 None if event.group_idx is None and event.kv_cache_spec_kind is None else
-                                 group_of(event.group_idx, event.kv_cache_spec_kind,
-                                          event.kv_cache_spec_sliding_window, event.block_size), packed,
-                                 keep_tokens)
-            elif type(event) is _RemovedMap:
-                decoded = _removed(event.locality, event.ownership, event.medium,
-                                  _hashes_of_raw(event.block_hashes, packed),
-                                  group_of(event.group_idx, event.kv_cache_spec_kind))
+            if kind == _STORED:
+                decoded = _stored(locality, ownership, medium, parent, _hashes(hashes, packed), tokens, block_size,
+                                  default_block_size, lora_name, cache_salt,
+                                  None if extra_keys is None else _salt_keys(extra_keys),
+                                  None if group_idx is None and spec_kind is None else
+                                  group_of(group_idx, spec_kind, window, block_size), packed, keep_tokens)
+            elif kind == _REMOVED:
+                decoded = _removed(locality, ownership, medium, _hashes(hashes, packed), group_of(group_idx, spec_kind))
             else:
-                drop = residency_drop(event.locality, event.ownership)
+                drop = residency_drop(locality, ownership)
                 decoded = _CLEARED if drop is None else drop
             if isinstance(decoded, Dropped):
                 filtered.append(decoded.value)
             else:
                 events.append(decoded)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError, DecodeError):
-        return None  # not the common shape, or not sound: the general walk says why
-    return EngineBatch(float(raw.ts), raw.dp_rank, events, [], filtered)
+        return None  # not sound: the general walk says why
+    return EngineBatch(float(ts), dp_rank, events, [], filtered)
 
 
 def _decode_any(payload: bytes, default_block_size: int | None, keep_tokens: bool = False) -> EngineBatch:
@@ -458,54 +410,39 @@ def _tokens_of_list(value: Any) -> tuple[bytes, bool]:
         raise DecodeError(ErrorKind.bad_tokens, "token_ids", str(exc)) from None
 
 
-def _tokens_of_raw(raw: msgspec.Raw) -> tuple[bytes, bool]:
-    """`_tokens_of_list` of the typed pass, from the token ids' msgpack as it is: C reads plain ids without an int
-    per token. Anything the walk would refuse (and a bool it would take as an int) raises a DecodeError
-    without detail: the typed pass then gives the batch up, and the walk words the error."""
-    try:
-        return native.u32le_from_msgpack(raw), False
-    except ValueError:
-        pass
-    try:
-        return native.u32le_pairs_from_msgpack(raw), True
-    except ValueError:
-        raise DecodeError(ErrorKind.bad_tokens, "token_ids", "") from None
+_KNOWN_KEYS: dict[bytes, Any] = {}
+"""`extra_keys` payloads known to decode, with what `cache_salt_of` reads of them (the first block's keys where a
+salt is tagged, else None): a fleet's stores repeat a few (one per adapter, salt and length)."""
+_KNOWN_KEYS_MAX = 1024
+_KNOWN_KEY_BYTES = 4096
+_KNOWN_FIRST_KEYS = 8
+"""Larger payloads, and first blocks of more keys, are decoded each time, not kept: the cache holds ~5 MiB at most,
+whatever an engine sends."""
+_UNKNOWN = object()
 
 
-_SOUND_KEYS: dict[bytes, None] = {}
-"""`extra_keys` payloads known to decode: a LoRA fleet's stores repeat a few (one per adapter and length)."""
-_SOUND_KEYS_MAX = 1024
-_SOUND_KEY_BYTES = 4096
-"""Larger payloads are decoded each time, not kept: the cache holds 4 MiB at most, whatever an engine sends."""
+def _salt_keys(raw: bytes) -> Any:
+    """A store's `extra_keys` where they may tag a cache salt (of a list, the first block's keys: all
+    `cache_salt_of` reads), else None: vLLM sends one list per block (a LoRA store names its adapter in each), and
+    building them all costs more than the rest of a store. Each distinct payload is decoded once: an invalid
+    string in them refuses the batch, as the walk does."""
+    known = _KNOWN_KEYS.get(raw, _UNKNOWN)
+    if known is not _UNKNOWN:
+        return known
+    keys = msgspec.msgpack.decode(raw)
+    tagged = (keys[:1] if isinstance(keys, list) else keys) if _SALT_TAG in raw else None
+    first = tagged[0] if isinstance(tagged, list) and tagged else None
+    if len(raw) <= _KNOWN_KEY_BYTES and not (isinstance(first, list) and len(first) > _KNOWN_FIRST_KEYS):
+        if len(_KNOWN_KEYS) >= _KNOWN_KEYS_MAX:
+            _KNOWN_KEYS.clear()
+        _KNOWN_KEYS[raw] = tagged
+    return tagged
 
 
-def _salt_keys(raw: msgspec.Raw) -> Any:
-    """A store's `extra_keys` where they may tag a cache salt, else None: vLLM sends one list per block (a LoRA
-    store names its adapter in each), and building them all costs more than the rest of a store. They are still
-    decoded once per distinct payload: an invalid string in them refuses the batch, as the walk does."""
-    data = memoryview(raw).tobytes()
-    if _SALT_TAG in data:
-        return msgspec.msgpack.decode(raw)
-    if data not in _SOUND_KEYS:
-        msgspec.msgpack.decode(raw)
-        if len(data) <= _SOUND_KEY_BYTES:
-            if len(_SOUND_KEYS) >= _SOUND_KEYS_MAX:
-                _SOUND_KEYS.clear()
-            _SOUND_KEYS[data] = None
-    return None
-
-
-def _hashes_of_raw(raw: msgspec.Raw, packed: bool) -> Sequence[int]:
-    """An event's block hashes from their msgpack as it is, read by C where they are u64s; signed ones (SGLang)
-    are taken mod 2^64. Anything else (the walk also takes bytes digests) gives the batch up to the walk."""
+def _hashes(packed_hashes: bytes, packed: bool) -> Sequence[int]:
+    """An event's block hashes, as the C reader packed them: kept packed, or as a list of ints."""
     hashes = array("Q")
-    try:
-        hashes.frombytes(native.u64_from_msgpack(raw))
-    except ValueError:
-        try:
-            hashes = array("Q", [h & U64_MASK for h in _INTS.decode(raw)])
-        except (msgspec.DecodeError, ValueError):
-            raise DecodeError(ErrorKind.bad_hash, "block_hashes", "") from None
+    hashes.frombytes(packed_hashes)
     return hashes if packed else hashes.tolist()
 
 
