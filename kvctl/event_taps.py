@@ -37,6 +37,7 @@ from kvctl.zmq_limits import MAX_MESSAGE_BYTES, WATCHED, Drops, limited, reconne
 
 POLL_MS = 200
 T = TypeVar("T")
+E = TypeVar("E")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,19 +152,24 @@ def enveloped(data: bytes) -> Decoded:
     return decode_router_event_batch(decode_envelope(data).payload)
 
 
-def tapped_events(decode: Callable[[T], Decoded], message: T, sequences: dict[WorkerKey, Sequence],
-            stats: TapStats) -> Iterator[Tapped]:
-    """One message of a plane: counted, decoded (what is bad counted by kind), and its events, each preceded by
-    the gap in its worker's event ids it follows, if any."""
+def _decoded(decode: Callable[[T], tuple[list[E], list[DecodeError]]], message: T, stats: TapStats) -> list[E]:
+    """One message counted and decoded; what is bad counted by kind (all of it, when it does not decode at all)."""
     stats.messages += 1
     try:
-        events, errors = decode(message)
+        items, errors = decode(message)
     except DecodeError as exc:
         stats.decode_errors[exc.kind.value] += 1
-        return
+        return []
     for error in errors:
         stats.decode_errors[error.kind.value] += 1
-    for event in events:
+    return items
+
+
+def tapped_events(decode: Callable[[T], Decoded], message: T, sequences: dict[WorkerKey, Sequence],
+                  stats: TapStats) -> Iterator[Tapped]:
+    """One message of a plane: counted, decoded (what is bad counted by kind), and its events, each preceded by
+    the gap in its worker's event ids it follows, if any."""
+    for event in _decoded(decode, message, stats):
         sequence = sequences.setdefault((event.worker_id, event.dp_rank), Sequence())
         _, gap = stats.judge(sequence, event.event_id)  # shown even when repeated: order is the envelope's
         if gap is not None:
@@ -172,35 +178,21 @@ def tapped_events(decode: Callable[[T], Decoded], message: T, sequences: dict[Wo
         yield Tapped(_now_ms(), event.event_id, event)
 
 
-def tapped_decisions(payload: bytes, stats: TapStats) -> Iterator[Tapped]:
-    """An `active_sequences_events` message's decisions (the payload inside its envelope), counted; what is bad
-    counted by kind. Their publishers' order is not judged: a decision lost shows as a request never freed."""
-    stats.messages += 1
-    try:
-        decisions, errors = decode_sequence_events(payload)
-    except DecodeError as exc:
-        stats.decode_errors[exc.kind.value] += 1
-        return
-    for error in errors:
-        stats.decode_errors[error.kind.value] += 1
-    for decision in decisions:
-        stats.decisions = (stats.decisions or 0) + 1
-        yield Tapped(_now_ms(), None, None, decision=decision)
+def _sequence_events(body: bytes) -> tuple[list[ActiveSequenceEvent], list[DecodeError]]:
+    """An `active_sequences_events` message of Dynamo's plane: the envelope around one event or a batch."""
+    return decode_sequence_events(decode_envelope(body).payload)
 
 
 def plane_message(body: bytes, topic: str, sequences: dict[WorkerKey, Sequence], stats: TapStats
                   ) -> Iterator[Tapped]:
-    """One enveloped message of a Dynamo plane, by its topic: KV events, or decisions."""
+    """One enveloped message of a Dynamo plane, by its topic: KV events, or the routers' decisions (whose
+    publishers' order is not judged: a decision lost shows as a request never freed)."""
     if topic == KV_EVENTS:
         yield from tapped_events(enveloped, body, sequences, stats)
         return
-    try:
-        payload = decode_envelope(body).payload
-    except DecodeError as exc:
-        stats.messages += 1
-        stats.decode_errors[exc.kind.value] += 1
-        return
-    yield from tapped_decisions(payload, stats)
+    for decision in _decoded(_sequence_events, body, stats):
+        stats.decisions = (stats.decisions or 0) + 1
+        yield Tapped(_now_ms(), None, None, decision=decision)
 
 
 RELIST_S = 1.0
