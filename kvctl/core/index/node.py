@@ -1,5 +1,5 @@
 """The radix tree's parts (`radix.py`): a compressed edge of blocks and who holds it, and what applying an event
-did. Kept apart so that the tree and its removal logic (`removal.py`) share them without importing each other."""
+did. Kept apart so that the tree and its removals (`removal.py`, the tree's base class) share them."""
 
 from __future__ import annotations
 

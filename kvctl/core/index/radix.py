@@ -34,11 +34,12 @@ from itertools import repeat
 from typing import TYPE_CHECKING
 
 from kvctl.core import native
-from kvctl.core.index import matching, removal
+from kvctl.core.index import matching
 from kvctl.core.index.block_map import BlockMap
 from kvctl.core.index.branch_seqs import BranchSeqs
 from kvctl.core.index.matching import Matches, common_prefix
 from kvctl.core.index.node import OK_EMPTY, ApplyResult, Deferred, Node, Status, iter_bits
+from kvctl.core.index.removal import Removal
 from kvctl.core.names import WorkerKey, selects
 
 if TYPE_CHECKING:
@@ -47,8 +48,9 @@ if TYPE_CHECKING:
 __all__ = ["OK_EMPTY", "ApplyResult", "Matches", "Node", "RadixTree", "Status", "iter_bits"]
 
 
-class RadixTree:
-    """The index of one tier of one model. Single writer; `find_matches` is read-only."""
+class RadixTree(Removal):
+    """The index of one tier of one model. Single writer; `find_matches` is read-only. Its removals
+    (`remove`, `reclaim`) are in `removal.py`."""
 
     def __init__(self) -> None:
         self.root = Node(array("Q"), array("Q"), None, 0)
@@ -431,19 +433,11 @@ class RadixTree:
             self._map.move(suffix_packed, node, None)
         return suffix
 
-    def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> ApplyResult:
-        """Let the worker go of blocks, Dynamo's way; a node nobody holds any more is freed (`removal.remove`)."""
-        return removal.remove(self, worker, block_hashes)
-
     @property
     def debt(self) -> int:
         """Lookup and map entries of freed nodes not given back yet (see `remove` and `reclaim`): exact for the lookups,
         at most for the map (a freed node's hashes, some of which it may never have bound)."""
         return sum(map(len, self._garbage)) + sum(d.dead for d in self._deferred) + self._map.freed_entries
-
-    def reclaim(self, budget: int) -> bool:
-        """Give back about `budget` entries of freed nodes' memory; True while there is more (`removal.reclaim`)."""
-        return removal.reclaim(self, budget)
 
     def _after_loss(self, node: Node) -> None:
         """Dynamo clears the children of an edge nobody holds whole; kvctl also frees a node nobody holds."""

@@ -1,8 +1,9 @@
 """Removal: a worker letting go of blocks, Dynamo's way, and the deferred freeing that keeps it fast.
 
-Apart from the tree (`radix.py`) because it is the index's largest piece of logic: which edge a removed hash cuts,
-which runs of an edge go at once, and which lookup entries of freed nodes are left for `reclaim` to pop while
-the server is idle. It works on the tree's own fields: both modules are the one index, inside `core/index`.
+The tree's own methods (`Removal`, a base of `RadixTree`), in a module of their own because they are the index's
+largest piece of logic: which edge a removed hash cuts, which runs of an edge go at once, and which lookup entries
+of freed nodes are left for `reclaim` to pop while the server is idle. The fields they work on are the tree's,
+declared here with their types; this module does not import the tree.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from kvctl.core.names import WorkerKey
 
 if TYPE_CHECKING:
     from kvctl.core._native_py import U64Map
-    from kvctl.core.index.radix import RadixTree
 
 _DEAD_SLACK = 1024
 """Entries a worker's lookup may grow by, beyond a quarter more than its size when it started keeping
@@ -33,130 +33,212 @@ _DROP_AT_ONCE = 16_384
 _RELEASED = array("Q")
 
 
-def remove(tree: RadixTree, worker: WorkerKey, block_hashes: Sequence[int]) -> ApplyResult:
-    """Let the worker go of blocks, Dynamo's way; a node nobody holds any more is freed.
+class Removal:
+    """A worker's blocks let go, and the memory of freed nodes given back: `RadixTree`'s (this is its base)."""
 
-    Most removals free the node they empty (engines evict whole requests, leaf first). Popping each
-    of its hashes from the worker's lookup, and freeing them, would cost cache misses per block, so
-    those entries are left in place, pointing at the freed node: every reader takes such an entry
-    for no entry, and `_deferred` counts them. `reclaim` pops them later, when the server is idle; a
-    worker that lets go of everything hands its whole lookup over at once; and a lookup that keeps
-    growing meanwhile pops them here once it is a quarter larger. The count is exact only where the
-    lookup names each block of the edge exactly once (no shadow, no hash mismatch, no hash twice in
-    the edge), so elsewhere entries are popped one by one as before.
+    _slots: dict[WorkerKey, int]
+    _shadows: set[int]
+    _map: BlockMap
+    _held_nodes: list[set[Node] | None]
+    _count: list[int]
+    _lookup: list[dict[int, Node] | None]
+    _deferred: list[Deferred]
+    _garbage: list[dict[int, Node] | U64Map]
+    hash_mismatches: dict[WorkerKey, int]
 
-    `block_hashes` may be a list or an `array('Q')` (as the decode process sends them); a freed node's edge
-    index goes with its lookup entries, when they are popped.
-    """
-    slot = tree._slots.get(worker)
-    if slot is None:
-        tree._slot(worker)
-        return ApplyResult(Status.block_not_found, 0, len(block_hashes))
-    bit = 1 << slot
-    lookup = tree._lookup[slot]
-    if lookup is None:
-        return _remove_mapped(tree, slot, block_hashes)
-    shadows = tree._shadows
-    removed = missing = 0
-    # (edge hashes, start, end) of what went stale: only searched when a hash is missing, which is rare
-    made_stale: list[tuple[array[int], int, int]] = []
-    hashes = block_hashes
-    n = len(hashes)
-    i = 0
-    while i < n:
-        h = hashes[i]
-        i += 1
-        node = lookup.pop(h, None)
-        if node is None or (node.freed and slot not in shadows):
-            if node is not None:
-                tree._deferred[slot].dead -= 1
-            if not any(h in run[lo:hi] for run, lo, hi in made_stale):
+    if TYPE_CHECKING:  # the tree's, which its removals call
+        def _slot(self, worker: WorkerKey) -> int: ...
+
+        def _shadow(self, slot: int) -> None: ...
+
+        def _after_loss(self, node: Node) -> None: ...
+
+    def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> ApplyResult:
+        """Let the worker go of blocks, Dynamo's way; a node nobody holds any more is freed.
+
+        Most removals free the node they empty (engines evict whole requests, leaf first). Popping each
+        of its hashes from the worker's lookup, and freeing them, would cost cache misses per block, so
+        those entries are left in place, pointing at the freed node: every reader takes such an entry
+        for no entry, and `_deferred` counts them. `reclaim` pops them later, when the server is idle; a
+        worker that lets go of everything hands its whole lookup over at once; and a lookup that keeps
+        growing meanwhile pops them here once it is a quarter larger. The count is exact only where the
+        lookup names each block of the edge exactly once (no shadow, no hash mismatch, no hash twice in
+        the edge), so elsewhere entries are popped one by one as before.
+
+        `block_hashes` may be a list or an `array('Q')` (as the decode process sends them); a freed node's edge
+        index goes with its lookup entries, when they are popped.
+        """
+        slot = self._slots.get(worker)
+        if slot is None:
+            self._slot(worker)
+            return ApplyResult(Status.block_not_found, 0, len(block_hashes))
+        bit = 1 << slot
+        lookup = self._lookup[slot]
+        if lookup is None:
+            return self._remove_mapped(slot, block_hashes)
+        shadows = self._shadows
+        removed = missing = 0
+        # (edge hashes, start, end) of what went stale: only searched when a hash is missing, which is rare
+        made_stale: list[tuple[array[int], int, int]] = []
+        hashes = block_hashes
+        n = len(hashes)
+        i = 0
+        while i < n:
+            h = hashes[i]
+            i += 1
+            node = lookup.pop(h, None)
+            if node is None or (node.freed and slot not in shadows):
+                if node is not None:
+                    self._deferred[slot].dead -= 1
+                if not any(h in run[lo:hi] for run, lo, hi in made_stale):
+                    missing += 1
+                continue
+            pos = node.position(h)
+            if pos is None:
+                lookup[h] = node
                 missing += 1
-            continue
-        pos = node.position(h)
-        if pos is None:
-            lookup[h] = node
-            missing += 1
-            continue
-        removed += 1
-        cut = node.cutoff(slot)
-        if pos >= cut:
-            if cut:  # a duplicate hash resolved to a later position: the worker still holds this edge
-                tree._shadow(slot)
-            made_stale.append((array("Q", (h,)), 0, 1))
-            continue
-        # The following hashes of this edge the worker still holds, in one step; a slot whose lookup ever lost
-        # track of a node (`_shadows`) has the run checked against it
-        unique = node.indexed_once()
-        i, pos, taken = _take_run(lookup, node, hashes, h, i, pos, cut, unique, slot not in shadows)
-        removed += taken
-        # The worker keeps only edge[:pos]: the rest of what it held of this edge goes stale (not
-        # its blocks in child edges). A later hash of the same event made stale here is no error.
-        made_stale.append((node.packed, pos, cut))
-        _cut(node, bit, slot, pos)
-        if (pos == 0 and unique and not node.has_workers() and slot not in shadows
-                and worker not in tree.hash_mismatches):
-            deferred = tree._deferred[slot]
-            if not deferred.nodes:
-                deferred.base = len(lookup) + 1
-            deferred.nodes.append(node)
-            deferred.dead += cut - 1  # edge[:cut] but h, which is popped
-            tree._after_loss(node)
-            if not shadows:  # nothing reads them again (a shadow slot's stale entry might)
+                continue
+            removed += 1
+            cut = node.cutoff(slot)
+            if pos >= cut:
+                if cut:  # a duplicate hash resolved to a later position: the worker still holds this edge
+                    self._shadow(slot)
+                made_stale.append((array("Q", (h,)), 0, 1))
+                continue
+            # The following hashes of this edge the worker still holds, in one step; a slot whose lookup ever lost
+            # track of a node (`_shadows`) has the run checked against it
+            unique = node.indexed_once()
+            i, pos, taken = _take_run(lookup, node, hashes, h, i, pos, cut, unique, slot not in shadows)
+            removed += taken
+            # The worker keeps only edge[:pos]: the rest of what it held of this edge goes stale (not
+            # its blocks in child edges). A later hash of the same event made stale here is no error.
+            made_stale.append((node.packed, pos, cut))
+            _cut(node, bit, slot, pos)
+            if (pos == 0 and unique and not node.has_workers() and slot not in shadows
+                    and worker not in self.hash_mismatches):
+                deferred = self._deferred[slot]
+                if not deferred.nodes:
+                    deferred.base = len(lookup) + 1
+                deferred.nodes.append(node)
+                deferred.dead += cut - 1  # edge[:cut] but h, which is popped
+                self._after_loss(node)
+                if not shadows:  # nothing reads them again (a shadow slot's stale entry might)
+                    node.locals = _RELEASED
+                continue
+            popped = set(map(lookup.pop, node.packed[pos:cut], repeat(None)))
+            popped.difference_update((None, node))
+            # A stale hash that the worker also stored elsewhere (another node, or earlier in this
+            # edge: the edge index then has fewer entries than the edge) loses that binding too.
+            if popped or (pos and not unique):
+                self._shadow(slot)
+            self._after_loss(node)
+        self._tidy(slot)
+        if missing:
+            return ApplyResult(Status.block_not_found, removed, missing)
+        return ApplyResult(Status.ok, removed)
+
+    def _remove_mapped(self, slot: int, hashes: Sequence[int]) -> ApplyResult:
+        """`remove` for a worker in the map (`RadixTree._map`): it holds a hash where the map's node covers its place
+        for the worker, so nothing is popped: a node freed here leaves its entries to `reclaim`.
+
+        The same steps as for a lookup of its own, which the map holds only while they are simple: every edge it holds
+        names each hash once and every hash it holds is bound there, so each step trusts the map."""
+        bit = 1 << slot
+        shared = self._map.nodes
+        held = self._held_nodes[slot]
+        assert held is not None
+        removed = missing = lost = 0
+        made_stale: list[tuple[array[int], int, int]] = []  # see `remove`
+        n = len(hashes)
+        i = 0
+        while i < n:
+            h = hashes[i]
+            i += 1
+            node = shared.get(h)
+            pos = None if node is None or node.freed else node.position(h)
+            cut = 0 if pos is None else node.cutoff(slot)  # type: ignore[union-attr]
+            if pos is None or pos >= cut:
+                if not any(h in run[lo:hi] for run, lo, hi in made_stale):
+                    missing += 1
+                continue
+            assert node is not None
+            i, pos, taken = _take_run(shared, node, hashes, h, i, pos, cut, True, True)
+            removed += 1 + taken
+            made_stale.append((node.packed, pos, cut))
+            lost += cut - pos
+            _cut(node, bit, slot, pos)
+            if pos == 0:
+                held.discard(node)
+            self._after_loss(node)
+            if node.freed and not self._shadows:
                 node.locals = _RELEASED
-            continue
-        popped = set(map(lookup.pop, node.packed[pos:cut], repeat(None)))
-        popped.difference_update((None, node))
-        # A stale hash that the worker also stored elsewhere (another node, or earlier in this
-        # edge: the edge index then has fewer entries than the edge) loses that binding too.
-        if popped or (pos and not unique):
-            tree._shadow(slot)
-        tree._after_loss(node)
-    _tidy(tree, slot)
-    if missing:
-        return ApplyResult(Status.block_not_found, removed, missing)
-    return ApplyResult(Status.ok, removed)
+        self._count[slot] -= lost
+        self._tidy_map(slot)
+        if missing:
+            return ApplyResult(Status.block_not_found, removed, missing)
+        return ApplyResult(Status.ok, removed)
 
-def _remove_mapped(tree: RadixTree, slot: int, hashes: Sequence[int]) -> ApplyResult:
-    """`remove` for a worker in the map (`RadixTree._map`): it holds a hash where the map's node covers its place
-    for the worker, so nothing is popped: a node freed here leaves its entries to `reclaim`.
+    def _tidy(self, slot: int) -> None:
+        """Hand an emptied lookup to `reclaim`; keep a churning one within 1.25x its size (amortised)."""
+        lookup = self._lookup[slot]
+        assert lookup is not None
+        deferred = self._deferred[slot]
+        if len(lookup) == deferred.dead:
+            if lookup:
+                self._garbage.append(lookup)
+            self._lookup[slot] = {}  # a dict never shrinks its table; an emptied worker gives it back
+            self._deferred[slot] = Deferred()
+            return
+        nodes = deferred.nodes
+        while nodes and len(lookup) > deferred.base + (deferred.base >> 2) + _DEAD_SLACK:
+            self._release(slot, nodes.pop())
 
-    The same steps as for a lookup of its own, which the map holds only while they are simple: every edge it holds
-    names each hash once and every hash it holds is bound there, so each step trusts the map."""
-    bit = 1 << slot
-    shared = tree._map.nodes
-    held = tree._held_nodes[slot]
-    assert held is not None
-    removed = missing = lost = 0
-    made_stale: list[tuple[array[int], int, int]] = []  # see `remove`
-    n = len(hashes)
-    i = 0
-    while i < n:
-        h = hashes[i]
-        i += 1
-        node = shared.get(h)
-        pos = None if node is None or node.freed else node.position(h)
-        cut = 0 if pos is None else node.cutoff(slot)  # type: ignore[union-attr]
-        if pos is None or pos >= cut:
-            if not any(h in run[lo:hi] for run, lo, hi in made_stale):
-                missing += 1
-            continue
-        assert node is not None
-        i, pos, taken = _take_run(shared, node, hashes, h, i, pos, cut, True, True)
-        removed += 1 + taken
-        made_stale.append((node.packed, pos, cut))
-        lost += cut - pos
-        _cut(node, bit, slot, pos)
-        if pos == 0:
-            held.discard(node)
-        tree._after_loss(node)
-        if node.freed and not tree._shadows:
-            node.locals = _RELEASED
-    tree._count[slot] -= lost
-    _tidy_map(tree, slot)
-    if missing:
-        return ApplyResult(Status.block_not_found, removed, missing)
-    return ApplyResult(Status.ok, removed)
+    def _tidy_map(self, slot: int) -> None:
+        """Hand the map to `reclaim` once no worker in it holds anything (every entry is dead); else keep it within a
+        quarter more than its live entries (amortised). A worker that holds nothing gets a new set of held nodes."""
+        if not self._count[slot]:  # a set never shrinks its table either: an emptied worker gives it back
+            self._held_nodes[slot] = set()
+        block_map = self._map
+        if not self._count[slot] and not any(self._count):
+            if len(block_map.nodes) > _DROP_AT_ONCE:
+                self._garbage.append(block_map.nodes)
+            self._map = BlockMap()
+            return
+        freed = block_map.freed
+        while freed and block_map.freed_entries > (block_map.live() >> 2) + _DEAD_SLACK:
+            block_map.release(freed.pop())
+
+    def _release(self, slot: int, node: Node) -> int:
+        """Pop what the slot's lookup still holds of a node it freed; returns the hashes looked up."""
+        lookup = self._lookup[slot]
+        assert lookup is not None
+        self._deferred[slot].dead -= unbind(lookup, node)
+        return len(node.packed)
+
+    def reclaim(self, budget: int) -> bool:
+        """Give back about `budget` entries of freed nodes' memory; True while there is more.
+
+        `remove` leaves this work for later, so a burst of removals is applied at the speed of the index
+        rather than of the allocator; a server calls this while idle, a slice at a time.
+        """
+        garbage = self._garbage
+        while budget > 0 and garbage:
+            lookup = garbage[-1]
+            n = min(budget, len(lookup))
+            for _ in repeat(None, n):
+                lookup.popitem()
+            budget -= n
+            if not lookup:
+                garbage.pop()
+        block_map = self._map
+        freed = block_map.freed
+        while budget > 0 and freed:
+            budget -= block_map.release(freed.pop())
+        for slot, deferred in enumerate(self._deferred):
+            nodes = deferred.nodes
+            while budget > 0 and nodes:
+                budget -= self._release(slot, nodes.pop())
+        return bool(garbage) or bool(freed) or any(d.nodes for d in self._deferred)
 
 
 def _take_run(index: dict[int, Node] | U64Map, node: Node, hashes: Sequence[int], h: int, i: int, pos: int, cut: int,
@@ -212,66 +294,3 @@ def _bound_run(lookup: dict[int, Node] | U64Map, node: Node, hashes: Sequence[in
     return trusted or all(map(is_, map(lookup.get, node.packed[lo:hi]), repeat(node)))
 
 
-def _tidy(tree: RadixTree, slot: int) -> None:
-    """Hand an emptied lookup to `reclaim`; keep a churning one within 1.25x its size (amortised)."""
-    lookup = tree._lookup[slot]
-    assert lookup is not None
-    deferred = tree._deferred[slot]
-    if len(lookup) == deferred.dead:
-        if lookup:
-            tree._garbage.append(lookup)
-        tree._lookup[slot] = {}  # a dict never shrinks its table; an emptied worker gives it back
-        tree._deferred[slot] = Deferred()
-        return
-    nodes = deferred.nodes
-    while nodes and len(lookup) > deferred.base + (deferred.base >> 2) + _DEAD_SLACK:
-        _release(tree, slot, nodes.pop())
-
-def _tidy_map(tree: RadixTree, slot: int) -> None:
-    """Hand the map to `reclaim` once no worker in it holds anything (every entry is dead); else keep it within a
-    quarter more than its live entries (amortised). A worker that holds nothing gets a new set of held nodes."""
-    if not tree._count[slot]:  # a set never shrinks its table either: an emptied worker gives it back
-        tree._held_nodes[slot] = set()
-    block_map = tree._map
-    if not tree._count[slot] and not any(tree._count):
-        if len(block_map.nodes) > _DROP_AT_ONCE:
-            tree._garbage.append(block_map.nodes)
-        tree._map = BlockMap()
-        return
-    freed = block_map.freed
-    while freed and block_map.freed_entries > (block_map.live() >> 2) + _DEAD_SLACK:
-        block_map.release(freed.pop())
-
-
-def _release(tree: RadixTree, slot: int, node: Node) -> int:
-    """Pop what the slot's lookup still holds of a node it freed; returns the hashes looked up."""
-    lookup = tree._lookup[slot]
-    assert lookup is not None
-    tree._deferred[slot].dead -= unbind(lookup, node)
-    return len(node.packed)
-
-
-def reclaim(tree: RadixTree, budget: int) -> bool:
-    """Give back about `budget` entries of freed nodes' memory; True while there is more.
-
-    `remove` leaves this work for later, so a burst of removals is applied at the speed of the index
-    rather than of the allocator; a server calls this while idle, a slice at a time.
-    """
-    garbage = tree._garbage
-    while budget > 0 and garbage:
-        lookup = garbage[-1]
-        n = min(budget, len(lookup))
-        for _ in repeat(None, n):
-            lookup.popitem()
-        budget -= n
-        if not lookup:
-            garbage.pop()
-    block_map = tree._map
-    freed = block_map.freed
-    while budget > 0 and freed:
-        budget -= block_map.release(freed.pop())
-    for slot, deferred in enumerate(tree._deferred):
-        nodes = deferred.nodes
-        while budget > 0 and nodes:
-            budget -= _release(tree, slot, nodes.pop())
-    return bool(garbage) or bool(freed) or any(d.nodes for d in tree._deferred)
