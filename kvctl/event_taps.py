@@ -2,7 +2,7 @@
 plane found through its discovery store here; NATS in `kvctl.nats.tap`).
 
 What `kvctl events tail` and `events record` read. Each message is decoded as the router would, and its
-seq (ZMQ) or event id (NATS, per worker) judged by the router's own rules (`Sequence`): what arrives is
+seq (ZMQ) or event id (NATS, per worker) judged by the router's own rules (`Numbering`): what arrives is
 yielded as `Tapped` (a decoded event, or a gap in the sequence), and `TapStats` keeps the counts the
 command prints on exit: the answer to "are events arriving at all, and whole?". On a Dynamo plane, with
 `decisions`, the routers' `active_sequences_events` (what replica sync publishes for each request routed) are
@@ -28,7 +28,7 @@ from kvctl.core.events.dynamo import decode_envelope, decode_router_event_batch
 from kvctl.core.events.engine import decode_engine_message
 from kvctl.core.events.errors import DecodeError
 from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, ActiveSequenceEvent, PlaneScope, decode_sequence_events
-from kvctl.core.events.publishers import Order, Sequence
+from kvctl.core.events.publishers import Numbering, Order
 from kvctl.core.events.zmq_wire import decode_zmq_message
 from kvctl.core.names import WorkerKey
 from kvctl.core.words import counted
@@ -69,7 +69,7 @@ class TapStats:
                 "restarts": self.restarts, "repeats": self.repeats, "jumps": self.jumps,
                 "decode_errors": dict(self.decode_errors), **found, **heard}
 
-    def judge(self, sequence: Sequence, seq: int) -> tuple[Order, Tapped | None]:
+    def judge(self, sequence: Numbering, seq: int) -> tuple[Order, Tapped | None]:
         """Count where `seq` stands in `sequence`; with the marker of the gap before it when messages were lost."""
         last = sequence.last
         order = sequence.observe(seq)
@@ -109,7 +109,7 @@ def tap_zmq(endpoint: str, *, stop: Callable[[], bool], stats: TapStats, topic: 
     monitor = sub.get_monitor_socket(WATCHED)
     sub.connect(endpoint)
     listening(f"subscribed to {endpoint}" + (f" (topic {topic!r})" if topic else ""))
-    sequence = Sequence(once=True)
+    sequence = Numbering(once=True)
     poller, drops = zmq.Poller(), Drops[str]()
     poller.register(sub, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
@@ -165,12 +165,12 @@ def _decoded(decode: Callable[[T], tuple[list[E], list[DecodeError]]], message: 
     return items
 
 
-def tapped_events(decode: Callable[[T], Decoded], message: T, sequences: dict[WorkerKey, Sequence],
+def tapped_events(decode: Callable[[T], Decoded], message: T, sequences: dict[WorkerKey, Numbering],
                   stats: TapStats) -> Iterator[Tapped]:
     """One message of a plane: counted, decoded (what is bad counted by kind), and its events, each preceded by
     the gap in its worker's event ids it follows, if any."""
     for event in _decoded(decode, message, stats):
-        sequence = sequences.setdefault((event.worker_id, event.dp_rank), Sequence())
+        sequence = sequences.setdefault((event.worker_id, event.dp_rank), Numbering())
         _, gap = stats.judge(sequence, event.event_id)  # shown even when repeated: order is the envelope's
         if gap is not None:
             yield gap
@@ -183,7 +183,7 @@ def _sequence_events(body: bytes) -> tuple[list[ActiveSequenceEvent], list[Decod
     return decode_sequence_events(decode_envelope(body).payload)
 
 
-def plane_message(body: bytes, topic: str, sequences: dict[WorkerKey, Sequence], stats: TapStats
+def plane_message(body: bytes, topic: str, sequences: dict[WorkerKey, Numbering], stats: TapStats
                   ) -> Iterator[Tapped]:
     """One enveloped message of a Dynamo plane, by its topic: KV events, or the routers' decisions (whose
     publishers' order is not judged: a decision lost shows as a request never freed)."""
@@ -240,7 +240,7 @@ async def tap_dynamo_zmq(discovery_url: str, scope: PlaneScope, *, stop: Callabl
                 followed.add(channel.address)
         stats.publishers = len(followed)
 
-    sequences: dict[WorkerKey, Sequence] = {}
+    sequences: dict[WorkerKey, Numbering] = {}
     try:
         try:
             await follow()

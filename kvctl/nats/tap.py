@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from kvctl.core.events.dynamo import decode_router_event_json
 from kvctl.core.events.plane import ACTIVE_SEQUENCES, KV_EVENTS, PlaneScope
-from kvctl.core.events.publishers import Sequence
+from kvctl.core.events.publishers import Numbering
 from kvctl.core.names import WorkerKey
 from kvctl.event_taps import POLL_MS, Decoded, Tapped, TapStats, plane_message, tapped_events, unheard
 from kvctl.nats.barrier import barrier
@@ -47,7 +47,7 @@ async def tap_nats(conn: NatsConnection, scope: PlaneScope, *, stop: Callable[[]
         elif where is not None and where[2] in topics:
             queue.put_nowait((where[2], msg.data))
 
-    sequences: dict[WorkerKey, Sequence] = {}
+    sequences: dict[WorkerKey, Numbering] = {}
     try:
         if jetstream:
             from nats.js.api import DeliverPolicy

@@ -36,7 +36,7 @@ from kvctl.core.events.plane import (
     encode_forward_pass,
     encode_sequence_event,
 )
-from kvctl.core.events.publishers import JUMP_MAX, REDELIVERY_MAX, Order, PublisherBook, Sequence
+from kvctl.core.events.publishers import JUMP_MAX, REDELIVERY_MAX, Numbering, Order, PublisherBook
 from tests.fixtures_path import FIXTURES
 
 CAPTURE_FILE = FIXTURES / "dynamo-1.6.1-fleet" / "nats_capture.jsonl"
@@ -142,7 +142,7 @@ def test_every_number_has_one_place_and_none_freezes_the_sequence(numbers: list[
     """The rules against a model that states them as ranges around the position: a jump (an anomaly) keeps the
     position, so a number right after the position is always next, whatever came before it."""
     redelivered, once = transport
-    sequence = Sequence(redelivered=redelivered, once=once)
+    sequence = Numbering(redelivered=redelivered, once=once)
     at: int | None = None
     counted: Counter[Order] = Counter()
     lost = 0
@@ -176,7 +176,7 @@ def test_every_number_has_one_place_and_none_freezes_the_sequence(numbers: list[
 def test_an_absurd_number_is_a_jump_and_the_next_one_is_in_order() -> None:
     """Once, an event id of 2^63 moved the position there and every later event was dropped as old; a seq of
     2^64 - 1 counted 2^64 lost batches."""
-    sequence = Sequence(redelivered=True)
+    sequence = Numbering(redelivered=True)
     assert [sequence.observe(n) for n in (1, 2, 2**63, 3, 2**64 - 1, 4, 1)] == [
         Order.first, Order.next, Order.jump, Order.next, Order.jump, Order.next, Order.restart]
     assert (sequence.jumps, sequence.lost, sequence.last) == (2, 0, 1)

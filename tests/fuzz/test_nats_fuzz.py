@@ -58,7 +58,7 @@ from kvctl.core.events.plane import (
     encode_forward_pass,
     encode_sequence_event,
 )
-from kvctl.core.events.publishers import Order, PublisherBook, Sequence
+from kvctl.core.events.publishers import Numbering, Order, PublisherBook
 from kvctl.core.hashing import local_block_hashes, sequence_hashes
 from kvctl.nats.barrier import barrier
 from kvctl.nats.connection import NatsConnection
@@ -508,7 +508,7 @@ async def test_junk_on_every_subject_is_counted_and_good_events_still_apply(
         await rig.nc.publish(subject, body)
     await barrier(rig.nc)
     # One subscription handles its messages in order: once the good event (the last one) is in, all are.
-    await rig.until(lambda: getattr(plane.cursors.get((GOOD_WORKER, 0)), "ids", Sequence()).last == good.event_id,
+    await rig.until(lambda: getattr(plane.cursors.get((GOOD_WORKER, 0)), "ids", Numbering()).last == good.event_id,
                     "the good event")
     counted = {name: after - before[name] for name, after in _snapshot(plane).items()}
     assert counted == expected

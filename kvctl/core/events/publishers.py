@@ -2,7 +2,7 @@
 rules for every source (engine ZMQ streams, event taps, the Dynamo event plane).
 
 A publisher numbers its messages from 0 (vLLM's ZMQ publisher per process, a Dynamo envelope per publisher
-id: docs/contract.md), so order is judged per publisher, never per worker. `Sequence.observe` says where each
+id: docs/contract.md), so order is judged per publisher, never per worker. `Numbering.observe` says where each
 number stands:
 
 - the first one heard is in order whatever it is: a subscriber that joins a running fleet starts mid-stream;
@@ -57,7 +57,7 @@ class Order(StrEnum):
 
 
 @dataclass(slots=True)
-class Sequence:
+class Numbering:
     """One publisher's numbering: where it stands, and what `observe` found so far.
 
     `redelivered`: the transport may deliver a message again after later ones (JetStream), so a small step
@@ -111,7 +111,7 @@ class Publisher:
     endpoint: str
     first_seen: float
     last_seen: float
-    sequence: Sequence = field(default_factory=Sequence)
+    sequence: Numbering = field(default_factory=Numbering)
     workers: set[WorkerKey] = field(default_factory=set)  # the workers its messages spoke for
 
     def as_dict(self, now: float) -> dict[str, Any]:

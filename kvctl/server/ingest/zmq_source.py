@@ -4,7 +4,7 @@ An engine (vLLM, SGLang) publishes `[topic, seq (u64 BE), payload]` on a PUB soc
 replay buffer behind a ROUTER socket. `EngineStream` subscribes, decodes each payload with the core
 codec and hands the events to a sink, keeping them in the engine's seq order:
 
-Live seqs are judged by the one set of sequence rules every source shares (`Sequence`,
+Live seqs are judged by the one set of sequence rules every source shares (`Numbering`,
 kvctl/core/events/publishers.py):
 
 - The first message sets the expected seq; history from before we connected is not asked for. A stream
@@ -61,7 +61,7 @@ from kvctl.core.events import (
     encode_replay_request,
     live_seq,
 )
-from kvctl.core.events.publishers import Order, Sequence
+from kvctl.core.events.publishers import Numbering, Order
 from kvctl.core.names import SeqMark, StreamId, WorkerKey, format_worker
 from kvctl.server.budget import SLICE_S
 from kvctl.server.ingest.decode_process.parent import Backpressure, Decoder, InlineDecoder, NeverFull, Subscription
@@ -166,7 +166,7 @@ class EngineStream:
         self._closing = False
 
         self._last: int | None = resume_seq  # last seq applied (live or replayed)
-        self._live = Sequence(once=True, last=resume_seq)  # the seqs received live: where each stands
+        self._live = Numbering(once=True, last=resume_seq)  # the seqs received live: where each stands
         self._last_delivered: int | None = resume_seq  # last seq whose batch reached the sink (or failed to decode)
         self._resumed_from = resume_seq
         self._catch_up = resume_seq is not None  # until the first run asks the replay for what came after it

@@ -39,7 +39,7 @@ from kvctl.core.events.plane import (
     decode_forward_pass,
     decode_sequence_events,
 )
-from kvctl.core.events.publishers import Order, Publisher, PublisherBook, Sequence
+from kvctl.core.events.publishers import Numbering, Order, Publisher, PublisherBook
 from kvctl.core.events.request_plane import Recovered
 from kvctl.core.events.session_affinity import SESSION_AFFINITY, decode_session_binding
 from kvctl.core.names import Role, WorkerKey, format_worker
@@ -92,7 +92,7 @@ class _Cursor:
     __slots__ = ("ids", "publisher_id")
 
     def __init__(self, redelivered: bool) -> None:
-        self.ids = Sequence(redelivered=redelivered)
+        self.ids = Numbering(redelivered=redelivered)
         self.publisher_id: int | None = None
 
 
