@@ -63,7 +63,7 @@ _ROUTER_EVENT: dict[str, Any] = {
 _SEQUENCE_EVENT: dict[str, Any] = {
     "title": "ActiveSequenceEvent",
     "description": "A router's decision as Dynamo 1.6.1's replica sync publishes it (`active_sequences_events`), "
-                   "in serde's JSON: an AddRequest for a request routed, then MarkPrefillCompleted and Free.",
+                   "as JSON: an AddRequest for a request routed, then MarkPrefillCompleted and Free.",
     "type": "object",
     "required": ["request_id", "worker", "data", "router_id"],
     "properties": {
