@@ -37,8 +37,7 @@ from serve_bench import free_port, wait_until  # noqa: E402
 from kvctl.core.events import RouterEvent, Stored  # noqa: E402
 from kvctl.core.names import DEFAULT_MODEL  # noqa: E402
 from kvctl.runtime import survivors_frozen  # noqa: E402
-from kvctl.server import snapshot  # noqa: E402
-from kvctl.server.persistence import replay  # noqa: E402
+from kvctl.server.persistence import replay, snapshot  # noqa: E402
 from kvctl.server.state import Fleet  # noqa: E402
 
 PROMPTS = 256

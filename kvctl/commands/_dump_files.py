@@ -20,7 +20,7 @@ def file_events(source: str, model: str | None, out: Output) -> list[RouterEvent
     if source != "-" and Path(source).is_dir():
         return state_dir_events(Path(source), model, out)
     if source != "-":
-        from kvctl.server.snapshot import image_events
+        from kvctl.server.persistence.snapshot import image_events
 
         events = image_events(Path(source), model)
         if events is not None:
@@ -50,7 +50,7 @@ def state_dir_events(path: Path, model: str | None, out: Output) -> list[RouterE
     from kvctl.core.names import implied_model
     from kvctl.core.words import counted
     from kvctl.server.persistence import replay, segments
-    from kvctl.server.snapshot import FILENAME, PREVIOUS, SnapshotError
+    from kvctl.server.persistence.snapshot import FILENAME, PREVIOUS, SnapshotError
     from kvctl.server.state import Fleet
 
     if not segments.numbers(path) and not (path / FILENAME).exists() and not (path / PREVIOUS).exists():

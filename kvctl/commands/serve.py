@@ -528,7 +528,7 @@ def serve_command(
     elif shadow or jetstream or fleet.replica_sync or component or endpoint or advertise_host:
         raise UsageError("--shadow, --jetstream, --replica-sync, --component, --endpoint and --advertise-host need "
                          "an event plane: --nats URL or --dynamo-discovery STORE")
-    from kvctl.server.state_dir import claim
+    from kvctl.server.persistence.state_dir import claim
 
     held = claim(state_dir, listen)  # before anything reads or writes the state dir, held until exit
     # The port opens here, before the server's code loads (most of a start's time): connections wait in the

@@ -43,7 +43,6 @@ from kvctl.core.tracking_hash import TrackingKey
 from kvctl.core.words import counted
 from kvctl.errors import KvctlError
 from kvctl.runtime import survivors_frozen, trim_heap
-from kvctl.server import snapshot
 from kvctl.server.budget import RECLAIM_ENTRIES, SLICE_S
 from kvctl.server.http.api import (
     MAX_BODY_BYTES,
@@ -64,7 +63,7 @@ from kvctl.server.ingest.decode_process.parent import make_decoder
 from kvctl.server.ingest.fd_limits import default_max_engines, raise_file_limit, sized
 from kvctl.server.ingest.streams import QUEUE_BATCHES, Streams
 from kvctl.server.listen import base_url, is_loopback
-from kvctl.server.persistence import compact, gaps, replay
+from kvctl.server.persistence import compact, gaps, replay, snapshot
 from kvctl.server.persistence.compact import COMPACT_BYTES
 from kvctl.server.persistence.state_log import BACKLOG, LogCollector, StateLog
 from kvctl.server.readiness import Readiness

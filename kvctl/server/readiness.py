@@ -18,7 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from kvctl import http_api as api
 from kvctl.server.health import Health
-from kvctl.server.snapshot import Progress
+from kvctl.server.persistence.snapshot import Progress
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 RETRY_AFTER_S = 1

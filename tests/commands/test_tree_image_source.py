@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from kvctl.core.events.dump_file import read_router_events
-from kvctl.server import snapshot
+from kvctl.server.persistence import snapshot
 from kvctl.server.state import Fleet
 from tests.commands.test_tree import DUMP, DUMP_FILE, kvctl
 from tests.server.test_serve_process import serving

@@ -22,8 +22,7 @@ import httpx
 import pytest
 
 from kvctl.core.events import Stored
-from kvctl.server import snapshot
-from kvctl.server.persistence import fold, records, segments
+from kvctl.server.persistence import fold, records, segments, snapshot
 from kvctl.server.persistence.state_log import StateLog
 from kvctl.server.state import Fleet
 from tests.doctor.rig import doctor, findings

@@ -18,8 +18,7 @@ import httpx
 import pytest
 
 from kvctl.core.names import parse_worker
-from kvctl.server import snapshot
-from kvctl.server.persistence import segments
+from kvctl.server.persistence import segments, snapshot
 from tests.reliability.test_snapshot_kill import blocks, chains
 from tests.server.test_sd_notify import children_of
 from tests.server.test_serve_process import _stop, serving

@@ -17,13 +17,13 @@ from kvctl.cli import app
 from kvctl.commands._serve_routing import router_config
 from kvctl.errors import CannotListen, DiscoveryError, KvctlError, StateDirError, Unreachable, UsageError
 from kvctl.exit_codes import ExitCode
-from kvctl.server import snapshot
 from kvctl.server.config_file import load
 from kvctl.server.http.api import create_app
 from kvctl.server.listen import bind
+from kvctl.server.persistence import snapshot
+from kvctl.server.persistence.state_dir import claim
 from kvctl.server.plane.dynamo_discovery import FileDiscovery
 from kvctl.server.state import Fleet
-from kvctl.server.state_dir import claim
 from tests.server.test_serve_process import _stop, serving
 from tests.support.served import served
 

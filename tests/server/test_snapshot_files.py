@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvctl.core.events.dump_file import read_router_events
-from kvctl.server import snapshot
+from kvctl.server.persistence import snapshot
 from kvctl.server.state import Fleet
 from kvctl.server.worker_info import WorkerInfo
 from tests.fixtures_path import FIXTURES

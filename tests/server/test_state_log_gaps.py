@@ -11,8 +11,7 @@ from array import array
 from pathlib import Path
 
 from kvctl.core.events import Stored
-from kvctl.server import snapshot
-from kvctl.server.persistence import records, replay, segments
+from kvctl.server.persistence import records, replay, segments, snapshot
 from kvctl.server.persistence.state_log import StateLog
 from kvctl.server.state import Fleet
 

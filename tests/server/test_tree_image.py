@@ -14,7 +14,7 @@ import pytest
 
 from kvctl.core.events import RouterEvent, Stored, Tier
 from kvctl.core.index import KvIndex, bulk
-from kvctl.server import snapshot, tree_image
+from kvctl.server.persistence import snapshot, tree_image
 from kvctl.server.state import Fleet
 from tests.server import v2_image
 from tests.server.test_snapshot_files import DUMP, fingerprint, fleet_with

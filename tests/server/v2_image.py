@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvctl.core.events.dynamo import encode_router_event_json
 from kvctl.core.index.kv_index import events_of
-from kvctl.server import snapshot
+from kvctl.server.persistence import snapshot
 from kvctl.server.state import Fleet
 
 

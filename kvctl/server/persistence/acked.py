@@ -17,7 +17,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvctl.server.snapshot import fsync_dir
+from kvctl.server.persistence.snapshot import fsync_dir
 
 FILENAME = "state.log.acked"
 _RECORD = struct.Struct(">QQQQ?")  # end, blocks, segment, offset, failed; then the CRC-32 of those bytes

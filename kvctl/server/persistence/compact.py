@@ -18,8 +18,7 @@ import subprocess
 import time
 
 from kvctl.child_process import python_module
-from kvctl.server import snapshot
-from kvctl.server.persistence import fold
+from kvctl.server.persistence import fold, snapshot
 from kvctl.server.persistence.state_log import FLUSH_S, StateLog
 from kvctl.server.state import Fleet
 

@@ -31,8 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent is not None and not _dies_with(args.parent):
         print("not compacted: the router is gone", file=sys.stderr)
         return 1
-    from kvctl.server import snapshot  # noqa: PLC0415 (after PR_SET_PDEATHSIG: see the module's docstring)
-    from kvctl.server.persistence import replay, segments  # noqa: PLC0415
+    from kvctl.server.persistence import (  # noqa: PLC0415
+        replay,
+        segments,
+        snapshot,  # noqa: PLC0415 (after PR_SET_PDEATHSIG: see the module's docstring)
+    )
     from kvctl.server.state import Fleet  # noqa: PLC0415
 
     fleet = Fleet(block_size=args.block_size)

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.core.names import SeqMark
-from kvctl.server import snapshot
 from kvctl.server.ingest.endpoint import check_endpoint
-from kvctl.server.persistence import acked, gaps, records, segments
+from kvctl.server.persistence import acked, gaps, records, segments, snapshot
 from kvctl.server.state import Fleet, UnknownWorker
 from kvctl.server.worker_info import WorkerInfo
 

@@ -41,8 +41,8 @@ from kvctl.core.index import bulk
 from kvctl.core.index.kv_index import DumpEdge
 from kvctl.core.names import DEFAULT_MODEL
 from kvctl.errors import SnapshotError
-from kvctl.server import tree_image
 from kvctl.server.ingest.endpoint import check_endpoint
+from kvctl.server.persistence import tree_image
 from kvctl.server.state import Fleet
 from kvctl.server.worker_info import WorkerInfo
 

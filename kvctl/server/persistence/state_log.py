@@ -33,8 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvctl.core.events import EventData
 from kvctl.core.names import StreamId, WorkerKey, selects
 from kvctl.core.words import counted
-from kvctl.server import snapshot
-from kvctl.server.persistence import acked, gaps, records, segments
+from kvctl.server.persistence import acked, gaps, records, segments, snapshot
 from kvctl.server.state import Fleet
 from kvctl.server.worker_info import WorkerInfo
 

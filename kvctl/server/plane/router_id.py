@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from kvctl.server.state_dir import unwritable
+from kvctl.server.persistence.state_dir import unwritable
 
 FILENAME = "router-id"
 
