@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,7 +48,10 @@ def test_kvctl_follows_a_restarted_engine_and_doctor_names_it(own_fleet: Fleet, 
     assert not shared_prefix_load(own_fleet.frontend_url, seed=1).failed
     before = settled(lambda: kvctl_blocks(url), "kvctl's index", procs=own_fleet.procs)
     restarted, other = own_fleet.mockers
-    assert before.get(restarted.worker_id, 0) > 0, before
+    routed = Counter(worker for worker, *_ in own_fleet.frontend.decisions())
+    # The frontend's picks tell a load that skipped the worker from events kvctl never got (a mocker whose publisher
+    # could not bind its port publishes nothing): seen once in CI, not reproduced.
+    assert before.get(restarted.worker_id, 0) > 0, f"kvctl: {before}; frontend's picks: {routed}\n{own_fleet.dump()}"
 
     own_fleet.restart_mocker(restarted)
     own_fleet.await_mocker(restarted)
